@@ -1,0 +1,90 @@
+"""The sandbox contract every backend implements, and the results it hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+DEFAULT_OUTPUT_CAP = 1 << 20  # bytes of stdout (and of stderr) kept per command
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not do what was asked (bad path, failed start)."""
+
+
+class SandboxDied(SandboxError):
+    """The sandbox process is gone: an infrastructure failure, never the agent's score."""
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+    timed_out: bool = False
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-sandbox resource limits, enforced by cgroups (rlimits where no cgroup can be made)."""
+
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    pids: int = 512
+    lifetime_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A built image: read-only layers (top first) plus the ENV / WORKDIR a Dockerfile set."""
+
+    key: str
+    layers: tuple[Path, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    workdir: str = "/"
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    image: ImageRef
+    network: bool = False
+    limits: Limits = field(default_factory=Limits)
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """One fresh, isolated environment for one episode. All methods are async."""
+
+    async def exec(
+        self,
+        cmd: str,
+        timeout_s: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult: ...
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
+
+    async def read_file(self, path: str) -> bytes: ...
+
+    async def put_dir(self, src: Path, dest: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+
+class Backend(Protocol):
+    """Makes fresh sandboxes from images."""
+
+    name: str
+
+    async def create(self, spec: SandboxSpec) -> Sandbox: ...

@@ -1,0 +1,225 @@
+"""The daemon that runs as the first process inside every sandbox (stdlib only, Python >= 3.9).
+
+The host passes this file's source with `python3 -I -S -c`, so images need only Debian's python3.
+It speaks JSON lines on stdin/stdout: one request per line, one reply per line, matched by "id".
+Requests run on their own threads, so a hung command never blocks a read_file.
+
+Commands run through bash with the sandbox's shell state (cwd and exported variables) restored
+before and saved after, so `cd` and `export` persist between tool calls as in a terminal, while each
+command still costs only a fork+exec (~1 ms) instead of a sandbox start.
+"""
+
+import base64
+import io
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+STATE_DIR = "/run/furlong-shell"
+MARKER = "\n[... furlong: {n} bytes truncated ...]\n"
+_out_lock = threading.Lock()
+
+
+def _close_inherited_fds() -> None:
+    # The host hands bwrap its layers as /proc/self/fd/N paths; those fds must not reach the agent,
+    # or it could write through them to the shared read-only image.
+    os.closerange(3, 65536)
+
+
+class CappedBuffer:
+    """Keeps the first and last cap/2 bytes of a stream, counting what was dropped in between."""
+
+    def __init__(self, cap: int):
+        self.half = max(cap // 2, 1)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > 2 * self.half:  # trim rarely: amortised O(1) per byte
+                del self.tail[: len(self.tail) - self.half]
+
+    def text(self) -> tuple:
+        tail = bytes(self.tail[-self.half :]) if self.tail else b""
+        dropped = self.total - len(self.head) - len(tail)
+        body = bytes(self.head)
+        if dropped > 0:
+            body += MARKER.format(n=dropped).encode()
+        body += tail
+        return body.decode("utf-8", errors="replace"), dropped > 0
+
+
+def _drain_forever(fds: list) -> None:
+    """Reads and discards output of background processes so they never block on a full pipe."""
+    sel = selectors.DefaultSelector()
+    for fd in fds:
+        sel.register(fd, selectors.EVENT_READ)
+    while sel.get_map():
+        for key, _ in sel.select():
+            if not os.read(key.fd, 65536):
+                sel.unregister(key.fd)
+                os.close(key.fd)
+
+
+def _wrap(cmd: str, keep_state: bool, env: dict) -> str:
+    # The command's processes are the first the OOM killer picks, never this daemon.
+    pre = "echo 1000 > /proc/self/oom_score_adj 2>/dev/null\n"
+    if not keep_state:
+        return pre + cmd
+    # Builtins only (no $(cat ...)): every fork here is paid on every tool call.
+    restore = (f"[ -f {STATE_DIR}/env ] && . {STATE_DIR}/env\n"
+               f"[ -f {STATE_DIR}/cwd ] && read -r __cwd < {STATE_DIR}/cwd && cd \"$__cwd\" 2>/dev/null; unset __cwd\n")
+    # Variables passed with this request win over the saved shell state.
+    overrides = "".join(f"export {k}={_shell_quote(v)}\n" for k, v in env.items())
+    save = f"\n__rc=$?; pwd > {STATE_DIR}/cwd; export -p > {STATE_DIR}/env 2>/dev/null; exit $__rc"
+    # eval keeps a syntax error in the user's command from skipping the state save.
+    return pre + restore + overrides + "eval " + _shell_quote(cmd) + save
+
+
+def _shell_quote(s: str) -> str:
+    return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def _collect(proc, pidfd: int, timeout: float, cap: int) -> tuple:
+    bufs = {proc.stdout.fileno(): CappedBuffer(cap), proc.stderr.fileno(): CappedBuffer(cap)}
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    sel.register(pidfd, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    timed_out, exited = False, False
+    while not exited:
+        left = deadline - time.monotonic()
+        if left <= 0 and not timed_out:
+            timed_out = True
+            _kill_group(proc.pid)
+        for key, _ in sel.select(None if timed_out else left):
+            if key.fd == pidfd:
+                exited = True
+                continue
+            _read_into(key.fd, bufs[key.fd], sel)
+    for fd in list(bufs):  # whatever the command wrote before exiting is already in the pipe
+        if fd in sel.get_map():
+            _read_into(fd, bufs[fd], sel, until_empty=True)
+    leftover = [fd for fd in bufs if fd in sel.get_map()]
+    sel.close()
+    return bufs, leftover, timed_out
+
+
+def _read_into(fd: int, buf: CappedBuffer, sel, until_empty: bool = False) -> None:
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            sel.unregister(fd)
+            return
+        buf.add(data)
+        if not until_empty:
+            return
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def op_exec(req: dict) -> dict:
+    start = time.monotonic()
+    cwd = req.get("cwd")
+    extra = req.get("env") or {}
+    env = {**os.environ, **extra}
+    proc = subprocess.Popen(
+        ["/bin/bash", "-c", _wrap(req["cmd"], cwd is None, extra)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=cwd, env=env, start_new_session=True,
+    )
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        bufs, leftover, timed_out = _collect(proc, pidfd, float(req.get("timeout", 60)), int(req["cap"]))
+    finally:
+        os.close(pidfd)
+    code = proc.wait()
+    if leftover:  # background processes still hold the pipes: keep draining, detached from the file objects
+        fds = [os.dup(fd) for fd in leftover]
+        threading.Thread(target=_drain_forever, args=(fds,), daemon=True).start()
+    proc.stdout.close()
+    proc.stderr.close()
+    (out, t1), (err, t2) = bufs[out_fd].text(), bufs[err_fd].text()
+    if code < 0:  # killed by a signal: report it the way a shell does
+        code = 128 - code
+    return {"exit_code": 124 if timed_out else code, "stdout": out, "stderr": err,
+            "duration_s": time.monotonic() - start, "timed_out": timed_out, "truncated": t1 or t2}
+
+
+def op_write(req: dict) -> dict:
+    path = req["path"]
+    os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(base64.b64decode(req["data"]))
+    os.chmod(path, int(req.get("mode", 0o644)))
+    return {}
+
+
+def op_read(req: dict) -> dict:
+    with open(req["path"], "rb") as f:
+        return {"data": base64.b64encode(f.read()).decode()}
+
+
+def op_untar(req: dict) -> dict:
+    os.makedirs(req["dest"], exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(req["data"]))) as tar:
+        tar.extractall(req["dest"])
+    return {}
+
+
+def op_ping(req: dict) -> dict:
+    return {"pid": os.getpid()}
+
+
+OPS = {"exec": op_exec, "write": op_write, "read": op_read, "untar": op_untar, "ping": op_ping}
+
+
+def _reply(msg: dict) -> None:
+    line = (json.dumps(msg) + "\n").encode()
+    with _out_lock:
+        sys.stdout.buffer.write(line)
+        sys.stdout.buffer.flush()
+
+
+def _handle(req: dict) -> None:
+    try:
+        result = OPS[req["op"]](req)
+        _reply({"id": req["id"], "ok": True, **result})
+    except Exception as exc:  # reported to the host, which raises SandboxError
+        _reply({"id": req["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def main() -> None:
+    _close_inherited_fds()
+    os.makedirs(STATE_DIR, exist_ok=True)
+    for line in sys.stdin.buffer:
+        req = json.loads(line)
+        threading.Thread(target=_handle, args=(req,), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()

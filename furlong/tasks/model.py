@@ -1,0 +1,39 @@
+"""The one task model that Harbor and Terminal-Bench 1.0 directories load into."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from furlong.sandbox.base import Limits
+
+TESTS_DIR = "/tests"  # where the task's tests are copied, after the agent finishes
+VERIFIER_LOG_DIR = "/logs/verifier"  # where tests write reward.txt / reward.json
+
+
+class TaskError(ValueError):
+    """A task directory is malformed; the message names the task, file and field."""
+
+    def __init__(self, task: str, file: str, problem: str):
+        super().__init__(f"task {task!r}: {file}: {problem}")
+        self.task, self.file, self.problem = task, file, problem
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    path: Path
+    instruction: str
+    dockerfile: Path | None  # None: the plain default base image
+    agent_timeout_s: float
+    verifier_timeout_s: float
+    tests_dir: Path
+    test_script: str  # file name inside tests_dir that the verifier runs
+    solution: Path | None  # a shell script the oracle agent runs
+    network: bool = False
+    limits: Limits = field(default_factory=Limits)
+    verifier_env: tuple[tuple[str, str], ...] = ()
+    format: str = "harbor"  # harbor | terminal-bench
+    family: str | None = None  # set for instances generated from a task family
+    seed: int | None = None
+    split: str | None = None  # train | heldout, for family instances
