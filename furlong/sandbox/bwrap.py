@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import itertools
 import json
 import os
 import shutil
-import tarfile
 import uuid
 from pathlib import Path
 
 from furlong.sandbox import cgroups
+from furlong.sandbox.tarball import tar_dir
 from furlong.sandbox.base import (
     DEFAULT_OUTPUT_CAP,
     ExecResult,
@@ -114,10 +113,14 @@ class BwrapBackend:
         script = (joins + " && " if joins else "") + 'exec "$@"'
         return ["/bin/sh", "-c", script, "furlong-launch", *drop, *args]
 
-    async def create(self, spec: SandboxSpec) -> BwrapSandbox:
+    async def create(self, spec: SandboxSpec, upper: Path | None = None) -> BwrapSandbox:
+        """A fresh sandbox; with `upper`, writes persist there (image builds), else in a tmpfs."""
         name = uuid.uuid4().hex[:12]
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits) if os.geteuid() == 0 else None
-        args, fds = self.bwrap_args(spec)
+        rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, upper.with_name("work"))] if upper else []
+        extra = ["--overlay", *(f"/proc/self/fd/{fd}" for fd in rw_fds), "/"] if upper else None
+        args, fds = self.bwrap_args(spec, extra)
+        fds += rw_fds
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.launcher(args, cgroup, spec), stdin=asyncio.subprocess.PIPE,
@@ -127,6 +130,9 @@ class BwrapBackend:
             if cgroup:
                 cgroup.remove()
             raise SandboxError(f"cannot start bwrap ({self._bwrap}): {exc}") from exc
+        finally:
+            for fd in rw_fds:
+                os.close(fd)
         return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name)
 
 
@@ -211,7 +217,10 @@ class BwrapSandbox:
         return base64.b64decode(msg["data"])
 
     async def put_dir(self, src: Path, dest: str) -> None:
-        await self._call("untar", 120.0, dest=dest, data=base64.b64encode(tar_dir(Path(src))).decode())
+        await self.put_tar(tar_dir(Path(src)), dest)
+
+    async def put_tar(self, data: bytes, dest: str) -> None:
+        await self._call("untar", 120.0, dest=dest, data=base64.b64encode(data).decode())
 
     async def ping(self) -> None:
         await self._call("ping", 30.0)
@@ -237,17 +246,3 @@ class BwrapSandbox:
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None
 
-
-def tar_dir(src: Path) -> bytes:
-    """The directory's contents as a tar, owned by the sandbox's root, modes kept."""
-    buf = io.BytesIO()
-
-    def owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        info.uid = info.gid = 0
-        info.uname = info.gname = "root"
-        return info
-
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for child in sorted(src.iterdir()):
-            tar.add(child, arcname=child.name, filter=owned_by_root)
-    return buf.getvalue()

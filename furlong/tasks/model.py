@@ -27,8 +27,8 @@ class Task:
     dockerfile: Path | None  # None: the plain default base image
     agent_timeout_s: float
     verifier_timeout_s: float
-    tests_dir: Path
-    test_script: str  # file name inside tests_dir that the verifier runs
+    tests_dir: Path | None  # copied to /tests after the agent finishes
+    test_script: Path  # the verifier's entry point, run as /tests/<name>
     solution: Path | None  # a shell script the oracle agent runs
     network: bool = False
     limits: Limits = field(default_factory=Limits)

@@ -1,0 +1,113 @@
+"""The `furlong` command. Flags are shortcuts for config keys; any key can be set as key=value."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from furlong.config import Config, ConfigError, load_config
+
+console = Console(stderr=True)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="a YAML recipe (see recipes/)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. eval.concurrency=4")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="furlong", description="RL post-training of LLM agents in real sandboxes")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ev = sub.add_parser("eval", help="run an agent on tasks, each in a fresh sandbox, and score it")
+    ev.add_argument("--tasks", type=Path, help="a task, a task family, or a directory of them (eval.tasks)")
+    ev.add_argument("--agent", choices=["oracle", "noop"], help="eval.agent")
+    ev.add_argument("--concurrency", type=int, help="episodes at once (eval.concurrency)")
+    ev.add_argument("--out", type=Path, help="write one JSON line per episode here (eval.out)")
+    ev.add_argument("--split", choices=["train", "heldout", "all"], help="family instances to use (eval.split)")
+    ev.add_argument("--per-family", type=int, help="instances per task family (eval.per_family)")
+    _common(ev)
+
+    img = sub.add_parser("image", help="build or list sandbox images")
+    img_sub = img.add_subparsers(dest="image_command", required=True)
+    build = img_sub.add_parser("build", help="build the base image, and the images of --tasks if given")
+    build.add_argument("--tasks", type=Path, help="also build every image these tasks need")
+    _common(build)
+    ls = img_sub.add_parser("list", help="list built images")
+    _common(ls)
+    return parser
+
+
+def _config(args: argparse.Namespace, flags: dict[str, str]) -> Config:
+    overrides = list(args.overrides)
+    for attr, key in flags.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(str(value)) if isinstance(value, Path) else value}")
+    return load_config(args.config, overrides)
+
+
+def _sandbox_pieces(cfg: Config):
+    from furlong.sandbox.bwrap import BwrapBackend
+    from furlong.sandbox.images import ImageStore
+
+    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
+    return backend, ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from furlong.eval.agents import make_agent
+    from furlong.eval.run import print_table, run_eval, summarize
+    from furlong.tasks.loader import load_tasks
+
+    cfg = _config(args, {"tasks": "eval.tasks", "agent": "eval.agent", "concurrency": "eval.concurrency",
+                         "out": "eval.out", "split": "eval.split", "per_family": "eval.per_family"})
+    e = cfg.eval
+    tasks = load_tasks(e.tasks, split=e.split, per_family=e.per_family)
+    backend, store = _sandbox_pieces(cfg)
+    console.print(f"{len(tasks)} tasks from {e.tasks}, agent {e.agent}, concurrency {e.concurrency}")
+    results = asyncio.run(run_eval(tasks, make_agent(e.agent), backend, store, e.concurrency, e.out, console))
+    print_table(results, console)
+    print(json.dumps(summarize(results)))
+    return 0
+
+
+def cmd_image(args: argparse.Namespace) -> int:
+    cfg = _config(args, {})
+    backend, store = _sandbox_pieces(cfg)
+    if args.image_command == "list":
+        for meta in sorted(store.root.glob("*/meta.json")):
+            info = json.loads(meta.read_text())
+            print(f"{meta.parent.name}\t{info.get('dockerfile', 'debootstrap bookworm minbase')}")
+        return 0
+    with console.status("building base image") as status:
+        base = store.base(lambda msg: status.update(msg))
+    console.print(f"base image: {base.layers[0]}")
+    if args.tasks:
+        from furlong.eval.run import prepare_images
+        from furlong.tasks.loader import load_tasks
+
+        images = asyncio.run(prepare_images(load_tasks(args.tasks, split="all"), store, backend, console))
+        failed = [v for v in images.values() if isinstance(v, str)]
+        console.print(f"{len(images) - len(failed)} task images ready, {len(failed)} failed")
+        return 1 if failed else 0
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {"eval": cmd_eval, "image": cmd_image}
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, ValueError, PermissionError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""`furlong eval`: many episodes at bounded concurrency, a JSON line each as it finishes, a table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from furlong.eval.agents import Agent
+from furlong.eval.harness import EpisodeResult, Timing, run_episode
+from furlong.sandbox.base import ImageRef
+from furlong.sandbox.images import ImageStore
+from furlong.tasks.model import Task
+
+
+async def prepare_images(tasks: list[Task], store: ImageStore, backend, console: Console) -> dict:
+    """Builds every image the tasks need, once each, before any episode starts.
+
+    Returns Dockerfile path -> ImageRef, or -> the error text for images that failed to build.
+    """
+    images: dict = {}
+    wanted = list(dict.fromkeys(t.dockerfile for t in tasks))
+    with console.status("preparing images") as status:
+        for n, dockerfile in enumerate(wanted, 1):
+            def progress(msg: str, n=n) -> None:
+                status.update(f"image {n}/{len(wanted)}: {msg}")
+            try:
+                images[dockerfile] = await store.image(dockerfile, backend, progress)
+            except Exception as exc:  # one bad Dockerfile must not stop the others
+                images[dockerfile] = f"image build failed: {exc}"
+                console.print(f"[red]{images[dockerfile]}")
+    return images
+
+
+async def run_eval(tasks: list[Task], agent: Agent, backend, store: ImageStore, concurrency: int,
+                   out: Path | None, console: Console) -> list[EpisodeResult]:
+    images = await prepare_images(tasks, store, backend, console)
+    sem = asyncio.Semaphore(concurrency)
+    results: list[EpisodeResult] = []
+    sink = open(out, "w") if out else None
+
+    async def one(task: Task) -> EpisodeResult:
+        async with sem:
+            image = images[task.dockerfile]
+            if isinstance(image, ImageRef):
+                return await run_episode(task, agent, backend, image)
+            return EpisodeResult(task=task.id, agent=agent.name, reward=None, status="infra_error",
+                                 timing=Timing(), error=image, family=task.family, seed=task.seed, split=task.split)
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("pass {task.fields[passed]}"))
+    try:
+        with Progress(*columns, console=console, transient=False) as bar:
+            job = bar.add_task(f"eval {agent.name}", total=len(tasks), passed=0)
+            for fut in asyncio.as_completed([one(t) for t in tasks]):
+                res = await fut
+                results.append(res)
+                if sink:  # written as each episode ends, so a killed run loses nothing finished
+                    sink.write(json.dumps(res.to_json()) + "\n")
+                    sink.flush()
+                bar.update(job, advance=1, passed=sum(r.reward == 1.0 for r in results))
+    finally:
+        if sink:
+            sink.close()
+    order = {t.id: i for i, t in enumerate(tasks)}
+    return sorted(results, key=lambda r: order[r.task])
+
+
+def summarize(results: list[EpisodeResult]) -> dict:
+    scored = [r for r in results if r.reward is not None]
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+    return {
+        "episodes": len(results),
+        "scored": len(scored),
+        "pass_rate": mean([float(r.reward >= 1.0) for r in scored]),
+        "mean_reward": mean([r.reward for r in scored]),
+        "status": {s: sum(r.status == s for r in results) for s in ("ok", "timeout", "infra_error")},
+        "mean_timing_s": {k: mean([getattr(r.timing, k) for r in results])
+                          for k in ("sandbox_start", "agent_commands", "verifier", "other")},
+    }
+
+
+def print_table(results: list[EpisodeResult], console: Console) -> None:
+    table = Table(title="furlong eval")
+    for col in ("task", "reward", "status", "start s", "agent s", "verify s", "other s", "note"):
+        table.add_column(col, justify="right" if col.endswith(" s") or col == "reward" else "left")
+    for r in results:
+        t = r.timing
+        reward = "-" if r.reward is None else f"{r.reward:g}"
+        style = "green" if r.reward == 1.0 else ("yellow" if r.status == "infra_error" else None)
+        table.add_row(r.task, reward, r.status, f"{t.sandbox_start:.3f}", f"{t.agent_commands:.3f}",
+                      f"{t.verifier:.3f}", f"{t.other:.3f}", (r.error or "")[:60], style=style)
+    console.print(table)
+    s = summarize(results)
+    console.print(f"episodes {s['episodes']}  scored {s['scored']}  pass rate {s['pass_rate']:.3f}  "
+                  f"mean reward {s['mean_reward']:.3f}  status {s['status']}")

@@ -1,0 +1,147 @@
+"""The documented Dockerfile subset furlong builds: FROM (a known base), RUN, COPY, WORKDIR, ENV.
+
+Anything else is an error that names the file and line, never a silent difference from Docker.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import shlex
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from furlong.sandbox.tarball import root_owned
+
+# Every known base maps onto the one debootstrap bookworm rootfs (Debian's python3 stands in for
+# the python image's own build); tasks written for these images run unchanged.
+KNOWN_BASES = frozenset({
+    "debian:bookworm", "debian:bookworm-slim", "debian:12", "debian:12-slim",
+    "python:3.11-slim-bookworm", "python:3.11-bookworm", "python:3.11-slim", "furlong/base",
+})
+SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "ENV")
+
+
+class DockerfileError(ValueError):
+    def __init__(self, path: Path, line: int, problem: str):
+        super().__init__(f"{path}:{line}: {problem}")
+        self.path, self.line, self.problem = path, line, problem
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: str
+    args: str
+    line: int
+
+
+def parse(path: Path) -> list[Instruction]:
+    """Parses and validates; the first instruction must be FROM a known base."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DockerfileError(path, 0, f"cannot read: {exc}") from exc
+    steps = []
+    for line_no, logical in _logical_lines(text):
+        op, _, args = logical.partition(" ")
+        op = op.upper()
+        if op not in SUPPORTED:
+            raise DockerfileError(path, line_no, f"unsupported instruction {op} (furlong supports {', '.join(SUPPORTED)})")
+        if not args.strip():
+            raise DockerfileError(path, line_no, f"{op} needs arguments")
+        steps.append(Instruction(op, args.strip(), line_no))
+    if not steps or steps[0].op != "FROM":
+        raise DockerfileError(path, steps[0].line if steps else 1, "the first instruction must be FROM")
+    for step in steps:
+        _validate(path, step, first=step is steps[0])
+    return steps
+
+
+def _logical_lines(text: str):
+    start, parts = None, []
+    for number, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if not parts and (not stripped or stripped.startswith("#")):
+            continue
+        if parts and stripped.startswith("#"):
+            continue  # comments inside a continued instruction are dropped, as Docker does
+        start = start or number
+        if stripped.endswith("\\"):
+            parts.append(stripped[:-1])
+            continue
+        parts.append(stripped)
+        yield start, " ".join(p for p in parts if p)
+        start, parts = None, []
+    if parts:
+        yield start, " ".join(parts)
+
+
+def _validate(path: Path, step: Instruction, first: bool) -> None:
+    if step.op == "FROM":
+        if not first:
+            raise DockerfileError(path, step.line, "multi-stage builds (a second FROM) are not supported")
+        base = step.args.split()[0]
+        if base not in KNOWN_BASES or len(step.args.split()) > 1:
+            raise DockerfileError(path, step.line, f"unknown base {step.args!r}; known: {', '.join(sorted(KNOWN_BASES))}")
+    elif step.op == "COPY":
+        if step.args.startswith("--"):
+            raise DockerfileError(path, step.line, "COPY flags (--from, --chown, ...) are not supported")
+        if len(copy_paths(step)) < 2:
+            raise DockerfileError(path, step.line, "COPY needs at least one source and a destination")
+    elif step.op == "WORKDIR" and not step.args.startswith("/"):
+        raise DockerfileError(path, step.line, "WORKDIR must be an absolute path")
+    elif step.op == "ENV":
+        env_pairs(path, step)
+
+
+def env_pairs(path: Path, step: Instruction) -> list[tuple[str, str]]:
+    words = shlex.split(step.args)
+    if "=" not in words[0]:  # legacy form: ENV KEY value with spaces
+        return [(words[0], step.args[len(words[0]):].strip())]
+    pairs = []
+    for word in words:
+        key, eq, value = word.partition("=")
+        if not eq or not key:
+            raise DockerfileError(path, step.line, f"ENV expects KEY=VALUE, got {word!r}")
+        pairs.append((key, value))
+    return pairs
+
+
+def run_command(step: Instruction) -> str:
+    """RUN's shell form as is; the exec (JSON) form joined into one shell command."""
+    if step.args.startswith("["):
+        return shlex.join(json.loads(step.args))
+    return step.args
+
+
+def copy_paths(step: Instruction) -> list[str]:
+    if step.args.startswith("["):
+        return list(json.loads(step.args))
+    return shlex.split(step.args)
+
+
+def copy_tar(context: Path, step: Instruction, workdir: str, dockerfile: Path) -> bytes:
+    """A tar, rooted at /, holding what COPY puts where (Docker's rules for files and directories)."""
+    *sources, dest = copy_paths(step)
+    dest_abs = dest if dest.startswith("/") else posixpath.join(workdir, dest)
+    into_dir = dest.endswith("/") or len(sources) > 1
+    root = context.resolve()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for src in sources:
+            local = (root / src).resolve()
+            if root != local and root not in local.parents:
+                raise DockerfileError(dockerfile, step.line, f"COPY source {src!r} is outside the build context")
+            if not local.exists():
+                raise DockerfileError(dockerfile, step.line, f"COPY source {src!r} not found in {root}")
+            if local.is_dir():  # a directory's contents go into dest
+                for child in sorted(local.rglob("*")):
+                    tar.add(child, arcname=posixpath.join(dest_abs, str(child.relative_to(local))).lstrip("/"),
+                            recursive=False, filter=root_owned)
+            else:
+                target = posixpath.join(dest_abs, local.name) if into_dir else dest_abs
+                tar.add(local, arcname=target.lstrip("/"), filter=root_owned)
+    return buf.getvalue()
+

@@ -1,0 +1,73 @@
+"""Runs a task's own tests in the episode's sandbox and reads the reward they write."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass, field
+
+from furlong.sandbox.base import Sandbox, SandboxDied, SandboxError
+from furlong.tasks.model import TESTS_DIR, VERIFIER_LOG_DIR, Task
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reward: float | None  # None: the tests ran but left no usable reward (a task bug, not a score)
+    rewards: dict[str, float] = field(default_factory=dict)
+    timed_out: bool = False
+    exit_code: int | None = None
+    output_tail: str = ""
+    problem: str | None = None
+
+
+async def verify(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
+    """Copies the tests in (only now: the agent never saw them), runs them, returns the reward."""
+    await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR}; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}", 30, cwd="/")
+    if task.tests_dir is not None:
+        await sandbox.put_dir(task.tests_dir, TESTS_DIR)
+    script = f"{TESTS_DIR}/{task.test_script.name}"
+    if task.tests_dir is None or task.test_script.parent != task.tests_dir:
+        await sandbox.write_file(script, task.test_script.read_bytes(), 0o755)
+    res = await sandbox.exec(f"bash {shlex.quote(script)}", timeout_s=task.verifier_timeout_s,
+                             cwd=workdir, env=dict(task.verifier_env))
+    tail = (res.stdout + res.stderr)[-2000:]
+    if res.timed_out:
+        return Verdict(reward=0.0, timed_out=True, exit_code=res.exit_code, output_tail=tail,
+                       problem=f"verifier timed out after {task.verifier_timeout_s:g}s")
+    reward, rewards, problem = await _read_reward(sandbox)
+    if reward is None and task.format == "terminal-bench":
+        # Terminal-Bench 1.0 scores by the test run's success, not a reward file.
+        reward, problem = (1.0 if res.exit_code == 0 else 0.0), None
+    return Verdict(reward=reward, rewards=rewards, exit_code=res.exit_code, output_tail=tail, problem=problem)
+
+
+async def _read_reward(sandbox: Sandbox) -> tuple[float | None, dict[str, float], str | None]:
+    try:
+        raw = (await sandbox.read_file(f"{VERIFIER_LOG_DIR}/reward.txt")).decode(errors="replace").strip()
+        value = _finite(float(raw))
+        return value, {"reward": value}, None
+    except SandboxDied:
+        raise
+    except SandboxError:
+        pass  # no reward.txt: try reward.json
+    except ValueError:
+        return None, {}, f"reward.txt is not a number: {raw[:80]!r}"
+    try:
+        data = json.loads(await sandbox.read_file(f"{VERIFIER_LOG_DIR}/reward.json"))
+        rewards = {str(k): _finite(float(v)) for k, v in data.items()}
+        if "reward" not in rewards:
+            return None, rewards, "reward.json has no 'reward' key"
+        return rewards["reward"], rewards, None
+    except SandboxDied:
+        raise
+    except SandboxError:
+        return None, {}, "the tests wrote neither reward.txt nor reward.json"
+    except (ValueError, TypeError, AttributeError) as exc:
+        return None, {}, f"reward.json is not a flat map of numbers: {exc}"
+
+
+def _finite(x: float) -> float:
+    if not math.isfinite(x):
+        raise ValueError(f"reward must be finite, got {x}")
+    return x
