@@ -1,0 +1,140 @@
+"""The sandbox as an agent sees it: commands, files, shell state, timeouts, output limits, death."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run, spec
+from furlong.sandbox.base import SandboxDied, SandboxError
+
+
+def test_exec_files_and_shell_state(backend, base_image, tmp_path: Path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("bee")
+    (tmp_path / "a.sh").write_text("echo run-me")
+    (tmp_path / "a.sh").chmod(0o755)
+
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            r = await box.exec("echo out; echo err >&2; exit 3")
+            assert (r.exit_code, r.stdout, r.stderr, r.timed_out) == (3, "out\n", "err\n", False)
+            await box.write_file("/work/x.bin", b"\x00\x01hello")
+            assert await box.read_file("/work/x.bin") == b"\x00\x01hello"
+            await box.put_dir(tmp_path, "/data")
+            assert (await box.exec("cat /data/sub/b.txt; /data/a.sh")).stdout == "beerun-me\n"
+            # cd and export persist between calls, as in a terminal
+            await box.exec("mkdir -p /work/deep && cd /work/deep && export GREETING='hi there'")
+            r = await box.exec('pwd; echo "$GREETING"')
+            assert r.stdout == "/work/deep\nhi there\n"
+            # an explicit cwd/env applies to that command only
+            r = await box.exec('pwd; echo "$GREETING"', cwd="/tmp", env={"GREETING": "once"})
+            assert r.stdout == "/tmp\nonce\n"
+            with pytest.raises(SandboxError, match="No such file"):
+                await box.read_file("/nope")
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_hung_command_is_killed_and_sandbox_stays_usable(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            t = time.perf_counter()
+            r = await box.exec("echo before; sleep 60; echo after", timeout_s=0.5)
+            assert r.timed_out and r.exit_code == 124 and r.stdout == "before\n"
+            assert time.perf_counter() - t < 5
+            assert (await box.exec("echo still-here")).stdout == "still-here\n"
+            assert "sleep 60" not in (await box.exec("ps -eo args")).stdout
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_large_output_truncated_with_marker_and_bad_utf8_replaced(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            r = await box.exec("head -c 3000000 /dev/zero | tr '\\0' a; printf END")
+            assert r.truncated and r.exit_code == 0
+            assert "bytes truncated" in r.stdout and r.stdout.endswith("END")
+            assert len(r.stdout.encode()) < (1 << 20) + 200
+            r = await box.exec("printf 'ok \\xff\\xfe done'")
+            assert r.stdout == "ok \ufffd\ufffd done" and not r.truncated
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_background_processes_outlive_the_command_but_not_the_sandbox(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        host_pids = box._cgroup.pids() if box._cgroup else set()
+        r = await box.exec("python3 -m http.server 8765 --bind 127.0.0.1 & sleep 0.5; echo started")
+        assert r.stdout.strip().endswith("started")
+        r = await box.exec("python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8765/').status)\"")
+        assert r.stdout.strip() == "200", r
+        pids = box._cgroup.pids() if box._cgroup else host_pids
+        await box.close()
+        await asyncio.sleep(0.2)
+        assert pids, "the sandbox's processes should be visible in its cgroup"
+        assert not [p for p in pids if _is_sandbox_process(p)], "processes survived the sandbox"
+
+    run(go())
+
+
+def _is_sandbox_process(pid: int) -> bool:
+    try:  # pids get reused: count only live (not zombie) processes of the sandbox uid
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except OSError:
+        return False
+    return fields["Uid"].split()[0] == "61000" and not fields["State"].strip().startswith("Z")
+
+
+def test_concurrent_commands_in_one_sandbox(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            t = time.perf_counter()
+            slow = asyncio.create_task(box.exec("sleep 1; echo slow"))
+            fast = await box.exec("echo fast")
+            assert fast.stdout == "fast\n" and time.perf_counter() - t < 0.9
+            assert (await slow).stdout == "slow\n"
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_a_dead_sandbox_raises_sandbox_died(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        await box.exec("true")
+        os.kill(box._proc.pid, signal.SIGKILL)  # the infrastructure fails under the episode
+        with pytest.raises(SandboxDied):
+            await box.exec("echo hi")
+        assert not box.alive
+        await box.close()
+
+    run(go())
+
+
+def test_lifetime_limit_closes_the_sandbox(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image, lifetime_s=1.0))
+        await box.exec("true")
+        await asyncio.sleep(1.5)
+        with pytest.raises(SandboxDied):
+            await box.exec("true")
+
+    run(go())
