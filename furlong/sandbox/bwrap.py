@@ -90,7 +90,7 @@ class BwrapBackend:
             args += ["--share-net"]
         for key, value in {**BASE_ENV, **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
-        for fd in fds:
+        for fd in reversed(fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
             args += ["--overlay-src", f"/proc/self/fd/{fd}"]
         args += extra or ["--tmp-overlay", "/"]
         args += ["--proc", "/proc", "--dev", "/dev"]

@@ -69,7 +69,7 @@ def _logical_lines(text: str):
             continue  # comments inside a continued instruction are dropped, as Docker does
         start = start or number
         if stripped.endswith("\\"):
-            parts.append(stripped[:-1])
+            parts.append(stripped[:-1].rstrip())
             continue
         parts.append(stripped)
         yield start, " ".join(p for p in parts if p)

@@ -1,0 +1,87 @@
+"""The token-in/token-out inference contract every engine backend (hf, vllm, sglang, router) implements."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(RuntimeError):
+    """The engine could not serve a request (bad input, closed engine, failed forward pass)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    temperature 0 means greedy. top_k <= 0 and top_p >= 1 disable those filters. A sampled stop token is
+    kept as the last output id (the trainer must see the end-of-turn token the policy chose).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 512
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # per-request RNG: same seed and inputs give the same sample, whatever the batch
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # Accept any iterable of ints (a list is natural at call sites) but store a tuple: frozen means frozen.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One completion.
+
+    `logprobs[i]` is the log-probability of `output_ids[i]` under the sampling distribution: softmax of
+    logits / temperature, *before* top-k / top-p truncation (for greedy: temperature 1). That is what a
+    trainer recomputes from a forward pass at the same temperature, so the two can be compared for
+    importance ratios. `token_weight_versions[i]` is the weight version that produced token i (an update can
+    land mid-generation); `weight_version` is the oldest of them, the one that bounds staleness.
+    """
+
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    weight_version: int
+    token_weight_versions: tuple[int, ...] = ()
+    prompt_len: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine shared by many concurrent episodes. All methods are async."""
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> Generation: ...
+
+    async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Load (a subset of) the model's parameters between decode steps, then report `version`."""
+        ...
+
+    async def pause(self) -> None:
+        """Stop running decode steps (in-flight requests wait, keeping their state) until resume()."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    @property
+    def weight_version(self) -> int: ...

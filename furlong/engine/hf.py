@@ -1,0 +1,271 @@
+"""In-process engine over a Hugging Face causal LM, with continuous batching.
+
+Any number of asyncio tasks call `generate`; one background task runs *steps*. A step, under `_step_lock`:
+decode one token for every running request (one batched forward), then admit waiting requests (prefill,
+first token) into the running batch, then retire finished ones. New requests join and finished ones leave at
+step boundaries. All torch work runs on one dedicated worker thread so the event loop (sandboxes, other
+episodes) stays responsive. `update_weights` and `pause` take the same lock, so weights never change and
+pauses never begin in the middle of a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams
+from furlong.engine.kv import DecodeBatch, prefill
+from furlong.engine.sampling import sample_next
+
+
+@dataclass
+class EngineStats:
+    prefill_calls: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    decode_batch_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> number of steps
+
+    @property
+    def forward_calls(self) -> int:
+        return self.prefill_calls + self.decode_steps
+
+    @property
+    def max_decode_batch(self) -> int:
+        return max(self.decode_batch_sizes, default=0)
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    sampling: SamplingParams
+    rng: random.Random
+    future: asyncio.Future[Generation]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+    def result(self, current_version: int) -> Generation:
+        return Generation(
+            output_ids=tuple(self.output_ids), logprobs=tuple(self.logprobs),
+            finish_reason=self.finish or "abort",
+            weight_version=min(self.versions, default=current_version),
+            token_weight_versions=tuple(self.versions), prompt_len=len(self.prompt),
+        )
+
+
+class HFEngine:
+    """Token-in/token-out engine over an in-process HF model. Use one per event loop."""
+
+    def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64,
+                 eos_token_ids: Sequence[int] | None = None, max_context: int | None = None,
+                 seed: int = 0, weight_version: int = 0) -> None:
+        """`eos_token_ids` stop every request in addition to its own stop ids (None: the model's
+        generation_config eos ids; () for none). `max_context` caps prompt + output (default: the model's
+        max_position_embeddings)."""
+        self.model = model.eval()
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = frozenset(_default_eos(model) if eos_token_ids is None else eos_token_ids)
+        self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 1 << 31))
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.stats = EngineStats()
+        self._version = weight_version
+        self._seeds = random.Random(seed)  # RNG seeds for requests that bring none
+        self._pending: list[_Request] = []
+        self._batch: DecodeBatch[_Request] = DecodeBatch()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="furlong-hf")
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._step_lock = asyncio.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> HFEngine:
+        from furlong.model.loading import load_model  # engine must not need the model layer otherwise
+
+        return cls(load_model(path, dtype=dtype), **kwargs)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams | None = None) -> Generation:
+        sampling = sampling or SamplingParams()
+        prompt = self._check_prompt(input_ids)
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(64)
+        request = _Request(prompt, sampling, random.Random(seed), asyncio.get_running_loop().create_future())
+        self._pending.append(request)
+        self._ensure_loop()
+        self._wake.set()
+        # A cancelled caller cancels the future; the loop drops that request at the next step boundary.
+        return await request.future
+
+    def _check_prompt(self, input_ids: Sequence[int]) -> list[int]:
+        if self._closed:
+            raise EngineError("engine is closed")
+        prompt = [int(t) for t in input_ids]
+        if not prompt:
+            raise EngineError("input_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"input_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt) >= self.max_context:
+            raise EngineError(f"prompt of {len(prompt)} tokens leaves no room in the {self.max_context}-token "
+                              "context")
+        return prompt
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy `state_dict` (all or some of the model's tensors) into the model between steps. Tokens sampled
+        afterwards carry `version`; running requests keep their KV cache (computed by older weights)."""
+        async with self._step_lock:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._load_weights, state_dict)
+            self._version = version
+
+    def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        # keep_vars: the live tensors, including tied aliases such as lm_head.weight.
+        targets = self.model.state_dict(keep_vars=True)
+        unknown = sorted(set(state_dict) - set(targets))
+        if unknown:
+            raise EngineError(f"update_weights: unknown tensors {unknown[:5]} (of {len(unknown)})")
+        for name, tensor in state_dict.items():  # check everything before touching anything
+            if tuple(tensor.shape) != tuple(targets[name].shape):
+                raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, model expects "
+                                  f"{tuple(targets[name].shape)}")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                targets[name].copy_(tensor)
+
+    async def pause(self) -> None:
+        """Stop scheduling steps; returns once the step in progress (if any) has finished."""
+        self._resumed.clear()
+        async with self._step_lock:
+            pass
+
+    async def resume(self) -> None:
+        self._resumed.set()
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Finish every open request with finish_reason "abort" (partial output kept) and stop the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._resumed.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        for request in [*self._batch.rows, *self._pending]:
+            self._resolve(request)
+        self._batch.keep([])
+        self._pending.clear()
+        self._executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> HFEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="furlong-hf-engine")
+
+    async def _run(self) -> None:
+        while not self._closed:
+            if not self._pending and not self._batch.rows:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._resumed.wait()
+            async with self._step_lock:
+                # Re-check under the lock: pause() may have won the lock between the wait and here.
+                if self._closed or not self._resumed.is_set():
+                    continue
+                await self._step()
+            await asyncio.sleep(0)  # let callers enqueue requests and updates between steps
+
+    async def _step(self) -> None:
+        self._drop_cancelled()
+        admitted = self._pending[: max(0, self.max_batch_size - len(self._batch))]
+        del self._pending[: len(admitted)]
+        if not admitted and not self._batch.rows:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            done = await loop.run_in_executor(self._executor, self._compute_step, admitted, self._version)
+        except Exception as e:  # a failed forward fails its requests, not the engine
+            self._fail([*self._batch.rows, *admitted], e)
+            return
+        for request in done:
+            self._resolve(request)
+
+    def _compute_step(self, admitted: list[_Request], version: int) -> list[_Request]:
+        """Worker thread: one decode step for the running rows, then prefill the admitted ones."""
+        with torch.inference_mode():
+            running = list(self._batch.rows)
+            if running:
+                logits = self._batch.step(self.model, [r.output_ids[-1] for r in running])
+                self.stats.decode_steps += 1
+                sizes = self.stats.decode_batch_sizes
+                sizes[len(running)] = sizes.get(len(running), 0) + 1
+                self._sample(running, logits, version)
+            for _, group in itertools.groupby(sorted(admitted, key=lambda r: r.prompt), key=lambda r: r.prompt):
+                rows = list(group)
+                logits, kv = prefill(self.model, rows[0].prompt)  # one prefill per distinct prompt
+                self.stats.prefill_calls += 1
+                self._batch.add(rows, kv)
+                self._sample(rows, logits.expand(len(rows), -1), version)
+            rows = self._batch.rows
+            self._batch.keep([i for i, r in enumerate(rows) if r.finish is None])
+            return [r for r in rows if r.finish is not None]
+
+    def _sample(self, rows: list[_Request], logits: torch.Tensor, version: int) -> None:
+        tokens, logprobs = sample_next(logits, [r.sampling for r in rows], [r.rng for r in rows])
+        self.stats.generated_tokens += len(rows)
+        for r, token, logprob in zip(rows, tokens, logprobs):
+            r.output_ids.append(token)
+            r.logprobs.append(logprob)
+            r.versions.append(version)
+            if token in self.eos_token_ids or token in r.sampling.stop_token_ids:
+                r.finish = "stop"
+            elif (len(r.output_ids) >= r.sampling.max_new_tokens
+                  or len(r.prompt) + len(r.output_ids) >= self.max_context):
+                r.finish = "length"
+
+    def _drop_cancelled(self) -> None:
+        self._pending = [r for r in self._pending if not r.future.done()]
+        rows = self._batch.rows
+        self._batch.keep([i for i, r in enumerate(rows) if not r.future.done()])
+
+    def _resolve(self, request: _Request) -> None:
+        if not request.future.done():
+            request.future.set_result(request.result(self._version))
+
+    def _fail(self, requests: list[_Request], error: Exception) -> None:
+        self._batch.keep([])
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(EngineError(f"forward pass failed: {error!r}"))
+
+
+def _default_eos(model: PreTrainedModel) -> list[int]:
+    config = getattr(model, "generation_config", None) or model.config
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

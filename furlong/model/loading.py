@@ -1,0 +1,42 @@
+"""Load Hugging Face causal-LM checkpoints from local directories (never from a hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint directory is missing or incomplete; the message names the path and what is wrong."""
+
+
+def _local_dir(path: Path | str, needs: tuple[str, ...]) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelLoadError(f"{p}: not a directory (furlong only loads local checkpoints, not hub names)")
+    missing = [name for name in needs if not (p / name).is_file()]
+    if missing:
+        raise ModelLoadError(f"{p}: missing {', '.join(missing)}")
+    return p
+
+
+def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               attn_implementation: str | None = "sdpa") -> PreTrainedModel:
+    """A causal LM in eval mode. fp32 by default: the engine's logprobs must match the trainer's exactly."""
+    p = _local_dir(path, ("config.json",))
+    model = AutoModelForCausalLM.from_pretrained(
+        p, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: Path | str, require_chat_template: bool = True) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; by default it must carry a chat template (the agent loop renders with it)."""
+    p = _local_dir(path, ())
+    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if require_chat_template and not tokenizer.chat_template:
+        raise ModelLoadError(f"{p}: tokenizer has no chat template (pass require_chat_template=False for a "
+                             "base model)")
+    return tokenizer

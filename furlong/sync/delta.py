@@ -1,0 +1,213 @@
+"""Weight updates from trainer to inference engines: bit-exact deltas and full snapshots.
+
+`encode_delta(prev, new)` ships only the words whose bits changed (for bf16 weights after an
+RL step, ~1-5% of them): per tensor, change positions as gaps (or a bitmap when dense) and
+values as zigzag(new_bits - old_bits), split into byte planes, one zstd frame per tensor.
+`encode_full` ships a snapshot (byte planes + zstd). Wire format: `furlong.sync.update`
+(preamble, JSON header, body) and `furlong.sync.sections` (one section per tensor).
+
+Applying is atomic per update: the payload digest, versions, tensor names/shapes/dtypes and
+every section are checked before or while decoding, and each tensor's final checksum is
+verified right after it is patched in place. On any failure every tensor already patched is
+rolled back by subtracting the same differences (exact: the arithmetic wraps modulo
+2**bits), so the receiver's tensors stay bit-identical to before and no extra copy of the
+model is needed. Re-applying an update, or applying it to the wrong version, is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import numpy as np
+import torch
+import zstandard as zstd
+
+from furlong.sync import codec
+from furlong.sync.checksum import DEFAULT_ALGO, tensor_digest
+from furlong.sync.errors import (
+    BaseVersionMismatch, ChecksumMismatch, IncompatibleBase, StaleUpdate, SyncError,
+)
+from furlong.sync.sections import decode_full, decode_patch, encode_tensor_delta, encode_tensor_full
+from furlong.sync.update import Kind, WeightUpdate, pack_payload, unpack_payload
+
+DELTA_ENCODING = "furlong-delta/1"
+FULL_ENCODING = "furlong-full/1"
+DELTA_LEVEL = 1  # sections are Huffman-bound byte planes: higher levels only cost time
+FULL_LEVEL = 3
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+def encode_delta(
+    prev: Tensors, new: Tensors, *, version: int, base_version: int,
+    level: int = DELTA_LEVEL, checksum_algo: str = DEFAULT_ALGO,
+) -> bytes:
+    """Payload turning `prev` (published as `base_version`) into `new` (as `version`)."""
+    if version <= base_version:
+        raise ValueError(f"version {version} must be newer than base_version {base_version}")
+    _check_same_layout(prev, new)
+    cctx = zstd.ZstdCompressor(level=level)  # no worker threads: one core per encode
+    metas, sections, offset = [], [], 0
+    for name, t in new.items():
+        td, data = encode_tensor_delta(name, prev[name].contiguous(), t.contiguous(), cctx, checksum_algo)
+        metas.append(replace(td, offset=offset))
+        sections.append(data)
+        offset += len(data)
+    upd = WeightUpdate(version, base_version, "delta", DELTA_ENCODING, checksum_algo, tuple(metas))
+    return pack_payload(upd, sections)
+
+
+def encode_full(
+    tensors: Tensors, *, version: int, kind: Kind = "full",
+    level: int = FULL_LEVEL, checksum_algo: str = DEFAULT_ALGO,
+) -> bytes:
+    """A snapshot payload ("full": the whole model; "adapter": tensors merged by name)."""
+    if kind not in ("full", "adapter"):
+        raise ValueError(f"encode_full makes 'full' or 'adapter' updates, not {kind!r}")
+    cctx = zstd.ZstdCompressor(level=level)
+    metas, sections, offset = [], [], 0
+    for name, t in tensors.items():
+        td, data = encode_tensor_full(name, t.contiguous(), cctx, checksum_algo)
+        metas.append(replace(td, offset=offset))
+        sections.append(data)
+        offset += len(data)
+    upd = WeightUpdate(version, None, kind, FULL_ENCODING, checksum_algo, tuple(metas))
+    return pack_payload(upd, sections)
+
+
+def read_update(payload: bytes | memoryview) -> WeightUpdate:
+    """The verified header of a payload (raises CorruptUpdate like apply does)."""
+    return unpack_payload(payload)[0]
+
+
+def apply_delta(
+    base: dict[str, torch.Tensor], payload: bytes | memoryview, *, current_version: int
+) -> dict[str, torch.Tensor]:
+    """Patch `base` (holding `current_version`) in place; returns it. See the module doc."""
+    upd, body = unpack_payload(payload)
+    _apply_delta_parsed(base, upd, body, current_version)
+    return base
+
+
+def apply_full(
+    payload: bytes | memoryview, *, current_version: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Fresh tensors from a snapshot payload, each verified against its checksum."""
+    upd, body = unpack_payload(payload)
+    return _decode_snapshot(upd, body, current_version)
+
+
+def apply_update(
+    tensors: dict[str, torch.Tensor], payload: bytes | memoryview, *, current_version: int | None
+) -> WeightUpdate:
+    """Apply any kind of update to `tensors` in place; returns its header (for .version)."""
+    upd, body = unpack_payload(payload)
+    if upd.kind == "delta":
+        if current_version is None:
+            raise BaseVersionMismatch(f"delta v{upd.version} needs base v{upd.base_version}, "
+                                      "but the receiver holds no version yet")
+        _apply_delta_parsed(tensors, upd, body, current_version)
+        return upd
+    fresh = _decode_snapshot(upd, body, current_version)
+    if upd.kind == "full":  # swap only after every tensor verified
+        tensors.clear()
+    tensors.update(fresh)
+    return upd
+
+
+class WeightReceiver:
+    """An engine-side holder of tensors plus the version they are at."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None, version: int | None = None):
+        self.tensors: dict[str, torch.Tensor] = tensors if tensors is not None else {}
+        self.version = version
+
+    def apply(self, payload: bytes | memoryview) -> WeightUpdate:
+        upd = apply_update(self.tensors, payload, current_version=self.version)
+        self.version = upd.version
+        return upd
+
+
+def _check_versions(upd: WeightUpdate, current: int | None) -> None:
+    if current is not None and upd.version <= current:
+        raise StaleUpdate(f"update v{upd.version} is not newer than the receiver's v{current} "
+                          "(already applied?)")
+    if upd.kind == "delta" and upd.base_version != current:
+        raise BaseVersionMismatch(f"delta v{upd.version} was made against v{upd.base_version}, "
+                                  f"but the receiver holds v{current}")
+
+
+def _check_same_layout(prev: Tensors, new: Tensors) -> None:
+    if set(prev) != set(new):
+        diff = sorted(set(prev) ^ set(new))[:5]
+        raise ValueError(f"prev and new hold different tensor names ({diff}...); use encode_full")
+    for name, t in new.items():
+        p = prev[name]
+        if p.shape != t.shape or p.dtype != t.dtype:
+            raise ValueError(f"{name}: {p.dtype}{tuple(p.shape)} -> {t.dtype}{tuple(t.shape)} "
+                             "changes layout; use encode_full")
+
+
+def _base_words(base: Mapping[str, torch.Tensor], upd: WeightUpdate) -> dict[str, np.ndarray]:
+    """Word views of the receiver's tensors, after checking they fit the update."""
+    words, seen = {}, {}
+    for td in upd.tensors:
+        t = base.get(td.name)
+        if t is None:
+            raise IncompatibleBase(f"{td.name}: in the update but not in the receiver's tensors")
+        if tuple(t.shape) != td.shape or t.dtype != td.torch_dtype:
+            raise IncompatibleBase(f"{td.name}: receiver has {t.dtype}{tuple(t.shape)}, "
+                                   f"update is for {td.dtype}{td.shape}")
+        if t.numel() and t.data_ptr() in seen:  # tied weights would be patched twice
+            raise IncompatibleBase(f"{td.name} shares storage with {seen[t.data_ptr()]}: "
+                                   "pass each storage once")
+        seen[t.data_ptr()] = td.name
+        try:
+            words[td.name] = codec.as_words(t)
+        except ValueError as e:
+            raise IncompatibleBase(f"{td.name}: {e}") from e
+    return words
+
+
+def _apply_delta_parsed(
+    base: dict[str, torch.Tensor], upd: WeightUpdate, body: memoryview, current: int
+) -> None:
+    if upd.kind != "delta":
+        raise SyncError(f"a {upd.kind!r} update is not a delta: use apply_full / apply_update")
+    _check_versions(upd, current)
+    words = _base_words(base, upd)
+    dctx = zstd.ZstdDecompressor()
+    done = []
+    try:
+        for td in upd.tensors:
+            patch = decode_patch(td, body[td.offset : td.offset + td.length], dctx)
+            patch.apply(words[td.name])
+            done.append(td)
+            got = tensor_digest(base[td.name], upd.checksum_algo)
+            if got != td.checksum:
+                raise ChecksumMismatch(f"{td.name}: patched tensor hashes to {got}, sender "
+                                       f"recorded {td.checksum}: the receiver's v{current} "
+                                       "differs from the sender's; resync with a full update")
+    except Exception:
+        for td in reversed(done):  # decoding succeeded once, so it succeeds again
+            decode_patch(td, body[td.offset : td.offset + td.length], dctx).apply(words[td.name], -1)
+        raise
+
+
+def _decode_snapshot(
+    upd: WeightUpdate, body: memoryview, current: int | None
+) -> dict[str, torch.Tensor]:
+    if upd.kind not in ("full", "adapter"):
+        raise SyncError(f"a {upd.kind!r} update is not a snapshot: use apply_delta / apply_update")
+    _check_versions(upd, current)
+    dctx = zstd.ZstdDecompressor()
+    out = {}
+    for td in upd.tensors:
+        t = decode_full(td, body[td.offset : td.offset + td.length], dctx)
+        got = tensor_digest(t, upd.checksum_algo)
+        if got != td.checksum:
+            raise ChecksumMismatch(f"{td.name}: snapshot tensor hashes to {got}, sender "
+                                   f"recorded {td.checksum}")
+        out[td.name] = t
+    return out

@@ -1,0 +1,198 @@
+"""Metadata of a weight update and its binary framing.
+
+A payload is `preamble | header | body`:
+
+* preamble, 36 bytes little-endian (`struct` format `<4sHBBIQ16s`): magic `b"FLWU"`, format
+  version (u16), checksum-algorithm id (u8), reserved (u8, 0), header length (u32), body length
+  (u64), and a 16-byte digest of `header | body` with that algorithm. The digest is checked
+  before anything is decoded, so a flipped or missing byte anywhere is a `CorruptUpdate`.
+* header: UTF-8 JSON of `WeightUpdate.to_dict()`: versions, kind, encoding and one entry per
+  tensor (name, shape, dtype, per-tensor encoding, checksum of the FINAL tensor, and where its
+  section lies in the body).
+* body: the tensor sections back to back, in header order (see `furlong.sync.delta`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from furlong.sync.checksum import ALGO_IDS, stream_hasher
+from furlong.sync.codec import word_width
+from furlong.sync.errors import CorruptUpdate
+
+MAGIC = b"FLWU"
+FORMAT_VERSION = 1
+PREAMBLE = struct.Struct("<4sHBBIQ16s")
+MAX_HEADER = 1 << 30  # sanity bound before json.loads on a damaged length field
+
+Kind = Literal["full", "delta", "adapter"]
+KINDS = ("full", "delta", "adapter")
+# Per-tensor encodings; their section layouts are documented in furlong.sync.delta.
+TENSOR_ENCODINGS = ("same", "sparse", "bitmap", "planes")
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """How one tensor is carried, and the checksum it must have once applied."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    encoding: str  # one of TENSOR_ENCODINGS
+    checksum: str  # hex digest of the final tensor's raw bytes
+    n_changed: int = 0  # elements whose bits differ from the base (numel for "planes")
+    offset: int = 0  # byte offset of the zstd section in the body
+    length: int = 0  # compressed section length in bytes (0 for "same")
+    raw_length: int = 0  # decompressed section length, checked on decode
+    gap_width: int = 0  # "sparse": bytes per primary gap symbol (1 or 2)
+    n_escapes: int = 0  # "sparse": gaps too large for gap_width, sent in the escape plane
+    chunk: int = 0  # "bitmap"/"planes": elements per chunk of the section layout
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def n_words(self) -> int:
+        """Length of the tensor viewed as unsigned words (see codec.word_width)."""
+        return self.numel * self.torch_dtype.itemsize // word_width(self.torch_dtype)
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """One published version: a full snapshot, an adapter, or a delta against `base_version`."""
+
+    version: int
+    base_version: int | None  # None for "full" / "adapter": they need no base
+    kind: Kind
+    encoding: str  # payload-level codec id, e.g. "furlong-delta/1"
+    checksum_algo: str
+    tensors: tuple[TensorDelta, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    @property
+    def full_bytes(self) -> int:
+        """Size of all final tensors, the denominator of compression ratios and GB/s."""
+        return sum(t.numel * t.torch_dtype.itemsize for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WeightUpdate:
+        """Parse and validate a header; any structural problem is a CorruptUpdate."""
+        try:
+            tensors = tuple(_tensor_from_dict(t) for t in d["tensors"])
+            upd = cls(
+                version=int(d["version"]),
+                base_version=None if d["base_version"] is None else int(d["base_version"]),
+                kind=d["kind"],
+                encoding=str(d["encoding"]),
+                checksum_algo=str(d["checksum_algo"]),
+                tensors=tensors,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptUpdate(f"malformed update header: {e!r}") from e
+        _validate(upd)
+        return upd
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _tensor_from_dict(d: dict[str, Any]) -> TensorDelta:
+    d = dict(d)
+    d["shape"] = tuple(int(x) for x in d["shape"])
+    return TensorDelta(**d)
+
+
+def _validate(upd: WeightUpdate) -> None:
+    """Cross-field checks that keep a bad header from driving out-of-bounds work later."""
+    if upd.kind not in KINDS:
+        raise CorruptUpdate(f"unknown update kind {upd.kind!r}")
+    if upd.kind == "delta" and upd.base_version is None:
+        raise CorruptUpdate("a delta update must name its base_version")
+    if len(set(upd.names)) != len(upd.names):
+        raise CorruptUpdate("duplicate tensor names in update header")
+    expected_offset = 0
+    for t in upd.tensors:
+        if t.encoding not in TENSOR_ENCODINGS:
+            raise CorruptUpdate(f"{t.name}: unknown tensor encoding {t.encoding!r}")
+        try:
+            t.torch_dtype
+        except ValueError as e:
+            raise CorruptUpdate(f"{t.name}: {e}") from e
+        if any(s < 0 for s in t.shape) or not 0 <= t.n_changed <= t.n_words:
+            raise CorruptUpdate(f"{t.name}: bad shape {t.shape} or n_changed {t.n_changed}")
+        if t.offset != expected_offset or t.length < 0 or t.raw_length < 0:
+            raise CorruptUpdate(f"{t.name}: section at {t.offset}+{t.length} is out of order")
+        expected_offset += t.length
+
+
+def pack_payload(update: WeightUpdate, sections: list[bytes]) -> bytes:
+    """Frame `update` and its body sections (same order as update.tensors) into one payload."""
+    header = json.dumps(update.to_dict(), separators=(",", ":")).encode()
+    h = stream_hasher(update.checksum_algo)
+    h.update(header)
+    for s in sections:
+        h.update(s)
+    body_len = sum(len(s) for s in sections)
+    pre = PREAMBLE.pack(
+        MAGIC, FORMAT_VERSION, ALGO_IDS[update.checksum_algo], 0, len(header), body_len, h.digest()
+    )
+    return b"".join([pre, header, *sections])
+
+
+def unpack_payload(payload: bytes | bytearray | memoryview) -> tuple[WeightUpdate, memoryview]:
+    """Check framing and digest, parse the header; returns the update and a view of the body."""
+    mv = memoryview(payload).cast("B")
+    if len(mv) < PREAMBLE.size:
+        raise CorruptUpdate(f"payload is {len(mv)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
+    magic, fmt, algo_id, _, hlen, blen, digest = PREAMBLE.unpack_from(mv)
+    if magic != MAGIC:
+        raise CorruptUpdate(f"bad magic {bytes(magic)!r}: not a furlong weight update")
+    if fmt != FORMAT_VERSION:
+        raise CorruptUpdate(f"unsupported format version {fmt} (this reader knows {FORMAT_VERSION})")
+    algo = {v: k for k, v in ALGO_IDS.items()}.get(algo_id)
+    if algo is None:
+        raise CorruptUpdate(f"unknown checksum algorithm id {algo_id}")
+    if hlen > MAX_HEADER or PREAMBLE.size + hlen + blen != len(mv):
+        raise CorruptUpdate(
+            f"payload is {len(mv)} bytes but its preamble announces "
+            f"{PREAMBLE.size}+{hlen}+{blen}: truncated or padded"
+        )
+    h = stream_hasher(algo)
+    h.update(mv[PREAMBLE.size :])
+    if h.digest() != digest:
+        raise CorruptUpdate("payload digest mismatch: the update was damaged in transit or storage")
+    header = mv[PREAMBLE.size : PREAMBLE.size + hlen]
+    try:
+        upd = WeightUpdate.from_dict(json.loads(bytes(header)))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptUpdate(f"update header is not valid JSON: {e}") from e
+    if upd.checksum_algo != algo or sum(t.length for t in upd.tensors) != blen:
+        raise CorruptUpdate("update header disagrees with its preamble (algorithm or body length)")
+    return upd, mv[PREAMBLE.size + hlen :]

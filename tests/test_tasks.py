@@ -1,0 +1,139 @@
+"""Task loading: Harbor and Terminal-Bench 1.0 directories, families, and errors that name the problem."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from furlong.tasks.family import load_family
+from furlong.tasks.loader import load_task, load_tasks
+from furlong.tasks.model import TaskError
+
+TOML = """\
+version = "1.0"
+[metadata]
+difficulty = "easy"
+unknown_key = "ignored, as Harbor ignores it"
+[agent]
+timeout_sec = 45.0
+[verifier]
+timeout_sec = 20
+env = { MODE = "strict" }
+[environment]
+cpus = 0.5
+memory_mb = 512
+allow_internet = true
+"""
+
+
+def harbor(root: Path, name: str = "demo", toml: str = TOML, tests: bool = True) -> Path:
+    d = root / name
+    (d / "tests").mkdir(parents=True)
+    (d / "solution").mkdir()
+    (d / "environment").mkdir()
+    (d / "task.toml").write_text(toml)
+    (d / "instruction.md").write_text("Write hello to /app/out.txt\n")
+    (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\n")
+    (d / "solution" / "solve.sh").write_text("echo hello > /app/out.txt\n")
+    if tests:
+        (d / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    return d
+
+
+def test_harbor_task_loads_every_field(tmp_path: Path):
+    task = load_task(harbor(tmp_path))
+    assert task.id == "demo" and task.instruction.startswith("Write hello")
+    assert (task.agent_timeout_s, task.verifier_timeout_s) == (45.0, 20.0)
+    assert task.limits.cpus == 0.5 and task.limits.memory_mb == 512 and task.network
+    assert task.verifier_env == (("MODE", "strict"),)
+    assert task.test_script.name == "test.sh" and task.solution.name == "solve.sh"
+    assert task.dockerfile.name == "Dockerfile" and task.format == "harbor"
+
+
+def test_terminal_bench_task_loads(tmp_path: Path):
+    d = tmp_path / "tb-task"
+    (d / "tests").mkdir(parents=True)
+    (d / "task.yaml").write_text("instruction: |\n  Do the thing.\nmax_agent_timeout_sec: 90\nmax_test_timeout_sec: 15\n")
+    (d / "run-tests.sh").write_text("exit 0\n")
+    (d / "solution.sh").write_text("true\n")
+    (d / "Dockerfile").write_text("FROM debian:bookworm\n")
+    task = load_task(d)
+    assert task.format == "terminal-bench" and task.instruction == "Do the thing.\n"
+    assert (task.agent_timeout_s, task.verifier_timeout_s) == (90.0, 15.0)
+    assert task.test_script.name == "run-tests.sh" and task.solution.name == "solution.sh"
+
+
+@pytest.mark.parametrize("toml, words", [
+    ("[agent\ntimeout_sec = 1", "invalid TOML"),
+    ("[agent]\ntimeout_sec = 'soon'", "field 'agent.timeout_sec'"),
+    ("[agent]\ntimeout_sec = -5", "field 'agent.timeout_sec'"),
+    ("[environment]\nmemory_mb = 'lots'", "field 'environment.memory_mb'"),
+])
+def test_malformed_task_toml_names_task_file_and_field(tmp_path: Path, toml: str, words: str):
+    with pytest.raises(TaskError) as err:
+        load_task(harbor(tmp_path, toml=toml))
+    assert err.value.task == "demo" and err.value.file == "task.toml" and words in str(err.value)
+
+
+def test_missing_tests_and_unreadable_files_are_named(tmp_path: Path):
+    with pytest.raises(TaskError, match=r"'demo': tests/test.sh: missing"):
+        load_task(harbor(tmp_path, tests=False))
+    d = harbor(tmp_path, name="binary")
+    (d / "instruction.md").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(TaskError, match=r"'binary': instruction.md: unreadable"):
+        load_task(d)
+
+
+@pytest.mark.parametrize("yaml_text, words", [
+    ("instruction: [unclosed", "invalid YAML"),
+    ("- a list", "expected a mapping"),
+    ("max_agent_timeout_sec: 5", "field 'instruction'"),
+    ("instruction: x\nmax_test_timeout_sec: never", "field 'max_test_timeout_sec'"),
+])
+def test_malformed_task_yaml_names_the_field(tmp_path: Path, yaml_text: str, words: str):
+    d = tmp_path / "tb"
+    d.mkdir()
+    (d / "task.yaml").write_text(yaml_text)
+    (d / "run-tests.sh").write_text("exit 0\n")
+    with pytest.raises(TaskError) as err:
+        load_task(d)
+    assert err.value.file == "task.yaml" and words in str(err.value)
+
+
+def _family(root: Path, toml: str | None = None) -> Path:
+    d = root / "adder"
+    d.mkdir()
+    (d / "family.toml").write_text(toml or "[family]\ndescription = 'add'\ntrain_seeds = [0, 5]\nheldout_seeds = [100, 103]\n")
+    (d / "generate.py").write_text(textwrap.dedent('''
+        import random
+        from pathlib import Path
+
+        def generate(seed, out: Path):
+            r = random.Random(seed)
+            a, b = r.randint(1, 99), r.randint(1, 99)
+            (out / "tests").mkdir()
+            (out / "task.toml").write_text("[agent]\\ntimeout_sec = 30\\n")
+            (out / "instruction.md").write_text(f"Write {a}+{b} to /app/sum.txt")
+            (out / "tests" / "test.sh").write_text(f"test $(cat /app/sum.txt) = {a + b}")
+    '''))
+    return d
+
+
+def test_family_instances_are_deterministic_and_split(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("FURLONG_CACHE", str(tmp_path / "cache"))
+    fam = load_family(_family(tmp_path))
+    train, heldout = fam.instances("train"), fam.instances("heldout")
+    assert [t.seed for t in train] == [0, 1, 2, 3, 4] and [t.seed for t in heldout] == [100, 101, 102]
+    assert {t.split for t in train} == {"train"} and train[0].id == "adder@0" and train[0].family == "adder"
+    assert len({t.instruction for t in train}) > 1
+    again = load_family(tmp_path / "adder").instance(0, "train")
+    assert again.instruction == train[0].instruction
+    assert len(load_tasks(tmp_path, split="all", per_family=2)) == 4
+
+
+def test_family_with_overlapping_splits_is_refused(tmp_path: Path):
+    _family(tmp_path, "[family]\ntrain_seeds = [0, 10]\nheldout_seeds = [5, 20]\n")
+    with pytest.raises(TaskError, match="overlap"):
+        load_family(tmp_path / "adder")
