@@ -10,16 +10,16 @@ command still costs only a fork+exec (~1 ms) instead of a sandbox start.
 """
 
 import base64
-import io
 import json
 import os
 import selectors
 import signal
-import subprocess
 import sys
-import tarfile
 import threading
 import time
+
+# No `subprocess` (its imports cost more than the rest of this daemon's start-up): commands start
+# with posix_spawn, and tarfile is imported only when a directory is copied in.
 
 STATE_DIR = "/run/furlong-shell"
 MARKER = "\n[... furlong: {n} bytes truncated ...]\n"
@@ -69,7 +69,11 @@ def _drain_forever(fds: list) -> None:
         sel.register(fd, selectors.EVENT_READ)
     while sel.get_map():
         for key, _ in sel.select():
-            if not os.read(key.fd, 65536):
+            try:
+                data = os.read(key.fd, 65536)
+            except BlockingIOError:
+                continue
+            if not data:
                 sel.unregister(key.fd)
                 os.close(key.fd)
 
@@ -93,8 +97,8 @@ def _shell_quote(s: str) -> str:
     return "'" + s.replace("'", "'\"'\"'") + "'"
 
 
-def _collect(proc, pidfd: int, timeout: float, cap: int) -> tuple:
-    bufs = {proc.stdout.fileno(): CappedBuffer(cap), proc.stderr.fileno(): CappedBuffer(cap)}
+def _collect(pid: int, fds: tuple, pidfd: int, timeout: float, cap: int) -> tuple:
+    bufs = {fd: CappedBuffer(cap) for fd in fds}
     sel = selectors.DefaultSelector()
     for fd in bufs:
         os.set_blocking(fd, False)
@@ -106,7 +110,7 @@ def _collect(proc, pidfd: int, timeout: float, cap: int) -> tuple:
         left = deadline - time.monotonic()
         if left <= 0 and not timed_out:
             timed_out = True
-            _kill_group(proc.pid)
+            _kill_group(pid)
         for key, _ in sel.select(None if timed_out else left):
             if key.fd == pidfd:
                 exited = True
@@ -141,31 +145,42 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def _spawn(script: str, env: dict) -> tuple:
+    """Starts bash in its own session (so a timeout can kill its whole process group)."""
+    out_r, out_w = os.pipe()  # non-inheritable: only the dup2'd copies reach the child
+    err_r, err_w = os.pipe()
+    null = os.open("/dev/null", os.O_RDONLY)
+    actions = [(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+    try:
+        pid = os.posix_spawn("/bin/bash", ["/bin/bash", "-c", script], env, file_actions=actions, setsid=True)
+    finally:
+        for fd in (null, out_w, err_w):
+            os.close(fd)
+    return pid, out_r, err_r
+
+
 def op_exec(req: dict) -> dict:
     start = time.monotonic()
     cwd = req.get("cwd")
     extra = req.get("env") or {}
-    env = {**os.environ, **extra}
-    proc = subprocess.Popen(
-        ["/bin/bash", "-c", _wrap(req["cmd"], cwd is None, extra)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        cwd=cwd, env=env, start_new_session=True,
-    )
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    pidfd = os.pidfd_open(proc.pid)
+    script = _wrap(req["cmd"], cwd is None, extra)
+    if cwd is not None:
+        script = f"cd -- {_shell_quote(cwd)} || exit 1\n" + script
+    pid, out_fd, err_fd = _spawn(script, {**os.environ, **extra})
+    pidfd = os.pidfd_open(pid)
     try:
-        bufs, leftover, timed_out = _collect(proc, pidfd, float(req.get("timeout", 60)), int(req["cap"]))
+        bufs, leftover, timed_out = _collect(pid, (out_fd, err_fd), pidfd, float(req.get("timeout", 60)), int(req["cap"]))
     finally:
         os.close(pidfd)
-    code = proc.wait()
-    if leftover:  # background processes still hold the pipes: keep draining, detached from the file objects
-        fds = [os.dup(fd) for fd in leftover]
-        threading.Thread(target=_drain_forever, args=(fds,), daemon=True).start()
-    proc.stdout.close()
-    proc.stderr.close()
-    (out, t1), (err, t2) = bufs[out_fd].text(), bufs[err_fd].text()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if code < 0:  # killed by a signal: report it the way a shell does
         code = 128 - code
+    for fd in (out_fd, err_fd):
+        if fd not in leftover:
+            os.close(fd)
+    if leftover:  # background processes still hold the pipes: keep draining so they never block
+        threading.Thread(target=_drain_forever, args=(leftover,), daemon=True).start()
+    (out, t1), (err, t2) = bufs[out_fd].text(), bufs[err_fd].text()
     return {"exit_code": 124 if timed_out else code, "stdout": out, "stderr": err,
             "duration_s": time.monotonic() - start, "timed_out": timed_out, "truncated": t1 or t2}
 
@@ -185,6 +200,9 @@ def op_read(req: dict) -> dict:
 
 
 def op_untar(req: dict) -> dict:
+    import io
+    import tarfile
+
     os.makedirs(req["dest"], exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(base64.b64decode(req["data"]))) as tar:
         tar.extractall(req["dest"])

@@ -1,0 +1,62 @@
+"""The config tree and the `furlong` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from furlong.config import ConfigError, load_config
+
+
+def test_overrides_and_recipes_are_typed(tmp_path: Path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("eval:\n  concurrency: 3\n  agent: noop\n")
+    cfg = load_config(recipe, ["eval.concurrency=5", "sandbox.output_cap_bytes=4096", "eval.per_family=null"])
+    assert (cfg.eval.concurrency, cfg.eval.agent, cfg.sandbox.output_cap_bytes) == (5, "noop", 4096)
+    assert cfg.eval.per_family is None
+
+
+@pytest.mark.parametrize("override, words", [
+    ("eval.concurency=3", "eval.concurency: Extra inputs are not permitted"),
+    ("eval.concurrency=many", "eval.concurrency: Input should be a valid integer"),
+    ("eval.agent=genius", "eval.agent: Input should be 'oracle' or 'noop'"),
+    ("concurrency", "expected key=value"),
+])
+def test_bad_overrides_name_the_key(override: str, words: str):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        load_config(None, [override])
+
+
+def test_bad_recipe_names_the_file(tmp_path: Path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("eval:\n  timeout: 3\n")
+    with pytest.raises(ConfigError, match=f"in {recipe}"):
+        load_config(recipe)
+
+
+def _furlong(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "furlong.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_eval_writes_jsonl_and_reports_bad_input(tmp_path: Path):
+    d = tmp_path / "suite" / "hello"
+    (d / "tests").mkdir(parents=True)
+    (d / "solution").mkdir()
+    (d / "task.toml").write_text("[agent]\ntimeout_sec = 30\n[verifier]\ntimeout_sec = 30\n")
+    (d / "instruction.md").write_text("Create /tmp/hello")
+    (d / "solution" / "solve.sh").write_text("touch /tmp/hello\n")
+    (d / "tests" / "test.sh").write_text("test -f /tmp/hello && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    out = tmp_path / "out.jsonl"
+    res = _furlong("eval", "--tasks", str(tmp_path / "suite"), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1])["pass_rate"] == 1.0
+    assert json.loads(out.read_text())["task"] == "hello"
+    (d / "task.toml").write_text("[agent]\ntimeout_sec = 'x'\n")
+    res = _furlong("eval", "--tasks", str(tmp_path / "suite"))
+    assert res.returncode == 2 and "'hello': task.toml: field 'agent.timeout_sec'" in res.stderr
+    res = _furlong("eval", "eval.concurency=2")
+    assert res.returncode == 2 and "eval.concurency" in res.stderr
