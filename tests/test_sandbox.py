@@ -138,3 +138,22 @@ def test_lifetime_limit_closes_the_sandbox(backend, base_image):
             await box.exec("true")
 
     run(go())
+
+
+def test_warm_pool_hands_out_each_fresh_sandbox_once(backend, base_image):
+    from furlong.sandbox.pool import WarmPool
+
+    async def go():
+        pool = WarmPool(backend, spec(base_image), size=2)
+        await pool.start()
+        first = await pool.acquire()
+        await first.exec("echo mine > /root/mark")
+        second = await pool.acquire()
+        assert second is not first
+        assert (await second.exec("cat /root/mark")).exit_code != 0  # nothing from another episode
+        for box in (first, second):
+            await box.close()
+        await pool.close()
+        assert all(not b.alive for b in (first, second))
+
+    run(go())

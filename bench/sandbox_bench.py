@@ -1,0 +1,192 @@
+"""Sandbox benchmark: start-up, per-command overhead and a concurrency sweep, each beside its baseline.
+
+    python bench/sandbox_bench.py [--samples 40] [--out bench/results/sandbox.json]
+
+Everything is measured in this one run (this machine is noisy: only same-run ratios mean much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from furlong.sandbox.base import Limits, SandboxSpec
+from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.images import ImageStore
+from furlong.sandbox.pool import WarmPool
+
+CPU_BOUND = "python3 -c 'sum(i * i for i in range(1_500_000))'"
+TARGETS = {"fresh_p50_ms": 10.0, "command_overhead_ms": 1.0, "slowdown_at_cores": 1.25}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def stats_ms(xs: list[float]) -> dict:
+    return {"p50_ms": 1000 * pct(xs, 0.5), "p95_ms": 1000 * pct(xs, 0.95), "n": len(xs)}
+
+
+def raw_bwrap_true(backend: BwrapBackend, spec: SandboxSpec, n: int) -> list[float]:
+    """bwrap with the same namespaces and overlay, running /bin/true, as the same uid: the floor."""
+    args, fds = backend.bwrap_args(spec)
+    args = args[: args.index("--")] + ["--", "/bin/true"]
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        subprocess.run(args, pass_fds=fds, user=backend.host_uid, group=backend.host_uid, extra_groups=[], check=True)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+async def cold_start(backend, spec, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        box = await backend.create(spec)
+        await box.exec("true")
+        times.append(time.perf_counter() - t)
+        await box.close()
+    return times
+
+
+async def pooled_start(backend, spec, n: int) -> list[float]:
+    pool = WarmPool(backend, spec, size=2)
+    await pool.start()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        box = await pool.acquire()
+        await box.exec("true")
+        times.append(time.perf_counter() - t)
+        await box.close()
+        await asyncio.sleep(0.1)  # an episode's length, during which the pool refills
+    await pool.close()
+    return times
+
+
+async def command_overhead(backend, spec, n: int) -> tuple[list[float], list[float]]:
+    box = await backend.create(spec)
+    await box.exec("true")
+    inside = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await box.exec("true")
+        inside.append(time.perf_counter() - t)
+    await box.close()
+    host = []
+    for _ in range(n):
+        t = time.perf_counter()
+        subprocess.run(["/bin/bash", "-c", "true"], check=True)
+        host.append(time.perf_counter() - t)
+    return inside, host
+
+
+async def sweep(backend, spec, loads: list[int], rounds: int) -> dict[int, list[float]]:
+    out = {}
+    for k in loads:
+        boxes = [await backend.create(spec) for _ in range(k)]
+        await asyncio.gather(*(b.exec("true") for b in boxes))
+        lat: list[float] = []
+
+        async def one(box):
+            t = time.perf_counter()
+            r = await box.exec(CPU_BOUND, timeout_s=120)
+            assert r.ok, r
+            lat.append(time.perf_counter() - t)
+
+        for _ in range(rounds):
+            await asyncio.gather(*(one(b) for b in boxes))
+        for b in boxes:
+            await b.close()
+        out[k] = lat
+    return out
+
+
+async def main_async(args) -> dict:
+    store, backend = ImageStore(), BwrapBackend()
+    spec = SandboxSpec(image=store.base(), limits=Limits(cpus=1.0))
+    n = args.samples
+    raw = raw_bwrap_true(backend, spec, n)
+    cold = await cold_start(backend, spec, n)
+    pooled = await pooled_start(backend, spec, n)
+    inside, host = await command_overhead(backend, spec, 5 * n)
+    loads = [1, 2, 4, 8, 16]
+    lat = await sweep(backend, spec, loads, args.rounds)
+    single = pct(lat[1], 0.95)
+    sweep_rows = [{"sandboxes": k, **stats_ms(lat[k]), "p50_slowdown": pct(lat[k], 0.5) / pct(lat[1], 0.5),
+                   "p95_slowdown": pct(lat[k], 0.95) / single} for k in loads]
+    capacity = max([r["sandboxes"] for r in sweep_rows if r["p95_slowdown"] <= 1.5], default=0)
+    cores = os.cpu_count() or 1
+    at_cores = next((r for r in sweep_rows if r["sandboxes"] >= cores), sweep_rows[-1])
+    overhead_ms = 1000 * (pct(inside, 0.5) - pct(host, 0.5))
+    return {
+        "machine": {"cores": cores, "load_avg_at_end": os.getloadavg()},
+        "start": {"raw_bwrap_true": stats_ms(raw), "cold_sandbox_first_command": stats_ms(cold),
+                  "pooled_sandbox_first_command": stats_ms(pooled),
+                  "cold_vs_raw_p50": pct(cold, 0.5) / pct(raw, 0.5), "pooled_vs_raw_p50": pct(pooled, 0.5) / pct(raw, 0.5)},
+        "command": {"sandbox_exec_true": stats_ms(inside), "host_subprocess_bash_true": stats_ms(host),
+                    "overhead_p50_ms": overhead_ms, "ratio_p50": pct(inside, 0.5) / pct(host, 0.5)},
+        "sweep": {"command": CPU_BOUND, "rows": sweep_rows, "capacity_p95_le_1.5x": capacity,
+                  "p95_slowdown_at_cores": at_cores["p95_slowdown"]},
+        "targets": {
+            "fresh_p50_ms<=10 (pooled)": 1000 * pct(pooled, 0.5) <= TARGETS["fresh_p50_ms"],
+            "fresh_p50_ms<=10 (cold)": 1000 * pct(cold, 0.5) <= TARGETS["fresh_p50_ms"],
+            "command_overhead_ms<=1": overhead_ms <= TARGETS["command_overhead_ms"],
+            "p95_slowdown_at_cores<=1.25": at_cores["p95_slowdown"] <= TARGETS["slowdown_at_cores"],
+        },
+    }
+
+
+def report(res: dict, console: Console) -> None:
+    t = Table(title="sandbox start-up and command latency (this run)")
+    for col in ("measurement", "p50 ms", "p95 ms", "vs baseline (p50)"):
+        t.add_column(col)
+    s, c = res["start"], res["command"]
+    t.add_row("raw bwrap … /bin/true (baseline)", f"{s['raw_bwrap_true']['p50_ms']:.2f}", f"{s['raw_bwrap_true']['p95_ms']:.2f}", "1.00×")
+    t.add_row("cold: new sandbox + first command", f"{s['cold_sandbox_first_command']['p50_ms']:.2f}",
+              f"{s['cold_sandbox_first_command']['p95_ms']:.2f}", f"{s['cold_vs_raw_p50']:.2f}×")
+    t.add_row("warm pool: fresh sandbox + first command", f"{s['pooled_sandbox_first_command']['p50_ms']:.2f}",
+              f"{s['pooled_sandbox_first_command']['p95_ms']:.2f}", f"{s['pooled_vs_raw_p50']:.2f}×")
+    t.add_row("host: subprocess bash -c true (baseline)", f"{c['host_subprocess_bash_true']['p50_ms']:.2f}",
+              f"{c['host_subprocess_bash_true']['p95_ms']:.2f}", "1.00×")
+    t.add_row("live sandbox: exec('true')", f"{c['sandbox_exec_true']['p50_ms']:.2f}",
+              f"{c['sandbox_exec_true']['p95_ms']:.2f}", f"{c['ratio_p50']:.2f}× (+{c['overhead_p50_ms']:.2f} ms)")
+    console.print(t)
+    w = Table(title=f"concurrency sweep: {res['sweep']['command']}")
+    for col in ("sandboxes", "p50 ms", "p95 ms", "p50 slowdown", "p95 slowdown"):
+        w.add_column(col)
+    for r in res["sweep"]["rows"]:
+        w.add_row(str(r["sandboxes"]), f"{r['p50_ms']:.1f}", f"{r['p95_ms']:.1f}", f"{r['p50_slowdown']:.2f}×", f"{r['p95_slowdown']:.2f}×")
+    console.print(w)
+    console.print(f"capacity (largest load with p95 ≤ 1.5× single): {res['sweep']['capacity_p95_le_1.5x']} sandboxes "
+                  f"on {res['machine']['cores']} cores")
+    for name, ok in res["targets"].items():
+        console.print(f"target {name}: {'[green]met' if ok else '[red]missed'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=5, help="commands per sandbox at each sweep load")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sandbox.json")
+    args = ap.parse_args()
+    res = asyncio.run(main_async(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2))
+    report(res, Console())
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
