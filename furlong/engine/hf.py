@@ -15,7 +15,7 @@ import itertools
 import random
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,19 +160,30 @@ class HFEngine:
         self._resumed.set()
         self._wake.set()
 
+    async def abort_all(self) -> int:
+        """Finish every running and waiting request now with finish_reason "abort", keeping the tokens
+        generated so far (a partial rollout the caller may continue later). Returns how many were aborted."""
+        async with self._step_lock:
+            return self._abort_open()
+
+    def _abort_open(self) -> int:
+        requests = [*self._batch.rows, *self._pending]
+        self._batch.keep([])
+        self._pending.clear()
+        for request in requests:
+            self._resolve(request)
+        return len(requests)
+
     async def close(self) -> None:
-        """Finish every open request with finish_reason "abort" (partial output kept) and stop the loop."""
+        """Abort every open request (as abort_all) and stop the loop; later generate() calls fail."""
         if self._closed:
             return
         self._closed = True
         self._wake.set()
         self._resumed.set()
         if self._loop_task is not None:
-            await self._loop_task
-        for request in [*self._batch.rows, *self._pending]:
-            self._resolve(request)
-        self._batch.keep([])
-        self._pending.clear()
+            await asyncio.wait([self._loop_task])  # its own failure was already reported to its requests
+        self._abort_open()
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> HFEngine:
@@ -184,6 +195,14 @@ class HFEngine:
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="furlong-hf-engine")
+            self._loop_task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        """A crashed scheduler must not leave callers waiting forever: fail what it was serving."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._fail([*self._batch.rows, *self._pending], task.exception() or RuntimeError("engine loop died"))
+        self._pending.clear()
 
     async def _run(self) -> None:
         while not self._closed:
@@ -237,7 +256,7 @@ class HFEngine:
     def _sample(self, rows: list[_Request], logits: torch.Tensor, version: int) -> None:
         tokens, logprobs = sample_next(logits, [r.sampling for r in rows], [r.rng for r in rows])
         self.stats.generated_tokens += len(rows)
-        for r, token, logprob in zip(rows, tokens, logprobs):
+        for r, token, logprob in zip(rows, tokens, logprobs, strict=True):
             r.output_ids.append(token)
             r.logprobs.append(logprob)
             r.versions.append(version)
@@ -256,11 +275,11 @@ class HFEngine:
         if not request.future.done():
             request.future.set_result(request.result(self._version))
 
-    def _fail(self, requests: list[_Request], error: Exception) -> None:
+    def _fail(self, requests: list[_Request], error: BaseException) -> None:
         self._batch.keep([])
         for request in requests:
             if not request.future.done():
-                request.future.set_exception(EngineError(f"forward pass failed: {error!r}"))
+                request.future.set_exception(EngineError(f"engine step failed: {error!r}"))
 
 
 def _default_eos(model: PreTrainedModel) -> list[int]:

@@ -22,7 +22,16 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _cache_tensors(cache: DynamicCache) -> KV:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[union-attr,misc]
+
+
+def _adopt(kv: KV) -> DynamicCache:
+    """A cache holding `kv` without copying it (seeding through update() would concatenate onto empty
+    tensors, one extra full copy of the cache per step)."""
+    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
+    for layer, (k, v) in zip(cache.layers, kv, strict=True):
+        layer.keys, layer.values = k, v  # type: ignore[union-attr]
+    return cache
 
 
 def _forward(model: PreTrainedModel, input_ids: torch.Tensor, kv: KV | None,
@@ -31,7 +40,7 @@ def _forward(model: PreTrainedModel, input_ids: torch.Tensor, kv: KV | None,
     """Last-position logits [B, V] (fp32) and the grown cache. No config on the cache on purpose: every layer
     keeps its full history, which the padding arithmetic here assumes (sliding windows are applied by the
     attention mask instead)."""
-    cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+    cache = _adopt(kv) if kv else DynamicCache()
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1, :].float(), _cache_tensors(out.past_key_values)
@@ -65,7 +74,7 @@ class DecodeBatch(Generic[Row]):
         width = max(self.mask.shape[1], length)
         self.kv = [(torch.cat([_left_pad(k0, width), _left_pad(k1, width)]),
                     torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
-                   for (k0, v0), (k1, v1) in zip(self.kv, kv)]
+                   for (k0, v0), (k1, v1) in zip(self.kv, kv, strict=True)]
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
         self.rows.extend(rows)
 

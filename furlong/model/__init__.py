@@ -1,4 +1,13 @@
-"""Models: load local Hugging Face checkpoints, build the tiny default model, render chats token-in/token-out."""
+"""Models: load local Hugging Face checkpoints, build the tiny default model, render chats token-in/token-out.
+
+Loading and the tiny-model factory import transformers (seconds); they load on first use, so code that only
+parses tool calls or renders chats stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from furlong.model.chat import (
     ChatTemplateError,
@@ -12,8 +21,13 @@ from furlong.model.chat import (
     parse_tool_calls,
     render_prompt_ids,
 )
-from furlong.model.loading import ModelLoadError, load_model, load_tokenizer
-from furlong.model.tiny import TinySpec, init_tiny
+
+if TYPE_CHECKING:
+    from furlong.model.loading import ModelLoadError, load_model, load_tokenizer
+    from furlong.model.tiny import TinySpec, init_tiny
+
+_LAZY = {"ModelLoadError": "loading", "load_model": "loading", "load_tokenizer": "loading",
+         "TinySpec": "tiny", "init_tiny": "tiny"}
 
 __all__ = [
     "ChatTemplateError",
@@ -32,3 +46,9 @@ __all__ = [
     "parse_tool_calls",
     "render_prompt_ids",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"furlong.model.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'furlong.model' has no attribute {name!r}")

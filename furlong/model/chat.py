@@ -14,9 +14,10 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # parsing tool calls must not cost a transformers import
+    from transformers import PreTrainedTokenizerBase
 
 END_OF_TURN = "<|im_end|>"
 
@@ -56,7 +57,7 @@ class Message:
         return d
 
 
-MessageLike = Union[Message, Mapping[str, Any]]
+MessageLike = Message | Mapping[str, Any]
 # A stand-in history the incremental pieces are cut from; its content never reaches the output.
 _STUB = (Message("system", "s"), Message("user", "u"), Message("assistant", "a"))
 
@@ -69,8 +70,10 @@ def render_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[MessageLi
                 tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False) -> str:
     if not tokenizer.chat_template:
         raise ChatTemplateError("tokenizer has no chat template")
-    return tokenizer.apply_chat_template(_dicts(messages), tools=list(tools) if tools else None,
+    text = tokenizer.apply_chat_template(_dicts(messages), tools=[dict(t) for t in tools] if tools else None,
                                          add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert isinstance(text, str)
+    return text
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -58,7 +58,8 @@ def _python_snippet(rng: random.Random) -> str:
         f"    \"\"\"Return the {w} of {arg}.\"\"\"\n"
         f"    total = 0\n    for x in {arg}:\n        if x % {rng.randint(2, 9)} == 0:\n"
         f"            total += x\n    return total\n\n\n"
-        f"if __name__ == \"__main__\":\n    print({name}_{w}([{', '.join(str(rng.randint(0, 99)) for _ in range(5))}]))\n"
+        f"if __name__ == \"__main__\":\n    print({name}_{w}([{', '.join(str(rng.randint(0, 99)) for _ in range(5))}]))"
+        "\n"
     )
 
 

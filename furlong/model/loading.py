@@ -29,7 +29,7 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str
     model = AutoModelForCausalLM.from_pretrained(
         p, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
     )
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() loosely
 
 
 def load_tokenizer(path: Path | str, require_chat_template: bool = True) -> PreTrainedTokenizerBase:

@@ -99,8 +99,8 @@ def _check_existing(out: Path, fingerprint: dict) -> Path:
 def _build(out: Path, spec: TinySpec, seed: int) -> None:
     tok = train_bpe(generate_corpus(seed, spec.corpus_samples, spec.stdlib_bytes), spec.vocab_size)
     tokenizer = wrap_for_transformers(tok)
-    model = build_model(spec, seed, len(tokenizer), tokenizer.convert_tokens_to_ids(IM_END),
-                        tokenizer.convert_tokens_to_ids(END_OF_TEXT))
+    eos_id, pad_id = (int(tokenizer.convert_tokens_to_ids(t)) for t in (IM_END, END_OF_TEXT))  # type: ignore[arg-type]
+    model = build_model(spec, seed, len(tokenizer), eos_id=eos_id, pad_id=pad_id)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     _portable_tokenizer_class(out / "tokenizer_config.json")
@@ -131,7 +131,7 @@ def build_model(spec: TinySpec, seed: int, vocab_size: int, eos_id: int, pad_id:
         pad_token_id=pad_id,
     )
     torch.manual_seed(seed)  # initialisation is the only randomness
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model = Qwen3ForCausalLM(config).float().eval()
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id,
                                                bos_token_id=None)
     return model
