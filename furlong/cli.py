@@ -33,6 +33,19 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--per-family", type=int, help="instances per task family (eval.per_family)")
     _common(ev)
 
+    tr = sub.add_parser("train", help="the whole loop: tiny model, SFT, GRPO in sandboxes, held-out eval")
+    tr.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a killed run from its last checkpoint")
+    _common(tr)
+    sft = sub.add_parser("sft", help="only the warm-start: SFT on oracle demonstrations of the train tasks")
+    _common(sft)
+
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    init = model_sub.add_parser("init", help="build a model offline (the embedded default: tiny)")
+    init.add_argument("name", choices=["tiny"])
+    init.add_argument("--out", type=Path, help="directory (default: the cache)")
+    init.add_argument("--seed", type=int, default=0)
+
     img = sub.add_parser("image", help="build or list sandbox images")
     img_sub = img.add_subparsers(dest="image_command", required=True)
     build = img_sub.add_parser("build", help="build the base image, and the images of --tasks if given")
@@ -99,12 +112,59 @@ def cmd_image(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_dir(cfg: Config, args: argparse.Namespace):
+    import time
+
+    from furlong.metrics.run import RunDir
+
+    if getattr(args, "resume", None):
+        if args.overrides or args.config:
+            raise ConfigError("--resume continues a run with its own config; drop the overrides")
+        run = RunDir.open(args.resume)
+        return Config.model_validate(run.config()), run
+    path = cfg.train.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    return cfg, RunDir.create(path, cfg.model_dump(mode="json"))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from furlong.train.driver import train
+
+    cfg, run = _run_dir(_config(args, {}), args)
+    console.print(f"run directory: {run.path}")
+    summary = asyncio.run(train(cfg, run, console))
+    run.close()
+    console.print(f"held-out pass@1: {summary['heldout_pass_at_1_before_rl']:.3f} after SFT -> "
+                  f"{summary['heldout_pass_at_1_after_rl']:.3f} after RL "
+                  f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each)")
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from furlong.train.driver import build, sft_phase
+
+    cfg, run = _run_dir(_config(args, {}), args)
+    out = asyncio.run(sft_phase(cfg, build(cfg), run, console))
+    console.print(f"SFT model: {out}")
+    print(json.dumps(run.phase("sft")))
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from furlong.model.tiny import init_tiny
+
+    with console.status("building the tiny model and tokenizer"):
+        path = init_tiny(args.out, seed=args.seed)
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handlers = {"eval": cmd_eval, "image": cmd_image}
+    handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model}
     try:
         return handlers[args.command](args)
-    except (ConfigError, ValueError, PermissionError) as exc:
+    except (ConfigError, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
 

@@ -36,9 +36,68 @@ class EvalConfig(_Node):
     per_family: int | None = Field(2, ge=1, description="instances of each task family; null for all")
 
 
+DEFAULT_FAMILIES = ("create-file-word", "make-directory", "rename-file", "append-line", "sum-two-numbers")
+
+
+class ModelConfig(_Node):
+    path: Path | None = Field(None, description="a local Hugging Face checkpoint; null builds the tiny model")
+    seed: int = 0
+
+
+class AgentConfig(_Node):
+    max_turns: int = Field(3, ge=1)
+    max_context_tokens: int = Field(768, ge=64)
+    max_new_tokens: int = Field(96, ge=1, description="per model turn")
+    command_timeout_s: float = Field(10.0, gt=0)
+    observation_chars: int = Field(400, ge=32)
+
+
+class SFTConfig(_Node):
+    instances_per_family: int = Field(64, ge=1)
+    epochs: int = Field(8, ge=0)
+    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(32, ge=1)
+
+
+class RLConfig(_Node):
+    steps: int = Field(30, ge=0)
+    tasks_per_step: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=2)
+    temperature: float = Field(1.0, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    tis_cap: float = Field(2.0, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    normalize_std: bool = True
+    filter_zero_variance: bool = True
+    micro_batch_size: int = Field(16, ge=1)
+    concurrency: int = Field(8, ge=1, description="episodes (sandboxes) at once")
+    checkpoint_every: int = Field(5, ge=1)
+
+
+class TrainEvalConfig(_Node):
+    heldout_per_family: int = Field(13, ge=1, description="held-out instances of each family, one episode each")
+    temperature: float = Field(1.0, ge=0, description="pass@1 is measured by sampling at this temperature")
+    seed: int = 1234
+
+
+class TrainConfig(_Node):
+    tasks: Path = BUNDLED_TASKS
+    families: tuple[str, ...] = DEFAULT_FAMILIES
+    run_dir: Path | None = Field(None, description="null: runs/<date-time>")
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    agent: AgentConfig = AgentConfig()
+    sft: SFTConfig = SFTConfig()
+    rl: RLConfig = RLConfig()
+    eval: TrainEvalConfig = TrainEvalConfig()
+
+
 class Config(_Node):
     sandbox: SandboxConfig = SandboxConfig()
     eval: EvalConfig = EvalConfig()
+    train: TrainConfig = TrainConfig()
 
 
 class ConfigError(ValueError):

@@ -60,3 +60,11 @@ def test_cli_eval_writes_jsonl_and_reports_bad_input(tmp_path: Path):
     assert res.returncode == 2 and "'hello': task.toml: field 'agent.timeout_sec'" in res.stderr
     res = _furlong("eval", "eval.concurency=2")
     assert res.returncode == 2 and "eval.concurency" in res.stderr
+
+
+def test_bundled_recipes_load_and_default_matches_the_builtin():
+    from furlong.config import RECIPES, Config
+
+    for recipe in sorted(RECIPES.glob("*.yaml")):
+        load_config(recipe)
+    assert load_config(RECIPES / "default.yaml") == Config()

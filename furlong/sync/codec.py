@@ -4,15 +4,14 @@ Every tensor is handled as a flat array of unsigned "words" of its element width
 uint16, fp32 -> uint32, int8/bool -> uint8; 16-byte dtypes as pairs of uint64), so bit-exact
 comparison and modular (wrap-around) arithmetic work for any dtype.
 
-Scans walk the tensors in CHUNK-element pieces with one reused mask buffer: that keeps the
-working set in L2 and avoids the page faults a fresh full-size temporary costs (on this kind
-of VM, first-touching 128 MB of new memory alone takes ~100 ms).
+Work is done in CHUNK-word pieces with reused buffers: that keeps the working set in cache
+and avoids the page faults a fresh full-size temporary costs (on this kind of VM,
+first-touching 128 MB of new memory alone takes ~100 ms).
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,7 +19,7 @@ import torch
 if sys.byteorder != "little":  # byte planes and checksums assume little-endian hosts
     raise ImportError("furlong.sync supports little-endian hosts only")
 
-CHUNK = 1 << 18  # elements per scan step; a multiple of 8 so bitmap chunks are whole bytes
+CHUNK = 1 << 20  # elements per scan step; a multiple of 8 so bitmap chunks are whole bytes
 UINT: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -43,7 +42,8 @@ def as_words(t: torch.Tensor) -> np.ndarray:
 
 def zigzag(u: np.ndarray) -> np.ndarray:
     """Map wrap-around differences to small unsigned ints: 0,-1,1,-2.. -> 0,1,2,3.. (in place)."""
-    sign = np.negative(u >> (8 * u.itemsize - 1))  # all-ones where the difference is negative
+    sign = u >> (8 * u.itemsize - 1)
+    np.negative(sign, out=sign)  # all-ones where the difference is negative
     np.left_shift(u, 1, out=u)
     np.bitwise_xor(u, sign, out=u)
     return u
@@ -51,7 +51,8 @@ def zigzag(u: np.ndarray) -> np.ndarray:
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
     """Inverse of zigzag (in place)."""
-    sign = np.negative(z & 1)
+    sign = z & 1
+    np.negative(sign, out=sign)
     np.right_shift(z, 1, out=z)
     np.bitwise_xor(z, sign, out=z)
     return z
@@ -80,52 +81,14 @@ def read_planes(
     return x
 
 
-@dataclass
-class Changes:
-    """Where `new` differs from `prev` and by how much (wrap-around new - prev, per word)."""
+def plane_views(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Strided byte views that, concatenated, give the planes of concatenate(parts).
 
-    count: int
-    values: np.ndarray
-    gaps: np.ndarray | None  # (position gap - 1) per change, int64; None if over max_sparse
-    bitmap: np.ndarray  # packbits(change mask, little bit order), ceil(n / 8) bytes
-
-
-def scan_changes(a: np.ndarray, b: np.ndarray, max_sparse: int) -> Changes:
-    """Compare two word arrays chunk by chunk; gaps are kept while count <= max_sparse."""
-    n = a.size
-    mask = np.empty(min(n, CHUNK), dtype=bool)
-    bitmaps, values, gaps = [], [], []
-    last, count, keep_gaps = -1, 0, True
-    for s in range(0, n, CHUNK):
-        ac, bc = a[s : s + CHUNK], b[s : s + CHUNK]
-        m = mask[: ac.size]
-        np.not_equal(ac, bc, out=m)
-        bitmaps.append(np.packbits(m, bitorder="little"))
-        local = np.flatnonzero(m)
-        if local.size == 0:
-            continue
-        values.append(np.take(bc, local) - np.take(ac, local))  # unsigned: wraps mod 2^bits
-        count += local.size
-        if keep_gaps:
-            g = np.empty_like(local)
-            g[0] = local[0] + s - last - 1
-            np.subtract(local[1:], local[:-1], out=g[1:])
-            g[1:] -= 1
-            gaps.append(g)
-            last = int(local[-1]) + s
-            keep_gaps = count <= max_sparse
-    return Changes(
-        count=count,
-        values=_concat(values, a.dtype),
-        gaps=_concat(gaps, np.int64) if keep_gaps else None,
-        bitmap=_concat(bitmaps, np.uint8),
-    )
-
-
-def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    np.concatenate copies straight from these views, so a section is assembled in one copy."""
     if not parts:
-        return np.empty(0, dtype=dtype)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return []
+    w = parts[0].itemsize
+    return [p.view(np.uint8)[i::w] for i in range(w) for p in parts]
 
 
 def escape_width(n: int) -> int:
@@ -133,28 +96,29 @@ def escape_width(n: int) -> int:
     return 4 if n < (1 << 32) else 8
 
 
-def split_gaps(gaps: np.ndarray, gap_width: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Primary symbols (gap capped at 2**(8*gap_width)-1) and the escape stream of excesses."""
-    cap = (1 << (8 * gap_width)) - 1
-    prim = np.minimum(gaps, cap).astype(UINT[gap_width])
-    big = gaps[gaps >= cap]
-    return prim, (big - cap).astype(UINT[escape_width(n)])
+def split_escapes(x: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symbols min(x, C) as `width`-byte words, C = 2**(8*width) - 1, and x - C where x >= C.
+
+    Keeps the common case in one narrow plane whose escape symbol C is just another
+    frequent symbol for Huffman, instead of a mostly-zero high plane that Huffman cannot
+    code below 1 bit per symbol."""
+    cap = (1 << (8 * width)) - 1
+    big = np.flatnonzero(x >= cap)  # rare: cheap to find, and only these need escapes
+    prim = x.astype(UINT[width])  # truncating cast; the escaped entries are fixed below
+    esc = x[big] - x.dtype.type(cap)
+    prim[big] = cap
+    return prim, esc
 
 
-def join_gaps(prim: np.ndarray, esc: np.ndarray) -> np.ndarray:
-    """Inverse of split_gaps; the caller checks the escape count matches the header."""
-    gaps = prim.astype(np.int64)
-    cap = (1 << (8 * prim.itemsize)) - 1
-    gaps[gaps == cap] += esc.astype(np.int64)
-    return gaps
+def join_escapes(prim: np.ndarray, esc: np.ndarray, dtype: type) -> np.ndarray:
+    """Inverse of split_escapes; the caller has checked the escape count."""
+    x = prim.astype(dtype)
+    x[np.flatnonzero(prim == (1 << (8 * prim.itemsize)) - 1)] += esc.astype(dtype, copy=False)
+    return x
 
 
-def gaps_to_positions(gaps: np.ndarray) -> np.ndarray:
-    """Absolute word positions from (gap - 1) values (consumes `gaps`); strictly increasing."""
-    gaps += 1
-    pos = np.cumsum(gaps, out=gaps)
-    pos -= 1
-    return pos
+def count_escapes(prim: np.ndarray) -> int:
+    return int(np.count_nonzero(prim == (1 << (8 * prim.itemsize)) - 1))
 
 
 def add_at(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray, sign: int) -> None:

@@ -28,12 +28,12 @@ from furlong.sync.checksum import DEFAULT_ALGO, tensor_digest
 from furlong.sync.errors import (
     BaseVersionMismatch, ChecksumMismatch, IncompatibleBase, StaleUpdate, SyncError,
 )
-from furlong.sync.sections import decode_full, decode_patch, encode_tensor_delta, encode_tensor_full
+from furlong.sync.patches import decode_full, decode_patch
+from furlong.sync.sections import delta_compressor, encode_tensor_delta, encode_tensor_full
 from furlong.sync.update import Kind, WeightUpdate, pack_payload, unpack_payload
 
 DELTA_ENCODING = "furlong-delta/1"
 FULL_ENCODING = "furlong-full/1"
-DELTA_LEVEL = 1  # sections are Huffman-bound byte planes: higher levels only cost time
 FULL_LEVEL = 3
 
 Tensors = Mapping[str, torch.Tensor]
@@ -41,13 +41,15 @@ Tensors = Mapping[str, torch.Tensor]
 
 def encode_delta(
     prev: Tensors, new: Tensors, *, version: int, base_version: int,
-    level: int = DELTA_LEVEL, checksum_algo: str = DEFAULT_ALGO,
+    level: int | None = None, checksum_algo: str = DEFAULT_ALGO,
 ) -> bytes:
-    """Payload turning `prev` (published as `base_version`) into `new` (as `version`)."""
+    """Payload turning `prev` (published as `base_version`) into `new` (as `version`).
+
+    `level`: zstd level for the sections; None = tuned fast parameters (see delta_compressor)."""
     if version <= base_version:
         raise ValueError(f"version {version} must be newer than base_version {base_version}")
     _check_same_layout(prev, new)
-    cctx = zstd.ZstdCompressor(level=level)  # no worker threads: one core per encode
+    cctx = delta_compressor(level)
     metas, sections, offset = [], [], 0
     for name, t in new.items():
         td, data = encode_tensor_delta(name, prev[name].contiguous(), t.contiguous(), cctx, checksum_algo)

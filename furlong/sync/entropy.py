@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from furlong.sync import codec
+from furlong.sync import codec, scan
 
 _BINCOUNT_MAX = 1 << 22  # beyond this, np.unique's sort is cheaper than a huge histogram
 
@@ -55,9 +55,9 @@ def empirical_entropy_bits(symbols: np.ndarray) -> float:
 
 def tensor_entropy_bound(prev: torch.Tensor, new: torch.Tensor) -> EntropyBound:
     a, b = codec.as_words(prev.contiguous()), codec.as_words(new.contiguous())
-    ch = codec.scan_changes(a, b, max_sparse=a.size)
-    assert ch.gaps is not None  # max_sparse = n keeps every gap
-    return EntropyBound(ch.count, empirical_entropy_bits(ch.gaps), empirical_entropy_bits(ch.values))
+    pos, values = scan.find_changes(a, b)
+    gaps = np.diff(pos, prepend=-1)
+    return EntropyBound(pos.size, empirical_entropy_bits(gaps), empirical_entropy_bits(values))
 
 
 def delta_entropy_bound(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> EntropyBound:

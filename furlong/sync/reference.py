@@ -14,14 +14,15 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from furlong.sync.checksum import tensor_bytes
+from furlong.sync.codec import as_words
 
 _LEN = struct.Struct("<Q")
 _CHUNK_BYTES = 1 << 20  # XOR through a reused buffer: no full-size temporaries
 
 
 def _xor_words(t: torch.Tensor) -> np.ndarray:
-    b = np.frombuffer(tensor_bytes(t), dtype=np.uint8)
+    """The tensor's bytes (a writable view), as uint64 words when the size allows."""
+    b = as_words(t).view(np.uint8)
     return b.view(np.uint64) if b.size % 8 == 0 else b
 
 

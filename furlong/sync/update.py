@@ -32,8 +32,8 @@ MAX_HEADER = 1 << 30  # sanity bound before json.loads on a damaged length field
 
 Kind = Literal["full", "delta", "adapter"]
 KINDS = ("full", "delta", "adapter")
-# Per-tensor encodings; their section layouts are documented in furlong.sync.delta.
-TENSOR_ENCODINGS = ("same", "sparse", "bitmap", "planes")
+# Per-tensor encodings; their section layouts are documented in furlong.sync.sections.
+TENSOR_ENCODINGS = ("same", "sparse", "bitmap", "dense", "planes")
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,9 @@ class TensorDelta:
     length: int = 0  # compressed section length in bytes (0 for "same")
     raw_length: int = 0  # decompressed section length, checked on decode
     gap_width: int = 0  # "sparse": bytes per primary gap symbol (1 or 2)
-    n_escapes: int = 0  # "sparse": gaps too large for gap_width, sent in the escape plane
-    chunk: int = 0  # "bitmap"/"planes": elements per chunk of the section layout
+    n_escapes: int = 0  # "sparse": gaps too large for gap_width, sent as escapes
+    n_value_escapes: int = 0  # values >= 255 after zigzag, sent as escapes
+    chunk: int = 0  # "dense"/"planes": words per run of the section layout
 
     @property
     def numel(self) -> int:

@@ -1,0 +1,196 @@
+"""`furlong train`: tiny model -> SFT on oracle demos -> held-out eval -> GRPO in sandboxes -> eval.
+
+Each phase records its result in the run directory when it finishes, so `--resume` skips what is
+done and continues RL from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from furlong.agent.episode import AgentParams, Episode
+from furlong.config import Config
+from furlong.engine.hf import HFEngine
+from furlong.metrics.run import RunDir, atomic_write
+from furlong.metrics.ui import progress_bar
+from furlong.model.loading import load_model, load_tokenizer
+from furlong.model.tiny import init_tiny
+from furlong.rollout.groups import Rollouts, pass_rate, plan_step
+from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.images import ImageStore
+from furlong.tasks.family import load_family
+from furlong.train.sft import oracle_demos, sft_train
+from furlong.train.trainer import GRPOConfig, Trainer
+
+
+@dataclass(frozen=True)
+class Pieces:
+    tokenizer: object
+    backend: BwrapBackend
+    store: ImageStore
+    train_tasks: list
+    eval_tasks: list
+    params: AgentParams
+    base_model: Path
+
+
+def build(cfg: Config) -> Pieces:
+    t = cfg.train
+    base = t.model.path or init_tiny(seed=t.model.seed)
+    families = [load_family(t.tasks / name) for name in t.families]
+    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
+    a = t.agent
+    return Pieces(
+        tokenizer=load_tokenizer(base), backend=backend,
+        store=ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror),
+        train_tasks=[task for f in families for task in f.instances("train")],
+        eval_tasks=[task for f in families for task in f.instances("heldout", t.eval.heldout_per_family)],
+        params=AgentParams(max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
+                           max_new_tokens=a.max_new_tokens, command_timeout_s=a.command_timeout_s,
+                           observation_chars=a.observation_chars),
+        base_model=Path(base))
+
+
+def _rollouts(p: Pieces, model, concurrency: int) -> tuple[HFEngine, Rollouts]:
+    engine = HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
+    return engine, Rollouts(engine, p.tokenizer, p.backend, p.store, p.params, concurrency)
+
+
+async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Path:
+    if done := run.phase("sft"):
+        return Path(done["model"])
+    s, start = cfg.train.sft, time.perf_counter()
+    by_family: dict[str, list] = {}
+    for task in p.train_tasks:
+        by_family.setdefault(task.family, []).append(task)
+    tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]]
+    with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
+        demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, cfg.train.rl.concurrency, advance)
+    model = load_model(p.base_model)
+    steps = s.epochs * -(-len(demos) // s.batch_size)
+    with progress_bar(console, "sft: training", steps) as advance:
+        def on_step(step: int, loss: float) -> None:
+            run.log("sft", step, {"loss": loss})
+            advance()
+        losses = await asyncio.to_thread(sft_train, model, demos, s.epochs, s.lr, s.batch_size, cfg.train.seed,
+                                         p.tokenizer.pad_token_id, on_step)
+    out = _save_hf(model, p.tokenizer, run.checkpoint_dir("sft"))
+    result = {"model": str(out), "demos": len(demos), "demo_failures": len(tasks) - len(demos),
+              "steps": len(losses), "final_loss": losses[-1] if losses else None,
+              "seconds": time.perf_counter() - start}
+    run.finish_phase("sft", result)
+    return out
+
+
+def _save_hf(model, tokenizer, out: Path) -> Path:
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, console: Console) -> dict:
+    if done := run.phase(name):
+        return done
+    start = time.perf_counter()
+    engine, rollouts = _rollouts(p, model, cfg.train.rl.concurrency)
+    with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
+        episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
+    await engine.close()
+    families: dict[str, list[float]] = {}
+    for e in episodes:
+        families.setdefault(e.task_id.split("@")[0], []).append(float((e.reward or 0.0) >= 1.0))
+    result = {"pass_at_1": pass_rate(episodes), "episodes": len(episodes),
+              "infra_errors": sum(e.status == "infra_error" for e in episodes),
+              "per_family": {k: sum(v) / len(v) for k, v in families.items()},
+              "seconds": time.perf_counter() - start}
+    run.finish_phase(name, result)
+    return result
+
+
+def _grpo_config(cfg: Config) -> GRPOConfig:
+    r = cfg.train.rl
+    return GRPOConfig(lr=r.lr, clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
+                      normalize_std=r.normalize_std, filter_zero_variance=r.filter_zero_variance,
+                      micro_batch_size=r.micro_batch_size, temperature=r.temperature, seed=cfg.train.seed)
+
+
+def rollout_metrics(episodes: list[Episode], version: int) -> dict:
+    n = max(len(episodes), 1)
+    keys = ",".join(f"{e.task_id}#{e.group_id}.{e.sample_id}" for e in episodes)
+    lags = [version - min(v for v, m in zip(e.token_weight_versions, e.loss_mask) if m)
+            for e in episodes if e.response_len]
+    out = {f"time_{k}": sum(getattr(e.timing, k) for e in episodes) / n
+           for k in ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")}
+    out.update({"episodes": len(episodes), "turns_mean": sum(e.turns for e in episodes) / n,
+                "tool_errors": sum(e.tool_errors for e in episodes),
+                "status_truncated": sum(e.status == "truncated" for e in episodes),
+                "status_timeout": sum(e.status == "timeout" for e in episodes),
+                "status_infra_error": sum(e.status == "infra_error" for e in episodes),
+                "sample_lag_mean": sum(lags) / max(len(lags), 1),
+                "samples_sha": hashlib.sha256(keys.encode()).hexdigest()[:16]})
+    return out
+
+
+async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path) -> Trainer:
+    r = cfg.train.rl
+    trainer = Trainer(load_model(sft_dir), _grpo_config(cfg))
+    start, last = 0, run.state()["last_checkpoint"]
+    if last:  # resuming: continue after the last complete step; its later metrics are redone
+        trainer.load(run.checkpoint_dir(last["name"]))
+        start = last["step"] + 1
+        run.drop_metrics_after("rl", last["step"])
+    if run.phase("rl"):
+        return trainer
+    engine, rollouts = _rollouts(p, load_model(sft_dir), r.concurrency)
+    await engine.update_weights(trainer.state_dict_for_engine(), trainer.version)
+    with progress_bar(console, "rl: GRPO steps", r.steps, completed=start) as advance:
+        for step in range(start, r.steps):
+            step_start = time.perf_counter()
+            plan = plan_step(p.train_tasks, step, r.tasks_per_step, r.group_size, cfg.train.seed)
+            episodes = await rollouts.run_plan(plan, r.temperature)
+            stats = await asyncio.to_thread(trainer.train_step, episodes)
+            await engine.update_weights(trainer.state_dict_for_engine(), trainer.version)
+            run.log("rl", step, {**asdict(stats), **rollout_metrics(episodes, stats.version - stats.updated),
+                                 "step_seconds": time.perf_counter() - step_start})
+            if (step + 1) % r.checkpoint_every == 0 or step == r.steps - 1:
+                trainer.save(run.checkpoint_dir(f"rl-{step}"))
+                run.record_checkpoint(f"rl-{step}", step)
+            advance(f"reward {stats.reward_mean:.2f}")
+    await engine.close()
+    # summed over the logged steps, so time spent before a kill and resume is counted once
+    run.finish_phase("rl", {"steps": r.steps, "seconds": sum(row["step_seconds"] for row in run.metrics("rl"))})
+    return trainer
+
+
+async def train(cfg: Config, run: RunDir, console: Console) -> dict:
+    began = time.perf_counter()
+    p = await asyncio.to_thread(build, cfg)
+    sft_dir = await sft_phase(cfg, p, run, console)
+    before = await eval_phase("eval_before", load_model(sft_dir), cfg, p, run, console)
+    trainer = await rl_phase(cfg, p, run, console, sft_dir)
+    after = await eval_phase("eval_after", trainer.model, cfg, p, run, console)
+    phases = run.state()["phases"]
+    summary = {
+        "run_dir": str(run.path),
+        "heldout_pass_at_1_before_rl": before["pass_at_1"], "heldout_pass_at_1_after_rl": after["pass_at_1"],
+        "improvement_points": 100 * (after["pass_at_1"] - before["pass_at_1"]),
+        "eval_episodes": after["episodes"], "eval_infra_errors": before["infra_errors"] + after["infra_errors"],
+        "per_family_before": before["per_family"], "per_family_after": after["per_family"],
+        "rl_steps": cfg.train.rl.steps, "families": list(cfg.train.families),
+        "phase_seconds": {name: round(phases[name]["seconds"], 1) for name in ("sft", "eval_before", "rl", "eval_after")},
+        "wall_seconds_this_invocation": round(time.perf_counter() - began, 1),
+    }
+    atomic_write(run.path / "summary.json", json.dumps(summary, indent=1))
+    return summary

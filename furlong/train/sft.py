@@ -1,0 +1,121 @@
+"""`furlong sft`: warm-start on oracle trajectories, so a fresh model learns the tool-call format.
+
+A demonstration is a task's own solution replayed through the agent format, in a real sandbox so the
+tool result is the real one: prompt, an assistant turn calling bash with the solution, the tool
+result, and a closing assistant turn. Its token layout is exactly what the RL loop produces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from furlong.agent.episode import AgentParams
+from furlong.agent.tools import ToolRunner
+from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
+from furlong.sandbox.base import SandboxSpec
+from furlong.tasks.model import Task
+from furlong.tasks.verifier import verify
+
+FINAL_ANSWER = "Done."
+
+
+@dataclass(frozen=True)
+class Demo:
+    task_id: str
+    tokens: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+
+
+def solution_command(task: Task) -> str:
+    """The solution script as one bash command: without its shebang, comments and blank lines."""
+    lines = task.solution.read_text().splitlines()
+    keep = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    return "\n".join(keep)
+
+
+def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: AgentParams) -> Demo:
+    prompt = render_prompt_ids(tokenizer, [Message("system", params.system_prompt), Message("user", task.instruction)])
+    call = assistant_ids(tokenizer, Message("assistant", "", (ToolCall("bash", {"command": command}),)))
+    result = continuation_ids(tokenizer, [Message("tool", observation)])
+    final = assistant_ids(tokenizer, Message("assistant", FINAL_ANSWER))
+    parts = [(prompt, 0), (call, 1), (result, 0), (final, 1)]
+    return Demo(task_id=task.id, tokens=tuple(t for ids, _ in parts for t in ids),
+                loss_mask=tuple(m for ids, m in parts for _ in ids))
+
+
+async def oracle_demo(task: Task, tokenizer, backend, store, params: AgentParams) -> Demo | None:
+    """None when the solution does not pass in the sandbox (such a demo would teach a wrong answer)."""
+    image = await store.image(task.dockerfile, backend)
+    box = await backend.create(SandboxSpec(image=image, network=task.network, limits=task.limits))
+    try:
+        command = solution_command(task)
+        observation = await ToolRunner(box, params.command_timeout_s, params.observation_chars).run(
+            ToolCall("bash", {"command": command}))
+        verdict = await verify(task, box, image.workdir)
+    finally:
+        await box.close()
+    if verdict.reward != 1.0:
+        return None
+    return demo_tokens(tokenizer, task, command, observation, params)
+
+
+async def oracle_demos(tasks: list[Task], tokenizer, backend, store, params: AgentParams, concurrency: int,
+                       on_done: Callable[[], None] = lambda: None) -> list[Demo]:
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(task: Task) -> Demo | None:
+        async with slots:
+            demo = await oracle_demo(task, tokenizer, backend, store, params)
+        on_done()
+        return demo
+
+    demos = await asyncio.gather(*(one(t) for t in tasks))
+    return [d for d in demos if d is not None]
+
+
+def _batch(demos: list[Demo], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(d.tokens) for d in demos)
+    ids = torch.full((len(demos), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(demos), width), dtype=torch.long)
+    labels = torch.full((len(demos), width), -100, dtype=torch.long)
+    for i, d in enumerate(demos):
+        n = len(d.tokens)
+        ids[i, :n] = torch.tensor(d.tokens)
+        attn[i, :n] = 1
+        labels[i, :n] = torch.where(torch.tensor(d.loss_mask, dtype=torch.bool), ids[i, :n], -100)
+    return ids, attn, labels
+
+
+def sft_train(model, demos: list[Demo], epochs: int, lr: float, batch_size: int, seed: int, pad_id: int,
+              on_step: Callable[[int, float], None] = lambda step, loss: None) -> list[float]:
+    """Cross-entropy on the assistant tokens only (the loss mask), AdamW; returns the loss of each step."""
+    if not demos:
+        raise ValueError("no demonstrations to train on (did every oracle solution fail?)")
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    total = epochs * -(-len(demos) // batch_size)
+    # Warm up then decay: a model trained from scratch diverges at full lr on its first steps.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, total // 10))
+                                              * max(0.05, 1 - i / total))
+    model.train()
+    losses = []
+    for _ in range(epochs):
+        order = demos[:]
+        rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            ids, attn, labels = _batch(order[start:start + batch_size], pad_id)
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            on_step(len(losses), losses[-1])
+    model.eval()
+    return losses

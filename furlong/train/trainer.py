@@ -1,0 +1,331 @@
+"""The local GRPO trainer: episodes in, one policy update (or several minibatch updates) out, TrainStats back.
+
+A step: drop infra errors, filter zero-variance groups, compute group advantages, compute the pre-step
+("old") logprobs without grad, then per minibatch accumulate gradients over right-padded micro-batches,
+clip, and take one AdamW step. Weights stay fp32 (the master copy); bf16 autocast is optional.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from furlong.agent.episode import Episode
+from furlong.train.grpo import (
+    LossMetrics,
+    filter_zero_variance_groups,
+    group_advantages,
+    group_key,
+    merge_metrics,
+    policy_loss,
+)
+from furlong.train.logprobs import token_logprobs
+
+CHECKPOINT_FILE = "trainer.pt"
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # <= 0: no clipping (the norm is still reported)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0  # > 0 needs a reference model
+    normalize_std: bool = True
+    adv_eps: float = 1e-6
+    filter_zero_variance: bool = True
+    micro_batch_size: int = 8  # episodes per forward/backward
+    temperature: float = 1.0  # must be the rollout temperature, or every importance ratio is off
+    epochs: int = 1  # passes over the step's episodes
+    minibatches: int = 1  # optimizer steps per epoch
+    bf16_autocast: bool = False
+    seed: int = 0  # minibatch shuffling
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    loss: float
+    reward_mean: float  # over scored episodes, before filtering: what the rollouts achieved
+    pass_rate: float  # fraction with reward >= 1
+    groups_used: int
+    groups_filtered: int
+    episodes_dropped: int  # infra errors (reward None), never trained on
+    logprob_diff_mean: float
+    logprob_diff_max: float
+    rollout_train_kl: float
+    ppo_kl: float
+    clip_frac: float
+    entropy: float
+    grad_norm: float  # before clipping, mean over optimizer steps
+    response_len_mean: float
+    tokens: int  # non-pad tokens of the trained episodes (per epoch)
+    loss_tokens: int  # of which sampled (loss-masked)
+    seconds: float
+    tokens_per_s: float
+    tis_weight_mean: float
+    tis_capped_frac: float
+    ref_kl: float
+    updated: bool  # False when no group survived filtering: the weights and the version are unchanged
+    version: int  # the trainer's weight version after this step
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Right-padded [B, T] tensors for one forward/backward."""
+
+    tokens: torch.Tensor  # long, pad id 0 (never attended to, never in the loss)
+    attention_mask: torch.Tensor  # long
+    loss_mask: torch.Tensor  # float
+    rollout_logprobs: torch.Tensor  # float
+    advantages: torch.Tensor  # [B]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+
+def _pad(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True).to(device)
+
+
+def collate(episodes: Sequence[Episode], advantages: Sequence[float] | torch.Tensor, device: torch.device,
+            old: Sequence[torch.Tensor] | None = None, ref: Sequence[torch.Tensor] | None = None) -> MicroBatch:
+    """Pad episodes (and their per-token old/ref logprobs, if given) into one MicroBatch."""
+    for e in episodes:
+        if not len(e.tokens) == len(e.loss_mask) == len(e.rollout_logprobs):
+            raise ValueError(f"episode {e.task_id}/{e.group_id}/{e.sample_id}: tokens, loss_mask and "
+                             "rollout_logprobs differ in length")
+    return MicroBatch(
+        tokens=_pad([torch.tensor(e.tokens, dtype=torch.long) for e in episodes], device),
+        attention_mask=_pad([torch.ones(len(e.tokens), dtype=torch.long) for e in episodes], device),
+        loss_mask=_pad([torch.tensor(e.loss_mask, dtype=torch.float32) for e in episodes], device),
+        rollout_logprobs=_pad([torch.tensor(e.rollout_logprobs, dtype=torch.float32) for e in episodes], device),
+        advantages=torch.as_tensor(advantages, dtype=torch.float32).to(device),
+        old_logprobs=None if old is None else _pad(old, device),
+        ref_logprobs=None if ref is None else _pad(ref, device))
+
+
+def _chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
+    for i in range(0, len(items), size):
+        yield list(items[i:i + size])
+
+
+class Trainer:
+    """GRPO on one process. `version` counts weight updates (the engine's weight_version after a push)."""
+
+    def __init__(self, model: PreTrainedModel, config: GRPOConfig, ref_model: PreTrainedModel | None = None) -> None:
+        wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+        if wrong:
+            raise ValueError(f"the trainer keeps fp32 master weights; the model has {wrong} parameters "
+                             "(load it in fp32, use bf16_autocast for bf16 compute)")
+        if config.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a ref_model")
+        if config.micro_batch_size < 1 or config.epochs < 1 or config.minibatches < 1:
+            raise ValueError("micro_batch_size, epochs and minibatches must be >= 1")
+        # eval(): no dropout, so the no-grad "old" pass and the grad pass compute the same function.
+        self.model = model.eval()
+        self.ref_model = ref_model.eval() if ref_model is not None and config.kl_coef > 0 else None
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                           betas=config.betas, eps=config.adam_eps,
+                                           weight_decay=config.weight_decay)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.version = 0
+        self.last_minibatches: tuple[LossMetrics, ...] = ()  # per optimizer step of the last train_step
+
+    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
+        """The live weights (no copies): the engine copies them in update_weights, before the next step."""
+        return self.model.state_dict()
+
+    def _autocast(self) -> AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16_autocast)
+
+    def train_step(self, episodes: Sequence[Episode]) -> TrainStats:
+        start = time.perf_counter()
+        scored = [e for e in episodes if e.reward is not None]
+        if self.config.filter_zero_variance:
+            kept = filter_zero_variance_groups(scored)
+            train, groups_used, filtered = list(kept.episodes), kept.groups_kept, kept.groups_dropped
+        else:
+            train, groups_used, filtered = scored, len({group_key(e) for e in scored}), 0
+        stats = dict(_rollout_stats(scored), groups_used=groups_used, groups_filtered=filtered,
+                     episodes_dropped=len(episodes) - len(scored),
+                     tokens=sum(len(e.tokens) for e in train), loss_tokens=sum(e.response_len for e in train))
+        if stats["loss_tokens"] == 0:  # nothing to learn from: not an error, just no update
+            return _finish(stats, None, [], 0.0, False, self.version, start)
+        advantages = group_advantages([e.reward for e in train], [group_key(e) for e in train],  # type: ignore[misc]
+                                      self.config.normalize_std, self.config.adv_eps)
+        metrics, norms, entropy = self._optimize(train, advantages)
+        self.version += 1
+        return _finish(stats, metrics, norms, entropy, True, self.version, start)
+
+    def _optimize(self, episodes: list[Episode], advantages: torch.Tensor) -> tuple[LossMetrics, list[float], float]:
+        cfg = self.config
+        # With a single optimizer step the grad pass runs on the pre-step weights, so its detached logprobs
+        # *are* the old logprobs: skip the extra no-grad forward (a third of the step's compute).
+        old = None if cfg.epochs * cfg.minibatches == 1 else self._logprobs(self.model, episodes)
+        ref = None if self.ref_model is None else self._logprobs(self.ref_model, episodes)
+        steps: list[LossMetrics] = []
+        norms: list[float] = []
+        entropy_sum = 0.0
+        for _ in range(cfg.epochs):
+            order = torch.randperm(len(episodes), generator=self.generator).tolist()
+            for part in _split(order, cfg.minibatches):
+                if not any(episodes[i].response_len for i in part):
+                    continue  # no sampled token: an AdamW step would still apply momentum and decay
+                metrics, norm, ent = self._minibatch_update(episodes, part, advantages, old, ref)
+                steps.append(metrics)
+                norms.append(norm)
+                entropy_sum += ent
+        self.last_minibatches = tuple(steps)
+        merged = merge_metrics(steps)
+        # merge_metrics sums losses (right for micro-batches of one minibatch); across steps, average them.
+        merged = LossMetrics(**{**asdict(merged), "loss": merged.loss / len(steps)})
+        return merged, norms, entropy_sum / max(merged.tokens, 1)
+
+    def _minibatch_update(self, episodes: list[Episode], indices: list[int], advantages: torch.Tensor,
+                          old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
+                          ) -> tuple[LossMetrics, float, float]:
+        """Gradient accumulation over micro-batches, then one clipped AdamW step. Returns the metrics, the
+        pre-clip grad norm and the sum of entropies over masked tokens."""
+        cfg = self.config
+        indices = sorted(indices, key=lambda i: len(episodes[i].tokens))  # similar lengths pad less
+        denominator = float(sum(episodes[i].response_len for i in indices))
+        parts: list[LossMetrics] = []
+        entropy = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        for chunk in _chunks(indices, cfg.micro_batch_size):
+            mb = collate([episodes[i] for i in chunk], advantages[chunk], self.device,
+                         _pick(old, chunk), _pick(ref, chunk))
+            with self._autocast():
+                logp, ent = token_logprobs(self.model, mb.tokens, mb.attention_mask, cfg.temperature, with_entropy=True)
+            loss, metrics = policy_loss(
+                logp, logp.detach() if mb.old_logprobs is None else mb.old_logprobs, mb.rollout_logprobs,
+                mb.advantages, mb.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap,
+                kl_coef=cfg.kl_coef, logp_ref=mb.ref_logprobs, denominator=denominator)
+            loss.backward()
+            parts.append(metrics)
+            entropy += float((ent * mb.loss_mask).sum())
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return merge_metrics(parts), float(norm), entropy
+
+    @torch.no_grad()
+    def _logprobs(self, model: PreTrainedModel, episodes: list[Episode]) -> list[torch.Tensor]:
+        """Per-episode [len(tokens)] logprobs under `model`'s current weights."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(episodes)
+        order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].tokens))
+        for chunk in _chunks(order, self.config.micro_batch_size):
+            mb = collate([episodes[i] for i in chunk], torch.zeros(len(chunk)), self.device)
+            with self._autocast():
+                logp = token_logprobs(model, mb.tokens, mb.attention_mask, self.config.temperature)
+            for row, i in enumerate(chunk):
+                out[i] = logp[row, :len(episodes[i].tokens)]
+        return out
+
+    def save(self, path: Path | str) -> None:
+        """Write model, optimizer, version and RNG state to directory `path`: built in a temp dir beside it,
+        fsynced, then renamed into place, so a crash never leaves a half-written checkpoint at `path`."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "version": self.version, "rng": _rng_state(self.generator)}
+            _write_synced(tmp / CHECKPOINT_FILE, lambda f: torch.save(state, f))
+            meta = json.dumps({"version": self.version, "config": asdict(self.config)}, indent=1)
+            _write_synced(tmp / "meta.json", lambda f: f.write(meta.encode()))
+            _fsync_dir(tmp)
+            _replace_dir(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load(self, path: Path | str) -> None:
+        """Restore what `save` wrote; the model and config must be the ones it was saved from."""
+        state = torch.load(Path(path) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        _set_rng_state(self.generator, state["rng"])
+
+
+def _pick(rows: list[torch.Tensor] | None, indices: list[int]) -> list[torch.Tensor] | None:
+    return None if rows is None else [rows[i] for i in indices]
+
+
+def _split(order: list[int], parts: int) -> list[list[int]]:
+    return [chunk.tolist() for chunk in torch.tensor(order, dtype=torch.long).tensor_split(parts) if len(chunk)]
+
+
+def _rollout_stats(scored: list[Episode]) -> dict[str, float]:
+    n = max(len(scored), 1)
+    return {"reward_mean": sum(e.reward for e in scored) / n,  # type: ignore[misc]
+            "pass_rate": sum(e.reward >= 1 for e in scored) / n,  # type: ignore[operator]
+            "response_len_mean": sum(e.response_len for e in scored) / n}
+
+
+def _finish(stats: dict, metrics: LossMetrics | None, norms: list[float], entropy: float, updated: bool,
+            version: int, start: float) -> TrainStats:
+    seconds = time.perf_counter() - start
+    m = asdict(metrics) if metrics is not None else {k: 0.0 for k in LossMetrics.__dataclass_fields__}
+    m.pop("tokens")
+    return TrainStats(**stats, **m, entropy=entropy, grad_norm=sum(norms) / max(len(norms), 1),
+                      seconds=seconds, tokens_per_s=stats["tokens"] / seconds if updated else 0.0,
+                      updated=updated, version=version)
+
+
+def _rng_state(generator: torch.Generator) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    state: dict[str, torch.Tensor | list[torch.Tensor]] = {"torch": torch.get_rng_state(),
+                                                             "generator": generator.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(generator: torch.Generator, state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["generator"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_synced(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(new: Path, path: Path) -> None:
+    """os.replace cannot overwrite a non-empty directory, so an old checkpoint is first moved aside; a crash
+    between the two renames leaves it intact under `.<name>.old-*` rather than losing both."""
+    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    if path.exists():
+        os.replace(path, old)
+    os.replace(new, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
