@@ -118,4 +118,4 @@ def test_a_crashing_episode_does_not_take_down_the_run(backend, store, tmp_path:
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 3 and {r.reward for r in results} == {1.0}
     assert set(lines[0]) >= {"task", "reward", "status", "timing"}
-    assert set(lines[0]["timing"]) == {"sandbox_start", "agent_commands", "verifier", "other"}
+    assert set(lines[0]["timing"]) >= {"sandbox_start", "agent_commands", "verifier", "other"}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
+from furlong.metrics.timing import Clock, EpisodeTiming
 from furlong.model.chat import Message, ToolCallError, continuation_ids, end_of_turn_id, parse_tool_calls, render_prompt_ids
 from furlong.seeding import mix_seed
 from furlong.sandbox.base import ImageRef, SandboxError, SandboxSpec
@@ -28,15 +29,6 @@ class AgentParams:
     observation_chars: int = 600  # a tool result beyond this is cut, keeping head and tail
     system_prompt: str = SYSTEM_PROMPT
     tool_schema_in_prompt: bool = False  # tiny models do better without the JSON schema in context
-
-
-@dataclass(frozen=True)
-class EpisodeTiming:
-    sandbox_start: float = 0.0
-    model_wait: float = 0.0
-    agent_commands: float = 0.0
-    verifier: float = 0.0
-    other: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -87,26 +79,10 @@ class _Trace:
         self.versions += [-1] * len(ids)
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.spent: dict[str, float] = {}
-
-    def add(self, name: str, since: float) -> float:
-        now = time.perf_counter()
-        self.spent[name] = self.spent.get(name, 0.0) + now - since
-        return now
-
-    def timing(self) -> EpisodeTiming:
-        s = self.spent
-        parts = {k: s.get(k, 0.0) for k in ("sandbox_start", "model_wait", "agent_commands", "verifier")}
-        return EpisodeTiming(**parts, other=max(time.perf_counter() - self.start - sum(parts.values()), 0.0))
-
-
 async def run_episode(task: Task, engine: Engine, tokenizer, backend, image: ImageRef, params: AgentParams,
                       sampling: SamplingParams, group_id: int = 0, sample_id: int = 0) -> Episode:
     """Never raises for the model's, the task's or the sandbox's fault: failures become the status."""
-    clock = _Clock()
+    clock = Clock()
     messages = [Message("system", params.system_prompt), Message("user", task.instruction)]
     trace = _Trace(render_prompt_ids(tokenizer, messages, [BASH_TOOL] if params.tool_schema_in_prompt else None))
     prompt_len, sandbox, turns, status, error = len(trace.tokens), None, 0, "ok", None
@@ -144,7 +120,7 @@ async def run_episode(task: Task, engine: Engine, tokenizer, backend, image: Ima
 
 
 async def _converse(trace: _Trace, engine: Engine, tokenizer, runner: ToolRunner, params: AgentParams,
-                    sampling: SamplingParams, clock: _Clock) -> tuple[int, str]:
+                    sampling: SamplingParams, clock: Clock) -> tuple[int, str]:
     """Model turn, tool calls, observations... until a turn without a tool call or a limit."""
     eot = end_of_turn_id(tokenizer)
     for turn in range(1, params.max_turns + 1):

@@ -8,6 +8,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 
 from furlong.eval.agents import Agent, TimedSandbox
+from furlong.metrics.timing import Clock, EpisodeTiming
 from furlong.sandbox.base import ImageRef, SandboxDied, SandboxError, SandboxSpec
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import verify
@@ -16,24 +17,12 @@ STATUSES = ("ok", "timeout", "infra_error")
 
 
 @dataclass(frozen=True)
-class Timing:
-    sandbox_start: float = 0.0
-    agent_commands: float = 0.0
-    verifier: float = 0.0
-    other: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.sandbox_start + self.agent_commands + self.verifier + self.other
-
-
-@dataclass(frozen=True)
 class EpisodeResult:
     task: str
     agent: str
     reward: float | None  # None for infra_error: an infrastructure failure is not a score
     status: str  # ok | timeout | infra_error
-    timing: Timing
+    timing: EpisodeTiming
     error: str | None = None
     agent_timed_out: bool = False
     rewards: dict[str, float] = field(default_factory=dict)
@@ -47,41 +36,30 @@ class EpisodeResult:
         return out
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.marks: dict[str, float] = {}
-
-    def lap(self, name: str, since: float) -> float:
-        now = time.perf_counter()
-        self.marks[name] = self.marks.get(name, 0.0) + now - since
-        return now
-
-
 async def run_episode(task: Task, agent: Agent, backend, image: ImageRef) -> EpisodeResult:
     """Never raises for a task's or the sandbox's fault: a failure becomes the episode's status."""
-    clock, sandbox = _Clock(), None
+    clock, sandbox, timed = Clock(), None, None
     base = dict(task=task.id, agent=agent.name, family=task.family, seed=task.seed, split=task.split)
     try:
         t = time.perf_counter()
         sandbox = await backend.create(SandboxSpec(image=image, network=task.network, limits=task.limits))
         await sandbox.exec("true", timeout_s=30)  # ready for commands: that is what "started" means
-        t = clock.lap("sandbox_start", t)
+        t = clock.add("sandbox_start", t)
         timed = TimedSandbox(sandbox)
         agent_timed_out = await _agent_phase(task, agent, timed)
-        t = clock.lap("agent_phase", t)
+        t = time.perf_counter()
         verdict = await verify(task, sandbox, image.workdir)
-        clock.lap("verifier", t)
+        clock.add("verifier", t)
     except (SandboxDied, SandboxError) as exc:
-        return EpisodeResult(**base, reward=None, status="infra_error", timing=_timing(clock, None),
+        return EpisodeResult(**base, reward=None, status="infra_error", timing=_timing(clock, timed),
                              error=f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # a bug in an agent must not take the run down with it
-        return EpisodeResult(**base, reward=None, status="infra_error", timing=_timing(clock, None),
+        return EpisodeResult(**base, reward=None, status="infra_error", timing=_timing(clock, timed),
                              error="".join(traceback.format_exception_only(exc)).strip())
     finally:
         if sandbox is not None:
             await sandbox.close()
-    timing = _timing(clock, timed.seconds)
+    timing = _timing(clock, timed)
     if verdict.reward is None:
         return EpisodeResult(**base, reward=None, status="infra_error", timing=timing, error=verdict.problem,
                              agent_timed_out=agent_timed_out)
@@ -99,10 +77,7 @@ async def _agent_phase(task: Task, agent: Agent, sandbox: TimedSandbox) -> bool:
         return True
 
 
-def _timing(clock: _Clock, command_s: float | None) -> Timing:
-    total = time.perf_counter() - clock.start
-    m = clock.marks
-    commands = command_s if command_s is not None else 0.0
-    known = m.get("sandbox_start", 0.0) + commands + m.get("verifier", 0.0)
-    return Timing(sandbox_start=m.get("sandbox_start", 0.0), agent_commands=commands,
-                  verifier=m.get("verifier", 0.0), other=max(total - known, 0.0))
+def _timing(clock: Clock, timed: TimedSandbox | None) -> EpisodeTiming:
+    if timed is not None:
+        clock.spent["agent_commands"] = timed.seconds
+    return clock.timing()

@@ -12,7 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from furlong.eval.agents import Agent
-from furlong.eval.harness import EpisodeResult, Timing, run_episode
+from furlong.eval.harness import EpisodeResult, run_episode
+from furlong.metrics.timing import EpisodeTiming
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.images import ImageStore
 from furlong.tasks.model import Task
@@ -50,7 +51,7 @@ async def run_eval(tasks: list[Task], agent: Agent, backend, store: ImageStore, 
             if isinstance(image, ImageRef):
                 return await run_episode(task, agent, backend, image)
             return EpisodeResult(task=task.id, agent=agent.name, reward=None, status="infra_error",
-                                 timing=Timing(), error=image, family=task.family, seed=task.seed, split=task.split)
+                                 timing=EpisodeTiming(), error=image, family=task.family, seed=task.seed, split=task.split)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("pass {task.fields[passed]}"))
@@ -81,7 +82,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "mean_reward": mean([r.reward for r in scored]),
         "status": {s: sum(r.status == s for r in results) for s in ("ok", "timeout", "infra_error")},
         "mean_timing_s": {k: mean([getattr(r.timing, k) for r in results])
-                          for k in ("sandbox_start", "agent_commands", "verifier", "other")},
+                          for k in ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")},
     }
 
 
