@@ -20,6 +20,20 @@ WORDS = (
     "create write read print show find search replace remove delete copy move rename sort unique reverse "
     "compute check make run compile install build save open close append extract split join merge compare"
 ).split()
+# The common nouns the bundled task families draw file names and words from: in the corpus often
+# enough that each is one token, both after a space and after a '/', so a tiny model copies a name
+# from the instruction into its command as one token instead of three mismatched pieces.
+TASK_NOUNS = (
+    "amber anchor apple arrow autumn badge basket beacon berry blanket blossom bottle breeze bridge bucket "
+    "butter cabin cactus candle canyon carpet castle cedar cherry circle cliff cloud clover cobalt comet copper "
+    "coral cotton crystal dagger desert dolphin dragon eagle ember falcon feather fiddle forest fossil fountain "
+    "galaxy garden garlic glacier goblet granite harbor hazel helmet honey island ivory jacket jasmine jelly "
+    "jungle kettle kitten ladder lantern lemon lizard magnet mango marble meadow melon mirror monkey mountain "
+    "needle nickel noodle ocean olive orbit orchid otter oyster paddle palace parrot pebble pepper pillow planet "
+    "pocket prairie puzzle quartz quiver rabbit radish raven ribbon rocket saddle salmon shadow silver spider "
+    "spoon squirrel stable summer sunset thunder ticket tiger timber tomato tunnel turtle velvet violet walnut "
+    "whistle willow window winter wizard yellow zebra"
+).split()
 FILES = ("data.txt", "notes.md", "input.csv", "main.py", "main.c", "config.json", "app.log", "README.md",
          "out.txt", "numbers.txt", "words.txt", "report.json", "setup.sh", "Makefile", "server.log")
 DIRS = ("/app", "/tmp", "/home/user", "/var/log", "/etc", "src", "build", "data", "tests", "/app/output")
@@ -86,7 +100,13 @@ def _chat_episode(rng: random.Random) -> str:
     )
 
 
+def _noun_lines(rng: random.Random) -> str:
+    nouns = rng.sample(TASK_NOUNS, 6)
+    return "\n".join(f"echo {a} > /app/{b}{rng.randint(1, 99)}.txt; mkdir -p /app/{a}/{b}" for a, b in zip(nouns, nouns[1:])) + "\n"
+
+
 GENERATORS = (
+    _noun_lines,
     lambda rng: _fill(rng.choice(SHELL), rng) + "\n",
     lambda rng: _fill(rng.choice(INSTRUCTIONS), rng) + "\n",
     _python_snippet,

@@ -18,7 +18,7 @@ from furlong.model.corpus import generate_corpus
 from furlong.model.tokenizer import END_OF_TEXT, IM_END, train_bpe, wrap_for_transformers
 
 # Bump when the recipe changes in a way the spec fields do not capture, so old caches are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MARKER = "furlong_tiny.json"
 
 

@@ -85,11 +85,11 @@ def generate(seed: int, out: Path) -> None:
     original = "\n".join(lines) + "\n"
     write_task(
         out,
-        instruction=f"Append the line `{new}` to the end of the file `/app/{name}`. Keep the existing lines.",
+        instruction=f"Append the line {new} to the end of the file /app/{name} and keep the existing lines.",
         category="files-text", difficulty="easy", tags=["echo", "append", "simple"],
         env_files={name: original},
         test_files={"expected.txt": original + new + "\n"},
         test_sh=reward_test(f"/app/{name} must be its original lines plus '{new}'.",
                             f'[ "$(cat /app/{name})" = "$(cat /tests/expected.txt)" ]'),
-        solve_sh=f'echo "{new}" >> /app/{name}',
+        solve_sh=f"echo {new} >> /app/{name}",
     )

@@ -84,7 +84,7 @@ def generate(seed: int, out: Path) -> None:
     path = f"/app/{name}"
     write_task(
         out,
-        instruction=f"Create the file `{path}` containing exactly the word `{word}`.",
+        instruction=f"Create the file {path} containing exactly the word {word} and nothing else.",
         category="files-text", difficulty="easy", tags=["echo", "files", "simple"],
         test_sh=reward_test(f"{path} must contain exactly {word} (a trailing newline is fine).",
                             f'[ -f {path} ] && [ "$(cat {path})" = "{word}" ]'),

@@ -83,7 +83,7 @@ def generate(seed: int, out: Path) -> None:
     path = "/app/" + "/".join(parts)
     write_task(
         out,
-        instruction=f"Create the directory `{path}`.",
+        instruction=f"Create the directory {path} and any missing parents.",
         category="files-text", difficulty="easy", tags=["mkdir", "files", "simple"],
         test_sh=reward_test(f"{path} must be a directory.", f"[ -d {path} ]"),
         solve_sh=f"mkdir -p {path}",

@@ -85,7 +85,7 @@ def generate(seed: int, out: Path) -> None:
     token = f"{rng.choice(WORDS)}-{rng.randint(1000, 9999)}"
     write_task(
         out,
-        instruction=f"Rename the file `/app/{old}` to `/app/{new}`.",
+        instruction=f"Rename the file /app/{old} to /app/{new} and keep its content.",
         category="files-text", difficulty="easy", tags=["mv", "files", "simple"],
         env_files={old: token + "\n"},
         test_sh=reward_test(f"/app/{old} must be gone and /app/{new} must hold its content ({token}).",

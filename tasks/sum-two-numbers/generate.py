@@ -83,8 +83,8 @@ def generate(seed: int, out: Path) -> None:
     dst = f"/app/{rng.choice(['sum', 'answer', 'result', 'total'])}_{rng.choice(WORDS)}.txt"
     write_task(
         out,
-        instruction=f"Write the sum of {a} and {b} to the file `{dst}`. The file must contain only the number.",
+        instruction=f"Write the sum of {a} and {b} to the file {dst} as a plain number.",
         category="files-text", difficulty="easy", tags=["arithmetic", "echo", "simple"],
         test_sh=reward_test(f"{dst} must hold {a + b}.", f"[ \"$(tr -d '[:space:]' < {dst})\" = \"{a + b}\" ]"),
-        solve_sh=f"echo $(({a} + {b})) > {dst}",
+        solve_sh=f"echo $(( {a} + {b} )) > {dst}",
     )

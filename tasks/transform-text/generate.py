@@ -1,0 +1,76 @@
+"""Task family transform-text: write /app/input.txt upper-cased, lower-cased, sorted or with its lines
+reversed to /app/output.txt. Fixed paths; the transformation asked for decides the command.
+Stdlib only, deterministic per seed."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+WORDS = "Amber anchor Apple arrow Badge basket Beacon berry Bottle breeze Bridge cabin Candle castle".split()
+
+OPS = {  # name: (instruction templates, solution command)
+    "upper": (["Write /app/input.txt in upper case to /app/output.txt.",
+               "Convert the text of /app/input.txt to upper case and save it as /app/output.txt."],
+              "tr a-z A-Z < /app/input.txt > /app/output.txt"),
+    "lower": (["Write /app/input.txt in lower case to /app/output.txt.",
+               "Convert the text of /app/input.txt to lower case and save it as /app/output.txt."],
+              "tr A-Z a-z < /app/input.txt > /app/output.txt"),
+    "sort": (["Write the lines of /app/input.txt sorted alphabetically to /app/output.txt.",
+              "Sort the lines of /app/input.txt and save them as /app/output.txt."],
+             "sort /app/input.txt > /app/output.txt"),
+    "reverse": (["Write the lines of /app/input.txt in reverse order to /app/output.txt.",
+                 "Reverse the order of the lines of /app/input.txt and save them as /app/output.txt."],
+                "tac /app/input.txt > /app/output.txt"),
+}
+
+TASK_TOML = """version = "1.0"
+[metadata]
+category = "files-text"
+difficulty = "easy"
+tags = ["tr", "sort", "tac", "family"]
+[agent]
+timeout_sec = 60.0
+[verifier]
+timeout_sec = 30.0
+[environment]
+cpus = 1
+memory_mb = 512
+"""
+
+TEST_SH = """#!/bin/bash
+# /app/output.txt must equal the expected text (a missing final newline is forgiven)
+mkdir -p /logs/verifier
+echo 0 > /logs/verifier/reward.txt
+if [ -f /app/output.txt ] && [ "$(cat /app/output.txt)" = "$(cat /tests/expected.txt)" ]; then
+  echo 1 > /logs/verifier/reward.txt
+fi
+"""
+
+
+def transform(op: str, lines: list[str]) -> list[str]:
+    return {"upper": [ln.upper() for ln in lines], "lower": [ln.lower() for ln in lines],
+            "sort": sorted(lines, key=lambda s: s.encode()), "reverse": lines[::-1]}[op]
+
+
+def generate(seed: int, out: Path) -> None:
+    rng = random.Random(f"transform-text:{seed}")
+    op = rng.choice(sorted(OPS))
+    while True:
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(4, 8))]
+        results = {o: tuple(transform(o, lines)) for o in OPS}
+        if len(set(results.values())) == len(results) and tuple(lines) not in results.values():
+            break  # every transformation, and doing nothing, give different files
+    templates, command = OPS[op]
+    files = {
+        "instruction.md": rng.choice(templates) + "\n",
+        "task.toml": TASK_TOML,
+        "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY input.txt /app/input.txt\n",
+        "environment/input.txt": "\n".join(lines) + "\n",
+        "tests/test.sh": TEST_SH,
+        "tests/expected.txt": "\n".join(results[op]) + "\n",
+        "solution/solve.sh": "#!/bin/bash\n" + command + "\n",
+    }
+    for rel, content in files.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(content)
