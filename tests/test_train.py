@@ -336,3 +336,24 @@ def test_reference_kl_grows_as_the_policy_moves(small_dir: Path) -> None:
     assert abs(first.ref_kl) < 1e-7 and second.ref_kl > 1e-5
     with pytest.raises(ValueError, match="ref_model"):
         Trainer(load_model(small_dir), GRPOConfig(kl_coef=0.1))
+
+
+def test_selected_positions_match_the_full_output_layer():
+    from furlong.model.loading import load_model
+    from furlong.model.tiny import init_tiny
+    from furlong.train.logprobs import token_logprobs
+
+    model = load_model(init_tiny())
+    torch.manual_seed(0)
+    tokens = torch.randint(1, 4000, (3, 20))
+    attn = torch.ones_like(tokens)
+    attn[2, 15:] = 0  # a right-padded row
+    mask = (torch.rand(3, 20) < 0.5).float()
+    full, full_ent = token_logprobs(model, tokens, attn, 0.7, with_entropy=True)
+    part, part_ent = token_logprobs(model, tokens, attn, 0.7, with_entropy=True, positions=mask)
+    keep = (mask > 0) & (attn > 0)
+    keep[:, 0] = False
+    assert torch.allclose(part[keep], full[keep], atol=1e-5) and torch.allclose(part_ent[keep], full_ent[keep], atol=1e-5)
+    assert (part[~keep] == 0).all()
+    part.sum().backward()  # differentiable through the selected positions
+    assert model.get_output_embeddings().weight.grad is not None

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from furlong.agent.episode import AgentParams, Episode
@@ -176,6 +177,7 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
 
 async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     began = time.perf_counter()
+    torch.set_num_threads(cfg.train.torch_threads)
     p = await asyncio.to_thread(build, cfg)
     sft_dir = await sft_phase(cfg, p, run, console)
     before = await eval_phase("eval_before", load_model(sft_dir), cfg, p, run, console)

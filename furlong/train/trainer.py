@@ -211,7 +211,8 @@ class Trainer:
             mb = collate([episodes[i] for i in chunk], advantages[chunk], self.device,
                          _pick(old, chunk), _pick(ref, chunk))
             with self._autocast():
-                logp, ent = token_logprobs(self.model, mb.tokens, mb.attention_mask, cfg.temperature, with_entropy=True)
+                logp, ent = token_logprobs(self.model, mb.tokens, mb.attention_mask, cfg.temperature,
+                                           with_entropy=True, positions=mb.loss_mask)
             loss, metrics = policy_loss(
                 logp, logp.detach() if mb.old_logprobs is None else mb.old_logprobs, mb.rollout_logprobs,
                 mb.advantages, mb.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap,
@@ -233,7 +234,8 @@ class Trainer:
         for chunk in _chunks(order, self.config.micro_batch_size):
             mb = collate([episodes[i] for i in chunk], torch.zeros(len(chunk)), self.device)
             with self._autocast():
-                logp = token_logprobs(model, mb.tokens, mb.attention_mask, self.config.temperature)
+                logp = token_logprobs(model, mb.tokens, mb.attention_mask, self.config.temperature,
+                                      positions=mb.loss_mask)
             for row, i in enumerate(chunk):
                 out[i] = logp[row, :len(episodes[i].tokens)]
         return out
