@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
 
 from furlong.sync import (
-    BaseVersionMismatch, ChecksumMismatch, CorruptUpdate, IncompatibleBase, StaleUpdate,
-    WeightReceiver, apply_delta, apply_full, delta_entropy_bound, encode_delta, encode_full,
-    read_update, xor_zstd_apply, xor_zstd_encode,
+    BaseVersionMismatch,
+    ChecksumMismatch,
+    CorruptUpdate,
+    IncompatibleBase,
+    StaleUpdate,
+    WeightReceiver,
+    apply_delta,
+    apply_full,
+    delta_entropy_bound,
+    encode_delta,
+    encode_full,
+    read_update,
+    xor_zstd_apply,
+    xor_zstd_encode,
 )
 from furlong.sync.update import pack_payload, unpack_payload
 
@@ -113,7 +125,9 @@ def _set_density(t: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
     flat = out.view(torch.int16).reshape(-1)
     idx = torch.randperm(flat.numel(), generator=g)[: round(frac * flat.numel())]
     step = torch.randint(1, 4, (idx.numel(),), generator=g, dtype=torch.int16)
-    flat[idx] += step * (torch.randint(0, 2, (idx.numel(),), generator=g, dtype=torch.int16) * 2 - 1)
+    flat[idx] += step * (
+        torch.randint(0, 2, (idx.numel(),), generator=g, dtype=torch.int16) * 2 - 1
+    )
     return out
 
 
@@ -124,7 +138,7 @@ def test_round_trip_any_density(frac: float) -> None:
     payload = round_trip(prev, new)
     (td,) = read_update(payload).tensors
     assert td.n_changed == round(frac * (1 << 20))
-    expected = {0.0: "same", 0.003: "sparse", 0.02: "sparse", 0.5: "bitmap", 1.0: "dense"}
+    expected = {0.0: "same", 0.003: "sparse", 0.02: "sparse", 0.3: "bitmap", 0.9: "dense"}
     assert td.encoding == expected.get(frac, td.encoding)
 
 
@@ -132,7 +146,9 @@ def test_round_trip_edge_cases() -> None:
     g = torch.Generator().manual_seed(5)
     prev = {
         "single": torch.zeros(1000, dtype=torch.bfloat16),
-        "all_random_bits": torch.randint(-32768, 32767, (3000,), dtype=torch.int16).view(torch.bfloat16),
+        "all_random_bits": torch.randint(-32768, 32767, (3000,), dtype=torch.int16).view(
+            torch.bfloat16
+        ),
         "fp32": torch.randn(2048, generator=g),
         "fp16": torch.randn(100, 7, generator=g).half(),
         "int8": torch.randint(-128, 127, (999,), dtype=torch.int8, generator=g),
@@ -142,10 +158,13 @@ def test_round_trip_edge_cases() -> None:
         "empty": torch.empty(0, 5),
         "far_apart": torch.zeros(300_000, dtype=torch.bfloat16),
         "clustered": torch.zeros(100_000, dtype=torch.bfloat16),
+        "heavy_tailed": torch.zeros(100_000, dtype=torch.bfloat16),
     }
     new = clone(prev)
     new["single"][517] = 1.0
-    new["all_random_bits"] = torch.randint(-32768, 32767, (3000,), dtype=torch.int16).view(torch.bfloat16)
+    new["all_random_bits"] = torch.randint(-32768, 32767, (3000,), dtype=torch.int16).view(
+        torch.bfloat16
+    )
     new["fp32"] += 1e-6 * torch.randn(2048, generator=g)  # fp32: most bits of every value change
     new["fp16"][3] = float("nan")
     new["int8"][::3] += 1
@@ -155,6 +174,8 @@ def test_round_trip_edge_cases() -> None:
     new["far_apart"][[0, 70_000, 70_001, 299_999]] = -2.0  # gaps beyond uint16: escapes
     new["clustered"][:500] = 1.0  # dense enough for uint8 gaps ...
     new["clustered"][-1] = 1.0  # ... then one gap far beyond 255: an escape
+    steps = (torch.rand(3000, generator=g) ** -2).to(torch.int16)  # 1 .. 32767 ulp: every tier
+    new["heavy_tailed"].view(torch.int16)[torch.randperm(100_000, generator=g)[:3000]] += steps
     round_trip(prev, new)
     round_trip(new, prev)
 
@@ -171,7 +192,22 @@ def test_full_snapshot_then_deltas_through_receiver() -> None:
     rx.apply(encode_delta(v2, v3, version=3, base_version=2))
     assert rx.version == 3
     assert_bit_equal(rx.tensors, v3)
+    adapter = {"lora.A": torch.randn(8, 64).bfloat16(), "lora.B": torch.zeros(64, 8).bfloat16()}
+    rx.apply(encode_full(adapter, version=4, kind="adapter"))  # merged in by name
+    assert rx.version == 4
+    assert_bit_equal(rx.tensors, v3 | adapter)
     assert_bit_equal(apply_full(encode_full(v3, version=9, level=1)), v3)
+
+
+def test_blake2b_checksums_when_chosen() -> None:
+    """The stdlib fallback (used when xxhash is missing) round-trips and is recorded."""
+    prev = {"w": make_model()["layers.0.mlp.up"]}
+    new = train_step(prev, 1e-5)
+    payload = encode_delta(prev, new, version=2, base_version=1, checksum_algo="blake2b-128")
+    assert read_update(payload).checksum_algo == "blake2b-128"
+    base = clone(prev)
+    apply_delta(base, payload, current_version=1)
+    assert_bit_equal(base, new)
 
 
 def test_xor_zstd_reference_round_trip() -> None:
@@ -215,7 +251,7 @@ def test_truncated_payload_is_corrupt(step: tuple[Model, Model, bytes], keep: fl
     _refused(prev, payload[:n], CorruptUpdate)
 
 
-def _repack(payload: bytes, edit_last: dict[str, object], section: bytes | None = None) -> bytes:
+def _repack(payload: bytes, edit_last: dict[str, Any], section: bytes | None = None) -> bytes:
     """Re-frame a payload (valid digest) after editing its last tensor's header or section."""
     upd, body = unpack_payload(payload)
     tds = list(upd.tensors)
@@ -248,11 +284,16 @@ def test_drifted_receiver_base_is_checksum_mismatch(step: tuple[Model, Model, by
     _refused(drifted, payload, ChecksumMismatch)
 
 
-def test_undecodable_section_with_valid_digest_is_corrupt(step: tuple[Model, Model, bytes]) -> None:
-    prev, new, _ = step
-    payload = _encode_with_last(prev, new, "embed.weight")
+@pytest.mark.parametrize(("frac", "encoding"), [(0.01, "sparse"), (0.3, "bitmap"), (0.9, "dense")])
+def test_undecodable_section_with_valid_digest_is_corrupt(frac: float, encoding: str) -> None:
+    """A section that decodes short (after an earlier tensor was patched) is rolled back."""
+    w = (torch.randn(1 << 19, generator=torch.Generator().manual_seed(8)) * 0.02).bfloat16()
+    prev = {"first": w[: 1 << 18].clone(), "last": w.clone()}
+    new = {"first": _set_density(prev["first"], 0.02, 9), "last": _set_density(w, frac, 10)}
+    payload = encode_delta(prev, new, version=2, base_version=1)
     upd, body = unpack_payload(payload)
     td = upd.tensors[-1]
+    assert td.encoding == encoding
     truncated = bytes(body[td.offset : td.offset + td.length - 7])
     _refused(prev, _repack(payload, {}, section=truncated), CorruptUpdate)
 
@@ -280,3 +321,9 @@ def test_incompatible_base(step: tuple[Model, Model, bytes]) -> None:
     reshaped = clone(prev)
     reshaped["head.bias"] = reshaped["head.bias"][:999]
     _refused(reshaped, payload, IncompatibleBase)
+    tied = clone(prev)
+    tied["layers.0.mlp.up"] = tied["embed.weight"][:512]  # tied weights: would be patched twice
+    before = clone(tied)  # (_refused's clone would untie them)
+    with pytest.raises(IncompatibleBase):
+        apply_delta(tied, payload, current_version=1)
+    assert_bit_equal(tied, before)

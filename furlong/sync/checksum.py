@@ -22,7 +22,7 @@ from furlong.sync.errors import SyncError
 try:  # optional dependency, see the module docstring
     import xxhash
 except ImportError:  # pragma: no cover - depends on the environment
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]
 
 
 class StreamHasher(Protocol):
@@ -59,7 +59,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data
 
 
 def tensor_digest(t: torch.Tensor, algo: str = DEFAULT_ALGO) -> str:

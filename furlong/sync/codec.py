@@ -33,7 +33,9 @@ def word_width(dtype: torch.dtype) -> int:
 def as_words(t: torch.Tensor) -> np.ndarray:
     """1-D unsigned-int numpy view sharing `t`'s memory (`t` must be contiguous and on CPU)."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"need a contiguous CPU tensor, got device={t.device} strides={t.stride()}")
+        raise ValueError(
+            f"need a contiguous CPU tensor, got device={t.device} strides={t.stride()}"
+        )
     w = word_width(t.dtype)
     if t.numel() == 0:
         return np.empty(0, dtype=UINT[w])
@@ -58,67 +60,20 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
     return z
 
 
-def write_planes(out: np.ndarray, offset: int, x: np.ndarray) -> int:
-    """Write byte i of every word of `x` as plane i at out[offset:]; returns the end offset.
-
-    Splitting high and low bytes is what lets zstd's Huffman stage see the skewed byte
-    distributions (high bytes of small diffs are almost all zero)."""
-    k, w = x.size, x.itemsize
+def read_planes(raw: np.ndarray, w: int) -> np.ndarray:
+    """Words of width w from their byte planes in raw (inverse of plane_parts)."""
+    k = raw.size // w
+    x = np.empty(k, dtype=UINT[w])
     xb = x.view(np.uint8)
     for i in range(w):
-        out[offset + i * k : offset + (i + 1) * k] = xb[i::w]
-    return offset + k * w
-
-
-def read_planes(
-    raw: np.ndarray, offset: int, k: int, w: int, out: np.ndarray | None = None
-) -> np.ndarray:
-    """Inverse of write_planes: k words of width w from the planes at raw[offset:]."""
-    x = np.empty(k, dtype=UINT[w]) if out is None else out
-    xb = x.view(np.uint8)
-    for i in range(w):
-        xb[i::w] = raw[offset + i * k : offset + (i + 1) * k]
+        xb[i::w] = raw[i * k : (i + 1) * k]
     return x
 
 
-def plane_views(parts: list[np.ndarray]) -> list[np.ndarray]:
-    """Strided byte views that, concatenated, give the planes of concatenate(parts).
-
-    np.concatenate copies straight from these views, so a section is assembled in one copy."""
-    if not parts:
-        return []
-    w = parts[0].itemsize
-    return [p.view(np.uint8)[i::w] for i in range(w) for p in parts]
-
-
-def escape_width(n: int) -> int:
-    """Bytes per escaped gap: 4 unless the tensor has >= 2**32 words."""
-    return 4 if n < (1 << 32) else 8
-
-
-def split_escapes(x: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symbols min(x, C) as `width`-byte words, C = 2**(8*width) - 1, and x - C where x >= C.
-
-    Keeps the common case in one narrow plane whose escape symbol C is just another
-    frequent symbol for Huffman, instead of a mostly-zero high plane that Huffman cannot
-    code below 1 bit per symbol."""
-    cap = (1 << (8 * width)) - 1
-    big = np.flatnonzero(x >= cap)  # rare: cheap to find, and only these need escapes
-    prim = x.astype(UINT[width])  # truncating cast; the escaped entries are fixed below
-    esc = x[big] - x.dtype.type(cap)
-    prim[big] = cap
-    return prim, esc
-
-
-def join_escapes(prim: np.ndarray, esc: np.ndarray, dtype: type) -> np.ndarray:
-    """Inverse of split_escapes; the caller has checked the escape count."""
-    x = prim.astype(dtype)
-    x[np.flatnonzero(prim == (1 << (8 * prim.itemsize)) - 1)] += esc.astype(dtype, copy=False)
-    return x
-
-
-def count_escapes(prim: np.ndarray) -> int:
-    return int(np.count_nonzero(prim == (1 << (8 * prim.itemsize)) - 1))
+def plane_parts(x: np.ndarray) -> list[np.ndarray]:
+    """Byte planes of x as strided views (byte i of every word, for each i)."""
+    w = x.itemsize
+    return [x.view(np.uint8)[i::w] for i in range(w)] if x.size else []
 
 
 def add_at(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray, sign: int) -> None:

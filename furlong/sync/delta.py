@@ -1,10 +1,11 @@
 """Weight updates from trainer to inference engines: bit-exact deltas and full snapshots.
 
 `encode_delta(prev, new)` ships only the words whose bits changed (for bf16 weights after an
-RL step, ~1-5% of them): per tensor, change positions as gaps (or a bitmap when dense) and
-values as zigzag(new_bits - old_bits), split into byte planes, one zstd frame per tensor.
-`encode_full` ships a snapshot (byte planes + zstd). Wire format: `furlong.sync.update`
-(preamble, JSON header, body) and `furlong.sync.sections` (one section per tensor).
+RL step, ~1-5% of them). Per tensor it picks a layout by density (furlong.sync.sections):
+change positions as gaps, a change bitmap, or every word's difference; values are
+zigzag(new_bits - old_bits), small for small updates; both are coded as narrow, packed
+symbol streams (furlong.sync.tiers) that zstd's Huffman stage codes close to their entropy.
+`encode_full` ships a snapshot (byte planes + zstd). Wire format: furlong.sync.update.
 
 Applying is atomic per update: the payload digest, versions, tensor names/shapes/dtypes and
 every section are checked before or while decoding, and each tensor's final checksum is
@@ -12,6 +13,10 @@ verified right after it is patched in place. On any failure every tensor already
 rolled back by subtracting the same differences (exact: the arithmetic wraps modulo
 2**bits), so the receiver's tensors stay bit-identical to before and no extra copy of the
 model is needed. Re-applying an update, or applying it to the wrong version, is refused.
+Snapshots are decoded into fresh tensors and swapped in only once all are verified.
+
+Everything runs on one core (numpy, zstd without workers); tensors must be CPU-resident
+(stage GPU weights through pinned CPU buffers).
 """
 
 from __future__ import annotations
@@ -26,33 +31,43 @@ import zstandard as zstd
 from furlong.sync import codec
 from furlong.sync.checksum import DEFAULT_ALGO, tensor_digest
 from furlong.sync.errors import (
-    BaseVersionMismatch, ChecksumMismatch, IncompatibleBase, StaleUpdate, SyncError,
+    BaseVersionMismatch,
+    ChecksumMismatch,
+    IncompatibleBase,
+    StaleUpdate,
+    SyncError,
 )
 from furlong.sync.patches import decode_full, decode_patch
-from furlong.sync.sections import delta_compressor, encode_tensor_delta, encode_tensor_full
+from furlong.sync.sections import encode_tensor_delta, encode_tensor_full, section_compressor
 from furlong.sync.update import Kind, WeightUpdate, pack_payload, unpack_payload
 
 DELTA_ENCODING = "furlong-delta/1"
 FULL_ENCODING = "furlong-full/1"
-FULL_LEVEL = 3
 
 Tensors = Mapping[str, torch.Tensor]
 
 
 def encode_delta(
-    prev: Tensors, new: Tensors, *, version: int, base_version: int,
-    level: int | None = None, checksum_algo: str = DEFAULT_ALGO,
+    prev: Tensors,
+    new: Tensors,
+    *,
+    version: int,
+    base_version: int,
+    level: int | None = None,
+    checksum_algo: str = DEFAULT_ALGO,
 ) -> bytes:
     """Payload turning `prev` (published as `base_version`) into `new` (as `version`).
 
-    `level`: zstd level for the sections; None = tuned fast parameters (see delta_compressor)."""
+    `level`: zstd level for the sections; None = tuned fast parameters (see section_compressor)."""
     if version <= base_version:
         raise ValueError(f"version {version} must be newer than base_version {base_version}")
     _check_same_layout(prev, new)
-    cctx = delta_compressor(level)
+    cctx = section_compressor(level)
     metas, sections, offset = [], [], 0
     for name, t in new.items():
-        td, data = encode_tensor_delta(name, prev[name].contiguous(), t.contiguous(), cctx, checksum_algo)
+        td, data = encode_tensor_delta(
+            name, prev[name].contiguous(), t.contiguous(), cctx, checksum_algo
+        )
         metas.append(replace(td, offset=offset))
         sections.append(data)
         offset += len(data)
@@ -61,13 +76,19 @@ def encode_delta(
 
 
 def encode_full(
-    tensors: Tensors, *, version: int, kind: Kind = "full",
-    level: int = FULL_LEVEL, checksum_algo: str = DEFAULT_ALGO,
+    tensors: Tensors,
+    *,
+    version: int,
+    kind: Kind = "full",
+    level: int | None = None,
+    checksum_algo: str = DEFAULT_ALGO,
 ) -> bytes:
-    """A snapshot payload ("full": the whole model; "adapter": tensors merged by name)."""
+    """A snapshot payload ("full": the whole model; "adapter": tensors merged by name).
+
+    `level`: zstd level; None = the fast section parameters (smaller than level 3 here)."""
     if kind not in ("full", "adapter"):
         raise ValueError(f"encode_full makes 'full' or 'adapter' updates, not {kind!r}")
-    cctx = zstd.ZstdCompressor(level=level)
+    cctx = section_compressor(level)
     metas, sections, offset = [], [], 0
     for name, t in tensors.items():
         td, data = encode_tensor_full(name, t.contiguous(), cctx, checksum_algo)
@@ -107,8 +128,10 @@ def apply_update(
     upd, body = unpack_payload(payload)
     if upd.kind == "delta":
         if current_version is None:
-            raise BaseVersionMismatch(f"delta v{upd.version} needs base v{upd.base_version}, "
-                                      "but the receiver holds no version yet")
+            raise BaseVersionMismatch(
+                f"delta v{upd.version} needs base v{upd.base_version}, "
+                "but the receiver holds no version yet"
+            )
         _apply_delta_parsed(tensors, upd, body, current_version)
         return upd
     fresh = _decode_snapshot(upd, body, current_version)
@@ -133,11 +156,14 @@ class WeightReceiver:
 
 def _check_versions(upd: WeightUpdate, current: int | None) -> None:
     if current is not None and upd.version <= current:
-        raise StaleUpdate(f"update v{upd.version} is not newer than the receiver's v{current} "
-                          "(already applied?)")
+        raise StaleUpdate(
+            f"update v{upd.version} is not newer than the receiver's v{current} (already applied?)"
+        )
     if upd.kind == "delta" and upd.base_version != current:
-        raise BaseVersionMismatch(f"delta v{upd.version} was made against v{upd.base_version}, "
-                                  f"but the receiver holds v{current}")
+        raise BaseVersionMismatch(
+            f"delta v{upd.version} was made against v{upd.base_version}, "
+            f"but the receiver holds v{current}"
+        )
 
 
 def _check_same_layout(prev: Tensors, new: Tensors) -> None:
@@ -147,23 +173,29 @@ def _check_same_layout(prev: Tensors, new: Tensors) -> None:
     for name, t in new.items():
         p = prev[name]
         if p.shape != t.shape or p.dtype != t.dtype:
-            raise ValueError(f"{name}: {p.dtype}{tuple(p.shape)} -> {t.dtype}{tuple(t.shape)} "
-                             "changes layout; use encode_full")
+            raise ValueError(
+                f"{name}: {p.dtype}{tuple(p.shape)} -> {t.dtype}{tuple(t.shape)} "
+                "changes layout; use encode_full"
+            )
 
 
 def _base_words(base: Mapping[str, torch.Tensor], upd: WeightUpdate) -> dict[str, np.ndarray]:
     """Word views of the receiver's tensors, after checking they fit the update."""
-    words, seen = {}, {}
+    words: dict[str, np.ndarray] = {}
+    seen: dict[int, str] = {}
     for td in upd.tensors:
         t = base.get(td.name)
         if t is None:
             raise IncompatibleBase(f"{td.name}: in the update but not in the receiver's tensors")
         if tuple(t.shape) != td.shape or t.dtype != td.torch_dtype:
-            raise IncompatibleBase(f"{td.name}: receiver has {t.dtype}{tuple(t.shape)}, "
-                                   f"update is for {td.dtype}{td.shape}")
+            raise IncompatibleBase(
+                f"{td.name}: receiver has {t.dtype}{tuple(t.shape)}, "
+                f"update is for {td.dtype}{td.shape}"
+            )
         if t.numel() and t.data_ptr() in seen:  # tied weights would be patched twice
-            raise IncompatibleBase(f"{td.name} shares storage with {seen[t.data_ptr()]}: "
-                                   "pass each storage once")
+            raise IncompatibleBase(
+                f"{td.name} shares storage with {seen[t.data_ptr()]}: pass each storage once"
+            )
         seen[t.data_ptr()] = td.name
         try:
             words[td.name] = codec.as_words(t)
@@ -188,12 +220,16 @@ def _apply_delta_parsed(
             done.append(td)
             got = tensor_digest(base[td.name], upd.checksum_algo)
             if got != td.checksum:
-                raise ChecksumMismatch(f"{td.name}: patched tensor hashes to {got}, sender "
-                                       f"recorded {td.checksum}: the receiver's v{current} "
-                                       "differs from the sender's; resync with a full update")
+                raise ChecksumMismatch(
+                    f"{td.name}: patched tensor hashes to {got}, sender "
+                    f"recorded {td.checksum}: the receiver's v{current} "
+                    "differs from the sender's; resync with a full update"
+                )
     except Exception:
         for td in reversed(done):  # decoding succeeded once, so it succeeds again
-            decode_patch(td, body[td.offset : td.offset + td.length], dctx).apply(words[td.name], -1)
+            decode_patch(td, body[td.offset : td.offset + td.length], dctx).apply(
+                words[td.name], -1
+            )
         raise
 
 
@@ -209,7 +245,8 @@ def _decode_snapshot(
         t = decode_full(td, body[td.offset : td.offset + td.length], dctx)
         got = tensor_digest(t, upd.checksum_algo)
         if got != td.checksum:
-            raise ChecksumMismatch(f"{td.name}: snapshot tensor hashes to {got}, sender "
-                                   f"recorded {td.checksum}")
+            raise ChecksumMismatch(
+                f"{td.name}: snapshot tensor hashes to {got}, sender recorded {td.checksum}"
+            )
         out[td.name] = t
     return out

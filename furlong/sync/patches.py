@@ -7,6 +7,7 @@ for bit. Every length and bound is checked against the header before anything is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,11 +16,10 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from furlong.sync import codec
+from furlong.sync import codec, tiers
 from furlong.sync.errors import CorruptUpdate
 from furlong.sync.update import TensorDelta
 
-PIECE = 1 << 20  # sparse changes expanded to int64 positions at a time
 MAX_CHUNK = 1 << 26  # refuse absurd run lengths from a damaged header before allocating
 
 
@@ -27,27 +27,32 @@ class Patch(Protocol):
     def apply(self, dst: np.ndarray, sign: int = 1) -> None: ...
 
 
-def expected_raw_length(td: TensorDelta) -> int:
-    """The decompressed size the header fields imply; a mismatch means a corrupt header."""
-    w, n, k = codec.word_width(td.torch_dtype), td.n_words, td.n_changed
-    value_escapes = td.n_value_escapes * w
-    if td.encoding == "sparse":
-        return k * td.gap_width + k + td.n_escapes * codec.escape_width(n) + value_escapes
-    if td.encoding == "bitmap":
-        return (n + 7) // 8 + k + value_escapes
-    if td.encoding == "dense":
-        return n + value_escapes
-    if td.encoding == "planes":
-        return n * w
-    return 0
-
-
-def _check_lengths(td: TensorDelta) -> None:
-    if td.raw_length != expected_raw_length(td):
-        raise CorruptUpdate(f"{td.name}: header says {td.raw_length} raw bytes, its fields "
-                            f"imply {expected_raw_length(td)}")
+def _check_header(td: TensorDelta) -> None:
+    w, n = codec.word_width(td.torch_dtype), td.n_words
+    # Generous bound on any layout: refuse absurd sizes before allocating for them.
+    if td.raw_length > (n + 8) * (w + 16) + 64 or (td.encoding == "same") != (td.length == 0):
+        raise CorruptUpdate(f"{td.name}: header section sizes do not fit the tensor")
     if td.encoding in ("dense", "planes") and not 0 < td.chunk <= MAX_CHUNK:
         raise CorruptUpdate(f"{td.name}: bad run length {td.chunk}")
+
+
+class _Cursor:
+    """Reads exact byte counts from an in-memory raw layout; overruns are CorruptUpdate."""
+
+    def __init__(self, raw: np.ndarray, name: str):
+        self.raw, self.name, self.pos = raw, name, 0
+
+    def read(self, nbytes: int) -> np.ndarray:
+        if self.pos + nbytes > self.raw.size:
+            raise CorruptUpdate(f"{self.name}: section is shorter than its contents")
+        self.pos += nbytes
+        return self.raw[self.pos - nbytes : self.pos]
+
+    def finish(self) -> None:
+        if self.pos != self.raw.size:
+            raise CorruptUpdate(
+                f"{self.name}: {self.raw.size - self.pos} unexpected bytes in section"
+            )
 
 
 def decompress(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor) -> np.ndarray:
@@ -57,7 +62,9 @@ def decompress(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor
     except zstd.ZstdError as e:
         raise CorruptUpdate(f"{td.name}: zstd section does not decode: {e}") from e
     if len(raw) != td.raw_length:
-        raise CorruptUpdate(f"{td.name}: section decoded to {len(raw)} bytes, expected {td.raw_length}")
+        raise CorruptUpdate(
+            f"{td.name}: section decoded to {len(raw)} bytes, expected {td.raw_length}"
+        )
     return np.frombuffer(raw, dtype=np.uint8)
 
 
@@ -66,63 +73,43 @@ def read_runs(
 ) -> Iterator[tuple[int, np.ndarray]]:
     """(start, words) for each `chunk`-word run of a "dense"/"planes" section, streamed.
 
-    "dense" runs yield zigzagged values, "planes" runs raw words. Only one run is in memory
-    at a time, in reused buffers valid until the next run. `limit`: stop below that word."""
+    "dense" runs yield zigzag values, "planes" runs raw words. Only one run is in memory at
+    a time. `limit`: stop below that word (used to undo a partly applied section)."""
     w, n = codec.word_width(td.torch_dtype), td.n_words
-    buf = np.empty(min(n, td.chunk) * w, dtype=np.uint8)
-    words = np.empty(min(n, td.chunk), dtype=codec.UINT[w])
-    symbols = np.empty(min(n, td.chunk) if td.encoding == "dense" else 0, dtype=np.uint8)
-    n_esc = 0
+    wide = codec.UINT[w]
     try:
         with dctx.stream_reader(section) as reader:
+            read = functools.partial(_read_exact, reader, td.name)
             for s in range(0, n if limit is None else limit, td.chunk):
                 c = min(td.chunk, n - s)
                 if td.encoding == "planes":
-                    _fill(reader, buf[: c * w], td.name)
-                    yield s, codec.read_planes(buf, 0, c, w, out=words[:c])
-                    continue
-                lo = _fill(reader, symbols[:c], td.name)
-                e = codec.count_escapes(lo)
-                esc = codec.read_planes(_fill(reader, buf[: e * w], td.name), 0, e, w)
-                n_esc += e
-                yield s, codec.join_escapes(lo, esc, codec.UINT[w])
-            if limit is None and (reader.read(1) or n_esc != td.n_value_escapes):
-                raise CorruptUpdate(f"{td.name}: section disagrees with its header")
+                    yield s, codec.read_planes(read(c * w), w)
+                else:
+                    yield s, tiers.decode(read, c, td.value_tiers, wide)
+            if limit is None and reader.read(1):
+                raise CorruptUpdate(f"{td.name}: section holds more data than its header says")
     except zstd.ZstdError as e:
         raise CorruptUpdate(f"{td.name}: zstd section does not decode: {e}") from e
 
 
-def _fill(reader: zstd.ZstdDecompressionReader, out: np.ndarray, name: str) -> np.ndarray:
-    """Read exactly out.size bytes into `out`, or fail as a truncated section."""
-    mv, got = memoryview(out), 0
-    while got < len(mv):
+def _read_exact(reader: zstd.ZstdDecompressionReader, name: str, nbytes: int) -> np.ndarray:
+    out = np.empty(nbytes, dtype=np.uint8)
+    mv, got = out.data, 0
+    while got < nbytes:
         r = reader.readinto(mv[got:])
         if not r:
-            raise CorruptUpdate(f"{name}: section ended {len(mv) - got} bytes early")
+            raise CorruptUpdate(f"{name}: section ended {nbytes - got} bytes early")
         got += r
     return out
 
 
 @dataclass
 class SparsePatch:
-    """Positions stay in gap form and are expanded PIECE at a time: no 8 bytes per change."""
-
     values: np.ndarray
-    prim: np.ndarray  # capped gap symbols
-    esc_at: np.ndarray  # indices of the capped symbols
-    esc: np.ndarray  # their excess, int64
+    positions: np.ndarray  # int64, strictly increasing
 
     def apply(self, dst: np.ndarray, sign: int = 1) -> None:
-        last = -1
-        for i in range(0, self.prim.size, PIECE):
-            g = self.prim[i : i + PIECE].astype(np.int64)
-            lo, hi = np.searchsorted(self.esc_at, [i, i + g.size])
-            g[self.esc_at[lo:hi] - i] += self.esc[lo:hi]
-            g += 1
-            pos = np.cumsum(g, out=g)
-            pos += last
-            last = int(pos[-1])
-            codec.add_at(dst, pos, self.values[i : i + PIECE], sign)
+        codec.add_at(dst, self.positions, self.values, sign)
 
 
 @dataclass
@@ -154,7 +141,7 @@ class DensePatch:
             for s, d in self._runs(None):
                 _add(dst[s : s + d.size], d, sign)
                 done = s + d.size
-        except CorruptUpdate:
+        except Exception:
             for s, d in self._runs(done):  # those runs decoded fine a moment ago
                 _add(dst[s : s + d.size], d, -sign)
             raise
@@ -178,58 +165,46 @@ class NoPatch:
 
 def decode_patch(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor) -> Patch:
     """Decode and bounds-check a delta section; nothing is written to any tensor here."""
-    _check_lengths(td)
+    _check_header(td)
     if td.encoding == "same":
         return NoPatch()
     if td.encoding == "dense":
         return DensePatch(td, section, dctx)
-    if td.encoding == "bitmap":
-        return _decode_bitmap(td, decompress(td, section, dctx))
-    if td.encoding != "sparse" or td.gap_width not in (1, 2):
+    if td.encoding not in ("sparse", "bitmap"):
         raise CorruptUpdate(f"{td.name}: {td.encoding!r} is not a delta encoding")
-    return _decode_sparse(td, decompress(td, section, dctx))
-
-
-def _decode_bitmap(td: TensorDelta, raw: np.ndarray) -> BitmapPatch:
+    cur = _Cursor(decompress(td, section, dctx), td.name)
     n, k = td.n_words, td.n_changed
-    nb = (n + 7) // 8
-    bitmap = raw[:nb]
-    pad_ok = n % 8 == 0 or int(bitmap[-1]) >> (n % 8) == 0
-    if int(np.bitwise_count(bitmap).sum(dtype=np.int64)) != k or not pad_ok:
-        raise CorruptUpdate(f"{td.name}: change bitmap disagrees with n_changed={k}")
-    return BitmapPatch(values=_values(td, raw, nb, nb + k), bitmap=bitmap)
-
-
-def _values(td: TensorDelta, raw: np.ndarray, lo_at: int, esc_at: int) -> np.ndarray:
-    """The k values from their symbols at raw[lo_at:] and escape planes at raw[esc_at:]."""
-    w, k = codec.word_width(td.torch_dtype), td.n_changed
-    lo = raw[lo_at : lo_at + k]
-    if codec.count_escapes(lo) != td.n_value_escapes:
-        raise CorruptUpdate(f"{td.name}: value escape count disagrees with the header")
-    esc = codec.read_planes(raw, esc_at, td.n_value_escapes, w)
-    return codec.unzigzag(codec.join_escapes(lo, esc, codec.UINT[w]))
-
-
-def _decode_sparse(td: TensorDelta, raw: np.ndarray) -> SparsePatch:
-    n, k, gw = td.n_words, td.n_changed, td.gap_width
-    ew = codec.escape_width(n)
-    prim = codec.read_planes(raw, 0, k, gw) if gw > 1 else raw[:k]
-    esc = codec.read_planes(raw, k * (gw + 1), td.n_escapes, ew).astype(np.int64)
-    esc_at = np.flatnonzero(prim == (1 << (8 * gw)) - 1)
-    if esc_at.size != td.n_escapes:
-        raise CorruptUpdate(f"{td.name}: gap escape count disagrees with the header")
-    last = int(prim.sum(dtype=np.int64)) + int(esc.sum()) + k - 1  # position of the last change
-    if last >= n:
-        raise CorruptUpdate(f"{td.name}: change position {last} beyond {n} words")
-    values = _values(td, raw, k * gw, k * (gw + 1) + td.n_escapes * ew)
-    return SparsePatch(values=values, prim=prim, esc_at=esc_at, esc=esc)
+    wide = codec.UINT[codec.word_width(td.torch_dtype)]
+    if td.encoding == "bitmap":
+        bitmap = cur.read((n + 7) // 8)
+        pad_ok = n % 8 == 0 or int(bitmap[-1]) >> (n % 8) == 0
+        if int(np.bitwise_count(bitmap).sum(dtype=np.int64)) != k or not pad_ok:
+            raise CorruptUpdate(f"{td.name}: change bitmap disagrees with n_changed={k}")
+        patch: Patch = BitmapPatch(
+            codec.unzigzag(tiers.decode(cur.read, k, td.value_tiers, wide)), bitmap
+        )
+    else:
+        gaps = tiers.decode_shifted(
+            cur.read, k, td.gap_shift, td.gap_tiers, tiers.gap_wide(n), np.int64
+        )
+        if k and int(gaps.max()) >= n:  # bounds every gap, so the sums below cannot overflow
+            raise CorruptUpdate(f"{td.name}: change gap beyond {n} words")
+        gaps += 1
+        positions = np.cumsum(gaps, out=gaps)  # in place: no second k-sized array
+        positions -= 1
+        if k and int(positions[-1]) >= n:
+            raise CorruptUpdate(f"{td.name}: change positions run past {n} words")
+        values = codec.unzigzag(tiers.decode(cur.read, k, td.value_tiers, wide))
+        patch = SparsePatch(values, positions)
+    cur.finish()
+    return patch
 
 
 def decode_full(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor) -> torch.Tensor:
     """A fresh tensor rebuilt from a "planes" section (checksum verified by the caller)."""
     if td.encoding != "planes":
         raise CorruptUpdate(f"{td.name}: {td.encoding!r} is not a snapshot encoding")
-    _check_lengths(td)
+    _check_header(td)
     out = torch.empty(td.shape, dtype=td.torch_dtype)
     x = codec.as_words(out)
     for s, words in read_runs(td, section, dctx):

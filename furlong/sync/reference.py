@@ -40,7 +40,7 @@ def xor_zstd_encode(
         for s in range(0, a.size, step):
             x = buf[: min(step, a.size - s)]
             np.bitwise_xor(a[s : s + step], b[s : s + step], out=x)
-            frame.append(cobj.compress(x))
+            frame.append(cobj.compress(x.data))
         frame.append(cobj.flush())
         data = b"".join(frame)
         parts += [_LEN.pack(len(data)), data]

@@ -1,7 +1,7 @@
-"""Encoder-side scans: find what changed between two word arrays, already in coded form.
+"""Encoder-side scans: find what changed between two word arrays.
 
-Each scan walks CHUNK words at a time with a reused mask buffer and turns the chunk's
-changes into section parts while the chunk is in cache, so nothing full-size is allocated.
+Each scan walks CHUNK words at a time with reused buffers and reduces the chunk to its
+changes while it is in cache, so nothing full-size is allocated.
 
 The expensive step is finding the changed words: np.flatnonzero on a sparse mask costs
 ~15 ns per hit (it searches hit by hit, mispredicting a branch each time). `changed_words`
@@ -16,41 +16,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
-from furlong.sync.codec import CHUNK, UINT, split_escapes, zigzag
-
-
-@dataclass
-class Values:
-    """zigzag(new - old) of changed words, coded as one byte each plus escapes (>= 255)."""
-
-    lo: list[np.ndarray] = field(default_factory=list)  # uint8 symbols, 255 = escaped
-    esc: list[np.ndarray] = field(default_factory=list)  # value - 255 of escaped, word dtype
-
-    def add(self, z: np.ndarray) -> None:
-        lo, esc = split_escapes(z, 1)
-        self.lo.append(lo)
-        if esc.size:
-            self.esc.append(esc)
-
-    @property
-    def count(self) -> int:
-        return sum(p.size for p in self.lo)
-
-    @property
-    def n_esc(self) -> int:
-        return sum(p.size for p in self.esc)
+from furlong.sync.codec import CHUNK, UINT, zigzag
 
 
 @dataclass
 class Scan:
-    """Changes from prev to new as per-chunk parts of a "sparse" section."""
+    """Changes from prev to new: gaps (position - previous - 1) and zigzag values."""
 
-    gap_width: int
     count: int = 0
-    gaps: list[np.ndarray] = field(default_factory=list)  # capped gap symbols, UINT[gap_width]
-    gap_esc: list[np.ndarray] = field(default_factory=list)  # gap - cap where capped, int64
-    values: Values = field(default_factory=Values)
+    gaps: list[np.ndarray] = field(default_factory=list)  # int64, per chunk
+    values: list[np.ndarray] = field(default_factory=list)  # zigzag(new - old), per chunk
     dense: bool = False  # more than max_sparse changes: the scan stopped, parts incomplete
 
 
@@ -65,23 +42,29 @@ def estimate_density(a: np.ndarray, b: np.ndarray, blocks: int = 32, block: int 
 
 
 def changed_words(
-    ac: np.ndarray, bc: np.ndarray, group_mask: np.ndarray
+    ac: np.ndarray, bc: np.ndarray, mask: np.ndarray, grouped: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Chunk-local positions where ac != bc (int64, increasing), and ac, bc there.
 
-    `group_mask` is a reused bool buffer of >= ac.size // (8 // ac.itemsize) entries."""
+    `mask` is a reused bool buffer of >= ac.size entries. Grouping pays while few groups
+    differ: up to ~10% of words changed (beyond, most groups need resolving anyway)."""
     lanes = 8 // ac.itemsize
-    ng = ac.size // lanes if lanes > 1 else 0
+    ng = ac.size // lanes if lanes > 1 and grouped else 0
     if ng == 0:
-        local = np.flatnonzero(ac != bc)
+        m = mask[: ac.size]
+        np.not_equal(ac, bc, out=m)
+        local = np.flatnonzero(m)
         return local, np.take(ac, local), np.take(bc, local)
     a64, b64 = ac[: ng * lanes].view(np.uint64), bc[: ng * lanes].view(np.uint64)
-    m = group_mask[:ng]
+    m = mask[:ng]
     np.not_equal(a64, b64, out=m)
     groups = np.flatnonzero(m)
     ag, bg = np.take(a64, groups).view(ac.dtype), np.take(b64, groups).view(bc.dtype)
     lane = np.flatnonzero(ag != bg)
-    local = groups[lane // lanes] * lanes + lane % lanes  # lanes is a power of 2: cheap
+    shift = lanes.bit_length() - 1  # lanes is a power of 2: shifts, not int64 division
+    local = np.take(groups, lane >> shift)
+    local <<= shift
+    local |= lane & (lanes - 1)
     old, new = np.take(ag, lane), np.take(bg, lane)
     if ng * lanes < ac.size:  # a tail shorter than one group (last chunk only)
         tail = np.flatnonzero(ac[ng * lanes :] != bc[ng * lanes :]) + ng * lanes
@@ -90,51 +73,45 @@ def changed_words(
     return local, old, new
 
 
-def scan_changes(a: np.ndarray, b: np.ndarray, gap_width: int, max_sparse: int) -> Scan:
-    """One pass: positions become capped gap symbols, values zigzag differences.
+def _zigzag_diff(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    np.subtract(new, old, out=new)  # unsigned: wraps mod 2**bits
+    return zigzag(new)
 
-    Stops early (dense=True) once more than max_sparse words changed."""
+
+def scan_changes(a: np.ndarray, b: np.ndarray, max_sparse: int, grouped: bool = True) -> Scan:
+    """One pass collecting gaps and values; stops early (dense=True) past max_sparse."""
     mask = np.empty(min(a.size, CHUNK), dtype=bool)
-    sc = Scan(gap_width=gap_width)
+    sc = Scan()
     last = -1  # position of the previous change
     for s in range(0, a.size, CHUNK):
-        local, old, new = changed_words(a[s : s + CHUNK], b[s : s + CHUNK], mask)
+        local, old, new = changed_words(a[s : s + CHUNK], b[s : s + CHUNK], mask, grouped)
         if local.size == 0:
             continue
         sc.count += local.size
         if sc.count > max_sparse:
-            return Scan(gap_width=gap_width, count=sc.count, dense=True)
-        np.subtract(new, old, out=new)  # unsigned: wraps mod 2**bits
-        sc.values.add(zigzag(new))
+            return Scan(count=sc.count, dense=True)
+        sc.values.append(_zigzag_diff(old, new))
         g = np.empty_like(local)
         g[0] = local[0] + s - last - 1
         np.subtract(local[1:], local[:-1], out=g[1:])
         g[1:] -= 1
-        prim, esc = split_escapes(g, gap_width)
-        sc.gaps.append(prim)
-        if esc.size:
-            sc.gap_esc.append(esc)
+        sc.gaps.append(g)
         last = s + int(local[-1])
     return sc
 
 
-def _values_at(ac: np.ndarray, bc: np.ndarray, local: np.ndarray) -> np.ndarray:
-    v = np.take(bc, local)
-    np.subtract(v, np.take(ac, local), out=v)  # unsigned: wraps mod 2**bits
-    return zigzag(v)
-
-
-def scan_bitmap(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, Values]:
-    """The change bitmap (packbits, little bit order) and the values in position order."""
+def scan_bitmap(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The change bitmap (packbits, little bit order) and the zigzag values, per chunk."""
     mask = np.empty(min(a.size, CHUNK), dtype=bool)
-    bitmaps, values = [], Values()
+    bitmaps, values = [], []
     for s in range(0, a.size, CHUNK):
         ac, bc = a[s : s + CHUNK], b[s : s + CHUNK]
         m = mask[: ac.size]
         np.not_equal(ac, bc, out=m)
         bitmaps.append(np.packbits(m, bitorder="little"))
-        values.add(_values_at(ac, bc, np.flatnonzero(m)))
-    return _concat(bitmaps), values
+        local = np.flatnonzero(m)
+        values.append(_zigzag_diff(np.take(ac, local), np.take(bc, local)))
+    return concat(bitmaps, np.uint8), values
 
 
 def change_bitmap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -145,32 +122,24 @@ def change_bitmap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         m = mask[: a[s : s + CHUNK].size]
         np.not_equal(a[s : s + CHUNK], b[s : s + CHUNK], out=m)
         parts.append(np.packbits(m, bitorder="little"))
-    return _concat(parts)
+    return concat(parts, np.uint8)
 
 
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
+def concat(parts: list[np.ndarray], dtype: npt.DTypeLike) -> np.ndarray:
     if not parts:
-        return np.empty(0, dtype=np.uint8)
+        return np.empty(0, dtype=dtype)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def dense_runs(a: np.ndarray, b: np.ndarray, run: int) -> Iterator[tuple[list[np.ndarray], int]]:
-    """Per run of `run` words: the coded values of ALL its words, and its count of changes.
-
-    The parts are only valid until the next run (the difference buffer is reused)."""
+def dense_runs(a: np.ndarray, b: np.ndarray, run: int) -> Iterator[tuple[np.ndarray, int]]:
+    """Per run of `run` words: zigzag(b - a) of ALL its words (a reused buffer, valid until
+    the next run) and the run's count of changes."""
     diff = np.empty(min(a.size, run), dtype=a.dtype)
     for s in range(0, a.size, run):
         d = diff[: a[s : s + run].size]
         np.subtract(b[s : s + run], a[s : s + run], out=d)
         count = int(np.count_nonzero(d))
-        lo, esc = split_escapes(zigzag(d), 1)
-        yield [lo, *plane_parts(esc)], count
-
-
-def plane_parts(x: np.ndarray) -> list[np.ndarray]:
-    """Byte planes of x as strided views (byte i of every word, for each i)."""
-    w = x.itemsize
-    return [x.view(np.uint8)[i::w] for i in range(w)] if x.size else []
+        yield zigzag(d), count
 
 
 def find_changes(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

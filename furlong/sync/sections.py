@@ -1,63 +1,66 @@
 """Per-tensor sections of a payload: how one tensor's change (or snapshot) becomes bytes.
 
 Every non-empty section is ONE zstd frame of a raw byte layout. `n` is the tensor's length
-in words (see codec.as_words), `k` its number of changed words, `w` the word width. "Planes
-of x" means byte 0 of every word of x, then byte 1, ... . Byte planes are what make zstd
-effective here: its literals are Huffman-coded per block with no context, so putting all
-low bytes together (and all high bytes, mostly zero) gives it skewed, uniform statistics.
+in words (see codec.as_words), `k` its number of changed words, `w` the word width.
 
-Values. v = zigzag(new_bits - old_bits mod 2**(8w)): a one-ulp bf16 step is 1 or 2. Each
-value is coded as a symbol byte min(v, 255) plus, for symbols 255 (escapes), v - 255 as a
-w-byte word in a separate escape stream: a mostly-zero high-byte plane would cost Huffman
-a full bit per value, while a rare escape symbol costs a few bits only where it occurs.
-Gaps. gap = position - previous position - 1 (previous of the first is -1), coded the same
-way: a `gap_width`-byte symbol min(gap, C), C = 2**(8*gap_width) - 1, and gap - C as
-uint32 (uint64 for tensors of >= 2**32 words) for symbols equal to C.
+* values: zigzag(new_bits - old_bits mod 2**(8w)) of changed words, so a one-ulp bf16 step
+  is 1 or 2; coded with tiers `value_tiers` and a w-byte remainder (see furlong.sync.tiers).
+* gaps: position - previous position - 1 (previous of the first is -1), coded with tiers
+  `gap_tiers` and a uint32 remainder (uint64 for tensors of >= 2**32 words); with
+  `gap_shift` 8 the gaps' low bytes come first as one plain plane and the tiers code gap >> 8.
+* each stream (tier, plane, bitmap) ends a zstd block, so it gets its own Huffman table.
 
+Layouts (`|` = concatenation):
 * "same":   no section; the tensor did not change (its checksum is still verified).
-* "sparse": planes of the k gap symbols | k value symbols | planes of the `n_escapes` gap
-            escapes | planes of the `n_value_escapes` value escapes.
-* "bitmap": change mask (packbits, little bit order, ceil(n/8) bytes) | k value symbols |
-            planes of the value escapes. Values are in position order.
-* "dense":  for each run of `chunk` words (the last may be shorter): the symbols of ALL its
-            words' values (0 where unchanged) | planes of that run's value escapes (their
-            count is the number of 255 symbols in the run). No positions at all: fastest to
-            encode and apply, and as small as "bitmap" once nearly every word changes.
-* "planes": full snapshot: for each run of `chunk` words, the planes of its raw words.
+* "sparse": gap stream (k entries) | value stream (k entries, position order).
+* "bitmap": change mask (packbits, little bit order, ceil(n/8) bytes) | value stream (k).
+* "dense":  for each run of `chunk` words (the last may be shorter), the value stream of
+            ALL its words (0 where unchanged): no positions at all, the fastest to encode
+            and apply, and as small as "bitmap" once half the words change.
+* "planes": full snapshot: for each run of `chunk` words, the byte planes of its raw words
+            (byte 0 of every word, then byte 1, ...: exponent bytes compress, mantissas not).
 
-Choice (sizes measured on simulated bf16 steps, see bench/weight_sync_synthetic.py): sparse
-below 12% changed, bitmap from 35%, dense when a sample says >= 85%; in 12-35% both sparse
-and bitmap are compressed and the smaller kept.
+Choice, by the density a sample of the tensor shows (sizes measured on simulated bf16 steps,
+within ~2% of the best layout around each switch point): sparse below 25% changed, bitmap
+below 50%, dense from 50%.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
 import zstandard as zstd
 
-from furlong.sync import codec, scan
+from furlong.sync import codec, scan, tiers
 from furlong.sync.checksum import tensor_digest
 from furlong.sync.update import TensorDelta, dtype_name
 
-SPARSE_ONLY_BELOW = 0.12
-SPARSE_MAX = 0.35  # past this many changes the sparse scan stops (and its memory is freed)
-DENSE_ABOVE = 0.85
-ONE_BYTE_GAPS_ABOVE = 1 / 400  # uint8 gaps (escapes for >= 255) beat uint16 down to ~0.3%
+BITMAP_FROM = 0.25  # sampled density from which the change mask beats gaps
+DENSE_FROM = 0.5  # ... and from which coding every word's value is as small, and faster
+SPARSE_MAX = 0.3  # the sparse scan gives up past this many changes (sample was wrong)
+GROUPED_BELOW = 0.1  # see scan.changed_words
 CHUNK = 1 << 20  # words per run in "dense" and "planes" sections
 
 
-def delta_compressor(level: int | None = None) -> zstd.ZstdCompressor:
-    """zstd for delta sections: `level`, or by default level-1-like fast parameters.
+def section_compressor(level: int | None = None) -> zstd.ZstdCompressor:
+    """zstd for sections: `level`, or by default level-1-like fast parameters.
 
-    Sections are byte planes with little LZ structure; nearly all the gain is zstd's Huffman
-    stage. A small hash table and long min-match skip futile match searches: same size as
-    level 1 here, ~30% faster. Single-threaded (no workers), so one encode = one core."""
+    Section streams have little LZ structure; nearly all the gain is zstd's Huffman stage.
+    A small hash table and the longest min-match cut futile match searching: same size as
+    level 1 on our streams (snapshots included), ~30% faster. No worker threads: one
+    encode = one core."""
     if level is not None:
         return zstd.ZstdCompressor(level=level)
     params = zstd.ZstdCompressionParameters(
-        strategy=zstd.STRATEGY_FAST, window_log=17, hash_log=12, chain_log=6,
-        search_log=1, min_match=7, target_length=0,
+        strategy=zstd.STRATEGY_FAST,
+        window_log=17,
+        hash_log=12,
+        chain_log=6,
+        search_log=1,
+        min_match=7,
+        target_length=0,
     )
     return zstd.ZstdCompressor(compression_params=params)
 
@@ -67,53 +70,82 @@ def encode_tensor_delta(
 ) -> tuple[TensorDelta, bytes]:
     """The section carrying prev -> new for one tensor (offset is filled in by the caller)."""
     a, b = codec.as_words(prev), codec.as_words(new)
-    n = a.size
-    meta = TensorDelta(name=name, shape=tuple(new.shape), dtype=dtype_name(new.dtype),
-                       encoding="same", checksum=tensor_digest(new, algo))
-    # A cheap sample fixes the path before the single scan; a wrong guess costs some size
-    # or speed, never correctness.
+    meta = TensorDelta(
+        name=name,
+        shape=tuple(new.shape),
+        dtype=dtype_name(new.dtype),
+        encoding="same",
+        checksum=tensor_digest(new, algo),
+    )
+    # A cheap sample picks the layout before the single scan; a wrong guess costs a little
+    # size or speed, never correctness (the sparse scan also gives up past SPARSE_MAX).
     est = scan.estimate_density(a, b)
-    if est >= DENSE_ABOVE:
+    if est >= DENSE_FROM:
         return _dense(meta, a, b, cctx)
-    gw = 1 if est >= ONE_BYTE_GAPS_ABOVE else 2
-    sc = scan.scan_changes(a, b, gw, max_sparse=int(n * SPARSE_MAX))
-    if sc.count == 0:
+    if est < BITMAP_FROM:
+        sc = scan.scan_changes(a, b, int(a.size * SPARSE_MAX), grouped=est < GROUPED_BELOW)
+        if sc.count == 0:
+            return meta, b""
+        if not sc.dense:
+            meta = replace(meta, n_changed=sc.count)
+            return _sparse(
+                meta, scan.concat(sc.gaps, np.int64), scan.concat(sc.values, a.dtype), cctx
+            )
+    bitmap, parts = scan.scan_bitmap(a, b)
+    values = scan.concat(parts, a.dtype)
+    if values.size == 0:
         return meta, b""
-    if sc.dense:  # the scan gave up: too many changes for gaps
-        bitmap, values = scan.scan_bitmap(a, b)
-        return _bitmap(_with(meta, n_changed=values.count), bitmap, values, cctx)
-    meta = _with(meta, n_changed=sc.count)
-    options = [_sparse(meta, sc, n, cctx)]
-    if sc.count >= n * SPARSE_ONLY_BELOW:
-        options.append(_bitmap(meta, scan.change_bitmap(a, b), sc.values, cctx))
-    return min(options, key=lambda o: len(o[1]))
-
-
-def _with(meta: TensorDelta, **fields: object) -> TensorDelta:
-    return TensorDelta(**{**meta.__dict__, **fields})
+    return _bitmap(replace(meta, n_changed=values.size), bitmap, values, cctx)
 
 
 def _sparse(
-    meta: TensorDelta, sc: scan.Scan, n: int, cctx: zstd.ZstdCompressor
+    meta: TensorDelta, gaps: np.ndarray, values: np.ndarray, cctx: zstd.ZstdCompressor
 ) -> tuple[TensorDelta, bytes]:
-    gap_esc = np.concatenate(sc.gap_esc).astype(codec.UINT[codec.escape_width(n)]) if sc.gap_esc else None
-    parts = codec.plane_views(sc.gaps) + sc.values.lo
-    parts += codec.plane_views([gap_esc] if gap_esc is not None else [])
-    parts += codec.plane_views(sc.values.esc)
-    raw = np.concatenate(parts)  # one copy, straight from the strided views
-    data = cctx.compress(raw)
-    return _with(meta, encoding="sparse", length=len(data), raw_length=raw.size,
-                 gap_width=sc.gap_width, n_escapes=0 if gap_esc is None else gap_esc.size,
-                 n_value_escapes=sc.values.n_esc), data
+    vt = tiers.value_tiers(values)
+    wide = tiers.gap_wide(meta.n_words)
+    shift, gt = _gap_coding(gaps, wide, cctx)
+    parts = tiers.encode_shifted(gaps, shift, gt, wide) + tiers.encode(
+        values, vt, values.dtype.type
+    )
+    data, raw_length = compress_streams(cctx, parts)
+    return replace(
+        meta,
+        encoding="sparse",
+        length=len(data),
+        raw_length=raw_length,
+        gap_shift=shift,
+        gap_tiers=gt,
+        value_tiers=vt,
+    ), data
+
+
+def _gap_coding(
+    gaps: np.ndarray, wide: type, cctx: zstd.ZstdCompressor
+) -> tuple[int, tuple[int, ...]]:
+    """Byte tiers for small gaps; for sparse tensors (mean gap >= 100, so few changes and
+    cheap to try) whichever shifted coding compresses smallest."""
+    if gaps.size == 0 or gaps.mean() < 100:
+        return 0, tiers.GAP_TIERS
+    options = [(0, tiers.GAP_TIERS)] + [(8, t) for t in tiers.VALUE_TIER_CHOICES]
+
+    def size(option: tuple[int, tuple[int, ...]]) -> int:
+        return len(
+            compress_streams(cctx, tiers.encode_shifted(gaps, option[0], option[1], wide))[0]
+        )
+
+    return min(options, key=size)
 
 
 def _bitmap(
-    meta: TensorDelta, bitmap: np.ndarray, values: scan.Values, cctx: zstd.ZstdCompressor
+    meta: TensorDelta, bitmap: np.ndarray, values: np.ndarray, cctx: zstd.ZstdCompressor
 ) -> tuple[TensorDelta, bytes]:
-    raw = np.concatenate([bitmap, *values.lo, *codec.plane_views(values.esc)])
-    data = cctx.compress(raw)
-    return _with(meta, encoding="bitmap", length=len(data), raw_length=raw.size,
-                 n_value_escapes=values.n_esc), data
+    vt = tiers.value_tiers(values)
+    data, raw_length = compress_streams(
+        cctx, [bitmap, *tiers.encode(values, vt, values.dtype.type)]
+    )
+    return replace(
+        meta, encoding="bitmap", length=len(data), raw_length=raw_length, value_tiers=vt
+    ), data
 
 
 def _dense(
@@ -121,19 +153,45 @@ def _dense(
 ) -> tuple[TensorDelta, bytes]:
     """Stream every word's coded value through one zstd frame, run by run."""
     cobj = cctx.compressobj()
-    parts, count, raw_length = [], 0, 0
-    for run_parts, c in scan.dense_runs(a, b, CHUNK):
-        raw = np.concatenate(run_parts) if len(run_parts) > 1 else run_parts[0]
-        parts.append(cobj.compress(raw))
+    parts: list[bytes] = []
+    count, raw_length, vt = 0, 0, None
+    for z, c in scan.dense_runs(a, b, CHUNK):
+        vt = vt or tiers.value_tiers(z)  # the first run decides for the tensor
+        raw_length += _feed(cobj, tiers.encode(z, vt, z.dtype.type), parts)
         count += c
-        raw_length += raw.size
-    if count == 0:
+    if count == 0 or vt is None:
         return meta, b""
     parts.append(cobj.flush())
     data = b"".join(parts)
-    n_esc = (raw_length - a.size) // a.itemsize
-    return _with(meta, encoding="dense", n_changed=count, length=len(data),
-                 raw_length=raw_length, n_value_escapes=n_esc, chunk=CHUNK), data
+    return replace(
+        meta,
+        encoding="dense",
+        n_changed=count,
+        length=len(data),
+        raw_length=raw_length,
+        value_tiers=vt,
+        chunk=CHUNK,
+    ), data
+
+
+def compress_streams(cctx: zstd.ZstdCompressor, streams: list[np.ndarray]) -> tuple[bytes, int]:
+    """One zstd frame of the concatenated streams, and its raw length.
+
+    Each stream ends a zstd block, so each gets its own Huffman table: mixing e.g. gap and
+    value symbols in one block costs up to ~1 bit per change on small tensors."""
+    cobj = cctx.compressobj(size=sum(s.size for s in streams))
+    out: list[bytes] = []
+    raw_length = _feed(cobj, streams, out)
+    out.append(cobj.flush())
+    return b"".join(out), raw_length
+
+
+def _feed(cobj: zstd.ZstdCompressionObj, streams: list[np.ndarray], out: list[bytes]) -> int:
+    for s in streams:
+        if s.size:
+            out.append(cobj.compress(np.ascontiguousarray(s).data))
+            out.append(cobj.flush(zstd.COMPRESSOBJ_FLUSH_BLOCK))
+    return sum(s.size for s in streams)
 
 
 def encode_tensor_full(
@@ -141,18 +199,21 @@ def encode_tensor_full(
 ) -> tuple[TensorDelta, bytes]:
     """A snapshot section: byte planes per CHUNK run, streamed through one zstd frame."""
     x = codec.as_words(t)
-    n, w = x.size, x.itemsize
-    cobj = cctx.compressobj(size=n * w)
-    buf = np.empty(min(n, CHUNK) * w, dtype=np.uint8)
-    parts = []
-    for s in range(0, n, CHUNK):
-        end = codec.write_planes(buf, 0, x[s : s + CHUNK])
-        parts.append(cobj.compress(buf[:end]))
+    cobj = cctx.compressobj(size=x.nbytes)
+    parts: list[bytes] = []
+    for s in range(0, x.size, CHUNK):
+        _feed(cobj, codec.plane_parts(x[s : s + CHUNK]), parts)
     parts.append(cobj.flush())
     data = b"".join(parts)
     meta = TensorDelta(
-        name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype), encoding="planes",
-        checksum=tensor_digest(t, algo), n_changed=n, length=len(data), raw_length=n * w,
+        name=name,
+        shape=tuple(t.shape),
+        dtype=dtype_name(t.dtype),
+        encoding="planes",
+        checksum=tensor_digest(t, algo),
+        n_changed=x.size,
+        length=len(data),
+        raw_length=x.nbytes,
         chunk=CHUNK,
     )
     return meta, data

@@ -3,32 +3,37 @@
 A payload is `preamble | header | body`:
 
 * preamble, 36 bytes little-endian (`struct` format `<4sHBBIQ16s`): magic `b"FLWU"`, format
-  version (u16), checksum-algorithm id (u8), reserved (u8, 0), header length (u32), body length
-  (u64), and a 16-byte digest of `header | body` with that algorithm. The digest is checked
-  before anything is decoded, so a flipped or missing byte anywhere is a `CorruptUpdate`.
-* header: UTF-8 JSON of `WeightUpdate.to_dict()`: versions, kind, encoding and one entry per
-  tensor (name, shape, dtype, per-tensor encoding, checksum of the FINAL tensor, and where its
-  section lies in the body).
-* body: the tensor sections back to back, in header order (see `furlong.sync.delta`).
+  version (u16), checksum-algorithm id (u8), flags (u8; bit 0: header is zstd-compressed),
+  header length (u32), body length (u64), and a 16-byte digest of `header | body` with that
+  algorithm. The digest is checked before anything is decoded, so a flipped or missing byte
+  anywhere is a `CorruptUpdate`.
+* header: UTF-8 JSON of `WeightUpdate.to_dict()` (zstd-compressed: names repeat a lot):
+  versions, kind, encoding and one entry per tensor (name, shape, dtype, per-tensor encoding,
+  checksum of the FINAL tensor, where its section lies in the body, and the layout
+  parameters of furlong.sync.sections; fields at their default value are omitted).
+* body: the tensor sections back to back, in header order.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 import torch
+import zstandard as zstd
 
 from furlong.sync.checksum import ALGO_IDS, stream_hasher
 from furlong.sync.codec import word_width
 from furlong.sync.errors import CorruptUpdate
+from furlong.sync.tiers import ALLOWED_BITS
 
 MAGIC = b"FLWU"
 FORMAT_VERSION = 1
 PREAMBLE = struct.Struct("<4sHBBIQ16s")
-MAX_HEADER = 1 << 30  # sanity bound before json.loads on a damaged length field
+MAX_HEADER = 1 << 30  # sanity bound before decoding a damaged length field
+HEADER_ZSTD = 1  # preamble flag
 
 Kind = Literal["full", "delta", "adapter"]
 KINDS = ("full", "delta", "adapter")
@@ -45,13 +50,13 @@ class TensorDelta:
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
     encoding: str  # one of TENSOR_ENCODINGS
     checksum: str  # hex digest of the final tensor's raw bytes
-    n_changed: int = 0  # elements whose bits differ from the base (numel for "planes")
+    n_changed: int = 0  # words whose bits differ from the base (all words for "planes")
     offset: int = 0  # byte offset of the zstd section in the body
     length: int = 0  # compressed section length in bytes (0 for "same")
     raw_length: int = 0  # decompressed section length, checked on decode
-    gap_width: int = 0  # "sparse": bytes per primary gap symbol (1 or 2)
-    n_escapes: int = 0  # "sparse": gaps too large for gap_width, sent as escapes
-    n_value_escapes: int = 0  # values >= 255 after zigzag, sent as escapes
+    gap_shift: int = 0  # "sparse": 8 = gaps' low bytes sent as a plane (furlong.sync.tiers)
+    gap_tiers: tuple[int, ...] = ()  # "sparse": symbol bits per gap tier
+    value_tiers: tuple[int, ...] = ()  # delta encodings: symbol bits per value tier
     chunk: int = 0  # "dense"/"planes": words per run of the section layout
 
     @property
@@ -92,7 +97,9 @@ class WeightUpdate:
         return sum(t.numel * t.torch_dtype.itemsize for t in self.tensors)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["tensors"] = [_compact(t) for t in self.tensors]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WeightUpdate:
@@ -115,18 +122,24 @@ class WeightUpdate:
 
 def dtype_from_name(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dt
+    if isinstance(dt, torch.dtype):
+        return dt
+    raise ValueError(f"unknown dtype {name!r}")
 
 
 def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def _compact(t: TensorDelta) -> dict[str, Any]:
+    """t's fields minus those at their default value (they are restored on parsing)."""
+    return {f.name: getattr(t, f.name) for f in fields(t) if getattr(t, f.name) != f.default}
+
+
 def _tensor_from_dict(d: dict[str, Any]) -> TensorDelta:
     d = dict(d)
-    d["shape"] = tuple(int(x) for x in d["shape"])
+    for key in ("shape", "gap_tiers", "value_tiers"):
+        d[key] = tuple(int(x) for x in d.get(key, ()))
     return TensorDelta(**d)
 
 
@@ -143,11 +156,18 @@ def _validate(upd: WeightUpdate) -> None:
         if t.encoding not in TENSOR_ENCODINGS:
             raise CorruptUpdate(f"{t.name}: unknown tensor encoding {t.encoding!r}")
         try:
-            t.torch_dtype
+            dtype_from_name(t.dtype)
         except ValueError as e:
             raise CorruptUpdate(f"{t.name}: {e}") from e
         if any(s < 0 for s in t.shape) or not 0 <= t.n_changed <= t.n_words:
             raise CorruptUpdate(f"{t.name}: bad shape {t.shape} or n_changed {t.n_changed}")
+        if (
+            any(b not in ALLOWED_BITS for b in t.gap_tiers + t.value_tiers)
+            or len(t.gap_tiers + t.value_tiers) > 8
+        ):
+            raise CorruptUpdate(f"{t.name}: bad tier bits {t.gap_tiers} / {t.value_tiers}")
+        if t.gap_shift not in (0, 8):
+            raise CorruptUpdate(f"{t.name}: bad gap shift {t.gap_shift}")
         if t.offset != expected_offset or t.length < 0 or t.raw_length < 0:
             raise CorruptUpdate(f"{t.name}: section at {t.offset}+{t.length} is out of order")
         expected_offset += t.length
@@ -155,15 +175,15 @@ def _validate(upd: WeightUpdate) -> None:
 
 def pack_payload(update: WeightUpdate, sections: list[bytes]) -> bytes:
     """Frame `update` and its body sections (same order as update.tensors) into one payload."""
-    header = json.dumps(update.to_dict(), separators=(",", ":")).encode()
+    header_json = json.dumps(update.to_dict(), separators=(",", ":")).encode()
+    header = zstd.ZstdCompressor(level=3).compress(header_json)
     h = stream_hasher(update.checksum_algo)
     h.update(header)
     for s in sections:
         h.update(s)
     body_len = sum(len(s) for s in sections)
-    pre = PREAMBLE.pack(
-        MAGIC, FORMAT_VERSION, ALGO_IDS[update.checksum_algo], 0, len(header), body_len, h.digest()
-    )
+    algo = ALGO_IDS[update.checksum_algo]
+    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, algo, HEADER_ZSTD, len(header), body_len, h.digest())
     return b"".join([pre, header, *sections])
 
 
@@ -171,12 +191,16 @@ def unpack_payload(payload: bytes | bytearray | memoryview) -> tuple[WeightUpdat
     """Check framing and digest, parse the header; returns the update and a view of the body."""
     mv = memoryview(payload).cast("B")
     if len(mv) < PREAMBLE.size:
-        raise CorruptUpdate(f"payload is {len(mv)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
-    magic, fmt, algo_id, _, hlen, blen, digest = PREAMBLE.unpack_from(mv)
+        raise CorruptUpdate(
+            f"payload is {len(mv)} bytes, shorter than the {PREAMBLE.size}-byte preamble"
+        )
+    magic, fmt, algo_id, flags, hlen, blen, digest = PREAMBLE.unpack_from(mv)
     if magic != MAGIC:
         raise CorruptUpdate(f"bad magic {bytes(magic)!r}: not a furlong weight update")
-    if fmt != FORMAT_VERSION:
-        raise CorruptUpdate(f"unsupported format version {fmt} (this reader knows {FORMAT_VERSION})")
+    if fmt != FORMAT_VERSION or flags & ~HEADER_ZSTD:
+        raise CorruptUpdate(
+            f"unsupported format {fmt}/flags {flags} (this reader: {FORMAT_VERSION})"
+        )
     algo = {v: k for k, v in ALGO_IDS.items()}.get(algo_id)
     if algo is None:
         raise CorruptUpdate(f"unknown checksum algorithm id {algo_id}")
@@ -189,11 +213,17 @@ def unpack_payload(payload: bytes | bytearray | memoryview) -> tuple[WeightUpdat
     h.update(mv[PREAMBLE.size :])
     if h.digest() != digest:
         raise CorruptUpdate("payload digest mismatch: the update was damaged in transit or storage")
-    header = mv[PREAMBLE.size : PREAMBLE.size + hlen]
-    try:
-        upd = WeightUpdate.from_dict(json.loads(bytes(header)))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptUpdate(f"update header is not valid JSON: {e}") from e
+    upd = _parse_header(mv[PREAMBLE.size : PREAMBLE.size + hlen], flags)
     if upd.checksum_algo != algo or sum(t.length for t in upd.tensors) != blen:
         raise CorruptUpdate("update header disagrees with its preamble (algorithm or body length)")
     return upd, mv[PREAMBLE.size + hlen :]
+
+
+def _parse_header(header: memoryview, flags: int) -> WeightUpdate:
+    try:
+        raw = bytes(header)
+        if flags & HEADER_ZSTD:
+            raw = zstd.ZstdDecompressor().decompress(raw, max_output_size=MAX_HEADER)
+        return WeightUpdate.from_dict(json.loads(raw))
+    except (zstd.ZstdError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptUpdate(f"update header does not decode: {e}") from e
