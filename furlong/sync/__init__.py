@@ -18,18 +18,41 @@ from furlong.sync.errors import (
     StaleUpdate,
     SyncError,
 )
+from furlong.sync.publish import PublishedUpdate, Publisher
 from furlong.sync.reference import xor_zstd_apply, xor_zstd_encode
+from furlong.sync.relay import Relay, SyncFailed, SyncReport
+from furlong.sync.transport import (
+    DirectoryTransport,
+    HttpTransport,
+    InProcessTransport,
+    Transport,
+    TransportError,
+    UpdateNotFound,
+    UpdateServer,
+)
 from furlong.sync.update import TensorDelta, WeightUpdate
 
 __all__ = [
     "BaseVersionMismatch",
     "ChecksumMismatch",
     "CorruptUpdate",
+    "DirectoryTransport",
     "EntropyBound",
+    "HttpTransport",
+    "InProcessTransport",
     "IncompatibleBase",
+    "PublishedUpdate",
+    "Publisher",
+    "Relay",
     "StaleUpdate",
     "SyncError",
+    "SyncFailed",
+    "SyncReport",
     "TensorDelta",
+    "Transport",
+    "TransportError",
+    "UpdateNotFound",
+    "UpdateServer",
     "WeightReceiver",
     "WeightUpdate",
     "apply_delta",

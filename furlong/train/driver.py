@@ -122,7 +122,7 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
 
 def _grpo_config(cfg: Config) -> GRPOConfig:
     r = cfg.train.rl
-    return GRPOConfig(lr=r.lr, clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
+    return GRPOConfig(lr=r.lr, warmup_steps=r.warmup_steps, minibatches=r.minibatches, clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
                       normalize_std=r.normalize_std, filter_zero_variance=r.filter_zero_variance,
                       micro_batch_size=r.micro_batch_size, temperature=r.temperature, seed=cfg.train.seed)
 

@@ -54,6 +54,7 @@ class GRPOConfig:
     minibatches: int = 1  # optimizer steps per epoch
     bf16_autocast: bool = False
     seed: int = 0  # minibatch shuffling
+    warmup_steps: int = 0  # optimizer steps over which lr ramps up linearly: Adam's first steps are the largest
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class Trainer:
                                            betas=config.betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self._opt_steps = 0
         self.version = 0
         self.last_minibatches: tuple[LossMetrics, ...] = ()  # per optimizer step of the last train_step
 
@@ -222,7 +224,10 @@ class Trainer:
             entropy += float((ent * mb.loss_mask).sum())
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (self._opt_steps + 1) / max(cfg.warmup_steps, 1))
         self.optimizer.step()
+        self._opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         return merge_metrics(parts), float(norm), entropy
 
@@ -249,7 +254,7 @@ class Trainer:
         tmp.mkdir()
         try:
             state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "version": self.version, "rng": _rng_state(self.generator)}
+                     "version": self.version, "opt_steps": self._opt_steps, "rng": _rng_state(self.generator)}
             _write_synced(tmp / CHECKPOINT_FILE, lambda f: torch.save(state, f))
             meta = json.dumps({"version": self.version, "config": asdict(self.config)}, indent=1)
             _write_synced(tmp / "meta.json", lambda f: f.write(meta.encode()))
@@ -264,6 +269,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        self._opt_steps = int(state["opt_steps"])
         _set_rng_state(self.generator, state["rng"])
 
 
