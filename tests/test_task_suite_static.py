@@ -1,4 +1,4 @@
-"""Static checks of the bundled task suite in tasks/ (no sandbox, no furlong imports).
+"""Static checks of the bundled task suite in tasks/ (no sandbox).
 
 Running a task (oracle gives reward 1, doing nothing gives 0) needs a sandbox; these tests check only
 what can be checked from the files: layout, task.toml, the Dockerfile subset, test.sh always writing a
@@ -171,7 +171,9 @@ def test_family_config(family: Path):
         ranges[split] = range(*raw)
     assert not set(ranges["train"]) & set(ranges["heldout"]), "train and heldout seeds overlap"
     source = (family / "generate.py").read_text()
-    assert not re.search(r"^\s*(import|from)\s+furlong", source, re.M), "generate.py must not import furlong"
+    # A family may use the shared task kit, and nothing else of furlong: it stays a plain description.
+    imports = re.findall(r"^\s*(?:import|from)\s+(furlong\S*)", source, re.M)
+    assert set(imports) <= {"furlong.tasks.kit"}, f"generate.py imports {imports}"
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda p: p.name)

@@ -1,11 +1,13 @@
 """Task family count-in-file: count the lines, words or characters of /app/data.txt, or copy its first or
 last N lines. Fixed paths, so the agent's work is to pick the right command for the words of the
-instruction; the data (and so every answer) differs per seed. Stdlib only, deterministic per seed."""
+instruction; the data (and so every answer) differs per seed. Deterministic per seed."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+
+from furlong.tasks.kit import reward_test, write_task
 
 WORDS = "amber anchor apple arrow badge basket beacon berry bottle breeze bridge cabin candle castle cedar".split()
 
@@ -23,28 +25,8 @@ OPS = {  # name: (instruction templates, solution command)
     "tail": (["Write the last {n} lines of /app/data.txt to /app/answer.txt."], "tail -n {n} /app/data.txt > /app/answer.txt"),
 }
 
-TASK_TOML = """version = "1.0"
-[metadata]
-category = "pipelines"
-difficulty = "easy"
-tags = ["wc", "head", "tail", "family"]
-[agent]
-timeout_sec = 60.0
-[verifier]
-timeout_sec = 30.0
-[environment]
-cpus = 1
-memory_mb = 512
-"""
-
-TEST_SH = """#!/bin/bash
-# /app/answer.txt must hold the expected answer (compared ignoring surrounding whitespace)
-mkdir -p /logs/verifier
-echo 0 > /logs/verifier/reward.txt
-if [ -f /app/answer.txt ] && python3 -c "import sys; sys.exit(open('/app/answer.txt').read().strip() != open('/tests/expected.txt').read().strip())"; then
-  echo 1 > /logs/verifier/reward.txt
-fi
-"""
+TEST_SH = reward_test("/app/answer.txt must hold the expected answer (compared ignoring surrounding whitespace)",
+                      '[ -f /app/answer.txt ] && python3 -c "import sys; sys.exit(open(\'/app/answer.txt\').read().strip() != open(\'/tests/expected.txt\').read().strip())"')
 
 
 def answer(op: str, text: str, n: int) -> str:
@@ -61,15 +43,6 @@ def generate(seed: int, out: Path) -> None:
     answers = {o: answer(o, text, n) for o in OPS}
     assert len(set(answers.values())) == len(answers), "every operation must give a different answer"
     templates, command = OPS[op]
-    files = {
-        "instruction.md": rng.choice(templates).format(n=n) + "\n",
-        "task.toml": TASK_TOML,
-        "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY data.txt /app/data.txt\n",
-        "environment/data.txt": text,
-        "tests/test.sh": TEST_SH,
-        "tests/expected.txt": answers[op] + "\n",
-        "solution/solve.sh": "#!/bin/bash\n" + command.format(n=n) + "\n",
-    }
-    for rel, content in files.items():
-        (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        (out / rel).write_text(content)
+    write_task(out, instruction=rng.choice(templates).format(n=n), category="pipelines", difficulty="easy",
+               tags=["wc", "head", "tail", "family"], test_sh=TEST_SH, solve_sh=command.format(n=n),
+               env_files={"data.txt": text}, test_files={"expected.txt": answers[op] + "\n"})

@@ -1,11 +1,13 @@
 """Task family number-stats: the sum, maximum, minimum or count of the numbers in /app/numbers.txt.
 Fixed paths; the statistic asked for decides the command, the seed decides the numbers.
-Stdlib only, deterministic per seed."""
+Deterministic per seed."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+
+from furlong.tasks.kit import reward_test, write_task
 
 OPS = {  # name: (instruction templates, solution command)
     "sum": (["Write the sum of the numbers in /app/numbers.txt to /app/answer.txt.",
@@ -22,28 +24,8 @@ OPS = {  # name: (instruction templates, solution command)
               "wc -l < /app/numbers.txt > /app/answer.txt"),
 }
 
-TASK_TOML = """version = "1.0"
-[metadata]
-category = "pipelines"
-difficulty = "easy"
-tags = ["awk", "sort", "family"]
-[agent]
-timeout_sec = 60.0
-[verifier]
-timeout_sec = 30.0
-[environment]
-cpus = 1
-memory_mb = 512
-"""
-
-TEST_SH = """#!/bin/bash
-# /app/answer.txt must hold the expected number (surrounding whitespace ignored)
-mkdir -p /logs/verifier
-echo 0 > /logs/verifier/reward.txt
-if [ -f /app/answer.txt ] && [ "$(tr -d ' \\n' < /app/answer.txt)" = "$(tr -d ' \\n' < /tests/expected.txt)" ]; then
-  echo 1 > /logs/verifier/reward.txt
-fi
-"""
+TEST_SH = reward_test("/app/answer.txt must hold the expected number (surrounding whitespace ignored)",
+                      '[ -f /app/answer.txt ] && [ "$(tr -d \' \\n\' < /app/answer.txt)" = "$(tr -d \' \\n\' < /tests/expected.txt)" ]')
 
 
 def generate(seed: int, out: Path) -> None:
@@ -55,15 +37,6 @@ def generate(seed: int, out: Path) -> None:
         if len(set(answers.values())) == len(answers):  # a wrong statistic must never pass
             break
     templates, command = OPS[op]
-    files = {
-        "instruction.md": rng.choice(templates) + "\n",
-        "task.toml": TASK_TOML,
-        "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY numbers.txt /app/numbers.txt\n",
-        "environment/numbers.txt": "".join(f"{x}\n" for x in numbers),
-        "tests/test.sh": TEST_SH,
-        "tests/expected.txt": f"{answers[op]}\n",
-        "solution/solve.sh": "#!/bin/bash\n" + command + "\n",
-    }
-    for rel, content in files.items():
-        (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        (out / rel).write_text(content)
+    write_task(out, instruction=rng.choice(templates), category="pipelines", difficulty="easy",
+               tags=["awk", "sort", "family"], test_sh=TEST_SH, solve_sh=command,
+               env_files={"numbers.txt": "".join(f"{x}\n" for x in numbers)}, test_files={"expected.txt": f"{answers[op]}\n"})

@@ -1,11 +1,13 @@
 """Task family transform-text: write /app/input.txt upper-cased, lower-cased, sorted or with its lines
 reversed to /app/output.txt. Fixed paths; the transformation asked for decides the command.
-Stdlib only, deterministic per seed."""
+Deterministic per seed."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+
+from furlong.tasks.kit import reward_test, write_task
 
 WORDS = "Amber anchor Apple arrow Badge basket Beacon berry Bottle breeze Bridge cabin Candle castle".split()
 
@@ -24,28 +26,8 @@ OPS = {  # name: (instruction templates, solution command)
                 "tac /app/input.txt > /app/output.txt"),
 }
 
-TASK_TOML = """version = "1.0"
-[metadata]
-category = "files-text"
-difficulty = "easy"
-tags = ["tr", "sort", "tac", "family"]
-[agent]
-timeout_sec = 60.0
-[verifier]
-timeout_sec = 30.0
-[environment]
-cpus = 1
-memory_mb = 512
-"""
-
-TEST_SH = """#!/bin/bash
-# /app/output.txt must equal the expected text (a missing final newline is forgiven)
-mkdir -p /logs/verifier
-echo 0 > /logs/verifier/reward.txt
-if [ -f /app/output.txt ] && [ "$(cat /app/output.txt)" = "$(cat /tests/expected.txt)" ]; then
-  echo 1 > /logs/verifier/reward.txt
-fi
-"""
+TEST_SH = reward_test("/app/output.txt must equal the expected text (a missing final newline is forgiven)",
+                      '[ -f /app/output.txt ] && [ "$(cat /app/output.txt)" = "$(cat /tests/expected.txt)" ]')
 
 
 def transform(op: str, lines: list[str]) -> list[str]:
@@ -62,15 +44,6 @@ def generate(seed: int, out: Path) -> None:
         if len(set(results.values())) == len(results) and tuple(lines) not in results.values():
             break  # every transformation, and doing nothing, give different files
     templates, command = OPS[op]
-    files = {
-        "instruction.md": rng.choice(templates) + "\n",
-        "task.toml": TASK_TOML,
-        "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY input.txt /app/input.txt\n",
-        "environment/input.txt": "\n".join(lines) + "\n",
-        "tests/test.sh": TEST_SH,
-        "tests/expected.txt": "\n".join(results[op]) + "\n",
-        "solution/solve.sh": "#!/bin/bash\n" + command + "\n",
-    }
-    for rel, content in files.items():
-        (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        (out / rel).write_text(content)
+    write_task(out, instruction=rng.choice(templates), category="files-text", difficulty="easy",
+               tags=["tr", "sort", "tac", "family"], test_sh=TEST_SH, solve_sh=command,
+               env_files={"input.txt": "\n".join(lines) + "\n"}, test_files={"expected.txt": "\n".join(results[op]) + "\n"})
