@@ -64,8 +64,8 @@ class SFTConfig(_Node):
 
 
 class RLConfig(_Node):
-    steps: int = Field(30, ge=0)
-    tasks_per_step: int = Field(8, ge=1)
+    steps: int = Field(20, ge=0)
+    tasks_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=2)
     temperature: float = Field(1.0, gt=0)
     lr: float = Field(2e-4, gt=0)

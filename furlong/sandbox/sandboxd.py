@@ -83,12 +83,12 @@ def _wrap(cmd: str, keep_state: bool, env: dict) -> str:
     pre = "echo 1000 > /proc/self/oom_score_adj 2>/dev/null\n"
     if not keep_state:
         return pre + cmd
-    # Builtins only (no $(cat ...)): every fork here is paid on every tool call.
-    restore = (f"[ -f {STATE_DIR}/env ] && . {STATE_DIR}/env\n"
-               f"[ -f {STATE_DIR}/cwd ] && read -r __cwd < {STATE_DIR}/cwd && cd \"$__cwd\" 2>/dev/null; unset __cwd\n")
+    # One state file, sourced with a builtin: every fork and file here is paid on every tool call.
+    restore = f"[ -f {STATE_DIR}/state ] && . {STATE_DIR}/state\n"
     # Variables passed with this request win over the saved shell state.
     overrides = "".join(f"export {k}={_shell_quote(v)}\n" for k, v in env.items())
-    save = f"\n__rc=$?; pwd > {STATE_DIR}/cwd; export -p > {STATE_DIR}/env 2>/dev/null; exit $__rc"
+    save = (f"\n__rc=$?; {{ export -p; printf 'cd -- %q 2>/dev/null\\n' \"$PWD\"; }} > {STATE_DIR}/state 2>/dev/null;"
+            " exit $__rc")
     # eval keeps a syntax error in the user's command from skipping the state save.
     return pre + restore + overrides + "eval " + _shell_quote(cmd) + save
 
