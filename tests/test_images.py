@@ -78,6 +78,7 @@ def test_layer_builds_caches_and_stacks_over_the_base(store, backend, tmp_path: 
 
 def test_failing_run_step_is_an_error_naming_the_line(store, backend, tmp_path: Path):
     path = _dockerfile(tmp_path, "FROM debian:bookworm\nRUN echo fine\nRUN echo doomed >&2; exit 7\n")
+    leftovers = set(store.root.glob("layer-*.tmp*"))
 
     async def go():
         with pytest.raises(ImageBuildError) as err:
@@ -85,6 +86,7 @@ def test_failing_run_step_is_an_error_naming_the_line(store, backend, tmp_path: 
         assert f"{path}:3" in str(err.value) and "exited 7" in str(err.value) and "doomed" in str(err.value)
 
     run(go())
+    assert set(store.root.glob("layer-*.tmp*")) == leftovers, "a failed build left its temp directory"
 
 
 def test_copy_outside_the_context_is_refused(store, backend, tmp_path: Path):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 SMALL = [
-    "train.families=[create-file-word, make-directory]",
+    "train.families=[count-in-file, number-stats]",
     "train.sft.instances_per_family=4", "train.sft.epochs=1", "train.sft.batch_size=4",
     "train.rl.steps=4", "train.rl.tasks_per_step=2", "train.rl.group_size=2", "train.rl.concurrency=4",
     "train.rl.checkpoint_every=1", "train.eval.heldout_per_family=2",

@@ -146,7 +146,11 @@ class ImageStore:
             (tmp / d).mkdir(parents=True)
         os.chown(tmp / "upper", self.host_uid, self.host_uid)
         os.chown(tmp / "work", self.host_uid, self.host_uid)
-        env, workdir = await self._run_steps(tmp / "upper", base, dockerfile, steps, backend, progress)
+        try:
+            env, workdir = await self._run_steps(tmp / "upper", base, dockerfile, steps, backend, progress)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed build leaves nothing behind
+            raise
         shutil.rmtree(tmp / "work", ignore_errors=True)
         (tmp / "meta.json").write_text(json.dumps({"env": env, "workdir": workdir, "dockerfile": str(dockerfile)}))
         with _locked(self.root / f".{final.name}.lock"):
