@@ -69,6 +69,7 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     if done := run.phase("sft"):
         return Path(done["model"])
     s, start = cfg.train.sft, time.perf_counter()
+    run.drop_metrics_after("sft", -1)  # a killed SFT restarts from scratch: its partial rows go too
     by_family: dict[str, list] = {}
     for task in p.train_tasks:
         by_family.setdefault(task.family, []).append(task)
