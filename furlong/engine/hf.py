@@ -139,6 +139,7 @@ class HFEngine:
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # keep_vars: the live tensors, including tied aliases such as lm_head.weight.
         targets = self.model.state_dict(keep_vars=True)
+        state_dict = _adapter_names(self.model, state_dict, targets)
         unknown = sorted(set(state_dict) - set(targets))
         if unknown:
             raise EngineError(f"update_weights: unknown tensors {unknown[:5]} (of {len(unknown)})")
@@ -288,3 +289,18 @@ def _default_eos(model: PreTrainedModel) -> list[int]:
     if eos is None:
         eos = getattr(model.config, "eos_token_id", None)
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _adapter_names(model: Any, state_dict: Mapping[str, torch.Tensor],
+                   targets: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """A PEFT model's live adapter tensors are `...lora_A.<adapter>.weight`; PEFT saves (and furlong publishes)
+    `...lora_A.weight`. Map saved names onto the active adapter's live ones; other models are unaffected."""
+    adapter = getattr(model, "active_adapter", None)
+    if not isinstance(adapter, str):
+        return state_dict
+    out = {}
+    for name, tensor in state_dict.items():
+        head, _, leaf = name.rpartition(".")
+        live = f"{head}.{adapter}.{leaf}"
+        out[live if name not in targets and live in targets else name] = tensor
+    return out

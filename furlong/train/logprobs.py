@@ -82,7 +82,8 @@ def _plain_head(model: PreTrainedModel) -> bool:
 
 
 def _selected(model, head, tokens, attention_mask, position_ids, temperature, with_entropy, positions):
-    decoder = getattr(model, model.base_model_prefix)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the LM
+    decoder = getattr(inner, inner.base_model_prefix)
     hidden = decoder(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
                      use_cache=False).last_hidden_state
     want = (positions != 0) & (attention_mask != 0)
