@@ -82,6 +82,15 @@ class RLConfig(_Node):
     checkpoint_every: int = Field(5, ge=1)
 
 
+class LoraConfig(_Node):
+    """Train only low-rank adapters (PEFT); the base stays frozen and only adapters go to the engine."""
+
+    enabled: bool = False
+    rank: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 class TrainEvalConfig(_Node):
     heldout_per_family: int = Field(22, ge=1, description="held-out instances of each family, one episode each")
     temperature: float = Field(1.0, ge=0, description="pass@1 is measured by sampling at this temperature")
@@ -98,6 +107,7 @@ class TrainConfig(_Node):
     agent: AgentConfig = AgentConfig()
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
+    lora: LoraConfig = LoraConfig()
     eval: TrainEvalConfig = TrainEvalConfig()
 
 

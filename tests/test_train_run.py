@@ -64,3 +64,20 @@ def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: 
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # same step count, nothing logged twice
     # the same samples, in the same steps, as the run that was never killed
     assert [r["samples_sha"] for r in resumed] == [r["samples_sha"] for r in rows]
+
+
+def test_train_with_lora_updates_only_adapters(tmp_path: Path):
+    import torch
+    from safetensors.torch import load_file
+
+    run = tmp_path / "lora"
+    res = _train(f"train.run_dir={run}", *SMALL, "train.rl.steps=2", "train.lora.enabled=true", "train.lora.rank=4")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in _rl_rows(run)] == [0, 1]
+    state = torch.load(run / "checkpoints" / "rl-1" / "trainer.pt", weights_only=True)["model"]
+    sft = load_file(run / "checkpoints" / "sft" / "model.safetensors")
+    adapters = [k for k in state if "lora_" in k]
+    assert adapters, "no adapter tensors in the RL checkpoint"
+    for name, tensor in sft.items():  # the frozen base is bit-for-bit the SFT model
+        key = next(k for k in state if k.endswith(name.replace(".weight", ".base_layer.weight")) or k.endswith(name))
+        assert torch.equal(state[key], tensor), name

@@ -145,9 +145,30 @@ def rollout_metrics(episodes: list[Episode], version: int) -> dict:
     return out
 
 
+def _policy_models(cfg: Config, sft_dir: Path):
+    """The trainer's model and the engine's: plain copies, or both wrapped with the same LoRA adapters."""
+    if not cfg.train.lora.enabled:
+        return load_model(sft_dir), load_model(sft_dir)
+    from furlong.train.lora import LoraSpec, wrap_lora
+
+    lo = cfg.train.lora
+    spec = LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets)
+    return wrap_lora(load_model(sft_dir), spec, seed=cfg.train.seed), wrap_lora(load_model(sft_dir), spec)
+
+
+def _weights_for_engine(cfg: Config, trainer: Trainer) -> dict:
+    """With LoRA only the adapter tensors travel: the engine's frozen base is already the same."""
+    if not cfg.train.lora.enabled:
+        return trainer.state_dict_for_engine()
+    from furlong.train.lora import adapter_state_dict
+
+    return adapter_state_dict(trainer.model)
+
+
 async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path) -> Trainer:
     r = cfg.train.rl
-    trainer = Trainer(load_model(sft_dir), _grpo_config(cfg))
+    policy, engine_model = _policy_models(cfg, sft_dir)
+    trainer = Trainer(policy, _grpo_config(cfg))
     start, last = 0, run.state()["last_checkpoint"]
     if last:  # resuming: continue after the last complete step; its later metrics are redone
         trainer.load(run.checkpoint_dir(last["name"]))
@@ -155,15 +176,15 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
         run.drop_metrics_after("rl", last["step"])
     if run.phase("rl"):
         return trainer
-    engine, rollouts = _rollouts(p, load_model(sft_dir), r.concurrency)
-    await engine.update_weights(trainer.state_dict_for_engine(), trainer.version)
+    engine, rollouts = _rollouts(p, engine_model, r.concurrency)
+    await engine.update_weights(_weights_for_engine(cfg, trainer), trainer.version)
     with progress_bar(console, "rl: GRPO steps", r.steps, completed=start) as advance:
         for step in range(start, r.steps):
             step_start = time.perf_counter()
             plan = plan_step(p.train_tasks, step, r.tasks_per_step, r.group_size, cfg.train.seed)
             episodes = await rollouts.run_plan(plan, r.temperature)
             stats = await asyncio.to_thread(trainer.train_step, episodes)
-            await engine.update_weights(trainer.state_dict_for_engine(), trainer.version)
+            await engine.update_weights(_weights_for_engine(cfg, trainer), trainer.version)
             run.log("rl", step, {**asdict(stats), **rollout_metrics(episodes, stats.version - stats.updated),
                                  "step_seconds": time.perf_counter() - step_start})
             if (step + 1) % r.checkpoint_every == 0 or step == r.steps - 1:
