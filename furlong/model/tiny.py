@@ -37,8 +37,9 @@ class TinySpec:
 
 
 def cache_root() -> Path:
-    """$FURLONG_CACHE_DIR, else $XDG_CACHE_HOME/furlong, else ~/.cache/furlong."""
-    if env := os.environ.get("FURLONG_CACHE_DIR"):
+    """$FURLONG_CACHE (as for images and tasks), else $FURLONG_CACHE_DIR, else $XDG_CACHE_HOME/furlong,
+    else ~/.cache/furlong. Models need no sandbox access, so they stay in the user's cache even as root."""
+    if env := os.environ.get("FURLONG_CACHE") or os.environ.get("FURLONG_CACHE_DIR"):
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "furlong"
