@@ -75,7 +75,7 @@ class RLConfig(_Node):
     clip_high: float = Field(0.28, ge=0)
     tis_cap: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.0, ge=0)
-    normalize_std: bool = True
+    normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
     filter_zero_variance: bool = True
     micro_batch_size: int = Field(16, ge=1)
     concurrency: int = Field(8, ge=1, description="episodes (sandboxes) at once")
@@ -92,7 +92,7 @@ class LoraConfig(_Node):
 
 
 class TrainEvalConfig(_Node):
-    heldout_per_family: int = Field(22, ge=1, description="held-out instances of each family, one episode each")
+    heldout_per_family: int = Field(64, ge=1, description="held-out instances of each family, one episode each")
     temperature: float = Field(1.0, ge=0, description="pass@1 is measured by sampling at this temperature")
     seed: int = 1234
 
