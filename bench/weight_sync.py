@@ -40,7 +40,7 @@ import torch
 # The synthetic benchmark's helpers (measure, environment), importable when run as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from weight_sync_synthetic import environment, measure
+from weight_sync_synthetic import environment, measure, print_table
 
 from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.config import RECIPES, load_config
@@ -48,7 +48,7 @@ from furlong.engine import Generation, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import init_tiny, load_model
 from furlong.train import Trainer
-from furlong.train.driver import _grpo_config
+from furlong.train.driver import grpo_config
 
 Model = dict[str, torch.Tensor]
 RESULTS = Path(__file__).parent / "results" / "weight_sync.json"
@@ -240,23 +240,6 @@ COLUMNS = [  # (header, key, format)
 ]
 
 
-def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for h, _, _ in COLUMNS:
-        table.add_column(h, justify="right")
-    for r in rows:
-        style = "bold" if r["step"] == "all" else None
-        table.add_row(
-            *(fmt.format(r[key]) for _, key, fmt in COLUMNS),
-            style=style,
-            end_section=r["step"] == "all",
-        )
-    Console(width=220).print(table)
-
-
 def main() -> None:
     cfg = load_config(RECIPES / "default.yaml")
     recipe_lr = cfg.train.rl.lr
@@ -285,7 +268,7 @@ def main() -> None:
     torch.set_num_threads(1)
     env = environment(args)
     model_dir = init_tiny()
-    grpo = _grpo_config(cfg)
+    grpo = grpo_config(cfg)
     if args.warmup_steps is not None:
         grpo = replace(grpo, warmup_steps=args.warmup_steps)
     start = time.perf_counter()
@@ -302,7 +285,7 @@ def main() -> None:
         f"(tied once), fp32 master, recipe lr {recipe_lr:g}, warm-up {grpo.warmup_steps} steps; "
         "1 thread, GB/s of full bf16 bytes per CPU-second"
     )
-    print_table(table, title)
+    print_table(table, title, COLUMNS, is_total=lambda row: row["step"] == "all")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     task = {
         "prompts": args.prompts,

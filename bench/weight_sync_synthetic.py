@@ -182,22 +182,19 @@ COLUMNS = [  # (header, key, format)
 ]
 
 
-def print_table(rows: list[dict[str, Any]], title: str) -> None:
-    cells = [[fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        print(" | ".join(h for h, _, _ in COLUMNS))
-        for c in cells:
-            print(" | ".join(c))
-        return
+def print_table(rows: list[dict[str, Any]], title: str, columns: list = COLUMNS,
+                is_total: Callable[[dict[str, Any]], bool] = lambda row: False) -> None:
+    """One row per measurement; rows marked `is_total` are bold and close a section."""
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=title)
-    for h, _, _ in COLUMNS:
+    for h, _, _ in columns:
         table.add_column(h, justify="right")
-    for c in cells:
-        table.add_row(*c)
+    for r in rows:
+        total = is_total(r)
+        table.add_row(*(fmt.format(r[key]) for _, key, fmt in columns), style="bold" if total else None,
+                      end_section=total)
     Console(width=220).print(table)
 
 

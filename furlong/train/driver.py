@@ -121,7 +121,7 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
     return result
 
 
-def _grpo_config(cfg: Config) -> GRPOConfig:
+def grpo_config(cfg: Config) -> GRPOConfig:
     r = cfg.train.rl
     return GRPOConfig(lr=r.lr, warmup_steps=r.warmup_steps, minibatches=r.minibatches, clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
                       normalize_std=r.normalize_std, filter_zero_variance=r.filter_zero_variance,
@@ -168,7 +168,7 @@ def _weights_for_engine(cfg: Config, trainer: Trainer) -> dict:
 async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path) -> Trainer:
     r = cfg.train.rl
     policy, engine_model = _policy_models(cfg, sft_dir)
-    trainer = Trainer(policy, _grpo_config(cfg))
+    trainer = Trainer(policy, grpo_config(cfg))
     start, last = 0, run.state()["last_checkpoint"]
     if last:  # resuming: continue after the last complete step; its later metrics are redone
         trainer.load(run.checkpoint_dir(last["name"]))
