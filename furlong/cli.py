@@ -20,6 +20,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. eval.concurrency=4")
 
 
+def _serve_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", type=Path, required=True, help="a local Hugging Face checkpoint directory")
+    ap.add_argument("--updates", help="published weight updates: a directory or an UpdateServer URL")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0: any free port (printed when ready)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--lora", help='JSON {"rank", "alpha", "targets"}: serve a LoRA-wrapped model')
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="furlong", description="RL post-training of LLM agents in real sandboxes")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("name", choices=["tiny"])
     init.add_argument("--out", type=Path, help="directory (default: the cache)")
     init.add_argument("--seed", type=int, default=0)
+
+    eng = sub.add_parser("engine", help="inference engine utilities")
+    eng_sub = eng.add_subparsers(dest="engine_command", required=True)
+    _serve_arguments(eng_sub.add_parser("serve", help="serve the hf engine over HTTP with a weight-sync relay"))
 
     img = sub.add_parser("image", help="build or list sandbox images")
     img_sub = img.add_subparsers(dest="image_command", required=True)
@@ -135,7 +149,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     run.close()
     console.print(f"held-out pass@1: {summary['heldout_pass_at_1_before_rl']:.3f} after SFT -> "
                   f"{summary['heldout_pass_at_1_after_rl']:.3f} after RL "
-                  f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each)")
+                  f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each, "
+                  f"temperature {summary['eval_temperature']})")
     print(json.dumps(summary))
     return 0
 
@@ -159,9 +174,16 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine(args: argparse.Namespace) -> int:
+    from furlong.engine.server import serve
+
+    return serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model}
+    handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model,
+                "engine": cmd_engine}
     try:
         return handlers[args.command](args)
     except (ConfigError, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:

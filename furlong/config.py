@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_TASKS = REPO_ROOT / "tasks"
@@ -69,12 +69,14 @@ class RLConfig(_Node):
     group_size: int = Field(8, ge=2)
     temperature: float = Field(1.0, gt=0)
     lr: float = Field(2e-4, gt=0)
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon: coordinates whose gradient is below it move less")
     warmup_steps: int = Field(5, ge=0, description="optimizer steps of linear lr warm-up")
     minibatches: int = Field(1, ge=1, description="optimizer steps per RL step (PPO-style reuse of a batch)")
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     tis_cap: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.0, ge=0)
+    negative_weight: float = Field(1.0, ge=0, le=1, description="scale of negative advantages; < 1 sharpens")
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
     filter_zero_variance: bool = True
     micro_batch_size: int = Field(16, ge=1)
@@ -89,6 +91,29 @@ class LoraConfig(_Node):
     rank: int = Field(8, ge=1)
     alpha: int = Field(16, ge=1)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class SyncConfig(_Node):
+    """How each RL step's weights reach the rollout engine (furlong.sync; see the README)."""
+
+    transport: Literal["direct", "inprocess", "directory", "http"] = Field(
+        "direct", description="direct: copy into the in-process engine; otherwise publish full/delta updates "
+                              "that a relay verifies and loads")
+    engine: Literal["inprocess", "server"] = Field(
+        "inprocess", description="server: the RL rollout engine runs in its own process with its relay beside it")
+    engine_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="published weights' dtype; bfloat16 halves the bytes, but rollouts then "
+                               "differ from the fp32 trainer by ~5e-2 in logprob (TIS corrects for it)")
+    full_every: int = Field(20, ge=1, description="a full snapshot every this many publishes bounds the chain")
+    dir: Path | None = Field(None, description="published updates (directory/http); null: RUN_DIR/weights")
+    keep: int = Field(2, ge=0, description="updates kept before the newest full snapshot when pruning")
+
+    @model_validator(mode="after")
+    def _server_needs_files(self) -> SyncConfig:
+        if self.engine == "server" and self.transport not in ("directory", "http"):
+            raise ValueError(f"engine=server pulls updates from files or HTTP: set transport to directory or http "
+                             f"(got {self.transport!r})")
+        return self
 
 
 class TrainEvalConfig(_Node):
@@ -108,6 +133,7 @@ class TrainConfig(_Node):
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
     lora: LoraConfig = LoraConfig()
+    sync: SyncConfig = SyncConfig()
     eval: TrainEvalConfig = TrainEvalConfig()
 
 

@@ -24,6 +24,7 @@ from furlong.train import (
     policy_loss,
     token_logprobs,
 )
+from furlong.train.grpo import weigh_negatives
 from furlong.train.trainer import collate
 
 TOL = 1e-4
@@ -140,6 +141,15 @@ def test_group_advantages_known_values() -> None:
     assert scaled[4:].abs().max() == 0  # zero-variance group and singleton: advantage 0, no NaN
     assert torch.allclose(group_advantages([2.0, 0.0], ["a", "a"], eps=1e-6), torch.tensor([0.7071, -0.7071]),
                           atol=1e-4)
+
+
+def test_negative_advantages_are_scaled_by_negative_weight() -> None:
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], [0, 0, 0, 0], normalize_std=False)  # 0.75, -0.25 x3
+    assert torch.equal(weigh_negatives(adv, 1.0), adv)
+    assert torch.allclose(weigh_negatives(adv, 0.5), torch.tensor([0.75, -0.125, -0.125, -0.125]))
+    assert torch.equal(weigh_negatives(adv, 0.0), torch.tensor([0.75, 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="negative_weight"):
+        weigh_negatives(adv, 1.5)
 
 
 def test_filter_zero_variance_groups() -> None:

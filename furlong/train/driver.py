@@ -30,6 +30,7 @@ from furlong.sandbox.images import ImageStore
 from furlong.tasks.family import load_family
 from furlong.train.sft import oracle_demos, sft_train
 from furlong.train.trainer import GRPOConfig, Trainer
+from furlong.train.weights import open_link
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ def build(cfg: Config) -> Pieces:
 def _rollouts(p: Pieces, model, concurrency: int) -> tuple[HFEngine, Rollouts]:
     engine = HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
     return engine, Rollouts(engine, p.tokenizer, p.backend, p.store, p.params, concurrency)
+
+
+def _lora_spec(cfg: Config) -> dict | None:
+    lo = cfg.train.lora
+    return {"rank": lo.rank, "alpha": lo.alpha, "targets": list(lo.targets)} if lo.enabled else None
 
 
 async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Path:
@@ -123,8 +129,8 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
 
 def grpo_config(cfg: Config) -> GRPOConfig:
     r = cfg.train.rl
-    return GRPOConfig(lr=r.lr, warmup_steps=r.warmup_steps, minibatches=r.minibatches, clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
-                      normalize_std=r.normalize_std, filter_zero_variance=r.filter_zero_variance,
+    return GRPOConfig(lr=r.lr, adam_eps=r.adam_eps, warmup_steps=r.warmup_steps, minibatches=r.minibatches, clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
+                      normalize_std=r.normalize_std, negative_weight=r.negative_weight, filter_zero_variance=r.filter_zero_variance,
                       micro_batch_size=r.micro_batch_size, temperature=r.temperature, seed=cfg.train.seed)
 
 
@@ -176,22 +182,23 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
         run.drop_metrics_after("rl", last["step"])
     if run.phase("rl"):
         return trainer
-    engine, rollouts = _rollouts(p, engine_model, r.concurrency)
-    await engine.update_weights(_weights_for_engine(cfg, trainer), trainer.version)
+    link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg))
+    rollouts = Rollouts(link.engine, p.tokenizer, p.backend, p.store, p.params, r.concurrency)
+    await link.push(_weights_for_engine(cfg, trainer), trainer.version)
     with progress_bar(console, "rl: GRPO steps", r.steps, completed=start) as advance:
         for step in range(start, r.steps):
             step_start = time.perf_counter()
             plan = plan_step(p.train_tasks, step, r.tasks_per_step, r.group_size, cfg.train.seed)
             episodes = await rollouts.run_plan(plan, r.temperature)
             stats = await asyncio.to_thread(trainer.train_step, episodes)
-            await engine.update_weights(_weights_for_engine(cfg, trainer), trainer.version)
+            synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
             run.log("rl", step, {**asdict(stats), **rollout_metrics(episodes, stats.version - stats.updated),
-                                 "step_seconds": time.perf_counter() - step_start})
+                                 **synced, "step_seconds": time.perf_counter() - step_start})
             if (step + 1) % r.checkpoint_every == 0 or step == r.steps - 1:
                 trainer.save(run.checkpoint_dir(f"rl-{step}"))
                 run.record_checkpoint(f"rl-{step}", step)
             advance(f"reward {stats.reward_mean:.2f}")
-    await engine.close()
+    await link.close()
     # summed over the logged steps, so time spent before a kill and resume is counted once
     run.finish_phase("rl", {"steps": r.steps, "seconds": sum(row["step_seconds"] for row in run.metrics("rl"))})
     return trainer
@@ -210,7 +217,8 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
         "run_dir": str(run.path),
         "heldout_pass_at_1_before_rl": before["pass_at_1"], "heldout_pass_at_1_after_rl": after["pass_at_1"],
         "improvement_points": 100 * (after["pass_at_1"] - before["pass_at_1"]),
-        "eval_episodes": after["episodes"], "eval_infra_errors": before["infra_errors"] + after["infra_errors"],
+        "eval_episodes": after["episodes"], "eval_temperature": cfg.train.eval.temperature,
+        "eval_infra_errors": before["infra_errors"] + after["infra_errors"],
         "per_family_before": before["per_family"], "per_family_after": after["per_family"],
         "rl_steps": cfg.train.rl.steps, "families": list(cfg.train.families),
         "phase_seconds": {name: round(phases[name]["seconds"], 1) for name in ("sft", "eval_before", "rl", "eval_after")},

@@ -45,6 +45,19 @@ def group_advantages(rewards: Sequence[float] | torch.Tensor, group_ids: Sequenc
     return centred.to(torch.float32)
 
 
+def weigh_negatives(advantages: torch.Tensor, weight: float) -> torch.Tensor:
+    """Scale negative advantages by `weight` (1: plain GRPO).
+
+    Below 1 the update leans toward reinforcing successful episodes, which sharpens the policy (lower
+    entropy, higher pass@1) at the price of exploration (pass@k): the positive/negative weighting of Zhu et
+    al. 2025, "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning". In a failed episode
+    every token is pushed down, the many correct ones with it, and that mass spreads to the tail; a small
+    model with a long tail of junk tokens at temperature 1 is where this matters."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"negative_weight must be in [0, 1], got {weight}")
+    return torch.where(advantages < 0, advantages * weight, advantages)
+
+
 @dataclass(frozen=True)
 class GroupFilter:
     episodes: tuple[Episode, ...]  # the survivors, in their original order

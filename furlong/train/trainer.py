@@ -25,6 +25,7 @@ from furlong.train.grpo import (
     LossMetrics,
     filter_zero_variance_groups,
     group_advantages,
+    weigh_negatives,
     group_key,
     merge_metrics,
     policy_loss,
@@ -46,6 +47,7 @@ class GRPOConfig:
     tis_cap: float = 2.0
     kl_coef: float = 0.0  # > 0 needs a reference model
     normalize_std: bool = True
+    negative_weight: float = 1.0  # < 1 scales down negative advantages (see grpo.weigh_negatives)
     adv_eps: float = 1e-6
     filter_zero_variance: bool = True
     micro_batch_size: int = 8  # episodes per forward/backward
@@ -170,6 +172,7 @@ class Trainer:
             return _finish(stats, None, [], 0.0, False, self.version, start)
         advantages = group_advantages([e.reward for e in train], [group_key(e) for e in train],  # type: ignore[misc]
                                       self.config.normalize_std, self.config.adv_eps)
+        advantages = weigh_negatives(advantages, self.config.negative_weight)
         metrics, norms, entropy = self._optimize(train, advantages)
         self.version += 1
         return _finish(stats, metrics, norms, entropy, True, self.version, start)

@@ -1,0 +1,142 @@
+"""Client side of furlong.engine.server: the Engine protocol over HTTP, and a launcher for the process.
+
+Weights never travel through this client: a remote engine gets them from its own relay, which
+`sync()` asks to pull the newest published version (see furlong.engine.server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from furlong.engine.base import EngineError, Generation, SamplingParams
+from furlong.engine.server import READY_PREFIX
+
+
+class RemoteEngine:
+    """An engine served by `python -m furlong.engine.server` at `url`."""
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        # Many episodes generate at once; the server batches them, so do not cap connections below that.
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, trust_env=False,
+                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """The version the engine last reported (health, sync or a generation)."""
+        return self._version
+
+    async def _post(self, route: str, body: dict | None = None) -> Any:
+        try:
+            resp = await self._client.post(route, json=body)
+        except httpx.HTTPError as e:
+            raise EngineError(f"{self.url}{route}: {e!r}") from e
+        if resp.status_code != 200:
+            raise EngineError(f"{self.url}{route}: HTTP {resp.status_code}: {resp.text[:500]}")
+        return resp.json()
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None) -> Generation:
+        s = sampling or SamplingParams()
+        body = {"input_ids": [int(t) for t in input_ids],
+                "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                             "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids),
+                             "seed": s.seed}}
+        out = await self._post("/generate", body)
+        gen = Generation(output_ids=tuple(out["output_ids"]), logprobs=tuple(out["logprobs"]),
+                         finish_reason=out["finish_reason"], weight_version=out["weight_version"],
+                         token_weight_versions=tuple(out["token_weight_versions"]), prompt_len=out["prompt_len"])
+        self._version = max(self._version, gen.weight_version)
+        return gen
+
+    async def sync(self) -> dict:
+        """Have the engine's relay pull, verify and load the newest published version; its SyncReport."""
+        report = await self._post("/sync")
+        self._version = int(report["engine_version"])
+        return report
+
+    async def health(self) -> dict:
+        try:
+            resp = await self._client.get("/health")
+            resp.raise_for_status()
+        except httpx.HTTPError as e:
+            raise EngineError(f"{self.url}/health: {e!r}") from e
+        out = resp.json()
+        self._version = int(out["weight_version"])
+        return out
+
+    async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        raise EngineError("a remote engine loads weights through its relay: publish the update, then sync()")
+
+    async def pause(self) -> None:
+        await self._post("/pause")
+
+    async def resume(self) -> None:
+        await self._post("/resume")
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class EngineProcess:
+    """Starts `python -m furlong.engine.server` and stops it; its stderr goes to `log`."""
+
+    def __init__(self, model: Path, *, updates: str | None, log: Path, threads: int = 1,
+                 lora: dict | None = None, start_timeout_s: float = 120.0) -> None:
+        cmd = [sys.executable, "-m", "furlong.engine.server", "--model", str(model), "--threads", str(threads)]
+        if updates:
+            cmd += ["--updates", updates]
+        if lora:
+            cmd += ["--lora", json.dumps(lora)]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self._log_file = open(log, "ab")
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.url = self._wait_ready(start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        found: list[str] = []
+
+        def read() -> None:  # a thread: readline() on a pipe cannot time out by itself
+            assert self._proc.stdout is not None
+            for raw in self._proc.stdout:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith(READY_PREFIX):
+                    found.append(line[len(READY_PREFIX):])
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not found:
+            self.stop()
+            raise EngineError(f"engine server did not start within {timeout_s:.0f} s "
+                              f"(exit code {self._proc.returncode}); see {self.log}")
+        return found[0]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log_file.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

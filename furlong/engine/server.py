@@ -1,0 +1,148 @@
+"""The hf engine in its own process, served over HTTP, with a weight-sync relay beside it.
+
+    furlong engine serve --model DIR --updates DIR_OR_URL [--host H] [--port P]
+    (python -m furlong.engine.server takes the same flags)
+
+This is the shape a multi-host deployment takes: the trainer publishes updates to a directory
+(or serves it with `furlong.sync.UpdateServer`); each engine process owns a `Relay` that pulls
+and verifies the chain *while the engine keeps generating*, then pauses it only to copy the
+rebuilt tensors in. Routes (JSON):
+
+* POST /generate  {"input_ids": [...], "sampling": {...}} -> a Generation (token ids in and out)
+* POST /sync      pull the newest published version into the engine -> a SyncReport;
+                  409 with the faults when nothing newer could be verified (engine untouched)
+* POST /pause, POST /resume, GET /health -> {"weight_version", "paused", "relay"}
+
+When the socket is listening the process prints one line, `furlong-engine listening on URL`,
+so a parent that asked for port 0 learns the port. No authentication: bind to loopback or a
+private network only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import socket
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, Field
+
+from furlong.engine.base import EngineError, SamplingParams
+from furlong.engine.hf import HFEngine
+from furlong.sync.relay import Relay, SyncFailed
+from furlong.sync.transport import DirectoryTransport, HttpTransport, Transport
+
+READY_PREFIX = "furlong-engine listening on "
+
+
+class SamplingBody(BaseModel):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 512
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+
+
+class GenerateBody(BaseModel):
+    input_ids: list[int]
+    sampling: SamplingBody = SamplingBody()
+
+
+def open_transport(spec: str) -> Transport:
+    """An http(s) URL is an UpdateServer; anything else is a published directory."""
+    if spec.startswith(("http://", "https://")):
+        return HttpTransport(spec)
+    return DirectoryTransport(spec)
+
+
+def build_app(engine: HFEngine, relay: Relay | None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await engine.close()
+
+    app = FastAPI(title="furlong hf engine", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"weight_version": engine.weight_version, "paused": engine.paused, "relay": relay is not None}
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody) -> dict:
+        try:
+            sampling = SamplingParams(**body.sampling.model_dump())
+            gen = await engine.generate(body.input_ids, sampling)
+        except (EngineError, ValueError) as e:
+            raise HTTPException(status_code=400, detail=str(e)) from None
+        return dataclasses.asdict(gen)
+
+    @app.post("/sync")
+    async def sync() -> dict:
+        if relay is None:
+            raise HTTPException(status_code=409, detail="this engine was started without --updates")
+        try:
+            report = await relay.sync_once()
+        except SyncFailed as e:
+            raise HTTPException(status_code=409, detail={"error": str(e), "faults": list(e.faults)}) from None
+        return dataclasses.asdict(report)
+
+    @app.post("/pause")
+    async def pause() -> dict:
+        await engine.pause()
+        return await health()
+
+    @app.post("/resume")
+    async def resume() -> dict:
+        await engine.resume()
+        return await health()
+
+    return app
+
+
+def _load_engine(args: argparse.Namespace) -> HFEngine:
+    from furlong.model.loading import load_model
+
+    model = load_model(args.model)
+    if args.lora:
+        from furlong.train.lora import LoraSpec, wrap_lora
+
+        spec = json.loads(args.lora)
+        model = wrap_lora(model, LoraSpec(rank=spec["rank"], alpha=spec["alpha"], targets=tuple(spec["targets"])))
+    return HFEngine(model, eos_token_ids=(), max_batch_size=args.max_batch_size)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the server never started."""
+    import uvicorn
+
+    torch.set_num_threads(args.threads)
+    engine = _load_engine(args)
+    relay = Relay(open_transport(args.updates), engine) if args.updates else None
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, relay), log_level="warning", lifespan="on"))
+
+    async def run() -> None:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        host, port = sock.getsockname()[:2]
+        print(f"{READY_PREFIX}http://{host}:{port}", flush=True)
+        await serving
+
+    asyncio.run(run())
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    from furlong.cli import main
+
+    sys.exit(main(["engine", "serve", *sys.argv[1:]]))

@@ -1,0 +1,119 @@
+"""How each RL step's weights reach the rollout engine (`train.sync`).
+
+* direct: the trainer copies its tensors into the in-process engine (one process, nothing to verify).
+* inprocess / directory / http: the trainer *publishes* (furlong.sync.Publisher: a full snapshot, then
+  bit-exact deltas, a snapshot every `full_every`); a Relay pulls, verifies every tensor's checksum and
+  loads the result. With `engine: server` the engine and its relay run in their own process
+  (furlong.engine.server) and pull from the directory or from an UpdateServer over HTTP, exactly as an
+  engine on another host would.
+
+Every push returns metrics for the step's log: what was sent, its size, and how long the engine was paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from furlong.config import Config
+from furlong.engine.hf import HFEngine
+from furlong.engine.remote import EngineProcess, RemoteEngine
+from furlong.sync.publish import Publisher
+from furlong.sync.relay import Relay
+from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class DirectLink:
+    """The trainer's tensors copied straight into an in-process engine."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+
+    async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        await self.engine.update_weights(weights, version)
+        return {"sync_seconds": time.perf_counter() - start}
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class PublishedLink:
+    """Publisher -> transport -> a relay (`pull` makes it sync and returns its SyncReport as a dict)."""
+
+    def __init__(self, engine, publisher: Publisher, pull: Callable[[], Awaitable[dict]],
+                 cleanup: Callable[[], Awaitable[None]]) -> None:
+        self.engine, self.publisher, self._pull, self._cleanup = engine, publisher, pull, cleanup
+
+    async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        if version == self.publisher.version:
+            return {"sync_seconds": 0.0}  # a step that changed nothing (every group filtered)
+        start = time.perf_counter()
+        pub = await asyncio.to_thread(self.publisher.publish, weights, version)
+        report = await self._pull()
+        if report["engine_version"] != version:
+            raise RuntimeError(f"relay loaded v{report['engine_version']}, expected v{version}: {report['faults']}")
+        return {"sync_seconds": time.perf_counter() - start, "sync_full": float(pub.kind == "full"),
+                "sync_payload_bytes": pub.payload_bytes, "sync_payload_ratio": pub.ratio,
+                "sync_encode_s": pub.encode_s, "sync_put_s": pub.put_s, "sync_stage_s": report["stage_s"],
+                "sync_pause_s": report["pause_s"], "sync_recovered": float(report["recovered"])}
+
+    async def close(self) -> None:
+        await self._cleanup()
+
+
+def _report(report) -> dict:
+    return {"engine_version": report.engine_version, "stage_s": report.stage_s, "pause_s": report.pause_s,
+            "recovered": report.recovered, "faults": list(report.faults)}
+
+
+def _fresh_dir(cfg: Config, run_path: Path) -> DirectoryTransport:
+    # The run owns this directory: a resumed run republishes from its checkpoint's version, which may be
+    # older than files the killed run left, so they go.
+    root = cfg.train.sync.dir or run_path / "weights"
+    shutil.rmtree(root, ignore_errors=True)
+    return DirectoryTransport(root, keep=cfg.train.sync.keep)
+
+
+async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, lora: dict | None):
+    """The rollout engine for RL and the link that keeps its weights current."""
+    s = cfg.train.sync
+    if s.transport == "direct":
+        return DirectLink(HFEngine(engine_model, eos_token_ids=()))
+    publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype])  # noqa: E731
+    if s.engine == "inprocess":
+        engine = HFEngine(engine_model, eos_token_ids=())
+        transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(cfg, run_path)
+        served = UpdateServer(transport) if s.transport == "http" else None  # type: ignore[arg-type]
+        relay = Relay(HttpTransport(served.url) if served else transport, engine)
+
+        async def cleanup_local() -> None:
+            await engine.close()
+            if served:
+                served.close()
+
+        return PublishedLink(engine, publisher_of(transport), lambda: _local_pull(relay), cleanup_local)
+    directory = _fresh_dir(cfg, run_path)
+    server = UpdateServer(directory) if s.transport == "http" else None
+    process = await asyncio.to_thread(EngineProcess, model_dir, updates=server.url if server else str(directory.root),
+                                      log=run_path / "engine-server.log", threads=cfg.train.torch_threads, lora=lora)
+    remote = RemoteEngine(process.url)
+
+    async def cleanup_remote() -> None:
+        await remote.close()
+        await asyncio.to_thread(process.stop)
+        if server:
+            server.close()
+
+    return PublishedLink(remote, publisher_of(directory), remote.sync, cleanup_remote)
+
+
+async def _local_pull(relay: Relay) -> dict:
+    return _report(await relay.sync_once())
