@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from furlong.sync import (
     xor_zstd_apply,
     xor_zstd_encode,
 )
+from furlong.sync import kernels
 from furlong.sync.update import pack_payload, unpack_payload
 
 Model = dict[str, torch.Tensor]
@@ -327,3 +329,40 @@ def test_incompatible_base(step: tuple[Model, Model, bytes]) -> None:
     with pytest.raises(IncompatibleBase):
         apply_delta(tied, payload, current_version=1)
     assert_bit_equal(tied, before)
+
+
+@pytest.mark.skipif(not kernels.available(np.uint16), reason="numba is not installed")
+@pytest.mark.parametrize("spread", [1, 6, 200])  # ulp steps that pick the 2-, 4- and 8-bit first value tier
+def test_compiled_dense_path_matches_the_numpy_path_byte_for_byte(monkeypatch: pytest.MonkeyPatch,
+                                                                   spread: int) -> None:
+    g = torch.Generator().manual_seed(spread)
+    prev = {"w": torch.randn(2 * (1 << 20) + 3, generator=g).to(torch.bfloat16)}  # 2 runs + a partial byte
+    step = torch.randint(-spread, spread + 1, prev["w"].shape, generator=g, dtype=torch.int16)
+    step[::97] = 3000  # some entries escape every tier
+    new = {"w": (prev["w"].view(torch.int16) + step).view(torch.bfloat16)}  # int16 adds wrap: any bits
+    compiled = encode_delta(prev, new, version=1, base_version=0)
+    assert read_update(compiled).tensors[0].encoding == "dense"
+
+    def applied(payload: bytes) -> torch.Tensor:
+        out = {"w": prev["w"].clone()}
+        apply_delta(out, payload, current_version=0)
+        return out["w"]
+
+    fast = applied(compiled)
+    monkeypatch.setattr(kernels, "available", lambda dtype: False)
+    assert encode_delta(prev, new, version=1, base_version=0) == compiled
+    slow = applied(compiled)
+    assert torch.equal(fast.view(torch.int16), new["w"].view(torch.int16))
+    assert torch.equal(slow.view(torch.int16), new["w"].view(torch.int16))
+
+
+@pytest.mark.skipif(not kernels.available(np.uint16), reason="numba is not installed")
+def test_compiled_apply_rolls_back_a_dense_section_broken_in_a_later_run() -> None:
+    w = (torch.randn(3 << 20, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
+    prev = {"w": w}
+    payload = encode_delta(prev, {"w": _set_density(w, 0.9, 2)}, version=2, base_version=1)
+    upd, body = unpack_payload(payload)
+    td = upd.tensors[-1]
+    assert td.encoding == "dense" and td.n_words > 2 * td.chunk
+    cut = bytes(body[td.offset : td.offset + td.length * 3 // 4])  # runs 1-2 decode, run 3 is cut short
+    _refused(prev, _repack(payload, {}, section=cut), CorruptUpdate)

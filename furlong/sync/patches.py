@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from furlong.sync import codec, tiers
+from furlong.sync import codec, kernels, tiers
 from furlong.sync.errors import CorruptUpdate
 from furlong.sync.update import TensorDelta
 
@@ -92,6 +92,22 @@ def read_runs(
         raise CorruptUpdate(f"{td.name}: zstd section does not decode: {e}") from e
 
 
+def read_run_streams(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor,
+                     limit: int | None = None) -> Iterator[tuple[int, int, tiers.Reader]]:
+    """Like read_runs for "dense" sections, but hands out (start, words, reader) for the caller to
+    decode the run's streams itself (furlong.sync.kernels)."""
+    n = td.n_words
+    try:
+        with dctx.stream_reader(section) as reader:
+            read = functools.partial(_read_exact, reader, td.name)
+            for s in range(0, n if limit is None else limit, td.chunk):
+                yield s, min(td.chunk, n - s), read
+            if limit is None and reader.read(1):
+                raise CorruptUpdate(f"{td.name}: section holds more data than its header says")
+    except zstd.ZstdError as e:
+        raise CorruptUpdate(f"{td.name}: zstd section does not decode: {e}") from e
+
+
 def _read_exact(reader: zstd.ZstdDecompressionReader, name: str, nbytes: int) -> np.ndarray:
     out = np.empty(nbytes, dtype=np.uint8)
     mv, got = out.data, 0
@@ -138,13 +154,24 @@ class DensePatch:
     def apply(self, dst: np.ndarray, sign: int = 1) -> None:
         done = 0
         try:
-            for s, d in self._runs(None):
-                _add(dst[s : s + d.size], d, sign)
-                done = s + d.size
+            for s, n in self._apply_runs(dst, sign, None):
+                done = s + n
         except Exception:
-            for s, d in self._runs(done):  # those runs decoded fine a moment ago
-                _add(dst[s : s + d.size], d, -sign)
+            for _ in self._apply_runs(dst, -sign, done):  # those runs decoded fine a moment ago
+                pass
             raise
+
+    def _apply_runs(self, dst: np.ndarray, sign: int, limit: int | None) -> Iterator[tuple[int, int]]:
+        """Adds each run as it is decoded; yields (start, words) after each. A run whose stream breaks
+        raises before any of it is written (the compiled path reads all its streams first)."""
+        if not kernels.available(dst.dtype):
+            for s, d in self._runs(limit):
+                _add(dst[s : s + d.size], d, sign)
+                yield s, d.size
+            return
+        for s, n, read in read_run_streams(self.td, self.section, self.dctx, limit):
+            kernels.apply_run(read, n, self.td.value_tiers, dst[s : s + n], sign)
+            yield s, n
 
     def _runs(self, limit: int | None) -> Iterator[tuple[int, np.ndarray]]:
         for s, words in read_runs(self.td, self.section, self.dctx, limit):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from furlong.sync import codec, scan, tiers
+from furlong.sync import codec, kernels, scan, tiers
 from furlong.sync.checksum import tensor_digest
 from furlong.sync.update import TensorDelta, dtype_name
 
@@ -155,9 +155,8 @@ def _dense(
     cobj = cctx.compressobj()
     parts: list[bytes] = []
     count, raw_length, vt = 0, 0, None
-    for z, c in scan.dense_runs(a, b, CHUNK):
-        vt = vt or tiers.value_tiers(z)  # the first run decides for the tensor
-        raw_length += _feed(cobj, tiers.encode(z, vt, z.dtype.type), parts)
+    for streams, c, vt in _dense_runs(a, b):  # the first run's values choose the tiers for the tensor
+        raw_length += _feed(cobj, streams, parts)
         count += c
     if count == 0 or vt is None:
         return meta, b""
@@ -172,6 +171,20 @@ def _dense(
         value_tiers=vt,
         chunk=CHUNK,
     ), data
+
+
+def _dense_runs(a: np.ndarray, b: np.ndarray):
+    """(coded streams, changes, value tiers) per CHUNK run; compiled kernels when there are some."""
+    vt = None
+    if kernels.available(a.dtype):
+        z, escapes = np.empty(min(a.size, CHUNK), a.dtype), np.empty(min(a.size, CHUNK) + 1, a.dtype)
+        for s in range(0, a.size, CHUNK):
+            vt, streams, c = kernels.encode_run(a[s : s + CHUNK], b[s : s + CHUNK], z, escapes, vt)
+            yield streams, c, vt
+        return
+    for z, c in scan.dense_runs(a, b, CHUNK):
+        vt = vt or tiers.value_tiers(z)
+        yield tiers.encode(z, vt, z.dtype.type), c, vt
 
 
 def compress_streams(cctx: zstd.ZstdCompressor, streams: list[np.ndarray]) -> tuple[bytes, int]:

@@ -35,11 +35,29 @@ Reader = Callable[[int], np.ndarray]  # returns exactly n bytes, or raises Corru
 
 def value_tiers(z: np.ndarray) -> tuple[int, ...]:
     """The narrowest first tier that few zigzag values escape (thresholds measured)."""
-    if np.count_nonzero(z >= 3) < 0.03 * z.size:
+    return tiers_for_counts(z.size, int(np.count_nonzero(z >= 3)), int(np.count_nonzero(z >= 15)))
+
+
+def tiers_for_counts(n: int, ge3: int, ge15: int) -> tuple[int, ...]:
+    """value_tiers from the counts of values >= 3 and >= 15 among n."""
+    if ge3 < 0.03 * n:
         return SIGN_VALUE_TIERS
-    if np.count_nonzero(z >= 15) < 0.5 * z.size:
+    if ge15 < 0.5 * n:
         return NIBBLE_VALUE_TIERS
     return BYTE_VALUE_TIERS
+
+
+def count_capped(packed: np.ndarray, bits: int, count: int) -> int:
+    """How many of the first `count` symbols in a tier's bytes are the cap (escaped to the next tier)."""
+    if bits == 8:
+        return int(np.count_nonzero(packed[:count] == 255))
+    # A symbol is the cap when all its bits are set: AND its bits into its lowest one, then popcount
+    # those. The last byte's padding symbols are 0, never the cap.
+    every = packed.copy()
+    for shift in range(1, bits):
+        every &= packed >> shift
+    lowest = {2: 0x55, 4: 0x11}[bits]
+    return int(np.bitwise_count(every & lowest).sum(dtype=np.int64))
 
 
 def gap_wide(n_words: int) -> type:
@@ -55,7 +73,7 @@ def encode(x: np.ndarray, bits: tuple[int, ...], wide: type) -> list[np.ndarray]
         big = np.flatnonzero(rest >= cap)  # rare: cheap to find, and only these go on
         sym = rest.astype(np.uint8)  # truncating; entries < cap <= 255 are exact
         sym[big] = cap
-        out.append(_pack(sym, b) if b < 8 else sym)
+        out.append(pack(sym, b) if b < 8 else sym)
         rest = rest[big] - rest.dtype.type(cap)
     return out + plane_parts(rest.astype(wide, copy=False))
 
@@ -105,7 +123,7 @@ def decode_shifted(
     return x
 
 
-def _pack(sym: np.ndarray, bits: int) -> np.ndarray:
+def pack(sym: np.ndarray, bits: int) -> np.ndarray:
     """8 // bits symbols per byte, first symbol in the lowest bits; tail padded with 0."""
     per = 8 // bits
     if sym.size % per:
