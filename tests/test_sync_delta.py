@@ -332,16 +332,19 @@ def test_incompatible_base(step: tuple[Model, Model, bytes]) -> None:
 
 
 @pytest.mark.skipif(not kernels.available(np.uint16), reason="numba is not installed")
-@pytest.mark.parametrize("spread", [1, 6, 200])  # ulp steps that pick the 2-, 4- and 8-bit first value tier
-def test_compiled_dense_path_matches_the_numpy_path_byte_for_byte(monkeypatch: pytest.MonkeyPatch,
-                                                                   spread: int) -> None:
+@pytest.mark.parametrize(("frac", "spread", "encoding"), [
+    (1.0, 1, "dense"), (1.0, 6, "dense"), (1.0, 200, "dense"),  # 2-, 4- and 8-bit first value tiers
+    (0.45, 1, "bitmap"), (0.45, 200, "bitmap")])
+def test_compiled_path_matches_the_numpy_path_byte_for_byte(monkeypatch: pytest.MonkeyPatch, frac: float,
+                                                            spread: int, encoding: str) -> None:
     g = torch.Generator().manual_seed(spread)
     prev = {"w": torch.randn(2 * (1 << 20) + 3, generator=g).to(torch.bfloat16)}  # 2 runs + a partial byte
     step = torch.randint(-spread, spread + 1, prev["w"].shape, generator=g, dtype=torch.int16)
     step[::97] = 3000  # some entries escape every tier
+    step[torch.rand(step.shape, generator=g) >= frac] = 0
     new = {"w": (prev["w"].view(torch.int16) + step).view(torch.bfloat16)}  # int16 adds wrap: any bits
     compiled = encode_delta(prev, new, version=1, base_version=0)
-    assert read_update(compiled).tensors[0].encoding == "dense"
+    assert read_update(compiled).tensors[0].encoding == encoding
 
     def applied(payload: bytes) -> torch.Tensor:
         out = {"w": prev["w"].clone()}

@@ -121,6 +121,26 @@ if njit is not None:
 
         return add, fix, apply
 
+    @njit(cache=True, nogil=True)
+    def _nonzero_values(z, values):  # pragma: no cover - compiled
+        """The nonzero entries of z, in order, into values (size >= z.size + 1, written branch-free)."""
+        k = 0
+        for i in range(z.size):
+            v = z[i]
+            values[k] = v
+            k += v != 0
+        return k
+
+    @njit(cache=True, nogil=True)
+    def _bitmap_add(bitmap, diffs, dst, sign):  # pragma: no cover - compiled
+        """dst +-= the next difference at every set bit (diffs has a spare slot: no branch)."""
+        k = 0
+        for i in range(dst.size):
+            bit = np.uint64((bitmap[i >> 3] >> (i & 7)) & 1)
+            d = np.uint64(diffs[k]) * bit
+            k += bit
+            dst[i] = ((np.uint64(dst[i]) + d) if sign > 0 else (np.uint64(dst[i]) - d)) & _M
+
     _PACK = {2: _pack2, 4: _pack4, 8: _pack8}
     _ADDERS = {bits: _adder(bits) for bits in (2, 4, 8)}
 
@@ -130,21 +150,39 @@ def encode_run(a: np.ndarray, b: np.ndarray, z: np.ndarray, escapes: np.ndarray,
     """One dense run: its value tiers (`vt`, or chosen from this run), its coded streams (as
     tiers.encode(zigzag(b - a), vt)) and its count of changed words. `z`, `escapes`: reused buffers of
     at least a.size (+1) entries."""
-    n = a.size
-    z = z[:n]
+    z = z[: a.size]
     changed, ge3, ge15 = zigzag_diff(a, b, z)
-    vt = vt or tiers.tiers_for_counts(n, ge3, ge15)
+    vt = vt or tiers.tiers_for_counts(a.size, ge3, ge15)
+    return vt, encode_values(z, vt, escapes, {2: ge3, 4: ge15}.get(vt[0])), int(changed)
+
+
+def encode_values(z: np.ndarray, vt: tuple[int, ...], escapes: np.ndarray, escaped: int | None = None
+                  ) -> list[np.ndarray]:
+    """tiers.encode(z, vt, uint16): the first tier compiled, later ones (few entries) numpy. `escapes`:
+    a buffer of >= z.size + 1 entries; `escaped`: how many entries reach the second tier, if known."""
     bits = vt[0]
     per = 8 // bits
-    full = n // per
-    packed = np.empty(-(-n // per), dtype=np.uint8)
+    full = z.size // per
+    packed = np.empty(-(-z.size // per), dtype=np.uint8)
     _PACK[bits](z[: full * per], packed[:full])
     if full < packed.size:
         packed[full:] = tiers.pack(z[full * per :].astype(np.uint8), bits) if bits < 8 else z[full * per :]
-    cap = (1 << bits) - 1
-    known = {2: ge3, 4: ge15}.get(bits)
-    k = 0 if known == 0 else _escapes(z, np.uint16(cap), escapes)
-    return vt, [packed, *tiers.encode(escapes[:k].copy(), vt[1:], np.uint16)], int(changed)
+    k = 0 if escaped == 0 else _escapes(z, np.uint16((1 << bits) - 1), escapes)
+    return [packed, *tiers.encode(escapes[:k], vt[1:], np.uint16)]  # encode does not modify its input
+
+
+def bitmap_layout(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """As scan.scan_bitmap: the change bitmap and the zigzag values of the changed words."""
+    z = np.empty(a.size, dtype=np.uint16)
+    zigzag_diff(a, b, z)
+    values = np.empty(a.size + 1, dtype=np.uint16)
+    k = _nonzero_values(z, values)
+    return np.packbits(z != 0, bitorder="little"), values[:k]
+
+
+def bitmap_apply(bitmap: np.ndarray, diffs: np.ndarray, dst: np.ndarray, sign: int) -> None:
+    """dst +-= diffs at the set bits of bitmap, in order (diffs: the un-zigzagged differences)."""
+    _bitmap_add(bitmap, np.append(diffs, np.uint16(0)), dst, sign)
 
 
 def apply_run(read: tiers.Reader, n: int, vt: tuple[int, ...], dst: np.ndarray, sign: int) -> None:

@@ -134,6 +134,9 @@ class BitmapPatch:
     bitmap: np.ndarray
 
     def apply(self, dst: np.ndarray, sign: int = 1) -> None:
+        if kernels.available(dst.dtype):
+            kernels.bitmap_apply(self.bitmap, self.values, dst, sign)
+            return
         vi = 0
         for s in range(0, dst.size, codec.CHUNK):
             c = min(codec.CHUNK, dst.size - s)

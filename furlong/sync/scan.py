@@ -31,7 +31,7 @@ class Scan:
     dense: bool = False  # more than max_sparse changes: the scan stopped, parts incomplete
 
 
-def estimate_density(a: np.ndarray, b: np.ndarray, blocks: int = 32, block: int = 8192) -> float:
+def estimate_density(a: np.ndarray, b: np.ndarray, blocks: int = 16, block: int = 4096) -> float:
     """Fraction of differing words in evenly spaced sample blocks (exact for small arrays)."""
     n = a.size
     if n <= blocks * block:

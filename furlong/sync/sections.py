@@ -91,8 +91,11 @@ def encode_tensor_delta(
             return _sparse(
                 meta, scan.concat(sc.gaps, np.int64), scan.concat(sc.values, a.dtype), cctx
             )
-    bitmap, parts = scan.scan_bitmap(a, b)
-    values = scan.concat(parts, a.dtype)
+    if kernels.available(a.dtype):
+        bitmap, values = kernels.bitmap_layout(a, b)
+    else:
+        bitmap, parts = scan.scan_bitmap(a, b)
+        values = scan.concat(parts, a.dtype)
     if values.size == 0:
         return meta, b""
     return _bitmap(replace(meta, n_changed=values.size), bitmap, values, cctx)
@@ -140,9 +143,11 @@ def _bitmap(
     meta: TensorDelta, bitmap: np.ndarray, values: np.ndarray, cctx: zstd.ZstdCompressor
 ) -> tuple[TensorDelta, bytes]:
     vt = tiers.value_tiers(values)
-    data, raw_length = compress_streams(
-        cctx, [bitmap, *tiers.encode(values, vt, values.dtype.type)]
-    )
+    if kernels.available(values.dtype):
+        streams = kernels.encode_values(values, vt, np.empty(values.size + 1, values.dtype))
+    else:
+        streams = tiers.encode(values, vt, values.dtype.type)
+    data, raw_length = compress_streams(cctx, [bitmap, *streams])
     return replace(
         meta, encoding="bitmap", length=len(data), raw_length=raw_length, value_tiers=vt
     ), data
