@@ -69,8 +69,8 @@ def encode_delta(
             name, prev[name].contiguous(), t.contiguous(), cctx, checksum_algo
         )
         metas.append(replace(td, offset=offset))
-        sections.append(data)
-        offset += len(data)
+        sections.extend(data) if isinstance(data, list) else sections.append(data)
+        offset += td.length
     upd = WeightUpdate(version, base_version, "delta", DELTA_ENCODING, checksum_algo, tuple(metas))
     return pack_payload(upd, sections)
 

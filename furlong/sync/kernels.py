@@ -145,39 +145,53 @@ if njit is not None:
     _ADDERS = {bits: _adder(bits) for bits in (2, 4, 8)}
 
 
-def encode_run(a: np.ndarray, b: np.ndarray, z: np.ndarray, escapes: np.ndarray,
+def encode_run(a: np.ndarray, b: np.ndarray, bufs: RunBuffers,
                vt: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[np.ndarray], int]:
     """One dense run: its value tiers (`vt`, or chosen from this run), its coded streams (as
-    tiers.encode(zigzag(b - a), vt)) and its count of changed words. `z`, `escapes`: reused buffers of
-    at least a.size (+1) entries."""
-    z = z[: a.size]
+    tiers.encode(zigzag(b - a), vt); views of `bufs`, valid until the next run) and its changed words."""
+    z = bufs.z[: a.size]
     changed, ge3, ge15 = zigzag_diff(a, b, z)
     vt = vt or tiers.tiers_for_counts(a.size, ge3, ge15)
-    return vt, encode_values(z, vt, escapes, {2: ge3, 4: ge15}.get(vt[0])), int(changed)
+    return vt, encode_values(z, vt, bufs, {2: ge3, 4: ge15}.get(vt[0])), int(changed)
 
 
-def encode_values(z: np.ndarray, vt: tuple[int, ...], escapes: np.ndarray, escaped: int | None = None
+class RunBuffers:
+    """Scratch arrays reused run after run: a fresh large array costs page faults on first touch (on this
+    kind of VM ~100 ms per 128 MB), more than the kernels themselves."""
+
+    def __init__(self, n: int) -> None:
+        self.z = np.empty(n, dtype=np.uint16)
+        self.escapes = np.empty(n + 1, dtype=np.uint16)
+        self.packed = np.empty(n, dtype=np.uint8)
+
+
+def encode_values(z: np.ndarray, vt: tuple[int, ...], bufs: RunBuffers, escaped: int | None = None
                   ) -> list[np.ndarray]:
-    """tiers.encode(z, vt, uint16): the first tier compiled, later ones (few entries) numpy. `escapes`:
-    a buffer of >= z.size + 1 entries; `escaped`: how many entries reach the second tier, if known."""
+    """tiers.encode(z, vt, uint16): the first tier compiled, later ones (few entries) numpy.
+    `escaped`: how many entries reach the second tier, if known (0 skips the search)."""
     bits = vt[0]
     per = 8 // bits
     full = z.size // per
-    packed = np.empty(-(-z.size // per), dtype=np.uint8)
+    packed = bufs.packed[: -(-z.size // per)]
     _PACK[bits](z[: full * per], packed[:full])
     if full < packed.size:
         packed[full:] = tiers.pack(z[full * per :].astype(np.uint8), bits) if bits < 8 else z[full * per :]
-    k = 0 if escaped == 0 else _escapes(z, np.uint16((1 << bits) - 1), escapes)
-    return [packed, *tiers.encode(escapes[:k], vt[1:], np.uint16)]  # encode does not modify its input
+    k = 0 if escaped == 0 else _escapes(z, np.uint16((1 << bits) - 1), bufs.escapes)
+    return [packed, *tiers.encode(bufs.escapes[:k], vt[1:], np.uint16)]  # encode does not modify its input
 
 
-def bitmap_layout(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """As scan.scan_bitmap: the change bitmap and the zigzag values of the changed words."""
-    z = np.empty(a.size, dtype=np.uint16)
-    zigzag_diff(a, b, z)
-    values = np.empty(a.size + 1, dtype=np.uint16)
-    k = _nonzero_values(z, values)
-    return np.packbits(z != 0, bitorder="little"), values[:k]
+def bitmap_layout(a: np.ndarray, b: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """As scan.scan_bitmap: the change bitmap and the zigzag values of the changed words (chunk by chunk,
+    `chunk` a multiple of 8)."""
+    bufs = RunBuffers(min(a.size, chunk))
+    bitmaps, values = [], []
+    for s in range(0, a.size, chunk):
+        z = bufs.z[: a[s : s + chunk].size]
+        zigzag_diff(a[s : s + chunk], b[s : s + chunk], z)
+        k = _nonzero_values(z, bufs.escapes)
+        bitmaps.append(np.packbits(z != 0, bitorder="little"))
+        values.append(bufs.escapes[:k].copy())
+    return np.concatenate(bitmaps), np.concatenate(values)
 
 
 def bitmap_apply(bitmap: np.ndarray, diffs: np.ndarray, dst: np.ndarray, sign: int) -> None:

@@ -67,8 +67,9 @@ def section_compressor(level: int | None = None) -> zstd.ZstdCompressor:
 
 def encode_tensor_delta(
     name: str, prev: torch.Tensor, new: torch.Tensor, cctx: zstd.ZstdCompressor, algo: str
-) -> tuple[TensorDelta, bytes]:
-    """The section carrying prev -> new for one tensor (offset is filled in by the caller)."""
+) -> tuple[TensorDelta, bytes | list[bytes]]:
+    """The section carrying prev -> new for one tensor (offset is filled in by the caller), as bytes or
+    as the list of its consecutive pieces."""
     a, b = codec.as_words(prev), codec.as_words(new)
     meta = TensorDelta(
         name=name,
@@ -92,7 +93,7 @@ def encode_tensor_delta(
                 meta, scan.concat(sc.gaps, np.int64), scan.concat(sc.values, a.dtype), cctx
             )
     if kernels.available(a.dtype):
-        bitmap, values = kernels.bitmap_layout(a, b)
+        bitmap, values = kernels.bitmap_layout(a, b, CHUNK)
     else:
         bitmap, parts = scan.scan_bitmap(a, b)
         values = scan.concat(parts, a.dtype)
@@ -144,7 +145,7 @@ def _bitmap(
 ) -> tuple[TensorDelta, bytes]:
     vt = tiers.value_tiers(values)
     if kernels.available(values.dtype):
-        streams = kernels.encode_values(values, vt, np.empty(values.size + 1, values.dtype))
+        streams = kernels.encode_values(values, vt, kernels.RunBuffers(values.size))
     else:
         streams = tiers.encode(values, vt, values.dtype.type)
     data, raw_length = compress_streams(cctx, [bitmap, *streams])
@@ -155,7 +156,7 @@ def _bitmap(
 
 def _dense(
     meta: TensorDelta, a: np.ndarray, b: np.ndarray, cctx: zstd.ZstdCompressor
-) -> tuple[TensorDelta, bytes]:
+) -> tuple[TensorDelta, bytes | list[bytes]]:
     """Stream every word's coded value through one zstd frame, run by run."""
     cobj = cctx.compressobj()
     parts: list[bytes] = []
@@ -166,25 +167,26 @@ def _dense(
     if count == 0 or vt is None:
         return meta, b""
     parts.append(cobj.flush())
-    data = b"".join(parts)
+    # The frame's pieces, not joined: the payload joins every section once (a join here copied a
+    # dense section twice, and at 1B parameters that copy cost more than zstd itself).
     return replace(
         meta,
         encoding="dense",
         n_changed=count,
-        length=len(data),
+        length=sum(len(p) for p in parts),
         raw_length=raw_length,
         value_tiers=vt,
         chunk=CHUNK,
-    ), data
+    ), parts
 
 
 def _dense_runs(a: np.ndarray, b: np.ndarray):
     """(coded streams, changes, value tiers) per CHUNK run; compiled kernels when there are some."""
     vt = None
     if kernels.available(a.dtype):
-        z, escapes = np.empty(min(a.size, CHUNK), a.dtype), np.empty(min(a.size, CHUNK) + 1, a.dtype)
+        bufs = kernels.RunBuffers(min(a.size, CHUNK))
         for s in range(0, a.size, CHUNK):
-            vt, streams, c = kernels.encode_run(a[s : s + CHUNK], b[s : s + CHUNK], z, escapes, vt)
+            vt, streams, c = kernels.encode_run(a[s : s + CHUNK], b[s : s + CHUNK], bufs, vt)
             yield streams, c, vt
         return
     for z, c in scan.dense_runs(a, b, CHUNK):

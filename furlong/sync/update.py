@@ -174,7 +174,7 @@ def _validate(upd: WeightUpdate) -> None:
 
 
 def pack_payload(update: WeightUpdate, sections: list[bytes]) -> bytes:
-    """Frame `update` and its body sections (same order as update.tensors) into one payload."""
+    """Frame `update` and its body (the sections in update.tensors order, each as one or more pieces)."""
     header_json = json.dumps(update.to_dict(), separators=(",", ":")).encode()
     header = zstd.ZstdCompressor(level=3).compress(header_json)
     h = stream_hasher(update.checksum_algo)
