@@ -342,6 +342,7 @@ def test_compiled_path_matches_the_numpy_path_byte_for_byte(monkeypatch: pytest.
     step = torch.randint(-spread, spread + 1, prev["w"].shape, generator=g, dtype=torch.int16)
     step[::97] = 3000  # some entries escape every tier
     step[torch.rand(step.shape, generator=g) >= frac] = 0
+    step[-2:] = 3000  # ... also in the last, partly filled byte of the first value tier
     new = {"w": (prev["w"].view(torch.int16) + step).view(torch.bfloat16)}  # int16 adds wrap: any bits
     compiled = encode_delta(prev, new, version=1, base_version=0)
     assert read_update(compiled).tensors[0].encoding == encoding

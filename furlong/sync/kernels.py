@@ -1,15 +1,16 @@
-"""Compiled kernels (numba) for the "dense" delta layout of bf16/fp16 words: the bytes are the numpy path's.
+"""Compiled kernels (numba) for bf16/fp16 deltas in the "dense" and "bitmap" layouts: the bytes are the
+numpy path's.
 
 The numpy path makes ~12 passes over each run (difference, zigzag, counts, tier symbols, escape search,
-packing; the reverse on apply), and its escape search costs ~1 ns per word in branch mispredictions.
-Here one pass computes the zigzag differences and the counts that choose the tiers, one packs the first
-tier (unrolled per symbol width, so it vectorises), and one short scan collects the few escaped entries;
-on apply, one pass unpacks, un-zigzags and adds every symbol into the tensor and a scan fixes the escaped
-ones. Later tiers (a few % of the entries) stay numpy.
+packing; the reverse on apply), and its escape and change searches cost ~1 ns per word in branch
+mispredictions. Here one pass computes the zigzag differences and the counts that choose the tiers, one
+packs the first tier (unrolled per symbol width, so it vectorises), and one branch-free pass collects the
+escaped (or, for "bitmap", the changed) entries; on apply, one pass unpacks, un-zigzags and adds into the
+tensor (vectorised when few entries escaped, else branch-free). Later tiers (few entries) stay numpy.
 
-Only 2-byte words: that is what bf16 engine weights are, and numba's uint16 arithmetic wraps exactly as
-the format needs. Without numba `available()` is False and callers use the numpy path; tests check that
-both give the same bytes. Compiled on first use (about a second) and cached beside the module.
+Only 2-byte words, the engine weights' dtype; the arithmetic is done in uint64 and masked to 16 bits, so
+wrap-around is exact. Without numba `available()` is False and callers use the numpy path; tests check
+that both give the same bytes. Compiled on first use (about a second) and cached beside the module.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def available(dtype: np.dtype) -> bool:
 
 
 if njit is not None:
-    # All arithmetic in uint64 and masked: numba widens small integers, so wrap-around is made explicit.
+    # numba widens small integers: arithmetic is uint64, masked to 16 bits where it must wrap.
     _M, _ONE, _ZERO = np.uint64(0xFFFF), np.uint64(1), np.uint64(0)
 
     @njit(cache=True, nogil=True)
@@ -174,8 +175,9 @@ def encode_values(z: np.ndarray, vt: tuple[int, ...], bufs: RunBuffers, escaped:
     full = z.size // per
     packed = bufs.packed[: -(-z.size // per)]
     _PACK[bits](z[: full * per], packed[:full])
-    if full < packed.size:
-        packed[full:] = tiers.pack(z[full * per :].astype(np.uint8), bits) if bits < 8 else z[full * per :]
+    if full < packed.size:  # the last, partly filled byte
+        tail = np.minimum(z[full * per :], (1 << bits) - 1).astype(np.uint8)
+        packed[full:] = tiers.pack(tail, bits) if bits < 8 else tail
     k = 0 if escaped == 0 else _escapes(z, np.uint16((1 << bits) - 1), bufs.escapes)
     return [packed, *tiers.encode(bufs.escapes[:k], vt[1:], np.uint16)]  # encode does not modify its input
 
