@@ -370,3 +370,24 @@ def test_compiled_apply_rolls_back_a_dense_section_broken_in_a_later_run() -> No
     assert td.encoding == "dense" and td.n_words > 2 * td.chunk
     cut = bytes(body[td.offset : td.offset + td.length * 3 // 4])  # runs 1-2 decode, run 3 is cut short
     _refused(prev, _repack(payload, {}, section=cut), CorruptUpdate)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_undecodable_zstd_in_a_later_run_is_corrupt_and_rolled_back(monkeypatch: pytest.MonkeyPatch,
+                                                                    compiled: bool) -> None:
+    """Garbage where a dense section's later runs should be (valid payload digest) is CorruptUpdate, a
+    SyncError the relay recovers from, not zstd's own error; the runs already added are undone."""
+    if compiled and not kernels.available(np.uint16):
+        pytest.skip("numba is not installed")
+    if not compiled:
+        monkeypatch.setattr(kernels, "available", lambda dtype: False)
+    w = (torch.randn(3 << 20, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
+    prev = {"w": w}
+    payload = encode_delta(prev, {"w": _set_density(w, 0.9, 2)}, version=2, base_version=1)
+    upd, body = unpack_payload(payload)
+    td = upd.tensors[-1]
+    section = bytearray(body[td.offset : td.offset + td.length])
+    half = len(section) // 2
+    section[half:] = torch.randint(0, 256, (len(section) - half,), generator=torch.Generator().manual_seed(3),
+                                   dtype=torch.uint8).numpy().tobytes()
+    _refused(prev, _repack(payload, {}, section=bytes(section)), CorruptUpdate)

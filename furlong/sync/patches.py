@@ -75,27 +75,19 @@ def read_runs(
 
     "dense" runs yield zigzag values, "planes" runs raw words. Only one run is in memory at
     a time. `limit`: stop below that word (used to undo a partly applied section)."""
-    w, n = codec.word_width(td.torch_dtype), td.n_words
-    wide = codec.UINT[w]
-    try:
-        with dctx.stream_reader(section) as reader:
-            read = functools.partial(_read_exact, reader, td.name)
-            for s in range(0, n if limit is None else limit, td.chunk):
-                c = min(td.chunk, n - s)
-                if td.encoding == "planes":
-                    yield s, codec.read_planes(read(c * w), w)
-                else:
-                    yield s, tiers.decode(read, c, td.value_tiers, wide)
-            if limit is None and reader.read(1):
-                raise CorruptUpdate(f"{td.name}: section holds more data than its header says")
-    except zstd.ZstdError as e:
-        raise CorruptUpdate(f"{td.name}: zstd section does not decode: {e}") from e
+    w = codec.word_width(td.torch_dtype)
+    for s, c, read in read_run_streams(td, section, dctx, limit):
+        if td.encoding == "planes":
+            yield s, codec.read_planes(read(c * w), w)
+        else:
+            yield s, tiers.decode(read, c, td.value_tiers, codec.UINT[w])
 
 
 def read_run_streams(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor,
                      limit: int | None = None) -> Iterator[tuple[int, int, tiers.Reader]]:
-    """Like read_runs for "dense" sections, but hands out (start, words, reader) for the caller to
-    decode the run's streams itself (furlong.sync.kernels)."""
+    """(start, words, read) for each `chunk`-word run of a "dense"/"planes" section: `read(n)`
+    returns the run's next n raw bytes, for the caller to decode (read_runs, furlong.sync.kernels).
+    Damaged data raises CorruptUpdate, whether met here or in the caller's reads."""
     n = td.n_words
     try:
         with dctx.stream_reader(section) as reader:
@@ -109,10 +101,15 @@ def read_run_streams(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecomp
 
 
 def _read_exact(reader: zstd.ZstdDecompressionReader, name: str, nbytes: int) -> np.ndarray:
+    # Converts zstd's errors itself: a caller of read_run_streams calls this outside the
+    # generator's own try block.
     out = np.empty(nbytes, dtype=np.uint8)
     mv, got = out.data, 0
     while got < nbytes:
-        r = reader.readinto(mv[got:])
+        try:
+            r = reader.readinto(mv[got:])
+        except zstd.ZstdError as e:
+            raise CorruptUpdate(f"{name}: zstd section does not decode: {e}") from e
         if not r:
             raise CorruptUpdate(f"{name}: section ended {nbytes - got} bytes early")
         got += r
