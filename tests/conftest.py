@@ -1,10 +1,13 @@
-"""Shared fixtures: one sandbox backend and the (cached) base image for the whole session."""
+"""Shared fixtures: one sandbox backend and the (cached) base image for the whole session; one torch
+thread and a freshly built tiny model per module for the model tests."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
+import torch
 
 from furlong.sandbox.base import ImageRef, Limits, SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
@@ -24,6 +27,24 @@ def backend() -> BwrapBackend:
 @pytest.fixture(scope="session")
 def base_image(store: ImageStore) -> ImageRef:
     return store.base()  # debootstrap on first use (about a minute), cached afterwards
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny model gains nothing from intra-op threads, and on a busy 2-core machine OpenMP's spinning
+    workers made steps 5-30x slower (measured). Restored when the module ends. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from furlong.model.tiny import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
 def spec(image: ImageRef, **limits) -> SandboxSpec:

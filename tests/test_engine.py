@@ -16,7 +16,6 @@ from furlong.model import (
     Message,
     continuation_ids,
     end_of_turn_id,
-    init_tiny,
     load_model,
     load_tokenizer,
     render_prompt_ids,
@@ -24,20 +23,7 @@ from furlong.model import (
 
 TOL = 1e-4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model gains nothing from intra-op threads, and on a busy 2-core machine OpenMP's spinning
-    workers made steps 5-30x slower (measured). Restored when the module ends."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -35,10 +35,6 @@ BASH = {"type": "function", "function": {"name": "bash", "description": "Run a s
                                                         "required": ["command"]}}}
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
-
 
 @pytest.fixture(scope="module")
 def tok(tiny_dir: Path):

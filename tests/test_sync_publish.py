@@ -34,14 +34,7 @@ from furlong.sync.update import pack_payload, unpack_payload
 Weights = dict[str, torch.Tensor]
 NOISE = 3e-6  # per step: ~2-3% of the bf16 weights change, as reported for RL steps
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """A CPU-heavy job may share this machine: one intra-op thread keeps the tiny model fast."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -43,10 +43,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
-
 
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

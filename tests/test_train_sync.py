@@ -13,23 +13,11 @@ from furlong.config import load_config
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model.loading import load_model
-from furlong.model.tiny import init_tiny
 from furlong.train.weights import open_link
 
 PROMPT = [5, 17, 300, 42, 1000, 7]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _steps(model, count: int) -> list[dict[str, torch.Tensor]]:

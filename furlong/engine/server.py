@@ -27,7 +27,6 @@ import json
 import socket
 import sys
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import torch
 from fastapi import FastAPI, HTTPException
