@@ -13,6 +13,7 @@ Every push returns metrics for the step's log: what was sent, its size, and how 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -46,7 +47,8 @@ class DirectLink:
 
 
 class PublishedLink:
-    """Publisher -> transport -> a relay (`pull` makes it sync and returns its SyncReport as a dict)."""
+    """Publisher -> transport -> a relay (`pull` makes it sync and returns its SyncReport as a dict,
+    dataclasses.asdict's shape)."""
 
     def __init__(self, engine, publisher: Publisher, pull: Callable[[], Awaitable[dict]],
                  cleanup: Callable[[], Awaitable[None]]) -> None:
@@ -67,11 +69,6 @@ class PublishedLink:
 
     async def close(self) -> None:
         await self._cleanup()
-
-
-def _report(report) -> dict:
-    return {"engine_version": report.engine_version, "stage_s": report.stage_s, "pause_s": report.pause_s,
-            "recovered": report.recovered, "faults": list(report.faults)}
 
 
 def _fresh_dir(cfg: Config, run_path: Path) -> DirectoryTransport:
@@ -116,4 +113,5 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
 
 
 async def _local_pull(relay: Relay) -> dict:
-    return _report(await relay.sync_once())
+    # The same dict the engine server's POST /sync returns, so both links read one shape.
+    return dataclasses.asdict(await relay.sync_once())
