@@ -71,11 +71,15 @@ class RLConfig(_Node):
     lr: float = Field(2e-4, gt=0)
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon: coordinates whose gradient is below it move less")
     warmup_steps: int = Field(5, ge=0, description="optimizer steps of linear lr warm-up")
+    lr_decay: Literal["constant", "cosine"] = Field(
+        "constant", description="after warm-up: keep lr, or follow a cosine to min_lr_ratio * lr at the last step")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0: no clipping (the norm is logged)")
     minibatches: int = Field(1, ge=1, description="optimizer steps per RL step (PPO-style reuse of a batch)")
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     tis_cap: float = Field(2.0, gt=0)
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the SFT model (a frozen copy is kept)")
     negative_weight: float = Field(0.25, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
                                    "(1: plain GRPO; 0.25 measured best here)")
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zstandard as zstd
 
 from furlong.sync import (
     BaseVersionMismatch,
@@ -391,3 +392,27 @@ def test_undecodable_zstd_in_a_later_run_is_corrupt_and_rolled_back(monkeypatch:
     section[half:] = torch.randint(0, 256, (len(section) - half,), generator=torch.Generator().manual_seed(3),
                                    dtype=torch.uint8).numpy().tobytes()
     _refused(prev, _repack(payload, {}, section=bytes(section)), CorruptUpdate)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_escape_symbol_in_the_padding_of_a_dense_run_is_corrupt(monkeypatch: pytest.MonkeyPatch,
+                                                                compiled: bool) -> None:
+    """A capped symbol hidden after the last word of a run (valid digest) would make the compiled escape
+    pass write past the tensor; both paths refuse it and write nothing."""
+    if compiled and not kernels.available(np.uint16):
+        pytest.skip("numba is not installed")
+    if not compiled:
+        monkeypatch.setattr(kernels, "available", lambda dtype: False)
+    g = torch.Generator().manual_seed(4)
+    prev = {"w": torch.randn(1001, generator=g).bfloat16()}  # an odd count: the last nibble byte is half full
+    step = torch.randint(-6, 7, (1001,), generator=g, dtype=torch.int16)
+    new = {"w": (prev["w"].view(torch.int16) + step).view(torch.bfloat16)}
+    payload = encode_delta(prev, new, version=2, base_version=1)
+    upd, body = unpack_payload(payload)
+    td = upd.tensors[-1]
+    assert td.encoding == "dense" and td.value_tiers[0] == 4
+    raw = bytearray(zstd.ZstdDecompressor().decompress(bytes(body[td.offset : td.offset + td.length]),
+                                                       max_output_size=td.raw_length))
+    raw[1001 // 2] |= 0xF0  # the padding nibble of the first tier's last byte becomes the cap
+    section = zstd.ZstdCompressor().compress(bytes(raw))
+    _refused(prev, _repack(payload, {}, section=section), CorruptUpdate)

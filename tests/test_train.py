@@ -25,7 +25,7 @@ from furlong.train import (
     token_logprobs,
 )
 from furlong.train.grpo import weigh_negatives
-from furlong.train.trainer import collate
+from furlong.train.trainer import collate, lr_at
 
 TOL = 1e-4
 # A model small enough that 40 GRPO steps with real sampling take seconds on two CPU cores.
@@ -146,6 +146,15 @@ def test_negative_advantages_are_scaled_by_negative_weight() -> None:
     assert torch.equal(weigh_negatives(adv, 0.0), torch.tensor([0.75, 0.0, 0.0, 0.0]))
     with pytest.raises(ValueError, match="negative_weight"):
         weigh_negatives(adv, 1.5)
+
+
+def test_lr_warms_up_then_follows_a_cosine_to_its_floor() -> None:
+    cfg = GRPOConfig(lr=1.0, warmup_steps=4, decay_steps=11, min_lr_ratio=0.1)
+    lrs = [lr_at(cfg, step) for step in range(20)]
+    assert lrs[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert all(a > b for a, b in zip(lrs[4:14], lrs[5:15]))  # strictly down over the decay
+    assert lrs[14] == pytest.approx(0.1) and lrs[19] == pytest.approx(0.1)
+    assert [lr_at(GRPOConfig(lr=1.0, warmup_steps=4), s) for s in (3, 4, 100)] == [1.0, 1.0, 1.0]
 
 
 def test_filter_zero_variance_groups() -> None:

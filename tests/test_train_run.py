@@ -71,9 +71,13 @@ def test_train_with_lora_updates_only_adapters(tmp_path: Path):
     from safetensors.torch import load_file
 
     run = tmp_path / "lora"
-    res = _train(f"train.run_dir={run}", *SMALL, "train.rl.steps=2", "train.lora.enabled=true", "train.lora.rank=4")
+    # with a KL penalty too: its frozen reference is the SFT model, adapters or not
+    res = _train(f"train.run_dir={run}", *SMALL, "train.rl.steps=2", "train.lora.enabled=true", "train.lora.rank=4",
+                 "train.rl.kl_coef=0.1", "train.rl.lr_decay=cosine")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert [r["step"] for r in _rl_rows(run)] == [0, 1]
+    rows = _rl_rows(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["ref_kl"] < 1e-6  # fresh adapters are the identity: the policy starts at its reference
     state = torch.load(run / "checkpoints" / "rl-1" / "trainer.pt", weights_only=True)["model"]
     sft = load_file(run / "checkpoints" / "sft" / "model.safetensors")
     adapters = [k for k in state if "lora_" in k]

@@ -5,8 +5,9 @@ The numpy path makes ~12 passes over each run (difference, zigzag, counts, tier 
 packing; the reverse on apply), and its escape and change searches cost ~1 ns per word in branch
 mispredictions. Here one pass computes the zigzag differences and the counts that choose the tiers, one
 packs the first tier (unrolled per symbol width, so it vectorises), and one branch-free pass collects the
-escaped (or, for "bitmap", the changed) entries; on apply, one pass unpacks, un-zigzags and adds into the
-tensor (vectorised when few entries escaped, else branch-free). Later tiers (few entries) stay numpy.
+escaped (or, for "bitmap", the changed) entries; on apply, one vectorised pass unpacks, un-zigzags and adds
+every symbol into the tensor, and one corrects the escaped entries, found 64 bits of symbols at a time.
+Later tiers (few entries) stay numpy.
 
 Only 2-byte words, the engine weights' dtype; the arithmetic is done in uint64 and masked to 16 bits, so
 wrap-around is exact. Without numba `available()` is False and callers use the numpy path; tests check
@@ -18,9 +19,11 @@ from __future__ import annotations
 import numpy as np
 
 from furlong.sync import tiers
+from furlong.sync.errors import CorruptUpdate
 
 try:
     from numba import njit
+    from numba.cpython.unsafe.numbers import trailing_zeros
 except ImportError:  # optional: the numpy path is complete without it
     njit = None
 
@@ -83,44 +86,52 @@ if njit is not None:
         return k
 
     def _adder(bits):
-        """Compiled (add, fix, apply) for one symbol width; constant shifts let numba vectorise `add`."""
+        """Compiled (add, fix) for one symbol width; constant shifts let numba vectorise `add`."""
         per, c = 8 // bits, (1 << bits) - 1
         cap, wrong = np.uint64(c), np.uint64((c >> 1) ^ (-(c & 1) & 0xFFFF))  # wrong = unzigzag(cap)
+        # In a uint64 of packed symbols, the lowest bit of every symbol: AND-ing a symbol's bits into it
+        # marks exactly the capped (escaped) symbols.
+        lowest = np.uint64(int("".join(["0" * (bits - 1) + "1"] * (64 // bits)), 2))
 
         @njit(cache=True, nogil=True)
         def add(packed, dst, sign):  # pragma: no cover - compiled
-            """dst +-= unzigzag(symbol) for whole bytes of symbols (escaped entries get unzigzag(cap))."""
+            """dst +-= unzigzag(symbol) for every word (escaped entries get unzigzag(cap) for now)."""
             for j in range(dst.size // per):
                 byte = np.uint64(packed[j])
                 for lane in range(per):
                     d = _unzigzag((byte >> np.uint64(bits * lane)) & cap)
                     i = j * per + lane
                     dst[i] = ((np.uint64(dst[i]) + d) if sign > 0 else (np.uint64(dst[i]) - d)) & _M
+            for i in range(dst.size // per * per, dst.size):  # the last, partly filled byte
+                d = _unzigzag((np.uint64(packed[i // per]) >> np.uint64(bits * (i % per))) & cap)
+                dst[i] = ((np.uint64(dst[i]) + d) if sign > 0 else (np.uint64(dst[i]) - d)) & _M
 
         @njit(cache=True, nogil=True)
-        def fix(packed, rests, dst, sign):  # pragma: no cover - compiled
-            """After add: escaped entries need unzigzag(cap + rest), not unzigzag(cap). For few escapes."""
+        def fix(packed64, packed, rests, dst, sign):  # pragma: no cover - compiled
+            """After add: escaped entries need unzigzag(cap + rest), not unzigzag(cap). Visits only those:
+            8 bytes of symbols at a time, escapes found as set bits (a branch per symbol would mispredict
+            when many escape). `packed64` views the whole 8-byte groups of `packed`; returns escapes seen."""
             k = 0
-            for i in range(dst.size):
-                if k == rests.size - 1:  # the spare slot: all escapes done
-                    break
-                if (np.uint64(packed[i // per]) >> np.uint64(bits * (i % per))) & cap == cap:
+            for w in range(packed64.size + (packed.size - packed64.size * 8)):
+                if w < packed64.size:
+                    x = packed64[w]
+                    base = w * (64 // bits)
+                else:  # the remaining bytes, one at a time
+                    x = np.uint64(packed[packed64.size * 8 + w - packed64.size])
+                    base = (packed64.size * 8 + w - packed64.size) * per
+                m = x
+                for shift in range(1, bits):
+                    m &= x >> np.uint64(shift)
+                m &= lowest
+                while m:
+                    i = base + trailing_zeros(m) // bits
                     d = (_unzigzag(cap + np.uint64(rests[k])) - wrong) & _M
                     k += 1
                     dst[i] = ((np.uint64(dst[i]) + d) if sign > 0 else (np.uint64(dst[i]) - d)) & _M
+                    m &= m - np.uint64(1)
+            return k
 
-        @njit(cache=True, nogil=True)
-        def apply(packed, rests, dst, sign):  # pragma: no cover - compiled
-            """add and fix in one branch-free pass (rests has a spare slot): for many escapes."""
-            k = 0
-            for i in range(dst.size):
-                s = (np.uint64(packed[i // per]) >> np.uint64(bits * (i % per))) & cap
-                esc = s == cap
-                d = _unzigzag(s + np.uint64(rests[k]) * np.uint64(esc))
-                k += esc
-                dst[i] = ((np.uint64(dst[i]) + d) if sign > 0 else (np.uint64(dst[i]) - d)) & _M
-
-        return add, fix, apply
+        return add, fix
 
     @njit(cache=True, nogil=True)
     def _nonzero_values(z, values):  # pragma: no cover - compiled
@@ -207,15 +218,12 @@ def apply_run(read: tiers.Reader, n: int, vt: tuple[int, ...], dst: np.ndarray, 
     bits = vt[0]
     packed = read(-(-n // (8 // bits)))
     k = tiers.count_capped(packed, bits, n)
-    rests = np.empty(k + 1, dtype=np.uint16)  # + a spare slot the branch-free loops may read
-    rests[:k] = tiers.decode(read, k, vt[1:], np.uint16)
-    rests[k] = 0
-    add, fix, apply = _ADDERS[bits]
-    # One branch-free pass when escapes are many (a branch per escape would mispredict) or the run ends
-    # in a partly filled byte; otherwise a vectorised pass, then the few escaped entries.
-    if k > n // 32 or n % (8 // bits):
-        apply(packed, rests, dst, sign)
-        return
+    rests = tiers.decode(read, k, vt[1:], np.uint16)
+    if n % (8 // bits) and int(packed[-1]) >> (bits * (n % (8 // bits))):
+        raise CorruptUpdate(f"dense run: symbols in the padding of its last byte (n={n})")
+    add, fix = _ADDERS[bits]
+    # Two passes beat one branch-free pass (~1 ns per word) even when a fifth of the entries escape: a
+    # vectorised add of every symbol (~0.12 ns per word), then the escaped entries alone.
     add(packed, dst, sign)
     if k:
-        fix(packed, rests, dst, sign)
+        fix(packed[: packed.size // 8 * 8].view(np.uint64), packed, rests, dst, sign)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from furlong.sync.codec import UINT, plane_parts, read_planes
+from furlong.sync.errors import CorruptUpdate
 
 GAP_TIERS = (8, 8)  # gaps (near-geometric) of mean < 256: bytes, then bytes again
 SIGN_VALUE_TIERS = (2, 4, 8)  # almost only +-1 ulp steps (fp32 masters with a residual)
@@ -87,6 +88,8 @@ def decode(
     for b in bits:
         per = 8 // b
         raw = read((n + per - 1) // per)
+        if n % per and int(raw[-1]) >> (b * (n % per)):  # the encoder pads with 0: anything else is damage
+            raise CorruptUpdate(f"nonzero padding after the last of {n} {b}-bit symbols")
         sym = _unpack(raw, b, n) if b < 8 else raw
         symbols.append(sym)
         n = int(np.count_nonzero(sym == (1 << b) - 1))

@@ -129,9 +129,14 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
 
 def grpo_config(cfg: Config) -> GRPOConfig:
     r = cfg.train.rl
-    return GRPOConfig(lr=r.lr, adam_eps=r.adam_eps, warmup_steps=r.warmup_steps, minibatches=r.minibatches, clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
-                      normalize_std=r.normalize_std, negative_weight=r.negative_weight, filter_zero_variance=r.filter_zero_variance,
-                      micro_batch_size=r.micro_batch_size, temperature=r.temperature, seed=cfg.train.seed)
+    opt_steps = r.steps * r.minibatches
+    decay = max(opt_steps - r.warmup_steps, 1) if r.lr_decay == "cosine" else 0
+    return GRPOConfig(lr=r.lr, adam_eps=r.adam_eps, warmup_steps=r.warmup_steps, decay_steps=decay,
+                      min_lr_ratio=r.min_lr_ratio, grad_clip=r.grad_clip, minibatches=r.minibatches,
+                      clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
+                      normalize_std=r.normalize_std, negative_weight=r.negative_weight,
+                      filter_zero_variance=r.filter_zero_variance, micro_batch_size=r.micro_batch_size,
+                      temperature=r.temperature, seed=cfg.train.seed)
 
 
 def rollout_metrics(episodes: list[Episode], version: int) -> dict:
@@ -174,7 +179,9 @@ def _weights_for_engine(cfg: Config, trainer: Trainer) -> dict:
 async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path) -> Trainer:
     r = cfg.train.rl
     policy, engine_model = _policy_models(cfg, sft_dir)
-    trainer = Trainer(policy, grpo_config(cfg))
+    # The KL reference is the SFT model itself (with LoRA too: fresh adapters start as the identity).
+    ref = load_model(sft_dir).requires_grad_(False) if r.kl_coef > 0 else None
+    trainer = Trainer(policy, grpo_config(cfg), ref_model=ref)
     start, last = 0, run.state()["last_checkpoint"]
     if last:  # resuming: continue after the last complete step; its later metrics are redone
         trainer.load(run.checkpoint_dir(last["name"]))

@@ -8,6 +8,7 @@ clip, and take one AdamW step. Weights stay fp32 (the master copy); bf16 autocas
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -57,6 +58,8 @@ class GRPOConfig:
     bf16_autocast: bool = False
     seed: int = 0  # minibatch shuffling
     warmup_steps: int = 0  # optimizer steps over which lr ramps up linearly: Adam's first steps are the largest
+    decay_steps: int = 0  # > 0: after warm-up, lr follows a cosine to min_lr_ratio * lr over this many steps
+    min_lr_ratio: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,16 @@ def collate(episodes: Sequence[Episode], advantages: Sequence[float] | torch.Ten
 def _chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
     for i in range(0, len(items), size):
         yield list(items[i:i + size])
+
+
+def lr_at(cfg: GRPOConfig, step: int) -> float:
+    """Linear warm-up over warmup_steps, then constant or a cosine down to min_lr_ratio * lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.decay_steps <= 0:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(cfg.decay_steps - 1, 1))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class Trainer:
@@ -228,7 +241,7 @@ class Trainer:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (self._opt_steps + 1) / max(cfg.warmup_steps, 1))
+            group["lr"] = lr_at(cfg, self._opt_steps)
         self.optimizer.step()
         self._opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
