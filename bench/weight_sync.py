@@ -10,9 +10,10 @@ learning test of tests/test_train.py) and a real `Trainer.train_step`.
 
 After each step the master is cast to bf16 (the published engine weights; tied tensors once) and diffed
 against the previous version (version 0 = bf16 of the starting weights). Each delta is encoded with furlong
-(`encode_delta`) and with byte-wise XOR + zstd level 1, both are applied onto a copy of the previous
-version and checked bit for bit, and the empirical entropy bound of positions + values is computed
-(`delta_entropy_bound`). The engine samples with exactly the published bf16 values (upcast to fp32 for
+(`encode_delta` as the next link of one chain per lr, with momentum prediction, as a Publisher sends it;
+"plain" is the same delta without momentum) and with byte-wise XOR + zstd level 1, both are applied onto a
+copy of the previous version and checked bit for bit, and the empirical entropy bound of positions + values
+is computed (`delta_entropy_bound`: order-0, memoryless; momentum is a context model and can go below it). The engine samples with exactly the published bf16 values (upcast to fp32 for
 compute), as an engine fed these updates would; TIS absorbs the rounding, as in training.
 
 Throughput: GB of full bf16 tensor bytes per second of this thread's CPU time (best of --repeats), one
@@ -40,7 +41,7 @@ import torch
 # The synthetic benchmark's helpers (measure, environment), importable when run as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from weight_sync_synthetic import environment, measure, print_table
+from weight_sync_synthetic import Chain, environment, measure, print_table
 
 from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.config import RECIPES, load_config
@@ -129,6 +130,7 @@ async def run_lr(
     trainer = Trainer(policy, grpo)
     prev = publish(policy)
     receiver = {k: v.clone() for k, v in prev.items()}
+    chain = Chain.with_momentum()  # the steps are one delta chain, as a Publisher sends them
     rows = []
     async with HFEngine(engine_model, eos_token_ids=()) as engine:
         await engine.update_weights(prev, 0)
@@ -154,7 +156,7 @@ async def run_lr(
             train_s = time.perf_counter() - t0
             new = publish(policy)
             # Both codecs, applied onto `receiver` (reset to prev), checked bit for bit; leaves it == new.
-            m = measure(prev, new, receiver, args.repeats)
+            m = measure(prev, new, receiver, args.repeats, chain)
             row = {
                 "lr": grpo.lr,
                 "step": step,
@@ -187,11 +189,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Totals over one lr's steps: byte sums, so each ratio is of totals, not a mean of ratios."""
     tot = lambda k: sum(r[k] for r in rows)
     cpu = lambda k: sum(r["timings"][k]["cpu_s"] for r in rows)
-    full, fb, xb, bb = (
+    full, fb, xb, bb, pb = (
         tot("full_bytes"),
         tot("furlong_bytes"),
         tot("xor_zstd_bytes"),
         tot("bound_bytes"),
+        tot("furlong_plain_bytes"),
     )
     return {
         "lr": rows[0]["lr"],
@@ -202,12 +205,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "changed": tot("changed"),
         "density": tot("changed") / (full / 2),
         "furlong_bytes": fb,
+        "furlong_plain_bytes": pb,
         "xor_zstd_bytes": xb,
         "bound_bytes": bb,
         "bound_over_full": bb / full,
         "furlong_over_full": fb / full,
         "xor_over_full": xb / full,
         "furlong_over_xor": fb / xb,
+        "plain_over_xor": pb / xb,
         "furlong_over_bound": fb / bb,
         "xor_over_bound": xb / bb,
         "encode_gbps": full / cpu("encode") / 1e9,
@@ -229,6 +234,7 @@ COLUMNS = [  # (header, key, format)
     ("furlong/full", "furlong_over_full", "{:.4f}"),
     ("xor/full", "xor_over_full", "{:.4f}"),
     ("furlong/xor", "furlong_over_xor", "{:.3f}"),
+    ("plain/xor", "plain_over_xor", "{:.3f}"),
     ("furlong/bound", "furlong_over_bound", "{:.3f}"),
     ("xor/bound", "xor_over_bound", "{:.2f}"),
     ("enc GB/s", "encode_gbps", "{:.2f}"),

@@ -1,20 +1,24 @@
 """Weight-sync benchmark: furlong deltas vs the XOR+zstd reference on a synthetic bf16 model.
 
 Builds a model of --params bf16 parameters (16 matrices plus two 1-D norm vectors), then for
-each target density simulates one optimizer step (lr calibrated so that the wanted fraction
-of bf16 values changes), encodes it with furlong and with XOR+zstd-1, applies both onto a
-copy of the old weights, and reports payload sizes, ratios (to the full bf16 size, to each
-other, to the empirical entropy bound) and single-thread encode/apply throughput.
+each target density simulates two optimizer steps (lr calibrated so that the wanted fraction
+of bf16 values changes per step). The first is sent untimed through a delta chain with momentum
+(furlong.sync.momentum), as Publisher and Relay do; the second is measured: encoded with furlong
+(predicted from the first) and with XOR+zstd-1, both applied onto a copy of the old weights. It
+reports payload sizes, ratios (to the full bf16 size, to each other, to the empirical entropy
+bound; "plain" = furlong without momentum) and single-thread encode/apply throughput.
 
 Step model (--master): "residual" keeps an fp32 master = bf16 weights + a random sub-ulp
 residual (what a real fp32 master looks like after some training), "bf16" starts the master
 from the bf16 weights exactly. Either way: master += lr*randn + lr*sign(randn) (SGD noise
-plus an AdamW-like sign step), new weights = bf16(master).
+plus an AdamW-like sign step whose direction persists across steps, like Adam's momentum), new
+weights = bf16(master).
 
 Throughput is GB of full bf16 tensor bytes per second of this thread's CPU time (best of
 --repeats), with torch.set_num_threads(1), zstd without worker threads: one core. Wall-clock
-numbers are in the JSON too (they suffer when the machine is shared). Memory: three model
-copies (prev, new, receiver) plus per-tensor temporaries.
+numbers are in the JSON too (they suffer when the machine is shared). Memory: four model
+copies (prev, mid, new, receiver), momentum states (up to 1 byte per word, twice, at each end)
+plus per-tensor temporaries.
 
     python bench/weight_sync_synthetic.py                 # 1.07 B parameters, ~10 min
     python bench/weight_sync_synthetic.py --params 2e7    # quick check
@@ -23,12 +27,14 @@ copies (prev, new, receiver) plus per-tensor temporaries.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,7 @@ from furlong.sync import (
     xor_zstd_encode,
 )
 from furlong.sync.checksum import DEFAULT_ALGO
+from furlong.sync.momentum import Momentum
 
 Model = dict[str, torch.Tensor]
 RESULTS = Path(__file__).parent / "results" / "weight_sync_synthetic.json"
@@ -77,16 +84,29 @@ def master_of(w: torch.Tensor, kind: str, g: torch.Generator) -> torch.Tensor:
     return torch.where(candidate.bfloat16() == w, candidate, m)
 
 
-def step_tensor(w: torch.Tensor, lr: float, kind: str, seed: int) -> torch.Tensor:
+def step_tensor(w: torch.Tensor, lr: float, kind: str, seed: int, direction: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     m = master_of(w, kind, g)
     m.add_(torch.randn(m.shape, generator=g), alpha=lr)
-    m.add_(torch.sign(torch.randn(m.shape, generator=g)), alpha=lr)
+    # Adam's sign-like step keeps its direction from step to step (momentum): seeded per tensor, not per step.
+    m.add_(torch.sign(torch.randn(m.shape, generator=torch.Generator().manual_seed(direction))), alpha=lr)
     return m.bfloat16()
 
 
 def simulate_step(model: Model, lr: float, kind: str, seed: int) -> Model:
-    return {name: step_tensor(w, lr, kind, seed + i) for i, (name, w) in enumerate(model.items())}
+    return {name: step_tensor(w, lr, kind, seed + i, 10_000 + i) for i, (name, w) in enumerate(model.items())}
+
+
+def advance(chain: Chain, prev: Model, new: Model, receiver: Model) -> None:
+    """Run one untimed link prev -> new through the chain (both momentum states record it); the
+    receiver ends at `new`."""
+    v = chain.version
+    payload = encode_delta(prev, new, version=v, base_version=v - 1, momentum=chain.sender)
+    if chain.sender is not None:
+        chain.sender.commit()
+    copy_into(receiver, prev)
+    apply_delta(receiver, payload, current_version=v - 1, momentum=chain.receiver)
+    chain.version += 1
 
 
 def calibrate_lr(model: Model, density: float, kind: str, sample: int = 1 << 16) -> float:
@@ -128,15 +148,32 @@ def copy_into(dst: Model, src: Model) -> None:
         dst[k].copy_(v)
 
 
-def measure(prev: Model, new: Model, receiver: Model, repeats: int) -> dict[str, Any]:
-    """Encode + apply with furlong and with XOR+zstd; sizes, times, bound, bit mismatches."""
+def measure(prev: Model, new: Model, receiver: Model, repeats: int, chain: Chain | None = None
+            ) -> dict[str, Any]:
+    """Encode + apply with furlong and with XOR+zstd; sizes, times, bound, bit mismatches.
+
+    With `chain`, furlong codes the delta as the next link of that chain, momentum prediction included
+    (what Publisher and Relay do), and "furlong_plain_bytes" is the same delta without it."""
     full = sum(v.numel() * v.element_size() for v in new.values())
-    reset = lambda: copy_into(receiver, prev)
-    payload, enc = timed(lambda: encode_delta(prev, new, version=1, base_version=0), repeats)
-    _, app = timed(lambda: apply_delta(receiver, payload, current_version=0), repeats, reset)
+    chain = chain or Chain(None, None, 1)
+    v, before = chain.version, copy.deepcopy(chain.receiver)
+
+    def reset() -> None:  # the receiver's tensors and momentum as they were before this update
+        copy_into(receiver, prev)
+        if chain.receiver is not None:
+            chain.receiver.__dict__.update(copy.deepcopy(before).__dict__)
+
+    payload, enc = timed(
+        lambda: encode_delta(prev, new, version=v, base_version=v - 1, momentum=chain.sender), repeats)
+    _, app = timed(lambda: apply_delta(receiver, payload, current_version=v - 1, momentum=chain.receiver),
+                   repeats, reset)
+    if chain.sender is not None:
+        chain.sender.commit()
     bad = mismatches(receiver, new)
+    plain = len(payload) if chain.sender is None else len(encode_delta(prev, new, version=v, base_version=v - 1))
+    chain.version += 1
     xor, xenc = timed(lambda: xor_zstd_encode(prev, new), repeats)
-    _, xapp = timed(lambda: xor_zstd_apply(receiver, xor, list(new)), repeats, reset)
+    _, xapp = timed(lambda: xor_zstd_apply(receiver, xor, list(new)), repeats, lambda: copy_into(receiver, prev))
     xbad = mismatches(receiver, new)
     bound = delta_entropy_bound(prev, new)
     upd = read_update(payload)
@@ -146,11 +183,13 @@ def measure(prev: Model, new: Model, receiver: Model, repeats: int) -> dict[str,
         "changed": bound.n_changed,
         "density": bound.n_changed / (full / 2),
         "furlong_bytes": len(payload),
+        "furlong_plain_bytes": plain,
         "xor_zstd_bytes": len(xor),
         "bound_bytes": bound.bytes,
         "furlong_over_full": len(payload) / full,
         "xor_over_full": len(xor) / full,
         "furlong_over_xor": len(payload) / len(xor),
+        "plain_over_xor": plain / len(xor),
         "furlong_over_bound": len(payload) / bound.bytes,
         "xor_over_bound": len(xor) / bound.bytes,
         "encode_gbps": gbps(enc),
@@ -161,7 +200,21 @@ def measure(prev: Model, new: Model, receiver: Model, repeats: int) -> dict[str,
         "bit_mismatches": bad,
         "xor_bit_mismatches": xbad,
         "encodings": dict(Counter(t.encoding for t in upd.tensors)),
+        "predicted": sum(t.predicted for t in upd.tensors),
     }
+
+
+@dataclass
+class Chain:
+    """Both ends of a delta chain with momentum (None: plain deltas); `version` is the next update's."""
+
+    sender: Momentum | None
+    receiver: Momentum | None
+    version: int
+
+    @classmethod
+    def with_momentum(cls) -> Chain:
+        return cls(Momentum(), Momentum(), 1)
 
 
 COLUMNS = [  # (header, key, format)
@@ -172,6 +225,7 @@ COLUMNS = [  # (header, key, format)
     ("furlong/full", "furlong_over_full", "{:.4f}"),
     ("xor/full", "xor_over_full", "{:.4f}"),
     ("furlong/xor", "furlong_over_xor", "{:.3f}"),
+    ("plain/xor", "plain_over_xor", "{:.3f}"),
     ("furlong/bound", "furlong_over_bound", "{:.3f}"),
     ("xor/bound", "xor_over_bound", "{:.2f}"),
     ("enc GB/s", "encode_gbps", "{:.2f}"),
@@ -233,16 +287,20 @@ def main() -> None:
     for kind in args.master.split(","):
         for density in (float(d) for d in args.densities.split(",")):
             lr = calibrate_lr(prev, density, kind)
-            new = simulate_step(prev, lr, kind, seed=1)
+            # Two steps: the first records momentum at both ends, the second is measured, predicted from it.
+            mid = simulate_step(prev, lr, kind, seed=1)
+            new = simulate_step(mid, lr, kind, seed=2)
+            chain = Chain.with_momentum()
+            advance(chain, prev, mid, receiver)
             row = {
                 "master": kind,
                 "target_density": density,
                 "lr": lr,
-                **measure(prev, new, receiver, args.repeats),
+                **measure(mid, new, receiver, args.repeats, chain),
             }
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "timings"}), flush=True)
-            del new
+            del mid, new
     env["loadavg_end"] = os.getloadavg()
     title = f"weight sync, {n_params / 1e9:.2f} B bf16 params, 1 thread (GB/s of full bf16 bytes per CPU-second)"
     print_table(rows, title)

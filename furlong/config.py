@@ -112,6 +112,8 @@ class SyncConfig(_Node):
     full_every: int = Field(20, ge=1, description="a full snapshot every this many publishes bounds the chain")
     dir: Path | None = Field(None, description="published updates (directory/http); null: RUN_DIR/weights")
     keep: int = Field(2, ge=0, description="updates kept before the newest full snapshot when pruning")
+    momentum: bool = Field(True, description="predict dense deltas from the previous one: smaller payloads, for up "
+                                             "to 2 bytes of state per word of dense tensors at each end")
 
     @model_validator(mode="after")
     def _server_needs_files(self) -> SyncConfig:

@@ -37,9 +37,10 @@ from furlong.sync.errors import (
     StaleUpdate,
     SyncError,
 )
-from furlong.sync.patches import decode_full, decode_patch
+from furlong.sync.momentum import Momentum, MomentumMismatch
+from furlong.sync.patches import DensePatch, Patch, decode_full, decode_patch
 from furlong.sync.sections import encode_tensor_delta, encode_tensor_full, section_compressor
-from furlong.sync.update import Kind, WeightUpdate, pack_payload, unpack_payload
+from furlong.sync.update import Kind, TensorDelta, WeightUpdate, pack_payload, unpack_payload
 
 DELTA_ENCODING = "furlong-delta/1"
 FULL_ENCODING = "furlong-full/1"
@@ -55,23 +56,30 @@ def encode_delta(
     base_version: int,
     level: int | None = None,
     checksum_algo: str = DEFAULT_ALGO,
+    momentum: Momentum | None = None,
 ) -> bytes:
     """Payload turning `prev` (published as `base_version`) into `new` (as `version`).
 
-    `level`: zstd level for the sections; None = tuned fast parameters (see section_compressor)."""
+    `level`: zstd level for the sections; None = tuned fast parameters (see section_compressor).
+    `momentum`: the sender's state (furlong.sync.momentum): dense tensors are predicted from the update
+    that made `base_version` where it recorded them, and this update records; call `momentum.commit()`
+    once the payload is delivered (until then the previous state stays in force)."""
     if version <= base_version:
         raise ValueError(f"version {version} must be newer than base_version {base_version}")
     _check_same_layout(prev, new)
     cctx = section_compressor(level)
     metas, sections, offset = [], [], 0
+    if momentum is not None:
+        momentum.begin(version)
     for name, t in new.items():
         td, data = encode_tensor_delta(
-            name, prev[name].contiguous(), t.contiguous(), cctx, checksum_algo
+            name, prev[name].contiguous(), t.contiguous(), cctx, checksum_algo, momentum, base_version
         )
         metas.append(replace(td, offset=offset))
         sections.extend(data) if isinstance(data, list) else sections.append(data)
         offset += td.length
-    upd = WeightUpdate(version, base_version, "delta", DELTA_ENCODING, checksum_algo, tuple(metas))
+    upd = WeightUpdate(version, base_version, "delta", DELTA_ENCODING, checksum_algo, tuple(metas),
+                       momentum=momentum is not None)
     return pack_payload(upd, sections)
 
 
@@ -105,11 +113,15 @@ def read_update(payload: bytes | memoryview) -> WeightUpdate:
 
 
 def apply_delta(
-    base: dict[str, torch.Tensor], payload: bytes | memoryview, *, current_version: int
+    base: dict[str, torch.Tensor], payload: bytes | memoryview, *, current_version: int,
+    momentum: Momentum | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Patch `base` (holding `current_version`) in place; returns it. See the module doc."""
+    """Patch `base` (holding `current_version`) in place; returns it. See the module doc.
+
+    `momentum`: the receiver's state, needed for an update with predicted tensors and updated by
+    every applied update (furlong.sync.momentum)."""
     upd, body = unpack_payload(payload)
-    _apply_delta_parsed(base, upd, body, current_version)
+    _apply_delta_parsed(base, upd, body, current_version, momentum)
     return base
 
 
@@ -122,7 +134,8 @@ def apply_full(
 
 
 def apply_update(
-    tensors: dict[str, torch.Tensor], payload: bytes | memoryview, *, current_version: int | None
+    tensors: dict[str, torch.Tensor], payload: bytes | memoryview, *, current_version: int | None,
+    momentum: Momentum | None = None,
 ) -> WeightUpdate:
     """Apply any kind of update to `tensors` in place; returns its header (for .version)."""
     upd, body = unpack_payload(payload)
@@ -132,12 +145,14 @@ def apply_update(
                 f"delta v{upd.version} needs base v{upd.base_version}, "
                 "but the receiver holds no version yet"
             )
-        _apply_delta_parsed(tensors, upd, body, current_version)
+        _apply_delta_parsed(tensors, upd, body, current_version, momentum)
         return upd
     fresh = _decode_snapshot(upd, body, current_version)
     if upd.kind == "full":  # swap only after every tensor verified
         tensors.clear()
     tensors.update(fresh)
+    if momentum is not None:
+        momentum.clear(upd.version)
     return upd
 
 
@@ -147,9 +162,10 @@ class WeightReceiver:
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None, version: int | None = None):
         self.tensors: dict[str, torch.Tensor] = tensors if tensors is not None else {}
         self.version = version
+        self.momentum = Momentum()  # holds states only while the sender asks updates to record them
 
     def apply(self, payload: bytes | memoryview) -> WeightUpdate:
-        upd = apply_update(self.tensors, payload, current_version=self.version)
+        upd = apply_update(self.tensors, payload, current_version=self.version, momentum=self.momentum)
         self.version = upd.version
         return upd
 
@@ -205,18 +221,22 @@ def _base_words(base: Mapping[str, torch.Tensor], upd: WeightUpdate) -> dict[str
 
 
 def _apply_delta_parsed(
-    base: dict[str, torch.Tensor], upd: WeightUpdate, body: memoryview, current: int
+    base: dict[str, torch.Tensor], upd: WeightUpdate, body: memoryview, current: int,
+    momentum: Momentum | None = None,
 ) -> None:
     if upd.kind != "delta":
         raise SyncError(f"a {upd.kind!r} update is not a delta: use apply_full / apply_update")
     _check_versions(upd, current)
     words = _base_words(base, upd)
+    _check_momentum(upd, momentum)
+    record = momentum if momentum is not None and upd.momentum else None
+    if record is not None:
+        record.begin(upd.version)
     dctx = zstd.ZstdDecompressor()
     done = []
     try:
         for td in upd.tensors:
-            patch = decode_patch(td, body[td.offset : td.offset + td.length], dctx)
-            patch.apply(words[td.name])
+            _patch(td, body, dctx, momentum, record).apply(words[td.name])
             done.append(td)
             got = tensor_digest(base[td.name], upd.checksum_algo)
             if got != td.checksum:
@@ -227,10 +247,38 @@ def _apply_delta_parsed(
                 )
     except Exception:
         for td in reversed(done):  # decoding succeeded once, so it succeeds again
-            decode_patch(td, body[td.offset : td.offset + td.length], dctx).apply(
-                words[td.name], -1
-            )
+            _patch(td, body, dctx, momentum, None).apply(words[td.name], -1)
         raise
+    if record is not None:
+        record.commit()
+    elif momentum is not None:
+        momentum.clear(upd.version)
+
+
+def _check_momentum(upd: WeightUpdate, momentum: Momentum | None) -> None:
+    """Every predicted tensor's state must be here, recorded by the update that made the base version."""
+    for td in upd.tensors:
+        if not td.predicted:
+            continue
+        p = None if momentum is None else momentum.prediction(td.name, upd.base_version)
+        if p is None or p.size != td.n_words:
+            held = "no state" if momentum is None else f"states of v{momentum.version}"
+            raise MomentumMismatch(
+                f"{td.name}: predicted from the update that made v{upd.base_version}, but the receiver "
+                f"holds {held} for it; resync with a full update"
+            )
+
+
+def _patch(td: TensorDelta, body: memoryview, dctx: zstd.ZstdDecompressor, momentum: Momentum | None,
+           record: Momentum | None) -> Patch:
+    patch = decode_patch(td, body[td.offset : td.offset + td.length], dctx)
+    if isinstance(patch, DensePatch):
+        if td.predicted:
+            assert momentum is not None  # checked by _check_momentum before anything was written
+            patch.p = momentum.state[td.name]
+        if record is not None:
+            patch.state = record.buffer(td.name, td.n_words)
+    return patch
 
 
 def _decode_snapshot(

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from furlong.sync import codec, kernels, tiers
+from furlong.sync import codec, kernels, momentum, tiers
 from furlong.sync.errors import CorruptUpdate
 from furlong.sync.update import TensorDelta
 
@@ -145,11 +145,16 @@ class BitmapPatch:
 
 @dataclass
 class DensePatch:
-    """Streams the section run by run; undoes its own runs if the stream breaks midway."""
+    """Streams the section run by run; undoes its own runs if the stream breaks midway.
+
+    `p`: the int8 momentum predictions a "predicted" section's residuals are added to; `state`: where
+    the changes are recorded, if wanted (furlong.sync.momentum)."""
 
     td: TensorDelta
     section: memoryview
     dctx: zstd.ZstdDecompressor
+    p: np.ndarray | None = None
+    state: np.ndarray | None = None
 
     def apply(self, dst: np.ndarray, sign: int = 1) -> None:
         done = 0
@@ -164,13 +169,21 @@ class DensePatch:
     def _apply_runs(self, dst: np.ndarray, sign: int, limit: int | None) -> Iterator[tuple[int, int]]:
         """Adds each run as it is decoded; yields (start, words) after each. A run whose stream breaks
         raises before any of it is written (the compiled path reads all its streams first)."""
+        p, state = self.p, self.state
         if not kernels.available(dst.dtype):
             for s, d in self._runs(limit):
+                if p is not None:
+                    d += momentum.widen(p[s : s + d.size], d.dtype)
+                if state is not None:
+                    momentum.record(d, state[s : s + d.size])
                 _add(dst[s : s + d.size], d, sign)
                 yield s, d.size
             return
+        bufs = kernels.RunBuffers(0)  # zero predictions and scratch states, reused run after run
         for s, n, read in read_run_streams(self.td, self.section, self.dctx, limit):
-            kernels.apply_run(read, n, self.td.value_tiers, dst[s : s + n], sign)
+            kernels.apply_run(read, n, self.td.value_tiers, dst[s : s + n], sign,
+                              None if p is None else p[s : s + n], None if state is None else state[s : s + n],
+                              bufs)
             yield s, n
 
     def _runs(self, limit: int | None) -> Iterator[tuple[int, np.ndarray]]:

@@ -6,7 +6,8 @@ between fp32 masters, so the receiver (which holds exactly the previous publishe
 reconstructs the new one bit for bit and each tensor's checksum proves it. A full snapshot
 starts the chain, restarts it every `full_every` publishes (so a relay that fell behind or
 lost a file has a recent place to restart from), when the tensor layout changes, and when a
-relay asked for one through the transport (`Transport.request_full`).
+relay asked for one through the transport (`Transport.request_full`). Between snapshots, dense
+tensors are predicted from the previous delta (furlong.sync.momentum; `momentum=False` turns it off).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from furlong.sync.delta import encode_delta, encode_full
+from furlong.sync.momentum import Momentum
 from furlong.sync.transport import Transport
 
 
@@ -52,6 +54,7 @@ class Publisher:
         full_every: int = 20,
         engine_dtype: torch.dtype = torch.bfloat16,
         level: int | None = None,
+        momentum: bool = True,
     ) -> None:
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
@@ -62,6 +65,9 @@ class Publisher:
         self._prev: dict[str, torch.Tensor] | None = None  # last published engine-dtype copy
         self._version: int | None = None
         self._since_full = 0
+        # Dense tensors are predicted from the previous delta (furlong.sync.momentum); costs one byte
+        # per dense word here and at each receiver.
+        self._momentum = Momentum() if momentum else None
 
     @property
     def version(self) -> int | None:
@@ -85,7 +91,7 @@ class Publisher:
             assert self._prev is not None and self._version is not None
             base: int | None = self._version
             payload = encode_delta(self._prev, new, version=version, base_version=self._version,
-                                   level=self.level)
+                                   level=self.level, momentum=self._momentum)
         else:
             base = None
             payload = encode_full(new, version=version, level=self.level)
@@ -94,6 +100,10 @@ class Publisher:
         self.transport.put(version, kind, payload)
         # Only once the transport accepted it does it become the base of the next delta.
         self._prev, self._version = new, version
+        if self._momentum is not None and kind == "delta":
+            self._momentum.commit()
+        elif self._momentum is not None:
+            self._momentum.clear(version)
         self._since_full = self._since_full + 1 if kind == "delta" else 1
         full_bytes = sum(t.numel() * t.element_size() for t in new.values())
         return PublishedUpdate(version, kind, base, len(payload), full_bytes, t1 - t0,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from furlong.sync import momentum
 from furlong.sync.codec import CHUNK, UINT, zigzag
 
 
@@ -131,14 +132,20 @@ def concat(parts: list[np.ndarray], dtype: npt.DTypeLike) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def dense_runs(a: np.ndarray, b: np.ndarray, run: int) -> Iterator[tuple[np.ndarray, int]]:
-    """Per run of `run` words: zigzag(b - a) of ALL its words (a reused buffer, valid until
-    the next run) and the run's count of changes."""
+def dense_runs(a: np.ndarray, b: np.ndarray, run: int, p: np.ndarray | None = None,
+               state: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, int]]:
+    """Per run of `run` words: zigzag(b - a - p) of ALL its words (a reused buffer, valid until
+    the next run) and the run's count of changes. `p`: int8 predictions (None: 0); `state`: gets the
+    low bytes of the changes b - a (furlong.sync.momentum)."""
     diff = np.empty(min(a.size, run), dtype=a.dtype)
     for s in range(0, a.size, run):
         d = diff[: a[s : s + run].size]
         np.subtract(b[s : s + run], a[s : s + run], out=d)
         count = int(np.count_nonzero(d))
+        if state is not None:
+            momentum.record(d, state[s : s + d.size])
+        if p is not None:
+            d -= momentum.widen(p[s : s + d.size], d.dtype)
         yield zigzag(d), count
 
 

@@ -35,6 +35,7 @@ import zstandard as zstd
 
 from furlong.sync import codec, kernels, scan, tiers
 from furlong.sync.checksum import tensor_digest
+from furlong.sync.momentum import Momentum
 from furlong.sync.update import TensorDelta, dtype_name
 
 BITMAP_FROM = 0.25  # sampled density from which the change mask beats gaps
@@ -66,10 +67,12 @@ def section_compressor(level: int | None = None) -> zstd.ZstdCompressor:
 
 
 def encode_tensor_delta(
-    name: str, prev: torch.Tensor, new: torch.Tensor, cctx: zstd.ZstdCompressor, algo: str
+    name: str, prev: torch.Tensor, new: torch.Tensor, cctx: zstd.ZstdCompressor, algo: str,
+    momentum: Momentum | None = None, base_version: int | None = None,
 ) -> tuple[TensorDelta, bytes | list[bytes]]:
     """The section carrying prev -> new for one tensor (offset is filled in by the caller), as bytes or
-    as the list of its consecutive pieces."""
+    as the list of its consecutive pieces. With `momentum` (recording the update made against
+    `base_version`) a dense tensor is predicted from its state, if it has one, and records its own."""
     a, b = codec.as_words(prev), codec.as_words(new)
     meta = TensorDelta(
         name=name,
@@ -82,7 +85,13 @@ def encode_tensor_delta(
     # size or speed, never correctness (the sparse scan also gives up past SPARSE_MAX).
     est = scan.estimate_density(a, b)
     if est >= DENSE_FROM:
-        return _dense(meta, a, b, cctx)
+        if momentum is None:
+            return _dense(meta, a, b, cctx)
+        p = momentum.prediction(name, base_version)
+        meta, data = _dense(replace(meta, predicted=p is not None), a, b, cctx, p, momentum.buffer(name, a.size))
+        if meta.encoding != "dense":  # unchanged after all: like every non-dense tensor, it records nothing
+            momentum.discard(name)
+        return meta, data
     if est < BITMAP_FROM:
         sc = scan.scan_changes(a, b, int(a.size * SPARSE_MAX), grouped=est < GROUPED_BELOW)
         if sc.count == 0:
@@ -155,17 +164,19 @@ def _bitmap(
 
 
 def _dense(
-    meta: TensorDelta, a: np.ndarray, b: np.ndarray, cctx: zstd.ZstdCompressor
+    meta: TensorDelta, a: np.ndarray, b: np.ndarray, cctx: zstd.ZstdCompressor,
+    p: np.ndarray | None = None, state: np.ndarray | None = None,
 ) -> tuple[TensorDelta, bytes | list[bytes]]:
-    """Stream every word's coded value through one zstd frame, run by run."""
+    """Stream every word's coded value (its change minus its prediction `p`) through one zstd frame, run by
+    run; `state` records the changes (furlong.sync.momentum)."""
     cobj = cctx.compressobj()
     parts: list[bytes] = []
     count, raw_length, vt = 0, 0, None
-    for streams, c, vt in _dense_runs(a, b):  # the first run's values choose the tiers for the tensor
+    for streams, c, vt in _dense_runs(a, b, p, state):  # the first run's values choose the tensor's tiers
         raw_length += _feed(cobj, streams, parts)
         count += c
     if count == 0 or vt is None:
-        return meta, b""
+        return replace(meta, predicted=False), b""
     parts.append(cobj.flush())
     # The frame's pieces, not joined: the payload joins every section once (a join here copied a
     # dense section twice, and at 1B parameters that copy cost more than zstd itself).
@@ -180,16 +191,18 @@ def _dense(
     ), parts
 
 
-def _dense_runs(a: np.ndarray, b: np.ndarray):
+def _dense_runs(a: np.ndarray, b: np.ndarray, p: np.ndarray | None, state: np.ndarray | None):
     """(coded streams, changes, value tiers) per CHUNK run; compiled kernels when there are some."""
     vt = None
     if kernels.available(a.dtype):
         bufs = kernels.RunBuffers(min(a.size, CHUNK))
         for s in range(0, a.size, CHUNK):
-            vt, streams, c = kernels.encode_run(a[s : s + CHUNK], b[s : s + CHUNK], bufs, vt)
+            part = slice(s, s + CHUNK)
+            vt, streams, c = kernels.encode_run(a[part], b[part], bufs, vt, None if p is None else p[part],
+                                                None if state is None else state[part])
             yield streams, c, vt
         return
-    for z, c in scan.dense_runs(a, b, CHUNK):
+    for z, c in scan.dense_runs(a, b, CHUNK, p, state):
         vt = vt or tiers.value_tiers(z)
         yield tiers.encode(z, vt, z.dtype.type), c, vt
 

@@ -48,19 +48,6 @@ def tiers_for_counts(n: int, ge3: int, ge15: int) -> tuple[int, ...]:
     return BYTE_VALUE_TIERS
 
 
-def count_capped(packed: np.ndarray, bits: int, count: int) -> int:
-    """How many of the first `count` symbols in a tier's bytes are the cap (escaped to the next tier)."""
-    if bits == 8:
-        return int(np.count_nonzero(packed[:count] == 255))
-    # A symbol is the cap when all its bits are set: AND its bits into its lowest one, then popcount
-    # those. The last byte's padding symbols are 0, never the cap.
-    every = packed.copy()
-    for shift in range(1, bits):
-        every &= packed >> shift
-    lowest = {2: 0x55, 4: 0x11}[bits]
-    return int(np.bitwise_count(every & lowest).sum(dtype=np.int64))
-
-
 def gap_wide(n_words: int) -> type:
     """Wide type for what is left of a gap after its tiers."""
     return np.uint32 if n_words < (1 << 32) else np.uint64

@@ -58,6 +58,7 @@ class TensorDelta:
     gap_tiers: tuple[int, ...] = ()  # "sparse": symbol bits per gap tier
     value_tiers: tuple[int, ...] = ()  # delta encodings: symbol bits per value tier
     chunk: int = 0  # "dense"/"planes": words per run of the section layout
+    predicted: bool = False  # "dense": values are changes minus the recorded momentum (furlong.sync.momentum)
 
     @property
     def numel(self) -> int:
@@ -86,6 +87,7 @@ class WeightUpdate:
     encoding: str  # payload-level codec id, e.g. "furlong-delta/1"
     checksum_algo: str
     tensors: tuple[TensorDelta, ...]
+    momentum: bool = False  # receivers record this update's dense changes (furlong.sync.momentum)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -113,6 +115,7 @@ class WeightUpdate:
                 encoding=str(d["encoding"]),
                 checksum_algo=str(d["checksum_algo"]),
                 tensors=tensors,
+                momentum=d.get("momentum", False),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptUpdate(f"malformed update header: {e!r}") from e
@@ -149,6 +152,8 @@ def _validate(upd: WeightUpdate) -> None:
         raise CorruptUpdate(f"unknown update kind {upd.kind!r}")
     if upd.kind == "delta" and upd.base_version is None:
         raise CorruptUpdate("a delta update must name its base_version")
+    if not isinstance(upd.momentum, bool) or not all(isinstance(t.predicted, bool) for t in upd.tensors):
+        raise CorruptUpdate("update header: momentum and predicted must be true or false")
     if len(set(upd.names)) != len(upd.names):
         raise CorruptUpdate("duplicate tensor names in update header")
     expected_offset = 0
@@ -166,6 +171,8 @@ def _validate(upd: WeightUpdate) -> None:
             or len(t.gap_tiers + t.value_tiers) > 8
         ):
             raise CorruptUpdate(f"{t.name}: bad tier bits {t.gap_tiers} / {t.value_tiers}")
+        if t.predicted and (t.encoding != "dense" or upd.kind != "delta"):
+            raise CorruptUpdate(f"{t.name}: only dense delta sections are predicted")
         if t.gap_shift not in (0, 8):
             raise CorruptUpdate(f"{t.name}: bad gap shift {t.gap_shift}")
         if t.offset != expected_offset or t.length < 0 or t.raw_length < 0:

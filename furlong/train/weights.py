@@ -84,7 +84,8 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
     s = cfg.train.sync
     if s.transport == "direct":
         return DirectLink(HFEngine(engine_model, eos_token_ids=()))
-    publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype])  # noqa: E731
+    publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype],  # noqa: E731
+                                       momentum=s.momentum)
     if s.engine == "inprocess":
         engine = HFEngine(engine_model, eos_token_ids=())
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(cfg, run_path)
