@@ -80,8 +80,8 @@ class RLConfig(_Node):
     clip_high: float = Field(0.28, ge=0)
     tis_cap: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the SFT model (a frozen copy is kept)")
-    negative_weight: float = Field(0.25, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
-                                   "(1: plain GRPO; 0.25 measured best here)")
+    negative_weight: float = Field(0.1, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
+                                   "(1: plain GRPO; see the README's training results)")
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
     filter_zero_variance: bool = True
     micro_batch_size: int = Field(16, ge=1)
@@ -124,7 +124,8 @@ class SyncConfig(_Node):
 
 
 class TrainEvalConfig(_Node):
-    heldout_per_family: int = Field(64, ge=1, description="held-out instances of each family, one episode each")
+    heldout_per_family: int = Field(128, ge=1, description="held-out instances of each family, one episode each "
+                                                           "(the bundled families have 128)")
     temperature: float = Field(1.0, ge=0, description="pass@1 is measured by sampling at this temperature")
     seed: int = 1234
 

@@ -68,3 +68,10 @@ def test_bundled_recipes_load_and_default_matches_the_builtin():
     for recipe in sorted(RECIPES.glob("*.yaml")):
         load_config(recipe)
     assert load_config(RECIPES / "default.yaml") == Config()
+
+
+def test_train_refuses_more_heldout_episodes_than_a_family_has(tmp_path: Path):
+    res = _furlong("train", f"train.run_dir={tmp_path / 'run'}", "train.eval.heldout_per_family=100000")
+    assert res.returncode == 2
+    message = " ".join(res.stderr.split())  # the console wraps long lines
+    assert "train.eval.heldout_per_family: 100000 requested, but family 'count-in-file' has 128" in message

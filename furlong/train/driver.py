@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from furlong.agent.episode import AgentParams, Episode
-from furlong.config import Config
+from furlong.config import Config, ConfigError
 from furlong.engine.hf import HFEngine
 from furlong.metrics.run import RunDir, atomic_write
 from furlong.metrics.ui import progress_bar
@@ -46,8 +46,12 @@ class Pieces:
 
 def build(cfg: Config) -> Pieces:
     t = cfg.train
-    base = t.model.path or init_tiny(seed=t.model.seed)
     families = [load_family(t.tasks / name) for name in t.families]
+    for f in families:
+        if len(f.seeds["heldout"]) < t.eval.heldout_per_family:
+            raise ConfigError(f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
+                              f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
+    base = t.model.path or init_tiny(seed=t.model.seed)
     backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
     a = t.agent
     return Pieces(
