@@ -16,10 +16,14 @@ copy of the previous version and checked bit for bit, and the empirical entropy 
 is computed (`delta_entropy_bound`: order-0, memoryless; momentum is a context model and can go below it). The engine samples with exactly the published bf16 values (upcast to fp32 for
 compute), as an engine fed these updates would; TIS absorbs the rounding, as in training.
 
+LoRA: the same task trained with the default adapters (rank 8 on q/k/v/o, --lora-lr), each step's adapter
+published in bf16 through an `AdapterPublisher` (a snapshot, then deltas) and loaded by the engine; reported:
+payload and raw adapter bytes per update against the whole model's bf16 bytes.
+
 Throughput: GB of full bf16 tensor bytes per second of this thread's CPU time (best of --repeats), one
 thread. The model is small (~8 MB of bf16), so GB/s here include per-tensor overheads a 1B model amortizes.
 
-    python bench/weight_sync.py                       # 3 lrs x 6 steps, ~2-3 min on 2 shared cores
+    python bench/weight_sync.py                       # 3 lrs x 6 steps, then LoRA, ~1 min on 2 shared cores
     python bench/weight_sync.py --steps 3 --lrs 2e-4
 """
 
@@ -48,8 +52,11 @@ from furlong.config import RECIPES, load_config
 from furlong.engine import Generation, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import init_tiny, load_model
+from furlong.sync import InProcessTransport
+from furlong.sync.adapter import AdapterPublisher
 from furlong.train import Trainer
 from furlong.train.driver import grpo_config
+from furlong.train.lora import adapter_state_dict, trainable_model, wrap_lora
 
 Model = dict[str, torch.Tensor]
 RESULTS = Path(__file__).parent / "results" / "weight_sync.json"
@@ -112,18 +119,45 @@ async def rollouts(
     ]
 
 
+def task(vocab: int, args: argparse.Namespace) -> tuple[list[list[int]], set[int]]:
+    """The prompts and the rewarded target ids of the single-turn task."""
+    rng = random.Random(args.seed)
+    targets = set(rng.sample(range(10, vocab), vocab // 16))
+    prompts = [[rng.randrange(10, vocab) for _ in range(3 + 5 * (i % 4))] for i in range(args.prompts)]
+    return prompts, targets
+
+
+async def run_lora(model_dir: Path, grpo, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """LoRA (the default spec: rank 8 on q/k/v/o) trained on the same task; each step's adapter goes out through
+    an AdapterPublisher in bf16 (a snapshot, then deltas) and into the engine: adapter bytes per update against
+    the whole model's bf16 bytes. Row 0 is the initial snapshot."""
+    torch.manual_seed(args.seed)
+    peft, engine_peft = wrap_lora(load_model(model_dir)), wrap_lora(load_model(model_dir))
+    prompts, targets = task(trainable_model(peft).config.vocab_size, args)
+    trainer = Trainer(trainable_model(peft), grpo)
+    publisher = AdapterPublisher(InProcessTransport(), engine_dtype=torch.bfloat16)
+    publisher.publish(peft, 0)
+    sampling = SamplingParams(temperature=grpo.temperature, max_new_tokens=args.max_new_tokens)
+    updated = [True]
+    async with HFEngine(engine_peft, eos_token_ids=()) as engine:
+        await engine.update_weights(adapter_state_dict(peft), 0)
+        for step in range(1, args.steps + 1):
+            eps = await rollouts(engine, prompts, targets, args.group_size, sampling, seed=100_000 * step + args.seed)
+            updated.append(trainer.train_step(eps).updated)
+            publisher.publish(peft, step)
+            await engine.update_weights(adapter_state_dict(peft), trainer.version)
+    return [{"lr": grpo.lr, "step": s.version, "updated": u, "kind": s.kind, "payload_bytes": s.payload_bytes,
+             "adapter_bytes": s.adapter_bytes, "full_model_bytes": s.full_model_bytes,
+             "payload_over_full": s.ratio, "adapter_over_full": s.raw_ratio}
+            for s, u in zip(publisher.sizes, updated)]
+
+
 async def run_lr(
     model_dir: Path, grpo, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     torch.manual_seed(args.seed)
     policy, engine_model = load_model(model_dir), load_model(model_dir)
-    vocab = policy.config.vocab_size
-    rng = random.Random(args.seed)
-    targets = set(rng.sample(range(10, vocab), vocab // 16))
-    prompts = [
-        [rng.randrange(10, vocab) for _ in range(3 + 5 * (i % 4))]
-        for i in range(args.prompts)
-    ]
+    prompts, targets = task(policy.config.vocab_size, args)
     sampling = SamplingParams(
         temperature=grpo.temperature, max_new_tokens=args.max_new_tokens
     )
@@ -246,6 +280,18 @@ COLUMNS = [  # (header, key, format)
 ]
 
 
+LORA_COLUMNS = [
+    ("step", "step", "{}"),
+    ("kind", "kind", "{}"),
+    ("trained", "updated", "{}"),
+    ("payload B", "payload_bytes", "{:,}"),
+    ("raw adapter B", "adapter_bytes", "{:,}"),
+    ("full model B", "full_model_bytes", "{:,}"),
+    ("payload/full", "payload_over_full", "{:.4f}"),
+    ("adapter/full", "adapter_over_full", "{:.4f}"),
+]
+
+
 def main() -> None:
     cfg = load_config(RECIPES / "default.yaml")
     recipe_lr = cfg.train.rl.lr
@@ -267,6 +313,8 @@ def main() -> None:
     )
     ap.add_argument("--group-size", type=int, default=cfg.train.rl.group_size)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--lora-lr", type=float, default=2e-3,
+                    help="lr of the LoRA run (adapters start at zero and need ~10x the full-model lr)")
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats (best of)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -283,6 +331,7 @@ def main() -> None:
         lr_rows = asyncio.run(run_lr(model_dir, replace(grpo, lr=lr), args))
         rows += lr_rows
         table += [*lr_rows, summarize(lr_rows)]
+    lora_rows = asyncio.run(run_lora(model_dir, replace(grpo, lr=args.lora_lr), args))
     env["loadavg_end"] = os.getloadavg()
     env["seconds"] = time.perf_counter() - start
     n_params = sum(v.numel() for v in publish(load_model(model_dir)).values())
@@ -292,6 +341,7 @@ def main() -> None:
         "1 thread, GB/s of full bf16 bytes per CPU-second"
     )
     print_table(table, title, COLUMNS, is_total=lambda row: row["step"] == "all")
+    print_table(lora_rows, f"LoRA (rank 8, q/k/v/o) adapter-only updates in bf16, lr {args.lora_lr:g}", LORA_COLUMNS)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     task = {
         "prompts": args.prompts,
@@ -312,6 +362,7 @@ def main() -> None:
                 "environment": env,
                 "summary": [r for r in table if r["step"] == "all"],
                 "rows": rows,
+                "lora": lora_rows,
             },
             indent=2,
         )
