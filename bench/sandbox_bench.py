@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import time
 from pathlib import Path

@@ -15,7 +15,9 @@ plus an AdamW-like sign step whose direction persists across steps, like Adam's 
 weights = bf16(master).
 
 Throughput is GB of full bf16 tensor bytes per second of this thread's CPU time (best of
---repeats), with torch.set_num_threads(1), zstd without worker threads: one core. Wall-clock
+--repeats), with torch.set_num_threads(1), zstd without worker threads: one core. Encode writes
+into one output buffer reused from repeat to repeat, as a Publisher reuses it from update to update
+(the first repeat pays its page faults). Wall-clock
 numbers are in the JSON too (they suffer when the machine is shared). Memory: four model
 copies (prev, mid, new, receiver), momentum states (up to 1 byte per word, twice, at each end)
 plus per-tensor temporaries.
@@ -163,8 +165,9 @@ def measure(prev: Model, new: Model, receiver: Model, repeats: int, chain: Chain
         if chain.receiver is not None:
             chain.receiver.__dict__.update(copy.deepcopy(before).__dict__)
 
+    out = bytearray()  # reused from repeat to repeat, as a Publisher reuses it from update to update
     payload, enc = timed(
-        lambda: encode_delta(prev, new, version=v, base_version=v - 1, momentum=chain.sender), repeats)
+        lambda: encode_delta(prev, new, version=v, base_version=v - 1, momentum=chain.sender, out=out), repeats)
     _, app = timed(lambda: apply_delta(receiver, payload, current_version=v - 1, momentum=chain.receiver),
                    repeats, reset)
     if chain.sender is not None:

@@ -416,3 +416,17 @@ def test_escape_symbol_in_the_padding_of_a_dense_run_is_corrupt(monkeypatch: pyt
     raw[1001 // 2] |= 0xF0  # the padding nibble of the first tier's last byte becomes the cap
     section = zstd.ZstdCompressor().compress(bytes(raw))
     _refused(prev, _repack(payload, {}, section=section), CorruptUpdate)
+
+
+def test_payload_written_into_a_reused_buffer_is_the_same_payload() -> None:
+    prev = make_model()
+    steps = [train_step(prev, 1e-4, seed=s) for s in (1, 2)]
+    out = bytearray()
+    for new in steps:  # the second, different update reuses (and overwrites) the first one's buffer
+        view = encode_delta(prev, new, version=2, base_version=1, out=out)
+        assert isinstance(view, memoryview) and view.obj is out
+        assert bytes(view) == encode_delta(prev, new, version=2, base_version=1)
+        base = clone(prev)
+        apply_delta(base, view, current_version=1)
+        assert_bit_equal(base, new)
+        view.release()

@@ -57,8 +57,12 @@ def encode_delta(
     level: int | None = None,
     checksum_algo: str = DEFAULT_ALGO,
     momentum: Momentum | None = None,
-) -> bytes:
+    out: bytearray | None = None,
+) -> bytes | memoryview:
     """Payload turning `prev` (published as `base_version`) into `new` (as `version`).
+
+    `out`: a buffer to write the payload into, reused from update to update (see pack_payload); the
+    returned view is valid until the next use of `out`.
 
     `level`: zstd level for the sections; None = tuned fast parameters (see section_compressor).
     `momentum`: the sender's state (furlong.sync.momentum): dense tensors are predicted from the update
@@ -80,7 +84,7 @@ def encode_delta(
         offset += td.length
     upd = WeightUpdate(version, base_version, "delta", DELTA_ENCODING, checksum_algo, tuple(metas),
                        momentum=momentum is not None)
-    return pack_payload(upd, sections)
+    return pack_payload(upd, sections, out)
 
 
 def encode_full(

@@ -68,6 +68,7 @@ class Publisher:
         # Dense tensors are predicted from the previous delta (furlong.sync.momentum); costs one byte
         # per dense word here and at each receiver.
         self._momentum = Momentum() if momentum else None
+        self._out = bytearray()  # delta payloads are written here, update after update (see pack_payload)
 
     @property
     def version(self) -> int | None:
@@ -90,14 +91,19 @@ class Publisher:
         if reason == "delta":
             assert self._prev is not None and self._version is not None
             base: int | None = self._version
-            payload = encode_delta(self._prev, new, version=version, base_version=self._version,
-                                   level=self.level, momentum=self._momentum)
+            payload: bytes | memoryview = encode_delta(self._prev, new, version=version, base_version=self._version,
+                                                       level=self.level, momentum=self._momentum, out=self._out)
         else:
             base = None
             payload = encode_full(new, version=version, level=self.level)
         t1 = time.perf_counter()
         kind = "delta" if reason == "delta" else "full"
-        self.transport.put(version, kind, payload)
+        try:
+            self.transport.put(version, kind, payload)  # transports copy or write it: they keep no view
+        finally:
+            size = len(payload)
+            if isinstance(payload, memoryview):
+                payload.release()  # else self._out could not grow next time
         # Only once the transport accepted it does it become the base of the next delta.
         self._prev, self._version = new, version
         if self._momentum is not None and kind == "delta":
@@ -106,7 +112,7 @@ class Publisher:
             self._momentum.clear(version)
         self._since_full = self._since_full + 1 if kind == "delta" else 1
         full_bytes = sum(t.numel() * t.element_size() for t in new.values())
-        return PublishedUpdate(version, kind, base, len(payload), full_bytes, t1 - t0,
+        return PublishedUpdate(version, kind, base, size, full_bytes, t1 - t0,
                                time.perf_counter() - t1, reason)
 
     def engine_copy(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

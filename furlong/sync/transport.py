@@ -50,7 +50,7 @@ class UpdateNotFound(TransportError):
 
 
 class Transport(Protocol):
-    def put(self, version: int, kind: str, payload: bytes) -> None: ...  # publisher only
+    def put(self, version: int, kind: str, payload: bytes | memoryview) -> None: ...  # publisher only; keeps no view
     def latest(self) -> int | None: ...  # newest complete version; None before the first
     def get(self, version: int) -> Payload: ...  # raises UpdateNotFound
     def latest_full_at_or_before(self, version: int) -> int | None: ...
@@ -77,7 +77,7 @@ class InProcessTransport:
         self._lock = threading.Lock()
         self._want_full = False
 
-    def put(self, version: int, kind: str, payload: bytes) -> None:
+    def put(self, version: int, kind: str, payload: bytes | memoryview) -> None:
         with self._lock:
             check_put(version, kind, max(self._updates, default=None))
             self._updates[version] = (kind, bytes(payload))
@@ -131,7 +131,7 @@ class DirectoryTransport:
         self.keep = keep
         self.fsync = fsync  # off only for throwaway directories (tests): durability, not atomicity
 
-    def put(self, version: int, kind: str, payload: bytes) -> None:
+    def put(self, version: int, kind: str, payload: bytes | memoryview) -> None:
         listed = self.listing()  # not LATEST: a crash may have left a newer file behind it
         check_put(version, kind, listed[-1][0] if listed else None)
         self._write_atomic(update_name(version, kind), payload)
@@ -205,7 +205,7 @@ class DirectoryTransport:
             (self.root / name).unlink(missing_ok=True)
         return doomed
 
-    def _write_atomic(self, name: str, data: bytes) -> None:
+    def _write_atomic(self, name: str, data: bytes | memoryview) -> None:
         """Write `data` to root/name so that readers see either nothing or all of it."""
         tmp = self.root / f"{_TMP_PREFIX}{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
@@ -340,7 +340,7 @@ class HttpTransport:
         self.chunk = chunk
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def put(self, version: int, kind: str, payload: bytes) -> None:
+    def put(self, version: int, kind: str, payload: bytes | memoryview) -> None:
         raise TransportError("HttpTransport is read-only: publish into the served directory")
 
     def latest(self) -> int | None:

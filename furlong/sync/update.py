@@ -180,8 +180,12 @@ def _validate(upd: WeightUpdate) -> None:
         expected_offset += t.length
 
 
-def pack_payload(update: WeightUpdate, sections: list[bytes]) -> bytes:
-    """Frame `update` and its body (the sections in update.tensors order, each as one or more pieces)."""
+def pack_payload(update: WeightUpdate, sections: list[bytes], out: bytearray | None = None) -> bytes | memoryview:
+    """Frame `update` and its body (the sections in update.tensors order, each as one or more pieces).
+
+    With `out`, the payload is written into it (grown if too small) and a view of it is returned, valid until
+    `out` is reused: a buffer reused update after update is memory already paged in, where a fresh payload
+    costs a page fault per 4 KiB (at 1 B parameters and 67% density, ~10% of the encode)."""
     header_json = json.dumps(update.to_dict(), separators=(",", ":")).encode()
     header = zstd.ZstdCompressor(level=3).compress(header_json)
     h = stream_hasher(update.checksum_algo)
@@ -191,7 +195,16 @@ def pack_payload(update: WeightUpdate, sections: list[bytes]) -> bytes:
     body_len = sum(len(s) for s in sections)
     algo = ALGO_IDS[update.checksum_algo]
     pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, algo, HEADER_ZSTD, len(header), body_len, h.digest())
-    return b"".join([pre, header, *sections])
+    if out is None:
+        return b"".join([pre, header, *sections])
+    total = len(pre) + len(header) + body_len
+    if len(out) < total:
+        out.extend(bytes(total - len(out)))
+    view, pos = memoryview(out), 0
+    for piece in (pre, header, *sections):
+        view[pos : pos + len(piece)] = piece
+        pos += len(piece)
+    return view[:total]
 
 
 def unpack_payload(payload: bytes | bytearray | memoryview) -> tuple[WeightUpdate, memoryview]:
