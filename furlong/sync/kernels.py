@@ -90,13 +90,38 @@ if njit is not None:
             k += v >= cap
         return k
 
+    def _lowest_bits(bits):
+        """In a uint64 of packed symbols, the lowest bit of every symbol: AND-ing a symbol's bits into it
+        marks exactly the capped (escaped) symbols."""
+        return np.uint64(int("".join(["0" * (bits - 1) + "1"] * (64 // bits)), 2))
+
+    def _counter(bits):
+        """Compiled count of the capped symbols for one symbol width."""
+        lowest = _lowest_bits(bits)
+
+        @njit(cache=True, nogil=True)
+        def count(packed64, packed):  # pragma: no cover - compiled
+            """How many symbols are the cap (escaped), by the same bit trick as fix, plus a popcount."""
+            k = 0
+            for w in range(packed64.size + (packed.size - packed64.size * 8)):
+                x = packed64[w] if w < packed64.size else np.uint64(packed[packed64.size * 8 + w - packed64.size])
+                m = x
+                for shift in range(1, bits):
+                    m &= x >> np.uint64(shift)
+                m &= lowest
+                m = m - ((m >> np.uint64(1)) & _P1)  # popcount, the classic SWAR way
+                m = (m & _P2) + ((m >> np.uint64(2)) & _P2)
+                m = (m + (m >> np.uint64(4))) & _P4
+                k += (m * _P8) >> np.uint64(56)
+            return k
+
+        return count
+
     def _adder(bits):
-        """Compiled (add, fix, count) for one symbol width; constant shifts let numba vectorise `add`."""
+        """Compiled (add, fix) for one symbol width; constant shifts let numba vectorise `add`."""
         per, c = 8 // bits, (1 << bits) - 1
         cap, wrong = np.uint64(c), np.uint64((c >> 1) ^ (-(c & 1) & 0xFFFF))  # wrong = unzigzag(cap)
-        # In a uint64 of packed symbols, the lowest bit of every symbol: AND-ing a symbol's bits into it
-        # marks exactly the capped (escaped) symbols.
-        lowest = np.uint64(int("".join(["0" * (bits - 1) + "1"] * (64 // bits)), 2))
+        lowest = _lowest_bits(bits)
 
         @njit(cache=True, nogil=True)
         def add(packed, dst, p, state, sign):  # pragma: no cover - compiled
@@ -142,23 +167,7 @@ if njit is not None:
                     m &= m - np.uint64(1)
             return k
 
-        @njit(cache=True, nogil=True)
-        def count(packed64, packed):  # pragma: no cover - compiled
-            """How many symbols are the cap (escaped), by the same bit trick as fix, plus a popcount."""
-            k = 0
-            for w in range(packed64.size + (packed.size - packed64.size * 8)):
-                x = packed64[w] if w < packed64.size else np.uint64(packed[packed64.size * 8 + w - packed64.size])
-                m = x
-                for shift in range(1, bits):
-                    m &= x >> np.uint64(shift)
-                m &= lowest
-                m = m - ((m >> np.uint64(1)) & _P1)  # popcount, the classic SWAR way
-                m = (m & _P2) + ((m >> np.uint64(2)) & _P2)
-                m = (m + (m >> np.uint64(4))) & _P4
-                k += (m * _P8) >> np.uint64(56)
-            return k
-
-        return add, fix, count
+        return add, fix
 
     @njit(cache=True, nogil=True)
     def _nonzero_values(z, values):  # pragma: no cover - compiled
@@ -181,7 +190,7 @@ if njit is not None:
             dst[i] = ((np.uint64(dst[i]) + d) if sign > 0 else (np.uint64(dst[i]) - d)) & _M
 
     _PACK = {2: _pack2, 4: _pack4, 8: _pack8}
-    _ADDERS = {bits: _adder(bits) for bits in (2, 4, 8)}
+    _ADDERS = {bits: (*_adder(bits), _counter(bits)) for bits in (2, 4, 8)}
 
 
 def encode_run(a: np.ndarray, b: np.ndarray, bufs: RunBuffers, vt: tuple[int, ...] | None,
