@@ -204,16 +204,8 @@ async def run_lr(
                 **m,
             }
             rows.append(row)
-            print(
-                json.dumps(
-                    {
-                        k: (round(v, 6) if isinstance(v, float) else v)
-                        for k, v in row.items()
-                        if k not in ("timings", "encodings")
-                    }
-                ),
-                flush=True,
-            )
+            print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()
+                              if k not in ("timings", "encodings")}), flush=True)
             await engine.update_weights(new, trainer.version)
             prev = new
     return rows
@@ -292,6 +284,11 @@ LORA_COLUMNS = [
 ]
 
 
+def task_description(args: argparse.Namespace) -> dict[str, Any]:
+    return {"prompts": args.prompts, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
+            "reward": "1 if the answer holds one of vocab/16 target ids", "seed": args.seed}
+
+
 def main() -> None:
     cfg = load_config(RECIPES / "default.yaml")
     recipe_lr = cfg.train.rl.lr
@@ -342,31 +339,11 @@ def main() -> None:
     )
     print_table(table, title, COLUMNS, is_total=lambda row: row["step"] == "all")
     print_table(lora_rows, f"LoRA (rank 8, q/k/v/o) adapter-only updates in bf16, lr {args.lora_lr:g}", LORA_COLUMNS)
+    results = {"model": str(model_dir), "params_bf16": n_params, "recipe_lr": recipe_lr, "steps": args.steps,
+               "grpo": asdict(grpo) | {"lr": "per row"}, "task": task_description(args), "environment": env,
+               "summary": [r for r in table if r["step"] == "all"], "rows": rows, "lora": lora_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    task = {
-        "prompts": args.prompts,
-        "group_size": args.group_size,
-        "max_new_tokens": args.max_new_tokens,
-        "reward": "1 if the answer holds one of vocab/16 target ids",
-        "seed": args.seed,
-    }
-    args.out.write_text(
-        json.dumps(
-            {
-                "model": str(model_dir),
-                "params_bf16": n_params,
-                "recipe_lr": recipe_lr,
-                "steps": args.steps,
-                "grpo": asdict(grpo) | {"lr": "per row"},
-                "task": task,
-                "environment": env,
-                "summary": [r for r in table if r["step"] == "all"],
-                "rows": rows,
-                "lora": lora_rows,
-            },
-            indent=2,
-        )
-    )
+    args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out} ({env['seconds']:.0f} s)")
 
 
