@@ -19,7 +19,7 @@ Throughput is GB of full bf16 tensor bytes per second of this thread's CPU time 
 into one output buffer reused from repeat to repeat, as a Publisher reuses it from update to update
 (the first repeat pays its page faults). Wall-clock
 numbers are in the JSON too (they suffer when the machine is shared). Memory: four model
-copies (prev, mid, new, receiver), momentum states (up to 1 byte per word, twice, at each end)
+copies (prev, mid, new, receiver), momentum states (up to 2 bytes per word at each end)
 plus per-tensor temporaries.
 
     python bench/weight_sync_synthetic.py                 # 1.07 B parameters, ~10 min

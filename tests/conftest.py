@@ -41,6 +41,14 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
+def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from furlong.model.tiny import init_tiny
+    from tests_support import SMALL
+
+    return init_tiny(tmp_path_factory.mktemp("models") / "small", spec=SMALL)
+
+
+@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from furlong.model.tiny import init_tiny
 

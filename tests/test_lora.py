@@ -17,7 +17,7 @@ from peft import PeftModel
 from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.engine import SamplingParams
 from furlong.engine.hf import HFEngine
-from furlong.model import TinySpec, init_tiny, load_model
+from furlong.model import load_model
 from furlong.sync.adapter import AdapterPublisher, tensor_bytes
 from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
@@ -32,24 +32,11 @@ from furlong.train.lora import (
     wrap_lora,
 )
 from furlong.train.trainer import collate
+from tests_support import SMALL
 
 TOL = 1e-4
-SMALL = TinySpec(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 intermediate_size=128, corpus_samples=500, stdlib_bytes=100_000)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CONFIG = GRPOConfig(lr=1e-2, micro_batch_size=8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("models") / "small", spec=SMALL)
 
 
 def episodes(seed: int, groups: int = 3, group_size: int = 4) -> list[Episode]:

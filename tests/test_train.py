@@ -14,7 +14,7 @@ import torch
 from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.engine import Generation, SamplingParams
 from furlong.engine.hf import HFEngine
-from furlong.model import TinySpec, init_tiny, load_model
+from furlong.model import load_model
 from furlong.train import (
     GRPOConfig,
     Trainer,
@@ -28,25 +28,7 @@ from furlong.train.grpo import weigh_negatives
 from furlong.train.trainer import collate, lr_at
 
 TOL = 1e-4
-# A model small enough that 40 GRPO steps with real sampling take seconds on two CPU cores.
-SMALL = TinySpec(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 intermediate_size=128, corpus_samples=500, stdlib_bytes=100_000)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are a few MB: intra-op threads buy nothing, and on a busy two-core box the OpenMP workers
-    spin against each other (measured: small forwards 15-50x slower with 2 threads under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-
-@pytest.fixture(scope="module")
-def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("models") / "small", spec=SMALL)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def episode(prompt: list[int], gen: Generation, reward: float | None, group_id: int, sample_id: int,

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from furlong.model import TinySpec
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import Task
+
+# A model small enough that 40 GRPO steps with real sampling take seconds on two CPU cores (conftest's
+# small_dir builds it once per module).
+SMALL = TinySpec(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 intermediate_size=128, corpus_samples=500, stdlib_bytes=100_000)
 
 
 def make_task(root: Path, name: str, instruction: str, test: str, solve: str = "true",

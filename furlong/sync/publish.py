@@ -65,8 +65,8 @@ class Publisher:
         self._prev: dict[str, torch.Tensor] | None = None  # last published engine-dtype copy
         self._version: int | None = None
         self._since_full = 0
-        # Dense tensors are predicted from the previous delta (furlong.sync.momentum); costs one byte
-        # per dense word here and at each receiver.
+        # Dense tensors are predicted from the previous delta (furlong.sync.momentum); costs up to two
+        # bytes per dense word here and at each receiver.
         self._momentum = Momentum() if momentum else None
         self._out = bytearray()  # delta payloads are written here, update after update (see pack_payload)
 
