@@ -14,7 +14,9 @@ class SandboxError(RuntimeError):
 
 
 class SandboxDied(SandboxError):
-    """The sandbox process is gone: an infrastructure failure, never the agent's score."""
+    """The sandbox process is gone or broke its protocol. Before the agent phase this is an
+    infrastructure failure; once the agent has run commands it may be the agent's doing, and the
+    episode runner scores it (see furlong.agent.episode)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Limits:
     memory_mb: int = 2048
     pids: int = 512
     lifetime_s: float = 3600.0
+    disk_mb: int = 1024  # the writable layer (a tmpfs): a cap, so a disk fill cannot exhaust memory
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,19 @@ class ImageRef:
 
 
 @dataclass(frozen=True)
+class SyscallPolicy:
+    """The seccomp filter: a default deny list (furlong.sandbox.seccomp), minus what a task allows."""
+
+    enabled: bool = True
+    allow: tuple[str, ...] = ()  # syscall names taken off the deny list for this sandbox
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     image: ImageRef
     network: bool = False
     limits: Limits = field(default_factory=Limits)
+    syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)
 
 
 @runtime_checkable
