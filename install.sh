@@ -3,9 +3,15 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# mmdebstrap builds the base image (as root, or as an ordinary user with uidmap's newuidmap/newgidmap and
+# a subuid range); util-linux has setpriv and unshare; passt/slirp4netns give networked sandboxes
+# user-mode networking. These are the only steps that need root: everything after works as a user.
 need_apt=()
-command -v debootstrap >/dev/null || need_apt+=(debootstrap)
+command -v mmdebstrap >/dev/null || need_apt+=(mmdebstrap)
+command -v newuidmap >/dev/null || need_apt+=(uidmap)
 command -v setpriv >/dev/null || need_apt+=(util-linux)
+command -v pasta >/dev/null || need_apt+=(passt)
+command -v slirp4netns >/dev/null || need_apt+=(slirp4netns)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "install.sh: missing ${need_apt[*]}; install them as root (apt-get install ${need_apt[*]})" >&2

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from furlong.config import Config, ConfigError, load_config
+from furlong.sandbox.base import SandboxError
 
 console = Console(stderr=True)
 
@@ -67,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     _common(build)
     ls = img_sub.add_parser("list", help="list built images")
     _common(ls)
+
+    sb = sub.add_parser("sandbox", help="sandbox host set-up")
+    sb_sub = sb.add_subparsers(dest="sandbox_command", required=True)
+    dg = sb_sub.add_parser("delegate", help="as root, once: give USER cgroups for per-sandbox limits")
+    dg.add_argument("--user", required=True, help="the user who will run furlong")
     return parser
 
 
@@ -83,8 +89,23 @@ def _sandbox_pieces(cfg: Config):
     from furlong.sandbox.bwrap import BwrapBackend
     from furlong.sandbox.images import ImageStore
 
+    _warn_limits()
     backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
     return backend, ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror)
+
+
+def _warn_limits() -> None:
+    """One line at start when, as an ordinary user, sandboxes will have only rlimits."""
+    from furlong.sandbox.cgroups import no_cgroup_warning
+
+    if warning := no_cgroup_warning():
+        console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
+
+
+def _base_image(store) -> None:
+    """Builds (or finds) the base image up front, so a missing prerequisite is one line, not N episodes."""
+    with console.status("building base image") as status:
+        store.base(lambda msg: status.update(msg))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -97,6 +118,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     e = cfg.eval
     tasks = load_tasks(e.tasks, split=e.split, per_family=e.per_family)
     backend, store = _sandbox_pieces(cfg)
+    _base_image(store)
     console.print(f"{len(tasks)} tasks from {e.tasks}, agent {e.agent}, concurrency {e.concurrency}")
     results = asyncio.run(run_eval(tasks, make_agent(e.agent), backend, store, e.concurrency, e.out, console))
     print_table(results, console)
@@ -110,11 +132,10 @@ def cmd_image(args: argparse.Namespace) -> int:
     if args.image_command == "list":
         for meta in sorted(store.root.glob("*/meta.json")):
             info = json.loads(meta.read_text())
-            print(f"{meta.parent.name}\t{info.get('dockerfile', 'debootstrap bookworm minbase')}")
+            print(f"{meta.parent.name}\t{info.get('dockerfile', info.get('builder', 'debootstrap') + ' bookworm minbase')}")
         return 0
-    with console.status("building base image") as status:
-        base = store.base(lambda msg: status.update(msg))
-    console.print(f"base image: {base.layers[0]}")
+    _base_image(store)
+    console.print(f"base image: {store.root / store.base_key()}")
     if args.tasks:
         from furlong.eval.run import prepare_images
         from furlong.tasks.loader import load_tasks
@@ -140,9 +161,19 @@ def _run_dir(cfg: Config, args: argparse.Namespace):
     return cfg, RunDir.create(path, cfg.model_dump(mode="json"))
 
 
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    from furlong.sandbox.cgroups import delegate
+
+    for d in delegate(args.user):
+        print(d)
+    console.print(f"{args.user} now gets per-sandbox cgroup limits when running furlong")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from furlong.train.driver import train
 
+    _warn_limits()
     cfg, run = _run_dir(_config(args, {}), args)
     console.print(f"run directory: {run.path}")
     summary = asyncio.run(train(cfg, run, console))
@@ -158,6 +189,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_sft(args: argparse.Namespace) -> int:
     from furlong.train.driver import build, sft_phase
 
+    _warn_limits()
     cfg, run = _run_dir(_config(args, {}), args)
     out = asyncio.run(sft_phase(cfg, build(cfg), run, console))
     console.print(f"SFT model: {out}")
@@ -183,12 +215,15 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model,
-                "engine": cmd_engine}
+                "engine": cmd_engine, "sandbox": cmd_sandbox}
     try:
         return handlers[args.command](args)
     except (ConfigError, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         return 2
+    except SandboxError as exc:  # an image build or sandbox start the host cannot do: its message says why
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        return 1
 
 
 if __name__ == "__main__":

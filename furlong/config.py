@@ -24,6 +24,7 @@ class SandboxConfig(_Node):
     backend: Literal["bwrap"] = "bwrap"
     host_uid: int = Field(61000, gt=0, description="unprivileged uid sandboxes run as when furlong runs as root")
     output_cap_bytes: int = Field(1 << 20, gt=0)
+    seccomp: bool = Field(True, description="the syscall filter (furlong.sandbox.seccomp); a task may also turn it off")
     debian_mirror: str = "http://deb.debian.org/debian"
 
 

@@ -30,3 +30,12 @@ def check_traversable(path: Path, uid: int) -> None:
             raise PermissionError(
                 f"the sandbox uid {uid} cannot traverse {parent} (mode {oct(parent.stat().st_mode & 0o777)}), "
                 f"so it cannot reach images under {path}; set FURLONG_CACHE to a directory outside it")
+
+
+def layer_mounts_dir() -> Path:
+    """Where root attaches the read-only, id-mapped views of image layers (see sandbox/layers.py).
+
+    Under /run, so the views go away with a reboot, and reachable by the sandbox uid, which bwrap
+    runs as when it resolves its overlay sources.
+    """
+    return Path(os.environ.get("FURLONG_LAYER_MOUNTS", "/run/furlong/layers"))

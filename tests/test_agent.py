@@ -11,6 +11,7 @@ from furlong.engine.hf import HFEngine
 from furlong.model.chat import Message, ToolCall, assistant_ids, render_text
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
+from furlong.sandbox.pool import FreshSandboxes, fixed_image
 from tests_support import make_task
 
 
@@ -46,7 +47,8 @@ def test_multi_turn_tokens_mask_and_no_retokenization(tiny, backend, base_image,
              Message("assistant", "Done.")]
     policy = ScriptedPolicy(tokenizer, turns)
     params = AgentParams(max_turns=6, max_context_tokens=4096)
-    ep = run(run_episode(task, policy, tokenizer, backend, base_image, params, SamplingParams(), 3, 1))
+    ep = run(run_episode(task, policy, tokenizer, FreshSandboxes(backend, fixed_image(base_image)), params,
+                         SamplingParams(), 3, 1))
     assert (ep.status, ep.reward, ep.turns, ep.tool_errors) == ("ok", 1.0, 4, 1)
     # each prompt extends the previous prompt plus what was sampled: history is never re-tokenized
     for before, after, sampled in zip(policy.prompts, policy.prompts[1:], policy.turns):
@@ -71,7 +73,7 @@ def test_real_engine_episode_invariants(tiny, backend, base_image, tmp_path):
     async def go():
         engine = HFEngine(load_model(path), eos_token_ids=())
         try:
-            return await run_episode(task, engine, tokenizer, backend, base_image,
+            return await run_episode(task, engine, tokenizer, FreshSandboxes(backend, fixed_image(base_image)),
                                      AgentParams(max_turns=2, max_new_tokens=24, max_context_tokens=512),
                                      SamplingParams(temperature=1.0, seed=5))
         finally:

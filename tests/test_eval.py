@@ -68,12 +68,14 @@ def test_agent_background_service_keeps_running_into_the_verifier(backend, base_
     assert res.reward == 1.0
 
 
-class KillerAgent:
-    """Stands in for an infrastructure failure: the sandbox process dies under the episode."""
+class HostKillerAgent:
+    """The sandbox process is killed from the host mid-agent-phase. The runner cannot tell who did it,
+    and once the agent phase has started a dead sandbox is scored (see furlong.agent.runner)."""
 
-    name = "killer"
+    name = "host-killer"
 
     async def run(self, task, sandbox, timeout_s):
+        await sandbox.exec("true")
         os.kill(sandbox.inner._proc.pid, signal.SIGKILL)
         await sandbox.exec("true")
         return AgentRun()
@@ -95,9 +97,9 @@ class SlowAgent:
         return AgentRun(commands=1, timed_out=res.timed_out)
 
 
-def test_dead_sandbox_is_infra_error_never_a_zero(backend, base_image, tmp_path: Path):
-    res = _episode(backend, base_image, task_dir(tmp_path, "die", PASS_IF_FILE), KillerAgent())
-    assert (res.reward, res.status) == (None, "infra_error") and "SandboxDied" in res.error
+def test_sandbox_dead_after_the_agent_started_is_scored_zero(backend, base_image, tmp_path: Path):
+    res = _episode(backend, base_image, task_dir(tmp_path, "die", PASS_IF_FILE), HostKillerAgent())
+    assert (res.reward, res.status) == (0.0, "agent_broke_sandbox") and "SandboxDied" in res.error
 
 
 def test_agent_timeout_still_runs_the_verifier(backend, base_image, tmp_path: Path):

@@ -1,5 +1,9 @@
 """One model-driven episode, token in / token out: the ids the model sampled and the ids of the tool
-results are appended to one list, never re-tokenized, with a loss mask of 1 exactly on sampled ids."""
+results are appended to one list, never re-tokenized, with a loss mask of 1 exactly on sampled ids.
+
+The conversation is the agent phase (`ModelAgent`) of the one episode runner, furlong.agent.runner,
+which owns the sandbox, the verifier, the status and the reward (its docstring has the rules).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
-from furlong.metrics.timing import Clock, EpisodeTiming
+from furlong.metrics.timing import EpisodeTiming
 from furlong.model.chat import Message, ToolCallError, continuation_ids, end_of_turn_id, parse_tool_calls, render_prompt_ids
+from furlong.sandbox.base import Sandbox
 from furlong.seeding import mix_seed
-from furlong.sandbox.base import ImageRef, SandboxError, SandboxSpec
 from furlong.tasks.model import Task
-from furlong.tasks.verifier import verify
 
 SYSTEM_PROMPT = ("You are an agent in a Linux terminal. Use the bash tool to complete the task. "
                  "When the task is done, reply without a tool call.")
@@ -41,12 +45,13 @@ class Episode:
     loss_mask: tuple[int, ...]  # 1 exactly on model-sampled tokens
     rollout_logprobs: tuple[float, ...]  # 0.0 where loss_mask is 0
     token_weight_versions: tuple[int, ...]  # -1 where loss_mask is 0
-    reward: float | None  # None for infra_error: never scored
-    status: str  # ok | truncated | timeout | infra_error
+    reward: float | None  # None exactly for infra_error: never scored, never trained on
+    status: str  # ok | truncated | timeout | agent_broke_sandbox | infra_error (furlong.agent.runner)
     timing: EpisodeTiming
     turns: int
     error: str | None = None
     tool_errors: int = 0
+    family: str | None = None
 
     @property
     def response_len(self) -> int:
@@ -79,67 +84,75 @@ class _Trace:
         self.versions += [-1] * len(ids)
 
 
-async def run_episode(task: Task, engine: Engine, tokenizer, backend, image: ImageRef, params: AgentParams,
-                      sampling: SamplingParams, group_id: int = 0, sample_id: int = 0) -> Episode:
-    """Never raises for the model's, the task's or the sandbox's fault: failures become the status."""
-    clock = Clock()
-    messages = [Message("system", params.system_prompt), Message("user", task.instruction)]
-    trace = _Trace(render_prompt_ids(tokenizer, messages, [BASH_TOOL] if params.tool_schema_in_prompt else None))
-    prompt_len, sandbox, turns, status, error = len(trace.tokens), None, 0, "ok", None
-    runner = None
-    try:
-        t = time.perf_counter()
-        sandbox = await backend.create(SandboxSpec(image=image, network=task.network, limits=task.limits))
-        await sandbox.exec("true", timeout_s=30)
-        clock.add("sandbox_start", t)
-        runner = ToolRunner(sandbox, params.command_timeout_s, params.observation_chars)
+class ModelAgent:
+    """The agent phase of a model-driven episode: one conversation, its tokens kept in `trace` (also
+    when the phase ends by a timeout or a broken sandbox: those tokens are trained on too)."""
+
+    name = "model"
+
+    def __init__(self, engine: Engine, tokenizer, params: AgentParams, sampling: SamplingParams, instruction: str):
+        self.engine, self.tokenizer, self.params, self.sampling = engine, tokenizer, params, sampling
+        messages = [Message("system", params.system_prompt), Message("user", instruction)]
+        self.trace = _Trace(render_prompt_ids(tokenizer, messages, [BASH_TOOL] if params.tool_schema_in_prompt else None))
+        self.prompt_len = len(self.trace.tokens)
+        self.model_wait_s = 0.0  # read by the runner for the episode's timing
+        self.turns = 0
+        self.tool_calls = 0
+        self.tool_errors = 0
+
+    async def run(self, task: Task, sandbox: Sandbox, timeout_s: float) -> AgentRun:
+        runner = ToolRunner(sandbox, self.params.command_timeout_s, self.params.observation_chars)
         try:
-            turns, status = await asyncio.wait_for(
-                _converse(trace, engine, tokenizer, runner, params, sampling, clock), task.agent_timeout_s)
-        except asyncio.TimeoutError:
-            status = "timeout"
-        t = time.perf_counter()
-        verdict = await verify(task, sandbox, image.workdir)
-        clock.add("verifier", t)
-        reward = verdict.reward
-        if reward is None:
-            status, error = "infra_error", verdict.problem
-        elif verdict.timed_out:
-            status, error = "timeout", verdict.problem
-    except SandboxError as exc:
-        reward, status, error = None, "infra_error", f"{type(exc).__name__}: {exc}"
-    finally:
-        if sandbox is not None:
-            await sandbox.close()
-        if runner is not None:
-            clock.spent["agent_commands"] = runner.seconds
-    return Episode(task_id=task.id, group_id=group_id, sample_id=sample_id, prompt_len=prompt_len,
-                   tokens=tuple(trace.tokens), loss_mask=tuple(trace.mask), rollout_logprobs=tuple(trace.logprobs),
-                   token_weight_versions=tuple(trace.versions), reward=reward, status=status,
-                   timing=clock.timing(), turns=turns, error=error, tool_errors=runner.errors if runner else 0)
+            async with asyncio.timeout(timeout_s) as deadline:
+                status = await self._converse(runner)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # not our deadline: a sandbox call's own timeout, for the runner to judge
+            return AgentRun(commands=self.tool_calls, timed_out=True)
+        finally:
+            self.tool_errors = runner.errors
+        return AgentRun(commands=self.tool_calls, truncated=status == "truncated")
+
+    async def _converse(self, runner: ToolRunner) -> str:
+        """Model turn, tool calls, observations... until a turn without a tool call or a limit."""
+        params, trace, eot = self.params, self.trace, end_of_turn_id(self.tokenizer)
+        for turn in range(1, params.max_turns + 1):
+            budget = params.max_context_tokens - len(trace.tokens)
+            if budget <= 0:
+                return "truncated"
+            self.turns = turn
+            t = time.perf_counter()
+            gen = await self.engine.generate(list(trace.tokens), SamplingParams(
+                temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
+                max_new_tokens=min(params.max_new_tokens, budget), stop_token_ids=(eot,),
+                seed=None if self.sampling.seed is None else mix_seed(self.sampling.seed, turn)))
+            self.model_wait_s += time.perf_counter() - t
+            trace.add_sampled(list(gen.output_ids), list(gen.logprobs), list(gen.token_weight_versions))
+            if gen.finish_reason != "stop":
+                return "truncated"  # cut off mid-turn: no well-formed turn to answer
+            calls = parse_tool_calls(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False))
+            if not isinstance(calls, ToolCallError) and not calls:
+                return "ok"  # the model answered without a tool call: it is done
+            if isinstance(calls, ToolCallError):
+                observations = [Message("tool", runner.error_text(calls))]
+            else:
+                observations = []
+                for call in calls:
+                    self.tool_calls += 1
+                    observations.append(Message("tool", await runner.run(call)))
+            trace.add_context(continuation_ids(self.tokenizer, observations))
+        return "truncated"
 
 
-async def _converse(trace: _Trace, engine: Engine, tokenizer, runner: ToolRunner, params: AgentParams,
-                    sampling: SamplingParams, clock: Clock) -> tuple[int, str]:
-    """Model turn, tool calls, observations... until a turn without a tool call or a limit."""
-    eot = end_of_turn_id(tokenizer)
-    for turn in range(1, params.max_turns + 1):
-        budget = params.max_context_tokens - len(trace.tokens)
-        if budget <= 0:
-            return turn - 1, "truncated"
-        t = time.perf_counter()
-        gen = await engine.generate(list(trace.tokens), SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_new_tokens=min(params.max_new_tokens, budget), stop_token_ids=(eot,),
-            seed=None if sampling.seed is None else mix_seed(sampling.seed, turn)))
-        clock.add("model_wait", t)
-        trace.add_sampled(list(gen.output_ids), list(gen.logprobs), list(gen.token_weight_versions))
-        if gen.finish_reason != "stop":
-            return turn, "truncated"  # cut off mid-turn: no well-formed turn to answer
-        calls = parse_tool_calls(tokenizer.decode(gen.output_ids, skip_special_tokens=False))
-        if not isinstance(calls, ToolCallError) and not calls:
-            return turn, "ok"  # the model answered without a tool call: it is done
-        observations = [Message("tool", runner.error_text(calls))] if isinstance(calls, ToolCallError) else [
-            Message("tool", await runner.run(call)) for call in calls]
-        trace.add_context(continuation_ids(tokenizer, observations))
-    return params.max_turns, "truncated"
+async def run_episode(task: Task, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams,
+                      sampling: SamplingParams, group_id: int = 0, sample_id: int = 0) -> Episode:
+    """One RL episode through the one episode runner (furlong.agent.runner.run_outcome); never raises
+    for the model's, the task's or the sandbox's fault: failures become the status."""
+    agent = ModelAgent(engine, tokenizer, params, sampling, task.instruction)
+    outcome = await run_outcome(task, agent, sandboxes)
+    t = agent.trace
+    return Episode(task_id=task.id, group_id=group_id, sample_id=sample_id, prompt_len=agent.prompt_len,
+                   tokens=tuple(t.tokens), loss_mask=tuple(t.mask), rollout_logprobs=tuple(t.logprobs),
+                   token_weight_versions=tuple(t.versions), reward=outcome.reward, status=outcome.status,
+                   timing=outcome.timing, turns=agent.turns, error=outcome.error, tool_errors=agent.tool_errors,
+                   family=task.family)

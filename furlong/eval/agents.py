@@ -1,51 +1,18 @@
 """Scripted agents for `furlong eval`: the oracle (the task's own solution) and a do-nothing agent.
 
-A model-driven agent implements the same `Agent` protocol.
+A model-driven agent implements the same `Agent` protocol (furlong.agent.runner); the runner times
+the agent's sandbox calls and decides the outcome.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Protocol
-
-from furlong.sandbox.base import ExecResult, Sandbox
+from furlong.agent.runner import Agent, AgentRun
+from furlong.sandbox.base import Sandbox
 from furlong.tasks.model import Task
 
+__all__ = ["Agent", "AgentRun", "NoopAgent", "OracleAgent", "make_agent"]
+
 SOLUTION_DIR = "/solution"
-
-
-@dataclass(frozen=True)
-class AgentRun:
-    commands: int = 0
-    timed_out: bool = False
-
-
-class Agent(Protocol):
-    name: str
-
-    async def run(self, task: Task, sandbox: Sandbox, timeout_s: float) -> AgentRun: ...
-
-
-class TimedSandbox:
-    """Wraps a sandbox to add up the wall time spent in its commands (the episode's agent_commands)."""
-
-    def __init__(self, inner: Sandbox):
-        self.inner = inner
-        self.seconds = 0.0
-        self.commands = 0
-
-    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
-                   env: dict[str, str] | None = None) -> ExecResult:
-        start = time.perf_counter()
-        try:
-            return await self.inner.exec(cmd, timeout_s, cwd, env)
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.commands += 1
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
 
 
 class NoopAgent:

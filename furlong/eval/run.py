@@ -12,10 +12,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from furlong.eval.agents import Agent
-from furlong.eval.harness import EpisodeResult, run_episode
-from furlong.metrics.timing import EpisodeTiming
-from furlong.sandbox.base import ImageRef
+from furlong.eval.harness import EpisodeResult, run_agent
+from furlong.metrics.outcomes import Scored, outcome_summary
+from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.images import ImageStore
+from furlong.sandbox.pool import FreshSandboxes
 from furlong.tasks.model import Task
 
 
@@ -41,17 +42,14 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
 async def run_eval(tasks: list[Task], agent: Agent, backend, store: ImageStore, concurrency: int,
                    out: Path | None, console: Console) -> list[EpisodeResult]:
     images = await prepare_images(tasks, store, backend, console)
+    sandboxes = FreshSandboxes(backend, _prebuilt(images))
     sem = asyncio.Semaphore(concurrency)
     results: list[EpisodeResult] = []
     sink = open(out, "w") if out else None
 
     async def one(task: Task) -> EpisodeResult:
         async with sem:
-            image = images[task.dockerfile]
-            if isinstance(image, ImageRef):
-                return await run_episode(task, agent, backend, image)
-            return EpisodeResult(task=task.id, agent=agent.name, reward=None, status="infra_error",
-                                 timing=EpisodeTiming(), error=image, family=task.family, seed=task.seed, split=task.split)
+            return await run_agent(task, agent, sandboxes)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("pass {task.fields[passed]}"))
@@ -72,18 +70,30 @@ async def run_eval(tasks: list[Task], agent: Agent, backend, store: ImageStore, 
     return sorted(results, key=lambda r: order[r.task])
 
 
+def _prebuilt(images: dict):
+    """Task -> the image prepare_images built; a failed build is the episode's infra_error."""
+    async def lookup(task: Task) -> ImageRef:
+        image = images[task.dockerfile]
+        if isinstance(image, str):
+            raise SandboxError(image)
+        return image
+    return lookup
+
+
 def summarize(results: list[EpisodeResult]) -> dict:
-    scored = [r for r in results if r.reward is not None]
+    """pass_rate and per-family rates over the scored episodes; every status counted."""
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+    s = outcome_summary([Scored(r.family, r.reward, r.status) for r in results])
     return {
-        "episodes": len(results),
-        "scored": len(scored),
-        "pass_rate": mean([float(r.reward >= 1.0) for r in scored]),
-        "mean_reward": mean([r.reward for r in scored]),
-        "status": {s: sum(r.status == s for r in results) for s in ("ok", "timeout", "infra_error")},
+        "episodes": s["episodes"], "scored": s["scored"], "infra_errors": s["infra_errors"],
+        "pass_rate": s["pass_at_1"], "mean_reward": s["mean_reward"], "status": s["status"],
+        "per_family": s["per_family"],
         "mean_timing_s": {k: mean([getattr(r.timing, k) for r in results])
                           for k in ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")},
     }
+
+
+STATUS_STYLE = {"infra_error": "yellow", "agent_broke_sandbox": "red"}
 
 
 def print_table(results: list[EpisodeResult], console: Console) -> None:
@@ -93,10 +103,14 @@ def print_table(results: list[EpisodeResult], console: Console) -> None:
     for r in results:
         t = r.timing
         reward = "-" if r.reward is None else f"{r.reward:g}"
-        style = "green" if r.reward == 1.0 else ("yellow" if r.status == "infra_error" else None)
+        style = "green" if r.reward == 1.0 else STATUS_STYLE.get(r.status)
         table.add_row(r.task, reward, r.status, f"{t.sandbox_start:.3f}", f"{t.agent_commands:.3f}",
                       f"{t.verifier:.3f}", f"{t.other:.3f}", (r.error or "")[:60], style=style)
     console.print(table)
     s = summarize(results)
     console.print(f"episodes {s['episodes']}  scored {s['scored']}  pass rate {s['pass_rate']:.3f}  "
-                  f"mean reward {s['mean_reward']:.3f}  status {s['status']}")
+                  f"mean reward {s['mean_reward']:.3f}  infra errors (unscored) {s['infra_errors']}")
+    console.print("status  " + "  ".join(f"{k} {v}" for k, v in s["status"].items()))
+    for name, f in s["per_family"].items():
+        console.print(f"family {name}: pass rate {f['pass_at_1']:.3f} over {f['scored']} scored, "
+                      f"{f['infra_errors']} infra errors")

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from furlong.agent.episode import AgentParams, Episode, run_episode
+from furlong.agent.runner import SandboxSource
 from furlong.engine.base import Engine, SamplingParams
-from furlong.sandbox.images import ImageStore
+from furlong.metrics.outcomes import Scored, rates
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
 
@@ -37,38 +38,71 @@ def plan_step(tasks: list[Task], step: int, tasks_per_step: int, group_size: int
     return RolloutPlan(step=step, tasks=tuple(picked), group_size=group_size, seed=seed)
 
 
-class Rollouts:
-    def __init__(self, engine: Engine, tokenizer, backend, store: ImageStore, params: AgentParams,
-                 concurrency: int):
-        self.engine, self.tokenizer, self.backend, self.store = engine, tokenizer, backend, store
-        self.params = params
-        self._slots = asyncio.Semaphore(concurrency)
+@dataclass(frozen=True)
+class _Job:
+    task: Task
+    sampling: SamplingParams
+    group_id: int
+    sample_id: int
 
-    async def _one(self, task: Task, sampling: SamplingParams, group_id: int, sample_id: int) -> Episode:
-        image = await self.store.image(task.dockerfile, self.backend)
-        async with self._slots:
-            return await run_episode(task, self.engine, self.tokenizer, self.backend, image, self.params,
-                                     sampling, group_id=group_id, sample_id=sample_id)
+
+class Rollouts:
+    """Episodes at bounded concurrency. Every episode goes through the one runner, so a plan always
+    returns one Episode per sample: a sandbox failure is an episode's status, never a step's exception.
+
+    Sandboxes are reserved a window ahead (as wide as the concurrency): the first window of a step by
+    `prepare`, called while the previous step trains, then one more each time an episode starts.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams, concurrency: int):
+        self.engine, self.tokenizer, self.sandboxes = engine, tokenizer, sandboxes
+        self.params, self.concurrency = params, concurrency
+        self._slots = asyncio.Semaphore(concurrency)
+        self._prepared: set[int] = set()
+
+    @staticmethod
+    def _plan_jobs(plan: RolloutPlan, temperature: float) -> list[_Job]:
+        return [_Job(task, SamplingParams(temperature=temperature, seed=plan.episode_seed(g, s)),
+                     plan.step * 100_000 + g, s)
+                for g, task in enumerate(plan.tasks) for s in range(plan.group_size)]
+
+    def prepare(self, plan: RolloutPlan) -> None:
+        """Starts the sandboxes of the plan's first episodes in the background (once per step)."""
+        if plan.step not in self._prepared:
+            self._prepared.add(plan.step)
+            episodes = [task for task in plan.tasks for _ in range(plan.group_size)]
+            for task in episodes[: self.concurrency]:
+                self.sandboxes.reserve(task)
 
     async def run_plan(self, plan: RolloutPlan, temperature: float) -> list[Episode]:
-        jobs = []
-        for g, task in enumerate(plan.tasks):
-            for s in range(plan.group_size):
-                sampling = SamplingParams(temperature=temperature, seed=plan.episode_seed(g, s))
-                jobs.append(self._one(task, sampling, group_id=plan.step * 100_000 + g, sample_id=s))
-        return list(await asyncio.gather(*jobs))
+        self.prepare(plan)
+        return await self._run(self._plan_jobs(plan, temperature))
 
     async def evaluate(self, tasks: list[Task], temperature: float, seed: int,
                        on_done: Callable[[], None] = lambda: None) -> list[Episode]:
         """pass@1: one sampled episode per task, with fixed seeds."""
-        async def one(i: int, task: Task) -> Episode:
-            episode = await self._one(task, SamplingParams(temperature=temperature, seed=mix_seed(seed, -1, i)), i, 0)
+        for task in tasks[: self.concurrency]:
+            self.sandboxes.reserve(task)
+        jobs = [_Job(t, SamplingParams(temperature=temperature, seed=mix_seed(seed, -1, i)), i, 0)
+                for i, t in enumerate(tasks)]
+        return await self._run(jobs, on_done)
+
+    async def _run(self, jobs: list[_Job], on_done: Callable[[], None] = lambda: None) -> list[Episode]:
+        """The first `concurrency` jobs' sandboxes are already reserved; each job that starts reserves
+        the one `concurrency` places behind it."""
+
+        async def one(k: int, job: _Job) -> Episode:
+            async with self._slots:
+                if k + self.concurrency < len(jobs):  # keep the window full
+                    self.sandboxes.reserve(jobs[k + self.concurrency].task)
+                episode = await run_episode(job.task, self.engine, self.tokenizer, self.sandboxes, self.params,
+                                            job.sampling, group_id=job.group_id, sample_id=job.sample_id)
             on_done()
             return episode
 
-        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+        return list(await asyncio.gather(*(one(k, job) for k, job in enumerate(jobs))))
 
 
 def pass_rate(episodes: list[Episode]) -> float:
-    scored = [e for e in episodes if e.reward is not None]
-    return sum(e.reward >= 1.0 for e in scored) / len(scored) if scored else 0.0
+    """pass@1 over the scored episodes (the denominator of the per-family rates too)."""
+    return rates([Scored(e.family, e.reward, e.status) for e in episodes])["pass_at_1"]

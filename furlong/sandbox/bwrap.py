@@ -17,7 +17,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from furlong.sandbox import cgroups
+from furlong.sandbox import cgroups, netns, seccomp
 from furlong.sandbox.tarball import tar_dir
 from furlong.sandbox.base import (
     DEFAULT_OUTPUT_CAP,
@@ -69,7 +69,9 @@ def bwrap_executable() -> str:
 class BwrapBackend:
     name = "bwrap"
 
-    def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP):
+    def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP,
+                 seccomp: bool = True):
+        self.seccomp = seccomp  # the global switch (config sandbox.seccomp); a spec may also turn it off
         self.host_uid = host_uid if os.geteuid() == 0 else os.geteuid()
         self.output_cap = output_cap
         self._bwrap = bwrap_executable()
@@ -82,12 +84,13 @@ class BwrapBackend:
             self._layer_fds[layer] = os.open(layer, os.O_PATH | os.O_DIRECTORY)
         return self._layer_fds[layer]
 
-    def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None) -> tuple[list[str], list[int]]:
+    def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None,
+                   seccomp_fd: int | None = None) -> tuple[list[str], list[int]]:
         fds = [self._fd(layer) for layer in spec.image.layers]
         args = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
                 "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--cap-drop", "ALL", "--clearenv"]
         if spec.network:
-            args += ["--share-net"]
+            args += ["--share-net"]  # pasta's namespace (see launcher), not the host's
         for key, value in {**BASE_ENV, **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
         for fd in reversed(fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
@@ -95,12 +98,17 @@ class BwrapBackend:
         args += extra or ["--tmp-overlay", "/"]
         args += ["--proc", "/proc", "--dev", "/dev"]
         if spec.network:
-            args += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+            args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
+        if seccomp_fd is not None:  # bwrap loads the filter just before it execs the daemon
+            args += ["--seccomp", str(seccomp_fd)]
+            fds.append(seccomp_fd)
         args += ["--chdir", spec.image.workdir, "--", "/usr/bin/python3", "-I", "-S", "-c", DAEMON_SOURCE]
         return args, fds
 
     def launcher(self, args: list[str], cgroup: cgroups.Cgroup | None, spec: SandboxSpec) -> list[str]:
-        """Wraps bwrap so it starts inside the cgroup and as the unprivileged uid."""
+        """Wraps bwrap so it starts inside the cgroup and as the unprivileged uid (and pasta's netns)."""
+        if spec.network:
+            args = netns.wrap(args, self.host_uid)  # run by the unprivileged uid, like bwrap
         if os.geteuid() != 0:
             if cgroup is None:
                 return ["prlimit", f"--as={spec.limits.memory_mb << 20}", "--", *args]
@@ -116,10 +124,13 @@ class BwrapBackend:
     async def create(self, spec: SandboxSpec, upper: Path | None = None) -> BwrapSandbox:
         """A fresh sandbox; with `upper`, writes persist there (image builds), else in a tmpfs."""
         name = uuid.uuid4().hex[:12]
+        if spec.network:
+            netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
+        seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits) if os.geteuid() == 0 else None
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, upper.with_name("work"))] if upper else []
         extra = ["--overlay", *(f"/proc/self/fd/{fd}" for fd in rw_fds), "/"] if upper else None
-        args, fds = self.bwrap_args(spec, extra)
+        args, fds = self.bwrap_args(spec, extra, seccomp_fd)
         fds += rw_fds
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -131,7 +142,7 @@ class BwrapBackend:
                 cgroup.remove()
             raise SandboxError(f"cannot start bwrap ({self._bwrap}): {exc}") from exc
         finally:
-            for fd in rw_fds:
+            for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
                 os.close(fd)
         return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name)
 

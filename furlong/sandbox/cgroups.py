@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import signal
 import time
 from dataclasses import dataclass
@@ -102,8 +103,15 @@ def _write(path: Path, value: str) -> bool:
 
 
 def create(name: str, limits: Limits) -> Cgroup | None:
-    """Makes a cgroup with the limits, or None where this process may not (then rlimits apply)."""
+    """Makes a cgroup with the limits, or None where this process may not (then rlimits apply).
+
+    As root: under this process's own cgroup. As an ordinary user: under a delegated subtree
+    (`delegated_base()`); the launcher then writes its pid into `procs_files`, which a user may do
+    for its own processes once it owns the target (v2 also wants the common ancestor owned: it is).
+    """
     try:
+        if os.geteuid() != 0:
+            return _create_delegated(name, limits)
         v2 = _v2_mount()
         if v2 is not None and v2 == ROOT:
             return _create_v2(v2, name, limits)
@@ -114,11 +122,12 @@ def create(name: str, limits: Limits) -> Cgroup | None:
 
 
 def _create_v1(name: str, limits: Limits) -> Cgroup:
-    dirs = []
-    for ctrl in V1_CONTROLLERS:
-        d = ROOT / ctrl / _own_path(ctrl).lstrip("/") / "furlong" / name
+    return _limit_v1([ROOT / c / _own_path(c).lstrip("/") / "furlong" / name for c in V1_CONTROLLERS], limits)
+
+
+def _limit_v1(dirs: list[Path], limits: Limits) -> Cgroup:
+    for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
-        dirs.append(d)
     mem, pids, cpu = dirs
     limit = str(limits.memory_mb << 20)
     if not _write(mem / "memory.limit_in_bytes", limit):
@@ -139,7 +148,10 @@ def _create_v2(mount: Path, name: str, limits: Limits) -> Cgroup:
     base.mkdir(exist_ok=True)
     for level in (base.parent, base):
         _write(level / "cgroup.subtree_control", "+memory +pids +cpu")
-    d = base / name
+    return _limit_v2(base / name, limits)
+
+
+def _limit_v2(d: Path, limits: Limits) -> Cgroup:
     d.mkdir(exist_ok=True)
     if not _write(d / "memory.max", str(limits.memory_mb << 20)):
         raise OSError(f"cannot set {d}/memory.max (memory controller not delegated)")
@@ -148,3 +160,113 @@ def _create_v2(mount: Path, name: str, limits: Limits) -> Cgroup:
         raise OSError(f"cannot set {d}/pids.max (pids controller not delegated)")
     _write(d / "cpu.max", f"{int(limits.cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}")
     return Cgroup(dirs=[d], v2=True)
+
+
+def _create_delegated(name: str, limits: Limits) -> Cgroup | None:
+    base = delegated_base()
+    if base is None:
+        return None
+    if len(base) == 1 and _v2_mount() == ROOT:
+        return _limit_v2(base[0] / name, limits)
+    return _limit_v1([d / name for d in base], limits)
+
+
+# -- delegation to ordinary users ------------------------------------------------------------------
+_V2_CONTROLLERS = ("memory", "pids", "cpu")
+NO_CGROUP_WARNING = ("no delegated cgroup for {user}: sandboxes get RLIMIT_AS per process and RLIMIT_NPROC "
+                     "shared by all of {user}'s processes, and no CPU cap; an administrator can run "
+                     "`furlong sandbox delegate --user {user}`")
+_found: list[Path] | None = None
+
+
+def _user() -> str:
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+def _owned(d: Path) -> bool:
+    try:
+        return d.stat().st_uid == os.geteuid() and os.access(d / "cgroup.procs", os.W_OK)
+    except OSError:
+        return False
+
+
+def delegated_base() -> list[Path] | None:
+    """The cgroup directories this (non-root) user may make sandbox cgroups in, or None.
+
+    v1: the admin's `furlong sandbox delegate` directories, /sys/fs/cgroup/<ctrl>/furlong-<user>.
+    v2: the topmost cgroup above this process that the user owns (systemd's user@UID.service or a
+    `systemd-run --user --scope -p Delegate=yes` scope, or the admin's /sys/fs/cgroup/furlong-<user>
+    when this process was started inside it); sandboxes go in its `furlong-sandboxes` child.
+    """
+    global _found
+    if _found is None:
+        try:
+            _found = _v2_delegated() if _v2_mount() == ROOT else _v1_delegated()
+        except OSError as exc:
+            log.debug("delegated cgroup unusable: %s", exc)
+    return _found
+
+
+def _v1_delegated() -> list[Path] | None:
+    dirs = [ROOT / c / f"furlong-{_user()}" for c in V1_CONTROLLERS]
+    return dirs if all(_owned(d) for d in dirs) else None
+
+
+def _v2_delegated() -> list[Path] | None:
+    own = ROOT / _own_path(None).lstrip("/")
+    top = None
+    for d in [own, *own.parents]:
+        if d == ROOT or not _owned(d):
+            break
+        top = d
+    if top is None:
+        return None
+    if not set(_V2_CONTROLLERS[:2]) <= set((top / "cgroup.controllers").read_text().split()):
+        raise OSError(f"{top} lacks the memory or pids controller (systemd: Delegate=memory pids cpu)")
+    if own == top:  # "no internal processes": this process moves to a leaf before controllers are enabled
+        (top / "furlong-host").mkdir(exist_ok=True)
+        (top / "furlong-host" / "cgroup.procs").write_text(str(os.getpid()))
+    base = top / "furlong-sandboxes"
+    base.mkdir(exist_ok=True)
+    for level in (top, base):
+        for ctrl in _V2_CONTROLLERS:
+            _write(level / "cgroup.subtree_control", f"+{ctrl}")
+    return [base]
+
+
+def delegate(user: str) -> list[Path]:
+    """As root, once: cgroups the user owns, for sandbox limits when furlong runs as that user."""
+    if os.geteuid() != 0:
+        raise PermissionError("`furlong sandbox delegate` changes /sys/fs/cgroup ownership: run it as root")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise ValueError(f"no such user: {user}") from None
+    made: list[Path] = []
+    if _v2_mount() == ROOT:
+        for ctrl in _V2_CONTROLLERS:
+            _write(ROOT / "cgroup.subtree_control", f"+{ctrl}")
+        made.append(_hand_over(ROOT / f"furlong-{user}", pw, ("cgroup.procs", "cgroup.subtree_control",
+                                                               "cgroup.threads")))
+    else:  # v1: one directory per controller hierarchy (a hybrid host's v2 tree has no controllers to delegate)
+        for ctrl in V1_CONTROLLERS:
+            if (ROOT / ctrl / "cgroup.procs").exists():
+                made.append(_hand_over(ROOT / ctrl / f"furlong-{user}", pw, ("cgroup.procs", "tasks")))
+    if not made:
+        raise OSError(f"no cgroup hierarchy with {', '.join(V1_CONTROLLERS)} under {ROOT}")
+    return made
+
+
+def _hand_over(d: Path, pw: pwd.struct_passwd, files: tuple[str, ...]) -> Path:
+    # The limit files stay root's, so an administrator's caps on the directory itself hold for the user.
+    d.mkdir(exist_ok=True)
+    for p in (d, *(d / f for f in files)):
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    return d
+
+
+def no_cgroup_warning() -> str | None:
+    """One line for a non-root user without a delegated cgroup, saying which limits still hold."""
+    if os.geteuid() == 0 or delegated_base() is not None:
+        return None
+    return NO_CGROUP_WARNING.format(user=_user())

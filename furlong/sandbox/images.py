@@ -1,7 +1,10 @@
-"""Images: a debootstrap base rootfs, plus one layer per task Dockerfile, cached by content hash.
+"""Images: a bootstrapped Debian base rootfs, plus one layer per task Dockerfile, cached by content hash.
 
 A layer is the overlay upper directory left by running the Dockerfile's steps in a build sandbox
-(which may use the network); sandboxes stack it read-only over the base.
+(which may use the network); sandboxes stack it read-only over the base. The base is built with
+mmdebstrap, as root or (in a user namespace from the user's subuid range) as an ordinary user. As root,
+layers are owned by root on disk and sandboxes see them through read-only id-mapped views (layers.py),
+so the sandbox uid cannot write them; as a user, they belong to the user, which is the sandbox's uid.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import Callable
 
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
+from furlong.sandbox import layers, rootless
 from furlong.sandbox.base import ImageRef, Limits, SandboxError, SandboxSpec
 
-FORMAT = "3"  # bump when the layout or the base recipe changes, so old caches are not reused
+FORMAT = "4"  # bump when the layout or the base recipe changes, so old caches are not reused
 BASE_PACKAGES = ("python3", "git", "procps", "ca-certificates")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BUILD_LIMITS = Limits(cpus=2.0, memory_mb=4096, pids=2048, lifetime_s=3600)
@@ -41,6 +45,21 @@ def _sha(*parts: str | bytes) -> str:
         h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")
     return h.hexdigest()[:16]
+
+
+def _rmtree(path: Path) -> None:
+    """Removes a build's tree, also as an ordinary user, whose overlay work dirs are mode 000 and
+    whose image may hold read-only directories (root ignores modes; an owner must chmod first)."""
+    if not path.exists():
+        return
+    if os.geteuid() != 0 and not path.is_symlink():
+        os.chmod(path, 0o700)
+        for dirpath, dirnames, _ in os.walk(path):  # top-down: each child is opened before descent
+            for name in dirnames:
+                child = os.path.join(dirpath, name)
+                if not os.path.islink(child):
+                    os.chmod(child, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @contextmanager
@@ -64,49 +83,77 @@ class ImageStore:
         self._locks: dict[str, asyncio.Lock] = {}
         self._resolved: dict[Path, ImageRef] = {}  # a task's files do not change within a run
         self.root.mkdir(parents=True, exist_ok=True)
-        check_traversable(self.root, self.host_uid)
+        check_traversable(self.root, self.host_uid)  # build sandboxes write layers under it by path
+        if layers.supported():
+            layers.sweep()
 
     # -- base ---------------------------------------------------------------------------------
     def base_key(self) -> str:
-        return "base-" + _sha(FORMAT, "bookworm", "minbase", ",".join(BASE_PACKAGES), self.mirror, str(self.host_uid))
+        return "base-" + _sha(FORMAT, "bookworm", "minbase", ",".join(BASE_PACKAGES), self.mirror)
 
     def base(self, progress: Progress | None = None) -> ImageRef:
-        """The base image, built with debootstrap the first time (about a minute)."""
+        """The base image, bootstrapped the first time (about half a minute)."""
         key = self.base_key()
         final = self.root / key
         if not (final / "meta.json").exists():
             with _locked(self.root / f".{key}.lock"):
                 if not (final / "meta.json").exists():
-                    self._debootstrap(final, progress or (lambda _: None))
-        return ImageRef(key=key, layers=(final / "rootfs",))
+                    self._bootstrap(final, progress or (lambda _: None))
+        return ImageRef(key=key, layers=(self._view(final / "rootfs"),))
 
-    def _debootstrap(self, final: Path, progress: Progress) -> None:
-        if os.geteuid() != 0:
-            raise ImageBuildError("building the base image needs root (debootstrap); run `furlong image build` as root")
-        if not shutil.which("debootstrap"):
-            raise ImageBuildError("debootstrap not found: apt-get install debootstrap")
+    def _bootstrap(self, final: Path, progress: Progress) -> None:
+        if problem := rootless.base_build_problem():
+            raise ImageBuildError(problem)
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _rmtree(tmp)
         rootfs = tmp / "rootfs"
-        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", "bookworm", str(rootfs), self.mirror]
+        rootfs.mkdir(parents=True)
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        tail: list[str] = []
-        for line in proc.stdout:
-            tail = (tail + [line.rstrip()])[-20:]
-            progress(f"debootstrap: {line.strip()[:100]}")
-        if proc.wait() != 0:
-            raise ImageBuildError(f"debootstrap failed ({proc.returncode}):\n" + "\n".join(tail))
+        self._mmdebstrap_into(rootfs, progress)
         progress("finishing base rootfs")
         (rootfs / "etc/apt/apt.conf.d/99furlong").write_text(APT_CONF)
         shutil.rmtree(rootfs / "var/cache/apt/archives", ignore_errors=True)
         (rootfs / "var/cache/apt/archives/partial").mkdir(parents=True)
         (rootfs / "logs").mkdir(exist_ok=True)
-        # The sandbox maps this uid to its root, so the tree must belong to it to look root-owned inside.
-        subprocess.run(["chown", "-R", "--no-dereference", f"{self.host_uid}:{self.host_uid}", str(rootfs)], check=True)
-        meta = {"key": final.name, "packages": BASE_PACKAGES, "seconds": round(time.monotonic() - started, 1)}
+        meta = {"key": final.name, "packages": BASE_PACKAGES, "seconds": round(time.monotonic() - started, 1),
+                "builder": f"mmdebstrap {rootless.mmdebstrap_mode()}"}
         (tmp / "meta.json").write_text(json.dumps(meta))
         tmp.rename(final)
+
+    def _mmdebstrap_into(self, rootfs: Path, progress: Progress) -> None:
+        """Bootstraps into a tar stream unpacked by this process, so every file belongs to this uid
+        (root, or the user: the uid the sandbox maps to its root). /dev is left out: bwrap makes one."""
+        cmd = ["mmdebstrap", rootless.mmdebstrap_mode(), "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+               "bookworm", "-", self.mirror]
+        untar = ["tar", "-x", "-p", "--no-same-owner", "--numeric-owner", "--exclude=./dev/*", "-C", str(rootfs)]
+        boot = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        tar = subprocess.Popen(untar, stdin=boot.stdout, stderr=subprocess.PIPE, text=True)
+        boot.stdout.close()  # tar holds the pipe now; mmdebstrap sees EPIPE if tar dies
+        tail: list[str] = []
+        for line in boot.stderr:
+            tail = (tail + [line.rstrip()])[-20:]
+            progress(f"mmdebstrap: {line.strip()[:100]}")
+        tar_err = tar.stderr.read()
+        if boot.wait() != 0 or tar.wait() != 0:
+            raise ImageBuildError(f"mmdebstrap failed ({boot.returncode}, tar {tar.returncode}):\n"
+                                  + "\n".join(tail) + tar_err[-1000:])
+
+    def _view(self, layer: Path) -> Path:
+        """As root, the read-only id-mapped view of a root-owned layer; otherwise the layer itself."""
+        return layers.readonly_view(layer, self.host_uid) if layers.supported() else layer
+
+    def _seal(self, upper: Path) -> None:
+        """As root, hands a built layer to root so the sandbox uid cannot write it (chown clears
+        set-id bits, so they are put back)."""
+        if os.geteuid() != 0:
+            return
+        for dirpath, dirnames, filenames in os.walk(upper):
+            for name in [".", *dirnames, *filenames]:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                os.lchown(path, 0, 0)
+                if st.st_mode & 0o6000 and not os.path.islink(path):
+                    os.chmod(path, st.st_mode & 0o7777)
 
     # -- Dockerfile layers -------------------------------------------------------------------
     def layer_key(self, dockerfile: Path, steps: list[df.Instruction]) -> str:
@@ -134,14 +181,14 @@ class ImageStore:
             if not (final / "meta.json").exists():
                 await self._build_layer(final, base, dockerfile, steps, backend, progress or (lambda _: None))
         meta = json.loads((final / "meta.json").read_text())
-        ref = ImageRef(key=key, layers=(final / "upper", *base.layers),
+        ref = ImageRef(key=key, layers=(await asyncio.to_thread(self._view, final / "upper"), *base.layers),
                        env=tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"])
         self._resolved[dockerfile] = ref
         return ref
 
     async def _build_layer(self, final: Path, base: ImageRef, dockerfile: Path, steps, backend, progress) -> None:
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _rmtree(tmp)
         for d in ("upper", "work"):
             (tmp / d).mkdir(parents=True)
         os.chown(tmp / "upper", self.host_uid, self.host_uid)
@@ -149,15 +196,16 @@ class ImageStore:
         try:
             env, workdir = await self._run_steps(tmp / "upper", base, dockerfile, steps, backend, progress)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # a failed build leaves nothing behind
+            _rmtree(tmp)  # a failed build leaves nothing behind
             raise
-        shutil.rmtree(tmp / "work", ignore_errors=True)
+        _rmtree(tmp / "work")
+        await asyncio.to_thread(self._seal, tmp / "upper")
         (tmp / "meta.json").write_text(json.dumps({"env": env, "workdir": workdir, "dockerfile": str(dockerfile)}))
         with _locked(self.root / f".{final.name}.lock"):
             if (final / "meta.json").exists():  # another process built it meanwhile
-                shutil.rmtree(tmp, ignore_errors=True)
+                _rmtree(tmp)
             else:
-                shutil.rmtree(final, ignore_errors=True)
+                _rmtree(final)
                 tmp.rename(final)
 
     async def _run_steps(self, upper: Path, base: ImageRef, dockerfile: Path, steps, backend, progress):

@@ -3,20 +3,21 @@
 A family directory holds `family.toml` (description, train_seeds and heldout_seeds as half-open
 ranges that must not overlap) and `generate.py`. Instances are generated once into the cache,
 keyed by a hash of the family's files, so editing the generator never serves stale instances.
+generate.py is never imported here: furlong/tasks/genrun.py runs it in a sandbox, many seeds a run.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import tomllib
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from furlong.paths import cache_dir
+from furlong.tasks import genrun
 from furlong.tasks.loader import load_harbor
 from furlong.tasks.model import Task, TaskError
 
@@ -33,36 +34,50 @@ class Family:
     path: Path
     description: str
     seeds: dict[str, range]
-    generate: Callable[[int, Path], None]
     digest: str  # of the family's files: instances of an edited generator get a new cache dir
 
+    @property
+    def cache(self) -> Path:
+        return cache_dir() / "tasks" / f"{self.name}-{self.digest}"
+
     def instance(self, seed: int, split: str) -> Task:
-        out = cache_dir() / "tasks" / f"{self.name}-{self.digest}" / str(seed)
-        if not out.exists():
-            tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            try:
-                self.generate(seed, tmp)
-            except Exception as exc:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise TaskError(self.name, "generate.py", f"generate({seed}) failed: {exc!r}") from exc
-            try:
-                tmp.rename(out)
-            except OSError:  # generated concurrently by another process
-                shutil.rmtree(tmp, ignore_errors=True)
-        task = load_harbor(out, task_id=f"{self.name}@{seed}")
-        return replace(task, family=self.name, seed=seed, split=split)
+        self._generate([seed])
+        return self._load(self.cache, seed, split)
 
     def instances(self, split: str, limit: int | None = None) -> list[Task]:
         if split not in (*SPLITS, "all"):
             raise ValueError(f"split must be one of train, heldout, all; got {split!r}")
         splits = SPLITS if split == "all" else (split,)
-        return [self.instance(seed, s) for s in splits for seed in list(self.seeds[s])[:limit]]
+        wanted = [(seed, s) for s in splits for seed in list(self.seeds[s])[:limit]]
+        self._generate([seed for seed, _ in wanted])
+        cache = self.cache
+        return [self._load(cache, seed, s) for seed, s in wanted]
+
+    def _load(self, cache: Path, seed: int, split: str) -> Task:
+        task = load_harbor(cache / str(seed), task_id=f"{self.name}@{seed}")
+        return replace(task, family=self.name, seed=seed, split=split)
+
+    def _generate(self, seeds: list[int]) -> None:
+        """Generates the seeds not yet in the cache, up to genrun.BATCH_SEEDS per sandboxed run."""
+        cache = self.cache
+        missing = [seed for seed in dict.fromkeys(seeds) if not (cache / str(seed)).exists()]
+        for i in range(0, len(missing), genrun.BATCH_SEEDS):
+            batch = missing[i:i + genrun.BATCH_SEEDS]
+            tmp = cache / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                genrun.generate(self.path, batch, tmp)
+                for seed in batch:
+                    try:
+                        (tmp / str(seed)).rename(cache / str(seed))
+                    except OSError:  # generated concurrently by another process
+                        pass
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _digest(path: Path) -> str:
-    digest = hashlib.sha256()
+    # The prefix retires instances cached before generators ran sandboxed, whose files were never checked.
+    digest = hashlib.sha256(b"furlong-genrun-1\0")
     for f in sorted(path.rglob("*")):
         if f.is_file() and "__pycache__" not in f.parts:
             digest.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes())
@@ -86,20 +101,7 @@ def load_family(path: Path) -> Family:
     seeds = {s: _seed_range(conf.get(f"{s}_seeds"), name, f"{s}_seeds") for s in SPLITS}
     if set(seeds["train"]) & set(seeds["heldout"]):
         raise TaskError(name, "family.toml", "train_seeds and heldout_seeds overlap")
+    if not (path / "generate.py").is_file():
+        raise TaskError(name, "generate.py", "missing")
     return Family(name=name, path=path, description=str(conf.get("description", "")),
-                  seeds=seeds, generate=_load_generate(path), digest=_digest(path))
-
-
-def _load_generate(path: Path) -> Callable[[int, Path], None]:
-    source = path / "generate.py"
-    if not source.is_file():
-        raise TaskError(path.name, "generate.py", "missing")
-    spec = importlib.util.spec_from_file_location(f"furlong_family_{path.name.replace('-', '_')}", source)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise TaskError(path.name, "generate.py", f"import failed: {exc!r}") from exc
-    if not callable(getattr(module, "generate", None)):
-        raise TaskError(path.name, "generate.py", "defines no generate(seed, out) function")
-    return module.generate
+                  seeds=seeds, digest=_digest(path))

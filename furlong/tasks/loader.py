@@ -9,7 +9,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from furlong.sandbox.base import Limits
+from furlong.sandbox import seccomp
+from furlong.sandbox.base import Limits, SyscallPolicy
 from furlong.tasks.model import Task, TaskError
 
 
@@ -31,6 +32,8 @@ class _Environment(_Section):
     memory_mb: int = Field(2048, gt=0)
     allow_internet: bool = False
     network: bool = False
+    seccomp: bool = True  # furlong's own keys: the syscall filter, and names taken off its deny list
+    seccomp_allow: list[str] = []
 
 
 class _HarborToml(_Section):
@@ -84,9 +87,17 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         tests_dir=path / "tests", test_script=test_script,
         solution=solution if solution.is_file() else None,
         network=env.allow_internet or env.network,
-        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb),
+        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid),
         verifier_env=tuple(sorted(conf.verifier.env.items())), format="harbor",
     )
+
+
+def _syscalls(env: _Environment, task: str) -> SyscallPolicy:
+    try:
+        seccomp.check(env.seccomp_allow)
+    except seccomp.SeccompError as exc:
+        raise TaskError(task, "task.toml", f"field 'environment.seccomp_allow': {exc}") from None
+    return SyscallPolicy(enabled=env.seccomp, allow=tuple(env.seccomp_allow))
 
 
 def load_terminal_bench(path: Path, task_id: str | None = None) -> Task:

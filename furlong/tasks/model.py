@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from furlong.sandbox.base import Limits
+from furlong.sandbox.base import Limits, SyscallPolicy
 
 TESTS_DIR = "/tests"  # where the task's tests are copied, after the agent finishes
 VERIFIER_LOG_DIR = "/logs/verifier"  # where tests write reward.txt / reward.json
@@ -32,6 +32,7 @@ class Task:
     solution: Path | None  # a shell script the oracle agent runs
     network: bool = False
     limits: Limits = field(default_factory=Limits)
+    syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)  # task.toml [environment] seccomp*
     verifier_env: tuple[tuple[str, str], ...] = ()
     format: str = "harbor"  # harbor | terminal-bench
     family: str | None = None  # set for instances generated from a task family

@@ -1,4 +1,9 @@
-"""Runs a task's own tests in the episode's sandbox and reads the reward they write."""
+"""Runs a task's own tests in the episode's sandbox and reads the reward they write.
+
+A Verdict without a reward, or an exception from a sandbox call here, is judged by the episode
+runner (furlong.agent.runner): it runs the same tests in a fresh sandbox to tell a task bug
+(`infra_error`) from an agent that kept them from scoring (`agent_broke_sandbox`, reward 0).
+"""
 
 from __future__ import annotations
 

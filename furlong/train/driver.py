@@ -20,13 +20,16 @@ from rich.console import Console
 from furlong.agent.episode import AgentParams, Episode
 from furlong.config import Config, ConfigError
 from furlong.engine.hf import HFEngine
+from furlong.agent.runner import STATUSES
+from furlong.metrics.outcomes import Scored, outcome_summary, status_counts
 from furlong.metrics.run import RunDir, atomic_write
 from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
-from furlong.rollout.groups import Rollouts, pass_rate, plan_step
+from furlong.rollout.groups import Rollouts, plan_step
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
+from furlong.sandbox.pool import StoreImages, WarmPools
 from furlong.tasks.family import load_family
 from furlong.train.sft import oracle_demos, sft_train
 from furlong.train.trainer import GRPOConfig, Trainer
@@ -38,6 +41,7 @@ class Pieces:
     tokenizer: object
     backend: BwrapBackend
     store: ImageStore
+    images: StoreImages  # shared, so a Dockerfile that fails to build is tried once per run
     train_tasks: list
     eval_tasks: list
     params: AgentParams
@@ -54,9 +58,9 @@ def build(cfg: Config) -> Pieces:
     base = t.model.path or init_tiny(seed=t.model.seed)
     backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
     a = t.agent
+    store = ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror)
     return Pieces(
-        tokenizer=load_tokenizer(base), backend=backend,
-        store=ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror),
+        tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
         train_tasks=[task for f in families for task in f.instances("train")],
         eval_tasks=[task for f in families for task in f.instances("heldout", t.eval.heldout_per_family)],
         params=AgentParams(max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
@@ -65,9 +69,11 @@ def build(cfg: Config) -> Pieces:
         base_model=Path(base))
 
 
-def _rollouts(p: Pieces, model, concurrency: int) -> tuple[HFEngine, Rollouts]:
-    engine = HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
-    return engine, Rollouts(engine, p.tokenizer, p.backend, p.store, p.params, concurrency)
+def _pools(p: Pieces) -> WarmPools:
+    """Sandboxes for one phase, each started ahead of the episode that uses it (Rollouts reserves a
+    window as wide as the rollout concurrency), so an episode does not wait on a sandbox start; time
+    spent waiting on one still counts as sandbox_start. Closed when the phase ends."""
+    return WarmPools(p.backend, p.images)
 
 
 def _lora_spec(cfg: Config) -> dict | None:
@@ -116,16 +122,15 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
     if done := run.phase(name):
         return done
     start = time.perf_counter()
-    engine, rollouts = _rollouts(p, model, cfg.train.rl.concurrency)
-    with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
-        episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
+    engine = HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
+    async with _pools(p) as pools:
+        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency)
+        with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
+            episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
     await engine.close()
-    families: dict[str, list[float]] = {}
-    for e in episodes:
-        families.setdefault(e.task_id.split("@")[0], []).append(float((e.reward or 0.0) >= 1.0))
-    result = {"pass_at_1": pass_rate(episodes), "episodes": len(episodes),
-              "infra_errors": sum(e.status == "infra_error" for e in episodes),
-              "per_family": {k: sum(v) / len(v) for k, v in families.items()},
+    s = outcome_summary([Scored(e.family, e.reward, e.status) for e in episodes])
+    result = {"pass_at_1": s["pass_at_1"], "episodes": s["episodes"], "scored": s["scored"],
+              "infra_errors": s["infra_errors"], "status": s["status"], "per_family": s["per_family"],
               "seconds": time.perf_counter() - start}
     run.finish_phase(name, result)
     return result
@@ -152,9 +157,7 @@ def rollout_metrics(episodes: list[Episode], version: int) -> dict:
            for k in ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")}
     out.update({"episodes": len(episodes), "turns_mean": sum(e.turns for e in episodes) / n,
                 "tool_errors": sum(e.tool_errors for e in episodes),
-                "status_truncated": sum(e.status == "truncated" for e in episodes),
-                "status_timeout": sum(e.status == "timeout" for e in episodes),
-                "status_infra_error": sum(e.status == "infra_error" for e in episodes),
+                **{f"status_{k}": v for k, v in status_counts(e.status for e in episodes).items()},
                 "sample_lag_mean": sum(lags) / max(len(lags), 1),
                 "samples_sha": hashlib.sha256(keys.encode()).hexdigest()[:16]})
     return out
@@ -194,13 +197,28 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
     if run.phase("rl"):
         return trainer
     link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg))
-    rollouts = Rollouts(link.engine, p.tokenizer, p.backend, p.store, p.params, r.concurrency)
-    await link.push(_weights_for_engine(cfg, trainer), trainer.version)
+    async with _pools(p) as pools:
+        rollouts = Rollouts(link.engine, p.tokenizer, pools, p.params, r.concurrency)
+        await link.push(_weights_for_engine(cfg, trainer), trainer.version)
+        await _rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
+    await link.close()
+    # summed over the logged steps, so time spent before a kill and resume is counted once
+    rows = run.metrics("rl")
+    run.finish_phase("rl", {"steps": r.steps, "seconds": sum(row["step_seconds"] for row in rows),
+                            "status": {k: sum(row.get(f"status_{k}", 0) for row in rows) for k in STATUSES}})
+    return trainer
+
+
+async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: Pieces, run: RunDir,
+                    console: Console, start: int) -> None:
+    r = cfg.train.rl
     with progress_bar(console, "rl: GRPO steps", r.steps, completed=start) as advance:
         for step in range(start, r.steps):
             step_start = time.perf_counter()
             plan = plan_step(p.train_tasks, step, r.tasks_per_step, r.group_size, cfg.train.seed)
             episodes = await rollouts.run_plan(plan, r.temperature)
+            if step + 1 < r.steps:  # the next step's first sandboxes start while this one trains
+                rollouts.prepare(plan_step(p.train_tasks, step + 1, r.tasks_per_step, r.group_size, cfg.train.seed))
             stats = await asyncio.to_thread(trainer.train_step, episodes)
             synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
             run.log("rl", step, {**asdict(stats), **rollout_metrics(episodes, stats.version - stats.updated),
@@ -209,10 +227,11 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
                 trainer.save(run.checkpoint_dir(f"rl-{step}"))
                 run.record_checkpoint(f"rl-{step}", step)
             advance(f"reward {stats.reward_mean:.2f}")
-    await link.close()
-    # summed over the logged steps, so time spent before a kill and resume is counted once
-    run.finish_phase("rl", {"steps": r.steps, "seconds": sum(row["step_seconds"] for row in run.metrics("rl"))})
-    return trainer
+
+
+def _phase_status(result: dict) -> dict[str, int]:
+    """Every status of a phase's episodes (zeros for a phase recorded before statuses were kept)."""
+    return {k: result.get("status", {}).get(k, 0) for k in STATUSES}
 
 
 async def train(cfg: Config, run: RunDir, console: Console) -> dict:
@@ -231,6 +250,7 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
         "eval_episodes": after["episodes"], "eval_temperature": cfg.train.eval.temperature,
         "eval_infra_errors": before["infra_errors"] + after["infra_errors"],
         "per_family_before": before["per_family"], "per_family_after": after["per_family"],
+        "status": {name: _phase_status(phases[name]) for name in ("eval_before", "rl", "eval_after")},
         "rl_steps": cfg.train.rl.steps, "families": list(cfg.train.families),
         "phase_seconds": {name: round(phases[name]["seconds"], 1) for name in ("sft", "eval_before", "rl", "eval_after")},
         "wall_seconds_this_invocation": round(time.perf_counter() - began, 1),
