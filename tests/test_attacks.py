@@ -15,7 +15,7 @@ import pytest
 
 from conftest import run, spec
 from furlong.sandbox import protocol as proto
-from furlong.sandbox.base import ImageRef, SandboxDied
+from furlong.sandbox.base import ImageRef, SandboxDied, SandboxError
 
 ALIVE = "echo alive"
 
@@ -142,15 +142,25 @@ def test_disk_tmpfs_and_memory_fills_leave_the_init_standing(backend, base_image
 
 
 def test_fork_bomb_then_memory_then_disk_one_after_the_other(backend, base_image):
-    """The observed failure: these in sequence once killed the daemon in about 1 run of 5."""
+    """The observed failure: these in sequence once killed the daemon in about 1 run of 5. A fork bomb
+    that outlives its command can hold every pid, so later commands may fail to start (SandboxError,
+    which the episode runner scores as the agent's doing); the init itself must live on."""
+    async def attempt(box, cmd: str) -> None:
+        try:
+            await box.exec(cmd, timeout_s=20)
+        except SandboxDied:
+            raise
+        except SandboxError as exc:
+            assert "fork" in str(exc)
+
     async def go():
         for _ in range(3):
             box = await backend.create(spec(base_image, memory_mb=512, pids=128, disk_mb=256))
             try:
-                await box.exec("bomb() { bomb | bomb & }; bomb; sleep 2", timeout_s=3)
-                await box.exec("python3 -c \"x = bytearray(30 << 30)\"; "
-                               "python3 -c \"xs = []\nwhile True: xs.append(bytearray(8 << 20))\"", timeout_s=20)
-                await box.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=2048", timeout_s=20)
+                await attempt(box, "bomb() { bomb | bomb & }; bomb; sleep 2")
+                await attempt(box, "python3 -c \"x = bytearray(30 << 30)\"; "
+                                   "python3 -c \"xs = []\nwhile True: xs.append(bytearray(8 << 20))\"")
+                await attempt(box, "dd if=/dev/zero of=/tmp/fill bs=1M count=2048")
                 assert await box.ping() == 1
                 assert box.alive
             finally:

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from furlong.paths import cache_dir
-from furlong.sandbox import cgroups, native
+from furlong.sandbox import cgroups, native, seccomp
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
     DEFAULT_OUTPUT_CAP,
@@ -83,7 +83,9 @@ def writable_layer_bytes(spec: SandboxSpec) -> int:
 class BwrapBackend:
     name = "bwrap"
 
-    def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP):
+    def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP,
+                 seccomp: bool = True):
+        self.seccomp = seccomp  # the global switch (config sandbox.seccomp); a spec may also turn it off
         self.host_uid = host_uid if os.geteuid() == 0 else os.geteuid()
         self.output_cap = output_cap
         self._bwrap = bwrap_executable()
@@ -101,8 +103,10 @@ class BwrapBackend:
             self._layer_fds[layer] = os.open(layer, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         return self._layer_fds[layer]
 
-    def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None) -> tuple[list[str], list[int]]:
-        fds = [self._fd(layer) for layer in spec.image.layers] + [self._init_fd]
+    def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None,
+                   seccomp_fd: int | None = None) -> tuple[list[str], list[int]]:
+        layer_fds = [self._fd(layer) for layer in spec.image.layers]
+        fds = [*layer_fds, self._init_fd]
         args = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
                 "--new-session", "--as-pid-1", "--uid", "0", "--gid", "0", "--hostname", "sandbox",
                 "--cap-drop", "ALL", "--clearenv"]
@@ -110,7 +114,7 @@ class BwrapBackend:
             args += ["--share-net"]
         for key, value in {**BASE_ENV, **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
-        for fd in reversed(fds[:-1]):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
+        for fd in reversed(layer_fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
             args += ["--overlay-src", f"/proc/self/fd/{fd}"]
         upper = self._upper_mnt
         args += extra or ["--overlay", f"{upper}/u", f"{upper}/w", "/"]
@@ -119,6 +123,9 @@ class BwrapBackend:
                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         if spec.network:
             args += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+        if seccomp_fd is not None:  # bwrap loads the filter just before it execs the init
+            args += ["--seccomp", str(seccomp_fd)]
+            fds.append(seccomp_fd)
         args += ["--chdir", spec.image.workdir, "--", f"/proc/self/fd/{self._init_fd}"]
         return args, fds
 
@@ -142,10 +149,11 @@ class BwrapBackend:
     async def create(self, spec: SandboxSpec, upper: Path | None = None) -> BwrapSandbox:
         """A fresh sandbox; with `upper`, writes persist there (image builds), else in a capped tmpfs."""
         name = uuid.uuid4().hex[:12]
+        seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits) if os.geteuid() == 0 else None
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, upper.with_name("work"))] if upper else []
         extra = ["--overlay", *(f"/proc/self/fd/{fd}" for fd in rw_fds), "/"] if upper else None
-        args, fds = self.bwrap_args(spec, extra)
+        args, fds = self.bwrap_args(spec, extra, seccomp_fd)
         fds += rw_fds
         secret = proto.new_secret()
         try:
@@ -158,7 +166,7 @@ class BwrapBackend:
                 cgroup.remove()
             raise SandboxError(f"cannot start bwrap ({self._bwrap}): {exc}") from exc
         finally:
-            for fd in rw_fds:
+            for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
                 os.close(fd)
         return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
 
