@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from furlong.paths import cache_dir
-from furlong.sandbox import cgroups, native, seccomp
+from furlong.sandbox import cgroups, native, netns, seccomp
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
     DEFAULT_OUTPUT_CAP,
@@ -111,7 +111,7 @@ class BwrapBackend:
                 "--new-session", "--as-pid-1", "--uid", "0", "--gid", "0", "--hostname", "sandbox",
                 "--cap-drop", "ALL", "--clearenv"]
         if spec.network:
-            args += ["--share-net"]
+            args += ["--share-net"]  # pasta's namespace (see launcher), not the host's
         for key, value in {**BASE_ENV, **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
         for fd in reversed(layer_fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
@@ -122,7 +122,7 @@ class BwrapBackend:
         args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB << 20), "--perms", "1777",
                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         if spec.network:
-            args += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+            args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
         if seccomp_fd is not None:  # bwrap loads the filter just before it execs the init
             args += ["--seccomp", str(seccomp_fd)]
             fds.append(seccomp_fd)
@@ -131,7 +131,10 @@ class BwrapBackend:
 
     def launcher(self, args: list[str], cgroup: cgroups.Cgroup | None, spec: SandboxSpec,
                  capped_upper: bool = True) -> list[str]:
-        """The launcher's argv: join the cgroup, cap the writable layer, drop to the sandbox uid, exec bwrap."""
+        """The launcher's argv: join the cgroup, cap the writable layer, drop to the sandbox uid, exec bwrap
+        (inside pasta's network namespace when the sandbox has network: pasta runs as the sandbox uid)."""
+        if spec.network:
+            args = netns.wrap(args, self.host_uid)
         root = os.geteuid() == 0
         opts = [self._launch]
         for procs in (cgroup.procs_files if cgroup else []):
@@ -149,6 +152,8 @@ class BwrapBackend:
     async def create(self, spec: SandboxSpec, upper: Path | None = None) -> BwrapSandbox:
         """A fresh sandbox; with `upper`, writes persist there (image builds), else in a capped tmpfs."""
         name = uuid.uuid4().hex[:12]
+        if spec.network:
+            netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
         seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits) if os.geteuid() == 0 else None
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, upper.with_name("work"))] if upper else []
