@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -36,16 +37,57 @@ def stats_ms(xs: list[float]) -> dict:
     return {"p50_ms": 1000 * pct(xs, 0.5), "p95_ms": 1000 * pct(xs, 0.95), "n": len(xs)}
 
 
-def raw_bwrap_true(backend: BwrapBackend, spec: SandboxSpec, n: int) -> list[float]:
-    """bwrap with the same namespaces and overlay, running /bin/true, as the same uid: the floor."""
+def raw_bwrap_args(backend: BwrapBackend, spec: SandboxSpec, command: list[str]) -> tuple[list[str], list[int]]:
+    """bwrap with the same namespaces, overlay and mounts (bwrap's own uncapped tmpfs upper: no launcher)."""
     args, fds = backend.bwrap_args(spec)
-    args = args[: args.index("--")] + ["--", "/bin/true"]
+    args = args[: args.index("--")] + ["--", *command]
+    at = args.index("--overlay")
+    args[at:at + 4] = ["--tmp-overlay", "/"]
+    return args, fds
+
+
+def raw_bwrap(backend: BwrapBackend, spec: SandboxSpec, n: int, command: list[str]) -> list[float]:
+    """bwrap running `command` as the sandbox uid: the floor (/bin/true), or the old python3 daemon's start."""
+    args, fds = raw_bwrap_args(backend, spec, command)
     times = []
     for _ in range(n):
         t = time.perf_counter()
         subprocess.run(args, pass_fds=fds, user=backend.host_uid, group=backend.host_uid, extra_groups=[], check=True)
         times.append(time.perf_counter() - t)
     return times
+
+
+def _tree_rss_kib(pid: int) -> int:
+    """Resident memory of a process and all its descendants (each counted once)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        total += next((int(l.split()[1]) for l in status.splitlines() if l.startswith("VmRSS:")), 0)
+        todo += [int(c) for c in children]
+    return total
+
+
+async def idle_memory(backend, spec, n: int) -> tuple[list[int], list[int]]:
+    """KiB resident per idle sandbox (launcher-made bwrap + init) vs raw bwrap holding /bin/sleep."""
+    boxes = [await backend.create(spec) for _ in range(n)]
+    await asyncio.gather(*(b.exec("true") for b in boxes))
+    ours = [_tree_rss_kib(b._proc.pid) for b in boxes]
+    for b in boxes:
+        await b.close()
+    args, fds = raw_bwrap_args(backend, spec, ["/bin/sleep", "60"])
+    procs = [subprocess.Popen(args, pass_fds=fds, user=backend.host_uid, group=backend.host_uid, extra_groups=[])
+             for _ in range(n)]
+    await asyncio.sleep(0.5)
+    raw = [_tree_rss_kib(p.pid) for p in procs]
+    for p in procs:
+        p.kill()
+        p.wait()
+    return ours, raw
 
 
 async def cold_start(backend, spec, n: int) -> list[float]:
@@ -116,8 +158,10 @@ async def main_async(args) -> dict:
     store, backend = ImageStore(), BwrapBackend()
     spec = SandboxSpec(image=store.base(), limits=Limits(cpus=1.0))
     n = args.samples
-    raw = raw_bwrap_true(backend, spec, n)
+    raw = raw_bwrap(backend, spec, n, ["/bin/true"])
+    python_daemon = raw_bwrap(backend, spec, n, ["/usr/bin/python3", "-I", "-S", "-c", "import json, selectors, threading"])
     cold = await cold_start(backend, spec, n)
+    mem_ours, mem_raw = await idle_memory(backend, spec, 10)
     pooled = await pooled_start(backend, spec, n)
     inside, host = await command_overhead(backend, spec, 5 * n)
     loads = [1, 2, 4, 8, 16]
@@ -131,9 +175,13 @@ async def main_async(args) -> dict:
     overhead_ms = 1000 * (pct(inside, 0.5) - pct(host, 0.5))
     return {
         "machine": {"cores": cores, "load_avg_at_end": os.getloadavg()},
-        "start": {"raw_bwrap_true": stats_ms(raw), "cold_sandbox_first_command": stats_ms(cold),
+        "start": {"raw_bwrap_true": stats_ms(raw), "raw_bwrap_python3_daemon_imports": stats_ms(python_daemon),
+                  "python3_daemon_vs_raw_p50": pct(python_daemon, 0.5) / pct(raw, 0.5),
+                  "cold_sandbox_first_command": stats_ms(cold),
                   "pooled_sandbox_first_command": stats_ms(pooled),
                   "cold_vs_raw_p50": pct(cold, 0.5) / pct(raw, 0.5), "pooled_vs_raw_p50": pct(pooled, 0.5) / pct(raw, 0.5)},
+        "idle_memory_kib": {"sandbox": statistics.median(mem_ours), "raw_bwrap_sleep": statistics.median(mem_raw),
+                            "ratio": statistics.median(mem_ours) / max(statistics.median(mem_raw), 1)},
         "command": {"sandbox_exec_true": stats_ms(inside), "host_subprocess_bash_true": stats_ms(host),
                     "overhead_p50_ms": overhead_ms, "ratio_p50": pct(inside, 0.5) / pct(host, 0.5)},
         "sweep": {"command": CPU_BOUND, "rows": sweep_rows, "capacity_p95_le_1.5x": capacity,
@@ -155,6 +203,8 @@ def report(res: dict, console: Console) -> None:
     t.add_row("raw bwrap … /bin/true (baseline)", f"{s['raw_bwrap_true']['p50_ms']:.2f}", f"{s['raw_bwrap_true']['p95_ms']:.2f}", "1.00×")
     t.add_row("cold: new sandbox + first command", f"{s['cold_sandbox_first_command']['p50_ms']:.2f}",
               f"{s['cold_sandbox_first_command']['p95_ms']:.2f}", f"{s['cold_vs_raw_p50']:.2f}×")
+    t.add_row("raw bwrap … python3 (the old daemon's start)", f"{s['raw_bwrap_python3_daemon_imports']['p50_ms']:.2f}",
+              f"{s['raw_bwrap_python3_daemon_imports']['p95_ms']:.2f}", f"{s['python3_daemon_vs_raw_p50']:.2f}×")
     t.add_row("warm pool: fresh sandbox + first command", f"{s['pooled_sandbox_first_command']['p50_ms']:.2f}",
               f"{s['pooled_sandbox_first_command']['p95_ms']:.2f}", f"{s['pooled_vs_raw_p50']:.2f}×")
     t.add_row("host: subprocess bash -c true (baseline)", f"{c['host_subprocess_bash_true']['p50_ms']:.2f}",
@@ -162,6 +212,9 @@ def report(res: dict, console: Console) -> None:
     t.add_row("live sandbox: exec('true')", f"{c['sandbox_exec_true']['p50_ms']:.2f}",
               f"{c['sandbox_exec_true']['p95_ms']:.2f}", f"{c['ratio_p50']:.2f}× (+{c['overhead_p50_ms']:.2f} ms)")
     console.print(t)
+    m = res["idle_memory_kib"]
+    console.print(f"idle sandbox resident memory: {m['sandbox'] / 1024:.1f} MiB (bwrap + init) vs raw bwrap + sleep "
+                  f"{m['raw_bwrap_sleep'] / 1024:.1f} MiB: {m['ratio']:.2f}×")
     w = Table(title=f"concurrency sweep: {res['sweep']['command']}")
     for col in ("sandboxes", "p50 ms", "p95 ms", "p50 slowdown", "p95 slowdown"):
         w.add_column(col)

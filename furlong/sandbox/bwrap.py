@@ -1,24 +1,24 @@
 """The default backend: bubblewrap, a copy-on-write root over shared read-only image layers.
 
-Each sandbox is a fresh set of namespaces (user, mount, pid, net, ipc, uts, cgroup) whose root is a
-tmpfs overlay over the image, so nothing one episode writes is seen by the next. It runs as an
-unprivileged host uid: started as root, the launcher joins the sandbox's cgroups, then drops to that
-uid before bwrap runs, because root plus a user namespace could still write host /proc/sys.
+Each sandbox is a fresh set of namespaces (user, mount, pid, net, ipc, uts, cgroup) whose root is an
+overlay over the image with its writes in a size-capped tmpfs, so nothing one episode writes is seen by
+the next. It runs as an unprivileged host uid: the compiled launcher (native/launch.c) joins the
+sandbox's cgroups, mounts the capped tmpfs in a private mount namespace and drops to that uid before
+bwrap runs, because root plus a user namespace could still write host /proc/sys. The sandbox's pid 1 is
+the compiled init (native/init.c), exec'd from a host fd so the image never sees or supplies it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import itertools
-import json
 import os
 import shutil
 import uuid
 from pathlib import Path
 
-from furlong.sandbox import cgroups, netns, seccomp
-from furlong.sandbox.tarball import tar_dir
+from furlong.paths import cache_dir
+from furlong.sandbox import cgroups, native, netns, seccomp
+from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
     DEFAULT_OUTPUT_CAP,
     ExecResult,
@@ -26,8 +26,9 @@ from furlong.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from furlong.sandbox.shell import wrap
+from furlong.sandbox.tarball import tar_dir
 
-DAEMON_SOURCE = (Path(__file__).parent / "sandboxd.py").read_text()
 DEFAULT_HOST_UID = 61000  # used only when furlong runs as root; an otherwise unused uid
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -37,6 +38,9 @@ BASE_ENV = {
     "DEBIAN_FRONTEND": "noninteractive",
 }
 REPLY_GRACE_S = 5.0  # how long past a command's own timeout the host waits before calling the sandbox dead
+INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
+SHM_MB = 64  # /dev/shm, as Docker sizes it
+OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
 
 
 def bwrap_executable() -> str:
@@ -66,6 +70,16 @@ def bwrap_executable() -> str:
     return str(exe)
 
 
+def writable_layer_bytes(spec: SandboxSpec) -> int:
+    """The tmpfs cap: disk_mb, but never so close to memory_mb that a full disk leaves the init no room.
+
+    Its pages are charged to the sandbox's memory cgroup, so a disk fill plus a memory bomb still ends
+    with the OOM killer taking agent processes (oom_score_adj 1000) while the init keeps its headroom.
+    """
+    mb = min(spec.limits.disk_mb, spec.limits.memory_mb - INIT_HEADROOM_MB - SHM_MB)
+    return max(mb, 16) << 20
+
+
 class BwrapBackend:
     name = "bwrap"
 
@@ -75,68 +89,81 @@ class BwrapBackend:
         self.host_uid = host_uid if os.geteuid() == 0 else os.geteuid()
         self.output_cap = output_cap
         self._bwrap = bwrap_executable()
+        self._launch = str(native.binary("launch"))
+        # Exec'd inside as /proc/self/fd/N: never a path in the image, and opened before any uid drop.
+        self._init_fd = os.open(native.binary("init"), os.O_PATH | os.O_CLOEXEC)
+        self._upper_mnt = cache_dir() / "native" / "upper"
+        self._upper_mnt.mkdir(parents=True, exist_ok=True)
         self._layer_fds: dict[Path, int] = {}
 
     def _fd(self, layer: Path) -> int:
         # Layers are handed to bwrap as /proc/self/fd paths: the sandbox uid cannot traverse
         # root's home, and need not, since the fd was opened before the uid dropped.
         if layer not in self._layer_fds:
-            self._layer_fds[layer] = os.open(layer, os.O_PATH | os.O_DIRECTORY)
+            self._layer_fds[layer] = os.open(layer, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         return self._layer_fds[layer]
 
     def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None,
                    seccomp_fd: int | None = None) -> tuple[list[str], list[int]]:
-        fds = [self._fd(layer) for layer in spec.image.layers]
-        args = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-                "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--cap-drop", "ALL", "--clearenv"]
+        layer_fds = [self._fd(layer) for layer in spec.image.layers]
+        fds = [*layer_fds, self._init_fd]
+        args = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+                "--new-session", "--as-pid-1", "--uid", "0", "--gid", "0", "--hostname", "sandbox",
+                "--cap-drop", "ALL", "--clearenv"]
         if spec.network:
             args += ["--share-net"]  # pasta's namespace (see launcher), not the host's
         for key, value in {**BASE_ENV, **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
-        for fd in reversed(fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
+        for fd in reversed(layer_fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
             args += ["--overlay-src", f"/proc/self/fd/{fd}"]
-        args += extra or ["--tmp-overlay", "/"]
-        args += ["--proc", "/proc", "--dev", "/dev"]
+        upper = self._upper_mnt
+        args += extra or ["--overlay", f"{upper}/u", f"{upper}/w", "/"]
+        # /dev is a tmpfs of bwrap's making: read-only, except a capped /dev/shm (both count as memory)
+        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB << 20), "--perms", "1777",
+                 "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         if spec.network:
             args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
-        if seccomp_fd is not None:  # bwrap loads the filter just before it execs the daemon
+        if seccomp_fd is not None:  # bwrap loads the filter just before it execs the init
             args += ["--seccomp", str(seccomp_fd)]
             fds.append(seccomp_fd)
-        args += ["--chdir", spec.image.workdir, "--", "/usr/bin/python3", "-I", "-S", "-c", DAEMON_SOURCE]
+        args += ["--chdir", spec.image.workdir, "--", f"/proc/self/fd/{self._init_fd}"]
         return args, fds
 
-    def launcher(self, args: list[str], cgroup: cgroups.Cgroup | None, spec: SandboxSpec) -> list[str]:
-        """Wraps bwrap so it starts inside the cgroup and as the unprivileged uid (and pasta's netns)."""
+    def launcher(self, args: list[str], cgroup: cgroups.Cgroup | None, spec: SandboxSpec,
+                 capped_upper: bool = True) -> list[str]:
+        """The launcher's argv: join the cgroup, cap the writable layer, drop to the sandbox uid, exec bwrap
+        (inside pasta's network namespace when the sandbox has network: pasta runs as the sandbox uid)."""
         if spec.network:
-            args = netns.wrap(args, self.host_uid)  # run by the unprivileged uid, like bwrap
-        if os.geteuid() != 0:
-            if cgroup is None:
-                return ["prlimit", f"--as={spec.limits.memory_mb << 20}", "--", *args]
-            return args  # a delegated cgroup: joining it needs no privilege
-        uid = str(self.host_uid)
-        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-        if cgroup is None:
-            drop = ["prlimit", f"--nproc={spec.limits.pids}", f"--as={spec.limits.memory_mb << 20}", "--", *drop]
-        joins = " && ".join(f"echo $$ > {f}" for f in (cgroup.procs_files if cgroup else []))
-        script = (joins + " && " if joins else "") + 'exec "$@"'
-        return ["/bin/sh", "-c", script, "furlong-launch", *drop, *args]
+            args = netns.wrap(args, self.host_uid)
+        root = os.geteuid() == 0
+        opts = [self._launch]
+        for procs in (cgroup.procs_files if cgroup else []):
+            opts += ["--cgroup", str(procs)]
+        if root:
+            opts += ["--oom-adj", str(OOM_ADJ_INIT), "--uid", str(self.host_uid)]
+        if capped_upper:
+            opts += ["--upper", str(self._upper_mnt), str(writable_layer_bytes(spec))]
+        if cgroup is None:  # weaker: RLIMIT_NPROC counts every process of the uid, not of this sandbox
+            opts += ["--rlimit-as", str(spec.limits.memory_mb << 20), "--rlimit-nproc", str(spec.limits.pids)]
+        return [*opts, "--", *args]
 
     async def create(self, spec: SandboxSpec, upper: Path | None = None) -> BwrapSandbox:
-        """A fresh sandbox; with `upper`, writes persist there (image builds), else in a tmpfs."""
+        """A fresh sandbox; with `upper`, writes persist there (image builds), else in a capped tmpfs."""
         name = uuid.uuid4().hex[:12]
         if spec.network:
             netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
         seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
-        cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits) if os.geteuid() == 0 else None
+        cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, upper.with_name("work"))] if upper else []
         extra = ["--overlay", *(f"/proc/self/fd/{fd}" for fd in rw_fds), "/"] if upper else None
         args, fds = self.bwrap_args(spec, extra, seccomp_fd)
         fds += rw_fds
+        secret = proto.new_secret()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.launcher(args, cgroup, spec), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                pass_fds=fds, limit=64 << 20)
+                *self.launcher(args, cgroup, spec, capped_upper=upper is None), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, pass_fds=fds, limit=1 << 16)
+            proc.stdin.write(secret)
         except OSError as exc:
             if cgroup:
                 cgroup.remove()
@@ -144,17 +171,17 @@ class BwrapBackend:
         finally:
             for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
                 os.close(fd)
-        return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name)
+        return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
 
 
 class BwrapSandbox:
-    def __init__(self, proc, cgroup, output_cap: int, lifetime_s: float, name: str):
+    def __init__(self, proc, cgroup, output_cap: int, lifetime_s: float, name: str, secret: bytes):
         self.name = name
         self._proc = proc
         self._cgroup = cgroup
         self._cap = output_cap
-        self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future] = {}
+        self._secret = secret
+        self._pending: dict[bytes, asyncio.Future] = {}
         self._stderr_tail = b""
         self._closed = False
         self._death: str | None = None
@@ -172,14 +199,21 @@ class BwrapSandbox:
             self._stderr_tail = (self._stderr_tail + chunk)[-4096:]
 
     async def _read_replies(self) -> None:
+        out = self._proc.stdout
         try:
-            while line := await self._proc.stdout.readline():
-                msg = json.loads(line)
-                fut = self._pending.pop(msg["id"], None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-        except (ValueError, asyncio.LimitOverrunError) as exc:
-            self._death = f"garbled reply from sandbox daemon: {exc}"
+            while header := await _read_exact_or_eof(out, 4):
+                n = int.from_bytes(header, "little")
+                if n > proto.max_reply(self._cap):
+                    raise proto.ProtocolError(f"reply frame of {n} bytes")
+                reply = proto.parse_reply(await out.readexactly(n), self._secret)
+                fut = self._pending.pop(reply.id, None)
+                if fut is None:
+                    raise proto.ProtocolError("reply to no pending request")
+                if not fut.done():
+                    fut.set_result(reply)
+        except (proto.ProtocolError, asyncio.IncompleteReadError) as exc:
+            self._death = f"sandbox init broke its protocol: {exc}"
+            self._kill()
         code = await self._proc.wait()
         await asyncio.sleep(0)  # let the stderr reader take the last words
         self._death = self._death or (
@@ -190,62 +224,82 @@ class BwrapSandbox:
                 fut.set_exception(SandboxDied(self._death))
         self._pending.clear()
 
-    async def _call(self, op: str, wait_s: float, **fields) -> dict:
+    async def _call(self, request, op: str, wait_s: float) -> proto.Reply:
         if self._death or self._closed:
             raise SandboxDied(self._death or "sandbox is closed")
-        rid = next(self._ids)
+        rid = proto.new_id()
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
-            self._proc.stdin.write((json.dumps({"id": rid, "op": op, **fields}) + "\n").encode())
+            self._proc.stdin.write(request(rid))
             await self._proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError) as exc:
             self._pending.pop(rid, None)
             raise SandboxDied(f"sandbox stdin closed: {exc}") from exc
         try:
-            msg = await asyncio.wait_for(fut, wait_s)
+            reply = await asyncio.wait_for(fut, wait_s)
         except asyncio.TimeoutError:
             self._pending.pop(rid, None)
             await self.close()
-            raise SandboxDied(f"sandbox daemon did not answer {op!r} within {wait_s:.0f}s") from None
-        if not msg["ok"]:
-            raise SandboxError(f"{op} failed in sandbox: {msg['error']}")
-        return msg
+            raise SandboxDied(f"sandbox init did not answer {op!r} within {wait_s:.0f}s") from None
+        if not reply.ok:
+            raise SandboxError(f"{op} failed in sandbox: {reply.body.decode(errors='replace')}")
+        return reply
+
+    def _violation(self, exc: proto.ProtocolError) -> SandboxDied:
+        self._death = f"sandbox init broke its protocol: {exc}"
+        self._kill()
+        return SandboxDied(self._death)
 
     async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
                    env: dict[str, str] | None = None) -> ExecResult:
-        msg = await self._call("exec", timeout_s + REPLY_GRACE_S, cmd=cmd, timeout=timeout_s, cwd=cwd,
-                               env=env or {}, cap=self._cap)
-        return ExecResult(exit_code=msg["exit_code"], stdout=msg["stdout"], stderr=msg["stderr"],
-                          duration_s=msg["duration_s"], timed_out=msg["timed_out"], truncated=msg["truncated"])
+        env = env or {}
+        script = wrap(cmd, cwd, env)
+        reply = await self._call(lambda rid: proto.exec_request(rid, script, env, timeout_s, self._cap),
+                                 "exec", timeout_s + REPLY_GRACE_S)
+        try:
+            r = proto.parse_exec(reply.body, self._cap)
+        except proto.ProtocolError as exc:
+            raise self._violation(exc) from None
+        return ExecResult(exit_code=r.exit_code, stdout=r.stdout.decode(errors="replace"),
+                          stderr=r.stderr.decode(errors="replace"), duration_s=r.duration_s,
+                          timed_out=r.timed_out, truncated=r.truncated)
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         raw = data.encode() if isinstance(data, str) else data
-        await self._call("write", 60.0, path=path, data=base64.b64encode(raw).decode(), mode=mode)
+        await self._call(lambda rid: proto.put_request(rid, [(1, mode, path, raw)]), "write", 60.0)
 
     async def read_file(self, path: str) -> bytes:
-        msg = await self._call("read", 60.0, path=path)
-        return base64.b64decode(msg["data"])
+        return (await self._call(lambda rid: proto.read_request(rid, path), "read", 60.0)).body
 
     async def put_dir(self, src: Path, dest: str) -> None:
         await self.put_tar(tar_dir(Path(src)), dest)
 
     async def put_tar(self, data: bytes, dest: str) -> None:
-        await self._call("untar", 120.0, dest=dest, data=base64.b64encode(data).decode())
+        entries = [(0, 0o755, "/" + dest.strip("/"), b"")] if dest.strip("/") else []
+        entries += proto.tar_entries(data, dest)
+        await self._call(lambda rid: proto.put_request(rid, entries), "put", 120.0)
 
-    async def ping(self) -> None:
-        await self._call("ping", 30.0)
+    async def ping(self) -> int:
+        reply = await self._call(proto.ping_request, "ping", 30.0)
+        try:
+            return proto.parse_ping(reply.body)
+        except proto.ProtocolError as exc:
+            raise self._violation(exc) from None
+
+    def _kill(self) -> None:
+        if self._proc.returncode is None:
+            try:
+                self._proc.kill()
+            except ProcessLookupError:
+                pass
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._expiry.cancel()
-        if self._proc.returncode is None:
-            try:
-                self._proc.kill()
-            except ProcessLookupError:
-                pass
+        self._kill()
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.remove)
         try:
@@ -257,3 +311,12 @@ class BwrapSandbox:
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None
 
+
+async def _read_exact_or_eof(stream: asyncio.StreamReader, n: int) -> bytes:
+    """n bytes, or b"" at a clean end of stream (a partial read raises IncompleteReadError)."""
+    try:
+        return await stream.readexactly(n)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise
+        return b""

@@ -1,0 +1,3 @@
+from furlong.sandbox.native import build_all
+
+build_all()

@@ -1,0 +1,515 @@
+/* furlong-init: the first process (pid 1) of every sandbox.
+ *
+ * Why compiled: it starts in well under a millisecond, depends on nothing in the image (static, no
+ * interpreter), and closes the host's file descriptors before any code the image controls can run.
+ * Why pid 1: the kernel drops SIGKILL/SIGSTOP (and every signal without a handler) sent to a pid
+ * namespace's init from inside the namespace, so `kill -9 -1` or `kill -STOP 1` cannot stop it.
+ * It is non-dumpable, so agent processes (same uid, no capabilities) can neither ptrace it nor open
+ * /proc/1/fd or /proc/1/mem.
+ *
+ * Protocol (stdin: requests, stdout: replies), every frame is u32 little-endian length + payload.
+ *   handshake: the host's first 32 bytes on stdin are the per-sandbox secret.
+ *   request:   id[16] op[1] body
+ *   reply:     secret[32] id[16] status[1] (0 ok, 1 error: body is the message) body
+ * Ops (body layouts; "str" is u32 length + bytes):
+ *   EXEC  u32 timeout_ms, u32 cap, str script, str env ("K=V\0K=V\0..." overriding the init's env)
+ *         -> i32 exit_code, u8 timed_out, u8 truncated, u64 duration_ns, str stdout, str stderr
+ *   READ  str path -> the file's bytes (regular files only, at most READ_MAX)
+ *   PUT   entries of: u8 kind (0 dir, 1 file, 2 symlink), u32 mode, str path, str data-or-target
+ *   PING  -> u32 pid
+ * Requests run concurrently: EXEC returns when its command exits (or is killed at its timeout);
+ * output of background processes it left behind is drained and dropped so they never block.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SECRET_LEN 32
+#define ID_LEN 16
+#define FRAME_MAX (512u << 20)
+#define READ_MAX (256u << 20)
+#define MAX_JOBS 1024
+#define DRAIN_MAX 4096
+#define MARKER "\n[... furlong: %llu bytes truncated ...]\n"
+
+enum { OP_EXEC = 1, OP_READ = 2, OP_PUT = 3, OP_PING = 4 };
+
+typedef struct { unsigned char *p; size_t len, cap; } buf_t;
+
+typedef struct {  /* keeps the first and last half of a stream, counting what fell in between */
+  size_t half, total;
+  buf_t head;
+  unsigned char *ring;  /* the last `half` bytes, circular */
+  size_t ring_pos, ring_len;
+} capped_t;
+
+typedef struct {
+  unsigned char id[ID_LEN];
+  pid_t pid;
+  int fds[2];
+  capped_t out[2];
+  uint64_t start_ns, deadline_ns;
+  int timed_out, exited, status;
+} job_t;
+
+static unsigned char secret[SECRET_LEN];
+static job_t *jobs[MAX_JOBS];
+static int drains[DRAIN_MAX];
+static int epfd, sigfd;
+static char **base_env;
+
+static void die(const char *what) { fprintf(stderr, "furlong-init: %s: %s\n", what, strerror(errno)); _exit(111); }
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void buf_put(buf_t *b, const void *data, size_t n) {
+  if (b->len + n > b->cap) {
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + n) cap *= 2;
+    b->p = realloc(b->p, cap);
+    if (!b->p) die("realloc");
+    b->cap = cap;
+  }
+  memcpy(b->p + b->len, data, n);
+  b->len += n;
+}
+static void buf_u32(buf_t *b, uint32_t v) { buf_put(b, &v, 4); }
+
+/* ---- output ---------------------------------------------------------------------------------- */
+
+static void write_all(int fd, const void *data, size_t n) {
+  const unsigned char *p = data;
+  while (n) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) _exit(0);  /* the host is gone: so is the sandbox */
+    p += w, n -= (size_t)w;
+  }
+}
+
+static void reply(const unsigned char *id, int status, const void *body, size_t n) {
+  uint32_t len = (uint32_t)(SECRET_LEN + ID_LEN + 1 + n);
+  unsigned char hdr[4 + SECRET_LEN + ID_LEN + 1];
+  memcpy(hdr, &len, 4);
+  memcpy(hdr + 4, secret, SECRET_LEN);
+  memcpy(hdr + 4 + SECRET_LEN, id, ID_LEN);
+  hdr[4 + SECRET_LEN + ID_LEN] = (unsigned char)status;
+  write_all(1, hdr, sizeof hdr);
+  if (n) write_all(1, body, n);
+}
+
+static void reply_error(const unsigned char *id, const char *what, int err) {
+  char msg[512];
+  int n = snprintf(msg, sizeof msg, "%s: %s", what, strerror(err));
+  reply(id, 1, msg, (size_t)(n < 0 ? 0 : n >= (int)sizeof msg ? (int)sizeof msg - 1 : n));
+}
+
+/* ---- capped buffers --------------------------------------------------------------------------- */
+
+static void capped_add(capped_t *c, const unsigned char *data, size_t n) {
+  c->total += n;
+  size_t room = c->half > c->head.len ? c->half - c->head.len : 0;
+  size_t take = n < room ? n : room;
+  buf_put(&c->head, data, take);
+  data += take, n -= take;
+  if (n > c->half) data += n - c->half, n = c->half;  /* only the last `half` bytes can survive */
+  while (n) {  /* append at the ring's end, overwriting its oldest bytes when full */
+    size_t end = (c->ring_pos + c->ring_len) % c->half;
+    size_t run = c->half - end < n ? c->half - end : n;
+    memcpy(c->ring + end, data, run);
+    data += run, n -= run;
+    size_t grow = c->half - c->ring_len < run ? c->half - c->ring_len : run;
+    c->ring_len += grow;
+    c->ring_pos = (c->ring_pos + (run - grow)) % c->half;
+  }
+}
+
+static int capped_emit(capped_t *c, buf_t *out) {  /* str field; returns 1 when bytes were dropped */
+  unsigned long long dropped = c->total - c->head.len - c->ring_len;
+  char marker[96];
+  int m = dropped ? snprintf(marker, sizeof marker, MARKER, dropped) : 0;
+  buf_u32(out, (uint32_t)(c->head.len + (size_t)m + c->ring_len));
+  buf_put(out, c->head.p, c->head.len);
+  buf_put(out, marker, (size_t)m);
+  size_t first = c->half - c->ring_pos < c->ring_len ? c->half - c->ring_pos : c->ring_len;
+  buf_put(out, c->ring + c->ring_pos, first);
+  buf_put(out, c->ring, c->ring_len - first);
+  return dropped > 0;
+}
+
+static void capped_init(capped_t *c, size_t cap) {
+  memset(c, 0, sizeof *c);
+  c->half = cap / 2 ? cap / 2 : 1;
+  c->ring = malloc(c->half);
+  if (!c->ring) die("malloc");
+}
+
+static void capped_free(capped_t *c) { free(c->head.p); free(c->ring); }
+
+/* ---- requests ------------------------------------------------------------------------------- */
+
+typedef struct { const unsigned char *p; size_t left; int bad; } cursor_t;
+
+static uint32_t take_u32(cursor_t *c) {
+  uint32_t v = 0;
+  if (c->left < 4) { c->bad = 1; return 0; }
+  memcpy(&v, c->p, 4);
+  c->p += 4, c->left -= 4;
+  return v;
+}
+
+static const unsigned char *take_str(cursor_t *c, uint32_t *n) {
+  *n = take_u32(c);
+  if (c->bad || c->left < *n) { c->bad = 1; *n = 0; return NULL; }
+  const unsigned char *s = c->p;
+  c->p += *n, c->left -= *n;
+  return s;
+}
+
+static char *cstr(const unsigned char *s, uint32_t n) {  /* a NUL-terminated copy; NUL inside: NULL */
+  if (memchr(s, 0, n)) return NULL;
+  char *out = malloc(n + 1);
+  if (!out) die("malloc");
+  memcpy(out, s, n);
+  out[n] = 0;
+  return out;
+}
+
+static char **make_env(const unsigned char *blob, uint32_t n) {
+  size_t count = 0, extra = 0;
+  while (base_env[count]) count++;
+  for (uint32_t i = 0; i < n; i++) extra += blob[i] == 0;
+  char **env = calloc(count + extra + 1, sizeof *env);
+  if (!env) die("calloc");
+  memcpy(env, base_env, count * sizeof *env);
+  for (const unsigned char *p = blob, *end = blob + n; p < end;) {
+    const char *kv = (const char *)p;
+    size_t len = strnlen(kv, (size_t)(end - p));
+    const char *eq = memchr(kv, '=', len);
+    p += len + 1;
+    if (!eq || eq == kv) continue;
+    size_t key = (size_t)(eq - kv), i = 0;
+    for (; i < count; i++)
+      if (!strncmp(env[i], kv, key + 1)) break;
+    env[i] = (char *)kv;  /* the blob outlives the fork that uses it */
+    if (i == count) count++;
+  }
+  return env;
+}
+
+static void child_exec(const char *script, char **env, int out, int err) {
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+  signal(SIGPIPE, SIG_DFL);
+  setsid();  /* its own process group: a timeout kills the whole group */
+  int fd = open("/proc/self/oom_score_adj", O_WRONLY);
+  if (fd >= 0) { write_all(fd, "1000", 4); close(fd); }  /* the OOM killer picks agents, never init */
+  int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (null < 0 || dup2(null, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0) _exit(126);
+  char *argv[] = {"bash", "-c", (char *)script, NULL};
+  execve("/bin/bash", argv, env);
+  _exit(127);
+}
+
+static void watch(int fd, uint64_t tag) {
+  struct epoll_event ev = {.events = EPOLLIN, .data.u64 = tag};
+  if (epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) < 0) die("epoll_ctl");
+}
+
+#define TAG_STDIN 1ull
+#define TAG_SIGNAL 2ull
+#define TAG_JOB(slot, stream) ((3ull << 32) | ((uint64_t)(slot) << 1) | (stream))
+#define TAG_DRAIN(fd) ((4ull << 32) | (uint64_t)(fd))
+
+static void op_exec(const unsigned char *id, cursor_t *c) {
+  uint32_t timeout_ms = take_u32(c), cap = take_u32(c), nscript, nenv;
+  const unsigned char *script_raw = take_str(c, &nscript), *env_raw = take_str(c, &nenv);
+  char *script = c->bad || c->left ? NULL : cstr(script_raw, nscript);
+  if (!script || cap < 2 || (nenv && env_raw[nenv - 1] != 0)) { errno = EINVAL; reply_error(id, "exec: malformed request", errno); free(script); return; }
+  int slot = 0;
+  while (slot < MAX_JOBS && jobs[slot]) slot++;
+  int out[2], err[2];
+  if (slot == MAX_JOBS) { errno = EAGAIN; reply_error(id, "exec: too many running commands", errno); free(script); return; }
+  if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) { reply_error(id, "exec: pipe", errno); free(script); return; }
+  char **env = make_env(env_raw, nenv);
+  pid_t pid = fork();
+  if (pid == 0) child_exec(script, env, out[1], err[1]);
+  int fork_errno = errno;
+  free(env), free(script), close(out[1]), close(err[1]);
+  if (pid < 0) { close(out[0]), close(err[0]); reply_error(id, "exec: fork", fork_errno); return; }
+  job_t *j = calloc(1, sizeof *j);
+  if (!j) die("calloc");
+  memcpy(j->id, id, ID_LEN);
+  j->pid = pid, j->fds[0] = out[0], j->fds[1] = err[0];
+  j->start_ns = now_ns(), j->deadline_ns = j->start_ns + (uint64_t)timeout_ms * 1000000ull;
+  for (int s = 0; s < 2; s++) {
+    capped_init(&j->out[s], cap);
+    fcntl(j->fds[s], F_SETFL, O_NONBLOCK);
+    watch(j->fds[s], TAG_JOB(slot, s));
+  }
+  jobs[slot] = j;
+}
+
+static void op_read(const unsigned char *id, cursor_t *c) {
+  uint32_t n;
+  const unsigned char *raw = take_str(c, &n);
+  char *path = c->bad || c->left ? NULL : cstr(raw, n);
+  if (!path) { reply_error(id, "read: malformed request", EINVAL); return; }
+  /* O_NONBLOCK: a FIFO planted at the path must not stall the init */
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st) < 0) { reply_error(id, path, errno); free(path); if (fd >= 0) close(fd); return; }
+  if (!S_ISREG(st.st_mode) || st.st_size > READ_MAX) {
+    reply_error(id, path, S_ISREG(st.st_mode) ? EFBIG : EINVAL);
+    free(path), close(fd);
+    return;
+  }
+  buf_t b = {0};
+  unsigned char chunk[65536];
+  ssize_t r;
+  while ((r = read(fd, chunk, sizeof chunk)) > 0 && b.len + (size_t)r <= READ_MAX) buf_put(&b, chunk, (size_t)r);
+  if (r < 0) reply_error(id, path, errno);
+  else reply(id, 0, b.p, b.len);
+  free(b.p), free(path), close(fd);
+}
+
+static int mkdirs(char *path, mode_t mode) {  /* mkdir -p of every parent of path */
+  for (char *p = path + 1; *p; p++) {
+    if (*p != '/') continue;
+    *p = 0;
+    int r = mkdir(path, mode);
+    int e = errno;
+    *p = '/';
+    if (r < 0 && e != EEXIST) { errno = e; return -1; }
+  }
+  return 0;
+}
+
+static int put_file(const char *path, uint32_t mode, const unsigned char *data, uint32_t n) {
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0600);
+  struct stat st;
+  if (fd < 0) return -1;
+  if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) { close(fd); errno = EINVAL; return -1; }
+  size_t done = 0;
+  while (done < n) {
+    ssize_t w = write(fd, data + done, n - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) { int e = errno; close(fd); errno = e; return -1; }
+    done += (size_t)w;
+  }
+  if (fchmod(fd, (mode_t)(mode & 07777)) < 0) { int e = errno; close(fd); errno = e; return -1; }
+  return close(fd);
+}
+
+static void op_put(const unsigned char *id, cursor_t *c) {
+  while (c->left) {
+    if (c->left < 1) break;
+    unsigned char kind = *c->p;
+    c->p++, c->left--;
+    uint32_t mode = take_u32(c), npath, ndata;
+    const unsigned char *raw = take_str(c, &npath), *data = take_str(c, &ndata);
+    char *path = c->bad ? NULL : cstr(raw, npath);
+    if (!path || path[0] != '/' || kind > 2) { free(path); reply_error(id, "put: malformed request", EINVAL); return; }
+    int r = mkdirs(path, 0755);
+    if (r == 0 && kind == 0) {
+      r = mkdir(path, (mode_t)(mode & 07777));
+      if (r < 0 && errno == EEXIST) r = 0;
+      if (r == 0) r = chmod(path, (mode_t)(mode & 07777));
+    } else if (r == 0 && kind == 1) {
+      r = put_file(path, mode, data, ndata);
+    } else if (r == 0) {
+      char *target = cstr(data, ndata);
+      unlink(path);
+      r = target ? symlink(target, path) : (errno = EINVAL, -1);
+      free(target);
+    }
+    if (r < 0) { reply_error(id, path, errno); free(path); return; }
+    free(path);
+  }
+  reply(id, 0, NULL, 0);
+}
+
+static void dispatch(const unsigned char *frame, uint32_t n) {
+  unsigned char id[ID_LEN] = {0};
+  if (n < ID_LEN + 1) { reply_error(id, "malformed frame", EINVAL); return; }
+  memcpy(id, frame, ID_LEN);
+  cursor_t c = {frame + ID_LEN + 1, n - ID_LEN - 1, 0};
+  switch (frame[ID_LEN]) {
+    case OP_EXEC: op_exec(id, &c); break;
+    case OP_READ: op_read(id, &c); break;
+    case OP_PUT: op_put(id, &c); break;
+    case OP_PING: { uint32_t pid = (uint32_t)getpid(); reply(id, 0, &pid, 4); break; }
+    default: reply_error(id, "unknown op", EINVAL);
+  }
+}
+
+/* ---- jobs ----------------------------------------------------------------------------------- */
+
+static void add_drain(int fd) {  /* background processes still hold the pipe: read and drop */
+  for (int i = 0; i < DRAIN_MAX; i++)
+    if (!drains[i]) {
+      struct epoll_event ev = {.events = EPOLLIN, .data.u64 = TAG_DRAIN(fd)};
+      epoll_ctl(epfd, EPOLL_CTL_MOD, fd, &ev);
+      drains[i] = fd;
+      return;
+    }
+  close(fd);  /* table full: the writers get SIGPIPE, as they would with a closed terminal */
+}
+
+static int pump(job_t *j, int s, int until_empty) {  /* 0 at EOF */
+  unsigned char chunk[65536];
+  for (int rounds = 0; rounds < 64; rounds++) {
+    ssize_t r = read(j->fds[s], chunk, sizeof chunk);
+    if (r > 0) { capped_add(&j->out[s], chunk, (size_t)r); if (!until_empty) return 1; continue; }
+    if (r == 0) return 0;
+    return 1;  /* EAGAIN (or EINTR): nothing more for now */
+  }
+  return 1;
+}
+
+static void finish(int slot) {
+  job_t *j = jobs[slot];
+  buf_t b = {0};
+  int code = WIFEXITED(j->status) ? WEXITSTATUS(j->status) : 128 + WTERMSIG(j->status);
+  if (j->timed_out) code = 124;
+  uint64_t dur = now_ns() - j->start_ns;
+  int truncated = 0;
+  unsigned char flags[2];
+  for (int s = 0; s < 2; s++) {
+    if (j->fds[s] >= 0 && pump(j, s, 1) == 0) { epoll_ctl(epfd, EPOLL_CTL_DEL, j->fds[s], NULL); close(j->fds[s]); }
+    else if (j->fds[s] >= 0) add_drain(j->fds[s]);
+  }
+  buf_put(&b, &code, 4);
+  flags[0] = (unsigned char)j->timed_out;
+  buf_put(&b, flags, 1);
+  size_t flag_at = b.len;
+  flags[1] = 0;
+  buf_put(&b, &flags[1], 1);
+  buf_put(&b, &dur, 8);
+  for (int s = 0; s < 2; s++) truncated |= capped_emit(&j->out[s], &b);
+  b.p[flag_at] = (unsigned char)truncated;
+  reply(j->id, 0, b.p, b.len);
+  free(b.p);
+  capped_free(&j->out[0]), capped_free(&j->out[1]);
+  free(j);
+  jobs[slot] = NULL;
+}
+
+static void reap(void) {
+  int status;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
+    for (int i = 0; i < MAX_JOBS; i++)
+      if (jobs[i] && jobs[i]->pid == pid) { jobs[i]->status = status; jobs[i]->exited = 1; break; }
+  for (int i = 0; i < MAX_JOBS; i++)
+    if (jobs[i] && jobs[i]->exited) finish(i);
+}
+
+static int next_timeout_ms(void) {
+  uint64_t now = now_ns(), soonest = UINT64_MAX;
+  for (int i = 0; i < MAX_JOBS; i++) {
+    job_t *j = jobs[i];
+    if (!j || j->timed_out) continue;
+    if (j->deadline_ns <= now) { j->timed_out = 1; kill(-j->pid, SIGKILL); kill(j->pid, SIGKILL); continue; }
+    if (j->deadline_ns < soonest) soonest = j->deadline_ns;
+  }
+  return soonest == UINT64_MAX ? -1 : (int)((soonest - now) / 1000000ull + 1);
+}
+
+/* ---- main loop ------------------------------------------------------------------------------ */
+
+static buf_t inbox;
+
+static void read_requests(void) {
+  unsigned char chunk[65536];
+  ssize_t r = read(0, chunk, sizeof chunk);
+  if (r == 0) _exit(0);  /* the host closed the channel: the sandbox ends with its init */
+  if (r < 0) { if (errno == EINTR || errno == EAGAIN) return; die("read stdin"); }
+  buf_put(&inbox, chunk, (size_t)r);
+  size_t at = 0;
+  while (inbox.len - at >= 4) {
+    uint32_t n;
+    memcpy(&n, inbox.p + at, 4);
+    if (n > FRAME_MAX) { fprintf(stderr, "furlong-init: frame of %u bytes refused\n", n); _exit(112); }
+    if (inbox.len - at - 4 < n) break;
+    dispatch(inbox.p + at + 4, n);
+    at += 4 + (size_t)n;
+  }
+  memmove(inbox.p, inbox.p + at, inbox.len - at);
+  inbox.len -= at;
+}
+
+static void on_event(uint64_t tag) {
+  if (tag == TAG_STDIN) { read_requests(); return; }
+  if (tag == TAG_SIGNAL) {
+    struct signalfd_siginfo si;
+    while (read(sigfd, &si, sizeof si) == sizeof si) {}
+    reap();
+    return;
+  }
+  if ((tag >> 32) == 4) {
+    int fd = (int)(tag & 0xffffffffu);
+    unsigned char chunk[65536];
+    if (read(fd, chunk, sizeof chunk) == 0) {
+      epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL);
+      close(fd);
+      for (int i = 0; i < DRAIN_MAX; i++) if (drains[i] == fd) drains[i] = 0;
+    }
+    return;
+  }
+  int slot = (int)((tag & 0xffffffffu) >> 1), s = (int)(tag & 1);
+  job_t *j = jobs[slot];
+  if (j && j->fds[s] >= 0 && pump(j, s, 0) == 0) {
+    epoll_ctl(epfd, EPOLL_CTL_DEL, j->fds[s], NULL);
+    close(j->fds[s]);
+    j->fds[s] = -1;
+  }
+}
+
+int main(void) {
+  extern char **environ;
+  /* First, before anything else: the host's fds (image layers) must never reach an agent process. */
+  if (close_range(3, ~0u, 0) < 0) die("close_range");
+  if (prctl(PR_SET_DUMPABLE, 0) < 0) die("prctl");
+  size_t got = 0;
+  while (got < SECRET_LEN) {
+    ssize_t r = read(0, secret + got, SECRET_LEN - got);
+    if (r <= 0) { if (r < 0 && errno == EINTR) continue; _exit(0); }
+    got += (size_t)r;
+  }
+  base_env = environ;
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t chld;
+  sigemptyset(&chld);
+  sigaddset(&chld, SIGCHLD);
+  sigprocmask(SIG_BLOCK, &chld, NULL);
+  if ((sigfd = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC)) < 0) die("signalfd");
+  if ((epfd = epoll_create1(EPOLL_CLOEXEC)) < 0) die("epoll_create1");
+  watch(0, TAG_STDIN);
+  watch(sigfd, TAG_SIGNAL);
+  mkdir("/run/furlong-shell", 0755);  /* the shell state dir (the host wraps commands to use it) */
+  for (;;) {
+    struct epoll_event evs[64];
+    int n = epoll_wait(epfd, evs, 64, next_timeout_ms());
+    if (n < 0 && errno != EINTR) die("epoll_wait");
+    for (int i = 0; i < n; i++) on_event(evs[i].data.u64);
+    reap();
+  }
+}

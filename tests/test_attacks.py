@@ -1,0 +1,259 @@
+"""Attacks on the sandbox from inside it, each with the verdict read on the host.
+
+A policy learns whatever raises its reward, so every way an agent command could stop, trace, impersonate
+or starve the sandbox's init is tried here as an agent would: a shell command in a real sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import run, spec
+from furlong.sandbox import protocol as proto
+from furlong.sandbox.base import ImageRef, SandboxDied, SandboxError
+
+ALIVE = "echo alive"
+
+
+async def _survives(box, attack: str, timeout_s: float = 20.0, disk_full: bool = False):
+    """Runs the attack, then checks the init still answers every kind of request."""
+    result = await box.exec(attack, timeout_s=timeout_s)
+    assert (await box.exec(ALIVE)).stdout == "alive\n", f"init did not survive {attack!r}: {result}"
+    if not disk_full:
+        await box.write_file("/tmp/probe", b"x")
+        assert await box.read_file("/tmp/probe") == b"x"
+    assert await box.ping() == 1  # still the namespace's pid 1
+    return result
+
+
+@pytest.mark.parametrize("attack", [
+    "kill -9 -1",
+    "kill -KILL 1; kill -STOP 1; kill -TERM 1; kill -INT 1; kill -HUP 1; kill -USR1 1; kill -SEGV 1",
+    "for s in $(seq 1 31); do kill -$s 1 2>/dev/null; done; kill -9 -1",
+    "kill -CHLD 1; kill -CHLD 1",  # spurious child signals: the init must not mistake them for exits
+])
+def test_signals_cannot_stop_the_init(backend, base_image, attack):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            await box.exec("sleep 100 >/dev/null 2>&1 &")
+            await _survives(box, attack)
+        finally:
+            await box.close()
+
+    run(go())
+
+
+PTRACE = ("python3 -c \"import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+          "r = libc.ptrace(16, 1, 0, 0); print('ptrace', r, os.strerror(ctypes.get_errno()))\"")
+
+
+def test_the_init_cannot_be_traced_read_or_hijacked_through_proc(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            r = await box.exec(PTRACE)
+            assert r.stdout.strip() == "ptrace -1 Operation not permitted", r
+            for probe in ("head -c1 /proc/1/mem", "head -c1 /proc/1/environ", "head -c1 /proc/1/fd/0",
+                          "ls /proc/1/root/", "readlink /proc/1/fd/0", "readlink /proc/1/exe"):
+                r = await box.exec(probe)
+                assert r.exit_code != 0 and ("Permission denied" in r.stderr or r.stdout == ""), (probe, r)
+            r = await box.exec("echo forged > /proc/1/fd/1")
+            assert r.exit_code != 0 and "Permission denied" in r.stderr
+            # The agent's own fds: only its stdio (and what ls opens to list them); no host layer fds.
+            r = await box.exec("ls /proc/self/fd | wc -l")
+            assert int(r.stdout) <= 4, r
+            await _survives(box, "true")
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_forged_replies_are_refused_and_end_the_sandbox(backend, base_image):
+    """An agent cannot reach the reply channel (above); if anything ever did, a reply without the secret,
+    with an unknown id, or with a body that does not parse is a dead sandbox, never a result."""
+    async def go():
+        for forged in (
+            proto.frame(b"\0" * proto.SECRET_LEN + b"\1" * proto.ID_LEN + b"\0" + b"1.0\n"),  # no secret
+            proto.frame(b"\0" * 7),  # shorter than a header
+            b"\xff\xff\xff\x7f",  # a frame length far past any reply
+        ):
+            box = await backend.create(spec(base_image))
+            try:
+                await box.exec("true")
+                reading = asyncio.create_task(box.read_file("/logs/verifier/reward.txt"))
+                box._proc.stdout.feed_data(forged)  # as if it had come from inside the sandbox
+                with pytest.raises(SandboxDied, match="protocol"):
+                    await reading
+                with pytest.raises(SandboxDied):
+                    await box.exec("true")
+            finally:
+                await box.close()
+
+    run(go())
+
+
+def test_reply_bodies_are_validated_field_by_field():
+    secret = proto.new_secret()
+    rid = proto.new_id()
+    good = secret + rid + b"\0" + b"body"
+    assert proto.parse_reply(good, secret).body == b"body"
+    for bad in (proto.new_secret() + rid + b"\0", secret + rid + b"\2", secret[:10]):
+        with pytest.raises(proto.ProtocolError):
+            proto.parse_reply(bad, secret)
+    fixed = (0).to_bytes(4, "little") + b"\0\0" + (5).to_bytes(8, "little")
+    ok = fixed + (2).to_bytes(4, "little") + b"hi" + (0).to_bytes(4, "little")
+    assert proto.parse_exec(ok, cap=16).stdout == b"hi"
+    for bad in (ok[:-1], ok + b"x", b"\0" * 3, (999).to_bytes(4, "little") + ok[4:],
+                fixed + (1 << 20).to_bytes(4, "little") + b"x" * 10):
+        with pytest.raises(proto.ProtocolError):
+            proto.parse_exec(bad, cap=16)
+
+
+def test_disk_tmpfs_and_memory_fills_leave_the_init_standing(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image, memory_mb=512, disk_mb=256))
+        try:
+            r = await _survives(box, "dd if=/dev/zero of=/big bs=1M count=2048", disk_full=True)
+            assert "No space left" in r.stderr
+            r = await _survives(box, "dd if=/dev/zero of=/tmp/big bs=1M count=2048", disk_full=True)
+            assert "No space left" in r.stderr
+            r = await _survives(box, "dd if=/dev/zero of=/dev/shm/big bs=1M count=2048", disk_full=True)
+            assert "No space left" in r.stderr
+            r = await _survives(box, "touch /dev/newfile", disk_full=True)
+            assert "Read-only" in r.stderr
+            # with the disks full, memory runs out too: the OOM killer must take the agent, not the init
+            r = await _survives(box, "python3 -c \"xs = []\nwhile True: xs.append(bytearray(8 << 20))\"",
+                                disk_full=True)
+            assert r.exit_code == 137
+            r = await _survives(box, "python3 -c \"x = bytearray(30 << 30)\"", disk_full=True)
+            assert r.exit_code != 0
+            assert (await box.exec("df -m / | tail -1")).stdout.split()[1] == "256"
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_fork_bomb_then_memory_then_disk_one_after_the_other(backend, base_image):
+    """The observed failure: these in sequence once killed the daemon in about 1 run of 5. A fork bomb
+    that outlives its command can hold every pid, so later commands may fail to start (SandboxError,
+    which the episode runner scores as the agent's doing); the init itself must live on."""
+    async def attempt(box, cmd: str) -> None:
+        try:
+            await box.exec(cmd, timeout_s=20)
+        except SandboxDied:
+            raise
+        except SandboxError as exc:
+            assert "fork" in str(exc)
+
+    async def go():
+        for _ in range(3):
+            box = await backend.create(spec(base_image, memory_mb=512, pids=128, disk_mb=256))
+            try:
+                await attempt(box, "bomb() { bomb | bomb & }; bomb; sleep 2")
+                await attempt(box, "python3 -c \"x = bytearray(30 << 30)\"; "
+                                   "python3 -c \"xs = []\nwhile True: xs.append(bytearray(8 << 20))\"")
+                await attempt(box, "dd if=/dev/zero of=/tmp/fill bs=1M count=2048")
+                assert await box.ping() == 1
+                assert box.alive
+            finally:
+                await box.close()
+
+    run(go())
+
+
+def test_output_flood_is_capped_and_background_floods_never_block(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            r = await box.exec("head -c 200000000 /dev/zero | tr '\\0' a", timeout_s=60)
+            assert r.truncated and len(r.stdout) < (2 << 20)
+            # background writers keep the command's pipes: the init drains them forever, never blocking
+            r = await box.exec("yes flood &  yes flood >&2 & sleep 0.2", timeout_s=10)
+            assert r.exit_code == 0 and not r.timed_out and r.truncated
+            for _ in range(3):
+                assert (await box.exec("echo quiet")).stdout == "quiet\n"
+            r = await box.exec("cat /dev/urandom", timeout_s=1)
+            assert r.timed_out and r.truncated
+            await _survives(box, "true")
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_setuid_binaries_give_no_host_privilege(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            r = await box.exec("cp /bin/bash /tmp/sbash && chmod 4755 /tmp/sbash && "
+                               "(/tmp/sbash -p -c 'sleep 30' &) ; sleep 0.3; echo ok")
+            assert r.stdout.strip() == "ok"
+            if box._cgroup is not None:
+                uids = {_host_uid(pid) for pid in box._cgroup.pids()} - {None}
+                assert uids == {backend.host_uid} and 0 not in uids
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def _host_uid(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return max(int(x) for x in next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1:])
+
+
+def test_ten_thousand_files_in_and_out(backend, base_image, tmp_path: Path):
+    src = tmp_path / "many"
+    src.mkdir()
+    for i in range(10_000):
+        (src / f"f{i}").write_text(str(i))
+
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            await box.put_dir(src, "/data")
+            r = await box.exec("ls /data | wc -l; cat /data/f9999; echo; mkdir /made && cd /made && "
+                               "for i in $(seq 1 10000); do : > f$i; done; ls | wc -l", timeout_s=60)
+            assert r.stdout.split() == ["10000", "9999", "10000"]
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_a_hostile_image_interpreter_never_runs_as_the_init(backend, base_image, store):
+    """The init is furlong's own static binary: an image whose python3 is booby-trapped cannot touch it."""
+    tmp_path = Path(tempfile.mkdtemp(dir=store.root.parent))  # where the sandbox uid can reach layers
+    layer = tmp_path / "layer"
+    (layer / "usr/bin").mkdir(parents=True)
+    trap = layer / "usr/bin/python3"
+    trap.write_text("#!/bin/sh\necho trapped > /trap-ran\nexit 0\n")
+    trap.chmod(0o755)
+    for p in [tmp_path, layer, layer / "usr", layer / "usr/bin"]:
+        p.chmod(0o755)
+    image = ImageRef(key="hostile", layers=(layer, *base_image.layers))
+
+    async def go():
+        box = await backend.create(spec(image))
+        try:
+            r = await box.exec("echo hi; test -e /trap-ran && echo TRAPPED; head -c 40 /usr/bin/python3")
+            assert r.stdout.startswith("hi\n") and "TRAPPED" not in r.stdout and "trapped" in r.stdout
+        finally:
+            await box.close()
+
+    try:
+        run(go())
+        assert not (layer / "trap-ran").exists()
+    finally:
+        shutil.rmtree(tmp_path)
