@@ -4,14 +4,17 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 # mmdebstrap builds the base image (as root, or as an ordinary user with uidmap's newuidmap/newgidmap and
-# a subuid range); util-linux has setpriv and unshare; passt/slirp4netns give networked sandboxes
-# user-mode networking. These are the only steps that need root: everything after works as a user.
+# a subuid range); util-linux has setpriv and unshare; passt (pasta) and iproute2 give networked
+# sandboxes their own user-mode network; gcc and libc6-dev build the sandbox's static init and launcher
+# once. These are the only steps that need root: everything after works as a user.
 need_apt=()
 command -v mmdebstrap >/dev/null || need_apt+=(mmdebstrap)
 command -v newuidmap >/dev/null || need_apt+=(uidmap)
 command -v setpriv >/dev/null || need_apt+=(util-linux)
 command -v pasta >/dev/null || need_apt+=(passt)
-command -v slirp4netns >/dev/null || need_apt+=(slirp4netns)
+command -v ip >/dev/null || need_apt+=(iproute2)
+command -v gcc >/dev/null || need_apt+=(gcc)
+[ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/aarch64-linux-gnu/libc.a ] || need_apt+=(libc6-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "install.sh: missing ${need_apt[*]}; install them as root (apt-get install ${need_apt[*]})" >&2
@@ -20,10 +23,16 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
+# pasta opens the tun device as the sandbox's unprivileged uid: 0666 is udev's default, some containers
+# ship it 0600 (making an interface still needs CAP_NET_ADMIN inside a namespace).
+if [ "$(id -u)" -eq 0 ] && [ -c /dev/net/tun ] && [ "$(stat -c %a /dev/net/tun)" != 666 ]; then
+  chmod 0666 /dev/net/tun
+fi
 
 # torch first, pinned: otherwise a later dependency pulls a multi-GB CUDA build.
 pip_quiet=(--quiet --disable-pip-version-check --root-user-action=ignore)
 python3 -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null \
   || python3 -m pip install "${pip_quiet[@]}" torch==2.13.0
 python3 -m pip install "${pip_quiet[@]}" -c constraints.txt -e '.[test]'
+python3 -m furlong.sandbox.native >/dev/null  # the static init and launcher, compiled once
 echo "install.sh: ready ($(python3 -m pip show furlong 2>/dev/null | grep ^Version))"

@@ -106,7 +106,7 @@ def test_missing_prerequisite_is_one_line(user, shared_tmp: Path):
     `furlong eval` each print one line naming the fix, with no traceback."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("tar", "sh", "env", "prlimit", "setpriv", "unshare"):
+    for tool in ("tar", "sh", "env", "prlimit", "setpriv", "unshare", "cc", "as", "ld"):  # cc: the sandbox init
         (bin_dir / tool).symlink_to(subprocess.check_output(["sh", "-c", f"command -v {tool}"], text=True).strip())
     cache = tmp_path / "cache"
     task = tmp_path / "tasks" / "t"

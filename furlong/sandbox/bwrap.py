@@ -11,6 +11,7 @@ the compiled init (native/init.c), exec'd from a host fd so the image never sees
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import uuid
@@ -29,6 +30,7 @@ from furlong.sandbox.base import (
 from furlong.sandbox.shell import wrap
 from furlong.sandbox.tarball import tar_dir
 
+log = logging.getLogger(__name__)
 DEFAULT_HOST_UID = 61000  # used only when furlong runs as root; an otherwise unused uid
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -302,11 +304,11 @@ class BwrapSandbox:
         self._kill()
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.remove)
-        try:
-            await asyncio.wait_for(self._proc.wait(), 5.0)
+        try:  # the readers end at EOF, which the init's death brings; bounded all the same
+            await asyncio.wait_for(asyncio.gather(self._proc.wait(), self._reader, self._err_reader,
+                                                  return_exceptions=True), 5.0)
         except asyncio.TimeoutError:
-            pass
-        await asyncio.gather(self._reader, self._err_reader, return_exceptions=True)
+            log.warning("sandbox %s: bwrap did not exit within 5 s of SIGKILL", self.name)
 
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None

@@ -180,7 +180,10 @@ _found: list[Path] | None = None
 
 
 def _user() -> str:
-    return pwd.getpwuid(os.geteuid()).pw_name
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:  # a uid with no passwd entry (containers, CI runners): its number names it
+        return str(os.geteuid())
 
 
 def _owned(d: Path) -> bool:

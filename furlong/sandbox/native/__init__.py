@@ -18,14 +18,15 @@ from functools import cache
 from pathlib import Path
 
 from furlong.paths import cache_dir
+from furlong.sandbox.base import SandboxError
 
 SOURCES = Path(__file__).parent
 NAMES = ("init", "launch")
 CFLAGS = ("-O2", "-static", "-s")
 
 
-class NativeBuildError(RuntimeError):
-    pass
+class NativeBuildError(SandboxError):
+    """The helpers could not be built: a one-line error naming the missing package."""
 
 
 def _compiler() -> str:
