@@ -257,3 +257,24 @@ def test_a_hostile_image_interpreter_never_runs_as_the_init(backend, base_image,
         assert not (layer / "trap-ran").exists()
     finally:
         shutil.rmtree(tmp_path)
+
+
+def test_kernel_settings_in_proc_sys_and_sys_stay_untouched(backend, base_image):
+    watched = ["/proc/sys/kernel/hostname", "/proc/sys/vm/overcommit_memory", "/proc/sys/kernel/pid_max",
+               "/sys/kernel/mm/transparent_hugepage/enabled"]
+    before = {p: Path(p).read_text() for p in watched if Path(p).exists()}
+
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            writes = "; ".join(f"echo 1 > {p}" for p in watched)
+            r = await box.exec(f"{writes}; mount -t sysfs sysfs /sys; mount -t proc proc /mnt; "
+                               "echo b > /proc/sysrq-trigger; ls /sys/kernel 2>&1 | head -3")
+            assert r.stderr.count("Permission denied") + r.stderr.count("Read-only") + \
+                r.stderr.count("No such file") >= len(watched), r.stderr
+            await _survives(box, "true")
+        finally:
+            await box.close()
+
+    run(go())
+    assert {p: Path(p).read_text() for p in before} == before

@@ -43,14 +43,23 @@ class CommandAgent:
 
 
 class DaemonKiller:
-    """Kills the sandbox's daemon from an agent command (today's daemon dies of this). A daemon that
-    survives it (the goal of issue 9's control channel) leaves nothing to score, so the sandbox is then
-    ended under the agent instead: the outcome path exercised is the same."""
+    """Tries to kill the sandbox's init from an agent command, as a policy that cannot solve a task
+    might, to make its episode vanish. The init survives, so the episode is simply scored."""
 
     name = "daemon-killer"
 
     async def run(self, task, sandbox, timeout_s):
-        await sandbox.exec("touch /tmp/done; kill -9 1 2; kill -9 -1", timeout_s=10)
+        await sandbox.exec("touch /tmp/done; kill -9 1; kill -STOP 1; kill -9 -1", timeout_s=10)
+        return AgentRun(commands=1)
+
+
+class SandboxEnder:
+    """The sandbox dies under the agent (whatever the cause): scored, never dropped."""
+
+    name = "sandbox-ender"
+
+    async def run(self, task, sandbox, timeout_s):
+        await sandbox.exec("touch /tmp/done", timeout_s=10)
         await sandbox.inner.close()
         await sandbox.exec("true")
         return AgentRun(commands=2)
@@ -102,22 +111,24 @@ def fresh(backend, image):
     return FreshSandboxes(backend, fixed_image(image))
 
 
-def test_agent_that_kills_the_daemon_is_scored_zero_and_counted(backend, store, tmp_path: Path):
-    tasks = [make_task(tmp_path, "kill", "k", REWARD_IF_DONE), make_task(tmp_path, "fine", "f", REWARD_IF_DONE)]
+def test_killing_the_init_does_nothing_and_a_dead_sandbox_is_scored_zero(backend, store, tmp_path: Path):
+    tasks = [make_task(tmp_path, "kill", "k", REWARD_IF_DONE), make_task(tmp_path, "end", "e", REWARD_IF_DONE),
+             make_task(tmp_path, "fine", "f", REWARD_IF_DONE)]
+    agents = {"kill": DaemonKiller(), "end": SandboxEnder(), "fine": CommandAgent("touch /tmp/done")}
 
     class Mixed:
         name = "mixed"
 
         async def run(self, task, sandbox, timeout_s):
-            agent = DaemonKiller() if task.id == "kill" else CommandAgent("touch /tmp/done")
-            return await agent.run(task, sandbox, timeout_s)
+            return await agents[task.id].run(task, sandbox, timeout_s)
 
-    killed, fine = run(run_eval(tasks, Mixed(), backend, store, 2, None, QUIET))
-    assert (killed.reward, killed.status) == (0.0, "agent_broke_sandbox") and "SandboxDied" in killed.error
+    killer, ended, fine = run(run_eval(tasks, Mixed(), backend, store, 2, None, QUIET))
+    assert (killer.reward, killer.status) == (1.0, "ok"), killer.error  # the init survived kill -9 -1
+    assert (ended.reward, ended.status) == (0.0, "agent_broke_sandbox") and "SandboxDied" in ended.error
     assert (fine.reward, fine.status) == (1.0, "ok")
-    s = summarize([killed, fine])
-    assert s["status"] == {**dict.fromkeys(STATUSES, 0), "ok": 1, "agent_broke_sandbox": 1}
-    assert (s["scored"], s["pass_rate"], s["infra_errors"]) == (2, 0.5, 0)
+    s = summarize([killer, ended, fine])
+    assert s["status"] == {**dict.fromkeys(STATUSES, 0), "ok": 2, "agent_broke_sandbox": 1}
+    assert (s["scored"], s["pass_rate"], s["infra_errors"]) == (3, 2 / 3, 0)
 
 
 def test_a_sandbox_that_cannot_start_is_infra_error(backend, base_image, tmp_path: Path):
