@@ -242,3 +242,23 @@ def generate(seed, out):
     again = fam.instances("all")
     assert [t.instruction for t in again] == [t.instruction for t in tasks]  # from the cache
     assert not [p for p in (cache / "tasks" / f"evil-{fam.digest}").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_bundled_family_generates_from_a_checkout_under_tmp(tmp_path: Path, cache: Path):
+    """The sandbox's own /tmp must not hide a furlong package (or interpreter) that lives under the host's
+    /tmp, as a CI clone may: a generator that imports furlong.tasks.kit still runs."""
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "checkout"
+    shutil.copytree(REPO / "furlong", copy / "furlong", ignore=shutil.ignore_patterns("__pycache__"))
+    for p in [tmp_path, copy, *copy.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    code = ("import sys; from pathlib import Path; from furlong.tasks.family import load_family; "
+            "import furlong; assert furlong.__file__.startswith(sys.argv[2]), furlong.__file__; "
+            "t = load_family(Path(sys.argv[1])).instances('train', limit=1)[0]; print(t.instruction[:40])")
+    res = subprocess.run([sys.executable, "-c", code, str(REPO / "tasks" / "count-in-file"), str(copy)],
+                         cwd=copy, env={**os.environ, "PYTHONPATH": str(copy), "FURLONG_CACHE": str(cache)},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr[-2000:]

@@ -268,11 +268,13 @@ def _bwrap(binds: list[tuple[str, str]], child: list[str]) -> list[str]:
             args += ["--symlink", os.readlink(host), str(host)]
         elif host.is_dir():
             args += ["--ro-bind", str(host), str(host)]
+    # /tmp first: a checkout or interpreter that lives under the host's /tmp is bound on top of it.
+    args += ["--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
     for src, dst in sorted(binds, key=lambda b: len(b[1])):  # parents before what is bound inside them
         args += ["--ro-bind", src, dst]
     # /out: the child empties it once a quarter full, so an instance at the cap (plus a page per
     # file: a tmpfs counts pages, not bytes) always fits.
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+    args += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(3 * MAX_INSTANCE_BYTES), "--tmpfs", "/out",
              "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", "/out", "--"]
     return args + child
