@@ -66,8 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     build = img_sub.add_parser("build", help="build the base image, and the images of --tasks if given")
     build.add_argument("--tasks", type=Path, help="also build every image these tasks need")
     _common(build)
-    ls = img_sub.add_parser("list", help="list built images")
+    ls = img_sub.add_parser("list", help="list built and imported images")
     _common(ls)
+    imp = img_sub.add_parser("import", help="load a rootfs directory or tarball, or an OCI image, under NAME")
+    imp.add_argument("name", help="the name a Dockerfile's FROM will use, e.g. ubuntu:24.04")
+    imp.add_argument("source", type=Path, help="a rootfs directory or tarball, an oci-archive tar, or an OCI layout")
+    _common(imp)
 
     sb = sub.add_parser("sandbox", help="sandbox host set-up")
     sb_sub = sb.add_subparsers(dest="sandbox_command", required=True)
@@ -111,16 +115,20 @@ def _base_image(store) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from furlong.eval.agents import make_agent
     from furlong.eval.run import print_table, run_eval, summarize
-    from furlong.tasks.loader import load_tasks
+    from furlong.tasks.loader import load_suite
 
     cfg = _config(args, {"tasks": "eval.tasks", "agent": "eval.agent", "concurrency": "eval.concurrency",
                          "out": "eval.out", "split": "eval.split", "per_family": "eval.per_family"})
     e = cfg.eval
-    tasks = load_tasks(e.tasks, split=e.split, per_family=e.per_family)
+    agent = make_agent(e.agent)
+    suite = load_suite(e.tasks, split=e.split, per_family=e.per_family)
+    for broken in suite.broken:  # each is also an infra_error line in --out and the table
+        console.print(f"[yellow]not loaded:[/yellow] {broken.error}", soft_wrap=True)
     backend, store = _sandbox_pieces(cfg)
     _base_image(store)
-    console.print(f"{len(tasks)} tasks from {e.tasks}, agent {e.agent}, concurrency {e.concurrency}")
-    results = asyncio.run(run_eval(tasks, make_agent(e.agent), backend, store, e.concurrency, e.out, console))
+    console.print(f"{len(suite.tasks)} tasks ({len(suite.broken)} not loaded) from {e.tasks}, agent {e.agent}, "
+                  f"concurrency {e.concurrency}")
+    results = asyncio.run(run_eval(suite.entries, agent, backend, store, e.concurrency, e.out, console))
     print_table(results, console)
     print(json.dumps(summarize(results)))
     return 0
@@ -130,9 +138,16 @@ def cmd_image(args: argparse.Namespace) -> int:
     cfg = _config(args, {})
     backend, store = _sandbox_pieces(cfg)
     if args.image_command == "list":
-        for meta in sorted(store.root.glob("*/meta.json")):
-            info = json.loads(meta.read_text())
-            print(f"{meta.parent.name}\t{info.get('dockerfile', info.get('builder', 'debootstrap') + ' bookworm minbase')}")
+        for directory, what in store.listing():
+            print(f"{directory}\t{what}")
+        return 0
+    if args.image_command == "import":
+        from furlong.sandbox.imports import import_image
+
+        with console.status(f"importing {args.source}") as status:
+            meta = import_image(store.root, args.name, args.source, lambda msg: status.update(msg))
+        console.print(f"imported {args.name} ({meta['kind']}, {meta['seconds']} s); a Dockerfile can now say "
+                      f"FROM {args.name}")
         return 0
     _base_image(store)
     console.print(f"base image: {store.root / store.base_key()}")

@@ -119,5 +119,7 @@ def test_a_crashing_episode_does_not_take_down_the_run(backend, store, tmp_path:
     results = run(run_eval(tasks, OracleAgent(), backend, store, 2, out, console))
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 3 and {r.reward for r in results} == {1.0}
-    assert set(lines[0]) >= {"task", "reward", "status", "timing"}
+    assert set(lines[0]) >= {"task", "reward", "status", "timing", "verifier_exit_code", "verifier_output",
+                             "agent_exit_code", "agent_output"}
+    assert {line["verifier_exit_code"] for line in lines} == {0} and {line["agent_exit_code"] for line in lines} == {0}
     assert set(lines[0]["timing"]) >= {"sandbox_start", "agent_commands", "verifier", "other"}

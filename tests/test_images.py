@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
 from conftest import run, spec
 from furlong.sandbox import dockerfile as df
+from furlong.sandbox import standins
 from furlong.sandbox.images import ImageBuildError
 
 
@@ -78,7 +81,7 @@ def test_layer_builds_caches_and_stacks_over_the_base(store, backend, tmp_path: 
 
 def test_failing_run_step_is_an_error_naming_the_line(store, backend, tmp_path: Path):
     path = _dockerfile(tmp_path, "FROM debian:bookworm\nRUN echo fine\nRUN echo doomed >&2; exit 7\n")
-    leftovers = set(store.root.glob("layer-*.tmp*"))
+    leftovers = set(store.root.glob(f"layer-*.tmp{os.getpid()}"))  # other processes may be building meanwhile
 
     async def go():
         with pytest.raises(ImageBuildError) as err:
@@ -86,7 +89,7 @@ def test_failing_run_step_is_an_error_naming_the_line(store, backend, tmp_path: 
         assert f"{path}:3" in str(err.value) and "exited 7" in str(err.value) and "doomed" in str(err.value)
 
     run(go())
-    assert set(store.root.glob("layer-*.tmp*")) == leftovers, "a failed build left its temp directory"
+    assert set(store.root.glob(f"layer-*.tmp{os.getpid()}")) == leftovers, "a failed build left its temp directory"
 
 
 def test_copy_outside_the_context_is_refused(store, backend, tmp_path: Path):
@@ -98,3 +101,76 @@ def test_copy_outside_the_context_is_refused(store, backend, tmp_path: Path):
             await store.image(path, backend)
 
     run(go())
+
+
+@pytest.mark.parametrize("ref, standin, version, words", [
+    ("python:3.12-slim", "python", "3.12", "the tag asks for Python 3.12"),
+    ("python:3.13-slim-bookworm", "python", "3.13", "asks for Python 3.13"),
+    ("public.ecr.aws/docker/library/python:3.11-slim", "python", "3.11", "python stand-in"),
+    ("docker.io/library/python:3.10", "python", "3.10", "compilers are not included"),
+    ("python:3.11-bullseye", "python", "3.11", "not 11 (bullseye)"),
+    ("python", "python", "", "python stand-in"),
+    ("debian:bookworm-slim", None, "", ""),
+    ("debian:12.5", None, "", ""),
+    ("buildpack-deps:bookworm-scm", "buildpack-deps-scm", "", "buildpack-deps' packages"),
+])
+def test_known_names_map_to_the_base_or_a_standin(ref: str, standin: str | None, version: str, words: str):
+    choice = standins.resolve(ref)
+    assert choice is not None and (choice.standin.name if choice.standin else None) == standin
+    assert choice.asked_version == version and words in choice.note("3.11.2")
+    if version == "3.11":
+        assert "asks for" not in choice.note("3.11.2")  # 3.11 is what the stand-in really has
+
+
+@pytest.mark.parametrize("ref", ["ubuntu:24.04", "python:2.7", "python:3.12-alpine", "debian:bullseye",
+                                 "debian:latest", "gcc:13.3.0-bookworm", "buildpack-deps:jammy"])
+def test_names_without_an_honest_mapping_are_refused(ref: str):
+    assert standins.resolve(ref) is None
+
+
+def test_unknown_base_is_one_line_naming_the_line_and_the_way_out(tmp_path: Path):
+    path = _dockerfile(tmp_path, "# a task\nFROM ubuntu:24.04\nRUN true\n")
+    with pytest.raises(df.DockerfileError) as err:
+        df.parse(path)
+    text = str(err.value)
+    assert text.startswith(f"{path}:2: unknown base 'ubuntu:24.04'") and "\n" not in text
+    assert "furlong image import ubuntu:24.04" in text
+    assert df.parse(path, imported={"ubuntu:24.04"})[0].args == "ubuntu:24.04"  # once imported, it is known
+
+
+PYPROJECT = """[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "tinypkg"
+version = "0.1"
+"""
+
+
+def test_python_standin_behaves_like_the_official_image(store, backend, tmp_path: Path):
+    """pip, pip3, python, python3 and venv work, and pip installs as root (a local project, offline)."""
+    files = {"pkg/pyproject.toml": PYPROJECT, "pkg/tinypkg/__init__.py": "ANSWER = 42\n"}
+    path = _dockerfile(tmp_path, (
+        "FROM python:3.12-slim\nCOPY pkg /src/pkg\n"
+        "RUN pip --version && pip3 --version && python --version && python3 --version\n"
+        "RUN python -m venv /v && /v/bin/pip --version\n"
+        "RUN pip install --no-build-isolation --no-deps /src/pkg\n"), files)
+    other = _dockerfile(tmp_path / "other", "FROM python:3.11-slim-bookworm\nRUN python -m pip --version\n")
+
+    async def go():
+        image = await store.image(path, backend)
+        box = await backend.create(spec(image))
+        try:
+            r = await box.exec("python -c 'import tinypkg, sys; print(tinypkg.ANSWER, sys.version_info[:2])'; "
+                               "/usr/local/bin/python --version; /v/bin/python -c 'print(1)'; echo $LANG")
+        finally:
+            await box.close()
+        return image, r, await store.image(other, backend)
+
+    image, r, image311 = run(go())
+    assert r.stdout.startswith("42 (3, 11)\nPython 3.11") and r.stdout.endswith("1\nC.UTF-8\n"), r
+    assert "python stand-in (Python 3.11" in image.note and "asks for Python 3.12" in image.note
+    assert "asks for" not in image311.note and image311.layers[1:] == image.layers[1:]  # one stand-in layer
+    meta = json.loads((store.root / image.key / "meta.json").read_text())
+    assert meta["base"] == "python:3.12-slim" and meta["note"] == image.note

@@ -50,6 +50,8 @@ class AgentRun:
     commands: int = 0
     timed_out: bool = False
     truncated: bool = False  # a model agent stopped by its turn or context limit
+    last_exit_code: int | None = None  # a scripted agent's last command, kept for the episode's record
+    last_output: str | None = None  # its output's tail (furlong.tasks.verifier.output_tail)
 
 
 class Agent(Protocol):
@@ -78,6 +80,12 @@ class Outcome:
     error: str | None = None
     agent_timed_out: bool = False
     rewards: dict[str, float] = field(default_factory=dict)
+    # What a user debugging a reward needs; None where that phase never ran (or left nothing to report).
+    # After a control run, the verifier fields are still those of the tests in the agent's sandbox.
+    verifier_exit_code: int | None = None
+    verifier_output: str | None = None
+    agent_exit_code: int | None = None
+    agent_output: str | None = None
 
 
 def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
@@ -178,17 +186,19 @@ async def _phases(task: Task, agent: Agent, guard: GuardedSandbox, sandboxes: Sa
         return _unscored(clock, f"agent failed: {describe(failure)}")
     t = time.perf_counter()
     verdict, problem = await _verifier_phase(task, GuardedSandbox(guard.inner), image.workdir)
-    if verdict is None:  # no reward in the agent's sandbox: a clean run of the tests says whose fault
+    if problem:  # no reward in the agent's sandbox: a clean run of the tests says whose fault
         await _close(guard.inner)  # done with it (closing twice is a no-op); free it before taking another
-        control, control_problem = await _control_run(task, sandboxes, image)
+        _, control_problem = await _control_run(task, sandboxes, image)
         clock.add("verifier", t)
-        if control is None:
-            return _unscored(clock, f"task bug: {problem}; with no agent either: {control_problem}", run)
-        return _broke(clock, f"verifier failed in the agent's sandbox ({problem}) but not in a fresh one", run)
+        if control_problem:
+            return _unscored(clock, f"task bug: {problem}; with no agent either: {control_problem}", run, verdict)
+        return _broke(clock, f"verifier failed in the agent's sandbox ({problem}) but not in a fresh one", run,
+                      verdict)
+    assert verdict is not None  # no problem means the tests left a reward
     clock.add("verifier", t)
     status = "timeout" if verdict.timed_out or run.timed_out else ("truncated" if run.truncated else "ok")
     return Outcome(reward=verdict.reward, status=status, timing=clock.timing(), error=verdict.problem,
-                   agent_timed_out=run.timed_out, rewards=verdict.rewards)
+                   agent_timed_out=run.timed_out, rewards=verdict.rewards, **_records(run, verdict))
 
 
 async def _agent_phase(task: Task, agent: Agent, sandbox: GuardedSandbox) -> tuple[AgentRun, Exception | None]:
@@ -205,13 +215,14 @@ async def _agent_phase(task: Task, agent: Agent, sandbox: GuardedSandbox) -> tup
 
 
 async def _verifier_phase(task: Task, sandbox: GuardedSandbox, workdir: str) -> tuple[Verdict | None, str]:
-    """The verdict when the tests left a reward; else None and what went wrong."""
+    """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
+    ("" when they did)."""
     try:
         verdict = await verify(task, sandbox, workdir)
     except Exception as exc:
         return None, describe(exc)
     if verdict.reward is None:
-        return None, verdict.problem or "no reward"
+        return verdict, verdict.problem or "no reward"
     return verdict, ""
 
 
@@ -234,11 +245,18 @@ async def _close(sandbox: Sandbox) -> None:
         log.warning("closing a sandbox failed: %s", describe(exc))
 
 
-def _unscored(clock: Clock, error: str, run: AgentRun | None = None) -> Outcome:
+def _records(run: AgentRun | None, verdict: Verdict | None) -> dict[str, Any]:
+    """The Outcome fields that say what the agent's last command and the tests printed."""
+    return {"agent_exit_code": run.last_exit_code if run else None, "agent_output": run.last_output if run else None,
+            "verifier_exit_code": verdict.exit_code if verdict else None,
+            "verifier_output": verdict.output_tail if verdict else None}
+
+
+def _unscored(clock: Clock, error: str, run: AgentRun | None = None, verdict: Verdict | None = None) -> Outcome:
     return Outcome(reward=None, status="infra_error", timing=clock.timing(), error=error,
-                   agent_timed_out=bool(run and run.timed_out))
+                   agent_timed_out=bool(run and run.timed_out), **_records(run, verdict))
 
 
-def _broke(clock: Clock, error: str, run: AgentRun) -> Outcome:
+def _broke(clock: Clock, error: str, run: AgentRun, verdict: Verdict | None = None) -> Outcome:
     return Outcome(reward=0.0, status="agent_broke_sandbox", timing=clock.timing(), error=error,
-                   agent_timed_out=run.timed_out)
+                   agent_timed_out=run.timed_out, **_records(run, verdict))

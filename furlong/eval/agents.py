@@ -9,6 +9,7 @@ from __future__ import annotations
 from furlong.agent.runner import Agent, AgentRun
 from furlong.sandbox.base import Sandbox
 from furlong.tasks.model import Task
+from furlong.tasks.verifier import output_tail
 
 __all__ = ["Agent", "AgentRun", "NoopAgent", "OracleAgent", "make_agent"]
 
@@ -35,7 +36,9 @@ class OracleAgent:
         else:
             await sandbox.put_dir(task.solution.parent, SOLUTION_DIR)
         res = await sandbox.exec(f"bash {SOLUTION_DIR}/{task.solution.name}", timeout_s=timeout_s)
-        return AgentRun(commands=1, timed_out=res.timed_out)
+        # Recorded so a 0 reward can be traced to a solution that failed, not only to the tests.
+        return AgentRun(commands=1, timed_out=res.timed_out, last_exit_code=res.exit_code,
+                        last_output=output_tail(res.stdout, res.stderr))
 
 
 AGENTS = {"oracle": OracleAgent, "noop": NoopAgent}

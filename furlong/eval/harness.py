@@ -9,6 +9,7 @@ from furlong.agent.runner import STATUSES, Agent, Outcome, SandboxSource, run_ou
 from furlong.metrics.timing import EpisodeTiming
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
+from furlong.tasks.loader import BrokenTask
 from furlong.tasks.model import Task
 
 __all__ = ["STATUSES", "EpisodeResult", "run_episode", "run_agent"]
@@ -27,12 +28,26 @@ class EpisodeResult:
     family: str | None = None
     seed: int | None = None
     split: str | None = None
+    # Why the tests scored what they did: their exit code and output tail (null if they never ran), and
+    # a scripted agent's last command's (null for agents that do not report one, e.g. noop).
+    verifier_exit_code: int | None = None
+    verifier_output: str | None = None
+    agent_exit_code: int | None = None
+    agent_output: str | None = None
 
     @classmethod
     def of(cls, task: Task, agent: str, outcome: Outcome) -> EpisodeResult:
         return cls(task=task.id, agent=agent, reward=outcome.reward, status=outcome.status, timing=outcome.timing,
                    error=outcome.error, agent_timed_out=outcome.agent_timed_out, rewards=outcome.rewards,
-                   family=task.family, seed=task.seed, split=task.split)
+                   family=task.family, seed=task.seed, split=task.split,
+                   verifier_exit_code=outcome.verifier_exit_code, verifier_output=outcome.verifier_output,
+                   agent_exit_code=outcome.agent_exit_code, agent_output=outcome.agent_output)
+
+    @classmethod
+    def unloadable(cls, broken: BrokenTask, agent: str) -> EpisodeResult:
+        """A task (or family) that could not be loaded: an infra_error episode that never started."""
+        return cls(task=broken.id, agent=agent, reward=None, status="infra_error", timing=EpisodeTiming(),
+                   error=broken.error, family=broken.family)
 
     def to_json(self) -> dict:
         out = asdict(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -17,6 +18,7 @@ from furlong.metrics.outcomes import Scored, outcome_summary
 from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import FreshSandboxes
+from furlong.tasks.loader import BrokenTask
 from furlong.tasks.model import Task
 
 
@@ -39,13 +41,36 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
     return images
 
 
-async def run_eval(tasks: list[Task], agent: Agent, backend, store: ImageStore, concurrency: int,
-                   out: Path | None, console: Console) -> list[EpisodeResult]:
-    images = await prepare_images(tasks, store, backend, console)
-    sandboxes = FreshSandboxes(backend, _prebuilt(images))
+async def run_eval(entries: Sequence[Task | BrokenTask], agent: Agent, backend, store: ImageStore,
+                   concurrency: int, out: Path | None, console: Console) -> list[EpisodeResult]:
+    """Every task's episode, in `entries`' order. A BrokenTask (one that did not load) is an infra_error
+    line of its own, written first; the others' lines are written as each episode ends."""
+    tasks = [e for e in entries if isinstance(e, Task)]
+    results = [EpisodeResult.unloadable(e, agent.name) for e in entries if isinstance(e, BrokenTask)]
+    sink = open(out, "w") if out else None
+
+    def record(res: EpisodeResult) -> None:
+        if sink:  # flushed per line, so a killed run loses nothing finished
+            sink.write(json.dumps(res.to_json()) + "\n")
+            sink.flush()
+
+    try:
+        for res in results:
+            record(res)
+        images = await prepare_images(tasks, store, backend, console) if tasks else {}
+        results += await _episodes(tasks, agent, FreshSandboxes(backend, _prebuilt(images)), concurrency,
+                                   record, console, len(entries))
+    finally:
+        if sink:
+            sink.close()
+    order = {e.id: i for i, e in enumerate(entries)}
+    return sorted(results, key=lambda r: order[r.task])
+
+
+async def _episodes(tasks: list[Task], agent: Agent, sandboxes: FreshSandboxes, concurrency: int,
+                    record: Callable[[EpisodeResult], None], console: Console, total: int) -> list[EpisodeResult]:
     sem = asyncio.Semaphore(concurrency)
     results: list[EpisodeResult] = []
-    sink = open(out, "w") if out else None
 
     async def one(task: Task) -> EpisodeResult:
         async with sem:
@@ -53,21 +78,14 @@ async def run_eval(tasks: list[Task], agent: Agent, backend, store: ImageStore, 
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("pass {task.fields[passed]}"))
-    try:
-        with Progress(*columns, console=console, transient=False) as bar:
-            job = bar.add_task(f"eval {agent.name}", total=len(tasks), passed=0)
-            for fut in asyncio.as_completed([one(t) for t in tasks]):
-                res = await fut
-                results.append(res)
-                if sink:  # written as each episode ends, so a killed run loses nothing finished
-                    sink.write(json.dumps(res.to_json()) + "\n")
-                    sink.flush()
-                bar.update(job, advance=1, passed=sum(r.reward == 1.0 for r in results))
-    finally:
-        if sink:
-            sink.close()
-    order = {t.id: i for i, t in enumerate(tasks)}
-    return sorted(results, key=lambda r: order[r.task])
+    with Progress(*columns, console=console, transient=False) as bar:
+        job = bar.add_task(f"eval {agent.name}", total=total, completed=total - len(tasks), passed=0)
+        for fut in asyncio.as_completed([one(t) for t in tasks]):
+            res = await fut
+            results.append(res)
+            record(res)
+            bar.update(job, advance=1, passed=sum(r.reward == 1.0 for r in results))
+    return results
 
 
 def _prebuilt(images: dict):

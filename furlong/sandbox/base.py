@@ -52,6 +52,7 @@ class ImageRef:
     layers: tuple[Path, ...]
     env: tuple[tuple[str, str], ...] = ()
     workdir: str = "/"
+    note: str = ""  # how the image differs from what its FROM named (a stand-in), or where it came from
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The documented Dockerfile subset furlong builds: FROM (a known base), RUN, COPY, WORKDIR, ENV.
+"""The documented Dockerfile subset furlong builds: FROM (a known or imported base), RUN, COPY, WORKDIR, ENV.
 
 Anything else is an error that names the file and line, never a silent difference from Docker.
 """
@@ -10,17 +10,13 @@ import json
 import posixpath
 import shlex
 import tarfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from furlong.sandbox import standins
 from furlong.sandbox.tarball import root_owned
 
-# Every known base maps onto the one debootstrap bookworm rootfs (Debian's python3 stands in for
-# the python image's own build); tasks written for these images run unchanged.
-KNOWN_BASES = frozenset({
-    "debian:bookworm", "debian:bookworm-slim", "debian:12", "debian:12-slim",
-    "python:3.11-slim-bookworm", "python:3.11-bookworm", "python:3.11-slim", "furlong/base",
-})
 SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "ENV")
 
 
@@ -37,8 +33,9 @@ class Instruction:
     line: int
 
 
-def parse(path: Path) -> list[Instruction]:
-    """Parses and validates; the first instruction must be FROM a known base."""
+def parse(path: Path, imported: Collection[str] = ()) -> list[Instruction]:
+    """Parses and validates; the first instruction must be FROM a known base (standins.resolve) or,
+    by exact name, an image `furlong image import` brought in (`imported`)."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -55,7 +52,7 @@ def parse(path: Path) -> list[Instruction]:
     if not steps or steps[0].op != "FROM":
         raise DockerfileError(path, steps[0].line if steps else 1, "the first instruction must be FROM")
     for step in steps:
-        _validate(path, step, first=step is steps[0])
+        _validate(path, step, first=step is steps[0], imported=imported)
     return steps
 
 
@@ -78,13 +75,19 @@ def _logical_lines(text: str):
         yield start, " ".join(parts)
 
 
-def _validate(path: Path, step: Instruction, first: bool) -> None:
+def _validate(path: Path, step: Instruction, first: bool, imported: Collection[str]) -> None:
     if step.op == "FROM":
         if not first:
             raise DockerfileError(path, step.line, "multi-stage builds (a second FROM) are not supported")
-        base = step.args.split()[0]
-        if base not in KNOWN_BASES or len(step.args.split()) > 1:
-            raise DockerfileError(path, step.line, f"unknown base {step.args!r}; known: {', '.join(sorted(KNOWN_BASES))}")
+        words = step.args.split()
+        if len(words) > 1:
+            raise DockerfileError(path, step.line,
+                                  f"FROM takes one image name here (no --platform or AS), got {step.args!r}")
+        if words[0] not in imported and standins.resolve(words[0]) is None:
+            raise DockerfileError(path, step.line, (
+                f"unknown base {step.args!r}: no registry is reached here; known: {', '.join(standins.KNOWN)}"
+                f"{', or imported: ' + ', '.join(sorted(imported)) if imported else ''}; "
+                f"bring it by hand with `furlong image import {words[0]} ROOTFS_OR_OCI_ARCHIVE`"))
     elif step.op == "COPY":
         if step.args.startswith("--"):
             raise DockerfileError(path, step.line, "COPY flags (--from, --chown, ...) are not supported")

@@ -5,6 +5,10 @@ A layer is the overlay upper directory left by running the Dockerfile's steps in
 mmdebstrap, as root or (in a user namespace from the user's subuid range) as an ordinary user. As root,
 layers are owned by root on disk and sandboxes see them through read-only id-mapped views (layers.py),
 so the sandbox uid cannot write them; as a user, they belong to the user, which is the sandbox's uid.
+
+A FROM names the base, the base plus a stand-in layer (standins.py: e.g. `python:*` gets Debian's
+python3 with pip and venv), built once like a task layer from an internal Dockerfile, or an image
+imported by hand (imports.py). A stand-in's note says what the image really is; ImageRef.note carries it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Callable
 
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import layers, rootless
+from furlong.sandbox import imports, layers, rootless, standins
 from furlong.sandbox.base import ImageRef, Limits, SandboxError, SandboxSpec
 
 FORMAT = "4"  # bump when the layout or the base recipe changes, so old caches are not reused
@@ -155,9 +159,69 @@ class ImageStore:
                 if st.st_mode & 0o6000 and not os.path.islink(path):
                     os.chmod(path, st.st_mode & 0o7777)
 
+    # -- what a FROM names ----------------------------------------------------------------------
+    async def parent(self, ref: str, backend, progress: Progress) -> ImageRef:
+        """The image a FROM names: an imported one (exact name first: the user brought it on purpose),
+        the base, or the base plus a stand-in layer (built once)."""
+        if (meta := imports.find(self.root, ref)) is not None:
+            return await asyncio.to_thread(self._imported, meta)
+        choice = standins.resolve(ref)
+        if choice is None:  # parse() has refused it already; a direct caller gets the same words
+            raise ImageBuildError(f"unknown base {ref!r}: not imported and no stand-in maps it")
+        base = await asyncio.to_thread(self.base, progress)
+        if choice.standin is None:
+            return base
+        standin = await self._standin(choice.standin, base, backend, progress)
+        note = choice.note(standin.note)
+        progress(note)
+        return ImageRef(key=standin.key, layers=standin.layers, env=standin.env, workdir="/", note=note)
+
+    def _imported(self, meta: dict) -> ImageRef:
+        rootfs = imports.directory(self.root, meta["name"]) / imports.rootfs_name(meta["id"])
+        return ImageRef(key=f"import-{meta['id']}", layers=(self._view(rootfs),),
+                        env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
+                        note=f"{meta['name']}: imported by hand from {meta['source']}")
+
+    def standin_key(self, standin: standins.Standin) -> str:
+        return f"standin-{standin.name}-" + _sha(FORMAT, self.base_key(), standin.dockerfile())
+
+    async def _standin(self, standin: standins.Standin, base: ImageRef, backend, progress: Progress) -> ImageRef:
+        """The base plus the stand-in's layer (its note: what the probe printed, e.g. 3.11.2)."""
+        key = self.standin_key(standin)
+        final = self.root / key
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            if not (final / "meta.json").exists():
+                recipe = self.root / f".{key}.Dockerfile"  # a real file, so build errors name file:line
+                recipe.write_text(standin.dockerfile())
+                steps = df.parse(recipe)
+                await self._build_layer(final, base, recipe, steps, backend, progress,
+                                        label=f"{standin.name} stand-in", probe=standin.probe,
+                                        extra={"standin": standin.name, "packages": standin.packages})
+        meta = json.loads((final / "meta.json").read_text())
+        return ImageRef(key=key, layers=(await asyncio.to_thread(self._view, final / "upper"), *base.layers),
+                        env=tuple(tuple(p) for p in meta["env"]), note=meta.get("provides", ""))
+
+    def listing(self) -> list[tuple[str, str]]:
+        """(directory, what it is) for every image in the store."""
+        rows = []
+        for meta_path in sorted(self.root.glob("*/meta.json")):
+            info = json.loads(meta_path.read_text())
+            if "standin" in info:
+                what = f"{info['standin']} stand-in ({info.get('provides') or 'Debian bookworm'})"
+            elif "name" in info:
+                what = f"{info['name']}\timported from {info['source']} ({info['kind']})"
+            elif "dockerfile" in info:
+                what = info["dockerfile"] + (f"\t{info['note']}" if info.get("note") else "")
+            else:
+                what = info.get("builder", "debootstrap") + " bookworm minbase"
+            rows.append((meta_path.parent.name, what))
+        return rows
+
     # -- Dockerfile layers -------------------------------------------------------------------
-    def layer_key(self, dockerfile: Path, steps: list[df.Instruction]) -> str:
-        parts: list[str | bytes] = [FORMAT, self.base_key()]
+    def layer_key(self, dockerfile: Path, steps: list[df.Instruction], parent_key: str | None = None) -> str:
+        """The parent's key (the base unless FROM named a stand-in or an import), the steps, and the
+        content COPY brings in."""
+        parts: list[str | bytes] = [FORMAT, parent_key or self.base_key()]
         workdir = "/"
         for step in steps[1:]:
             parts.append(f"{step.op} {step.args}")
@@ -168,39 +232,48 @@ class ImageStore:
         return "layer-" + _sha(*parts)
 
     async def image(self, dockerfile: Path | None, backend, progress: Progress | None = None) -> ImageRef:
-        """The image for a task: the base, or the base plus its Dockerfile's layer (built once)."""
-        base = await asyncio.to_thread(self.base, progress)
+        """The image for a task: the base, or its Dockerfile's FROM plus its own layer (built once)."""
+        progress = progress or (lambda _: None)
         if dockerfile is None:
-            return base
+            return await asyncio.to_thread(self.base, progress)
         if dockerfile in self._resolved:
             return self._resolved[dockerfile]
-        steps = df.parse(dockerfile)
-        key = await asyncio.to_thread(self.layer_key, dockerfile, steps)
+        steps = df.parse(dockerfile, imported=await asyncio.to_thread(imports.names, self.root))
+        parent = await self.parent(steps[0].args, backend, progress)
+        key = await asyncio.to_thread(self.layer_key, dockerfile, steps, parent.key)
         final = self.root / key
         async with self._locks.setdefault(key, asyncio.Lock()):
             if not (final / "meta.json").exists():
-                await self._build_layer(final, base, dockerfile, steps, backend, progress or (lambda _: None))
+                await self._build_layer(final, parent, dockerfile, steps, backend, progress,
+                                        label=dockerfile.parent.parent.name,
+                                        extra={"base": steps[0].args, "note": parent.note})
         meta = json.loads((final / "meta.json").read_text())
-        ref = ImageRef(key=key, layers=(await asyncio.to_thread(self._view, final / "upper"), *base.layers),
-                       env=tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"])
+        ref = ImageRef(key=key, layers=(await asyncio.to_thread(self._view, final / "upper"), *parent.layers),
+                       env=parent.env + tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],
+                       note=parent.note)
         self._resolved[dockerfile] = ref
         return ref
 
-    async def _build_layer(self, final: Path, base: ImageRef, dockerfile: Path, steps, backend, progress) -> None:
+    async def _build_layer(self, final: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
+                           label: str, probe: str = "", extra: dict | None = None) -> None:
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         _rmtree(tmp)
         for d in ("upper", "work"):
             (tmp / d).mkdir(parents=True)
         os.chown(tmp / "upper", self.host_uid, self.host_uid)
         os.chown(tmp / "work", self.host_uid, self.host_uid)
+        started = time.monotonic()
         try:
-            env, workdir = await self._run_steps(tmp / "upper", base, dockerfile, steps, backend, progress)
+            env, workdir, provides = await self._run_steps(tmp / "upper", parent, dockerfile, steps, backend,
+                                                           progress, label, probe)
         except BaseException:
             _rmtree(tmp)  # a failed build leaves nothing behind
             raise
         _rmtree(tmp / "work")
         await asyncio.to_thread(self._seal, tmp / "upper")
-        (tmp / "meta.json").write_text(json.dumps({"env": env, "workdir": workdir, "dockerfile": str(dockerfile)}))
+        meta = {"env": env, "workdir": workdir, "dockerfile": str(dockerfile), **(extra or {}),
+                "seconds": round(time.monotonic() - started, 1)}
+        (tmp / "meta.json").write_text(json.dumps({**meta, "provides": provides} if probe else meta))
         with _locked(self.root / f".{final.name}.lock"):
             if (final / "meta.json").exists():  # another process built it meanwhile
                 _rmtree(tmp)
@@ -208,14 +281,16 @@ class ImageStore:
                 _rmtree(final)
                 tmp.rename(final)
 
-    async def _run_steps(self, upper: Path, base: ImageRef, dockerfile: Path, steps, backend, progress):
+    async def _run_steps(self, upper: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
+                         label: str, probe: str):
+        """Runs the steps after FROM in one build sandbox; then `probe`, whose output is returned."""
         env: list[tuple[str, str]] = []
-        workdir = "/"
-        spec = SandboxSpec(image=base, network=True, limits=BUILD_LIMITS)
+        workdir = parent.workdir
+        spec = SandboxSpec(image=parent, network=True, limits=BUILD_LIMITS)
         box = await backend.create(spec, upper=upper)
         try:
             for n, step in enumerate(steps[1:], 2):
-                progress(f"{dockerfile.parent.parent.name}: step {n}/{len(steps)} {step.op} {step.args[:60]}")
+                progress(f"{label}: step {n}/{len(steps)} {step.op} {step.args[:60]}")
                 if step.op == "ENV":
                     env += df.env_pairs(dockerfile, step)
                 elif step.op == "WORKDIR":
@@ -225,9 +300,10 @@ class ImageStore:
                     await box.put_tar(df.copy_tar(dockerfile.parent, step, workdir, dockerfile), "/")
                 else:
                     await self._must(box, df.run_command(step), dockerfile, step, dict(env), workdir)
+            provides = (await box.exec(probe, timeout_s=60, env=dict(env))).stdout.strip() if probe else ""
         finally:
             await box.close()
-        return env, workdir
+        return env, workdir, provides
 
     async def _must(self, box, cmd: str, dockerfile: Path, step, env: dict, cwd: str) -> None:
         res = await box.exec(cmd, timeout_s=self.build_timeout_s, cwd=cwd, env=env)

@@ -15,6 +15,30 @@ from dataclasses import dataclass, field
 from furlong.sandbox.base import Sandbox, SandboxDied, SandboxError
 from furlong.tasks.model import TESTS_DIR, VERIFIER_LOG_DIR, Task
 
+OUTPUT_TAIL_CHARS = 4000  # of a command's output kept in an episode's record: enough for a test report's end
+
+
+def output_tail(stdout: str, stderr: str, cap: int = OUTPUT_TAIL_CHARS) -> str:
+    """The end of stdout then the end of stderr, at most `cap` characters in all.
+
+    Each stream keeps at least half of `cap` when both are long, so a failing test's report on stdout
+    is not pushed out by a noisy stderr (or the reverse); a cut is marked so the reader knows.
+    """
+    if len(stdout) + len(stderr) <= cap:
+        return stdout + stderr
+    err_keep = min(len(stderr), max(cap // 2, cap - len(stdout)))
+    out_keep = cap - err_keep
+    return _end(stdout, out_keep) + _end(stderr, err_keep)
+
+
+def _end(text: str, keep: int) -> str:
+    if len(text) <= keep:
+        return text
+    room = keep - len(f"[... {len(text)} chars cut ...]\n")  # the marker's longest form fits in `keep`
+    if room <= 0:
+        return text[-keep:] if keep else ""
+    return f"[... {len(text) - room} chars cut ...]\n" + text[-room:]
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -36,7 +60,7 @@ async def verify(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
         await sandbox.write_file(script, task.test_script.read_bytes(), 0o755)
     res = await sandbox.exec(f"bash {shlex.quote(script)}", timeout_s=task.verifier_timeout_s,
                              cwd=workdir, env=dict(task.verifier_env))
-    tail = (res.stdout + res.stderr)[-2000:]
+    tail = output_tail(res.stdout, res.stderr)
     if res.timed_out:
         return Verdict(reward=0.0, timed_out=True, exit_code=res.exit_code, output_tail=tail,
                        problem=f"verifier timed out after {task.verifier_timeout_s:g}s")

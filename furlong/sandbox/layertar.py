@@ -1,0 +1,145 @@
+"""Unpacking image layers (tar streams) into a directory, checked member by member.
+
+Python's `tarfile` extraction filters reject absolute symlinks, which a real rootfs is full of
+(/etc/localtime -> /usr/share/zoneinfo/...), so this writes each member itself: a symlink is created
+as it is and never followed; every parent of a member must be a real directory inside the root;
+`..` is refused; device nodes are skipped (bwrap gives every sandbox its own /dev); files belong to
+this process's uid. OCI whiteouts (`.wh.NAME`, `.wh..wh..opq`) delete what lower layers put there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tarfile
+from pathlib import Path
+
+WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
+
+
+class UnpackError(ValueError):
+    """A layer member that would escape the image root, or that cannot be unpacked."""
+
+
+class LayerWriter:
+    """Applies layers, in order, to one root directory; `finish` once after the last."""
+
+    def __init__(self, root: Path, label: str):
+        self.root, self.label = root, label
+        self.skipped = 0  # device nodes left out
+        self._dirs: dict[str, tuple[int, float]] = {}  # modes are set last, so read-only dirs can be filled
+
+    def apply(self, tar: tarfile.TarFile, whiteouts: bool) -> None:
+        """Unpacks one layer. With `whiteouts` (OCI layers; needs a seekable tar), its whiteouts are
+        applied first: they only ever delete what lower layers hold, never this layer's own files."""
+        if not whiteouts:
+            for member in tar:
+                self._member(tar, member)
+            return
+        members = tar.getmembers()
+        for member in members:
+            if self._is_whiteout(member):
+                self._whiteout(member)
+        for member in members:
+            if not self._is_whiteout(member):
+                self._member(tar, member)
+
+    def _is_whiteout(self, member: tarfile.TarInfo) -> bool:
+        parts = self._parts(member.name)
+        return bool(parts) and parts[-1].startswith(WHITEOUT)
+
+    def finish(self) -> None:
+        """Directory modes and times, deepest first (a parent's time would change with each child)."""
+        for rel, (mode, mtime) in sorted(self._dirs.items(), key=lambda kv: -kv[0].count("/")):
+            path = self.root / rel
+            if path.is_dir() and not path.is_symlink():
+                os.chmod(path, mode & 0o7777)
+                os.utime(path, (mtime, mtime))
+
+    def _parts(self, name: str) -> list[str]:
+        parts = [p for p in name.split("/") if p not in ("", ".")]
+        if ".." in parts:
+            raise UnpackError(f"{self.label}: member {name!r} leaves the image root ('..'); refused")
+        return parts
+
+    def _walk(self, parts: list[str], name: str, create: bool) -> Path | None:
+        """The directory `parts` names, checked component by component: no symlink is followed."""
+        path = self.root
+        for i, part in enumerate(parts):
+            path = path / part
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                if not create:
+                    return None
+                os.mkdir(path)
+                os.chmod(path, 0o755)
+                continue
+            where = "/" + "/".join(parts[:i + 1])
+            if stat.S_ISLNK(st.st_mode):
+                raise UnpackError(f"{self.label}: member {name!r} goes through the symlink {where} -> "
+                                  f"{os.readlink(path)}; refused (it could lead outside the image)")
+            if not stat.S_ISDIR(st.st_mode):
+                raise UnpackError(f"{self.label}: member {name!r}: {where} is not a directory")
+        return path
+
+    def _remove(self, path: Path) -> None:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+            rel = str(path.relative_to(self.root))
+            for key in [k for k in self._dirs if k == rel or k.startswith(rel + "/")]:
+                del self._dirs[key]
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+    def _whiteout(self, member: tarfile.TarInfo) -> None:
+        *dirs, base = self._parts(member.name)
+        parent = self._walk(dirs, member.name, create=False)
+        if parent is None:
+            return
+        if base == OPAQUE:
+            for child in os.listdir(parent):
+                self._remove(parent / child)
+        elif not base.startswith(WHITEOUT + WHITEOUT):  # other .wh..wh.* names are aufs metadata
+            self._remove(parent / base[len(WHITEOUT):])
+
+    def _member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        parts = self._parts(member.name)
+        if not parts:
+            return  # the root itself
+        if member.ischr() or member.isblk():
+            self.skipped += 1
+            return
+        dst = self._walk(parts[:-1], member.name, create=True) / parts[-1]
+        if member.isdir():
+            if not (dst.is_dir() and not dst.is_symlink()):
+                self._remove(dst)
+                os.mkdir(dst, 0o700)
+            self._dirs["/".join(parts)] = (member.mode, member.mtime)
+            return
+        self._remove(dst)
+        if member.isreg():
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as out, tar.extractfile(member) as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+        elif member.issym():
+            os.symlink(member.linkname, dst)
+        elif member.islnk():
+            os.link(self._link_source(member), dst, follow_symlinks=False)
+        elif member.isfifo():
+            os.mkfifo(dst)
+        else:
+            raise UnpackError(f"{self.label}: member {member.name!r} has an unsupported type {member.type!r}")
+        if not member.issym():
+            os.chmod(dst, member.mode & 0o7777)
+        os.utime(dst, (member.mtime, member.mtime), follow_symlinks=False)
+
+    def _link_source(self, member: tarfile.TarInfo) -> Path:
+        *dirs, base = self._parts(member.linkname) or [""]
+        parent = self._walk(dirs, member.linkname, create=False)
+        source = parent / base if parent is not None and base else None
+        if source is None or not source.is_file() or source.is_symlink():
+            raise UnpackError(
+                f"{self.label}: hard link {member.name!r} -> {member.linkname!r}: no such file in the image")
+        return source
