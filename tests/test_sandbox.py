@@ -157,3 +157,32 @@ def test_warm_pool_hands_out_each_fresh_sandbox_once(backend, base_image):
         assert all(not b.alive for b in (first, second))
 
     run(go())
+
+
+def test_a_layer_rebuilt_at_the_same_path_is_reopened(backend, base_image, store):
+    import shutil
+    import tempfile
+
+    from furlong.sandbox.base import ImageRef
+
+    root = Path(tempfile.mkdtemp(dir=store.root.parent))
+    layer = root / "layer"
+    try:
+        for version in ("one", "two"):
+            shutil.rmtree(layer, ignore_errors=True)
+            layer.mkdir(parents=True)
+            (layer / "version").write_text(version)
+            for p in (root, layer, layer / "version"):
+                p.chmod(0o755 if p.is_dir() else 0o644)
+            image = ImageRef(key=f"rebuilt-{version}", layers=(layer, *base_image.layers))
+
+            async def go():
+                box = await backend.create(spec(image))
+                try:
+                    return (await box.exec("cat /version")).stdout
+                finally:
+                    await box.close()
+
+            assert run(go()) == version
+    finally:
+        shutil.rmtree(root)

@@ -99,11 +99,15 @@ class BwrapBackend:
         self._layer_fds: dict[Path, int] = {}
 
     def _fd(self, layer: Path) -> int:
-        # Layers are handed to bwrap as /proc/self/fd paths: the sandbox uid cannot traverse
-        # root's home, and need not, since the fd was opened before the uid dropped.
-        if layer not in self._layer_fds:
-            self._layer_fds[layer] = os.open(layer, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        return self._layer_fds[layer]
+        # Layers are handed to bwrap as /proc/self/fd paths, opened once per layer; a layer rebuilt or
+        # re-imported at the same path is a new directory, so a cached fd must still be that path's.
+        fd = self._layer_fds.get(layer)
+        if fd is not None and not _same_file(fd, layer):
+            os.close(fd)
+            fd = None
+        if fd is None:
+            fd = self._layer_fds[layer] = os.open(layer, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return fd
 
     def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None,
                    seccomp_fd: int | None = None) -> tuple[list[str], list[int]]:
@@ -174,6 +178,14 @@ class BwrapBackend:
             for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
                 os.close(fd)
         return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class BwrapSandbox:
