@@ -88,7 +88,8 @@ def test_a_hostile_generator_cannot_touch_the_host(tmp_path: Path, cache: Path):
     results = json.loads(task.instruction)
     for path in writes:
         assert not Path(path).exists(), f"the generator wrote {path} on the host"
-        assert results["write-" + path].startswith("refused") or path == f"/tmp/{marker}"  # its own tmpfs
+        # a path under /tmp lands in the sandbox's own tmpfs (a checkout may live under /tmp too)
+        assert results["write-" + path].startswith("refused") or path.startswith("/tmp/")
     for path in reads:
         assert results["read-" + path].startswith("refused"), f"the generator read {path}: {results['read-' + path]}"
     assert token not in task.instruction and "root:" not in task.instruction
