@@ -14,6 +14,14 @@ command -v setpriv >/dev/null || need_apt+=(util-linux)
 command -v pasta >/dev/null || need_apt+=(passt)
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v gcc >/dev/null || need_apt+=(gcc)
+# skopeo pulls a FROM image from its registry without a daemon; docker-registry is the real registry the
+# tests start on 127.0.0.1 to pull from (its packaged service, on port 5000 of every interface, is not
+# wanted: it is stopped and disabled below when this script installs the package).
+command -v skopeo >/dev/null || need_apt+=(skopeo)
+command -v docker-registry >/dev/null || need_apt+=(docker-registry) new_registry=1
+# buildah builds the Dockerfiles furlong's own subset does not cover (multi-stage, ARG, USER, heredocs...),
+# daemonless, with its storage under furlong's cache (never /var/lib/containers).
+command -v buildah >/dev/null || need_apt+=(buildah)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/aarch64-linux-gnu/libc.a ] || need_apt+=(libc6-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
@@ -22,6 +30,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   fi
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  if [ -n "${new_registry:-}" ] && [ -d /run/systemd/system ]; then
+    systemctl disable --now docker-registry >/dev/null 2>&1 || true
+  fi
 fi
 # pasta opens the tun device as the sandbox's unprivileged uid: 0666 is udev's default, some containers
 # ship it 0600 (making an interface still needs CAP_NET_ADMIN inside a namespace).

@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("name", help="the name a Dockerfile's FROM will use, e.g. ubuntu:24.04")
     imp.add_argument("source", type=Path, help="a rootfs directory or tarball, an oci-archive tar, or an OCI layout")
     _common(imp)
+    pull = img_sub.add_parser("pull", help="pull REF from its registry (again, if cached) and print its digest")
+    pull.add_argument("ref", help="an image reference, e.g. ghcr.io/org/img:1.2 or name@sha256:...")
+    pull.add_argument("--platform", default="", help="os/arch[/variant] (default: this machine's)")
+    _common(pull)
 
     sb = sub.add_parser("sandbox", help="sandbox host set-up")
     sb_sub = sb.add_subparsers(dest="sandbox_command", required=True)
@@ -95,7 +99,15 @@ def _sandbox_pieces(cfg: Config):
 
     _warn_limits()
     backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
-    return backend, ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror)
+    return backend, ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror, pulls=_pulls(cfg))
+
+
+def _pulls(cfg: Config):
+    from furlong.sandbox.registry import Settings
+
+    i = cfg.images
+    return Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
+                             timeout_s=i.pull_timeout_s)
 
 
 def _warn_limits() -> None:
@@ -122,6 +134,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     e = cfg.eval
     agent = make_agent(e.agent)
     suite = load_suite(e.tasks, split=e.split, per_family=e.per_family)
+    if e.verifier_toolchain:
+        from furlong.sandbox.toolchain import opt_in_all
+
+        suite = type(suite)(opt_in_all(suite.entries))
     for broken in suite.broken:  # each is also an infra_error line in --out and the table
         console.print(f"[yellow]not loaded:[/yellow] {broken.error}", soft_wrap=True)
     backend, store = _sandbox_pieces(cfg)
@@ -148,6 +164,11 @@ def cmd_image(args: argparse.Namespace) -> int:
             meta = import_image(store.root, args.name, args.source, lambda msg: status.update(msg))
         console.print(f"imported {args.name} ({meta['kind']}, {meta['seconds']} s); a Dockerfile can now say "
                       f"FROM {args.name}")
+        return 0
+    if args.image_command == "pull":
+        with console.status(f"pulling {args.ref}") as status:
+            meta = store.registry.image(args.ref, lambda msg: status.update(msg), refresh=True, platform=args.platform)
+        print(f"{args.ref}\t{meta['digest']}")
         return 0
     _base_image(store)
     console.print(f"base image: {store.root / store.base_key()}")

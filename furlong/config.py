@@ -28,6 +28,16 @@ class SandboxConfig(_Node):
     debian_mirror: str = "http://deb.debian.org/debian"
 
 
+class ImagesConfig(_Node):
+    """Base images pulled from registries (furlong.sandbox.registry; README "Base images from registries")."""
+
+    prefer_registry: bool = Field(False, description="pull the names furlong has stand-ins for (python:*, "
+                                  "debian:bookworm...) from their registry too; env FURLONG_PREFER_REGISTRY=1")
+    registry_auth_file: Path | None = Field(None, description="a containers-auth.json for private registries "
+                                            "(skopeo --authfile); null: $REGISTRY_AUTH_FILE, else skopeo's defaults")
+    pull_timeout_s: float = Field(1800.0, gt=0, description="one image pull")
+
+
 class EvalConfig(_Node):
     tasks: Path = BUNDLED_TASKS
     agent: Literal["oracle", "noop"] = "oracle"
@@ -35,6 +45,8 @@ class EvalConfig(_Node):
     out: Path | None = None
     split: Literal["train", "heldout", "all"] = "heldout"
     per_family: int | None = Field(2, ge=1, description="instances of each task family; null for all")
+    verifier_toolchain: bool = Field(False, description="stack uv, uvx and pytest on every task's image "
+                                                        "(a task opts in alone with [furlong] verifier_toolchain)")
 
 
 # Fixed-path families where the instruction's words pick the command: learnable by the 4M-parameter
@@ -148,6 +160,7 @@ class TrainConfig(_Node):
 
 class Config(_Node):
     sandbox: SandboxConfig = SandboxConfig()
+    images: ImagesConfig = ImagesConfig()
     eval: EvalConfig = EvalConfig()
     train: TrainConfig = TrainConfig()
 

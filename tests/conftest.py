@@ -62,3 +62,19 @@ def spec(image: ImageRef, **limits) -> SandboxSpec:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def local_registry(tmp_path_factory: pytest.TempPathFactory):
+    """A real `docker-registry` on 127.0.0.1 (plain HTTP, no auth) for the session; tests may stop() and
+    start() it again to play an unreachable registry (its images stay)."""
+    import shutil
+
+    from registry_support import LocalRegistry
+
+    if shutil.which("docker-registry") is None or shutil.which("skopeo") is None:
+        pytest.skip("needs Debian's docker-registry and skopeo (install.sh installs them)")
+    work = tmp_path_factory.mktemp("registry")
+    server = LocalRegistry(work, work / "storage").start()
+    yield server
+    server.stop()

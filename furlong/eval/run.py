@@ -18,6 +18,7 @@ from furlong.metrics.outcomes import Scored, outcome_summary
 from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import FreshSandboxes
+from furlong.sandbox.toolchain import ToolchainImages
 from furlong.tasks.loader import BrokenTask
 from furlong.tasks.model import Task
 
@@ -58,8 +59,8 @@ async def run_eval(entries: Sequence[Task | BrokenTask], agent: Agent, backend, 
         for res in results:
             record(res)
         images = await prepare_images(tasks, store, backend, console) if tasks else {}
-        results += await _episodes(tasks, agent, FreshSandboxes(backend, _prebuilt(images)), concurrency,
-                                   record, console, len(entries))
+        sandboxes = FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend))
+        results += await _episodes(tasks, agent, sandboxes, concurrency, record, console, len(entries))
     finally:
         if sink:
             sink.close()

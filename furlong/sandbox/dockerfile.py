@@ -1,6 +1,7 @@
-"""The documented Dockerfile subset furlong builds: FROM (a known or imported base), RUN, COPY, WORKDIR, ENV.
+"""The documented Dockerfile subset furlong builds itself: FROM (one resolvable base), RUN, COPY, WORKDIR, ENV.
 
-Anything else is an error that names the file and line, never a silent difference from Docker.
+A Dockerfile using anything else (`outside_subset` says what) is built by buildah instead (buildah.py);
+within the subset, a malformed instruction is an error naming the file and line.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import posixpath
+import re
 import shlex
 import tarfile
 from collections.abc import Collection
@@ -18,6 +20,8 @@ from furlong.sandbox import standins
 from furlong.sandbox.tarball import root_owned
 
 SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "ENV")
+# `RUN <<EOF`, `cat <<-'EOF'`: a heredoc's body lines follow the instruction (`<<<` is a here-string).
+HEREDOC = re.compile(r"(?<![<\\])<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_.-]*)\2(?!<)")
 
 
 class DockerfileError(ValueError):
@@ -54,6 +58,31 @@ def parse(path: Path, imported: Collection[str] = ()) -> list[Instruction]:
     for step in steps:
         _validate(path, step, first=step is steps[0], imported=imported)
     return steps
+
+
+def outside_subset(path: Path) -> str | None:
+    """`file:line: what` for the first instruction or form the native subset lacks (then buildah builds
+    the Dockerfile), or None when the subset builds all of it. An unreadable file is parse()'s error."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    first = True
+    for line_no, logical in _logical_lines(text):
+        op, _, args = logical.partition(" ")
+        op, args = op.upper(), args.strip()
+        if op not in SUPPORTED:
+            return f"{path}:{line_no}: {op}"
+        if op == "FROM" and not first:
+            return f"{path}:{line_no}: a second FROM (multi-stage)"
+        if op == "FROM" and len(args.split()) > 1:
+            return f"{path}:{line_no}: FROM {args}"
+        if op == "COPY" and args.startswith("--"):
+            return f"{path}:{line_no}: COPY {args.split()[0]}"
+        if op == "RUN" and not args.startswith("[") and HEREDOC.search(args):
+            return f"{path}:{line_no}: a heredoc (RUN <<EOF)"  # the body lines are no instructions: stop here
+        first = False
+    return None
 
 
 def _logical_lines(text: str):

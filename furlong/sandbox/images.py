@@ -7,8 +7,9 @@ layers are owned by root on disk and sandboxes see them through read-only id-map
 so the sandbox uid cannot write them; as a user, they belong to the user, which is the sandbox's uid.
 
 A FROM names the base, the base plus a stand-in layer (standins.py: e.g. `python:*` gets Debian's
-python3 with pip and venv), built once like a task layer from an internal Dockerfile, or an image
-imported by hand (imports.py). A stand-in's note says what the image really is; ImageRef.note carries it.
+python3 with pip and venv), built once like a task layer from an internal Dockerfile, an image
+imported by hand (imports.py), or any other reference pulled from its registry (registry.py). A
+stand-in's note says what the image really is; ImageRef.note carries it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Callable
 
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import imports, layers, rootless, standins
+from furlong.sandbox import imports, layers, registry, rootless, standins
 from furlong.sandbox.base import ImageRef, Limits, SandboxError, SandboxSpec
 
 FORMAT = "4"  # bump when the layout or the base recipe changes, so old caches are not reused
@@ -77,7 +78,8 @@ def _locked(path: Path):
 
 class ImageStore:
     def __init__(self, root: Path | None = None, host_uid: int | None = None,
-                 mirror: str | None = None, build_timeout_s: float = 1800.0):
+                 mirror: str | None = None, build_timeout_s: float = 1800.0,
+                 pulls: registry.Settings | None = None):
         from furlong.sandbox.bwrap import DEFAULT_HOST_UID
 
         self.root = root or cache_dir() / "images"
@@ -87,6 +89,7 @@ class ImageStore:
         self._locks: dict[str, asyncio.Lock] = {}
         self._resolved: dict[Path, ImageRef] = {}  # a task's files do not change within a run
         self.root.mkdir(parents=True, exist_ok=True)
+        self.registry = registry.Registry(self.root / "registry", pulls)  # images pulled by digest
         check_traversable(self.root, self.host_uid)  # build sandboxes write layers under it by path
         if layers.supported():
             layers.sweep()
@@ -162,12 +165,15 @@ class ImageStore:
     # -- what a FROM names ----------------------------------------------------------------------
     async def parent(self, ref: str, backend, progress: Progress) -> ImageRef:
         """The image a FROM names: an imported one (exact name first: the user brought it on purpose),
-        the base, or the base plus a stand-in layer (built once)."""
+        the base or the base plus a stand-in layer (built once) for the names furlong maps, unless
+        `prefer_registry`; else the image pulled from its registry (cached by digest)."""
         if (meta := imports.find(self.root, ref)) is not None:
             return await asyncio.to_thread(self._imported, meta)
         choice = standins.resolve(ref)
-        if choice is None:  # parse() has refused it already; a direct caller gets the same words
-            raise ImageBuildError(f"unknown base {ref!r}: not imported and no stand-in maps it")
+        if choice is None or (self.registry.settings.prefer_registry and ref != "furlong/base"):
+            pulled = await asyncio.to_thread(self.registry.image, ref, progress, fallback=choice is not None)
+            if pulled is not None:
+                return await asyncio.to_thread(self._pulled, pulled)
         base = await asyncio.to_thread(self.base, progress)
         if choice.standin is None:
             return base
@@ -181,6 +187,11 @@ class ImageStore:
         return ImageRef(key=f"import-{meta['id']}", layers=(self._view(rootfs),),
                         env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
                         note=f"{meta['name']}: imported by hand from {meta['source']}")
+
+    def _pulled(self, meta: dict) -> ImageRef:
+        return ImageRef(key=f"pulled-{meta['manifest'][7:23]}", layers=(self._view(self.registry.rootfs(meta)),),
+                        env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
+                        note=f"{meta['ref']}: pulled, {meta['digest']}")
 
     def standin_key(self, standin: standins.Standin) -> str:
         return f"standin-{standin.name}-" + _sha(FORMAT, self.base_key(), standin.dockerfile())
@@ -215,7 +226,7 @@ class ImageStore:
             else:
                 what = info.get("builder", "debootstrap") + " bookworm minbase"
             rows.append((meta_path.parent.name, what))
-        return rows
+        return rows + self.registry.listing()
 
     # -- Dockerfile layers -------------------------------------------------------------------
     def layer_key(self, dockerfile: Path, steps: list[df.Instruction], parent_key: str | None = None) -> str:
@@ -238,15 +249,24 @@ class ImageStore:
             return await asyncio.to_thread(self.base, progress)
         if dockerfile in self._resolved:
             return self._resolved[dockerfile]
-        steps = df.parse(dockerfile, imported=await asyncio.to_thread(imports.names, self.root))
-        parent = await self.parent(steps[0].args, backend, progress)
+        if why := df.outside_subset(dockerfile):  # multi-stage, ARG, USER, heredocs...: buildah builds it
+            from furlong.sandbox import buildah  # it builds on this module
+
+            self._resolved[dockerfile] = await buildah.image(self, dockerfile, backend, progress, why)
+            return self._resolved[dockerfile]
+        imported = registry.FromNames(await asyncio.to_thread(imports.names, self.root))  # or any reference
+        steps = df.parse(dockerfile, imported=imported)
+        try:
+            parent = await self.parent(steps[0].args, backend, progress)
+        except registry.RegistryError as exc:
+            raise ImageBuildError(f"{dockerfile}:{steps[0].line}: FROM {exc}") from None
         key = await asyncio.to_thread(self.layer_key, dockerfile, steps, parent.key)
         final = self.root / key
         async with self._locks.setdefault(key, asyncio.Lock()):
             if not (final / "meta.json").exists():
                 await self._build_layer(final, parent, dockerfile, steps, backend, progress,
                                         label=dockerfile.parent.parent.name,
-                                        extra={"base": steps[0].args, "note": parent.note})
+                                        extra={"base": steps[0].args, "note": parent.note, "builder": "furlong"})
         meta = json.loads((final / "meta.json").read_text())
         ref = ImageRef(key=key, layers=(await asyncio.to_thread(self._view, final / "upper"), *parent.layers),
                        env=parent.env + tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],

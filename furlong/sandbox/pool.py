@@ -45,7 +45,12 @@ class StoreImages:
         if task.dockerfile in self._failed:
             raise SandboxError(self._failed[task.dockerfile])
         try:
-            return await self.store.image(task.dockerfile, self.backend)
+            image = await self.store.image(task.dockerfile, self.backend)
+            if getattr(task, "verifier_toolchain", False):  # uv/uvx/pytest on top (furlong.sandbox.toolchain)
+                from furlong.sandbox.toolchain import build, stack
+
+                image = stack(image, await build(self.store, self.backend), task.network)
+            return image
         except Exception as exc:
             self._failed[task.dockerfile] = f"image build failed: {exc}"
             raise

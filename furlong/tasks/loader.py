@@ -37,10 +37,17 @@ class _Environment(_Section):
     seccomp_allow: list[str] = []
 
 
+class _Furlong(_Section):
+    """furlong's own task.toml table, named so that no Harbor field can clash with it."""
+
+    verifier_toolchain: bool = False  # furlong.sandbox.toolchain: uv, uvx and pytest for the tests, offline too
+
+
 class _HarborToml(_Section):
     agent: _Agent = _Agent()
     verifier: _Verifier = _Verifier()
     environment: _Environment = _Environment()
+    furlong: _Furlong = _Furlong()
 
 
 class _TerminalBenchYaml(_Section):
@@ -90,6 +97,7 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         network=env.allow_internet or env.network,
         limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid),
         verifier_env=tuple(sorted(conf.verifier.env.items())), format="harbor",
+        verifier_toolchain=conf.furlong.verifier_toolchain,
     )
 
 

@@ -34,6 +34,7 @@ class Task:
     limits: Limits = field(default_factory=Limits)
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)  # task.toml [environment] seccomp*
     verifier_env: tuple[tuple[str, str], ...] = ()
+    verifier_toolchain: bool = False  # task.toml [furlong] verifier_toolchain: uv/uvx/pytest stacked on the image
     format: str = "harbor"  # harbor | terminal-bench
     family: str | None = None  # set for instances generated from a task family
     seed: int | None = None

@@ -1,0 +1,357 @@
+"""Dockerfiles beyond furlong's own subset (multi-stage, COPY --from, ARG, LABEL, USER, heredocs, ADD, ...),
+built by buildah (Debian's 1.28: daemonless, no service to run) and unpacked into the image store.
+
+1. Plan: heredocs become plain RUNs (heredoc.py); every FROM and every `COPY --from=IMAGE` that names an
+   image rather than a stage is resolved by furlong (ImageStore.parent: an import, the base, a stand-in, a
+   registry pull), each resolved image becomes the buildah image `localhost/furlong/<key>` once (its
+   layers flattened into one tar: overlay whiteouts applied), and a temporary copy of the Dockerfile
+   names those, line for line, so buildah's messages keep the user's line numbers.
+2. `buildah bud --isolation chroot --layers --pull=never` with storage under furlong's cache (never the
+   system's /var/lib/containers); buildah itself never reaches a registry.
+3. The image's tree is read through `buildah mount` (inside `buildah unshare` as a user) and unpacked by
+   layertar's checked writer into `<store>/buildah-<key>/rootfs`: one layer, owned and viewed like an
+   import. Its config gives the env and workdir; USER cannot be honoured (a sandbox maps one uid) and is
+   recorded in the note.
+The image is cached by a hash of the rewritten Dockerfile (the resolved images' keys are in it) and of
+the whole build context's content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tarfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from furlong.sandbox import heredoc
+from furlong.sandbox.base import ImageRef, SandboxError
+from furlong.sandbox.dockerfile import DockerfileError
+from furlong.sandbox.flatten import flatten_to_tar
+from furlong.sandbox.images import ImageBuildError, ImageStore, Progress, _locked, _rmtree, _sha
+from furlong.sandbox.layertar import LayerWriter, UnpackError
+from furlong.sandbox.registry import RegistryError
+
+FORMAT = "1"  # bump when the export or the key changes
+_STEP = re.compile(r"^(?:\[(\d+)/\d+\] )?STEP (\d+)/\d+: (\S+)")
+_ARG_REF = re.compile(r"\$(?:\{(\w+)(?::-([^}]*))?\}|(\w+))")
+_NOISE = ("Close_Fd sealing memfd copy",)  # buildah 1.28 prints this on every RUN; it means nothing
+_ROOT_USERS = ("", "0", "root", "0:0", "root:root")
+
+
+@dataclass
+class Plan:
+    """A Dockerfile made ready for buildah: the rewritten lines, and what error mapping needs."""
+
+    lines: list[str]
+    stages: list[list[int]] = field(default_factory=list)  # per stage, each step's line (1-based, FROM first)
+    notes: list[str] = field(default_factory=list)  # what the resolved bases really are
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+class Buildah:
+    """buildah with storage of furlong's own: `<home>/storage` and `<home>/run`, overlay driver."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+
+    def argv(self, *args: str) -> list[str]:
+        return ["buildah", "--root", str(self.home / "storage"), "--runroot", str(self.home / "run"),
+                "--storage-driver", "overlay", *args]
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "TMPDIR": str(self.home / "tmp"), "BUILDAH_ISOLATION": "chroot"}
+
+    def run(self, *args: str, timeout_s: float = 600) -> str:
+        proc = subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout_s, env=self.env())
+        if proc.returncode != 0:
+            last = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith(_NOISE)][-1:] or ["?"]
+            raise ImageBuildError(f"buildah {args[0]} failed ({proc.returncode}): {last[0][:300]}")
+        return proc.stdout
+
+    def has(self, name: str) -> bool:
+        return subprocess.run(self.argv("inspect", "--type", "image", name), capture_output=True,
+                              env=self.env()).returncode == 0
+
+    def check(self) -> None:
+        """One line naming what keeps buildah from working here, if anything."""
+        if shutil.which("buildah") is None:
+            raise ImageBuildError("this Dockerfile needs buildah (apt-get install buildah; install.sh does it)")
+        if os.geteuid() != 0:
+            proc = subprocess.run(self.argv("unshare", "true"), capture_output=True, text=True, env=self.env())
+            if proc.returncode != 0:
+                why = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+                raise ImageBuildError(f"buildah cannot run without root here ({why}): it needs newuidmap "
+                                      f"(apt-get install uidmap) and a subuid/subgid range for this user")
+
+    def import_ref(self, ref: ImageRef) -> str:
+        """`localhost/furlong/<key>`: the resolved image as a buildah image, made once per key."""
+        name = f"localhost/furlong/{ref.key}"
+        if self.has(name):
+            return name
+        with _locked(self.home / f".import-{ref.key}.lock"):
+            if self.has(name):
+                return name
+            tar = self.home / "tmp" / f"{ref.key}.{os.getpid()}.tar"
+            try:
+                flatten_to_tar(ref.layers, tar)
+                ctr = self.run("from", "scratch").strip()
+                try:
+                    self.run("add", "--quiet", ctr, str(tar), "/")
+                    env = [a for k, v in ref.env for a in ("--env", f"{k}={v}")]
+                    self.run("config", *env, "--workingdir", ref.workdir or "/", ctr)
+                    self.run("commit", "--quiet", ctr, name)
+                finally:
+                    subprocess.run(self.argv("rm", ctr), capture_output=True, env=self.env())
+            finally:
+                tar.unlink(missing_ok=True)
+        return name
+
+    def bud(self, dockerfile: Path, context: Path, tag: str, progress: Progress,
+            timeout_s: float) -> tuple[int, list[str]]:
+        """Runs the build; its exit status and the last lines of its output."""
+        # --force-rm: a failed build leaves no working container (nor its overlay mount) behind
+        cmd = self.argv("bud", "--pull=never", "--isolation", "chroot", "--layers", "--force-rm",
+                        "-f", str(dockerfile), "-t", tag, str(context))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env(),
+                                errors="replace")
+        timer = threading.Timer(timeout_s, proc.kill)
+        timer.start()
+        tail: deque[str] = deque(maxlen=60)
+        try:
+            for line in proc.stdout:
+                line = line.rstrip()
+                if line.startswith(_NOISE):
+                    continue
+                tail.append(line)
+                if _STEP.match(line):
+                    progress(line[:120])
+            proc.wait()
+        finally:
+            timer.cancel()
+        return proc.returncode, list(tail)
+
+    def config(self, tag: str) -> dict:
+        return json.loads(self.run("inspect", "--type", "image", tag)).get("OCIv1", {}).get("config") or {}
+
+    def export(self, tag: str, rootfs: Path, label: str) -> int:
+        """Unpacks the image's tree into `rootfs` (as this uid's files); the device nodes left out."""
+        ctr = self.run("from", "--pull=never", "--quiet", tag).strip()
+        try:
+            if os.geteuid() == 0:  # root mounts it in the host's namespace; buildah unshare refuses root here
+                source = ["tar", "-C", self.run("mount", ctr).strip(), "--numeric-owner", "-cf", "-", "."]
+            else:  # the storage's ids belong to the user's namespace: read it from inside
+                script = 'set -e; m=$("$@" mount "$0"); exec tar -C "$m" --numeric-owner -cf - .'
+                source = self.argv("unshare", "sh", "-c", script, ctr, *self.argv())
+            return _untar(source, rootfs, label, self.env())
+        finally:
+            subprocess.run(self.argv("rm", ctr), capture_output=True, env=self.env())  # rm unmounts
+
+
+def _untar(source: list[str], rootfs: Path, label: str, env: dict[str, str]) -> int:
+    proc = subprocess.Popen(source, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    writer = LayerWriter(rootfs, label)
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            writer.apply(tar, whiteouts=False)
+        writer.finish()
+    except (UnpackError, tarfile.TarError) as exc:
+        raise ImageBuildError(f"{label}: unpacking the built image failed: {exc}") from None
+    finally:
+        proc.stdout.close()
+        err = proc.stderr.read().decode(errors="replace")
+        proc.wait()
+    if proc.returncode not in (0, 1):  # 1: a file changed while read, as GNU tar reports it
+        raise ImageBuildError(f"{label}: reading the built image failed: {err.strip()[-300:]}")
+    return writer.skipped
+
+
+# -- planning: the Dockerfile rewritten for buildah --------------------------------------------------
+async def plan(store: ImageStore, bh: Buildah, dockerfile: Path, backend, progress: Progress) -> Plan:
+    """Resolves every FROM and `COPY --from=IMAGE` through furlong and rewrites them to buildah's names."""
+    try:
+        text = dockerfile.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DockerfileError(dockerfile, 0, f"cannot read: {exc}") from exc
+    out = Plan(heredoc.convert(dockerfile, text).splitlines())
+    global_args: dict[str, str] = {}
+    stage_names: set[str] = set()
+    for step in list(heredoc.instructions(out.lines)):
+        line = step.first + 1
+        if step.op == "FROM":
+            image, alias = _from_parts(dockerfile, line, step.args, global_args)
+            out.stages.append([line])
+            if image.lower() not in stage_names and image != "scratch":
+                image = await _local(store, bh, dockerfile, line, image, backend, progress, out)
+            _replace(out.lines, step, f"FROM {image}" + (f" AS {alias}" if alias else ""))
+            if alias:
+                stage_names.add(alias.lower())
+        elif not out.stages:
+            if step.op != "ARG":
+                raise DockerfileError(dockerfile, line, "the first instruction must be FROM (or ARG)")
+            global_args.update(_arg_defaults(step.args))
+        else:
+            out.stages[-1].append(line)
+            if step.op in ("COPY", "ADD") and "--from=" in step.args:
+                words = shlex.split(step.args, posix=False)
+                for n, word in enumerate(words):
+                    source = word[len("--from="):] if word.startswith("--from=") else None
+                    if source and source.lower() not in stage_names and not source.isdigit():
+                        words[n] = "--from=" + await _local(store, bh, dockerfile, line, source, backend, progress, out)
+                _replace(out.lines, step, f"{step.op} {' '.join(words)}")
+    if not out.stages:
+        raise DockerfileError(dockerfile, 1, "no FROM instruction")
+    return out
+
+
+def _from_parts(dockerfile: Path, line: int, args: str, global_args: dict[str, str]) -> tuple[str, str]:
+    """FROM [--platform=P] IMAGE [AS NAME], with global ARGs substituted; the platform is this machine's."""
+    words = [w for w in args.split() if not w.lower().startswith("--platform=")]
+    if any(w.startswith("--") for w in words):
+        raise DockerfileError(dockerfile, line, f"FROM {args}: only the --platform flag is known")
+    if len(words) not in (1, 3) or (len(words) == 3 and words[1].upper() != "AS"):
+        raise DockerfileError(dockerfile, line, f"FROM {args}: expected FROM IMAGE [AS NAME]")
+    image = _ARG_REF.sub(lambda m: global_args.get(m[1] or m[3]) or m[2] or "", words[0])
+    if not image or "$" in image:
+        raise DockerfileError(dockerfile, line, f"FROM {args}: the image name {words[0]!r} is empty once ARGs "
+                                                f"are substituted (give the ARG a default before the first FROM)")
+    return image, words[2] if len(words) == 3 else ""
+
+
+def _arg_defaults(args: str) -> dict[str, str]:
+    pairs = {}
+    for word in shlex.split(args):
+        key, _, value = word.partition("=")
+        pairs[key] = value
+    return pairs
+
+
+def _replace(lines: list[str], step: heredoc.Logical, text: str) -> None:
+    """Puts an instruction on its first line and blanks its continuation lines: the line count holds."""
+    lines[step.first] = text
+    for n in range(step.first + 1, step.last + 1):
+        lines[n] = ""
+
+
+async def _local(store: ImageStore, bh: Buildah, dockerfile: Path, line: int, ref: str, backend,
+                 progress: Progress, out: Plan) -> str:
+    """The buildah name of the image furlong resolves `ref` to (made once)."""
+    try:
+        resolved = await store.parent(ref, backend, progress)
+    except RegistryError as exc:  # its message names the reference
+        raise ImageBuildError(f"{dockerfile}:{line}: FROM {exc}") from None
+    except SandboxError as exc:
+        raise ImageBuildError(f"{dockerfile}:{line}: FROM {ref}: {exc}") from None
+    if resolved.note and resolved.note not in out.notes:
+        out.notes.append(resolved.note)
+    progress(f"{ref}: as buildah image localhost/furlong/{resolved.key}")
+    return await asyncio.to_thread(bh.import_ref, resolved)
+
+
+# -- building and storing --------------------------------------------------------------------------
+def context_digest(context: Path) -> str:
+    """Every file of the build context (what COPY and ADD may read): path, mode and content."""
+    parts: list[str | bytes] = []
+    for dirpath, dirnames, filenames in os.walk(context):
+        dirnames.sort()
+        for name in sorted(filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]):
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            parts.append(f"{os.path.relpath(path, context)}\0{st.st_mode:o}")
+            if os.path.islink(path):
+                parts.append(os.readlink(path))
+            elif os.path.isfile(path):
+                parts.append(Path(path).read_bytes())
+    return _sha(*parts)
+
+
+async def image(store: ImageStore, dockerfile: Path, backend, progress: Progress, why: str) -> ImageRef:
+    """The task image a full Dockerfile builds (built once, then cached in the store)."""
+    bh = Buildah(store.root.parent / "buildah")
+    await asyncio.to_thread(bh.check)
+    progress(f"{why}: outside furlong's own subset, built by buildah")
+    planned = await plan(store, bh, dockerfile, backend, progress)
+    key = "buildah-" + _sha(FORMAT, planned.text, await asyncio.to_thread(context_digest, dockerfile.parent))
+    final = store.root / key
+    async with store._locks.setdefault(key, asyncio.Lock()):
+        if not (final / "meta.json").exists():
+            await asyncio.to_thread(_build, store, bh, dockerfile, planned, key, progress)
+    meta = json.loads((final / "meta.json").read_text())
+    view = await asyncio.to_thread(store._view, final / "rootfs")
+    return ImageRef(key=key, layers=(view,), env=tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],
+                    note=meta["note"])
+
+
+def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key: str, progress: Progress) -> None:
+    final = store.root / key
+    with _locked(store.root / f".{key}.lock"):
+        if (final / "meta.json").exists():  # another process built it meanwhile
+            return
+        started = time.monotonic()
+        temp = bh.home / "tmp" / f"{key}.{os.getpid()}.Dockerfile"
+        temp.write_text(planned.text)
+        try:
+            status, tail = bh.bud(temp, dockerfile.parent, f"localhost/furlong/{key}", progress,
+                                  store.build_timeout_s)
+        finally:
+            temp.unlink(missing_ok=True)
+        if status != 0:
+            raise _failure(dockerfile, planned, tail, temp, status)
+        built = time.monotonic() - started
+        tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+        _rmtree(tmp)
+        (tmp / "rootfs").mkdir(parents=True)
+        try:
+            _store(bh, dockerfile, planned, key, tmp, progress, built, started)
+        except BaseException:
+            _rmtree(tmp)  # a failed export leaves nothing behind
+            raise
+        _rmtree(final)
+        tmp.rename(final)
+
+
+def _store(bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path, progress: Progress,
+           built: float, started: float) -> None:
+    """Exports the built image into tmp/rootfs and writes its meta."""
+    progress(f"{dockerfile}: unpacking the built image into the store")
+    skipped = bh.export(f"localhost/furlong/{key}", tmp / "rootfs", str(dockerfile))
+    if not any(os.path.lexists(tmp / "rootfs" / p) for p in ("bin/bash", "usr/bin/bash")):
+        raise ImageBuildError(f"{dockerfile}: the built image has no /bin/bash, which furlong's sandbox runs "
+                              f"commands with")
+    config = bh.config(f"localhost/furlong/{key}")
+    notes = list(planned.notes)
+    user = str(config.get("User") or "")
+    if user not in _ROOT_USERS:
+        notes.append(f"USER {user} is not honoured: commands run as the sandbox's root (one uid is mapped)")
+    meta = {"dockerfile": str(dockerfile), "builder": "buildah", "key": key,
+            "env": [e.split("=", 1) for e in config.get("Env") or [] if "=" in e],
+            "workdir": config.get("WorkingDir") or "/", "user": user, "labels": config.get("Labels") or {},
+            "note": "; ".join(notes), "skipped_devices": skipped,
+            "build_seconds": round(built, 2), "seconds": round(time.monotonic() - started, 1)}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+
+
+def _failure(dockerfile: Path, planned: Plan, tail: list[str], temp: Path, status: int) -> ImageBuildError:
+    """One error naming the user's file:line of the failing step, with the tail of buildah's output."""
+    text = "\n".join(tail).replace(str(temp), str(dockerfile))[-2000:]
+    for n in range(len(tail) - 1, -1, -1):
+        if m := _STEP.match(tail[n]):
+            text = "\n".join(tail[n:])[-2000:]  # the failing step's own output
+            stage, step = int(m[1] or 1), int(m[2])
+            if stage <= len(planned.stages) and step <= len(planned.stages[stage - 1]):
+                code = re.findall(r"exit status (\d+)", text)
+                why = f"exited {code[-1]}" if code else "failed"
+                return ImageBuildError(f"{dockerfile}:{planned.stages[stage - 1][step - 1]}: {m[3]} {why}:\n{text}")
+    return ImageBuildError(f"{dockerfile}: buildah failed ({status}):\n{text}")

@@ -1,0 +1,79 @@
+"""The tree an overlay of furlong's image layers shows, as one tar (for buildah, which takes images, not
+overlay directories).
+
+A layer is an overlayfs upper directory: a character device 0/0 is a whiteout (the path is deleted
+below it) and a directory with the `overlay.opaque` xattr hides everything below it in lower layers.
+Layers are walked top first; the first layer holding a path wins. Everything is root-owned in the tar,
+as it is inside a sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tarfile
+from pathlib import Path
+
+from furlong.sandbox.tarball import root_owned
+
+_OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")  # root's overlays, and user-namespace ones
+
+
+def _opaque(path: str) -> bool:
+    for name in _OPAQUE:
+        try:
+            if os.getxattr(path, name, follow_symlinks=False) == b"y":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _hidden(rel: str, whiteouts: set[str], opaque: set[str]) -> bool:
+    """Whether a higher layer deleted `rel` or one of its parents, or made a parent opaque."""
+    if rel in whiteouts:
+        return True
+    parent = rel
+    while "/" in parent:
+        parent = parent.rsplit("/", 1)[0]
+        if parent in whiteouts or parent in opaque:
+            return True
+    return False
+
+
+def flatten_to_tar(layers: tuple[Path, ...], out: Path) -> None:
+    """Writes the merged tree of `layers` (top first) to the tar `out`."""
+    seen: dict[str, bool] = {}  # path -> is a directory, from the highest layer that has it
+    whiteouts: set[str] = set()
+    opaque: set[str] = set()
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for layer in layers:
+            new_whiteouts, new_opaque = set(), set()
+            for dirpath, dirnames, filenames in os.walk(layer):
+                rel_dir = os.path.relpath(dirpath, layer)
+                keep = []
+                for name in sorted(dirnames) + sorted(filenames):
+                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                    path = os.path.join(dirpath, name)
+                    is_dir = name in dirnames and not os.path.islink(path)
+                    if _hidden(rel, whiteouts, opaque):
+                        continue
+                    if rel in seen:  # a higher layer has it: descend only where both are directories
+                        if is_dir and seen[rel]:
+                            keep.append(name)
+                        continue
+                    st = os.lstat(path)
+                    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                        new_whiteouts.add(rel)
+                        continue
+                    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                        continue  # device nodes: bwrap gives every sandbox its own /dev
+                    seen[rel] = is_dir
+                    tar.add(path, arcname=rel, recursive=False, filter=root_owned)
+                    if is_dir:
+                        keep.append(name)
+                        if _opaque(path):
+                            new_opaque.add(rel)
+                dirnames[:] = [d for d in dirnames if d in keep]
+            whiteouts |= new_whiteouts
+            opaque |= new_opaque
