@@ -5,8 +5,11 @@ routing (the subset stays native). Heredoc conversion is also checked on its own
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -178,3 +181,36 @@ def test_a_simple_dockerfile_still_takes_the_native_path(store: ImageStore, back
     ref = run(store.image(path, backend))
     meta = json.loads((store.root / ref.key / "meta.json").read_text())
     assert meta["builder"] == "furlong" and ref.key.startswith("layer-") and len(ref.layers) == 2
+
+
+@needs_buildah
+@pytest.mark.skipif(os.geteuid() != 0, reason="a user's rootless buildah keeps the user's own network (documented)")
+def test_build_steps_cannot_reach_host_loopback_but_resolve_names(tmp_path: Path, store: ImageStore, backend):
+    """As root, buildah's RUN steps (chroot isolation) would share the host's network namespace; they run
+    in a fenced pasta namespace instead, like furlong's own networked build sandboxes."""
+    accepted = []
+    server = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+    port = server.getsockname()[1]
+    probe = ("import re, socket\n"
+             "s = socket.socket(); s.settimeout(3)\n"
+             f"out = ['loopback %d' % s.connect_ex(('127.0.0.1', {port}))]\n"
+             "host = re.search(r'^deb \\w+://([^/ ]+)', open('/etc/apt/sources.list').read(), re.M).group(1)\n"
+             "try:\n    socket.getaddrinfo(host, 80); out.append('resolved')\n"
+             "except OSError:\n    out.append('unresolved')\n"
+             "open('/probe.txt', 'w').write(' '.join(out))\n")
+    text = "FROM furlong/base\nLABEL probe=network\nCOPY probe.py /probe.py\nRUN python3 /probe.py\n"
+    dockerfile = _task(tmp_path, text, {"probe.py": probe})
+    image = run(store.image(dockerfile, backend))
+
+    async def go():
+        box = await backend.create(spec(image))
+        try:
+            return (await box.exec("cat /probe.txt")).stdout
+        finally:
+            await box.close()
+
+    out = run(go())
+    server.close()
+    assert accepted == [] and out.startswith("loopback ") and "loopback 0" not in out, out
+    assert out.split()[-1] == "resolved", out  # DNS through pasta's forwarder

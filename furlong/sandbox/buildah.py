@@ -19,6 +19,7 @@ the whole build context's content.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from furlong.sandbox import heredoc
+from furlong.sandbox import heredoc, netns
 from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.dockerfile import DockerfileError
 from furlong.sandbox.flatten import flatten_to_tar
@@ -58,6 +59,21 @@ class Plan:
     @property
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+def _build_network():
+    """RUN steps under chroot isolation share the caller's network namespace: as root that would be the
+    host's (its loopback services included), so the build runs inside a fenced pasta namespace, as a
+    networked sandbox does. A user's rootless buildah keeps the user's own network (documented)."""
+    if os.geteuid() == 0:
+        from furlong.sandbox.bwrap import DEFAULT_HOST_UID
+
+        return netns.joined(DEFAULT_HOST_UID)
+    return contextlib.nullcontext([])
+
+
+def _dns() -> list[str]:
+    return ["--dns", netns.DNS_FORWARD] if os.geteuid() == 0 else []
 
 
 class Buildah:
@@ -124,7 +140,11 @@ class Buildah:
         """Runs the build; its exit status and the last lines of its output."""
         # --force-rm: a failed build leaves no working container (nor its overlay mount) behind
         cmd = self.argv("bud", "--pull=never", "--isolation", "chroot", "--layers", "--force-rm",
-                        "-f", str(dockerfile), "-t", tag, str(context))
+                        *_dns(), "-f", str(dockerfile), "-t", tag, str(context))
+        with _build_network() as prefix:
+            return self._follow([*prefix, *cmd], progress, timeout_s)
+
+    def _follow(self, cmd: list[str], progress: Progress, timeout_s: float) -> tuple[int, list[str]]:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env(),
                                 errors="replace")
         timer = threading.Timer(timeout_s, proc.kill)

@@ -27,7 +27,10 @@ import os
 import shutil
 import stat
 import subprocess
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from furlong.paths import cache_dir
 from furlong.sandbox.base import SandboxError
@@ -111,3 +114,37 @@ def resolv_conf() -> Path:
     tmp.chmod(0o644)
     tmp.rename(path)  # atomic: a sandbox starting meanwhile sees the old file or the new, never half
     return path
+
+
+@contextmanager
+def joined(uid: int, timeout_s: float = 10.0) -> Iterator[list[str]]:
+    """As root: an argv prefix (`nsenter --net=...`) that runs a host command inside a fresh pasta network
+    namespace, fenced like a networked sandbox's, for tools that bring no namespace of their own (buildah's
+    chroot isolation runs RUN steps in its caller's network namespace). The namespace lives as long as
+    the block: a holder process sleeps in it, as the sandbox uid."""
+    holder = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                               *wrap(["/bin/sleep", "infinity"], uid)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        pid = _sleeper(holder, timeout_s)
+        yield ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _sleeper(holder: subprocess.Popen, timeout_s: float) -> int:
+    """The pid of pasta's child once it is `sleep`: the fence rules are then in place."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if holder.poll() is not None:
+            err = holder.stderr.read().decode(errors="replace").strip()[-300:] if holder.stderr else ""
+            raise SandboxError(f"pasta exited before its network namespace was ready: {err}")
+        try:
+            for child in Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text().split():
+                if Path(f"/proc/{child}/comm").read_text().strip() == "sleep":
+                    return int(child)
+        except OSError:
+            pass
+        time.sleep(0.005)
+    raise SandboxError(f"pasta's network namespace was not ready within {timeout_s:g}s")
