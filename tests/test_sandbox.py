@@ -186,3 +186,35 @@ def test_a_layer_rebuilt_at_the_same_path_is_reopened(backend, base_image, store
             assert run(go()) == version
     finally:
         shutil.rmtree(root)
+
+
+def test_a_shell_state_file_inside_an_image_is_ignored(backend, base_image, store):
+    """A state file baked into an image (e.g. by a build step) must not set a sandbox's first cwd or PATH."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from furlong.sandbox.base import ImageRef
+
+    root = Path(tempfile.mkdtemp(dir=store.root.parent))
+    state = root / "layer" / "run" / "furlong-shell" / "state"
+    try:
+        state.parent.mkdir(parents=True)
+        state.write_text("export PATH=/nowhere\ncd -- / 2>/dev/null\n")
+        for p in [root, *root.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+            if os.geteuid() == 0:  # owned by the sandbox's root, as a built layer looks inside
+                os.chown(p, backend.host_uid, backend.host_uid)
+        image = dataclasses.replace(ImageRef(key="stale-state", layers=(root / "layer", *base_image.layers)),
+                                    workdir="/tmp", env=(("PATH", "/usr/local/bin:/usr/bin:/bin"),))
+
+        async def go():
+            box = await backend.create(spec(image))
+            try:
+                return (await box.exec("pwd; echo $PATH")).stdout.split()
+            finally:
+                await box.close()
+
+        assert run(go()) == ["/tmp", "/usr/local/bin:/usr/bin:/bin"]
+    finally:
+        shutil.rmtree(root)

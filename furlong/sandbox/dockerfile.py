@@ -122,8 +122,6 @@ def _validate(path: Path, step: Instruction, first: bool, imported: Collection[s
             raise DockerfileError(path, step.line, "COPY flags (--from, --chown, ...) are not supported")
         if len(copy_paths(step)) < 2:
             raise DockerfileError(path, step.line, "COPY needs at least one source and a destination")
-    elif step.op == "WORKDIR" and not step.args.startswith("/"):
-        raise DockerfileError(path, step.line, "WORKDIR must be an absolute path")
     elif step.op == "ENV":
         env_pairs(path, step)
 
@@ -141,6 +139,30 @@ def env_pairs(path: Path, step: Instruction) -> list[tuple[str, str]]:
     return pairs
 
 
+_VAR = re.compile(r"\\(\$)|\$(?:\{(\w+)(?::([-+])([^}]*))?\}|(\w+))")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Docker's variable substitution in ENV and WORKDIR: $VAR, ${VAR}, ${VAR:-default}, ${VAR:+alt},
+    and \\$ for a literal dollar; an unset variable is empty."""
+    def sub(m: re.Match) -> str:
+        if m.group(1):
+            return "$"
+        name = m.group(2) or m.group(5)
+        value = env.get(name, "")
+        if m.group(3) == "-":
+            return value or m.group(4)
+        if m.group(3) == "+":
+            return m.group(4) if value else ""
+        return value
+    return _VAR.sub(sub, text)
+
+
+def next_workdir(current: str, arg: str, env: dict[str, str]) -> str:
+    """WORKDIR's new directory: expanded, and relative to the current one when not absolute."""
+    return posixpath.normpath(posixpath.join(current or "/", expand(arg, env)))
+
+
 def run_command(step: Instruction) -> str:
     """RUN's shell form as is; the exec (JSON) form joined into one shell command."""
     if step.args.startswith("["):
@@ -154,12 +176,31 @@ def copy_paths(step: Instruction) -> list[str]:
     return shlex.split(step.args)
 
 
+def _expand(root: Path, patterns: list[str], dockerfile: Path, step: Instruction) -> list[str]:
+    """COPY sources with Docker's wildcards expanded (in the build context); a pattern matching nothing is
+    an error, as in Docker."""
+    sources: list[str] = []
+    for pattern in patterns:
+        if not any(ch in pattern for ch in "*?["):
+            sources.append(pattern)
+            continue
+        found = sorted(str(m.relative_to(root)) for m in root.glob(pattern.lstrip("/")))
+        if not found:
+            raise DockerfileError(dockerfile, step.line, f"COPY source {pattern!r} matches nothing in {root}")
+        sources += found
+    return sources
+
+
 def copy_tar(context: Path, step: Instruction, workdir: str, dockerfile: Path) -> bytes:
     """A tar, rooted at /, holding what COPY puts where (Docker's rules for files and directories)."""
-    *sources, dest = copy_paths(step)
-    dest_abs = dest if dest.startswith("/") else posixpath.join(workdir, dest)
-    into_dir = dest.endswith("/") or len(sources) > 1
+    *patterns, dest = copy_paths(step)
     root = context.resolve()
+    sources = _expand(root, patterns, dockerfile, step)
+    dest_abs = posixpath.normpath(dest if dest.startswith("/") else posixpath.join(workdir, dest))
+    # Docker copies into dest when it ends in / or ., names several sources, or is an existing
+    # directory: the workdir is one (WORKDIR made it) even when written without a trailing slash.
+    into_dir = (dest.endswith(("/", "/.")) or dest == "." or len(sources) > 1
+                or dest_abs == posixpath.normpath(workdir))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for src in sources:

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -236,8 +237,8 @@ class ImageStore:
         workdir = "/"
         for step in steps[1:]:
             parts.append(f"{step.op} {step.args}")
-            if step.op == "WORKDIR":
-                workdir = step.args
+            if step.op == "WORKDIR":  # for where COPY lands; variables only change the key's inputs, not its use
+                workdir = df.next_workdir(workdir, step.args, {})
             if step.op == "COPY":  # the content copied is part of the identity, not just its name
                 parts.append(df.copy_tar(dockerfile.parent, step, workdir, dockerfile))
         return "layer-" + _sha(*parts)
@@ -304,6 +305,8 @@ class ImageStore:
     async def _run_steps(self, upper: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
                          label: str, probe: str):
         """Runs the steps after FROM in one build sandbox; then `probe`, whose output is returned."""
+        from furlong.sandbox.bwrap import BASE_ENV
+
         env: list[tuple[str, str]] = []
         workdir = parent.workdir
         spec = SandboxSpec(image=parent, network=True, limits=BUILD_LIMITS)
@@ -311,16 +314,20 @@ class ImageStore:
         try:
             for n, step in enumerate(steps[1:], 2):
                 progress(f"{label}: step {n}/{len(steps)} {step.op} {step.args[:60]}")
+                seen = {**BASE_ENV, **dict(parent.env), **dict(env)}  # what $VAR means at this step
                 if step.op == "ENV":
-                    env += df.env_pairs(dockerfile, step)
+                    env += [(k, df.expand(v, seen)) for k, v in df.env_pairs(dockerfile, step)]
                 elif step.op == "WORKDIR":
-                    workdir = step.args
-                    await self._must(box, f"mkdir -p {workdir}", dockerfile, step, dict(env), "/")
+                    workdir = df.next_workdir(workdir, step.args, seen)
+                    await self._must(box, f"mkdir -p {shlex.quote(workdir)}", dockerfile, step, dict(env), "/")
                 elif step.op == "COPY":
                     await box.put_tar(df.copy_tar(dockerfile.parent, step, workdir, dockerfile), "/")
                 else:
                     await self._must(box, df.run_command(step), dockerfile, step, dict(env), workdir)
-            provides = (await box.exec(probe, timeout_s=60, env=dict(env))).stdout.strip() if probe else ""
+            # cwd given: the probe must not save a shell state into the layer (it would set every later
+            # sandbox's first cwd and PATH); the state dir is removed all the same
+            provides = (await box.exec(probe, timeout_s=60, env=dict(env), cwd="/")).stdout.strip() if probe else ""
+            await box.exec("rm -rf /run/furlong-shell", timeout_s=30, cwd="/")
         finally:
             await box.close()
         return env, workdir, provides

@@ -504,7 +504,10 @@ int main(void) {
   if ((epfd = epoll_create1(EPOLL_CLOEXEC)) < 0) die("epoll_create1");
   watch(0, TAG_STDIN);
   watch(sigfd, TAG_SIGNAL);
-  mkdir("/run/furlong-shell", 0755);  /* the shell state dir (the host wraps commands to use it) */
+  /* The shell state dir (the host wraps commands to use it). Every sandbox starts with none: a state
+   * file an image happens to carry (e.g. left by a build step) must not set its first cwd or PATH. */
+  mkdir("/run/furlong-shell", 0755);
+  unlink("/run/furlong-shell/state");
   for (;;) {
     struct epoll_event evs[64];
     int n = epoll_wait(epfd, evs, 64, next_timeout_ms());

@@ -1,2 +1,3 @@
 #!/bin/bash
-{ /srv/app/bin/appinfo; cat /srv/app/data/seed.txt; } > /srv/app/report.txt
+# Relies on the image as Harbor gives it: commands start in the WORKDIR, with the image's PATH.
+{ appinfo; cat seed.txt; } > ../report.txt
