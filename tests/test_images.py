@@ -28,7 +28,6 @@ def _dockerfile(tmp_path: Path, text: str, files: dict[str, str] | None = None) 
     ("FROM debian:bookworm\nEXPOSE 80\n", 2, "unsupported instruction EXPOSE"),
     ("# comment\n\nFROM ubuntu:22.04\n", 3, "unknown base 'ubuntu:22.04'"),
     ("RUN echo hi\n", 1, "first instruction must be FROM"),
-    ("FROM debian:bookworm\nWORKDIR app\n", 2, "absolute"),
     ("FROM debian:bookworm\nCOPY --from=build /a /b\n", 2, "COPY flags"),
     ("FROM debian:bookworm\nRUN echo a \\\n  && echo b\nFROM debian:bookworm\n", 4, "multi-stage"),
     ("FROM debian:bookworm\nENV =x\n", 2, "KEY=VALUE"),
@@ -174,3 +173,14 @@ def test_python_standin_behaves_like_the_official_image(store, backend, tmp_path
     assert "asks for" not in image311.note and image311.layers[1:] == image.layers[1:]  # one stand-in layer
     meta = json.loads((store.root / image.key / "meta.json").read_text())
     assert meta["base"] == "python:3.12-slim" and meta["note"] == image.note
+
+
+def test_env_and_workdir_expand_variables_and_relative_workdirs_chain():
+    from furlong.sandbox import dockerfile as df
+
+    env = {"PATH": "/usr/bin:/bin", "APP": "/srv/app"}
+    assert df.expand("${APP}/bin:$PATH", env) == "/srv/app/bin:/usr/bin:/bin"
+    assert df.expand("${MISSING:-fallback} ${APP:+set} \\$HOME", env) == "fallback set $HOME"
+    assert df.next_workdir("/srv", "app", env) == "/srv/app"
+    assert df.next_workdir("/srv/app", "$APP/data", env) == "/srv/app/data"
+    assert df.next_workdir("/srv/app", "../x", env) == "/srv/x"
