@@ -29,6 +29,7 @@ Statuses (`STATUSES`), and who is to blame:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class Outcome:
     verifier_output: str | None = None
     agent_exit_code: int | None = None
     agent_output: str | None = None
+    image_note: str | None = None  # e.g. which stand-in served the task's FROM, and its real Python version
 
 
 def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
@@ -168,7 +170,8 @@ async def run_outcome(task: Task, agent: Agent, sandboxes: SandboxSource) -> Out
     clock.add("sandbox_start", t)
     guard = GuardedSandbox(sandbox)
     try:
-        return await _phases(task, agent, guard, sandboxes, image, clock)
+        outcome = await _phases(task, agent, guard, sandboxes, image, clock)
+        return dataclasses.replace(outcome, image_note=image.note or None)
     finally:
         await _close(sandbox)
 

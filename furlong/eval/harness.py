@@ -34,6 +34,7 @@ class EpisodeResult:
     verifier_output: str | None = None
     agent_exit_code: int | None = None
     agent_output: str | None = None
+    image_note: str | None = None  # what served the task's FROM when it is not the image asked for
 
     @classmethod
     def of(cls, task: Task, agent: str, outcome: Outcome) -> EpisodeResult:
@@ -41,7 +42,8 @@ class EpisodeResult:
                    error=outcome.error, agent_timed_out=outcome.agent_timed_out, rewards=outcome.rewards,
                    family=task.family, seed=task.seed, split=task.split,
                    verifier_exit_code=outcome.verifier_exit_code, verifier_output=outcome.verifier_output,
-                   agent_exit_code=outcome.agent_exit_code, agent_output=outcome.agent_output)
+                   agent_exit_code=outcome.agent_exit_code, agent_output=outcome.agent_output,
+                   image_note=outcome.image_note)
 
     @classmethod
     def unloadable(cls, broken: BrokenTask, agent: str) -> EpisodeResult:
