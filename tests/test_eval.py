@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import os
 import signal
@@ -77,6 +79,11 @@ class HostKillerAgent:
     async def run(self, task, sandbox, timeout_s):
         await sandbox.exec("true")
         os.kill(sandbox.inner._proc.pid, signal.SIGKILL)
+        # the init dies a moment after bwrap (its parent-death signal); until then it may still answer
+        for _ in range(500):
+            if not sandbox.alive:
+                break
+            await asyncio.sleep(0.01)
         await sandbox.exec("true")
         return AgentRun()
 

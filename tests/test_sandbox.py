@@ -121,6 +121,10 @@ def test_a_dead_sandbox_raises_sandbox_died(backend, base_image):
         box = await backend.create(spec(base_image))
         await box.exec("true")
         os.kill(box._proc.pid, signal.SIGKILL)  # the infrastructure fails under the episode
+        for _ in range(500):  # the init dies a moment after bwrap (its parent-death signal)
+            if not box.alive:
+                break
+            await asyncio.sleep(0.01)
         with pytest.raises(SandboxDied):
             await box.exec("echo hi")
         assert not box.alive
