@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from furlong.agent.episode import AgentParams, Episode, run_episode
 from furlong.agent.runner import SandboxSource
@@ -77,6 +77,18 @@ class Rollouts:
     async def run_plan(self, plan: RolloutPlan, temperature: float) -> list[Episode]:
         self.prepare(plan)
         return await self._run(self._plan_jobs(plan, temperature))
+
+    async def run_group(self, task: Task, group_id: int, seeds: Sequence[int], temperature: float) -> list[Episode]:
+        """One GRPO group, one episode per seed (furlong.rollout.scheduler's unit of work); each episode's
+        sandbox starts on demand when it gets one of the `concurrency` slots."""
+
+        async def one(sample: int, seed: int) -> Episode:
+            async with self._slots:
+                return await run_episode(task, self.engine, self.tokenizer, self.sandboxes, self.params,
+                                         SamplingParams(temperature=temperature, seed=seed),
+                                         group_id=group_id, sample_id=sample)
+
+        return list(await asyncio.gather(*(one(s, seed) for s, seed in enumerate(seeds))))
 
     async def evaluate(self, tasks: list[Task], temperature: float, seed: int,
                        on_done: Callable[[], None] = lambda: None) -> list[Episode]:
