@@ -21,12 +21,14 @@ from furlong.agent.episode import AgentParams, Episode
 from furlong.config import Config, ConfigError
 from furlong.engine.hf import HFEngine
 from furlong.agent.runner import STATUSES
+from furlong.metrics.diagnostics import BusyMeter, StepWindow
+from furlong.metrics.episodes import EpisodeLog, drop_episodes_after
 from furlong.metrics.outcomes import Scored, outcome_summary, status_counts
 from furlong.metrics.run import RunDir, atomic_write
 from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
-from furlong.rollout.groups import Rollouts, plan_step
+from furlong.rollout.groups import Rollouts, plan_step, step_of
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
@@ -122,9 +124,10 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
     if done := run.phase(name):
         return done
     start = time.perf_counter()
+    drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
     engine = HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
     async with _pools(p) as pools:
-        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency)
+        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency, EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
             episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
     await engine.close()
@@ -196,9 +199,11 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
         run.drop_metrics_after("rl", last["step"])
     if run.phase("rl"):
         return trainer
+    drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
     link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg))
     async with _pools(p) as pools:
-        rollouts = Rollouts(link.engine, p.tokenizer, pools, p.params, r.concurrency)
+        rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, pools, p.params, r.concurrency,
+                            EpisodeLog(run.path, "rl", step_of))
         await link.push(_weights_for_engine(cfg, trainer), trainer.version)
         await _rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
     await link.close()
@@ -214,14 +219,16 @@ async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: 
     r = cfg.train.rl
     with progress_bar(console, "rl: GRPO steps", r.steps, completed=start) as advance:
         for step in range(start, r.steps):
-            step_start = time.perf_counter()
+            step_start, window = time.perf_counter(), StepWindow(rollouts.engine)
             plan = plan_step(p.train_tasks, step, r.tasks_per_step, r.group_size, cfg.train.seed)
             episodes = await rollouts.run_plan(plan, r.temperature)
             if step + 1 < r.steps:  # the next step's first sandboxes start while this one trains
                 rollouts.prepare(plan_step(p.train_tasks, step + 1, r.tasks_per_step, r.group_size, cfg.train.seed))
             stats = await asyncio.to_thread(trainer.train_step, episodes)
             synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
-            run.log("rl", step, {**asdict(stats), **rollout_metrics(episodes, stats.version - stats.updated),
+            trained = stats.version - stats.updated
+            run.log("rl", step, {**asdict(stats), **rollout_metrics(episodes, trained),
+                                 **window.diagnostics(episodes, trained, stats.seconds),
                                  **synced, "step_seconds": time.perf_counter() - step_start})
             if (step + 1) % r.checkpoint_every == 0 or step == r.steps - 1:
                 trainer.save(run.checkpoint_dir(f"rl-{step}"))
