@@ -21,12 +21,14 @@ from furlong.agent.episode import AgentParams, Episode
 from furlong.config import Config, ConfigError
 from furlong.engine.hf import HFEngine
 from furlong.agent.runner import STATUSES
+from furlong.metrics.diagnostics import BusyMeter, StepWindow
+from furlong.metrics.episodes import EpisodeLog, drop_episodes_after
 from furlong.metrics.outcomes import Scored, outcome_summary, status_counts
 from furlong.metrics.run import RunDir, atomic_write
 from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
-from furlong.rollout.groups import Rollouts
+from furlong.rollout.groups import Rollouts, step_of
 from furlong.rollout.scheduler import OUTCOMES, Batch, GroupStream, Scheduler, outcome_counts, staleness_stats
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
@@ -125,9 +127,10 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
     if done := run.phase(name):
         return done
     start = time.perf_counter()
+    drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
     engine = HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
     async with _pools(p) as pools:
-        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency)
+        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency, EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
             episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
     await engine.close()
@@ -200,9 +203,11 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
         run.drop_metrics_after("rl", last["step"])
     if run.phase("rl"):
         return trainer
+    drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
     link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg))
     async with _pools(p) as pools:
-        rollouts = Rollouts(link.engine, p.tokenizer, pools, p.params, r.concurrency)
+        rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, pools, p.params, r.concurrency,
+                            EpisodeLog(run.path, "rl", step_of))
         await link.push(_weights_for_engine(cfg, trainer), trainer.version)
         await _rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
     await link.close()
@@ -246,12 +251,13 @@ async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: 
     try:
         with progress_bar(console, f"rl: GRPO steps ({r.mode})", r.steps, completed=start) as advance:
             for step in range(start, r.steps):
-                step_start = time.perf_counter()
+                step_start, window = time.perf_counter(), StepWindow(rollouts.engine)
                 batch = await scheduler.next_batch(trainer.version)
                 stats = await asyncio.to_thread(trainer.train_step, batch.episodes)
                 synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
                 scheduler.step_done()
                 run.log("rl", step, {**asdict(stats), **rollout_metrics(batch.episodes, batch.version),
+                                     **window.diagnostics(batch.episodes, batch.version, stats.seconds),
                                      **batch_metrics(batch, r.filter_zero_variance), **synced,
                                      "step_seconds": time.perf_counter() - step_start})
                 if (step + 1) % r.checkpoint_every == 0 or step == r.steps - 1:
