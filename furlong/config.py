@@ -88,6 +88,9 @@ class RLConfig(_Node):
     micro_batch_size: int = Field(16, ge=1)
     concurrency: int = Field(16, ge=1, description="episodes (sandboxes) at once; the engine batches their turns")
     checkpoint_every: int = Field(5, ge=1)
+    time_budget_s: float | None = Field(
+        None, gt=0, description="stop RL after the step whose end crosses this many seconds of RL step time "
+                                "(resumed runs included); null: run all `steps`")
     mode: Literal["sync", "async"] = Field(
         "sync", description="async: rollouts keep running while the trainer trains (furlong.rollout.scheduler)")
     max_inflight_groups: int | None = Field(

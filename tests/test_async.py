@@ -18,10 +18,14 @@ from rich.console import Console
 from conftest import run
 from furlong.agent.episode import AgentParams, Episode
 from furlong.config import load_config
+from furlong.metrics.episodes import read_jsonl
 from furlong.metrics.run import RunDir
+from furlong.report.data import load_run
+from furlong.report.timing import episode_lags
 from furlong.metrics.timing import EpisodeTiming
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts
+from furlong.rollout.scheduler import OUTCOMES
 from furlong.sandbox.base import SandboxError
 from furlong.sandbox.pool import WarmPools, fixed_image
 from furlong.train.driver import _rl_steps, grpo_config
@@ -170,6 +174,48 @@ def test_async_bounds_staleness_and_accounts_for_every_episode(tiny_dir, backend
                == 3 * (2 + r["groups_stale"]) for r in rows)
     assert any(r["updated"] for r in rows) and any(r["staleness_max"] >= 1 for r in rows)  # it did overlap
     assert json.loads((run_dir.checkpoint_dir("rl-5") / "rollout_cursor.json").read_text())["pending"] == []
+    _check_records(run_dir.path, rows)
+
+
+def _check_records(path: Path, rows: list[dict]) -> None:
+    """episodes.jsonl of an async run: each RL record carries the step that settled it (not the step its
+    group was planned for), so its outcomes add up to that step's counts, its lags to that step's
+    staleness, and `furlong report`'s sample lags are the trained ones."""
+    records = [r for r in read_jsonl(path / "episodes.jsonl") if r["phase"] == "rl"]
+    assert len({(r["step"], r["group"], r["sample"]) for r in records}) == len(records)
+    lags = []
+    for row in rows:
+        mine = [r for r in records if r["step"] == row["step"]]
+        counts = {k: sum(r["outcome"] == k for r in mine) for k in OUTCOMES}
+        assert counts == {k: row[f"episodes_{k}"] for k in OUTCOMES}
+        trained_at = row["version"] - row["updated"]
+        step_lags = [trained_at - r["version_first"] for r in mine if r["in_batch"] and r["version_first"] is not None]
+        assert max(step_lags, default=0) == row["staleness_max"]
+        lags += step_lags
+    assert sorted(episode_lags(load_run(path))[0]) == sorted(lags)
+
+
+def _record(step: int, plan_step: int, version_first: int, in_batch: bool = True, reward: float = 1.0) -> dict:
+    return {"phase": "rl", "step": step, "plan_step": plan_step, "group": plan_step * 100_000, "sample": 0,
+            "version_first": version_first, "in_batch": in_batch, "reward": reward, "seconds": 1.0,
+            "outcome": "trained" if in_batch else "dropped_stale"}
+
+
+def test_report_measures_lag_at_the_step_that_trained_a_group_not_the_one_it_was_planned_for(tmp_path):
+    """Async: a group planned for step 0 but trained at step 2 lagged 2 versions (trained at version 2),
+    not 0 (the plan step's version); a group dropped as stale was never trained, so it has no lag and is
+    not in its step's reward."""
+    from furlong.metrics.episodes import EpisodeLog
+    from furlong.report.sections import by_step
+
+    run = RunDir.create(tmp_path / "run", {})
+    for step in range(3):  # each step updates the weights: step s trains at version s
+        run.log("rl", step, {"version": step + 1, "updated": True, "step_seconds": 1.0})
+    EpisodeLog(run.path, "rl").write([_record(0, 0, 0), _record(1, 1, 0), _record(2, 0, 0),
+                                      _record(2, 2, 2, reward=0.0), _record(2, 1, 0, in_batch=False)])
+    data = load_run(run.path)
+    assert sorted(episode_lags(data)[0]) == [0.0, 0.0, 1.0, 2.0]
+    assert {k: len(v) for k, v in by_step(data.batch_episodes()).items()} == {0: 1, 1: 1, 2: 2}
 
 
 def test_a_mid_episode_weight_update_keeps_each_tokens_version_and_trains(tiny_dir, backend, base_image, tmp_path):
@@ -198,3 +244,44 @@ def test_sync_mode_draws_the_samples_of_the_loop_before_async(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     e = summary["rl_episodes"]
     assert e["started"] == 16 == e["trained"] + e["dropped_stale"] + e["filtered"] + e["infra_error"]
+
+
+def test_async_kill_and_resume_trains_every_group_exactly_once(tmp_path):
+    """`furlong train` in async mode, killed mid-RL with groups in flight, then `--resume`: the groups
+    started but untrained at the checkpoint are re-planned, so every group of the stream is trained in
+    exactly one batch (none twice, none skipped), and every episode is recorded and counted once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps, tasks, group = 6, 2, 2
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/smoke.yaml", f"train.run_dir={run_dir}",
+           f"train.rl.steps={steps}", "train.rl.mode=async", "train.rl.max_staleness=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    rl = lambda: [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["phase"] == "rl"]  # noqa: E731
+    while not any(r["step"] >= 2 for r in rl()) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    last = json.loads((run_dir / "state.json").read_text())["last_checkpoint"]["step"]
+    assert last < steps - 1 and {r["step"]: r for r in rl()}[last]["episodes_in_flight"] > 0  # groups were in flight
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--resume", str(run_dir)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in rl()] == list(range(steps))
+    records = [r for r in read_jsonl(run_dir / "episodes.jsonl") if r["phase"] == "rl"]
+    assert len({(r["step"], r["group"], r["sample"]) for r in records}) == len(records)
+    batched: dict[int, list[dict]] = {}
+    for r in records:
+        if r["in_batch"]:
+            batched.setdefault(r["group"], []).append(r)
+    assert all(len(eps) == group for eps in batched.values())
+    streams = sorted((eps[0]["plan_step"], eps[0]["slot"]) for eps in batched.values())
+    assert streams == [(s, k) for s in range(steps) for k in range(tasks)]  # each group of the stream once
+    e = json.loads((run_dir / "summary.json").read_text())["rl_episodes"]
+    assert e["started"] == sum(e[k] for k in (*OUTCOMES, "cancelled_at_stop")) and e["cancelled_at_stop"] == 0
+    assert e["trained"] + e["filtered"] + e["infra_error"] == steps * tasks * group

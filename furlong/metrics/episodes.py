@@ -1,7 +1,9 @@
 """`RUN_DIR/episodes.jsonl`: one line per finished episode (RL steps and held-out evals alike).
 
-Lines are appended and flushed as episodes finish, so a killed run keeps every episode that ended;
-on resume the lines of steps that are redone are dropped first, so no episode is recorded twice.
+Eval lines are appended and flushed as episodes finish; RL lines when their group settles (is trained,
+filtered or dropped as stale), with the step that settled it, since in async mode that is only known then.
+A killed run keeps what it wrote; on resume the lines of steps (or evals) that are redone are dropped
+first, so no episode is recorded twice.
 Readers skip a torn last line (a run killed, or still running, mid-write).
 """
 
@@ -41,9 +43,11 @@ class EpisodeLog:
         self.path, self.phase, self.step_of = Path(run_path) / FILENAME, phase, step_of
 
     def __call__(self, episode: "Episode") -> None:
-        line = json.dumps(episode_record(episode, self.phase, self.step_of(episode))) + "\n"
-        with open(self.path, "a") as f:  # one write per line: a kill leaves at most one torn last line
-            f.write(line)
+        self.write([episode_record(episode, self.phase, self.step_of(episode))])
+
+    def write(self, records: list[dict]) -> None:
+        with open(self.path, "a") as f:  # one write: a kill leaves at most one torn last line
+            f.write("".join(json.dumps(r) + "\n" for r in records))
             f.flush()
 
 

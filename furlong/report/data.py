@@ -27,6 +27,11 @@ class RunData:
     def phase_episodes(self, phase: str | None = None) -> list[dict]:
         return [e for e in self.episodes if phase is None or e.get("phase") == phase]
 
+    def batch_episodes(self) -> list[dict]:
+        """RL episodes of the batches trained: a record's `step` is the step that settled it (in async mode
+        often later than `plan_step`); groups dropped as stale at that step (`in_batch` false) left out."""
+        return [e for e in self.phase_episodes("rl") if e.get("in_batch", True)]
+
     def trained_version(self, step: int) -> int | None:
         """The version a step's episodes were trained at (their lag is measured against it)."""
         row = self.rows_by_step().get(step)

@@ -67,7 +67,7 @@ def overview(run: RunData) -> Section:
 
 def reward_per_step(run: RunData) -> Section:
     s = Section([Heading("Reward and pass rate per step")])
-    steps = by_step(run.phase_episodes("rl"))
+    steps = by_step(run.batch_episodes())
     if steps:
         reward = {k: bootstrap_mean([e["reward"] for e in scored(v)]) for k, v in steps.items()}
         rate = {k: bootstrap_mean([passed(e) for e in scored(v)]) for k, v in steps.items()}

@@ -52,9 +52,10 @@ def time_breakdown(run: RunData) -> Section:
 
 
 def episode_lags(run: RunData) -> tuple[list[float], list[float]]:
-    """(lag, seconds) per RL episode with sampled tokens: trained version minus oldest token version."""
+    """(lag, seconds) per trained RL episode with sampled tokens: the version it was trained at (that of
+    the step that settled it, not the step it was planned for) minus its oldest token's version."""
     lags, seconds = [], []
-    for e in run.phase_episodes("rl"):
+    for e in run.batch_episodes():
         trained = run.trained_version(e["step"]) if isinstance(e.get("step"), int) else None
         if trained is not None and e.get("version_first") is not None:
             lags.append(float(trained - e["version_first"]))

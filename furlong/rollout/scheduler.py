@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from furlong.agent.episode import Episode
-from furlong.rollout.groups import Rollouts, plan_step
+from furlong.rollout.groups import GROUP_STRIDE, Rollouts, plan_step
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
 from furlong.train.grpo import filter_zero_variance_groups
 
 OUTCOMES = ("trained", "dropped_stale", "filtered", "infra_error")
+ATTEMPT_STRIDE = 1_000  # a re-queued copy's group_id: step * GROUP_STRIDE + attempt * ATTEMPT_STRIDE + slot
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,12 @@ class GroupStream:
         # attempt 0 keeps the seeds sync mode has always used; a re-queued copy samples afresh
         seeds = tuple(plan.episode_seed(slot, s) if attempt == 0 else mix_seed(self.seed, step, slot, s, attempt)
                       for s in range(self.group_size))
-        return GroupSpec(index, attempt, plan.tasks[slot], step * 100_000 + slot, seeds)
+        # each attempt its own group id, so two copies in one batch are two GRPO groups, and its records
+        # are distinct; attempt 0 keeps the id sync mode has always used
+        if self.tasks_per_step > ATTEMPT_STRIDE or attempt >= GROUP_STRIDE // ATTEMPT_STRIDE:
+            raise ValueError(f"group {index} attempt {attempt}: group ids allow at most {ATTEMPT_STRIDE} tasks per "
+                             f"step and {GROUP_STRIDE // ATTEMPT_STRIDE} attempts of a group")
+        return GroupSpec(index, attempt, plan.tasks[slot], step * GROUP_STRIDE + attempt * ATTEMPT_STRIDE + slot, seeds)
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ class Batch:
 class Scheduler:
     def __init__(self, rollouts: Rollouts, stream: GroupStream, *, temperature: float, steps_left: int,
                  first_step: int, inflight: int, lookahead: int, max_staleness: int, requeue: bool,
-                 cursor: dict | None = None) -> None:
+                 cursor: dict | None = None, counted: int = 0) -> None:
         self.rollouts, self.stream, self.temperature = rollouts, stream, temperature
         self.inflight, self.lookahead, self.max_staleness, self.requeue = inflight, lookahead, max_staleness, requeue
         self._per_step = stream.tasks_per_step
@@ -102,7 +108,9 @@ class Scheduler:
         self._complete: list[Group] = []
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
-        self._started = 0
+        # resume: `counted` episodes of the re-planned groups were in flight at the killed run's last logged
+        # step, so its rows already count them as started; their re-runs are not counted again
+        self._started = -counted
         self._closed = False
 
     def _live(self) -> int:
@@ -189,14 +197,20 @@ class Scheduler:
         await asyncio.gather(*self._running, return_exceptions=True)
 
 
-def outcome_counts(batch: Batch, filter_zero_variance: bool) -> dict[str, int]:
-    """How each episode settled by this batch ended: exactly one of OUTCOMES (the trainer's own rules:
-    no reward is an infra error, then a zero-variance group is filtered)."""
-    infra = sum(e.reward is None for g in (*batch.groups, *batch.stale) for e in g.episodes)
-    stale = sum(e.reward is not None for g in batch.stale for e in g.episodes)
+def settled_episodes(batch: Batch, filter_zero_variance: bool) -> list[tuple[Group, Episode, str]]:
+    """Every episode settled by this batch with how it ended: exactly one of OUTCOMES (the trainer's own
+    rules: no reward is an infra error, then a zero-variance group is filtered)."""
     scored = [e for e in batch.episodes if e.reward is not None]
-    kept = len(filter_zero_variance_groups(scored).episodes) if filter_zero_variance else len(scored)
-    return {"trained": kept, "dropped_stale": stale, "filtered": len(scored) - kept, "infra_error": infra}
+    kept = {id(e) for e in (filter_zero_variance_groups(scored).episodes if filter_zero_variance else scored)}
+    out = [(g, e, "infra_error" if e.reward is None else "trained" if id(e) in kept else "filtered")
+           for g in batch.groups for e in g.episodes]
+    return out + [(g, e, "infra_error" if e.reward is None else "dropped_stale")
+                  for g in batch.stale for e in g.episodes]
+
+
+def outcome_counts(batch: Batch, filter_zero_variance: bool) -> dict[str, int]:
+    outcomes = [o for _, _, o in settled_episodes(batch, filter_zero_variance)]
+    return {k: outcomes.count(k) for k in OUTCOMES}
 
 
 def staleness_stats(groups: Sequence[Group], version: int) -> dict[str, float]:

@@ -22,14 +22,15 @@ from furlong.config import Config, ConfigError
 from furlong.engine.hf import HFEngine
 from furlong.agent.runner import STATUSES
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
-from furlong.metrics.episodes import EpisodeLog, drop_episodes_after
+from furlong.metrics.episodes import EpisodeLog, drop_episodes_after, episode_record
 from furlong.metrics.outcomes import Scored, outcome_summary, status_counts
 from furlong.metrics.run import RunDir, atomic_write
 from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts, step_of
-from furlong.rollout.scheduler import OUTCOMES, Batch, GroupStream, Scheduler, outcome_counts, staleness_stats
+from furlong.rollout.scheduler import (ATTEMPT_STRIDE, OUTCOMES, Batch, GroupStream, Scheduler, outcome_counts,
+                                       settled_episodes, staleness_stats)
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
@@ -206,28 +207,39 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
     drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
     link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg))
     async with _pools(p) as pools:
-        rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, pools, p.params, r.concurrency,
-                            EpisodeLog(run.path, "rl", step_of))
+        rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, pools, p.params, r.concurrency)
         await link.push(_weights_for_engine(cfg, trainer), trainer.version)
         await _rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
     await link.close()
     # summed over the logged steps, so time spent before a kill and resume is counted once
     rows = run.metrics("rl")
-    run.finish_phase("rl", {"steps": r.steps, "seconds": sum(row["step_seconds"] for row in rows),
+    episodes = {k: sum(row.get(f"episodes_{k}", 0) for row in rows) for k in ("started", *OUTCOMES)}
+    # stopped by rl.time_budget_s: episodes still running or untrained then are cancelled, never trained
+    episodes["cancelled_at_stop"] = rows[-1].get("episodes_in_flight", 0) if rows else 0
+    run.finish_phase("rl", {"steps": len(rows), "seconds": sum(row["step_seconds"] for row in rows),
                             "status": {k: sum(row.get(f"status_{k}", 0) for row in rows) for k in STATUSES},
-                            "episodes": {k: sum(row.get(f"episodes_{k}", 0) for row in rows)
-                                         for k in ("started", *OUTCOMES)}})
+                            "episodes": episodes})
     return trainer
 
 
-def _scheduler(cfg: Config, rollouts: Rollouts, p: Pieces, start: int, cursor: dict | None) -> Scheduler:
+def _scheduler(cfg: Config, rollouts: Rollouts, p: Pieces, start: int, run: RunDir) -> Scheduler:
     """Sync and async are one loop: sync runs one step's groups at a time with zero lookahead, so the
     next step's episodes start only once this step's weights are in the engine."""
-    r = cfg.train.rl
+    r, cursor, rows = cfg.train.rl, _cursor(run), run.metrics("rl")
     return Scheduler(rollouts, GroupStream(p.train_tasks, r.tasks_per_step, r.group_size, cfg.train.seed),
                      temperature=r.temperature, steps_left=r.steps - start, first_step=start,
                      inflight=r.inflight_groups(), lookahead=0 if r.mode == "sync" else r.max_staleness,
-                     max_staleness=r.max_staleness, requeue=r.stale_policy == "requeue", cursor=cursor)
+                     max_staleness=r.max_staleness, requeue=r.stale_policy == "requeue", cursor=cursor,
+                     counted=rows[-1].get("episodes_in_flight", 0) if cursor and rows else 0)
+
+
+def settled_records(batch: Batch, step: int, filter_zero_variance: bool) -> list[dict]:
+    """episodes.jsonl lines for the episodes this step settled: `step` is the step that trained (or
+    dropped) them, `plan_step` the step the group was planned for (later in async mode)."""
+    return [{**episode_record(e, "rl", step), "plan_step": step_of(e), "attempt": g.spec.attempt,
+             "slot": g.spec.group_id % ATTEMPT_STRIDE, "in_batch": any(g is b for b in batch.groups),
+             "outcome": outcome}
+            for g, e, outcome in settled_episodes(batch, filter_zero_variance)]
 
 
 def batch_metrics(batch: Batch, filter_zero_variance: bool) -> dict:
@@ -246,25 +258,33 @@ def _cursor(run: RunDir) -> dict | None:
 
 async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: Pieces, run: RunDir,
                     console: Console, start: int) -> None:
-    r = cfg.train.rl
-    scheduler = _scheduler(cfg, rollouts, p, start, _cursor(run))
+    r, records = cfg.train.rl, EpisodeLog(run.path, "rl")
+    scheduler = _scheduler(cfg, rollouts, p, start, run)
+    spent = sum(row["step_seconds"] for row in run.metrics("rl"))  # RL time so far, a killed run's included
     try:
         with progress_bar(console, f"rl: GRPO steps ({r.mode})", r.steps, completed=start) as advance:
             for step in range(start, r.steps):
+                if r.time_budget_s is not None and spent >= r.time_budget_s:
+                    break  # a resumed run whose budget was already spent
                 step_start, window = time.perf_counter(), StepWindow(rollouts.engine)
                 batch = await scheduler.next_batch(trainer.version)
                 stats = await asyncio.to_thread(trainer.train_step, batch.episodes)
                 synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
                 scheduler.step_done()
+                spent += (seconds := time.perf_counter() - step_start)
                 run.log("rl", step, {**asdict(stats), **rollout_metrics(batch.episodes, batch.version),
                                      **window.diagnostics(batch.episodes, batch.version, stats.seconds),
                                      **batch_metrics(batch, r.filter_zero_variance), **synced,
-                                     "step_seconds": time.perf_counter() - step_start})
-                if (step + 1) % r.checkpoint_every == 0 or step == r.steps - 1:
+                                     "step_seconds": seconds})
+                records.write(settled_records(batch, step, r.filter_zero_variance))
+                last = step == r.steps - 1 or (r.time_budget_s is not None and spent >= r.time_budget_s)
+                if (step + 1) % r.checkpoint_every == 0 or last:
                     trainer.save(run.checkpoint_dir(f"rl-{step}"))
                     atomic_write(run.checkpoint_dir(f"rl-{step}") / CURSOR_FILE, json.dumps(scheduler.cursor()))
                     run.record_checkpoint(f"rl-{step}", step)
                 advance(f"reward {stats.reward_mean:.2f}")
+                if last:
+                    break
     finally:
         await scheduler.close()
 
