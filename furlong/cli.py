@@ -77,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("--platform", default="", help="os/arch[/variant] (default: this machine's)")
     _common(pull)
 
+    rep = sub.add_parser("report", help="a run's report: report.md and a self-contained report.html with plots")
+    rep.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="a run directory (finished or running)")
+    rep.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report)")
+    rep.add_argument("--compare", type=Path, nargs=2, metavar=("RUN_A", "RUN_B"),
+                     help="mean episode time A/B with a 90%% interval, and the difference per component")
+    rep.add_argument("--project-inference-speedup", metavar="K,K", default="",
+                     help="projected episode and step time if inference were k times faster, e.g. 8,32")
+
     sb = sub.add_parser("sandbox", help="sandbox host set-up")
     sb_sub = sb.add_subparsers(dest="sandbox_command", required=True)
     dg = sb_sub.add_parser("delegate", help="as root, once: give USER cgroups for per-sandbox limits")
@@ -233,6 +241,26 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from furlong.report.build import report
+
+    if args.run_dir is None and args.compare is None:
+        raise ValueError("furlong report needs RUN_DIR, or --compare RUN_A RUN_B")
+    try:
+        speedups = [float(k) for k in args.project_inference_speedup.split(",") if k.strip()]
+    except ValueError:
+        raise ValueError(f"--project-inference-speedup: {args.project_inference_speedup!r} is not a list "
+                         "of numbers like 8,32") from None
+    if any(k <= 0 for k in speedups):
+        raise ValueError("--project-inference-speedup: every k must be > 0")
+    written = report(args.run_dir, args.out, tuple(args.compare) if args.compare else None, speedups)
+    for note in written.missing:
+        console.print(f"[yellow]not in report:[/yellow] {note}", soft_wrap=True)
+    console.print(f"{len(written.images)} plots; report: {written.out / 'report.md'} and {written.out / 'report.html'}")
+    print(written.out / "report.html")
+    return 0
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     from furlong.model.tiny import init_tiny
 
@@ -251,7 +279,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model,
-                "engine": cmd_engine, "sandbox": cmd_sandbox}
+                "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report}
     try:
         return handlers[args.command](args)
     except (ConfigError, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:

@@ -100,6 +100,36 @@ class RLConfig(_Node):
     micro_batch_size: int = Field(16, ge=1)
     concurrency: int = Field(16, ge=1, description="episodes (sandboxes) at once; the engine batches their turns")
     checkpoint_every: int = Field(5, ge=1)
+    time_budget_s: float | None = Field(
+        None, gt=0, description="stop RL after the step whose end crosses this many seconds of RL step time "
+                                "(resumed runs included); null: run all `steps`")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="async: rollouts keep running while the trainer trains (furlong.rollout.scheduler)")
+    max_inflight_groups: int | None = Field(
+        None, ge=1, description="async: GRPO groups running or waiting at once; null: 2 * tasks_per_step "
+                                "(sync always runs one step's groups)")
+    max_staleness: int = Field(2, ge=0, description="async: most weight versions between a trained episode's "
+                                                    "oldest sampled token and the version being trained")
+    stale_policy: Literal["drop", "requeue"] = Field(
+        "requeue", description="a group past max_staleness: drop it (the next group of the stream runs instead) "
+                               "or re-run its task")
+    off_policy: Literal["tis", "masked_is", "decoupled_ppo"] = Field(
+        "tis", description="correction for rollout/train policy mismatch (see furlong.train.grpo)")
+    mask_level: Literal["token", "sequence"] = Field("token", description="masked_is: drop tokens or whole episodes")
+    is_low: float = Field(0.5, gt=0, description="masked_is: keep tokens whose train/rollout ratio >= this")
+    is_high: float = Field(2.0, gt=0, description="masked_is: ... and <= this")
+
+    @model_validator(mode="after")
+    def _is_range(self) -> RLConfig:
+        if self.is_low > self.is_high:
+            raise ValueError(f"is_low ({self.is_low}) must be <= is_high ({self.is_high})")
+        return self
+
+    def inflight_groups(self) -> int:
+        """How many groups may run at once: one step's worth in sync mode (zero overlap with training)."""
+        if self.mode == "sync":
+            return self.tasks_per_step
+        return self.max_inflight_groups or 2 * self.tasks_per_step
 
 
 class LoraConfig(_Node):

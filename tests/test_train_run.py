@@ -64,6 +64,10 @@ def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: 
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # same step count, nothing logged twice
     # the same samples, in the same steps, as the run that was never killed
     assert [r["samples_sha"] for r in resumed] == [r["samples_sha"] for r in rows]
+    # every episode recorded once: the records of the steps redone after the kill were dropped first
+    records = [json.loads(line) for line in (killed / "episodes.jsonl").read_text().splitlines()]
+    keys = [(r["phase"], r["step"], r["group"], r["sample"]) for r in records]
+    assert len(keys) == len(set(keys)) == 4 * 2 * 2 + 2 * 4
 
 
 def test_train_with_lora_updates_only_adapters(tmp_path: Path):

@@ -15,6 +15,8 @@ class EpisodeTiming:
     agent_commands: float = 0.0
     verifier: float = 0.0
     other: float = 0.0
+    started_at: float = 0.0  # wall clock (unix seconds), for the run's per-episode records and report
+    ended_at: float = 0.0
 
     @property
     def total(self) -> float:
@@ -26,6 +28,7 @@ class Clock:
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
+        self.started_at = time.time()
         self.spent: dict[str, float] = {}
 
     def add(self, name: str, since: float) -> float:
@@ -35,4 +38,5 @@ class Clock:
 
     def timing(self) -> EpisodeTiming:
         parts = {k: self.spent.get(k, 0.0) for k in PARTS}
-        return EpisodeTiming(**parts, other=max(time.perf_counter() - self.start - sum(parts.values()), 0.0))
+        return EpisodeTiming(**parts, other=max(time.perf_counter() - self.start - sum(parts.values()), 0.0),
+                             started_at=self.started_at, ended_at=time.time())

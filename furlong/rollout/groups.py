@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from furlong.agent.episode import AgentParams, Episode, run_episode
 from furlong.agent.runner import SandboxSource
@@ -38,6 +38,13 @@ def plan_step(tasks: list[Task], step: int, tasks_per_step: int, group_size: int
     return RolloutPlan(step=step, tasks=tuple(picked), group_size=group_size, seed=seed)
 
 
+GROUP_STRIDE = 100_000  # an RL episode's group_id is step * GROUP_STRIDE + its group in the step
+
+
+def step_of(episode: Episode) -> int:
+    return episode.group_id // GROUP_STRIDE
+
+
 @dataclass(frozen=True)
 class _Job:
     task: Task
@@ -54,16 +61,19 @@ class Rollouts:
     `prepare`, called while the previous step trains, then one more each time an episode starts.
     """
 
-    def __init__(self, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams, concurrency: int):
+    def __init__(self, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams, concurrency: int,
+                 on_episode: Callable[[Episode], None] = lambda e: None):
         self.engine, self.tokenizer, self.sandboxes = engine, tokenizer, sandboxes
         self.params, self.concurrency = params, concurrency
+        self.on_episode = on_episode  # called as each episode finishes (the run's episode records)
         self._slots = asyncio.Semaphore(concurrency)
         self._prepared: set[int] = set()
+        self._ahead = 0  # episodes waiting for a slot whose sandbox is already starting
 
     @staticmethod
     def _plan_jobs(plan: RolloutPlan, temperature: float) -> list[_Job]:
         return [_Job(task, SamplingParams(temperature=temperature, seed=plan.episode_seed(g, s)),
-                     plan.step * 100_000 + g, s)
+                     plan.step * GROUP_STRIDE + g, s)
                 for g, task in enumerate(plan.tasks) for s in range(plan.group_size)]
 
     def prepare(self, plan: RolloutPlan) -> None:
@@ -77,6 +87,26 @@ class Rollouts:
     async def run_plan(self, plan: RolloutPlan, temperature: float) -> list[Episode]:
         self.prepare(plan)
         return await self._run(self._plan_jobs(plan, temperature))
+
+    async def run_group(self, task: Task, group_id: int, seeds: Sequence[int], temperature: float) -> list[Episode]:
+        """One GRPO group, one episode per seed (furlong.rollout.scheduler's unit of work). While an
+        episode waits for one of the `concurrency` slots its sandbox starts ahead in the warm pool, for
+        at most `concurrency` waiting episodes at a time, so a slot never waits on a sandbox start."""
+
+        async def one(sample: int, seed: int) -> Episode:
+            ahead = self._ahead < self.concurrency
+            if ahead:
+                self._ahead += 1
+                self.sandboxes.reserve(task)
+            async with self._slots:
+                self._ahead -= ahead
+                episode = await run_episode(task, self.engine, self.tokenizer, self.sandboxes, self.params,
+                                            SamplingParams(temperature=temperature, seed=seed),
+                                            group_id=group_id, sample_id=sample)
+            self.on_episode(episode)
+            return episode
+
+        return list(await asyncio.gather(*(one(s, seed) for s, seed in enumerate(seeds))))
 
     async def evaluate(self, tasks: list[Task], temperature: float, seed: int,
                        on_done: Callable[[], None] = lambda: None) -> list[Episode]:
@@ -97,6 +127,7 @@ class Rollouts:
                     self.sandboxes.reserve(jobs[k + self.concurrency].task)
                 episode = await run_episode(job.task, self.engine, self.tokenizer, self.sandboxes, self.params,
                                             job.sampling, group_id=job.group_id, sample_id=job.sample_id)
+            self.on_episode(episode)
             on_done()
             return episode
 

@@ -21,12 +21,16 @@ from furlong.agent.episode import AgentParams, Episode
 from furlong.config import Config, ConfigError
 from furlong.engine.hf import HFEngine
 from furlong.agent.runner import STATUSES
+from furlong.metrics.diagnostics import BusyMeter, StepWindow
+from furlong.metrics.episodes import EpisodeLog, drop_episodes_after, episode_record
 from furlong.metrics.outcomes import Scored, outcome_summary, status_counts
 from furlong.metrics.run import RunDir, atomic_write
 from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
-from furlong.rollout.groups import Rollouts, plan_step
+from furlong.rollout.groups import Rollouts, step_of
+from furlong.rollout.scheduler import (ATTEMPT_STRIDE, OUTCOMES, Batch, GroupStream, Scheduler, outcome_counts,
+                                       settled_episodes, staleness_stats)
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
@@ -34,6 +38,8 @@ from furlong.tasks.family import load_family
 from furlong.train.sft import oracle_demos, sft_train
 from furlong.train.trainer import GRPOConfig, Trainer
 from furlong.train.weights import open_link
+
+CURSOR_FILE = "rollout_cursor.json"  # beside each RL checkpoint: where the group stream resumes
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,10 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
     if done := run.phase(name):
         return done
     start = time.perf_counter()
+    drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
     engine = HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
     async with _pools(p) as pools:
-        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency)
+        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency, EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
             episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
     await engine.close()
@@ -143,6 +150,7 @@ def grpo_config(cfg: Config) -> GRPOConfig:
     return GRPOConfig(lr=r.lr, adam_eps=r.adam_eps, warmup_steps=r.warmup_steps, decay_steps=decay,
                       min_lr_ratio=r.min_lr_ratio, grad_clip=r.grad_clip, minibatches=r.minibatches,
                       clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
+                      off_policy=r.off_policy, mask_level=r.mask_level, is_low=r.is_low, is_high=r.is_high,
                       normalize_std=r.normalize_std, negative_weight=r.negative_weight,
                       filter_zero_variance=r.filter_zero_variance, micro_batch_size=r.micro_batch_size,
                       temperature=r.temperature, seed=cfg.train.seed)
@@ -196,37 +204,89 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
         run.drop_metrics_after("rl", last["step"])
     if run.phase("rl"):
         return trainer
+    drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
     link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg))
     async with _pools(p) as pools:
-        rollouts = Rollouts(link.engine, p.tokenizer, pools, p.params, r.concurrency)
+        rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, pools, p.params, r.concurrency)
         await link.push(_weights_for_engine(cfg, trainer), trainer.version)
         await _rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
     await link.close()
     # summed over the logged steps, so time spent before a kill and resume is counted once
     rows = run.metrics("rl")
-    run.finish_phase("rl", {"steps": r.steps, "seconds": sum(row["step_seconds"] for row in rows),
-                            "status": {k: sum(row.get(f"status_{k}", 0) for row in rows) for k in STATUSES}})
+    episodes = {k: sum(row.get(f"episodes_{k}", 0) for row in rows) for k in ("started", *OUTCOMES)}
+    # stopped by rl.time_budget_s: episodes still running or untrained then are cancelled, never trained
+    episodes["cancelled_at_stop"] = rows[-1].get("episodes_in_flight", 0) if rows else 0
+    run.finish_phase("rl", {"steps": len(rows), "seconds": sum(row["step_seconds"] for row in rows),
+                            "status": {k: sum(row.get(f"status_{k}", 0) for row in rows) for k in STATUSES},
+                            "episodes": episodes})
     return trainer
+
+
+def _scheduler(cfg: Config, rollouts: Rollouts, p: Pieces, start: int, run: RunDir) -> Scheduler:
+    """Sync and async are one loop: sync runs one step's groups at a time with zero lookahead, so the
+    next step's episodes start only once this step's weights are in the engine."""
+    r, cursor, rows = cfg.train.rl, _cursor(run), run.metrics("rl")
+    return Scheduler(rollouts, GroupStream(p.train_tasks, r.tasks_per_step, r.group_size, cfg.train.seed),
+                     temperature=r.temperature, steps_left=r.steps - start, first_step=start,
+                     inflight=r.inflight_groups(), lookahead=0 if r.mode == "sync" else r.max_staleness,
+                     max_staleness=r.max_staleness, requeue=r.stale_policy == "requeue", cursor=cursor,
+                     counted=rows[-1].get("episodes_in_flight", 0) if cursor and rows else 0)
+
+
+def settled_records(batch: Batch, step: int, filter_zero_variance: bool) -> list[dict]:
+    """episodes.jsonl lines for the episodes this step settled: `step` is the step that trained (or
+    dropped) them, `plan_step` the step the group was planned for (later in async mode)."""
+    return [{**episode_record(e, "rl", step), "plan_step": step_of(e), "attempt": g.spec.attempt,
+             "slot": g.spec.group_id % ATTEMPT_STRIDE, "in_batch": any(g is b for b in batch.groups),
+             "outcome": outcome}
+            for g, e, outcome in settled_episodes(batch, filter_zero_variance)]
+
+
+def batch_metrics(batch: Batch, filter_zero_variance: bool) -> dict:
+    """Where every episode went: started this step, and how those settled by this batch ended."""
+    counts = outcome_counts(batch, filter_zero_variance)
+    return {"episodes_started": batch.started, **{f"episodes_{k}": v for k, v in counts.items()},
+            "episodes_in_flight": batch.in_flight, "groups_stale": len(batch.stale),
+            "trainer_wait_s": batch.wait_s, **staleness_stats(batch.groups, batch.version)}
+
+
+def _cursor(run: RunDir) -> dict | None:
+    last = run.state()["last_checkpoint"]
+    path = run.checkpoint_dir(last["name"]) / CURSOR_FILE if last else None
+    return json.loads(path.read_text()) if path and path.exists() else None
 
 
 async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: Pieces, run: RunDir,
                     console: Console, start: int) -> None:
-    r = cfg.train.rl
-    with progress_bar(console, "rl: GRPO steps", r.steps, completed=start) as advance:
-        for step in range(start, r.steps):
-            step_start = time.perf_counter()
-            plan = plan_step(p.train_tasks, step, r.tasks_per_step, r.group_size, cfg.train.seed)
-            episodes = await rollouts.run_plan(plan, r.temperature)
-            if step + 1 < r.steps:  # the next step's first sandboxes start while this one trains
-                rollouts.prepare(plan_step(p.train_tasks, step + 1, r.tasks_per_step, r.group_size, cfg.train.seed))
-            stats = await asyncio.to_thread(trainer.train_step, episodes)
-            synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
-            run.log("rl", step, {**asdict(stats), **rollout_metrics(episodes, stats.version - stats.updated),
-                                 **synced, "step_seconds": time.perf_counter() - step_start})
-            if (step + 1) % r.checkpoint_every == 0 or step == r.steps - 1:
-                trainer.save(run.checkpoint_dir(f"rl-{step}"))
-                run.record_checkpoint(f"rl-{step}", step)
-            advance(f"reward {stats.reward_mean:.2f}")
+    r, records = cfg.train.rl, EpisodeLog(run.path, "rl")
+    scheduler = _scheduler(cfg, rollouts, p, start, run)
+    spent = sum(row["step_seconds"] for row in run.metrics("rl"))  # RL time so far, a killed run's included
+    try:
+        with progress_bar(console, f"rl: GRPO steps ({r.mode})", r.steps, completed=start) as advance:
+            for step in range(start, r.steps):
+                if r.time_budget_s is not None and spent >= r.time_budget_s:
+                    break  # a resumed run whose budget was already spent
+                step_start, window = time.perf_counter(), StepWindow(rollouts.engine)
+                batch = await scheduler.next_batch(trainer.version)
+                stats = await asyncio.to_thread(trainer.train_step, batch.episodes)
+                synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
+                scheduler.step_done()
+                spent += (seconds := time.perf_counter() - step_start)
+                run.log("rl", step, {**asdict(stats), **rollout_metrics(batch.episodes, batch.version),
+                                     **window.diagnostics(batch.episodes, batch.version, stats.seconds),
+                                     **batch_metrics(batch, r.filter_zero_variance), **synced,
+                                     "step_seconds": seconds})
+                records.write(settled_records(batch, step, r.filter_zero_variance))
+                last = step == r.steps - 1 or (r.time_budget_s is not None and spent >= r.time_budget_s)
+                if (step + 1) % r.checkpoint_every == 0 or last:
+                    trainer.save(run.checkpoint_dir(f"rl-{step}"))
+                    atomic_write(run.checkpoint_dir(f"rl-{step}") / CURSOR_FILE, json.dumps(scheduler.cursor()))
+                    run.record_checkpoint(f"rl-{step}", step)
+                advance(f"reward {stats.reward_mean:.2f}")
+                if last:
+                    break
+    finally:
+        await scheduler.close()
 
 
 def _phase_status(result: dict) -> dict[str, int]:
@@ -251,7 +311,7 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
         "eval_infra_errors": before["infra_errors"] + after["infra_errors"],
         "per_family_before": before["per_family"], "per_family_after": after["per_family"],
         "status": {name: _phase_status(phases[name]) for name in ("eval_before", "rl", "eval_after")},
-        "rl_steps": cfg.train.rl.steps, "families": list(cfg.train.families),
+        "rl_steps": cfg.train.rl.steps, "rl_mode": cfg.train.rl.mode, "rl_episodes": phases["rl"].get("episodes", {}), "families": list(cfg.train.families),
         "phase_seconds": {name: round(phases[name]["seconds"], 1) for name in ("sft", "eval_before", "rl", "eval_after")},
         "wall_seconds_this_invocation": round(time.perf_counter() - began, 1),
     }

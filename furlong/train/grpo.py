@@ -1,8 +1,9 @@
 """GRPO / DAPO pieces as pure functions: group advantages, the dynamic-sampling filter, the policy loss.
 
 The loss is DAPO's: a token-level PPO clipped objective with clip-higher (asymmetric clip range), each token
-weighted by a truncated importance-sampling (TIS) correction for the mismatch between the engine that sampled
-the tokens and the trainer that recomputes them, plus an optional k3 KL penalty to a reference policy.
+weighted by an off-policy correction (OffPolicy: truncated IS by default, masked IS, or AReaL's decoupled PPO)
+for the mismatch between the policy that sampled the tokens and the trainer's, plus an optional k3 KL penalty
+to a reference policy.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class LossMetrics:
     tokens: int
     clip_frac: float  # tokens whose clipped term won, i.e. that get no policy gradient
     ppo_kl: float  # mean(logp_old - logp_new): how far this update has moved from the pre-step policy
-    tis_weight_mean: float
-    tis_capped_frac: float
+    tis_weight_mean: float  # the off-policy weight, whichever correction
+    tis_capped_frac: float  # tokens capped (tis) or zeroed (masked_is, decoupled_ppo)
     logprob_diff_mean: float  # mean |logp_old - logp_rollout|: trainer vs engine numerics
     logprob_diff_max: float
     rollout_train_kl: float  # mean(logp_rollout - logp_old), a k1 estimate of KL(rollout || train)
@@ -99,10 +100,55 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor, count: float) -> float:
     return float((x * mask).sum() / max(count, 1.0))
 
 
+OFF_POLICY = ("tis", "masked_is", "decoupled_ppo")
+
+
+@dataclass(frozen=True)
+class OffPolicy:
+    """How tokens sampled by another policy (the engine's numerics, or older weights in async mode) are
+    weighted. The ratio is train/rollout = exp(logp_old - logp_rollout), logp_old being the trainer's
+    policy at the start of the step (the proximal policy):
+
+    * tis: truncated IS, weight min(ratio, cap) (Yao et al. 2025).
+    * masked_is: weight ratio inside [low, high], 0 outside; `level` sequence judges each episode by the
+      geometric mean of its tokens' ratios (length-normalised, so long episodes are not all dropped).
+    * decoupled_ppo: AReaL's decoupled objective; the clip is centred on the proximal policy and the
+      behaviour ratio is an importance weight, zeroed (not capped) where it exceeds cap.
+    """
+
+    kind: str = "tis"
+    cap: float = 2.0
+    low: float = 0.5
+    high: float = 2.0
+    level: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.kind not in OFF_POLICY or self.level not in ("token", "sequence"):
+            raise ValueError(f"off-policy correction {self.kind!r} at level {self.level!r}: expected one of "
+                             f"{OFF_POLICY} at token or sequence level")
+
+    def weights(self, log_ratio: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token weights and which tokens were cut (capped for tis, zeroed for the others)."""
+        ratio = log_ratio.exp()
+        if self.kind == "tis":
+            return ratio.clamp(max=self.cap), ratio > self.cap
+        if self.kind == "decoupled_ppo":
+            cut = ratio > self.cap
+            return torch.where(cut, 0.0, ratio), cut
+        judged = ratio
+        if self.level == "sequence":
+            k = keep.to(log_ratio.dtype)
+            judged = ((log_ratio * k).sum(-1, keepdim=True) / k.sum(-1, keepdim=True).clamp(min=1)).exp()
+            judged = judged.expand_as(ratio)
+        cut = (judged < self.low) | (judged > self.high)
+        return torch.where(cut, 0.0, ratio), cut
+
+
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
                 tis_cap: float = 2.0, kl_coef: float = 0.0, logp_ref: torch.Tensor | None = None,
-                denominator: float | None = None) -> tuple[torch.Tensor, LossMetrics]:
+                denominator: float | None = None, off_policy: OffPolicy | None = None
+                ) -> tuple[torch.Tensor, LossMetrics]:
     """Token-level DAPO loss over [B, T] tensors (advantages [B] or [B, T]); only `mask` = 1 tokens count.
 
     `denominator` is the number of masked tokens in the whole minibatch when it is split into micro-batches
@@ -121,7 +167,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, logp_rollout: to
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     ppo = torch.maximum(unclipped, clipped)
     tis_log = torch.where(keep, logp_old - logp_rollout, 0.0).detach()
-    tis = tis_log.exp().clamp(max=tis_cap)
+    tis, cut = (off_policy or OffPolicy(cap=tis_cap)).weights(tis_log, keep)
     per_token = tis * ppo
     ref_kl = torch.zeros_like(per_token)
     if logp_ref is not None:
@@ -136,7 +182,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, logp_rollout: to
             clip_frac=_masked_mean((clipped > unclipped).float(), weights, count),
             ppo_kl=_masked_mean(-log_ratio, weights, count),
             tis_weight_mean=_masked_mean(tis, weights, count),
-            tis_capped_frac=_masked_mean((tis_log.exp() > tis_cap).float(), weights, count),
+            tis_capped_frac=_masked_mean(cut.float(), weights, count),
             logprob_diff_mean=_masked_mean(gap, weights, count),
             logprob_diff_max=float((gap * weights).max()) if count else 0.0,
             rollout_train_kl=_masked_mean(-tis_log, weights, count),

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from furlong.agent.episode import Episode
 from furlong.train.grpo import (
     LossMetrics,
+    OffPolicy,
     filter_zero_variance_groups,
     group_advantages,
     weigh_negatives,
@@ -46,6 +47,10 @@ class GRPOConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     tis_cap: float = 2.0
+    off_policy: str = "tis"  # tis | masked_is | decoupled_ppo (grpo.OffPolicy)
+    mask_level: str = "token"  # masked_is: token | sequence
+    is_low: float = 0.5  # masked_is: the kept ratio range
+    is_high: float = 2.0
     kl_coef: float = 0.0  # > 0 needs a reference model
     normalize_std: bool = True
     negative_weight: float = 1.0  # < 1 scales down negative advantages (see grpo.weigh_negatives)
@@ -158,6 +163,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                            betas=config.betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay)
+        self.off_policy = OffPolicy(config.off_policy, config.tis_cap, config.is_low, config.is_high, config.mask_level)
         self.generator = torch.Generator().manual_seed(config.seed)
         self._opt_steps = 0
         self.version = 0
@@ -234,7 +240,7 @@ class Trainer:
             loss, metrics = policy_loss(
                 logp, logp.detach() if mb.old_logprobs is None else mb.old_logprobs, mb.rollout_logprobs,
                 mb.advantages, mb.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap,
-                kl_coef=cfg.kl_coef, logp_ref=mb.ref_logprobs, denominator=denominator)
+                kl_coef=cfg.kl_coef, logp_ref=mb.ref_logprobs, denominator=denominator, off_policy=self.off_policy)
             loss.backward()
             parts.append(metrics)
             entropy += float((ent * mb.loss_mask).sum())

@@ -1,0 +1,78 @@
+"""`RUN_DIR/episodes.jsonl`: one line per finished episode (RL steps and held-out evals alike).
+
+Eval lines are appended and flushed as episodes finish; RL lines when their group settles (is trained,
+filtered or dropped as stale), with the step that settled it, since in async mode that is only known then.
+A killed run keeps what it wrote; on resume the lines of steps (or evals) that are redone are dropped
+first, so no episode is recorded twice.
+Readers skip a torn last line (a run killed, or still running, mid-write).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from furlong.metrics.timing import PARTS
+
+if TYPE_CHECKING:  # the report reads records without importing the agent (and its model stack)
+    from furlong.agent.episode import Episode
+
+FILENAME = "episodes.jsonl"
+COMPONENTS = (*PARTS, "other")  # the timing breakdown, in the order plots stack it
+
+
+def episode_record(e: "Episode", phase: str, step: int | None) -> dict:
+    sampled = [v for v, m in zip(e.token_weight_versions, e.loss_mask) if m]
+    t = e.timing
+    return {
+        "phase": phase, "step": step, "task": e.task_id, "family": e.family, "group": e.group_id,
+        "sample": e.sample_id, "status": e.status, "reward": e.reward, "turns": e.turns,
+        "version_first": sampled[0] if sampled else None, "version_last": sampled[-1] if sampled else None,
+        "tokens_prompt": e.prompt_len, "tokens_response": e.response_len, "tokens_total": len(e.tokens),
+        "time": {k: getattr(t, k) for k in COMPONENTS}, "seconds": t.total,
+        "start": t.started_at, "end": t.ended_at,
+    }
+
+
+class EpisodeLog:
+    """Appends one record per finished episode of a phase; `step_of` says which step an episode is in."""
+
+    def __init__(self, run_path: Path, phase: str, step_of: Callable[["Episode"], int | None] = lambda e: None):
+        self.path, self.phase, self.step_of = Path(run_path) / FILENAME, phase, step_of
+
+    def __call__(self, episode: "Episode") -> None:
+        self.write([episode_record(episode, self.phase, self.step_of(episode))])
+
+    def write(self, records: list[dict]) -> None:
+        with open(self.path, "a") as f:  # one write: a kill leaves at most one torn last line
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+            f.flush()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete line; a torn or garbled line (a write cut by a kill) is skipped, not fatal."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def drop_episodes_after(run_path: Path, phase: str, step: int) -> None:
+    """On resume: the records of `phase` past `step` (all of them for step -1, or an eval phase that
+    restarts) belong to episodes that will run again."""
+    path = Path(run_path) / FILENAME
+    if not path.exists():
+        return
+    keep = [r for r in read_jsonl(path) if not (r.get("phase") == phase and (r.get("step") is None or r["step"] > step))]
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)

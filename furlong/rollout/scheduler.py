@@ -1,0 +1,223 @@
+"""The rollout side of RL, sync or async: a deterministic stream of GRPO groups, workers that keep up to
+`inflight` of them running, and a buffer of complete groups the trainer takes batches from.
+
+One loop serves both modes; they differ only in two numbers:
+
+* lookahead: groups taken, running or complete never exceed (steps trained + 1 + lookahead) batches' worth.
+  Sync has 0 (the next step's groups wait for this step's update: zero overlap), async has max_staleness.
+* inflight: groups running at once (sync: one step's worth).
+
+A batch is `tasks_per_step` COMPLETE groups, taken as soon as the buffer holds that many (the oldest
+samples first, so they do not go stale). A group whose oldest sampled token is more than `max_staleness`
+versions behind the version being trained is never trained: it is dropped (the stream's next group runs
+in its place) or re-queued (its task runs again with fresh seeds). Groups are started only while the
+steps left need them, so when the last step is trained nothing is left running or unaccounted for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from furlong.agent.episode import Episode
+from furlong.rollout.groups import GROUP_STRIDE, Rollouts, plan_step
+from furlong.seeding import mix_seed
+from furlong.tasks.model import Task
+from furlong.train.grpo import filter_zero_variance_groups
+
+OUTCOMES = ("trained", "dropped_stale", "filtered", "infra_error")
+ATTEMPT_STRIDE = 1_000  # a re-queued copy's group_id: step * GROUP_STRIDE + attempt * ATTEMPT_STRIDE + slot
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    index: int  # position in the stream: step * tasks_per_step + slot in plan_step(step)
+    attempt: int  # 0, or how many stale copies of this group were re-queued before this one
+    task: Task
+    group_id: int
+    seeds: tuple[int, ...]  # one sampling seed per episode
+
+
+class GroupStream:
+    """The groups sync mode has always trained, in order: plan_step(step) for step 0, 1, ... flattened."""
+
+    def __init__(self, tasks: list[Task], tasks_per_step: int, group_size: int, seed: int) -> None:
+        self.tasks, self.tasks_per_step, self.group_size, self.seed = tasks, tasks_per_step, group_size, seed
+
+    def spec(self, index: int, attempt: int = 0) -> GroupSpec:
+        step, slot = divmod(index, self.tasks_per_step)
+        plan = plan_step(self.tasks, step, self.tasks_per_step, self.group_size, self.seed)
+        # attempt 0 keeps the seeds sync mode has always used; a re-queued copy samples afresh
+        seeds = tuple(plan.episode_seed(slot, s) if attempt == 0 else mix_seed(self.seed, step, slot, s, attempt)
+                      for s in range(self.group_size))
+        # each attempt its own group id, so two copies in one batch are two GRPO groups, and its records
+        # are distinct; attempt 0 keeps the id sync mode has always used
+        if self.tasks_per_step > ATTEMPT_STRIDE or attempt >= GROUP_STRIDE // ATTEMPT_STRIDE:
+            raise ValueError(f"group {index} attempt {attempt}: group ids allow at most {ATTEMPT_STRIDE} tasks per "
+                             f"step and {GROUP_STRIDE // ATTEMPT_STRIDE} attempts of a group")
+        return GroupSpec(index, attempt, plan.tasks[slot], step * GROUP_STRIDE + attempt * ATTEMPT_STRIDE + slot, seeds)
+
+
+@dataclass(frozen=True)
+class Group:
+    spec: GroupSpec
+    episodes: tuple[Episode, ...]
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The weight version of the group's oldest sampled token (None: nothing was sampled)."""
+        return min((v for e in self.episodes for v, m in zip(e.token_weight_versions, e.loss_mask) if m),
+                   default=None)
+
+    def staleness(self, version: int) -> int:
+        oldest = self.oldest_version
+        return 0 if oldest is None else version - oldest
+
+
+@dataclass(frozen=True)
+class Batch:
+    version: int  # the trainer version these groups are trained at
+    groups: tuple[Group, ...]  # in stream order
+    stale: tuple[Group, ...]  # dropped or re-queued while this batch was gathered
+    started: int  # episodes started since the previous batch
+    in_flight: int  # episodes started and not yet settled after this batch was taken
+    wait_s: float  # how long the trainer waited for it
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [e for g in self.groups for e in g.episodes]
+
+
+class Scheduler:
+    def __init__(self, rollouts: Rollouts, stream: GroupStream, *, temperature: float, steps_left: int,
+                 first_step: int, inflight: int, lookahead: int, max_staleness: int, requeue: bool,
+                 cursor: dict | None = None, counted: int = 0) -> None:
+        self.rollouts, self.stream, self.temperature = rollouts, stream, temperature
+        self.inflight, self.lookahead, self.max_staleness, self.requeue = inflight, lookahead, max_staleness, requeue
+        self._per_step = stream.tasks_per_step
+        self._step = first_step  # the step the trainer trains next
+        self._taken = first_step * self._per_step  # groups taken into batches, the killed run's included
+        self._total = (first_step + steps_left) * self._per_step
+        # resume: groups the killed run had started but not trained run first, then the stream goes on
+        self._next = cursor["next"] if cursor else first_step * self._per_step
+        self._pending: deque[GroupSpec] = deque(stream.spec(i, a) for i, a in (cursor or {}).get("pending", []))
+        self._running: dict[asyncio.Task, GroupSpec] = {}
+        self._complete: list[Group] = []
+        self._changed = asyncio.Event()
+        self._error: BaseException | None = None
+        # resume: `counted` episodes of the re-planned groups were in flight at the killed run's last logged
+        # step, so its rows already count them as started; their re-runs are not counted again
+        self._started = -counted
+        self._closed = False
+
+    def _live(self) -> int:
+        """Groups taken, running or complete: every group started that is, or may still be, trained."""
+        return self._taken + len(self._running) + len(self._complete)
+
+    def _peek(self) -> GroupSpec:
+        return self._pending[0] if self._pending else self.stream.spec(self._next)
+
+    def _fill(self) -> None:
+        # sync: the next step's groups wait for this step's weights; async: up to `lookahead` steps ahead
+        ahead = min(self._total, (self._step + 1 + self.lookahead) * self._per_step)
+        while not self._closed and len(self._running) < self.inflight and self._live() < ahead:
+            spec = self._peek()
+            if self._pending:
+                self._pending.popleft()
+            else:
+                self._next += 1
+            task = asyncio.get_running_loop().create_task(self._run(spec), name=f"group-{spec.index}")
+            self._running[task] = spec
+            self._started += len(spec.seeds)
+            task.add_done_callback(self._done)
+
+    async def _run(self, spec: GroupSpec) -> Group:
+        episodes = await self.rollouts.run_group(spec.task, spec.group_id, spec.seeds, self.temperature)
+        return Group(spec, tuple(episodes))
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._running.pop(task, None)
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self._error = task.exception()
+        else:
+            self._complete.append(task.result())
+            self._fill()  # a worker is free: the next group starts now, even while the trainer trains
+        self._changed.set()
+
+    def _drop_stale(self, version: int) -> list[Group]:
+        stale = [g for g in self._complete if g.staleness(version) > self.max_staleness]
+        for g in stale:
+            self._complete.remove(g)
+            if self.requeue:
+                self._pending.append(self.stream.spec(g.spec.index, g.spec.attempt + 1))
+        return stale
+
+    async def next_batch(self, version: int) -> Batch:
+        """The next `tasks_per_step` complete groups within the staleness bound of `version`."""
+        start, stale = time.perf_counter(), []
+        while True:
+            if self._error is not None:
+                raise self._error
+            stale += self._drop_stale(version)
+            self._fill()
+            if len(self._complete) >= self._per_step:
+                break
+            self._changed.clear()
+            await self._changed.wait()
+        self._complete.sort(key=lambda g: (g.oldest_version is None, g.oldest_version or 0, g.spec.index))
+        taken, self._complete = self._complete[: self._per_step], self._complete[self._per_step:]
+        self._taken += len(taken)
+        if any(g.staleness(version) > self.max_staleness for g in taken):  # by construction; never silently
+            raise RuntimeError("a group past max_staleness reached a batch")
+        started, self._started = self._started, 0
+        in_flight = sum(len(s.seeds) for s in [*self._running.values(), *(g.spec for g in self._complete)])
+        return Batch(version, tuple(sorted(taken, key=lambda g: g.spec.index)), tuple(stale), started,
+                     in_flight, time.perf_counter() - start)
+
+    def step_done(self) -> None:
+        """The trainer finished a step and the engine has its weights: later groups may start."""
+        self._step += 1
+        self._fill()
+
+    def cursor(self) -> dict:
+        """What a resumed run needs: the stream position, and the groups started but not yet trained
+        (re-planned from scratch on resume: their partial episodes are lost with the killed process)."""
+        open_specs = [*self._running.values(), *(g.spec for g in self._complete), *self._pending]
+        return {"next": self._next, "pending": sorted([s.index, s.attempt] for s in open_specs)}
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in self._running:
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+
+def settled_episodes(batch: Batch, filter_zero_variance: bool) -> list[tuple[Group, Episode, str]]:
+    """Every episode settled by this batch with how it ended: exactly one of OUTCOMES (the trainer's own
+    rules: no reward is an infra error, then a zero-variance group is filtered)."""
+    scored = [e for e in batch.episodes if e.reward is not None]
+    kept = {id(e) for e in (filter_zero_variance_groups(scored).episodes if filter_zero_variance else scored)}
+    out = [(g, e, "infra_error" if e.reward is None else "trained" if id(e) in kept else "filtered")
+           for g in batch.groups for e in g.episodes]
+    return out + [(g, e, "infra_error" if e.reward is None else "dropped_stale")
+                  for g in batch.stale for e in g.episodes]
+
+
+def outcome_counts(batch: Batch, filter_zero_variance: bool) -> dict[str, int]:
+    outcomes = [o for _, _, o in settled_episodes(batch, filter_zero_variance)]
+    return {k: outcomes.count(k) for k in OUTCOMES}
+
+
+def staleness_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
+    """Per trained episode: versions from its oldest sampled token to the version trained, and how many
+    episodes kept generating across a weight update (tokens of more than one version)."""
+    sampled = [{v for v, m in zip(e.token_weight_versions, e.loss_mask) if m}
+               for g in groups for e in g.episodes if e.response_len]
+    lags = [version - min(vs) for vs in sampled]
+    return {"staleness_mean": sum(lags) / max(len(lags), 1), "staleness_max": max(lags, default=0),
+            "episodes_multi_version": sum(len(vs) > 1 for vs in sampled)}

@@ -1,0 +1,287 @@
+"""Asynchronous RL (train.rl.mode=async): the off-policy corrections on crafted logprobs, and the real RL
+loop (furlong.train.driver._rl_steps: real engine, sandboxes, trainer) under random episode durations
+and sandbox failures: the staleness bound holds, every episode is accounted for exactly once, tokens on
+both sides of a mid-episode weight update keep their versions, and sync mode draws today's samples."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rich.console import Console
+
+from conftest import run
+from furlong.agent.episode import AgentParams, Episode
+from furlong.config import load_config
+from furlong.metrics.episodes import read_jsonl
+from furlong.metrics.run import RunDir
+from furlong.report.data import load_run
+from furlong.report.timing import episode_lags
+from furlong.metrics.timing import EpisodeTiming
+from furlong.model.loading import load_model, load_tokenizer
+from furlong.rollout.groups import Rollouts
+from furlong.rollout.scheduler import OUTCOMES
+from furlong.sandbox.base import SandboxError
+from furlong.sandbox.pool import WarmPools, fixed_image
+from furlong.train.driver import _rl_steps, grpo_config
+from furlong.train.grpo import OffPolicy, policy_loss
+from furlong.train.trainer import GRPOConfig, Trainer
+from furlong.train.weights import DirectLink
+from furlong.engine.hf import HFEngine
+from tests_support import make_task
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+QUIET = Console(file=open(os.devnull, "w"))
+LN = math.log
+
+
+def _lp(*ratios: float) -> torch.Tensor:
+    """logp_old - logp_rollout = log(ratio), with logp_rollout = 0."""
+    return torch.tensor([[LN(r) for r in ratios]])
+
+
+@pytest.mark.parametrize("correction, ratios, weights, cut", [
+    (OffPolicy("tis", cap=2.0), (0.5, 3.0), (0.5, 2.0), (False, True)),
+    (OffPolicy("masked_is", low=0.5, high=2.0), (0.4, 1.5, 2.5), (0.0, 1.5, 0.0), (True, False, True)),
+    (OffPolicy("decoupled_ppo", cap=2.0), (1.5, 3.0), (1.5, 0.0), (False, True)),
+])
+def test_off_policy_weights_on_crafted_ratios(correction, ratios, weights, cut):
+    w, c = correction.weights(_lp(*ratios), torch.ones(1, len(ratios), dtype=torch.bool))
+    assert w[0].tolist() == pytest.approx(weights) and c[0].tolist() == list(cut)
+
+
+def test_masked_is_sequence_level_judges_the_geometric_mean_of_each_episode():
+    log_ratio = torch.cat([_lp(0.5, 2.0, 1.0), _lp(3.0, 3.0, 1.0)])
+    keep = torch.tensor([[True, True, False], [True, True, False]])  # the third token is not sampled
+    w, cut = OffPolicy("masked_is", low=0.5, high=2.0, level="sequence").weights(log_ratio, keep)
+    assert w[0, :2].tolist() == pytest.approx([0.5, 2.0])  # geometric mean 1: kept, each token its ratio
+    assert w[1].tolist() == [0.0, 0.0, 0.0] and cut[1].all()  # geometric mean 3: the whole episode goes
+
+
+@pytest.mark.parametrize("correction", ["tis", "masked_is", "decoupled_ppo"])
+def test_policy_loss_value_and_gradient_follow_the_weights(correction):
+    old = _lp(0.25, 1.5, 4.0)  # rollout logprobs are 0
+    new = old.clone().requires_grad_(True)
+    adv, mask = torch.tensor([2.0]), torch.ones(1, 3)
+    loss, m = policy_loss(new, old, torch.zeros(1, 3), adv, mask, off_policy=OffPolicy(correction, cap=2.0))
+    w = {"tis": [0.25, 1.5, 2.0], "masked_is": [0.0, 1.5, 0.0], "decoupled_ppo": [0.25, 1.5, 0.0]}[correction]
+    assert loss.item() == pytest.approx(-2.0 * sum(w) / 3)  # ratio new/old is 1: loss = -A * mean(w)
+    loss.backward()
+    assert new.grad[0].tolist() == pytest.approx([-2.0 * x / 3 for x in w])
+    assert m.tis_weight_mean == pytest.approx(sum(w) / 3) and m.tis_capped_frac == pytest.approx(
+        {"tis": 1 / 3, "masked_is": 2 / 3, "decoupled_ppo": 1 / 3}[correction])
+
+
+def test_decoupled_ppo_clips_against_the_proximal_policy():
+    prox, behaviour = _lp(1.2), torch.zeros(1, 1)  # weight pi_prox / pi_behav = 1.2
+    new = prox + LN(1.5)  # 1.5x the proximal policy: past clip_high 0.28
+    loss, m = policy_loss(new, prox, behaviour, torch.tensor([1.0]), torch.ones(1, 1),
+                          off_policy=OffPolicy("decoupled_ppo", cap=2.0))
+    assert float(loss) == pytest.approx(-1.2 * 1.28) and m.clip_frac == 1.0
+
+
+def _episode(tokenizer, reward: float, sample: int) -> Episode:
+    prompt = tokenizer.encode("run the thing")
+    out = tokenizer.encode(" ls -la /app" if reward else " cat x")
+    n = len(prompt)
+    return Episode(task_id="t", group_id=0, sample_id=sample, prompt_len=n, tokens=tuple(prompt + out),
+                   loss_mask=(0,) * n + (1,) * len(out), rollout_logprobs=(0.0,) * n + (-3.0,) * len(out),
+                   token_weight_versions=(-1,) * n + (0,) * len(out), reward=reward, status="ok",
+                   timing=EpisodeTiming(), turns=1)
+
+
+@pytest.mark.parametrize("correction", ["tis", "masked_is", "decoupled_ppo"])
+def test_one_real_train_step_with_each_correction(tiny_dir, correction):
+    tok = load_tokenizer(tiny_dir)
+    trainer = Trainer(load_model(tiny_dir), GRPOConfig(off_policy=correction, is_low=1e-6, is_high=1e6,
+                                                       tis_cap=1e6, lr=1e-3))
+    before = [p.clone() for p in trainer.model.parameters()]
+    stats = trainer.train_step([_episode(tok, r, i) for i, r in enumerate((1.0, 0.0, 1.0, 0.0))])
+    assert stats.updated and math.isfinite(stats.loss) and stats.tis_weight_mean > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+# --- the real loop -------------------------------------------------------------------------------------
+
+RANDOM_TEST = ("sleep 0.$((RANDOM % 9)); mkdir -p /logs/verifier; "
+               "echo $((RANDOM % 2)) > /logs/verifier/reward.txt")  # a random duration and a random reward
+
+
+class FailingStarts:
+    """A sandbox source where every `every`-th start fails (the episode is an infra error)."""
+
+    def __init__(self, inner, every: int):
+        self.inner, self.every, self.acquired = inner, every, 0
+
+    async def image(self, task):
+        return await self.inner.image(task)
+
+    def reserve(self, task):
+        self.inner.reserve(task)
+
+    async def acquire(self, spec_):
+        self.acquired += 1
+        if self.acquired % self.every == 0:
+            raise SandboxError("injected: the sandbox did not start")
+        return await self.inner.acquire(spec_)
+
+
+def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[str], fail_every: int = 0):
+    """furlong.train.driver's RL loop itself on hand-made tasks; returns the logged rows and the run."""
+    tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(4)]
+    tasks.append(make_task(tmp_path / "tasks", "bug", "Create /tmp/done", "echo no reward"))  # infra_error
+    cfg = load_config(None, ["train.rl.tasks_per_step=2", "train.rl.group_size=3", "train.rl.concurrency=4",
+                             "train.rl.checkpoint_every=100", "train.rl.lr=0.01", "train.rl.warmup_steps=0",
+                             *overrides])
+    run_dir = RunDir.create(tmp_path / "run", {})
+    tokenizer = load_tokenizer(tiny_dir)
+    trainer = Trainer(load_model(tiny_dir), grpo_config(cfg))
+
+    async def go():
+        link = DirectLink(HFEngine(load_model(tiny_dir), eos_token_ids=()))
+        async with WarmPools(backend, fixed_image(base_image)) as pools:
+            source = FailingStarts(pools, fail_every) if fail_every else pools
+            rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=12), 4)
+            await _rl_steps(cfg, trainer, rollouts, link, SimpleNamespace(train_tasks=tasks), run_dir, QUIET, 0)
+        await link.close()
+
+    run(go())
+    return run_dir.metrics("rl"), run_dir
+
+
+def test_async_bounds_staleness_and_accounts_for_every_episode(tiny_dir, backend, base_image, tmp_path):
+    steps = 6
+    rows, run_dir = _loop(tmp_path, tiny_dir, backend, base_image,
+                          [f"train.rl.steps={steps}", "train.rl.mode=async", "train.rl.max_staleness=1",
+                           "train.rl.max_inflight_groups=4", "train.rl.stale_policy=drop"], fail_every=7)
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["staleness_max"] <= 1 for r in rows)  # the bound, in every trained batch
+    started = settled = 0
+    for r in rows:  # at every step: started = settled so far + still in flight
+        started += r["episodes_started"]
+        settled += sum(r[f"episodes_{k}"] for k in ("trained", "dropped_stale", "filtered", "infra_error"))
+        assert started == settled + r["episodes_in_flight"]
+    assert rows[-1]["episodes_in_flight"] == 0  # nothing left running or unaccounted for at the end
+    total = {k: sum(r[f"episodes_{k}"] for r in rows) for k in ("trained", "filtered", "infra_error")}
+    assert total["infra_error"] > 0 and total["trained"] > 0
+    # each batch holds tasks_per_step groups: trained + filtered + infra = 6 episodes, the stale ones extra
+    assert all(sum(r[f"episodes_{k}"] for k in ("trained", "dropped_stale", "filtered", "infra_error"))
+               == 3 * (2 + r["groups_stale"]) for r in rows)
+    assert any(r["updated"] for r in rows) and any(r["staleness_max"] >= 1 for r in rows)  # it did overlap
+    assert json.loads((run_dir.checkpoint_dir("rl-5") / "rollout_cursor.json").read_text())["pending"] == []
+    _check_records(run_dir.path, rows)
+
+
+def _check_records(path: Path, rows: list[dict]) -> None:
+    """episodes.jsonl of an async run: each RL record carries the step that settled it (not the step its
+    group was planned for), so its outcomes add up to that step's counts, its lags to that step's
+    staleness, and `furlong report`'s sample lags are the trained ones."""
+    records = [r for r in read_jsonl(path / "episodes.jsonl") if r["phase"] == "rl"]
+    assert len({(r["step"], r["group"], r["sample"]) for r in records}) == len(records)
+    lags = []
+    for row in rows:
+        mine = [r for r in records if r["step"] == row["step"]]
+        counts = {k: sum(r["outcome"] == k for r in mine) for k in OUTCOMES}
+        assert counts == {k: row[f"episodes_{k}"] for k in OUTCOMES}
+        trained_at = row["version"] - row["updated"]
+        step_lags = [trained_at - r["version_first"] for r in mine if r["in_batch"] and r["version_first"] is not None]
+        assert max(step_lags, default=0) == row["staleness_max"]
+        lags += step_lags
+    assert sorted(episode_lags(load_run(path))[0]) == sorted(lags)
+
+
+def _record(step: int, plan_step: int, version_first: int, in_batch: bool = True, reward: float = 1.0) -> dict:
+    return {"phase": "rl", "step": step, "plan_step": plan_step, "group": plan_step * 100_000, "sample": 0,
+            "version_first": version_first, "in_batch": in_batch, "reward": reward, "seconds": 1.0,
+            "outcome": "trained" if in_batch else "dropped_stale"}
+
+
+def test_report_measures_lag_at_the_step_that_trained_a_group_not_the_one_it_was_planned_for(tmp_path):
+    """Async: a group planned for step 0 but trained at step 2 lagged 2 versions (trained at version 2),
+    not 0 (the plan step's version); a group dropped as stale was never trained, so it has no lag and is
+    not in its step's reward."""
+    from furlong.metrics.episodes import EpisodeLog
+    from furlong.report.sections import by_step
+
+    run = RunDir.create(tmp_path / "run", {})
+    for step in range(3):  # each step updates the weights: step s trains at version s
+        run.log("rl", step, {"version": step + 1, "updated": True, "step_seconds": 1.0})
+    EpisodeLog(run.path, "rl").write([_record(0, 0, 0), _record(1, 1, 0), _record(2, 0, 0),
+                                      _record(2, 2, 2, reward=0.0), _record(2, 1, 0, in_batch=False)])
+    data = load_run(run.path)
+    assert sorted(episode_lags(data)[0]) == [0.0, 0.0, 1.0, 2.0]
+    assert {k: len(v) for k, v in by_step(data.batch_episodes()).items()} == {0: 1, 1: 1, 2: 2}
+
+
+def test_a_mid_episode_weight_update_keeps_each_tokens_version_and_trains(tiny_dir, backend, base_image, tmp_path):
+    """With async rollouts, episodes keep generating across pushes: their tokens carry two versions."""
+    rows, _ = _loop(tmp_path, tiny_dir, backend, base_image,
+                    ["train.rl.steps=6", "train.rl.mode=async", "train.rl.max_staleness=3",
+                     "train.rl.max_inflight_groups=4"])
+    assert sum(r["episodes_multi_version"] for r in rows) > 0, "no trained episode spanned a weight update"
+    assert all(r["staleness_max"] <= 3 for r in rows) and sum(r["updated"] for r in rows) >= 3
+
+
+def test_sync_mode_draws_the_samples_of_the_loop_before_async(tmp_path):
+    """samples_sha of `furlong train --config recipes/smoke.yaml` (seed 0), recorded from the sync loop as
+    it was before the scheduler replaced it (commit 14d2dff)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/smoke.yaml",
+                          f"train.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+            if r["phase"] == "rl"]
+    assert [r["samples_sha"] for r in rows] == ["55d173e3e93e09d5", "7d440e08ec29e04d", "072b1648036dbd9a",
+                                                "726c3a95e7332d6a"]
+    assert all(r["staleness_max"] == 0 and r["episodes_in_flight"] == 0 for r in rows)  # zero overlap
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    e = summary["rl_episodes"]
+    assert e["started"] == 16 == e["trained"] + e["dropped_stale"] + e["filtered"] + e["infra_error"]
+
+
+def test_async_kill_and_resume_trains_every_group_exactly_once(tmp_path):
+    """`furlong train` in async mode, killed mid-RL with groups in flight, then `--resume`: the groups
+    started but untrained at the checkpoint are re-planned, so every group of the stream is trained in
+    exactly one batch (none twice, none skipped), and every episode is recorded and counted once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps, tasks, group = 6, 2, 2
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/smoke.yaml", f"train.run_dir={run_dir}",
+           f"train.rl.steps={steps}", "train.rl.mode=async", "train.rl.max_staleness=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    rl = lambda: [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["phase"] == "rl"]  # noqa: E731
+    while not any(r["step"] >= 2 for r in rl()) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    last = json.loads((run_dir / "state.json").read_text())["last_checkpoint"]["step"]
+    assert last < steps - 1 and {r["step"]: r for r in rl()}[last]["episodes_in_flight"] > 0  # groups were in flight
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--resume", str(run_dir)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in rl()] == list(range(steps))
+    records = [r for r in read_jsonl(run_dir / "episodes.jsonl") if r["phase"] == "rl"]
+    assert len({(r["step"], r["group"], r["sample"]) for r in records}) == len(records)
+    batched: dict[int, list[dict]] = {}
+    for r in records:
+        if r["in_batch"]:
+            batched.setdefault(r["group"], []).append(r)
+    assert all(len(eps) == group for eps in batched.values())
+    streams = sorted((eps[0]["plan_step"], eps[0]["slot"]) for eps in batched.values())
+    assert streams == [(s, k) for s in range(steps) for k in range(tasks)]  # each group of the stream once
+    e = json.loads((run_dir / "summary.json").read_text())["rl_episodes"]
+    assert e["started"] == sum(e[k] for k in (*OUTCOMES, "cancelled_at_stop")) and e["cancelled_at_stop"] == 0
+    assert e["trained"] + e["filtered"] + e["infra_error"] == steps * tasks * group
