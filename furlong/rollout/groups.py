@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -53,6 +54,12 @@ class _Job:
     sample_id: int
 
 
+@dataclass(eq=False)
+class _Waiting:
+    task: Task
+    reserved: bool = False
+
+
 class Rollouts:
     """Episodes at bounded concurrency. Every episode goes through the one runner, so a plan always
     returns one Episode per sample: a sandbox failure is an episode's status, never a step's exception.
@@ -69,6 +76,8 @@ class Rollouts:
         self._slots = asyncio.Semaphore(concurrency)
         self._prepared: set[int] = set()
         self._ahead = 0  # episodes waiting for a slot whose sandbox is already starting
+        self._credit: Counter[str] = Counter()  # task ids with a sandbox reserved before their episode began
+        self._waiting: deque[_Waiting] = deque()  # episodes waiting for a slot with no sandbox started yet
 
     @staticmethod
     def _plan_jobs(plan: RolloutPlan, temperature: float) -> list[_Job]:
@@ -88,18 +97,39 @@ class Rollouts:
         self.prepare(plan)
         return await self._run(self._plan_jobs(plan, temperature))
 
+    def _reserve_waiting(self) -> None:
+        """Keeps up to `concurrency` waiting episodes' sandboxes starting, oldest waiter first (the
+        semaphore hands out slots in that order)."""
+        while self._ahead < self.concurrency and self._waiting:
+            entry = self._waiting.popleft()
+            entry.reserved, self._ahead = True, self._ahead + 1
+            self.sandboxes.reserve(entry.task)
+
+    def reserve_ahead(self, tasks: Sequence[Task]) -> None:
+        """Starts the sandboxes of the first `concurrency` episodes about to run (e.g. the next step's,
+        while this one trains); the episodes then take them instead of reserving their own."""
+        for task in tasks[: self.concurrency]:
+            self._credit[task.id] += 1
+            self.sandboxes.reserve(task)
+
     async def run_group(self, task: Task, group_id: int, seeds: Sequence[int], temperature: float) -> list[Episode]:
         """One GRPO group, one episode per seed (furlong.rollout.scheduler's unit of work). While an
         episode waits for one of the `concurrency` slots its sandbox starts ahead in the warm pool, for
         at most `concurrency` waiting episodes at a time, so a slot never waits on a sandbox start."""
 
         async def one(sample: int, seed: int) -> Episode:
-            ahead = self._ahead < self.concurrency
-            if ahead:
-                self._ahead += 1
-                self.sandboxes.reserve(task)
+            entry = _Waiting(task)
+            if self._credit[task.id] > 0:  # its sandbox was reserved by reserve_ahead already
+                self._credit[task.id] -= 1
+                entry.reserved, self._ahead = True, self._ahead + 1
+            else:
+                self._waiting.append(entry)
+                self._reserve_waiting()
             async with self._slots:
-                self._ahead -= ahead
+                if entry in self._waiting:
+                    self._waiting.remove(entry)
+                self._ahead -= entry.reserved
+                self._reserve_waiting()  # a reservation slot is free: the next waiting episode gets it
                 episode = await run_episode(task, self.engine, self.tokenizer, self.sandboxes, self.params,
                                             SamplingParams(temperature=temperature, seed=seed),
                                             group_id=group_id, sample_id=sample)

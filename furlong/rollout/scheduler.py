@@ -179,6 +179,15 @@ class Scheduler:
         return Batch(version, tuple(sorted(taken, key=lambda g: g.spec.index)), tuple(stale), started,
                      in_flight, time.perf_counter() - start)
 
+    def prestart(self) -> None:
+        """Sync mode: the next step's groups start only after this step trains, so their first sandboxes
+        start now, during training, as an episode must never wait on a sandbox start."""
+        if self.lookahead:
+            return  # async: episodes waiting for a slot start their sandboxes themselves
+        upcoming = [*self._pending, *(self.stream.spec(i) for i in range(self._next, min(self._next + self._per_step,
+                                                                                         self._total)))]
+        self.rollouts.reserve_ahead([spec.task for spec in upcoming for _ in spec.seeds])
+
     def step_done(self) -> None:
         """The trainer finished a step and the engine has its weights: later groups may start."""
         self._step += 1

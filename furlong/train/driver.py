@@ -268,6 +268,8 @@ async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: 
                     break  # a resumed run whose budget was already spent
                 step_start, window = time.perf_counter(), StepWindow(rollouts.engine)
                 batch = await scheduler.next_batch(trainer.version)
+                if step + 1 < r.steps:
+                    scheduler.prestart()
                 stats = await asyncio.to_thread(trainer.train_step, batch.episodes)
                 synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
                 scheduler.step_done()
