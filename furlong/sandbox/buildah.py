@@ -38,7 +38,7 @@ from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.dockerfile import DockerfileError
 from furlong.sandbox.flatten import flatten_to_tar
 from furlong.sandbox.images import ImageBuildError, ImageStore, Progress, _locked, _rmtree, _sha
-from furlong.sandbox.layertar import LayerWriter, UnpackError
+from furlong.sandbox.layertar import LayerWriter, UnpackError, apply_tar_output
 from furlong.sandbox.registry import RegistryError
 
 FORMAT = "1"  # bump when the export or the key changes
@@ -181,19 +181,13 @@ class Buildah:
 
 
 def _untar(source: list[str], rootfs: Path, label: str, env: dict[str, str]) -> int:
-    proc = subprocess.Popen(source, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     writer = LayerWriter(rootfs, label)
     try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-            writer.apply(tar, whiteouts=False)
+        code, err = apply_tar_output(source, writer, env)
         writer.finish()
     except (UnpackError, tarfile.TarError) as exc:
         raise ImageBuildError(f"{label}: unpacking the built image failed: {exc}") from None
-    finally:
-        proc.stdout.close()
-        err = proc.stderr.read().decode(errors="replace")
-        proc.wait()
-    if proc.returncode not in (0, 1):  # 1: a file changed while read, as GNU tar reports it
+    if code not in (0, 1):  # 1: a file changed while read, as GNU tar reports it
         raise ImageBuildError(f"{label}: reading the built image failed: {err.strip()[-300:]}")
     return writer.skipped
 

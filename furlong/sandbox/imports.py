@@ -18,7 +18,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import tarfile
 import time
 import zlib
@@ -26,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from furlong.sandbox.layertar import LayerWriter
+from furlong.sandbox.layertar import LayerWriter, apply_tar_output
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -133,16 +132,9 @@ def _readable(what: str):
 def _copy_dir(source: Path, rootfs: Path) -> dict:
     """A rootfs directory, through the same checked unpacking (GNU tar only reads it)."""
     cmd = ["tar", "-C", str(source), "--one-file-system", "--numeric-owner", "--exclude=./dev/*", "-cf", "-", "."]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     writer = LayerWriter(rootfs, str(source))
-    try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-            writer.apply(tar, whiteouts=False)
-    finally:
-        proc.stdout.close()
-        err = proc.stderr.read().decode(errors="replace")
-        proc.wait()
-    if proc.returncode not in (0, 1):  # 1: a file changed while read, as GNU tar reports it
+    code, err = apply_tar_output(cmd, writer)
+    if code not in (0, 1):  # 1: a file changed while read, as GNU tar reports it
         raise ImageImportError(f"{source}: reading the directory failed: {err.strip().splitlines()[-1:]}")
     writer.finish()
     return {"skipped_devices": writer.skipped}

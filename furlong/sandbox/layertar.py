@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -143,3 +144,17 @@ class LayerWriter:
             raise UnpackError(
                 f"{self.label}: hard link {member.name!r} -> {member.linkname!r}: no such file in the image")
         return source
+
+
+def apply_tar_output(cmd: list[str], writer: LayerWriter, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Streams the tar a command writes to stdout through `writer` (a flat tree: no whiteouts); returns
+    the command's exit status and stderr. GNU tar exits 1 when a file changed while it read it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            writer.apply(tar, whiteouts=False)
+    finally:
+        proc.stdout.close()
+        err = proc.stderr.read().decode(errors="replace")
+        proc.wait()
+    return proc.returncode, err
