@@ -149,6 +149,8 @@ class SyncConfig(_Node):
                               "that a relay verifies and loads")
     engine: Literal["inprocess", "server"] = Field(
         "inprocess", description="server: the RL rollout engine runs in its own process with its relay beside it")
+    servers: int = Field(1, ge=1, description="engine=server: this many engine processes behind one router "
+                                              "(furlong.engine.router: least-loaded, sticky, failover)")
     engine_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="published weights' dtype; bfloat16 halves the bytes, but rollouts then "
                                "differ from the fp32 trainer by ~5e-2 in logprob (TIS corrects for it)")
@@ -163,6 +165,9 @@ class SyncConfig(_Node):
         if self.engine == "server" and self.transport not in ("directory", "http"):
             raise ValueError(f"engine=server pulls updates from files or HTTP: set transport to directory or http "
                              f"(got {self.transport!r})")
+        if self.servers > 1 and self.engine != "server":
+            raise ValueError(f"servers={self.servers} runs engine processes: set engine to server "
+                             f"(got {self.engine!r})")
         return self
 
 

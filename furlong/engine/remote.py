@@ -21,6 +21,11 @@ from furlong.engine.base import EngineError, Generation, SamplingParams
 from furlong.engine.server import READY_PREFIX
 
 
+class EngineUnavailable(EngineError):
+    """The engine process could not be reached (refused, reset, timed out): it is gone or hung, so the
+    same request may be served by another instance (furlong.engine.router). An HTTP error reply is not this."""
+
+
 class RemoteEngine:
     """An engine served by `python -m furlong.engine.server` at `url`."""
 
@@ -40,7 +45,7 @@ class RemoteEngine:
         try:
             resp = await self._client.post(route, json=body)
         except httpx.HTTPError as e:
-            raise EngineError(f"{self.url}{route}: {e!r}") from e
+            raise EngineUnavailable(f"{self.url}{route}: {e!r}") from e
         if resp.status_code != 200:
             raise EngineError(f"{self.url}{route}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp.json()
@@ -64,12 +69,14 @@ class RemoteEngine:
         self._version = int(report["engine_version"])
         return report
 
-    async def health(self) -> dict:
+    async def health(self, timeout_s: float | None = None) -> dict:
+        """GET /health (within `timeout_s` when given, else the client's timeout)."""
         try:
-            resp = await self._client.get("/health")
-            resp.raise_for_status()
+            resp = await self._client.get("/health", **({"timeout": timeout_s} if timeout_s else {}))
         except httpx.HTTPError as e:
-            raise EngineError(f"{self.url}/health: {e!r}") from e
+            raise EngineUnavailable(f"{self.url}/health: {e!r}") from e
+        if resp.status_code != 200:
+            raise EngineError(f"{self.url}/health: HTTP {resp.status_code}: {resp.text[:500]}")
         out = resp.json()
         self._version = int(out["weight_version"])
         return out
@@ -103,6 +110,10 @@ class EngineProcess:
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = self._wait_ready(start_timeout_s)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def _wait_ready(self, timeout_s: float) -> str:
         found: list[str] = []

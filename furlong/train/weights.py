@@ -24,6 +24,7 @@ import torch
 from furlong.config import Config
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
+from furlong.engine.router import Router
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
@@ -55,14 +56,15 @@ class PublishedLink:
         self.engine, self.publisher, self._pull, self._cleanup = engine, publisher, pull, cleanup
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        routed = self.engine.metrics() if isinstance(self.engine, Router) else {}  # per-instance counters
         if version == self.publisher.version:
-            return {"sync_seconds": 0.0}  # a step that changed nothing (every group filtered)
+            return {**routed, "sync_seconds": 0.0}  # a step that changed nothing (every group filtered)
         start = time.perf_counter()
         pub = await asyncio.to_thread(self.publisher.publish, weights, version)
         report = await self._pull()
         if report["engine_version"] != version:
             raise RuntimeError(f"relay loaded v{report['engine_version']}, expected v{version}: {report['faults']}")
-        return {"sync_seconds": time.perf_counter() - start, "sync_full": float(pub.kind == "full"),
+        return {**routed, "sync_seconds": time.perf_counter() - start, "sync_full": float(pub.kind == "full"),
                 "sync_payload_bytes": pub.payload_bytes, "sync_payload_ratio": pub.ratio,
                 "sync_encode_s": pub.encode_s, "sync_put_s": pub.put_s, "sync_stage_s": report["stage_s"],
                 "sync_pause_s": report["pause_s"], "sync_recovered": float(report["recovered"])}
@@ -100,17 +102,35 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
         return PublishedLink(engine, publisher_of(transport), lambda: _local_pull(relay), cleanup_local)
     directory = _fresh_dir(cfg, run_path)
     server = UpdateServer(directory) if s.transport == "http" else None
-    process = await asyncio.to_thread(EngineProcess, model_dir, updates=server.url if server else str(directory.root),
-                                      log=run_path / "engine-server.log", threads=cfg.train.torch_threads, lora=lora)
-    remote = RemoteEngine(process.url)
+    processes = await _start_engines(s.servers, model_dir, server.url if server else str(directory.root),
+                                     run_path, cfg.train.torch_threads, lora)
+    # One process is served directly (as before routers existed); several sit behind a router.
+    remote = RemoteEngine(processes[0].url) if len(processes) == 1 else Router([RemoteEngine(p.url) for p in processes])
 
     async def cleanup_remote() -> None:
         await remote.close()
-        await asyncio.to_thread(process.stop)
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in processes))
         if server:
             server.close()
 
     return PublishedLink(remote, publisher_of(directory), remote.sync, cleanup_remote)
+
+
+async def _start_engines(n: int, model_dir: Path, updates: str, run_path: Path, threads: int,
+                         lora: dict | None) -> list[EngineProcess]:
+    """`n` engine server processes started at once (logs: engine-server.log, or engine-server-I.log for
+    several); if one fails to start, the others are stopped before the error is raised."""
+    logs = [run_path / "engine-server.log"] if n == 1 else [run_path / f"engine-server-{i}.log" for i in range(n)]
+    started = await asyncio.gather(*(asyncio.to_thread(EngineProcess, model_dir, updates=updates, log=log,
+                                                       threads=threads, lora=lora) for log in logs),
+                                   return_exceptions=True)
+    failed = [r for r in started if isinstance(r, BaseException)]
+    if failed:
+        for r in started:
+            if isinstance(r, EngineProcess):
+                r.stop()
+        raise failed[0]
+    return started  # type: ignore[return-value]
 
 
 async def _local_pull(relay: Relay) -> dict:
