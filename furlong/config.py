@@ -171,6 +171,20 @@ class SyncConfig(_Node):
         return self
 
 
+class SGLangConfig(_Node):
+    """`train.engine: sglang`: attach to a running SGLang server (url) or start one (furlong.engine.sglang_launch)."""
+
+    url: str | None = Field(None, description="a running server's base URL; null: start one for the run")
+    python: str | None = Field(None, description="interpreter that has sglang installed; null: this one")
+    launch_module: str = Field("sglang.launch_server", description="run with python -m (tests: tests.sglang_standin)")
+    port: int = Field(0, ge=0, description="0: a free port")
+    extra_args: tuple[str, ...] = Field((), description="more launch_server flags, e.g. [--mem-fraction-static, 0.5]")
+    start_timeout_s: float = Field(600.0, gt=0)
+    weights_via: Literal["disk", "tensor"] = Field(
+        "disk", description="disk: each update is a checkpoint the server loads (/update_weights_from_disk); "
+                            "tensor: /update_weights_from_tensor (same host only)")
+
+
 class TrainEvalConfig(_Node):
     heldout_per_family: int = Field(128, ge=1, description="held-out instances of each family, one episode each "
                                                            "(the bundled families have 128)")
@@ -183,6 +197,8 @@ class TrainConfig(_Node):
     families: tuple[str, ...] = DEFAULT_FAMILIES
     run_dir: Path | None = Field(None, description="null: runs/<date-time>")
     seed: int = 0
+    engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="the RL rollout engine (eval stays on hf)")
+    sglang: SGLangConfig = SGLangConfig()
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
     model: ModelConfig = ModelConfig()
     agent: AgentConfig = AgentConfig()

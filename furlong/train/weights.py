@@ -41,7 +41,8 @@ class DirectLink:
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         start = time.perf_counter()
         await self.engine.update_weights(weights, version)
-        return {"sync_seconds": time.perf_counter() - start}
+        # A server engine (sglang) also reports how long staging and the load's pause took.
+        return {"sync_seconds": time.perf_counter() - start, **getattr(self.engine, "last_update", {})}
 
     async def close(self) -> None:
         await self.engine.close()
@@ -84,6 +85,8 @@ def _fresh_dir(cfg: Config, run_path: Path) -> DirectoryTransport:
 async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, lora: dict | None):
     """The rollout engine for RL and the link that keeps its weights current."""
     s = cfg.train.sync
+    if cfg.train.engine == "sglang":
+        return await _sglang_link(cfg, run_path, model_dir)
     if s.transport == "direct":
         return DirectLink(HFEngine(engine_model, eos_token_ids=()))
     publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype],  # noqa: E731
@@ -131,6 +134,18 @@ async def _start_engines(n: int, model_dir: Path, updates: str, run_path: Path, 
                 r.stop()
         raise failed[0]
     return started  # type: ignore[return-value]
+
+async def _sglang_link(cfg: Config, run_path: Path, model_dir: Path) -> DirectLink:
+    """An SGLang server (started or attached, `train.sglang`) that loads each step's full weights itself."""
+    from furlong.config import ConfigError
+    from furlong.engine.factory import make_engine
+
+    if cfg.train.lora.enabled or cfg.train.sync.transport != "direct":
+        raise ConfigError("train.engine=sglang supports full-weight updates only: set train.lora.enabled=false "
+                          "and train.sync.transport=direct (the server loads each step's checkpoint)")
+    engine = await asyncio.to_thread(make_engine, "sglang", model_dir, seed=cfg.train.seed, sglang=cfg.train.sglang,
+                                     work_dir=run_path / "sglang")
+    return DirectLink(engine)  # type: ignore[arg-type]  # any Engine with update_weights
 
 
 async def _local_pull(relay: Relay) -> dict:
