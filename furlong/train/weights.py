@@ -83,11 +83,11 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
     """The rollout engine for RL and the link that keeps its weights current."""
     s = cfg.train.sync
     if s.transport == "direct":
-        return DirectLink(HFEngine(engine_model, eos_token_ids=()))
+        return DirectLink(HFEngine(engine_model, eos_token_ids=(), prefix_cache_mb=cfg.train.hf.prefix_cache_mb))
     publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype],  # noqa: E731
                                        momentum=s.momentum)
     if s.engine == "inprocess":
-        engine = HFEngine(engine_model, eos_token_ids=())
+        engine = HFEngine(engine_model, eos_token_ids=(), prefix_cache_mb=cfg.train.hf.prefix_cache_mb)
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(cfg, run_path)
         served = UpdateServer(transport) if s.transport == "http" else None  # type: ignore[arg-type]
         relay = Relay(HttpTransport(served.url) if served else transport, engine)
@@ -101,7 +101,8 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
     directory = _fresh_dir(cfg, run_path)
     server = UpdateServer(directory) if s.transport == "http" else None
     process = await asyncio.to_thread(EngineProcess, model_dir, updates=server.url if server else str(directory.root),
-                                      log=run_path / "engine-server.log", threads=cfg.train.torch_threads, lora=lora)
+                                      log=run_path / "engine-server.log", threads=cfg.train.torch_threads, lora=lora,
+                                      prefix_cache_mb=cfg.train.hf.prefix_cache_mb)
     remote = RemoteEngine(process.url)
 
     async def cleanup_remote() -> None:
