@@ -184,6 +184,13 @@ class SGLangConfig(_Node):
         "disk", description="disk: each update is a checkpoint the server loads (/update_weights_from_disk); "
                             "tensor: /update_weights_from_tensor (same host only)")
 
+class HFEngineConfig(_Node):
+    """The in-process hf engine (furlong.engine.hf) that runs rollouts and held-out evals."""
+
+    prefix_cache_mb: float = Field(
+        256, ge=0, description="KV of finished turns kept for later turns and group members that share their "
+                               "prefix (LRU within this many MiB); 0 disables the prefix cache")
+
 
 class TrainEvalConfig(_Node):
     heldout_per_family: int = Field(128, ge=1, description="held-out instances of each family, one episode each "
@@ -206,6 +213,7 @@ class TrainConfig(_Node):
     rl: RLConfig = RLConfig()
     lora: LoraConfig = LoraConfig()
     sync: SyncConfig = SyncConfig()
+    hf: HFEngineConfig = HFEngineConfig()
     eval: TrainEvalConfig = TrainEvalConfig()
 
 

@@ -2,16 +2,17 @@
 
 Any number of asyncio tasks call `generate`; one background task runs *steps*. A step, under `_step_lock`:
 decode one token for every running request (one batched forward), then admit waiting requests (prefill,
-first token) into the running batch, then retire finished ones. New requests join and finished ones leave at
+first token) into the running batch, then retire finished ones. Admitted prompts are prefilled together (a few
+forwards of similar length), each after the longest prefix whose KV the prefix cache holds (furlong.engine.prefix:
+the earlier turns of the same episode, the group's shared prompt); a retired request's KV goes into that cache. New requests join and finished ones leave at
 step boundaries. All torch work runs on one dedicated worker thread so the event loop (sandboxes, other
 episodes) stays responsive. `update_weights` and `pause` take the same lock, so weights never change and
-pauses never begin in the middle of a step.
+pauses never begin in the middle of a step; an update empties the prefix cache (its KV came from older weights).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,16 +24,30 @@ import torch
 from transformers import PreTrainedModel
 
 from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams
-from furlong.engine.kv import DecodeBatch, prefill
+from furlong.engine.kv import KV, DecodeBatch, PrefillRow, prefill
+from furlong.engine.prefix import PrefixCache
 from furlong.engine.sampling import sample_next
 
 
 @dataclass
 class EngineStats:
-    prefill_calls: int = 0
+    prefill_calls: int = 0  # prefill forwards (each may hold several prompts)
     decode_steps: int = 0
     generated_tokens: int = 0
     decode_batch_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> number of steps
+    prompt_tokens: int = 0  # every admitted request's prompt
+    prefill_tokens: int = 0  # of those, the tokens a prefill forward ran (the rest reused KV)
+    cached_tokens: int = 0  # of those reused, the ones found in the prefix cache (the rest: a group's shared prompt)
+    prefix_evictions: int = 0
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.prompt_tokens - self.prefill_tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens whose KV was reused (prefix cache or a group member's prefill) / prompt tokens."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def forward_calls(self) -> int:
@@ -53,6 +68,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
+    kv_epoch: int = -1  # the engine's weight epoch when this request's KV started (see HFEngine._epoch)
 
     def result(self, current_version: int) -> Generation:
         return Generation(
@@ -68,17 +84,24 @@ class HFEngine:
 
     def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | None = None, max_context: int | None = None,
-                 seed: int = 0, weight_version: int = 0) -> None:
+                 seed: int = 0, weight_version: int = 0, prefix_cache_mb: float = 256,
+                 batch_prefill: bool = True, max_prefill_tokens: int = 8192) -> None:
         """`eos_token_ids` stop every request in addition to its own stop ids (None: the model's
         generation_config eos ids; () for none). `max_context` caps prompt + output (default: the model's
-        max_position_embeddings)."""
+        max_position_embeddings). `prefix_cache_mb` bounds the prefix cache's KV (0: no cache);
+        `batch_prefill` False prefills one distinct prompt per forward; a batched prefill forward holds at
+        most `max_prefill_tokens` padded tokens (one longer prompt goes alone)."""
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.eos_token_ids = frozenset(_default_eos(model) if eos_token_ids is None else eos_token_ids)
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 1 << 31))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.stats = EngineStats()
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))
+        self.batch_prefill = batch_prefill
+        self.max_prefill_tokens = max_prefill_tokens
         self._version = weight_version
+        self._epoch = 0  # bumped by every weight update: KV from an older epoch is never cached
         self._seeds = random.Random(seed)  # RNG seeds for requests that bring none
         self._pending: list[_Request] = []
         self._batch: DecodeBatch[_Request] = DecodeBatch()
@@ -131,10 +154,13 @@ class HFEngine:
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `state_dict` (all or some of the model's tensors) into the model between steps. Tokens sampled
-        afterwards carry `version`; running requests keep their KV cache (computed by older weights)."""
+        afterwards carry `version`; running requests keep their KV cache (computed by older weights), but
+        the prefix cache is emptied and their KV is not cached when they finish."""
         async with self._step_lock:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._load_weights, state_dict)
             self._version = version
+            self._epoch += 1
+            self.prefix_cache.clear()
 
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # keep_vars: the live tensors, including tied aliases such as lm_head.weight.
@@ -244,15 +270,53 @@ class HFEngine:
                 sizes = self.stats.decode_batch_sizes
                 sizes[len(running)] = sizes.get(len(running), 0) + 1
                 self._sample(running, logits, version)
-            for _, group in itertools.groupby(sorted(admitted, key=lambda r: r.prompt), key=lambda r: r.prompt):
-                rows = list(group)
-                logits, kv = prefill(self.model, rows[0].prompt)  # one prefill per distinct prompt
-                self.stats.prefill_calls += 1
-                self._batch.add(rows, kv)
-                self._sample(rows, logits.expand(len(rows), -1), version)
+            if admitted:
+                self._admit(admitted, version)
             rows = self._batch.rows
+            done = [i for i, r in enumerate(rows) if r.finish is not None]
+            for i in done:
+                self._remember(rows[i], self._batch.row_kv(i) if self._cacheable(rows[i]) else None)
             self._batch.keep([i for i, r in enumerate(rows) if r.finish is None])
-            return [r for r in rows if r.finish is not None]
+            return [rows[i] for i in done]
+
+    def _admit(self, admitted: list[_Request], version: int) -> None:
+        """Prefill the admitted requests (identical prompts once) and sample their first tokens."""
+        groups: dict[tuple[int, ...], list[_Request]] = {}
+        for r in admitted:
+            r.kv_epoch = self._epoch
+            groups.setdefault(tuple(r.prompt), []).append(r)
+        members = list(groups.values())
+        todo = []
+        for group in members:
+            hit = self.prefix_cache.lookup(group[0].prompt)
+            todo.append(PrefillRow(group[0].prompt[hit.tokens:], hit.kv))
+            self.stats.cached_tokens += hit.tokens
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in admitted)
+        self.stats.prefill_tokens += sum(len(row.tokens) for row in todo)
+        rows: list[_Request] = []
+        kvs: list[KV] = []
+        logits_rows: list[torch.Tensor] = []
+        for chunk in _chunks([len(row.tokens) for row in todo], self.max_prefill_tokens if self.batch_prefill else 0):
+            logits, chunk_kvs = prefill(self.model, [todo[i] for i in chunk])
+            self.stats.prefill_calls += 1
+            for j, i in enumerate(chunk):
+                rows += members[i]
+                kvs += [chunk_kvs[j]] * len(members[i])
+                logits_rows.append(logits[j: j + 1].expand(len(members[i]), -1))
+        self._batch.add(rows, kvs)
+        self._sample(rows, torch.cat(logits_rows), version)
+
+    def _cacheable(self, request: _Request) -> bool:
+        # Only KV computed entirely under the current weights: no update since the request's prefill.
+        return self.prefix_cache.max_bytes > 0 and request.kv_epoch == self._epoch
+
+    def _remember(self, request: _Request, kv: KV | None) -> None:
+        """Cache a retired request's KV: its prompt and every sampled token but the last (never fed back)."""
+        if kv is None:
+            return
+        before = self.prefix_cache.evictions
+        self.prefix_cache.insert(request.prompt + request.output_ids[:-1], kv)
+        self.stats.prefix_evictions += self.prefix_cache.evictions - before
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor, version: int) -> None:
         tokens, logprobs = sample_next(logits, [r.sampling for r in rows], [r.rng for r in rows])
@@ -281,6 +345,25 @@ class HFEngine:
         for request in requests:
             if not request.future.done():
                 request.future.set_exception(EngineError(f"engine step failed: {error!r}"))
+
+
+def _chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into prefill forwards, longest first. A forward pads every row to its
+    longest, so a row joins only while the padded total stays within `max_tokens` and at most twice the real
+    tokens (or under 512: short forwards cost mostly fixed overhead). max_tokens 0: one row per forward."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks: list[list[int]] = []
+    real = 0
+    for i in order:
+        if chunks and max_tokens:
+            padded = (len(chunks[-1]) + 1) * lengths[chunks[-1][0]]
+            if padded <= max_tokens and (padded <= 2 * (real + lengths[i]) or padded <= 512):
+                chunks[-1].append(i)
+                real += lengths[i]
+                continue
+        chunks.append([i])
+        real = lengths[i]
+    return chunks
 
 
 def _default_eos(model: PreTrainedModel) -> list[int]:

@@ -4,13 +4,17 @@ Layout: every layer's keys/values are [B, kv_heads, L, head_dim], row b holding 
 (left padding). `mask` [B, L] is 1 on real cached tokens. Pad slots hold zeros and are masked out, so they get
 exactly zero attention weight: a row's results do not depend on which other rows share the batch.
 
-Prompts are prefilled one at a time, unpadded (a fully padded query row would produce garbage hidden states
-that leak into pad K/V); identical prompts (a GRPO group) share one prefill. Decode steps then run all rows
-together with one new token each.
+Prompts are prefilled together, RIGHT-padded, each after its cached prefix (if any; left-padded in the past
+KV): a right pad position still attends to its row's real tokens, so no query row is fully masked (that would
+produce NaN hidden states whose K/V leak into real rows: 0 attention weight times NaN is NaN), and a real
+position never sees a pad one (they lie in its future). Each row's real KV is then re-packed left-padded.
+Identical prompts (a GRPO group) share one row. Decode steps then run all rows together with one new token each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
@@ -46,10 +50,55 @@ def _forward(model: PreTrainedModel, input_ids: torch.Tensor, kv: KV | None,
     return out.logits[:, -1, :].float(), _cache_tensors(out.past_key_values)
 
 
-def prefill(model: PreTrainedModel, prompt: list[int]) -> tuple[torch.Tensor, KV]:
-    """Forward one unpadded prompt: logits [1, V] for its first output token, and its cache."""
+@dataclass(frozen=True)
+class PrefillRow:
+    """A prompt to prefill: `tokens` to run after `cached`, the KV of the prompt's first tokens (batch 1)."""
+
+    tokens: list[int]
+    cached: KV | None = None
+
+    @property
+    def cached_len(self) -> int:
+        return 0 if self.cached is None else self.cached[0][0].shape[-2]
+
+
+def prefill(model: PreTrainedModel, rows: list[PrefillRow]) -> tuple[torch.Tensor, list[KV]]:
+    """One forward over every row: logits [n, V] for each row's first output token, and each row's whole
+    cache (cached prefix + its tokens) unpadded, as views [1, h, L_i, d] per layer."""
     device = model.device
-    return _forward(model, torch.tensor([prompt], device=device), None)
+    past = max(r.cached_len for r in rows)
+    width = max(len(r.tokens) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(rows), past + width, dtype=torch.long, device=device)
+    positions = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        ids[i, : len(r.tokens)] = torch.tensor(r.tokens, device=device)
+        mask[i, past - r.cached_len: past + len(r.tokens)] = 1
+        # Pad positions keep counting: their outputs are discarded, and positions stay in range.
+        positions[i] = torch.arange(r.cached_len, r.cached_len + width, device=device)
+    last = sorted({len(r.tokens) - 1 for r in rows})
+    cache = _adopt(_left_packed([r.cached for r in rows], past)) if past else DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=torch.tensor(last, device=device))
+    kv = _cache_tensors(out.past_key_values)
+    logits = torch.stack([out.logits[i, last.index(len(r.tokens) - 1)] for i, r in enumerate(rows)]).float()
+    spans = [(past - r.cached_len, past + len(r.tokens)) for r in rows]
+    return logits, [[(k[i: i + 1, :, a:b], v[i: i + 1, :, a:b]) for k, v in kv] for i, (a, b) in enumerate(spans)]
+
+
+def _left_packed(kvs: Sequence[KV | None], width: int) -> KV:
+    """Batch per-row caches (None: empty) right-aligned into zero-padded [n, h, width, d] tensors."""
+    template = next(kv for kv in kvs if kv is not None)
+    out = []
+    for layer, (k0, v0) in enumerate(template):
+        k = k0.new_zeros(len(kvs), k0.shape[1], width, k0.shape[3])
+        v = v0.new_zeros(len(kvs), v0.shape[1], width, v0.shape[3])
+        for i, kv in enumerate(kvs):
+            if kv is not None and (n := kv[layer][0].shape[-2]):
+                k[i, :, width - n:] = kv[layer][0][0]
+                v[i, :, width - n:] = kv[layer][1][0]
+        out.append((k, v))
+    return out
 
 
 class DecodeBatch(Generic[Row]):
@@ -63,20 +112,31 @@ class DecodeBatch(Generic[Row]):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, rows: list[Row], kv: KV) -> None:
-        """Append rows whose caches are unpadded and equal in length (`kv` batch 1 is broadcast to all)."""
-        n, length = len(rows), kv[0][0].shape[-2]
-        kv = [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv]
-        mask = torch.ones(n, length, dtype=torch.long, device=kv[0][0].device)
+    def add(self, rows: list[Row], kvs: list[KV]) -> None:
+        """Append rows, each with its own unpadded cache ([1, h, L_i, d] per layer; rows may share one)."""
+        lengths = [kv[0][0].shape[-2] for kv in kvs]
+        width = max(lengths)
+        kv = _left_packed(kvs, width)
+        mask = torch.zeros(len(rows), width, dtype=torch.long, device=kv[0][0].device)
+        for i, n in enumerate(lengths):
+            mask[i, width - n:] = 1
         if self.kv is None or self.mask is None:
-            self.rows, self.kv, self.mask = list(rows), [(k.contiguous(), v.contiguous()) for k, v in kv], mask
+            self.rows, self.kv, self.mask = list(rows), kv, mask
             return
-        width = max(self.mask.shape[1], length)
+        width = max(self.mask.shape[1], width)
         self.kv = [(torch.cat([_left_pad(k0, width), _left_pad(k1, width)]),
                     torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
                    for (k0, v0), (k1, v1) in zip(self.kv, kv, strict=True)]
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
         self.rows.extend(rows)
+
+    def row_kv(self, index: int) -> KV:
+        """A copy of row `index`'s real cache, unpadded [1, h, L, d] (a copy: a view would pin the batch)."""
+        assert self.kv is not None and self.mask is not None
+        n = int(self.mask[index].sum())
+        width = self.mask.shape[1]
+        return [(k[index: index + 1, :, width - n:].clone(), v[index: index + 1, :, width - n:].clone())
+                for k, v in self.kv]
 
     def step(self, model: PreTrainedModel, last_tokens: list[int]) -> torch.Tensor:
         """Feed each row its last sampled token; return next-token logits [B, V]."""

@@ -98,8 +98,9 @@ class EngineProcess:
     """Starts `python -m furlong.engine.server` and stops it; its stderr goes to `log`."""
 
     def __init__(self, model: Path, *, updates: str | None, log: Path, threads: int = 1,
-                 lora: dict | None = None, start_timeout_s: float = 120.0) -> None:
-        cmd = [sys.executable, "-m", "furlong.engine.server", "--model", str(model), "--threads", str(threads)]
+                 lora: dict | None = None, start_timeout_s: float = 120.0, prefix_cache_mb: float = 256) -> None:
+        cmd = [sys.executable, "-m", "furlong.engine.server", "--model", str(model), "--threads", str(threads),
+               "--prefix-cache-mb", str(prefix_cache_mb)]
         if updates:
             cmd += ["--updates", updates]
         if lora:

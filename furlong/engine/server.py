@@ -11,7 +11,7 @@ rebuilt tensors in. Routes (JSON):
 * POST /generate  {"input_ids": [...], "sampling": {...}} -> a Generation (token ids in and out)
 * POST /sync      pull the newest published version into the engine -> a SyncReport;
                   409 with the faults when nothing newer could be verified (engine untouched)
-* POST /pause, POST /resume, GET /health -> {"weight_version", "paused", "relay"}
+* POST /pause, POST /resume, GET /health -> {"weight_version", "paused", "relay", "prefix_cache"}
 
 When the socket is listening the process prints one line, `furlong-engine listening on URL`,
 so a parent that asked for port 0 learns the port. No authentication: bind to loopback or a
@@ -71,7 +71,10 @@ def build_app(engine: HFEngine, relay: Relay | None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"weight_version": engine.weight_version, "paused": engine.paused, "relay": relay is not None}
+        s = engine.stats
+        return {"weight_version": engine.weight_version, "paused": engine.paused, "relay": relay is not None,
+                "prefix_cache": {"prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
+                                 "hit_rate": s.prefix_hit_rate, "bytes": engine.prefix_cache.nbytes}}
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> dict:
@@ -114,7 +117,8 @@ def _load_engine(args: argparse.Namespace) -> HFEngine:
 
         spec = json.loads(args.lora)
         model = wrap_lora(model, LoraSpec(rank=spec["rank"], alpha=spec["alpha"], targets=tuple(spec["targets"])))
-    return HFEngine(model, eos_token_ids=(), max_batch_size=args.max_batch_size)
+    return HFEngine(model, eos_token_ids=(), max_batch_size=args.max_batch_size,
+                    prefix_cache_mb=args.prefix_cache_mb)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from rich.console import Console
 from furlong.agent.episode import AgentParams, Episode
 from furlong.config import Config, ConfigError
 from furlong.engine.hf import HFEngine
+from furlong.engine.prefix import prefix_metrics
 from furlong.agent.runner import STATUSES
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
 from furlong.metrics.episodes import EpisodeLog, drop_episodes_after, episode_record
@@ -129,7 +130,8 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
         return done
     start = time.perf_counter()
     drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
-    engine = HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
+    # Episodes stop on end-of-turn, never on a bare EOS.
+    engine = HFEngine(model, eos_token_ids=(), prefix_cache_mb=cfg.train.hf.prefix_cache_mb)
     async with _pools(p) as pools:
         rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency, EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
@@ -277,6 +279,7 @@ async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: 
                 run.log("rl", step, {**asdict(stats), **rollout_metrics(batch.episodes, batch.version),
                                      **window.diagnostics(batch.episodes, batch.version, stats.seconds),
                                      **batch_metrics(batch, r.filter_zero_variance), **synced,
+                                     **prefix_metrics(link.engine),
                                      "step_seconds": seconds})
                 records.write(settled_records(batch, step, r.filter_zero_variance))
                 last = step == r.steps - 1 or (r.time_budget_s is not None and spent >= r.time_budget_s)

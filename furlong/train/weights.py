@@ -88,11 +88,11 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
     if cfg.train.engine == "sglang":
         return await _sglang_link(cfg, run_path, model_dir)
     if s.transport == "direct":
-        return DirectLink(HFEngine(engine_model, eos_token_ids=()))
+        return DirectLink(HFEngine(engine_model, eos_token_ids=(), prefix_cache_mb=cfg.train.hf.prefix_cache_mb))
     publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype],  # noqa: E731
                                        momentum=s.momentum)
     if s.engine == "inprocess":
-        engine = HFEngine(engine_model, eos_token_ids=())
+        engine = HFEngine(engine_model, eos_token_ids=(), prefix_cache_mb=cfg.train.hf.prefix_cache_mb)
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(cfg, run_path)
         served = UpdateServer(transport) if s.transport == "http" else None  # type: ignore[arg-type]
         relay = Relay(HttpTransport(served.url) if served else transport, engine)
@@ -106,7 +106,7 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
     directory = _fresh_dir(cfg, run_path)
     server = UpdateServer(directory) if s.transport == "http" else None
     processes = await _start_engines(s.servers, model_dir, server.url if server else str(directory.root),
-                                     run_path, cfg.train.torch_threads, lora)
+                                     run_path, cfg.train.torch_threads, lora, cfg.train.hf.prefix_cache_mb)
     # One process is served directly (as before routers existed); several sit behind a router.
     remote = RemoteEngine(processes[0].url) if len(processes) == 1 else Router([RemoteEngine(p.url) for p in processes])
 
@@ -120,12 +120,13 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
 
 
 async def _start_engines(n: int, model_dir: Path, updates: str, run_path: Path, threads: int,
-                         lora: dict | None) -> list[EngineProcess]:
+                         lora: dict | None, prefix_cache_mb: float) -> list[EngineProcess]:
     """`n` engine server processes started at once (logs: engine-server.log, or engine-server-I.log for
     several); if one fails to start, the others are stopped before the error is raised."""
     logs = [run_path / "engine-server.log"] if n == 1 else [run_path / f"engine-server-{i}.log" for i in range(n)]
     started = await asyncio.gather(*(asyncio.to_thread(EngineProcess, model_dir, updates=updates, log=log,
-                                                       threads=threads, lora=lora) for log in logs),
+                                                       threads=threads, lora=lora,
+                                                       prefix_cache_mb=prefix_cache_mb) for log in logs),
                                    return_exceptions=True)
     failed = [r for r in started if isinstance(r, BaseException)]
     if failed:
