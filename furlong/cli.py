@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from furlong.config import Config, ConfigError, load_config
+from furlong.engine.serve_args import add_serve_arguments
 from furlong.sandbox.base import SandboxError
 
 console = Console(stderr=True)
@@ -21,24 +22,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. eval.concurrency=4")
 
 
-def _serve_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", type=Path, required=True, help="a local Hugging Face checkpoint directory")
-    ap.add_argument("--updates", help="published weight updates: a directory or an UpdateServer URL")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0: any free port (printed when ready)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--max-batch-size", type=int, default=64)
-    ap.add_argument("--prefix-cache-mb", type=float, default=256, help="prefix cache KV budget (0: off)")
-    ap.add_argument("--lora", help='JSON {"rank", "alpha", "targets"}: serve a LoRA-wrapped model')
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="furlong", description="RL post-training of LLM agents in real sandboxes")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ev = sub.add_parser("eval", help="run an agent on tasks, each in a fresh sandbox, and score it")
     ev.add_argument("--tasks", type=Path, help="a task, a task family, or a directory of them (eval.tasks)")
-    ev.add_argument("--agent", choices=["oracle", "noop"], help="eval.agent")
+    ev.add_argument("--agent", choices=["oracle", "noop", "model"], help="eval.agent (model: --model DIR)")
+    ev.add_argument("--model", type=Path, help="--agent model: a local Hugging Face checkpoint (eval.model)")
+    ev.add_argument("--adapter", type=Path, help="--agent model: a PEFT adapter over --model (eval.adapter)")
+    ev.add_argument("--engine", choices=["hf", "vllm"], help="--agent model: inference engine (eval.engine)")
+    ev.add_argument("--samples", type=int, help="episodes per task; pass@k for powers of 2 up to it (eval.samples)")
+    ev.add_argument("--temperature", type=float, help="--agent model: sampling temperature (eval.temperature)")
     ev.add_argument("--concurrency", type=int, help="episodes at once (eval.concurrency)")
     ev.add_argument("--out", type=Path, help="write one JSON line per episode here (eval.out)")
     ev.add_argument("--split", choices=["train", "heldout", "all"], help="family instances to use (eval.split)")
@@ -60,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
     eng = sub.add_parser("engine", help="inference engine utilities")
     eng_sub = eng.add_subparsers(dest="engine_command", required=True)
-    _serve_arguments(eng_sub.add_parser("serve", help="serve the hf engine over HTTP with a weight-sync relay"))
+    add_serve_arguments(eng_sub.add_parser("serve", help="serve the hf engine over HTTP with a weight-sync relay"))
 
     img = sub.add_parser("image", help="build or list sandbox images")
     img_sub = img.add_subparsers(dest="image_command", required=True)
@@ -135,14 +130,18 @@ def _base_image(store) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from furlong.eval.agents import make_agent
-    from furlong.eval.run import print_table, run_eval, summarize
+    from furlong.eval.model import check_model_flags
+    from furlong.eval.run import print_table, summarize
     from furlong.tasks.loader import load_suite
 
     cfg = _config(args, {"tasks": "eval.tasks", "agent": "eval.agent", "concurrency": "eval.concurrency",
-                         "out": "eval.out", "split": "eval.split", "per_family": "eval.per_family"})
+                         "out": "eval.out", "split": "eval.split", "per_family": "eval.per_family",
+                         "model": "eval.model", "adapter": "eval.adapter", "engine": "eval.engine",
+                         "samples": "eval.samples", "temperature": "eval.temperature"})
     e = cfg.eval
-    agent = make_agent(e.agent)
+    check_model_flags(e)
     suite = load_suite(e.tasks, split=e.split, per_family=e.per_family)
+    agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
     if e.verifier_toolchain:
         from furlong.sandbox.toolchain import opt_in_all
 
@@ -152,11 +151,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
     backend, store = _sandbox_pieces(cfg)
     _base_image(store)
     console.print(f"{len(suite.tasks)} tasks ({len(suite.broken)} not loaded) from {e.tasks}, agent {e.agent}, "
-                  f"concurrency {e.concurrency}")
-    results = asyncio.run(run_eval(suite.entries, agent, backend, store, e.concurrency, e.out, console))
+                  f"{e.samples} sample(s) each, concurrency {e.concurrency}")
+    results = asyncio.run(_eval_episodes(cfg, suite.entries, agent, backend, store))
     print_table(results, console)
     print(json.dumps(summarize(results)))
     return 0
+
+
+def _model_agents(cfg: Config):
+    """--agent model: the engine over the checkpoint, built before any image so a bad one fails fast."""
+    from furlong.eval.model import model_agents
+
+    with console.status(f"loading {cfg.eval.model} ({cfg.eval.engine} engine)"):
+        return model_agents(cfg)
+
+
+async def _eval_episodes(cfg: Config, entries, agent, backend, store):
+    """The eval's episodes; a model agent's engine is closed after them."""
+    from furlong.eval.run import run_eval
+
+    e = cfg.eval
+    try:
+        return await run_eval(entries, agent, backend, store, e.concurrency, e.out, console, e.samples)
+    finally:
+        if close := getattr(agent, "close", None):  # only the model agents hold an engine
+            await close()
 
 
 def cmd_image(args: argparse.Namespace) -> int:

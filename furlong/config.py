@@ -40,7 +40,14 @@ class ImagesConfig(_Node):
 
 class EvalConfig(_Node):
     tasks: Path = BUNDLED_TASKS
-    agent: Literal["oracle", "noop"] = "oracle"
+    agent: Literal["oracle", "noop", "model"] = "oracle"
+    # --agent model: a local HF checkpoint in the training agent loop (limits: train.agent.*)
+    model: Path | None = Field(None, description="--agent model: a local Hugging Face checkpoint directory")
+    adapter: Path | None = Field(None, description="--agent model: a PEFT adapter directory applied to eval.model")
+    engine: Literal["hf", "vllm"] = Field("hf", description="--agent model: the inference engine")
+    samples: int = Field(1, ge=1, description="episodes per task (pass@k is reported for k = powers of 2 and this)")
+    temperature: float = Field(1.0, ge=0, description="--agent model: sampling temperature (0: greedy)")
+    seed: int = Field(0, description="--agent model: sampling seeds derive from this, the task and the sample")
     concurrency: int = Field(2, ge=1)
     out: Path | None = None
     split: Literal["train", "heldout", "all"] = "heldout"

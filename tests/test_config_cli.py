@@ -23,7 +23,7 @@ def test_overrides_and_recipes_are_typed(tmp_path: Path):
 @pytest.mark.parametrize("override, words", [
     ("eval.concurency=3", "eval.concurency: Extra inputs are not permitted"),
     ("eval.concurrency=many", "eval.concurrency: Input should be a valid integer"),
-    ("eval.agent=genius", "eval.agent: Input should be 'oracle' or 'noop'"),
+    ("eval.agent=genius", "eval.agent: Input should be 'oracle', 'noop' or 'model'"),
     ("concurrency", "expected key=value"),
 ])
 def test_bad_overrides_name_the_key(override: str, words: str):

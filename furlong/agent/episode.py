@@ -34,6 +34,14 @@ class AgentParams:
     system_prompt: str = SYSTEM_PROMPT
     tool_schema_in_prompt: bool = False  # tiny models do better without the JSON schema in context
 
+    @classmethod
+    def of(cls, config) -> AgentParams:
+        """From the config's `train.agent` node (furlong.config.AgentConfig): training and `furlong eval
+        --agent model` run the same loop with the same limits."""
+        return cls(max_turns=config.max_turns, max_context_tokens=config.max_context_tokens,
+                   max_new_tokens=config.max_new_tokens, command_timeout_s=config.command_timeout_s,
+                   observation_chars=config.observation_chars)
+
 
 @dataclass(frozen=True)
 class Episode:

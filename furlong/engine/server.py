@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.hf import HFEngine
+from furlong.engine.serve_args import add_serve_arguments
 from furlong.sync.relay import Relay, SyncFailed
 from furlong.sync.transport import DirectoryTransport, HttpTransport, Transport
 
@@ -145,7 +146,12 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-if __name__ == "__main__":
-    from furlong.cli import main
+def main(argv: list[str] | None = None) -> int:
+    """`python -m furlong.engine.server`: the flags of `furlong engine serve`, without the CLI."""
+    ap = argparse.ArgumentParser(prog="python -m furlong.engine.server", description=__doc__.splitlines()[0])
+    add_serve_arguments(ap)
+    return serve(ap.parse_args(argv))
 
-    sys.exit(main(["engine", "serve", *sys.argv[1:]]))
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,14 +6,31 @@ the agent's sandbox calls and decides the outcome.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from furlong.agent.runner import Agent, AgentRun
 from furlong.sandbox.base import Sandbox
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import output_tail
 
-__all__ = ["Agent", "AgentRun", "NoopAgent", "OracleAgent", "make_agent"]
+__all__ = ["Agent", "AgentRun", "EpisodeAgents", "NoopAgent", "OracleAgent", "agent_for", "make_agent"]
 
 SOLUTION_DIR = "/solution"
+
+
+@runtime_checkable
+class EpisodeAgents(Protocol):
+    """Makes a fresh agent for each episode: a model agent holds one conversation's state
+    (furlong.eval.model). The scripted agents hold none, so one serves every episode."""
+
+    name: str
+
+    def for_episode(self, task: Task, sample: int) -> Agent: ...
+
+
+def agent_for(agents: Agent | EpisodeAgents, task: Task, sample: int) -> Agent:
+    """The agent that runs episode `sample` of `task`."""
+    return agents.for_episode(task, sample) if isinstance(agents, EpisodeAgents) else agents
 
 
 class NoopAgent:

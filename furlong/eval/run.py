@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from furlong.eval.agents import Agent
+from furlong.eval.agents import Agent, EpisodeAgents, agent_for
 from furlong.eval.harness import EpisodeResult, run_agent
+from furlong.eval.passk import pass_at_k_summary
 from furlong.metrics.outcomes import Scored, outcome_summary
 from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.images import ImageStore
@@ -42,10 +43,10 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
     return images
 
 
-async def run_eval(entries: Sequence[Task | BrokenTask], agent: Agent, backend, store: ImageStore,
-                   concurrency: int, out: Path | None, console: Console) -> list[EpisodeResult]:
-    """Every task's episode, in `entries`' order. A BrokenTask (one that did not load) is an infra_error
-    line of its own, written first; the others' lines are written as each episode ends."""
+async def run_eval(entries: Sequence[Task | BrokenTask], agent: Agent | EpisodeAgents, backend, store: ImageStore,
+                   concurrency: int, out: Path | None, console: Console, samples: int = 1) -> list[EpisodeResult]:
+    """`samples` episodes of every task, in `entries`' order. A BrokenTask (one that did not load) is an
+    infra_error line of its own, written first; the others' lines are written as each episode ends."""
     tasks = [e for e in entries if isinstance(e, Task)]
     results = [EpisodeResult.unloadable(e, agent.name) for e in entries if isinstance(e, BrokenTask)]
     sink = open(out, "w") if out else None
@@ -60,28 +61,30 @@ async def run_eval(entries: Sequence[Task | BrokenTask], agent: Agent, backend, 
             record(res)
         images = await prepare_images(tasks, store, backend, console) if tasks else {}
         sandboxes = FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend))
-        results += await _episodes(tasks, agent, sandboxes, concurrency, record, console, len(entries))
+        jobs = [(task, k) for task in tasks for k in range(samples)]
+        results += await _episodes(jobs, agent, sandboxes, concurrency, record, console, len(results) + len(jobs))
     finally:
         if sink:
             sink.close()
     order = {e.id: i for i, e in enumerate(entries)}
-    return sorted(results, key=lambda r: order[r.task])
+    return sorted(results, key=lambda r: (order[r.task], r.sample))
 
 
-async def _episodes(tasks: list[Task], agent: Agent, sandboxes: FreshSandboxes, concurrency: int,
-                    record: Callable[[EpisodeResult], None], console: Console, total: int) -> list[EpisodeResult]:
+async def _episodes(jobs: list[tuple[Task, int]], agent: Agent | EpisodeAgents, sandboxes: FreshSandboxes,
+                    concurrency: int, record: Callable[[EpisodeResult], None], console: Console,
+                    total: int) -> list[EpisodeResult]:
     sem = asyncio.Semaphore(concurrency)
     results: list[EpisodeResult] = []
 
-    async def one(task: Task) -> EpisodeResult:
+    async def one(task: Task, sample: int) -> EpisodeResult:
         async with sem:
-            return await run_agent(task, agent, sandboxes)
+            return await run_agent(task, agent_for(agent, task, sample), sandboxes, sample)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("pass {task.fields[passed]}"))
     with Progress(*columns, console=console, transient=False) as bar:
-        job = bar.add_task(f"eval {agent.name}", total=total, completed=total - len(tasks), passed=0)
-        for fut in asyncio.as_completed([one(t) for t in tasks]):
+        job = bar.add_task(f"eval {agent.name}", total=total, completed=total - len(jobs), passed=0)
+        for fut in asyncio.as_completed([one(t, k) for t, k in jobs]):
             res = await fut
             results.append(res)
             record(res)
@@ -100,16 +103,28 @@ def _prebuilt(images: dict):
 
 
 def summarize(results: list[EpisodeResult]) -> dict:
-    """pass_rate and per-family rates over the scored episodes; every status counted."""
+    """pass_rate and per-family rates over the scored episodes; every status counted; pass@k over each
+    task's samples (furlong.eval.passk), overall, per family (inside `per_family`) and per task."""
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
     s = outcome_summary([Scored(r.family, r.reward, r.status) for r in results])
+    pk = pass_at_k_summary(_by_task(results), max((r.sample for r in results), default=0) + 1)
     return {
         "episodes": s["episodes"], "scored": s["scored"], "infra_errors": s["infra_errors"],
         "pass_rate": s["pass_at_1"], "mean_reward": s["mean_reward"], "status": s["status"],
-        "per_family": s["per_family"],
+        "per_family": {name: {**rates, "pass_at_k": pk["per_family"].get(name, {})}
+                       for name, rates in s["per_family"].items()},
+        "samples": pk["samples"], "ks": pk["ks"], "pass_at_k": pk["pass_at_k"], "per_task": pk["per_task"],
         "mean_timing_s": {k: mean([getattr(r.timing, k) for r in results])
                           for k in ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")},
     }
+
+
+def _by_task(results: list[EpisodeResult]) -> list[tuple[str, str | None, list[Scored]]]:
+    """(task, family, its episodes) in first-seen order."""
+    tasks: dict[str, tuple[str | None, list[Scored]]] = {}
+    for r in results:
+        tasks.setdefault(r.task, (r.family, []))[1].append(Scored(r.family, r.reward, r.status))
+    return [(task, family, episodes) for task, (family, episodes) in tasks.items()]
 
 
 STATUS_STYLE = {"infra_error": "yellow", "agent_broke_sandbox": "red"}
@@ -117,13 +132,13 @@ STATUS_STYLE = {"infra_error": "yellow", "agent_broke_sandbox": "red"}
 
 def print_table(results: list[EpisodeResult], console: Console) -> None:
     table = Table(title="furlong eval")
-    for col in ("task", "reward", "status", "start s", "agent s", "verify s", "other s", "note"):
+    for col in ("task", "sample", "reward", "status", "start s", "agent s", "verify s", "other s", "note"):
         table.add_column(col, justify="right" if col.endswith(" s") or col == "reward" else "left")
     for r in results:
         t = r.timing
         reward = "-" if r.reward is None else f"{r.reward:g}"
         style = "green" if r.reward == 1.0 else STATUS_STYLE.get(r.status)
-        table.add_row(r.task, reward, r.status, f"{t.sandbox_start:.3f}", f"{t.agent_commands:.3f}",
+        table.add_row(r.task, str(r.sample), reward, r.status, f"{t.sandbox_start:.3f}", f"{t.agent_commands:.3f}",
                       f"{t.verifier:.3f}", f"{t.other:.3f}", (r.error or "")[:60], style=style)
     console.print(table)
     s = summarize(results)
@@ -132,4 +147,12 @@ def print_table(results: list[EpisodeResult], console: Console) -> None:
     console.print("status  " + "  ".join(f"{k} {v}" for k, v in s["status"].items()))
     for name, f in s["per_family"].items():
         console.print(f"family {name}: pass rate {f['pass_at_1']:.3f} over {f['scored']} scored, "
-                      f"{f['infra_errors']} infra errors")
+                      f"{f['infra_errors']} infra errors" + _pass_at_k_text(f["pass_at_k"], s["samples"]))
+    if s["samples"] > 1:
+        console.print(f"all tasks, {s['samples']} samples each:" + _pass_at_k_text(s["pass_at_k"], s["samples"]))
+
+
+def _pass_at_k_text(values: dict[str, float | None], samples: int) -> str:
+    if samples < 2:
+        return ""
+    return "  " + "  ".join(f"pass@{k} " + ("-" if v is None else f"{v:.3f}") for k, v in values.items())

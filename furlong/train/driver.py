@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
 from furlong.tasks.family import load_family
+from furlong.train.export import HF_DIR, write_hf
 from furlong.train.sft import oracle_demos, sft_train
 from furlong.train.trainer import GRPOConfig, Trainer
 from furlong.train.weights import open_link
@@ -64,15 +64,12 @@ def build(cfg: Config) -> Pieces:
                               f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
     base = t.model.path or init_tiny(seed=t.model.seed)
     backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
-    a = t.agent
     store = ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror)
     return Pieces(
         tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
         train_tasks=[task for f in families for task in f.instances("train")],
         eval_tasks=[task for f in families for task in f.instances("heldout", t.eval.heldout_per_family)],
-        params=AgentParams(max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
-                           max_new_tokens=a.max_new_tokens, command_timeout_s=a.command_timeout_s,
-                           observation_chars=a.observation_chars),
+        params=AgentParams.of(t.agent),
         base_model=Path(base))
 
 
@@ -107,21 +104,11 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
             advance()
         losses = await asyncio.to_thread(sft_train, model, demos, s.epochs, s.lr, s.batch_size, cfg.train.seed,
                                          p.tokenizer.pad_token_id, on_step)
-    out = _save_hf(model, p.tokenizer, run.checkpoint_dir("sft"))
+    out = write_hf(model, p.tokenizer, run.checkpoint_dir("sft"))
     result = {"model": str(out), "demos": len(demos), "demo_failures": len(tasks) - len(demos),
               "steps": len(losses), "final_loss": losses[-1] if losses else None,
               "seconds": time.perf_counter() - start}
     run.finish_phase("sft", result)
-    return out
-
-
-def _save_hf(model, tokenizer, out: Path) -> Path:
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return out
 
 
@@ -284,14 +271,36 @@ async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: 
                 records.write(settled_records(batch, step, r.filter_zero_variance))
                 last = step == r.steps - 1 or (r.time_budget_s is not None and spent >= r.time_budget_s)
                 if (step + 1) % r.checkpoint_every == 0 or last:
-                    trainer.save(run.checkpoint_dir(f"rl-{step}"))
-                    atomic_write(run.checkpoint_dir(f"rl-{step}") / CURSOR_FILE, json.dumps(scheduler.cursor()))
-                    run.record_checkpoint(f"rl-{step}", step)
+                    _checkpoint(trainer, scheduler, p, run, step)
                 advance(f"reward {stats.reward_mean:.2f}")
                 if last:
                     break
     finally:
         await scheduler.close()
+
+
+def _checkpoint(trainer: Trainer, scheduler: Scheduler, p: Pieces, run: RunDir, step: int) -> None:
+    """checkpoints/rl-N: trainer state, the policy as a Hugging Face directory (hf/), the rollout cursor;
+    recorded as the last checkpoint only once all three are written."""
+    path = run.checkpoint_dir(f"rl-{step}")
+    trainer.save(path)
+    export_policy(trainer, p, run, path)
+    atomic_write(path / CURSOR_FILE, json.dumps(scheduler.cursor()))
+    run.record_checkpoint(f"rl-{step}", step)
+
+
+def export_policy(trainer: Trainer, p: Pieces, run: RunDir, checkpoint: Path) -> Path:
+    """`checkpoint`/hf: the policy for plain transformers (with LoRA, merged, plus hf/adapter over the SFT model)."""
+    return write_hf(trainer.model, p.tokenizer, checkpoint / HF_DIR, base_model=run.checkpoint_dir("sft"))
+
+
+def _final_model(trainer: Trainer, p: Pieces, run: RunDir) -> Path:
+    """The end of the run as a Hugging Face directory: the last RL checkpoint's hf/ (the last step always
+    checkpoints), exported now if that checkpoint predates exports."""
+    last = run.state()["last_checkpoint"]
+    checkpoint = run.checkpoint_dir(last["name"]) if last else run.checkpoint_dir("final")
+    hf = checkpoint / HF_DIR
+    return hf if (hf / "config.json").is_file() else export_policy(trainer, p, run, checkpoint)
 
 
 def _phase_status(result: dict) -> dict[str, int]:
@@ -307,9 +316,10 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     before = await eval_phase("eval_before", load_model(sft_dir), cfg, p, run, console)
     trainer = await rl_phase(cfg, p, run, console, sft_dir)
     after = await eval_phase("eval_after", trainer.model, cfg, p, run, console)
-    phases = run.state()["phases"]
+    phases, final = run.state()["phases"], _final_model(trainer, p, run)
     summary = {
-        "run_dir": str(run.path),
+        "run_dir": str(run.path), "hf_model": str(final),
+        "hf_adapter": str(final / "adapter") if (final / "adapter").is_dir() else None,
         "heldout_pass_at_1_before_rl": before["pass_at_1"], "heldout_pass_at_1_after_rl": after["pass_at_1"],
         "improvement_points": 100 * (after["pass_at_1"] - before["pass_at_1"]),
         "eval_episodes": after["episodes"], "eval_temperature": cfg.train.eval.temperature,

@@ -280,8 +280,8 @@ class Trainer:
             _write_synced(tmp / CHECKPOINT_FILE, lambda f: torch.save(state, f))
             meta = json.dumps({"version": self.version, "config": asdict(self.config)}, indent=1)
             _write_synced(tmp / "meta.json", lambda f: f.write(meta.encode()))
-            _fsync_dir(tmp)
-            _replace_dir(tmp, path)
+            fsync_dir(tmp)
+            replace_dir(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -342,7 +342,7 @@ def _write_synced(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -350,12 +350,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _replace_dir(new: Path, path: Path) -> None:
+def replace_dir(new: Path, path: Path) -> None:
     """os.replace cannot overwrite a non-empty directory, so an old checkpoint is first moved aside; a crash
     between the two renames leaves it intact under `.<name>.old-*` rather than losing both."""
     old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
     if path.exists():
         os.replace(path, old)
     os.replace(new, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)

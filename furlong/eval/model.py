@@ -1,0 +1,77 @@
+"""`furlong eval --agent model`: any local Hugging Face checkpoint (optionally with a PEFT adapter) as
+the agent, in the very loop training uses: each episode is a `furlong.agent.episode.ModelAgent`
+conversation (same prompt, tool-call format and limits, `train.agent.*`) run by the one episode runner.
+
+Each of a task's `samples` episodes samples with its own seed, derived from `eval.seed`, the task's id
+and the sample's index (not the task's position in the suite), so adding tasks changes no other task's
+samples, and a rerun gives the same episodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from furlong.agent.episode import AgentParams, ModelAgent
+from furlong.config import Config, EvalConfig
+from furlong.engine.base import Engine, SamplingParams
+from furlong.engine.factory import check_checkpoint
+from furlong.seeding import mix_seed
+from furlong.tasks.model import Task
+
+
+def check_model_flags(e: EvalConfig) -> None:
+    """Before any image is built: the flags make sense and the directories are checkpoints (one-line errors)."""
+    if e.agent != "model":
+        if e.model is not None or e.adapter is not None:
+            raise ValueError(f"--model/--adapter (eval.model, eval.adapter) are only used with --agent model, "
+                             f"not --agent {e.agent}")
+        return
+    if e.model is None:
+        raise ValueError("--agent model needs --model DIR (eval.model): a local Hugging Face checkpoint directory")
+    check_checkpoint(e.model, "--model")
+    if e.adapter is not None:
+        check_checkpoint(e.adapter, "--adapter", "adapter_config.json")
+
+
+def task_seed_key(task_id: str) -> int:
+    """A stable integer for a task id (Python's hash() of a str changes between processes)."""
+    return int.from_bytes(hashlib.blake2b(task_id.encode(), digest_size=8).digest(), "little")
+
+
+class ModelAgents:
+    """A fresh ModelAgent per episode (furlong.eval.agents.EpisodeAgents), all sharing one engine, which
+    batches every concurrent episode's generation requests."""
+
+    name = "model"
+
+    def __init__(self, engine: Engine, tokenizer, params: AgentParams, temperature: float, seed: int):
+        self.engine, self.tokenizer, self.params = engine, tokenizer, params
+        self.temperature, self.seed = temperature, seed
+
+    def for_episode(self, task: Task, sample: int) -> ModelAgent:
+        sampling = SamplingParams(temperature=self.temperature, seed=mix_seed(self.seed, task_seed_key(task.id), sample))
+        return ModelAgent(self.engine, self.tokenizer, self.params, sampling, task.instruction)
+
+    async def close(self) -> None:
+        close = getattr(self.engine, "close", None)  # the Engine protocol does not require one
+        if close is not None:
+            await close()
+
+
+def model_agents(cfg: Config) -> ModelAgents:
+    """The engine (eval.engine) over eval.model (+ eval.adapter) and its tokenizer; the flags must have
+    passed check_model_flags."""
+    import torch
+
+    from furlong.engine.factory import EngineUnavailable, make_engine
+    from furlong.model.loading import ModelLoadError, load_tokenizer
+
+    e = cfg.eval
+    assert e.model is not None  # check_model_flags ran
+    torch.set_num_threads(cfg.train.torch_threads)
+    try:
+        tokenizer = load_tokenizer(e.model)  # first: a checkpoint without a chat template fails before loading
+        engine = make_engine(e.engine, e.model, adapter=e.adapter, seed=e.seed)
+    except ModelLoadError as exc:  # the CLI prints ValueErrors as one line
+        raise EngineUnavailable(f"--model: {exc}") from None
+    return ModelAgents(engine, tokenizer, AgentParams.of(cfg.train.agent), e.temperature, e.seed)

@@ -1,0 +1,62 @@
+"""`python -m furlong.engine.server` starts and serves on its own: the engine server never imports the CLI
+(they used to import each other)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from furlong.engine.server import READY_PREFIX
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.load(resp)
+
+
+def test_importing_the_engine_server_does_not_import_the_cli():
+    code = "import sys, furlong.engine.server; print(sorted(m for m in sys.modules if m.startswith('furlong.cli')))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"
+
+
+def test_engine_server_module_serves_alone_and_stops_cleanly(tiny_dir: Path, tmp_path: Path):
+    # -X importtime lists every module the process imports (on stderr, to a file: far more than a pipe
+    # holds, and an unread full pipe would block the server): the CLI must not be among them
+    cmd = [sys.executable, "-X", "importtime", "-m", "furlong.engine.server", "--model", str(tiny_dir), "--port", "0"]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()  # the server prints its URL once it listens
+        assert line.startswith(READY_PREFIX), line
+        url = line[len(READY_PREFIX):]
+        assert url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(f"{url}/health", timeout=60) as resp:
+            health = json.load(resp)
+        assert {k: health[k] for k in ("weight_version", "paused", "relay")} == {"weight_version": 0, "paused": False,
+                                                                                "relay": False}
+        assert health["prefix_cache"]["prompt_tokens"] == 0
+        gen = _post(f"{url}/generate", {"input_ids": [5, 17, 99], "sampling": {"max_new_tokens": 4, "seed": 3}})
+        assert len(gen["output_ids"]) == len(gen["logprobs"]) == 4 and gen["prompt_len"] == 3
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+        log.close()
+    stderr = (tmp_path / "server.log").read_text()
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal it caught: -15, not a crash
+    assert proc.returncode in (0, -15) and "Traceback" not in stderr, stderr[-2000:]
+    imported = {row.rsplit("|", 1)[-1].strip() for row in stderr.splitlines() if row.startswith("import time:")}
+    assert "furlong.engine.server" in imported or "furlong.engine.hf" in imported  # the listing is real
+    assert not {m for m in imported if m == "furlong.cli" or m.startswith("furlong.cli.")}
+
+
+def test_engine_server_help_needs_no_cli():
+    res = subprocess.run([sys.executable, "-m", "furlong.engine.server", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "--model" in res.stdout and "--updates" in res.stdout
