@@ -34,13 +34,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class DirectLink:
     """The trainer's tensors copied straight into an in-process engine."""
 
-    def __init__(self, engine: HFEngine) -> None:
+    def __init__(self, engine) -> None:
         self.engine = engine
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         start = time.perf_counter()
         await self.engine.update_weights(weights, version)
-        return {"sync_seconds": time.perf_counter() - start}
+        # an engine that measures its own update (vllm: staging the file, the pause) adds its sync_* parts
+        return {"sync_seconds": time.perf_counter() - start, **getattr(self.engine, "last_update", {})}
 
     async def close(self) -> None:
         await self.engine.close()
@@ -79,15 +80,15 @@ def _fresh_dir(cfg: Config, run_path: Path) -> DirectoryTransport:
     return DirectoryTransport(root, keep=cfg.train.sync.keep)
 
 
-async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, lora: dict | None):
-    """The rollout engine for RL and the link that keeps its weights current."""
+async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, lora: dict | None, shared=None):
+    """The rollout engine for RL and the link that keeps its weights current (`shared`: see rollout_engine)."""
     s = cfg.train.sync
     if s.transport == "direct":
-        return DirectLink(HFEngine(engine_model, eos_token_ids=()))
+        return DirectLink(rollout_engine(engine_model, shared))
     publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype],  # noqa: E731
                                        momentum=s.momentum)
     if s.engine == "inprocess":
-        engine = HFEngine(engine_model, eos_token_ids=())
+        engine = rollout_engine(engine_model, shared)
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(cfg, run_path)
         served = UpdateServer(transport) if s.transport == "http" else None  # type: ignore[arg-type]
         relay = Relay(HttpTransport(served.url) if served else transport, engine)
@@ -111,6 +112,27 @@ async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, 
             server.close()
 
     return PublishedLink(remote, publisher_of(directory), remote.sync, cleanup_remote)
+
+
+class Borrowed:
+    """An engine lent to one phase: everything passes through, but close() leaves it running for the next."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def close(self) -> None:
+        pass
+
+
+def rollout_engine(model, shared=None):
+    """A phase's engine: a new hf engine over the in-memory `model`, or the run's `shared` one (train.engine=vllm:
+    one vLLM for the whole run, lent to each phase, its weights pushed by the link or the driver)."""
+    if shared is not None:
+        return Borrowed(shared)
+    return HFEngine(model, eos_token_ids=())  # episodes stop on end-of-turn, never on a bare EOS
 
 
 async def _local_pull(relay: Relay) -> dict:
