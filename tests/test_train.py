@@ -244,6 +244,23 @@ def test_only_masked_tokens_contribute() -> None:
 # --- end to end: GRPO learns a toy task ----------------------------------------------------------------------
 
 
+async def toy_grpo_steps(engine, trainer: Trainer, prompts: list[list[int]], targets: set[int], steps: int) -> list[float]:
+    """GRPO on the toy task, as the sync driver runs it: sample groups, score, train, push the weights to the
+    engine; checks the engine ran exactly the trainer's weights at every step. The reward of each step."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
+    rewards: list[float] = []
+    for step in range(steps):
+        groups = await sample_groups(engine, prompts, 8, sampling, seed=100_000 * step)
+        assert all(gen.weight_version == trainer.version for group in groups for gen in group)
+        eps = [episode(prompts[g], gen, float(bool(targets & set(gen.output_ids))), g, i)
+               for g, group in enumerate(groups) for i, gen in enumerate(group)]
+        stats = trainer.train_step(eps)
+        assert stats.logprob_diff_max <= TOL  # the engine runs exactly the trainer's weights
+        rewards.append(stats.reward_mean)
+        await engine.update_weights(trainer.state_dict_for_engine(), trainer.version)
+    return rewards
+
+
 def test_grpo_learns_toy_task(small_dir: Path) -> None:
     """Reward 1 when the 4-token answer contains one of 32 target ids (~22% by chance at the start); 40 steps
     of 4 groups x 8 samples, weights pushed to the engine after each step, as the sync driver does."""
@@ -252,23 +269,13 @@ def test_grpo_learns_toy_task(small_dir: Path) -> None:
     vocab = policy.config.vocab_size
     targets = set(random.Random(0).sample(range(vocab), vocab // 16))
     trainer = Trainer(policy, GRPOConfig(lr=3e-3, micro_batch_size=32))
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
     prompts = random_prompts(4, vocab, seed=3)
-    rewards: list[float] = []
 
-    async def main() -> None:
+    async def main() -> list[float]:
         async with HFEngine(engine_model, eos_token_ids=()) as engine:
-            for step in range(40):
-                groups = await sample_groups(engine, prompts, 8, sampling, seed=100_000 * step)
-                assert all(gen.weight_version == trainer.version for group in groups for gen in group)
-                eps = [episode(prompts[g], gen, float(bool(targets & set(gen.output_ids))), g, i)
-                       for g, group in enumerate(groups) for i, gen in enumerate(group)]
-                stats = trainer.train_step(eps)
-                assert stats.logprob_diff_max <= TOL  # the engine runs exactly the trainer's weights
-                rewards.append(stats.reward_mean)
-                await engine.update_weights(trainer.state_dict_for_engine(), trainer.version)
+            return await toy_grpo_steps(engine, trainer, prompts, targets, 40)
 
-    asyncio.run(main())
+    rewards = asyncio.run(main())
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= first + 0.4, rewards  # measured over 5 seeds: ~0.23 -> ~0.96
 

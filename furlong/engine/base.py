@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -65,6 +65,21 @@ class Generation:
     @property
     def num_tokens(self) -> int:
         return len(self.output_ids)
+
+
+def check_prompt(input_ids: Sequence[int], *, closed: bool, vocab_size: int, max_context: int) -> list[int]:
+    """The prompt as a list of ints, or the EngineError every backend raises for it."""
+    if closed:
+        raise EngineError("engine is closed")
+    prompt = [int(t) for t in input_ids]
+    if not prompt:
+        raise EngineError("input_ids is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineError(f"input_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(prompt) >= max_context:
+        raise EngineError(f"prompt of {len(prompt)} tokens leaves no room in the {max_context}-token context")
+    return prompt
 
 
 @runtime_checkable

@@ -82,7 +82,10 @@ def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -
         module = importlib.import_module("furlong.engine.vllm")
     except ModuleNotFoundError as exc:  # vllm is there, but this furlong has no backend for it (or a dep is missing)
         raise EngineUnavailable(f"engine 'vllm': furlong.engine.vllm could not be imported ({exc})") from None
-    return module.VLLMEngine(model_dir, adapter=adapter, dtype=dtype, seed=seed)
+    if adapter is not None:
+        raise EngineUnavailable("engine 'vllm': PEFT adapters are not supported yet (merge the adapter, or use hf)")
+    # episodes stop on end-of-turn, never on a bare EOS
+    return module.VLLMEngine.start(model_dir, dtype=dtype, seed=seed, eos_token_ids=())
 
 
 def _sglang_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int, sglang: SGLangConfig | None,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams
+from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams, check_prompt
 from furlong.engine.kv import KV, DecodeBatch, PrefillRow, prefill
 from furlong.engine.prefix import PrefixCache
 from furlong.engine.sampling import sample_next
@@ -139,18 +139,7 @@ class HFEngine:
         return await request.future
 
     def _check_prompt(self, input_ids: Sequence[int]) -> list[int]:
-        if self._closed:
-            raise EngineError("engine is closed")
-        prompt = [int(t) for t in input_ids]
-        if not prompt:
-            raise EngineError("input_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(f"input_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt) >= self.max_context:
-            raise EngineError(f"prompt of {len(prompt)} tokens leaves no room in the {self.max_context}-token "
-                              "context")
-        return prompt
+        return check_prompt(input_ids, closed=self._closed, vocab_size=self.vocab_size, max_context=self.max_context)
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `state_dict` (all or some of the model's tensors) into the model between steps. Tokens sampled

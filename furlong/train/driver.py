@@ -18,7 +18,7 @@ from rich.console import Console
 
 from furlong.agent.episode import AgentParams, Episode
 from furlong.config import Config, ConfigError
-from furlong.engine.hf import HFEngine
+from furlong.engine.factory import make_engine
 from furlong.engine.prefix import prefix_metrics
 from furlong.agent.runner import STATUSES
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
@@ -38,7 +38,7 @@ from furlong.tasks.family import load_family
 from furlong.train.export import HF_DIR, write_hf
 from furlong.train.sft import oracle_demos, sft_train
 from furlong.train.trainer import GRPOConfig, Trainer
-from furlong.train.weights import open_link
+from furlong.train.weights import open_link, rollout_engine
 
 CURSOR_FILE = "rollout_cursor.json"  # beside each RL checkpoint: where the group stream resumes
 
@@ -112,13 +112,14 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     return out
 
 
-async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, console: Console) -> dict:
+async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, console: Console,
+                     shared=None) -> dict:
+    """Episodes on an hf engine over `model`, or on the run's `shared` engine (vllm), holding its weights."""
     if done := run.phase(name):
         return done
     start = time.perf_counter()
     drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
-    # Episodes stop on end-of-turn, never on a bare EOS.
-    engine = HFEngine(model, eos_token_ids=(), prefix_cache_mb=cfg.train.hf.prefix_cache_mb)
+    engine = rollout_engine(model, shared, cfg.train.hf.prefix_cache_mb)
     async with _pools(p) as pools:
         rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency, EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
@@ -180,7 +181,7 @@ def _weights_for_engine(cfg: Config, trainer: Trainer) -> dict:
     return adapter_state_dict(trainer.model)
 
 
-async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path) -> Trainer:
+async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path, shared=None) -> Trainer:
     r = cfg.train.rl
     policy, engine_model = _policy_models(cfg, sft_dir)
     # The KL reference is the SFT model itself (with LoRA too: fresh adapters start as the identity).
@@ -194,7 +195,7 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
     if run.phase("rl"):
         return trainer
     drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
-    link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg))
+    link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg), shared)
     async with _pools(p) as pools:
         rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, pools, p.params, r.concurrency)
         await link.push(_weights_for_engine(cfg, trainer), trainer.version)
@@ -313,9 +314,17 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     torch.set_num_threads(cfg.train.torch_threads)
     p = await asyncio.to_thread(build, cfg)
     sft_dir = await sft_phase(cfg, p, run, console)
-    before = await eval_phase("eval_before", load_model(sft_dir), cfg, p, run, console)
-    trainer = await rl_phase(cfg, p, run, console, sft_dir)
-    after = await eval_phase("eval_after", trainer.model, cfg, p, run, console)
+    # vllm: one engine serves the whole run (it takes up to a minute to start), its weights pushed between phases
+    shared = make_engine("vllm", sft_dir, seed=cfg.train.seed) if cfg.train.engine == "vllm" else None
+    try:
+        before = await eval_phase("eval_before", load_model(sft_dir), cfg, p, run, console, shared)
+        trainer = await rl_phase(cfg, p, run, console, sft_dir, shared)
+        if shared is not None:  # RL pushed its last weights there, but a resumed run may have skipped RL
+            await shared.update_weights(trainer.state_dict_for_engine(), trainer.version)
+        after = await eval_phase("eval_after", trainer.model, cfg, p, run, console, shared)
+    finally:
+        if shared is not None:
+            await shared.close()
     phases, final = run.state()["phases"], _final_model(trainer, p, run)
     summary = {
         "run_dir": str(run.path), "hf_model": str(final),

@@ -35,13 +35,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class DirectLink:
     """The trainer's tensors copied straight into an in-process engine."""
 
-    def __init__(self, engine: HFEngine) -> None:
+    def __init__(self, engine) -> None:
         self.engine = engine
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         start = time.perf_counter()
         await self.engine.update_weights(weights, version)
-        # A server engine (sglang) also reports how long staging and the load's pause took.
+        # an engine that measures its own update (vllm, sglang: staging, the pause) adds its sync_* parts
         return {"sync_seconds": time.perf_counter() - start, **getattr(self.engine, "last_update", {})}
 
     async def close(self) -> None:
@@ -82,17 +82,17 @@ def _fresh_dir(cfg: Config, run_path: Path) -> DirectoryTransport:
     return DirectoryTransport(root, keep=cfg.train.sync.keep)
 
 
-async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, lora: dict | None):
-    """The rollout engine for RL and the link that keeps its weights current."""
+async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, lora: dict | None, shared=None):
+    """The rollout engine for RL and the link that keeps its weights current (`shared`: see rollout_engine)."""
     s = cfg.train.sync
     if cfg.train.engine == "sglang":
         return await _sglang_link(cfg, run_path, model_dir)
     if s.transport == "direct":
-        return DirectLink(HFEngine(engine_model, eos_token_ids=(), prefix_cache_mb=cfg.train.hf.prefix_cache_mb))
+        return DirectLink(rollout_engine(engine_model, shared, cfg.train.hf.prefix_cache_mb))
     publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype],  # noqa: E731
                                        momentum=s.momentum)
     if s.engine == "inprocess":
-        engine = HFEngine(engine_model, eos_token_ids=(), prefix_cache_mb=cfg.train.hf.prefix_cache_mb)
+        engine = rollout_engine(engine_model, shared, cfg.train.hf.prefix_cache_mb)
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(cfg, run_path)
         served = UpdateServer(transport) if s.transport == "http" else None  # type: ignore[arg-type]
         relay = Relay(HttpTransport(served.url) if served else transport, engine)
@@ -136,6 +136,7 @@ async def _start_engines(n: int, model_dir: Path, updates: str, run_path: Path, 
         raise failed[0]
     return started  # type: ignore[return-value]
 
+
 async def _sglang_link(cfg: Config, run_path: Path, model_dir: Path) -> DirectLink:
     """An SGLang server (started or attached, `train.sglang`) that loads each step's full weights itself."""
     from furlong.config import ConfigError
@@ -147,6 +148,28 @@ async def _sglang_link(cfg: Config, run_path: Path, model_dir: Path) -> DirectLi
     engine = await asyncio.to_thread(make_engine, "sglang", model_dir, seed=cfg.train.seed, sglang=cfg.train.sglang,
                                      work_dir=run_path / "sglang")
     return DirectLink(engine)  # type: ignore[arg-type]  # any Engine with update_weights
+
+
+class Borrowed:
+    """An engine lent to one phase: everything passes through, but close() leaves it running for the next."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def close(self) -> None:
+        pass
+
+
+def rollout_engine(model, shared=None, prefix_cache_mb: float = 256):
+    """A phase's engine: a new hf engine over the in-memory `model`, or the run's `shared` one (train.engine=vllm:
+    one vLLM for the whole run, lent to each phase, its weights pushed by the link or the driver)."""
+    if shared is not None:
+        return Borrowed(shared)
+    # episodes stop on end-of-turn, never on a bare EOS
+    return HFEngine(model, eos_token_ids=(), prefix_cache_mb=prefix_cache_mb)
 
 
 async def _local_pull(relay: Relay) -> dict:
