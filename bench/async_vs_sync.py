@@ -23,43 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from furlong.metrics.episodes import read_jsonl  # noqa: E402
+from runs import fork_before_rl, train  # noqa: E402
 from furlong.report.stats import bootstrap_mean  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "async_vs_sync.json"
 RECIPE = "recipes/async-bench.yaml"
-
-
-def _train(args: list[str]) -> None:
-    res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", *args], cwd=ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    if res.returncode != 0:
-        sys.exit(f"furlong train failed:\n{res.stderr[-3000:]}")
-
-
-def fork_before_rl(src: Path, dst: Path, overrides: dict) -> None:
-    """A copy of run `src` that has done SFT and the pre-RL eval, with RL settings changed."""
-    dst.mkdir(parents=True)
-    config = yaml.safe_load((src / "config.yaml").read_text())
-    config["train"]["rl"].update(overrides)
-    config["train"]["run_dir"] = str(dst)
-    (dst / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    state = json.loads((src / "state.json").read_text())
-    state["phases"] = {k: v for k, v in state["phases"].items() if k in ("sft", "eval_before")}
-    state["last_checkpoint"] = None
-    (dst / "state.json").write_text(json.dumps(state))
-    for name, keep in (("metrics.jsonl", "sft"), ("episodes.jsonl", "eval_before")):
-        rows = [r for r in read_jsonl(src / name) if r["phase"] == keep]
-        (dst / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _rewards(run: Path, phase: str) -> dict[str, float]:
@@ -110,11 +86,11 @@ def compare(sync_dir: Path, async_dir: Path, sync: dict, asyn: dict) -> dict:
 def run_both(work: Path, recipe: str, budget_s: float, max_staleness: int, seed: int) -> tuple[Path, Path]:
     sync_dir, async_dir = work / "sync", work / "async"
     print(f"sync: SFT, eval, {budget_s:g} s of RL, eval ...", flush=True)
-    _train(["--config", recipe, f"train.run_dir={sync_dir}", f"train.seed={seed}",
+    train(["--config", recipe, f"train.run_dir={sync_dir}", f"train.seed={seed}",
             f"train.rl.time_budget_s={budget_s}"])
     fork_before_rl(sync_dir, async_dir, {"mode": "async", "max_staleness": max_staleness})
     print(f"async: {budget_s:g} s of RL, eval (same SFT model and pre-RL eval) ...", flush=True)
-    _train(["--resume", str(async_dir)])
+    train(["--resume", str(async_dir)])
     return sync_dir, async_dir
 
 

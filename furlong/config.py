@@ -57,8 +57,11 @@ class EvalConfig(_Node):
 
 
 # Fixed-path families where the instruction's words pick the command: learnable by the 4M-parameter
-# tiny model within the default budget (families that need names copied are not, yet).
-DEFAULT_FAMILIES = ("count-in-file", "number-stats", "transform-text")
+# tiny model within the default budget (families that need names copied are not, yet). SFT shows
+# demonstrations of the first two only; the last two ask for the same commands in words never
+# demonstrated, so RL must learn them from the verifier's reward alone (README: "What RL learns").
+DEFAULT_FAMILIES = ("number-stats", "transform-text", "number-words", "text-words")
+DEFAULT_SFT_FAMILIES = ("number-stats", "transform-text")
 
 
 class ModelConfig(_Node):
@@ -77,14 +80,18 @@ class AgentConfig(_Node):
 class SFTConfig(_Node):
     """A short warm-start: enough to learn the tool-call format, leaving the policy noisy for RL to sharpen."""
 
-    instances_per_family: int = Field(32, ge=1)
-    epochs: int = Field(9, ge=0)
+    families: tuple[str, ...] | None = Field(
+        DEFAULT_SFT_FAMILIES, description="the families whose oracle demonstrations SFT shows the model (each "
+        "one of train.families); the others are reward-only: RL learns them from the verifier alone. "
+        "null: all of train.families, which is also what setting train.families alone means")
+    instances_per_family: int = Field(128, ge=1)
+    epochs: int = Field(4, ge=0)
     lr: float = Field(2e-3, gt=0)
     batch_size: int = Field(8, ge=1)
 
 
 class RLConfig(_Node):
-    steps: int = Field(30, ge=0)
+    steps: int = Field(20, ge=0)
     tasks_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=2)
     temperature: float = Field(1.0, gt=0)
@@ -92,14 +99,15 @@ class RLConfig(_Node):
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon: coordinates whose gradient is below it move less")
     warmup_steps: int = Field(5, ge=0, description="optimizer steps of linear lr warm-up")
     lr_decay: Literal["constant", "cosine"] = Field(
-        "constant", description="after warm-up: keep lr, or follow a cosine to min_lr_ratio * lr at the last step")
+        "cosine", description="after warm-up: keep lr, or follow a cosine to min_lr_ratio * lr at the last step")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0: no clipping (the norm is logged)")
     minibatches: int = Field(1, ge=1, description="optimizer steps per RL step (PPO-style reuse of a batch)")
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     tis_cap: float = Field(2.0, gt=0)
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the SFT model (a frozen copy is kept)")
+    kl_coef: float = Field(0.05, ge=0, description="k3 KL penalty to the SFT model (a frozen copy is kept); "
+                           "keeps the tool-call format the SFT taught while RL learns (README: stability)")
     negative_weight: float = Field(0.1, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
                                    "(1: plain GRPO; see the README's training results)")
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
@@ -191,6 +199,7 @@ class SGLangConfig(_Node):
         "disk", description="disk: each update is a checkpoint the server loads (/update_weights_from_disk); "
                             "tensor: /update_weights_from_tensor (same host only)")
 
+
 class HFEngineConfig(_Node):
     """The in-process hf engine (furlong.engine.hf) that runs rollouts and held-out evals."""
 
@@ -200,7 +209,7 @@ class HFEngineConfig(_Node):
 
 
 class TrainEvalConfig(_Node):
-    heldout_per_family: int = Field(128, ge=1, description="held-out instances of each family, one episode each "
+    heldout_per_family: int = Field(64, ge=1, description="held-out instances of each family, one episode each "
                                                            "(the bundled families have 128)")
     temperature: float = Field(1.0, ge=0, description="pass@1 is measured by sampling at this temperature")
     seed: int = 1234
@@ -233,6 +242,25 @@ class TrainConfig(_Node):
             raise ValueError("train.engine=vllm runs vLLM's own engine process: set train.sync.engine=inprocess "
                              "(sync.engine=server is the hf engine server)")
         return self
+
+    @model_validator(mode="after")
+    def _sft_families_known(self) -> TrainConfig:
+        if "families" in self.model_fields_set and "families" not in self.sft.model_fields_set:
+            # the default's demonstrated/reward-only split is about the default's families: a recipe that
+            # picks its own families demonstrates all of them unless it says otherwise
+            object.__setattr__(self, "sft", self.sft.model_copy(update={"families": None}))
+        unknown = [f for f in self.sft.families or () if f not in self.families]
+        if unknown:
+            raise ValueError(f"train.sft.families: {unknown} not in train.families {list(self.families)}")
+        return self
+
+    def demonstrated(self) -> tuple[str, ...]:
+        """The families SFT shows demonstrations of."""
+        return self.families if self.sft.families is None else self.sft.families
+
+    def reward_only(self) -> tuple[str, ...]:
+        """The families RL learns from reward alone: no demonstration of them is ever shown."""
+        return tuple(f for f in self.families if f not in self.demonstrated())
 
 
 class Config(_Node):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from conftest import run
@@ -85,3 +87,34 @@ def test_real_engine_episode_invariants(tiny, backend, base_image, tmp_path):
     assert 0 < ep.response_len <= 48 and not any(ep.loss_mask[: ep.prompt_len])
     assert all(lp < 0 for lp, m in zip(ep.rollout_logprobs, ep.loss_mask) if m)
     assert ep.timing.model_wait > 0 and ep.timing.sandbox_start > 0 and ep.timing.verifier > 0
+
+
+class SlowEngine(ScriptedPolicy):
+    """Test double for a *loaded shared engine*: each turn's reply arrives only after `delay_s`."""
+
+    def __init__(self, tokenizer, turns: list[Message], delay_s: float):
+        super().__init__(tokenizer, turns)
+        self.delay_s = delay_s
+
+    async def generate(self, input_ids, sampling: SamplingParams) -> Generation:
+        await asyncio.sleep(self.delay_s)
+        return await super().generate(input_ids, sampling)
+
+
+def test_agent_timeout_counts_sandbox_work_not_engine_waits(tiny, backend, base_image, tmp_path):
+    """A busy engine must not turn an episode into a timeout scored 0; the agent's own commands still
+    run against the task's agent timeout."""
+    tokenizer, _ = tiny
+    sandboxes = FreshSandboxes(backend, fixed_image(base_image))
+    params = AgentParams(max_turns=3, max_context_tokens=4096)
+    write = [Message("assistant", "", (ToolCall("bash", {"command": "echo hi > /tmp/out.txt"}),)),
+             Message("assistant", "Done.")]
+    task = make_task(tmp_path, "slow-engine", "Write hi", agent_timeout=1.5,
+                     test="grep -q hi /tmp/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt")
+    ep = run(run_episode(task, SlowEngine(tokenizer, write, 1.0), tokenizer, sandboxes, params, SamplingParams(), 3, 1))
+    assert (ep.status, ep.reward, ep.turns) == ("ok", 1.0, 2) and ep.timing.model_wait >= 2.0  # 2 s of waits > 1.5 s
+    sleepy = [Message("assistant", "", (ToolCall("bash", {"command": "sleep 1; sleep 1; echo hi > /tmp/out.txt"}),)),
+              Message("assistant", "Done.")]
+    task = make_task(tmp_path, "slow-agent", "Write hi", agent_timeout=1.5, test="echo 1 > /logs/verifier/reward.txt")
+    ep = run(run_episode(task, SlowEngine(tokenizer, sleepy, 0.0), tokenizer, sandboxes, params, SamplingParams(), 3, 1))
+    assert ep.status == "timeout" and ep.turns == 1  # the agent's own 2 s of commands still hit the 1.5 s limit

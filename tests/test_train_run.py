@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 SMALL = [
-    "train.families=[count-in-file, number-stats]",
+    "train.families=[count-in-file, number-stats]", "train.sft.families=[count-in-file]",  # number-stats: reward-only
     "train.sft.instances_per_family=4", "train.sft.epochs=1", "train.sft.batch_size=4",
     "train.rl.steps=4", "train.rl.tasks_per_step=2", "train.rl.group_size=2", "train.rl.concurrency=4",
     "train.rl.checkpoint_every=1", "train.eval.heldout_per_family=2",
@@ -41,6 +41,13 @@ def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: 
     assert summary == json.loads(res.stdout.splitlines()[-1])
     assert summary["eval_episodes"] == 4 and set(summary["phase_seconds"]) == {"sft", "eval_before", "rl", "eval_after"}
     assert 0.0 <= summary["heldout_pass_at_1_after_rl"] <= 1.0
+    # SFT saw only the demonstrated family's demonstrations; the gains are reported per group with intervals
+    assert json.loads((whole / "state.json").read_text())["phases"]["sft"]["demos"] == 4
+    assert (summary["demonstrated_families"], summary["reward_only_families"]) == (["count-in-file"], ["number-stats"])
+    gain = summary["heldout_gain"]
+    assert gain["reward_only"] == gain["per_family"]["number-stats"] and gain["reward_only"]["instances"] == 2
+    lo, hi = gain["demonstrated"]["gain_ci90"]
+    assert lo <= gain["demonstrated"]["gain_points"] <= hi and summary["seed"] == 0
     rows = _rl_rows(whole)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for key in ("reward_mean", "pass_rate", "logprob_diff_mean", "rollout_train_kl", "ppo_kl", "clip_frac",

@@ -112,7 +112,7 @@ class ModelAgent:
         runner = ToolRunner(sandbox, self.params.command_timeout_s, self.params.observation_chars)
         try:
             async with asyncio.timeout(timeout_s) as deadline:
-                status = await self._converse(runner)
+                status = await self._converse(runner, deadline)
         except TimeoutError:
             if not deadline.expired():
                 raise  # not our deadline: a sandbox call's own timeout, for the runner to judge
@@ -121,20 +121,27 @@ class ModelAgent:
             self.tool_errors = runner.errors
         return AgentRun(commands=self.tool_calls, truncated=status == "truncated")
 
-    async def _converse(self, runner: ToolRunner) -> str:
-        """Model turn, tool calls, observations... until a turn without a tool call or a limit."""
+    async def _converse(self, runner: ToolRunner, deadline: asyncio.Timeout) -> str:
+        """Model turn, tool calls, observations... until a turn without a tool call or a limit.
+
+        The task's agent timeout counts the agent's work in the sandbox, not the time spent waiting on
+        the shared engine: that depends on the load others put on it (a busy engine must not turn a
+        policy's episode into a zero), and a turn's tokens are bounded by max_new_tokens anyway."""
         params, trace, eot = self.params, self.trace, end_of_turn_id(self.tokenizer)
         for turn in range(1, params.max_turns + 1):
             budget = params.max_context_tokens - len(trace.tokens)
             if budget <= 0:
                 return "truncated"
             self.turns = turn
-            t = time.perf_counter()
+            t, loop = time.perf_counter(), asyncio.get_running_loop()
+            left = deadline.when() - loop.time()
+            deadline.reschedule(None)  # the clock stops while the engine works on this turn
             gen = await self.engine.generate(list(trace.tokens), SamplingParams(
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                 max_new_tokens=min(params.max_new_tokens, budget), stop_token_ids=(eot,),
                 seed=None if self.sampling.seed is None else mix_seed(self.sampling.seed, turn)))
             self.model_wait_s += time.perf_counter() - t
+            deadline.reschedule(loop.time() + left)
             trace.add_sampled(list(gen.output_ids), list(gen.logprobs), list(gen.token_weight_versions))
             if gen.finish_reason != "stop":
                 return "truncated"  # cut off mid-turn: no well-formed turn to answer

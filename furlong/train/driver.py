@@ -23,6 +23,7 @@ from furlong.engine.prefix import prefix_metrics
 from furlong.agent.runner import STATUSES
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
 from furlong.metrics.episodes import EpisodeLog, drop_episodes_after, episode_record
+from furlong.metrics.gains import heldout_gains
 from furlong.metrics.outcomes import Scored, outcome_summary, status_counts
 from furlong.metrics.run import RunDir, atomic_write
 from furlong.metrics.ui import progress_bar
@@ -91,11 +92,13 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     s, start = cfg.train.sft, time.perf_counter()
     run.drop_metrics_after("sft", -1)  # a killed SFT restarts from scratch: its partial rows go too
     by_family: dict[str, list] = {}
-    for task in p.train_tasks:
-        by_family.setdefault(task.family, []).append(task)
+    for task in p.train_tasks:  # reward-only families' demonstrations are never shown
+        if task.family in cfg.train.demonstrated():
+            by_family.setdefault(task.family, []).append(task)
     tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]]
     with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
         demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, cfg.train.rl.concurrency, advance)
+    demo_seconds = time.perf_counter() - start
     model = load_model(p.base_model)
     steps = s.epochs * -(-len(demos) // s.batch_size)
     with progress_bar(console, "sft: training", steps) as advance:
@@ -106,8 +109,8 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
                                          p.tokenizer.pad_token_id, on_step)
     out = write_hf(model, p.tokenizer, run.checkpoint_dir("sft"))
     result = {"model": str(out), "demos": len(demos), "demo_failures": len(tasks) - len(demos),
-              "steps": len(losses), "final_loss": losses[-1] if losses else None,
-              "seconds": time.perf_counter() - start}
+              "steps": len(losses), "final_loss": losses[-1] if losses else None, "epochs": s.epochs,
+              "demo_seconds": demo_seconds, "seconds": time.perf_counter() - start}
     run.finish_phase("sft", result)
     return out
 
@@ -309,6 +312,28 @@ def _phase_status(result: dict) -> dict[str, int]:
     return {k: result.get("status", {}).get(k, 0) for k in STATUSES}
 
 
+def _summary(cfg: Config, run: RunDir, before: dict, after: dict, began: float, final: Path) -> dict:
+    """summary.json: held-out pass@1 before and after RL, the paired gain per family and per group
+    (reward-only, demonstrated) with 90% intervals, every status, where the time went, the final model."""
+    phases, t = run.state()["phases"], cfg.train
+    return {
+        "run_dir": str(run.path), "hf_model": str(final),
+        "hf_adapter": str(final / "adapter") if (final / "adapter").is_dir() else None,
+        "heldout_pass_at_1_before_rl": before["pass_at_1"], "heldout_pass_at_1_after_rl": after["pass_at_1"],
+        "improvement_points": 100 * (after["pass_at_1"] - before["pass_at_1"]),
+        "eval_episodes": after["episodes"], "eval_temperature": cfg.train.eval.temperature,
+        "eval_infra_errors": before["infra_errors"] + after["infra_errors"],
+        "per_family_before": before["per_family"], "per_family_after": after["per_family"],
+        "seed": t.seed, "demonstrated_families": list(t.demonstrated()), "reward_only_families": list(t.reward_only()),
+        "heldout_gain": heldout_gains(run.path, {"reward_only": t.reward_only(), "demonstrated": t.demonstrated()}),
+        "status": {name: _phase_status(phases[name]) for name in ("eval_before", "rl", "eval_after")},
+        "rl_steps": t.rl.steps, "rl_mode": t.rl.mode, "rl_episodes": phases["rl"].get("episodes", {}),
+        "families": list(t.families),
+        "phase_seconds": {name: round(phases[name]["seconds"], 1) for name in ("sft", "eval_before", "rl", "eval_after")},
+        "wall_seconds_this_invocation": round(time.perf_counter() - began, 1),
+    }
+
+
 async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     began = time.perf_counter()
     torch.set_num_threads(cfg.train.torch_threads)
@@ -325,19 +350,6 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     finally:
         if shared is not None:
             await shared.close()
-    phases, final = run.state()["phases"], _final_model(trainer, p, run)
-    summary = {
-        "run_dir": str(run.path), "hf_model": str(final),
-        "hf_adapter": str(final / "adapter") if (final / "adapter").is_dir() else None,
-        "heldout_pass_at_1_before_rl": before["pass_at_1"], "heldout_pass_at_1_after_rl": after["pass_at_1"],
-        "improvement_points": 100 * (after["pass_at_1"] - before["pass_at_1"]),
-        "eval_episodes": after["episodes"], "eval_temperature": cfg.train.eval.temperature,
-        "eval_infra_errors": before["infra_errors"] + after["infra_errors"],
-        "per_family_before": before["per_family"], "per_family_after": after["per_family"],
-        "status": {name: _phase_status(phases[name]) for name in ("eval_before", "rl", "eval_after")},
-        "rl_steps": cfg.train.rl.steps, "rl_mode": cfg.train.rl.mode, "rl_episodes": phases["rl"].get("episodes", {}), "families": list(cfg.train.families),
-        "phase_seconds": {name: round(phases[name]["seconds"], 1) for name in ("sft", "eval_before", "rl", "eval_after")},
-        "wall_seconds_this_invocation": round(time.perf_counter() - began, 1),
-    }
+    summary = _summary(cfg, run, before, after, began, _final_model(trainer, p, run))
     atomic_write(run.path / "summary.json", json.dumps(summary, indent=1))
     return summary

@@ -8,6 +8,7 @@ result, and a closing assistant turn. Its token layout is exactly what the RL lo
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -17,9 +18,11 @@ import torch
 from furlong.agent.episode import AgentParams
 from furlong.agent.tools import ToolRunner
 from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
-from furlong.sandbox.base import SandboxSpec
+from furlong.sandbox.base import SandboxError, SandboxSpec
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import verify
+
+log = logging.getLogger(__name__)
 
 FINAL_ANSWER = "Done."
 
@@ -48,9 +51,23 @@ def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: A
                 loss_mask=tuple(m for ids, m in parts for _ in ids))
 
 
+DEMO_ATTEMPTS = 3  # a sandbox that fails to start or answer on a loaded machine is tried again
+
+
 async def oracle_demo(task: Task, tokenizer, backend, store, params: AgentParams) -> Demo | None:
-    """None when the solution does not pass in the sandbox (such a demo would teach a wrong answer)."""
-    image = await store.image(task.dockerfile, backend)
+    """None when the solution does not pass in the sandbox (such a demo would teach a wrong answer), or
+    when the sandbox failed every attempt: one lost demonstration must not end the run."""
+    image = await store.image(task.dockerfile, backend)  # a broken image is the task's error: it propagates
+    for attempt in range(DEMO_ATTEMPTS):
+        try:
+            return await _replay(task, image, tokenizer, backend, params)
+        except (SandboxError, TimeoutError) as exc:
+            if attempt == DEMO_ATTEMPTS - 1:
+                log.warning("sft: no demonstration of %s: the sandbox failed %d times (%s)", task.id, DEMO_ATTEMPTS, exc)
+    return None
+
+
+async def _replay(task: Task, image, tokenizer, backend, params: AgentParams) -> Demo | None:
     box = await backend.create(SandboxSpec(image=image, network=task.network, limits=task.limits))
     try:
         command = solution_command(task)
