@@ -137,7 +137,7 @@ def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[s
     tasks.append(make_task(tmp_path / "tasks", "bug", "Create /tmp/done", "echo no reward"))  # infra_error
     cfg = load_config(None, ["train.rl.tasks_per_step=2", "train.rl.group_size=3", "train.rl.concurrency=4",
                              "train.rl.checkpoint_every=100", "train.rl.lr=0.01", "train.rl.warmup_steps=0",
-                             *overrides])
+                             "train.rl.kl_coef=0", *overrides])  # scheduling under test: no KL reference model
     run_dir = RunDir.create(tmp_path / "run", {})
     tokenizer = load_tokenizer(tiny_dir)
     trainer = Trainer(load_model(tiny_dir), grpo_config(cfg))
