@@ -74,4 +74,4 @@ def test_train_refuses_more_heldout_episodes_than_a_family_has(tmp_path: Path):
     res = _furlong("train", f"train.run_dir={tmp_path / 'run'}", "train.eval.heldout_per_family=100000")
     assert res.returncode == 2
     message = " ".join(res.stderr.split())  # the console wraps long lines
-    assert "train.eval.heldout_per_family: 100000 requested, but family 'count-in-file' has 128" in message
+    assert "train.eval.heldout_per_family: 100000 requested, but family 'number-stats' has 128" in message

@@ -25,8 +25,8 @@ BASES = {"debian:bookworm", "debian:bookworm-slim", "python:3.11-slim-bookworm"}
 APT_LINE = "apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev make"
 # Families meant for a tiny model: short instruction, one-line solution.
 SIMPLE_FAMILIES = ("create-file-word", "count-lines", "sum-two-numbers", "rename-file", "make-directory",
-                   "append-line", "replace-word", "grep-count", "sort-numbers", "count-in-file", "number-stats",
-                   "transform-text")
+                   "append-line", "replace-word", "grep-count", "sort-numbers", "count-in-file", "number-stats", "number-words",
+                   "transform-text", "text-words")
 
 STATIC = sorted(p for p in TASKS.iterdir() if (p / "task.toml").exists())
 FAMILIES = sorted(p for p in TASKS.iterdir() if (p / "family.toml").exists())
