@@ -182,8 +182,10 @@ def test_pass_rate_and_per_family_rates_share_the_scored_denominator(backend, st
     s = summarize(results)
     assert [r.status for r in results] == ["ok", "ok", "ok", "infra_error"]
     assert (s["episodes"], s["scored"], s["infra_errors"], s["pass_rate"]) == (4, 3, 1, 2 / 3)
-    assert s["per_family"]["a"] == {"pass_at_1": 0.5, "mean_reward": 0.5, "episodes": 2, "scored": 2, "infra_errors": 0}
-    assert s["per_family"]["b"] == {"pass_at_1": 1.0, "mean_reward": 1.0, "episodes": 2, "scored": 1, "infra_errors": 1}
+    assert s["per_family"]["a"] == {"pass_at_1": 0.5, "mean_reward": 0.5, "episodes": 2, "scored": 2, "infra_errors": 0,
+                                    "pass_at_k": {"1": 0.5}}
+    assert s["per_family"]["b"] == {"pass_at_1": 1.0, "mean_reward": 1.0, "episodes": 2, "scored": 1, "infra_errors": 1,
+                                    "pass_at_k": {"1": 1.0}}
     weighted = sum(f["pass_at_1"] * f["scored"] for f in s["per_family"].values()) / s["scored"]
     assert weighted == pytest.approx(s["pass_rate"])
 

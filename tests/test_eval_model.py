@@ -72,8 +72,8 @@ def test_engine_factory_builds_hf_and_names_what_is_wrong(tiny_dir: Path, tmp_pa
         make_engine("hf", tmp_path)
     with pytest.raises(EngineUnavailable, match="adapter .*no adapter_config.json"):
         make_engine("hf", tiny_dir, adapter=tiny_dir)
-    with pytest.raises(EngineUnavailable, match="engine 'sglang': expected one of hf, vllm"):
-        make_engine("sglang", tiny_dir)
+    with pytest.raises(EngineUnavailable, match="engine 'tgi': expected one of hf, vllm, sglang"):
+        make_engine("tgi", tiny_dir)
     with pytest.raises(EngineUnavailable, match="dtype 'float64'"):
         make_engine("hf", tiny_dir, dtype="float64")
     try:
