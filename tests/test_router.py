@@ -108,7 +108,10 @@ def test_later_turns_of_an_episode_stay_on_its_instance(pair):
             await router.generate(turn3, _sampling(3))
             assert (home.requests, home.sticky) == (3, 2)
             # the router forwards the request intact: the same request straight to that engine agrees
-            assert await home.engine.generate(turn2, _sampling(2)) == second
+            direct = await home.engine.generate(turn2, _sampling(2))
+            # the same sample; logprobs within float noise (the routed turn reused cached KV, this one may not)
+            assert direct.output_ids == second.output_ids
+            assert max(abs(a - b) for a, b in zip(direct.logprobs, second.logprobs)) < 1e-4
             await router.generate(_prompt(0), _sampling(4))  # a group sibling (same first prompt) is a new episode
             assert other.requests == 1 and len(router.prefixes) == 2
         finally:
