@@ -220,11 +220,11 @@ class TrainConfig(_Node):
     families: tuple[str, ...] = DEFAULT_FAMILIES
     run_dir: Path | None = Field(None, description="null: runs/<date-time>")
     seed: int = 0
-    engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="the RL rollout engine (eval stays on hf)")
+    engine: Literal["hf", "vllm", "sglang"] = Field(
+        "hf", description="hf (in-process); vllm: rollouts and evals (the vllm extra; furlong.engine.vllm); "
+                          "sglang: RL rollouts on an SGLang server, evals stay on hf (train.sglang)")
     sglang: SGLangConfig = SGLangConfig()
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
-    engine: Literal["hf", "vllm"] = Field("hf", description="rollout and eval engine: hf (in-process) or vllm "
-                                                            "(needs the vllm extra; furlong.engine.vllm)")
     model: ModelConfig = ModelConfig()
     agent: AgentConfig = AgentConfig()
     sft: SFTConfig = SFTConfig()
