@@ -147,7 +147,8 @@ def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[s
         async with WarmPools(backend, fixed_image(base_image)) as pools:
             source = FailingStarts(pools, fail_every) if fail_every else pools
             rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=12), 4)
-            await _rl_steps(cfg, trainer, rollouts, link, SimpleNamespace(train_tasks=tasks), run_dir, QUIET, 0)
+            pieces = SimpleNamespace(train_tasks=tasks, tokenizer=tokenizer)  # checkpoints export the policy too
+            await _rl_steps(cfg, trainer, rollouts, link, pieces, run_dir, QUIET, 0)
         await link.close()
 
     run(go())
