@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from furlong.metrics.episodes import read_jsonl  # noqa: E402
-from runs import fork_before_rl, train  # noqa: E402
+from runs import ci, fork_before_rl, train  # noqa: E402
 from furlong.report.stats import bootstrap_mean  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "async_vs_sync.json"
@@ -41,10 +41,6 @@ RECIPE = "recipes/async-bench.yaml"
 def _rewards(run: Path, phase: str) -> dict[str, float]:
     """Held-out reward per task (an unscored episode counts 0, as a failure)."""
     return {r["task"]: float(r["reward"] or 0.0) for r in read_jsonl(run / "episodes.jsonl") if r["phase"] == phase}
-
-
-def _ci(est) -> list[float]:
-    return [round(est.value, 4), round(est.lo, 4), round(est.hi, 4)]
 
 
 def measure(run: Path) -> dict:
@@ -66,9 +62,9 @@ def measure(run: Path) -> dict:
             "staleness_max": max(r["staleness_max"] for r in rows),
             "episodes_multi_version": sum(r["episodes_multi_version"] for r in rows),
             "steps_updated": sum(bool(r["updated"]) for r in rows),
-            "pass_at_1_before": _ci(bootstrap_mean(list(before.values()))),
-            "pass_at_1_after": _ci(bootstrap_mean(list(after.values()))),
-            "pass_at_1_gain": _ci(gain),
+            "pass_at_1_before": ci(bootstrap_mean(list(before.values()))),
+            "pass_at_1_after": ci(bootstrap_mean(list(after.values()))),
+            "pass_at_1_gain": ci(gain),
             "pass_at_1_after_per_family": {f: v["pass_at_1"] for f, v in phases["eval_after"]["per_family"].items()},
             "pass_at_1_points_per_rl_minute": round(100 * gain.value / (rl_s / 60), 2)}
 
@@ -80,7 +76,7 @@ def compare(sync_dir: Path, async_dir: Path, sync: dict, asyn: dict) -> dict:
             "trained_episodes_per_minute": round(asyn["trained_episodes_per_minute"]
                                                  / max(sync["trained_episodes_per_minute"], 1e-9), 3),
             "steps_per_minute": round(asyn["steps_per_minute"] / sync["steps_per_minute"], 3),
-            "pass_at_1_after_async_minus_sync": _ci(diff)}
+            "pass_at_1_after_async_minus_sync": ci(diff)}
 
 
 def run_both(work: Path, recipe: str, budget_s: float, max_staleness: int, seed: int) -> tuple[Path, Path]:

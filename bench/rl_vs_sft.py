@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runs import ROOT, summary, train
+from runs import ROOT, ci, summary, train
 
 from furlong.config import load_config
 from furlong.metrics.gains import eval_passes
@@ -35,10 +35,6 @@ from furlong.report.stats import bootstrap_mean, bootstrap_paired_diff
 from furlong.tasks.family import load_family
 
 RESULTS = ROOT / "bench" / "results" / "rl_vs_sft.json"
-
-
-def _ci(est, scale: float = 1.0) -> list[float]:
-    return [round(scale * est.value, 4), round(scale * est.lo, 4), round(scale * est.hi, 4)]
 
 
 def passes(run: Path, phase: str, families: tuple[str, ...]) -> dict[str, float]:
@@ -66,14 +62,14 @@ def sft_budget(a: Path, cfg) -> dict:
 
 def arm(run: Path, phase: str, groups: dict[str, tuple[str, ...]]) -> dict:
     s = summary(run)
-    out = {g: _ci(bootstrap_mean(list(passes(run, phase, fams).values()))) for g, fams in groups.items()}
+    out = {g: ci(bootstrap_mean(list(passes(run, phase, fams).values()))) for g, fams in groups.items()}
     return {**out, "wall_seconds": s["wall_seconds_this_invocation"], "phase_seconds": s["phase_seconds"]}
 
 
 def paired(a: Path, b: Path, families: tuple[str, ...]) -> list[float]:
     pa, pb = passes(a, "eval_after", families), passes(b, "eval_after", families)
     tasks = sorted(set(pa) & set(pb))
-    return _ci(bootstrap_paired_diff([pa[t] for t in tasks], [pb[t] for t in tasks]), 100)
+    return ci(bootstrap_paired_diff([pa[t] for t in tasks], [pb[t] for t in tasks]), 100)
 
 
 def note_baseline(a: Path, result: dict) -> None:

@@ -43,6 +43,11 @@ def fork_before_rl(src: Path, dst: Path, overrides: dict) -> None:
         (dst / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def ci(est, scale: float = 1.0) -> list[float]:
+    """An Estimate as [value, 90% low, high], rounded for a result JSON (scale 100: points)."""
+    return [round(scale * est.value, 4), round(scale * est.lo, 4), round(scale * est.hi, 4)]
+
+
 def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 

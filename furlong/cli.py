@@ -22,10 +22,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. eval.concurrency=4")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="furlong", description="RL post-training of LLM agents in real sandboxes")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="run an agent on tasks, each in a fresh sandbox, and score it")
     ev.add_argument("--tasks", type=Path, help="a task, a task family, or a directory of them (eval.tasks)")
     ev.add_argument("--agent", choices=["oracle", "noop", "model"], help="eval.agent (model: --model DIR)")
@@ -39,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=["train", "heldout", "all"], help="family instances to use (eval.split)")
     ev.add_argument("--per-family", type=int, help="instances per task family (eval.per_family)")
     _common(ev)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="furlong", description="RL post-training of LLM agents in real sandboxes")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _eval_parser(sub)
 
     tr = sub.add_parser("train", help="the whole loop: tiny model, SFT, GRPO in sandboxes, held-out eval")
     tr.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a killed run from its last checkpoint")
