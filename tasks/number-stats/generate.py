@@ -4,10 +4,9 @@ Deterministic per seed."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from furlong.tasks.kit import reward_test, write_task
+from furlong.tasks.twins import number_instance
 
 OPS = {  # name: (instruction templates, solution command)
     "sum": (["Write the sum of the numbers in /app/numbers.txt to /app/answer.txt.",
@@ -24,19 +23,6 @@ OPS = {  # name: (instruction templates, solution command)
               "wc -l < /app/numbers.txt > /app/answer.txt"),
 }
 
-TEST_SH = reward_test("/app/answer.txt must hold the expected number (surrounding whitespace ignored)",
-                      '[ -f /app/answer.txt ] && [ "$(tr -d \' \\n\' < /app/answer.txt)" = "$(tr -d \' \\n\' < /tests/expected.txt)" ]')
-
 
 def generate(seed: int, out: Path) -> None:
-    rng = random.Random(f"number-stats:{seed}")
-    op = rng.choice(sorted(OPS))
-    while True:
-        numbers = [rng.randint(1, 999) for _ in range(rng.randint(5, 12))]
-        answers = {"sum": sum(numbers), "max": max(numbers), "min": min(numbers), "count": len(numbers)}
-        if len(set(answers.values())) == len(answers):  # a wrong statistic must never pass
-            break
-    templates, command = OPS[op]
-    write_task(out, instruction=rng.choice(templates), category="pipelines", difficulty="easy",
-               tags=["awk", "sort", "family"], test_sh=TEST_SH, solve_sh=command,
-               env_files={"numbers.txt": "".join(f"{x}\n" for x in numbers)}, test_files={"expected.txt": f"{answers[op]}\n"})
+    number_instance("number-stats", OPS, ["awk", "sort", "family"], seed, out)

@@ -6,12 +6,9 @@ Deterministic per seed."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from furlong.tasks.kit import reward_test, write_task
-
-WORDS = "Amber anchor Apple arrow Badge basket Beacon berry Bottle breeze Bridge cabin Candle castle".split()
+from furlong.tasks.twins import text_instance
 
 OPS = {  # name: (instruction templates, solution command); transform-text says upper case, sorted, reverse...
     "upper": (["Write /app/input.txt in capitals to /app/output.txt.",
@@ -28,25 +25,6 @@ OPS = {  # name: (instruction templates, solution command); transform-text says 
                 "tac /app/input.txt > /app/output.txt"),
 }
 
-TEST_SH = reward_test("/app/output.txt must equal the expected text (a missing final newline is forgiven)",
-                      '[ -f /app/output.txt ] && [ "$(cat /app/output.txt)" = "$(cat /tests/expected.txt)" ]')
-
-
-def transform(op: str, lines: list[str]) -> list[str]:
-    return {"upper": [ln.upper() for ln in lines], "lower": [ln.lower() for ln in lines],
-            "sort": sorted(lines, key=lambda s: s.encode()), "reverse": lines[::-1]}[op]
-
 
 def generate(seed: int, out: Path) -> None:
-    rng = random.Random(f"text-words:{seed}")
-    op = rng.choice(sorted(OPS))
-    while True:
-        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(4, 8))]
-        results = {o: tuple(transform(o, lines)) for o in OPS}
-        if len(set(results.values())) == len(results) and tuple(lines) not in results.values():
-            break  # every transformation, and doing nothing, give different files
-    templates, command = OPS[op]
-    write_task(out, instruction=rng.choice(templates), category="files-text", difficulty="easy",
-               tags=["tr", "sort", "tac", "family", "reward-only"], test_sh=TEST_SH, solve_sh=command,
-               env_files={"input.txt": "\n".join(lines) + "\n"},
-               test_files={"expected.txt": "\n".join(results[op]) + "\n"})
+    text_instance("text-words", OPS, ["tr", "sort", "tac", "family", "reward-only"], seed, out)
