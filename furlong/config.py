@@ -236,8 +236,6 @@ class TrainConfig(_Node):
 
     @model_validator(mode="after")
     def _vllm_engine_supports(self) -> TrainConfig:
-        if self.engine == "vllm" and self.lora.enabled:
-            raise ValueError("train.engine=vllm does not load LoRA adapters yet: set train.lora.enabled=false")
         if self.engine == "vllm" and self.sync.engine == "server":
             raise ValueError("train.engine=vllm runs vLLM's own engine process: set train.sync.engine=inprocess "
                              "(sync.engine=server is the hf engine server)")

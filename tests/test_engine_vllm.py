@@ -29,6 +29,8 @@ pytestmark = [pytest.mark.skipif(not vllm_available(),
               pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
+# longer than several KV blocks: vLLM's prefix cache keeps its blocks between requests
+LONG_PROMPT = [5 + (i * 37) % 400 for i in range(300)]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +113,8 @@ def test_direct_update_in_place_then_logprobs_match_the_new_weights(engine, mode
     new = _scaled(model, 1.3, ["model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight",
                                "model.layers.0.mlp.down_proj.weight"])
     before = loop.run_until_complete(engine.generate(PROMPT, SamplingParams(max_new_tokens=30, seed=5)))
+    # cached: without a prefix-cache reset, the KV of this prompt's blocks would outlive the old weights
+    loop.run_until_complete(engine.generate(LONG_PROMPT, SamplingParams(max_new_tokens=4, seed=5)))
     loop.run_until_complete(engine.update_weights(new, 1))
     assert engine.weight_version == 1 and engine.last_update["sync_pause_s"] > 0
     model.load_state_dict(new, strict=False)
@@ -119,6 +123,8 @@ def test_direct_update_in_place_then_logprobs_match_the_new_weights(engine, mode
     assert after.token_weight_versions == (1,) * 30
     assert _max_diff(model, PROMPT, after, 1.0) < 1e-4
     assert after.logprobs != before.logprobs
+    long = loop.run_until_complete(engine.generate(LONG_PROMPT, SamplingParams(max_new_tokens=8, seed=5)))
+    assert _max_diff(model, LONG_PROMPT, long, 1.0) < 1e-4
 
 
 def test_update_waits_for_generations_in_flight_and_holds_new_ones(engine, model_dir, loop):

@@ -82,10 +82,8 @@ def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -
         module = importlib.import_module("furlong.engine.vllm")
     except ModuleNotFoundError as exc:  # vllm is there, but this furlong has no backend for it (or a dep is missing)
         raise EngineUnavailable(f"engine 'vllm': furlong.engine.vllm could not be imported ({exc})") from None
-    if adapter is not None:
-        raise EngineUnavailable("engine 'vllm': PEFT adapters are not supported yet (merge the adapter, or use hf)")
-    # episodes stop on end-of-turn, never on a bare EOS
-    return module.VLLMEngine.start(model_dir, dtype=dtype, seed=seed, eos_token_ids=())
+    # episodes stop on end-of-turn, never on a bare EOS; an adapter runs as a vLLM LoRA on every request
+    return module.VLLMEngine.start(model_dir, dtype=dtype, seed=seed, eos_token_ids=(), adapter=adapter)
 
 
 def _sglang_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int, sglang: SGLangConfig | None,

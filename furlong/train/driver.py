@@ -18,7 +18,6 @@ from rich.console import Console
 
 from furlong.agent.episode import AgentParams, Episode
 from furlong.config import Config, ConfigError
-from furlong.engine.factory import make_engine
 from furlong.engine.prefix import prefix_metrics
 from furlong.agent.runner import STATUSES
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
@@ -39,7 +38,7 @@ from furlong.tasks.family import load_family
 from furlong.train.export import HF_DIR, write_hf
 from furlong.train.sft import oracle_demos, sft_train
 from furlong.train.trainer import GRPOConfig, Trainer
-from furlong.train.weights import open_link, rollout_engine
+from furlong.train.weights import open_link, rollout_engine, shared_vllm
 
 CURSOR_FILE = "rollout_cursor.json"  # beside each RL checkpoint: where the group stream resumes
 
@@ -340,12 +339,12 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     p = await asyncio.to_thread(build, cfg)
     sft_dir = await sft_phase(cfg, p, run, console)
     # vllm: one engine serves the whole run (it takes up to a minute to start), its weights pushed between phases
-    shared = make_engine("vllm", sft_dir, seed=cfg.train.seed) if cfg.train.engine == "vllm" else None
+    shared = shared_vllm(cfg, sft_dir, run.path) if cfg.train.engine == "vllm" else None
     try:
         before = await eval_phase("eval_before", load_model(sft_dir), cfg, p, run, console, shared)
         trainer = await rl_phase(cfg, p, run, console, sft_dir, shared)
         if shared is not None:  # RL pushed its last weights there, but a resumed run may have skipped RL
-            await shared.update_weights(trainer.state_dict_for_engine(), trainer.version)
+            await shared.update_weights(_weights_for_engine(cfg, trainer), trainer.version)
         after = await eval_phase("eval_after", trainer.model, cfg, p, run, console, shared)
     finally:
         if shared is not None:

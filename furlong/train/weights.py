@@ -163,6 +163,23 @@ class Borrowed:
         pass
 
 
+def shared_vllm(cfg: Config, sft_dir: Path, run_path: Path):
+    """train.engine=vllm: the run's one vLLM engine over the SFT model. With LoRA it runs an adapter of the
+    run's spec from the start, a fresh one (lora_B = 0: the identity, so eval_before sees the SFT model);
+    RL's adapter-only pushes replace its tensors."""
+    from furlong.engine.factory import make_engine
+
+    adapter = None
+    if cfg.train.lora.enabled:
+        from furlong.model.loading import load_model
+        from furlong.train.lora import LoraSpec, save_adapter, wrap_lora
+
+        lo = cfg.train.lora
+        fresh = wrap_lora(load_model(sft_dir), LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets))
+        adapter = save_adapter(fresh, run_path / "vllm-adapter")
+    return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
+
+
 def rollout_engine(model, shared=None, prefix_cache_mb: float = 256):
     """A phase's engine: a new hf engine over the in-memory `model`, or the run's `shared` one (train.engine=vllm:
     one vLLM for the whole run, lent to each phase, its weights pushed by the link or the driver)."""
