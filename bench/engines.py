@@ -17,8 +17,9 @@ Engines (pluggable: ENGINES maps a name to a builder that returns an Engine or a
   vllm        furlong.engine.vllm when importable, else printed as skipped with the reason
 
 Measured per engine, the best of --repeats runs (engines interleaved, so load drifts hit all alike):
-  tokens/s   sampled tokens / wall time of the whole workload (and / process CPU time: on a loaded shared
-             machine wall time mostly measures the other jobs)
+  tokens/s   sampled tokens / wall time of the whole workload (and / CPU time of this process and its
+             children, vLLM's engine processes included: on a loaded shared machine wall time mostly
+             measures the other jobs)
   TTFT       after every --probe-every finished turns, a probe sends that conversation with a probe-only tool
              result as a new turn with max_new_tokens=1 and times it: a new turn's wait under load (the
              same number of probes on every engine)
@@ -60,6 +61,24 @@ from furlong.tasks.family import load_family  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "engines.json"
 Builder = Callable[[Path], Awaitable["Engine | str"]]
 
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds of this process and every live descendant: vLLM computes in its engine-core and worker
+    processes, which time.process_time() would not count (they live for the whole measured workload)."""
+    try:
+        import psutil  # comes with vLLM; without it there are no engine processes to count
+    except ImportError:
+        return time.process_time()
+    me = psutil.Process()
+    total = 0.0
+    for proc in (me, *me.children(recursive=True)):
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 class Turn(NamedTuple):
     """One model turn: its reply length cap, then the tool result that follows it."""
@@ -126,11 +145,11 @@ class Workload:
 
     async def run(self) -> Measured:
         slots = asyncio.Semaphore(self.concurrency)
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu = time.perf_counter(), tree_cpu_s()
         await asyncio.gather(*[self._episode(i, slots) for i in range(len(self.plans))])
         await asyncio.gather(*self.probes)
         self.measured.wall_s = time.perf_counter() - start
-        self.measured.cpu_s = time.process_time() - cpu
+        self.measured.cpu_s = tree_cpu_s() - cpu
         return self.measured
 
     async def _episode(self, index: int, slots: asyncio.Semaphore) -> None:

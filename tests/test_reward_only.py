@@ -23,9 +23,15 @@ def test_sft_families_split_demonstrated_from_reward_only():
     assert cfg.train.demonstrated() == ("number-stats",) and cfg.train.reward_only() == ("number-words",)
     every = load_config(None, ["train.families=[number-stats, number-words]"])
     assert every.train.demonstrated() == ("number-stats", "number-words") and every.train.reward_only() == ()
-    default = load_config(None, [])  # the embedded default: two demonstrated families, two reward-only
+    default = load_config(None, [])  # the embedded default: two demonstrated families, RL on the reward-only one
     assert default.train.demonstrated() == ("number-stats", "transform-text")
-    assert default.train.reward_only() == ("number-words", "text-words")
+    assert default.train.reward_only() == ("number-words",) == default.train.rl_families()
+    assert every.train.rl_families() == ("number-stats", "number-words")  # own families: RL on all of them
+
+
+def test_rl_families_outside_train_families_are_refused():
+    with pytest.raises(ConfigError, match=r"train.rl.families: \['text-words'\] not in train.families"):
+        load_config(None, ["train.rl.families=[text-words]"])
 
 
 def test_sft_families_outside_train_families_are_refused():

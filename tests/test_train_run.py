@@ -83,11 +83,16 @@ def test_train_with_lora_updates_only_adapters(tmp_path: Path):
 
     run = tmp_path / "lora"
     # with a KL penalty too: its frozen reference is the SFT model, adapters or not
+    # RL on the reward-only family alone (train.rl.families); the evals still cover both families
     res = _train(f"train.run_dir={run}", *SMALL, "train.rl.steps=2", "train.lora.enabled=true", "train.lora.rank=4",
-                 "train.rl.kl_coef=0.1", "train.rl.lr_decay=cosine")
+                 "train.rl.kl_coef=0.1", "train.rl.lr_decay=cosine", "train.rl.families=[number-stats]")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rl_rows(run)
     assert [r["step"] for r in rows] == [0, 1]
+    records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    assert {r["family"] for r in records if r["phase"] == "rl"} == {"number-stats"}
+    assert len([r for r in records if r["phase"] == "rl"]) == 2 * 2 * 2
+    assert {r["family"] for r in records if r["phase"] == "eval_after"} == {"count-in-file", "number-stats"}
     assert rows[0]["ref_kl"] < 1e-6  # fresh adapters are the identity: the policy starts at its reference
     state = torch.load(run / "checkpoints" / "rl-1" / "trainer.pt", weights_only=True)["model"]
     sft = load_file(run / "checkpoints" / "sft" / "model.safetensors")
