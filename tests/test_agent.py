@@ -8,6 +8,7 @@ import pytest
 
 from conftest import run
 from furlong.agent.episode import AgentParams, run_episode
+from furlong.agent.runner import AGENT_GRACE_S
 from furlong.engine.base import Generation, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model.chat import Message, ToolCall, assistant_ids, render_text
@@ -111,8 +112,10 @@ def test_agent_timeout_counts_sandbox_work_not_engine_waits(tiny, backend, base_
              Message("assistant", "Done.")]
     task = make_task(tmp_path, "slow-engine", "Write hi", agent_timeout=1.5,
                      test="grep -q hi /tmp/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt")
-    ep = run(run_episode(task, SlowEngine(tokenizer, write, 1.0), tokenizer, sandboxes, params, SamplingParams(), 3, 1))
-    assert (ep.status, ep.reward, ep.turns) == ("ok", 1.0, 2) and ep.timing.model_wait >= 2.0  # 2 s of waits > 1.5 s
+    # 2 waits of 4 s: past the agent timeout and past the runner's hard limit (timeout + grace) alike
+    ep = run(run_episode(task, SlowEngine(tokenizer, write, 4.0), tokenizer, sandboxes, params, SamplingParams(), 3, 1))
+    assert 1.5 + AGENT_GRACE_S < 8.0 <= ep.timing.model_wait
+    assert (ep.status, ep.reward, ep.turns) == ("ok", 1.0, 2)
     sleepy = [Message("assistant", "", (ToolCall("bash", {"command": "sleep 1; sleep 1; echo hi > /tmp/out.txt"}),)),
               Message("assistant", "Done.")]
     task = make_task(tmp_path, "slow-agent", "Write hi", agent_timeout=1.5, test="echo 1 > /logs/verifier/reward.txt")

@@ -104,9 +104,16 @@ class ModelAgent:
         self.trace = _Trace(render_prompt_ids(tokenizer, messages, [BASH_TOOL] if params.tool_schema_in_prompt else None))
         self.prompt_len = len(self.trace.tokens)
         self.model_wait_s = 0.0  # read by the runner for the episode's timing
+        self._waiting_since: float | None = None  # perf_counter() at the start of an engine wait in progress
         self.turns = 0
         self.tool_calls = 0
         self.tool_errors = 0
+
+    def engine_wait_s(self) -> float:
+        """Seconds spent waiting on the engine so far, a wait in progress included: the runner's hard limit
+        on the agent phase excuses them too."""
+        since = self._waiting_since
+        return self.model_wait_s + (0.0 if since is None else time.perf_counter() - since)
 
     async def run(self, task: Task, sandbox: Sandbox, timeout_s: float) -> AgentRun:
         runner = ToolRunner(sandbox, self.params.command_timeout_s, self.params.observation_chars)
@@ -136,11 +143,15 @@ class ModelAgent:
             t, loop = time.perf_counter(), asyncio.get_running_loop()
             left = deadline.when() - loop.time()
             deadline.reschedule(None)  # the clock stops while the engine works on this turn
-            gen = await self.engine.generate(list(trace.tokens), SamplingParams(
-                temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
-                max_new_tokens=min(params.max_new_tokens, budget), stop_token_ids=(eot,),
-                seed=None if self.sampling.seed is None else mix_seed(self.sampling.seed, turn)))
-            self.model_wait_s += time.perf_counter() - t
+            self._waiting_since = t
+            try:
+                gen = await self.engine.generate(list(trace.tokens), SamplingParams(
+                    temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
+                    max_new_tokens=min(params.max_new_tokens, budget), stop_token_ids=(eot,),
+                    seed=None if self.sampling.seed is None else mix_seed(self.sampling.seed, turn)))
+            finally:
+                self.model_wait_s += time.perf_counter() - t
+                self._waiting_since = None
             deadline.reschedule(loop.time() + left)
             trace.add_sampled(list(gen.output_ids), list(gen.logprobs), list(gen.token_weight_versions))
             if gen.finish_reason != "stop":

@@ -205,16 +205,33 @@ async def _phases(task: Task, agent: Agent, guard: GuardedSandbox, sandboxes: Sa
 
 
 async def _agent_phase(task: Task, agent: Agent, sandbox: GuardedSandbox) -> tuple[AgentRun, Exception | None]:
-    """The agent's run, or the exception it ended with. Its background processes keep running."""
+    """The agent's run, or the exception it ended with. Its background processes keep running.
+
+    The hard limit (agent timeout + grace, for an agent that overruns its own) stops its clock while the
+    agent waits on a shared engine (`engine_wait_s`, as ModelAgent's own timeout does): a loaded engine
+    must not turn an episode into a timeout scored 0."""
+    loop = asyncio.get_running_loop()
+    phase = asyncio.ensure_future(agent.run(task, sandbox, task.agent_timeout_s))
+    excused, end = _engine_wait(agent), loop.time() + task.agent_timeout_s + AGENT_GRACE_S
     try:
-        async with asyncio.timeout(task.agent_timeout_s + AGENT_GRACE_S) as deadline:
-            return await agent.run(task, sandbox, task.agent_timeout_s), None
-    except TimeoutError as exc:
-        if not deadline.expired():  # raised inside the phase (e.g. by a sandbox call), not our deadline
-            return AgentRun(commands=sandbox.commands), exc
-        return AgentRun(commands=sandbox.commands, timed_out=True), None
-    except Exception as exc:
+        while not phase.done():
+            await asyncio.wait({phase}, timeout=max(0.0, end - loop.time()))
+            waited = _engine_wait(agent)
+            if not phase.done() and waited <= excused:
+                return AgentRun(commands=sandbox.commands, timed_out=True), None
+            end, excused = end + waited - excused, waited
+        return phase.result(), None
+    except Exception as exc:  # raised inside the phase (e.g. a sandbox call's own timeout)
         return AgentRun(commands=sandbox.commands), exc
+    finally:
+        if not phase.done():
+            phase.cancel()
+            await asyncio.gather(phase, return_exceptions=True)
+
+
+def _engine_wait(agent: Agent) -> float:
+    wait = getattr(agent, "engine_wait_s", None)
+    return float(wait()) if callable(wait) else 0.0
 
 
 async def _verifier_phase(task: Task, sandbox: GuardedSandbox, workdir: str) -> tuple[Verdict | None, str]:
