@@ -59,12 +59,11 @@ class EvalConfig(_Node):
 # Fixed-path families where the instruction's words pick the command: learnable by the 4M-parameter
 # tiny model within the default budget (families that need names copied are not, yet). SFT shows
 # demonstrations of the first two only; number-words asks for number-stats' commands in words never
-# demonstrated, and RL trains on it alone: it must learn them from the verifier's reward (README: "What
-# RL learns"). text-words, its transform-text twin, is left out: after SFT the tiny model never samples
-# the right command for most of its wordings, so there is no reward to learn from.
+# demonstrated, so RL must learn them from the verifier's reward (README: "What RL learns"). text-words,
+# its transform-text twin, is left out: after SFT the tiny model never samples the right command for most
+# of its wordings, so there is no reward to learn from.
 DEFAULT_FAMILIES = ("number-stats", "transform-text", "number-words")
 DEFAULT_SFT_FAMILIES = ("number-stats", "transform-text")
-DEFAULT_RL_FAMILIES = ("number-words",)
 
 
 class ModelConfig(_Node):
@@ -95,9 +94,8 @@ class SFTConfig(_Node):
 
 class RLConfig(_Node):
     families: tuple[str, ...] | None = Field(
-        DEFAULT_RL_FAMILIES, description="the families RL draws its train tasks from (each one of "
-        "train.families); null: all of them, which is also what setting train.families alone means. Held-out "
-        "evals always cover every family")
+        None, description="the families RL draws its train tasks from (each one of train.families); null: all "
+        "of them. Held-out evals always cover every family")
     steps: int = Field(20, ge=0)
     tasks_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=2)
@@ -254,8 +252,6 @@ class TrainConfig(_Node):
             # the default's demonstrated/reward-only split is about the default's families: a recipe that
             # picks its own families demonstrates all of them unless it says otherwise
             object.__setattr__(self, "sft", self.sft.model_copy(update={"families": None}))
-        if "families" in self.model_fields_set and "families" not in self.rl.model_fields_set:
-            object.__setattr__(self, "rl", self.rl.model_copy(update={"families": None}))  # likewise: RL on all
         for key, chosen in (("sft", self.sft.families), ("rl", self.rl.families)):
             unknown = [f for f in chosen or () if f not in self.families]
             if unknown:

@@ -23,10 +23,12 @@ def test_sft_families_split_demonstrated_from_reward_only():
     assert cfg.train.demonstrated() == ("number-stats",) and cfg.train.reward_only() == ("number-words",)
     every = load_config(None, ["train.families=[number-stats, number-words]"])
     assert every.train.demonstrated() == ("number-stats", "number-words") and every.train.reward_only() == ()
-    default = load_config(None, [])  # the embedded default: two demonstrated families, RL on the reward-only one
+    default = load_config(None, [])  # the embedded default: two demonstrated families, one reward-only
     assert default.train.demonstrated() == ("number-stats", "transform-text")
-    assert default.train.reward_only() == ("number-words",) == default.train.rl_families()
-    assert every.train.rl_families() == ("number-stats", "number-words")  # own families: RL on all of them
+    assert default.train.reward_only() == ("number-words",)
+    assert default.train.rl_families() == default.train.families  # RL on every family unless train.rl.families
+    only = load_config(None, ["train.rl.families=[number-words]"])
+    assert only.train.rl_families() == ("number-words",)
 
 
 def test_rl_families_outside_train_families_are_refused():
