@@ -27,9 +27,12 @@ RESULTS = ROOT / "bench" / "results" / "rl_seeds.json"
 
 def one_seed(work: Path, seed: int, config: str | None, overrides: list[str]) -> dict:
     run = work / f"seed{seed}"
-    print(f"seed {seed}: furlong train ...", flush=True)
-    train([*(["--config", config] if config else []), f"train.seed={seed}", f"train.run_dir={run}", *overrides],
-          f"(seed {seed})")
+    if (run / "summary.json").exists():  # --keep DIR of an earlier invocation: its finished runs count
+        print(f"seed {seed}: the finished run {run}", flush=True)
+    else:
+        print(f"seed {seed}: furlong train ...", flush=True)
+        train([*(["--config", config] if config else []), f"train.seed={seed}", f"train.run_dir={run}", *overrides],
+              f"(seed {seed})")
     s = summary(run)
     gain = s["heldout_gain"]
     return {"seed": seed, "pass_at_1_before": s["heldout_pass_at_1_before_rl"],
@@ -55,7 +58,8 @@ def main() -> None:
     ap.add_argument("--config", help="a recipe (default: the embedded default)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once")
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--keep", type=Path, help="keep the run directories here (default: deleted)")
+    ap.add_argument("--keep", type=Path, help="keep the run directories here (default: deleted); a seed whose "
+                    "run there has finished (DIR/seedN/summary.json) is summarized, not run again")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="furlong-rl-seeds-"))
