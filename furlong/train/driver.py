@@ -218,7 +218,7 @@ def _scheduler(cfg: Config, rollouts: Rollouts, p: Pieces, start: int, run: RunD
     """Sync and async are one loop: sync runs one step's groups at a time with zero lookahead, so the
     next step's episodes start only once this step's weights are in the engine."""
     r, cursor, rows = cfg.train.rl, _cursor(run), run.metrics("rl")
-    tasks = [t for t in p.train_tasks if t.family in cfg.train.rl_families()]
+    tasks = p.train_tasks if r.families is None else [t for t in p.train_tasks if t.family in r.families]
     return Scheduler(rollouts, GroupStream(tasks, r.tasks_per_step, r.group_size, cfg.train.seed),
                      temperature=r.temperature, steps_left=r.steps - start, first_step=start,
                      inflight=r.inflight_groups(), lookahead=0 if r.mode == "sync" else r.max_staleness,
