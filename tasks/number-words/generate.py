@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from furlong.tasks.twins import number_instance
+from furlong.tasks.kit import number_instance
 
 OPS = {  # name: (instruction templates, solution command); number-stats says sum/total, largest/maximum, ...
     "sum": (["Write the grand total of the numbers in /app/numbers.txt to /app/answer.txt.",

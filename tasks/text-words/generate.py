@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from furlong.tasks.twins import text_instance
+from furlong.tasks.kit import text_instance
 
 OPS = {  # name: (instruction templates, solution command); transform-text says upper case, sorted, reverse...
     "upper": (["Write /app/input.txt in capitals to /app/output.txt.",

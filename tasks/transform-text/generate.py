@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from furlong.tasks.twins import text_instance
+from furlong.tasks.kit import text_instance
 
 OPS = {  # name: (instruction templates, solution command)
     "upper": (["Write /app/input.txt in upper case to /app/output.txt.",
