@@ -131,7 +131,8 @@ class FailingStarts:
         return await self.inner.acquire(spec_)
 
 
-def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[str], fail_every: int = 0):
+def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[str], fail_every: int = 0,
+          max_new_tokens: int = 12):
     """furlong.train.driver's RL loop itself on hand-made tasks; returns the logged rows and the run."""
     tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(4)]
     tasks.append(make_task(tmp_path / "tasks", "bug", "Create /tmp/done", "echo no reward"))  # infra_error
@@ -146,7 +147,7 @@ def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[s
         link = DirectLink(HFEngine(load_model(tiny_dir), eos_token_ids=()))
         async with WarmPools(backend, fixed_image(base_image)) as pools:
             source = FailingStarts(pools, fail_every) if fail_every else pools
-            rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=12), 4)
+            rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=max_new_tokens), 4)
             pieces = SimpleNamespace(train_tasks=tasks, tokenizer=tokenizer)  # checkpoints export the policy too
             await _rl_steps(cfg, trainer, rollouts, link, pieces, run_dir, QUIET, 0)
         await link.close()
@@ -220,10 +221,12 @@ def test_report_measures_lag_at_the_step_that_trained_a_group_not_the_one_it_was
 
 
 def test_a_mid_episode_weight_update_keeps_each_tokens_version_and_trains(tiny_dir, backend, base_image, tmp_path):
-    """With async rollouts, episodes keep generating across pushes: their tokens carry two versions."""
+    """With async rollouts, episodes keep generating across pushes: their tokens carry two versions.
+    Turns of 96 tokens keep most of an episode's time in generation, so a push lands mid-turn in some
+    episode whatever the machine's load (with 12, a loaded machine once had none in 6 steps)."""
     rows, _ = _loop(tmp_path, tiny_dir, backend, base_image,
-                    ["train.rl.steps=6", "train.rl.mode=async", "train.rl.max_staleness=3",
-                     "train.rl.max_inflight_groups=4"])
+                    ["train.rl.steps=8", "train.rl.mode=async", "train.rl.max_staleness=3",
+                     "train.rl.max_inflight_groups=4"], max_new_tokens=96)
     assert sum(r["episodes_multi_version"] for r in rows) > 0, "no trained episode spanned a weight update"
     assert all(r["staleness_max"] <= 3 for r in rows) and sum(r["updated"] for r in rows) >= 3
 
