@@ -262,10 +262,6 @@ class TrainConfig(_Node):
         """The families SFT shows demonstrations of."""
         return self.families if self.sft.families is None else self.sft.families
 
-    def rl_families(self) -> tuple[str, ...]:
-        """The families RL draws its train tasks from."""
-        return self.families if self.rl.families is None else self.rl.families
-
     def reward_only(self) -> tuple[str, ...]:
         """The families RL learns from reward alone: no demonstration of them is ever shown."""
         return tuple(f for f in self.families if f not in self.demonstrated())

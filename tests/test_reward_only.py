@@ -26,9 +26,9 @@ def test_sft_families_split_demonstrated_from_reward_only():
     default = load_config(None, [])  # the embedded default: two demonstrated families, one reward-only
     assert default.train.demonstrated() == ("number-stats", "transform-text")
     assert default.train.reward_only() == ("number-words",)
-    assert default.train.rl_families() == default.train.families  # RL on every family unless train.rl.families
+    assert default.train.rl.families is None  # RL on every family unless train.rl.families names some
     only = load_config(None, ["train.rl.families=[number-words]"])
-    assert only.train.rl_families() == ("number-words",)
+    assert only.train.rl.families == ("number-words",)
 
 
 def test_rl_families_outside_train_families_are_refused():
