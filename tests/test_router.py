@@ -1,6 +1,7 @@
 """furlong.engine.router over real engine server processes (uvicorn on loopback, the tiny model): placement,
-stickiness, an instance killed (SIGKILL) or hung (SIGSTOP) mid-request, weight sync fan-out, and a whole
-`furlong train` run that loses one of its two engines mid-RL."""
+stickiness, an instance killed (SIGKILL) or hung (SIGSTOP) mid-request, a recovered one put back after
+catching up on weights, weight sync fan-out, and a whole `furlong train` run that loses one of its two
+engines mid-RL."""
 
 from __future__ import annotations
 
@@ -180,6 +181,52 @@ def test_a_hung_instance_fails_its_health_checks_and_its_request_is_restarted(pa
             await router.close()
 
     asyncio.run(main())
+
+
+async def _until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.05)
+
+
+def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_back(tiny_dir: Path, tmp_path: Path):
+    publisher = _publish_v0(tiny_dir, tmp_path / "updates")
+    procs = _start(tiny_dir, tmp_path)
+
+    async def main() -> None:
+        settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2, readmit_after=3)
+        router = Router([RemoteEngine(p.url) for p in procs], settings)
+        out = router.instances[0]
+        try:
+            assert (await router.sync())["engine_version"] == 0
+            os.kill(procs[0].pid, signal.SIGSTOP)
+            try:
+                await _until(lambda: not out.live, 30)
+                await asyncio.to_thread(publisher.publish, load_model(tiny_dir).state_dict(), 1)
+                report = await router.sync()  # reaches the live instance only
+                await router.pause()
+                assert report["instances_live"] == 1 and router.weight_version == 1 and out.engine.weight_version == 0
+                await asyncio.sleep(1.0)
+                assert not out.live and out.readmitted == 0  # still stopped: no healthy polls
+            finally:
+                os.kill(procs[0].pid, signal.SIGCONT)
+            await _until(lambda: out.live, 30)
+            health = await out.engine.health()
+            assert out.readmitted == 1 and health["weight_version"] == 1 and health["paused"]
+            assert router.weight_version == 1 and router.metrics()["engine0_readmitted"] == 1.0
+            await router.resume()
+            served = out.requests
+            gen = await router.generate(_prompt(1), _sampling(1))  # a tie on load: the lowest index, engine0
+            assert out.requests == served + 1 and set(gen.token_weight_versions) == {1}
+        finally:
+            await router.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for p in procs:
+            p.stop()
 
 
 def test_furlong_train_survives_losing_one_of_two_engine_servers(tmp_path: Path):

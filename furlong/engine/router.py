@@ -6,9 +6,13 @@
   flight. The protocol carries no episode id, so stickiness is inferred from token prefixes
   (`PrefixIndex`); it is only a hint: a wrong guess costs a cache miss, never a wrong sample.
 * Failure: a background task polls GET /health; an instance that does not answer `unhealthy_after`
-  polls in a row, or whose connection fails during a request, is taken out for good. Its in-flight
-  requests are restarted from their prompt on another live instance, so the Generation returned is
-  wholly that instance's (ids, logprobs, token versions): never a splice of two.
+  polls in a row, or whose connection fails during a request, is taken out. Its in-flight requests are
+  restarted from their prompt on another live instance, so the Generation returned is wholly that
+  instance's (ids, logprobs, token versions): never a splice of two.
+* Recovery: a taken-out instance is still polled; after `readmit_after` healthy polls in a row its relay
+  pulls the newest weights (it missed every update while out) and it is put back only if it then holds
+  at least the live instances' version, paused if the router is paused. A restarted server on the same
+  address comes back the same way.
 * Weights: sync / update_weights / pause / resume fan out to every live instance; the router's
   weight_version is the lowest live instance's.
 """
@@ -87,9 +91,9 @@ class Instance:
 
     def __init__(self, index: int, engine: RemoteEngine) -> None:
         self.index, self.engine = index, engine
-        self.live, self.reason, self.strikes = True, "", 0
+        self.live, self.reason, self.strikes, self.healthy_out = True, "", 0, 0
         self.down = asyncio.Event()  # set when taken out: wakes the requests waiting on it
-        self.requests = self.in_flight = self.failures = self.retries = self.sticky = 0
+        self.requests = self.in_flight = self.failures = self.retries = self.sticky = self.readmitted = 0
 
     @property
     def name(self) -> str:
@@ -101,6 +105,7 @@ class RouterSettings:
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0
     unhealthy_after: int = 2  # consecutive failed polls; a refused connection during a request is enough
+    readmit_after: int = 3  # consecutive healthy polls before a taken-out instance is put back; 0: never
     prefix_entries: int = 4096  # conversations remembered for sticky routing
 
 
@@ -114,6 +119,10 @@ class Router:
         self.settings = settings
         self.prefixes = PrefixIndex(settings.prefix_entries)
         self._watcher: asyncio.Task[None] | None = None
+        self._paused = False  # so that an instance put back meanwhile is paused too
+        # Held by weight operations and by putting an instance back, so that none of them interleave: an
+        # instance put back during a sync would miss it and serve the old weights unreported.
+        self._weights_lock = asyncio.Lock()
 
     # -- Engine protocol ---------------------------------------------------------------------------------
 
@@ -144,9 +153,11 @@ class Router:
         await self._fan_out(lambda i: i.engine.update_weights(state_dict, version))
 
     async def pause(self) -> None:
+        self._paused = True
         await self._fan_out(lambda i: i.engine.pause())
 
     async def resume(self) -> None:
+        self._paused = False
         await self._fan_out(lambda i: i.engine.resume())
 
     async def sync(self) -> dict:
@@ -176,7 +187,8 @@ class Router:
         for i in self.instances:
             out.update({f"engine{i.index}_live": float(i.live), f"engine{i.index}_requests": i.requests,
                         f"engine{i.index}_in_flight": i.in_flight, f"engine{i.index}_failures": i.failures,
-                        f"engine{i.index}_retries": i.retries, f"engine{i.index}_sticky": i.sticky})
+                        f"engine{i.index}_retries": i.retries, f"engine{i.index}_sticky": i.sticky,
+                        f"engine{i.index}_readmitted": i.readmitted})
         return out
 
     # -- placement and failure ---------------------------------------------------------------------------
@@ -227,8 +239,9 @@ class Router:
 
     async def _fan_out(self, op: Callable[[Instance], Awaitable[T]]) -> list[tuple[Instance, T]]:
         """`op` on every live instance at once; an unreachable one is taken out, any other error raised."""
-        targets = self.live()
-        results = await asyncio.gather(*(op(i) for i in targets), return_exceptions=True)
+        async with self._weights_lock:
+            targets = self.live()
+            results = await asyncio.gather(*(op(i) for i in targets), return_exceptions=True)
         done = []
         for inst, res in zip(targets, results):
             if isinstance(res, EngineUnavailable):
@@ -246,16 +259,57 @@ class Router:
             self._watcher = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
-            await asyncio.gather(*(self._check(i) for i in self.live()))
+        # One check per instance at a time, each its own task: a hung instance's slow polls (or one being
+        # put back) must not hold up the others'.
+        checks: dict[int, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self.settings.health_interval_s)
+                for inst in self.instances:
+                    if inst.index not in checks or checks[inst.index].done():
+                        checks[inst.index] = asyncio.create_task(self._check(inst))
+        finally:
+            for task in checks.values():
+                task.cancel()
+            await asyncio.gather(*checks.values(), return_exceptions=True)
 
     async def _check(self, inst: Instance) -> None:
         try:
             await inst.engine.health(timeout_s=self.settings.health_timeout_s)
         except EngineError as e:
-            inst.strikes += 1
-            if inst.strikes >= self.settings.unhealthy_after:
-                self._take_out(inst, f"{inst.strikes} health checks failed, the last: {e}")
-        else:
-            inst.strikes = 0
+            inst.healthy_out = 0
+            if inst.live:
+                inst.strikes += 1
+                if inst.strikes >= self.settings.unhealthy_after:
+                    self._take_out(inst, f"{inst.strikes} health checks failed, the last: {e}")
+            return
+        inst.strikes = 0
+        if not inst.live and self.settings.readmit_after:
+            inst.healthy_out += 1
+            if inst.healthy_out >= self.settings.readmit_after:
+                inst.healthy_out = 0
+                await self._readmit(inst)
+
+    async def _readmit(self, inst: Instance) -> None:
+        """Put a recovered instance back once it holds the live instances' weights (it may have missed
+        updates, or be a restarted server holding its start weights)."""
+        async with self._weights_lock:
+            await self._catch_up(inst)
+
+    async def _catch_up(self, inst: Instance) -> None:
+        target = min((i.engine.weight_version for i in self.live()), default=inst.engine.weight_version)
+        try:
+            if inst.engine.weight_version < target:
+                await inst.engine.sync()
+            if self._paused:
+                await inst.engine.pause()
+        except EngineError as e:
+            inst.reason = f"recovered but could not catch up: {e}"
+            return
+        if inst.engine.weight_version < target:
+            inst.reason = f"recovered at weight version {inst.engine.weight_version}, behind the live {target}"
+            return
+        inst.live, inst.reason, inst.down = True, "", asyncio.Event()
+        inst.readmitted += 1
+        log.warning("router: %s put back at weight version %d; %d live", inst.name,
+                    inst.engine.weight_version, len(self.live()))
