@@ -58,6 +58,16 @@ def pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         p.stop()
 
 
+@pytest.fixture
+def fresh_pair(tiny_dir: Path, tmp_path: Path):
+    """Two engine servers of this test's own, and the publisher of their relay's updates (at v0)."""
+    publisher = _publish_v0(tiny_dir, tmp_path / "updates")
+    procs = _start(tiny_dir, tmp_path)
+    yield publisher, procs
+    for p in procs:
+        p.stop()
+
+
 def test_prefix_index_finds_the_longest_recorded_conversation_a_prompt_extends():
     index = PrefixIndex(capacity=3)
     index.record([1, 2, 3], owner=0)
@@ -121,9 +131,8 @@ def test_later_turns_of_an_episode_stay_on_its_instance(pair):
     asyncio.run(main())
 
 
-def test_a_killed_instance_is_taken_out_and_its_requests_finish_elsewhere(tiny_dir: Path, tmp_path: Path):
-    publisher = _publish_v0(tiny_dir, tmp_path / "updates")
-    procs = _start(tiny_dir, tmp_path)
+def test_a_killed_instance_is_taken_out_and_its_requests_finish_elsewhere(tiny_dir: Path, fresh_pair):
+    publisher, procs = fresh_pair
 
     async def main() -> None:
         router = Router([RemoteEngine(p.url) for p in procs])
@@ -155,11 +164,7 @@ def test_a_killed_instance_is_taken_out_and_its_requests_finish_elsewhere(tiny_d
         finally:
             await router.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        for p in procs:
-            p.stop()
+    asyncio.run(main())
 
 
 def test_a_hung_instance_fails_its_health_checks_and_its_request_is_restarted(pair):
@@ -190,9 +195,8 @@ async def _until(condition, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_back(tiny_dir: Path, tmp_path: Path):
-    publisher = _publish_v0(tiny_dir, tmp_path / "updates")
-    procs = _start(tiny_dir, tmp_path)
+def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_back(tiny_dir: Path, fresh_pair):
+    publisher, procs = fresh_pair
 
     async def main() -> None:
         settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2, readmit_after=3)
@@ -222,11 +226,7 @@ def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_bac
         finally:
             await router.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        for p in procs:
-            p.stop()
+    asyncio.run(main())
 
 
 def test_furlong_train_survives_losing_one_of_two_engine_servers(tmp_path: Path):
