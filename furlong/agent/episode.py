@@ -103,7 +103,7 @@ class ModelAgent:
         messages = [Message("system", params.system_prompt), Message("user", instruction)]
         self.trace = _Trace(render_prompt_ids(tokenizer, messages, [BASH_TOOL] if params.tool_schema_in_prompt else None))
         self.prompt_len = len(self.trace.tokens)
-        self.model_wait_s = 0.0  # read by the runner for the episode's timing
+        self.model_wait_s = 0.0  # finished engine waits; engine_wait_s() adds one in progress
         self._waiting_since: float | None = None  # perf_counter() at the start of an engine wait in progress
         self.turns = 0
         self.tool_calls = 0

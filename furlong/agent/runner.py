@@ -56,7 +56,9 @@ class AgentRun:
 
 
 class Agent(Protocol):
-    """The agent phase. An agent that waits on a model may expose `model_wait_s` (seconds so far)."""
+    """The agent phase. An agent that waits on a shared engine may also define `engine_wait_s() -> float`:
+    the seconds it has waited so far, a wait in progress included. The episode's `model_wait` time is
+    that figure, and the runner's hard limit on the phase does not count it (see `_agent_phase`)."""
 
     name: str
 
@@ -182,7 +184,7 @@ async def _phases(task: Task, agent: Agent, guard: GuardedSandbox, sandboxes: Sa
         run, failure = await _agent_phase(task, agent, guard)
     finally:
         clock.spent["agent_commands"] = guard.seconds
-        clock.spent["model_wait"] = float(getattr(agent, "model_wait_s", 0.0))
+        clock.spent["model_wait"] = _engine_wait(agent)
     if failure is not None and guard.caused(failure):
         return _broke(clock, f"sandbox broke during the agent phase: {describe(failure)}", run)
     if failure is not None:
@@ -230,6 +232,7 @@ async def _agent_phase(task: Task, agent: Agent, sandbox: GuardedSandbox) -> tup
 
 
 def _engine_wait(agent: Agent) -> float:
+    """The optional `engine_wait_s()` of the Agent protocol; 0 for an agent without one (no engine)."""
     wait = getattr(agent, "engine_wait_s", None)
     return float(wait()) if callable(wait) else 0.0
 
