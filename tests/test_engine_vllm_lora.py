@@ -154,6 +154,7 @@ def test_train_smoke_with_lora_on_the_vllm_engine(tmp_path):
                           "train.rl.filter_zero_variance=false", f"train.run_dir={run}"],
                          capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "Exception ignored" not in res.stderr, res.stderr[-3000:]  # vLLM shut down once, cleanly
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval_episodes"] == 4 and all(s["infra_error"] == 0 for s in summary["status"].values())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

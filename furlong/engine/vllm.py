@@ -287,8 +287,12 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
-        await asyncio.to_thread(self.llm.shutdown)
-        self.llm = None  # AsyncLLM.__del__ shuts down again: now, not during interpreter teardown
+        llm, self.llm = self.llm, None
+        await asyncio.to_thread(llm.shutdown)
+        # AsyncLLM.__del__ calls shutdown() again, and vLLM's own structures keep the object alive until
+        # interpreter teardown, when shutdown's module globals are gone: it printed a TypeError at every
+        # exit. It is shut down already, so the second call does nothing.
+        llm.shutdown = lambda *args, **kwargs: None
         if self.adapter is not None:
             self.adapter.close()
 
