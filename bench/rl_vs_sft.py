@@ -15,6 +15,7 @@ wall time per arm. Writes bench/results/rl_vs_sft.json.
 
     python bench/rl_vs_sft.py                  # about 30 min on 2 cores
     python bench/rl_vs_sft.py --from-run RUN   # arm A is an existing run of the same recipe
+    python bench/rl_vs_sft.py --keep DIR       # arms already finished in DIR (DIR/A, B, C) are not rerun
     python bench/rl_vs_sft.py --config recipes/smoke.yaml --no-strong   # a check of this script
 """
 
@@ -81,19 +82,25 @@ def note_baseline(a: Path, result: dict) -> None:
     (a / "summary.json").write_text(json.dumps(s, indent=1))
 
 
+def run_arm(run: Path, label: str, overrides: list[str]) -> None:
+    """Train one arm, unless a finished run of it is already there (--keep DIR of an earlier invocation)."""
+    if (run / "summary.json").is_file():
+        print(f"{label}: kept from {run}", flush=True)
+        return
+    print(f"{label} ...", flush=True)
+    train([*overrides, f"train.run_dir={run}"], f"({label[0]})")
+
+
 def run_arms(work: Path, base: list[str], from_run: Path | None, strong: bool, cfg) -> dict[str, Path]:
     runs = {"A": from_run or work / "A", "B": work / "B", "C": work / "C"}
-    if not from_run:
-        print("A sft+rl: furlong train ...", flush=True)
-        train([*base, f"train.run_dir={runs['A']}"], "(A)")
+    run_arm(runs["A"], "A sft+rl: furlong train", base)
     size = sft_budget(runs["A"], cfg)
-    print(f"B sft-only: {size} ...", flush=True)
-    train([*base, f"train.run_dir={runs['B']}", "train.rl.steps=0",
-           f"train.sft.instances_per_family={size['instances_per_family']}", f"train.sft.epochs={size['epochs']}"], "(B)")
+    run_arm(runs["B"], f"B sft-only: {size}", [*base, "train.rl.steps=0", f"train.sft.epochs={size['epochs']}",
+                                                f"train.sft.instances_per_family={size['instances_per_family']}"])
     if strong:
-        print("C strong-sft+rl: A's RL from B's SFT model ...", flush=True)
-        train([*base, f"train.run_dir={runs['C']}", f"train.model.path={runs['B'] / 'checkpoints' / 'sft'}",
-               "train.sft.epochs=0", "train.sft.instances_per_family=1"], "(C)")
+        run_arm(runs["C"], "C strong-sft+rl: A's RL from B's SFT model",
+                [*base, f"train.model.path={runs['B'] / 'checkpoints' / 'sft'}", "train.sft.epochs=0",
+                 "train.sft.instances_per_family=1"])
     return {"size": size, **runs}
 
 

@@ -94,7 +94,8 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     for task in p.train_tasks:  # reward-only families' demonstrations are never shown
         if task.family in cfg.train.demonstrated():
             by_family.setdefault(task.family, []).append(task)
-    tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]]
+    # epochs 0 (a model already fine-tuned, as bench/rl_vs_sft.py's arm C): no demonstrations are needed
+    tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]] if s.epochs else []
     with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
         demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, cfg.train.rl.concurrency, advance)
     demo_seconds = time.perf_counter() - start

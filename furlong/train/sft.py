@@ -111,6 +111,8 @@ def _batch(demos: list[Demo], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, 
 def sft_train(model, demos: list[Demo], epochs: int, lr: float, batch_size: int, seed: int, pad_id: int,
               on_step: Callable[[int, float], None] = lambda step, loss: None) -> list[float]:
     """Cross-entropy on the assistant tokens only (the loss mask), AdamW; returns the loss of each step."""
+    if epochs == 0:
+        return []
     if not demos:
         raise ValueError("no demonstrations to train on (did every oracle solution fail?)")
     rng = random.Random(seed)
