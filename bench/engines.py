@@ -24,7 +24,8 @@ Measured per engine, the best of --repeats runs (engines interleaved, so load dr
              result as a new turn with max_new_tokens=1 and times it: a new turn's wait under load (the
              same number of probes on every engine)
   pause      wall time of update_weights (the model's own values, a full update) issued after every
-             --update-every finished episodes: lock wait + load + cache invalidation
+             --update-every finished episodes: lock wait + load + cache invalidation; vLLM also holds new
+             requests until those in flight finish (pause_drain_mean_s: that part)
 
     python bench/engines.py                          # 96 episodes, 16 at once, 2 repeats: 3-8 min here
     python bench/engines.py --episodes 48 --repeats 1 --engines hf,hf+prefix
@@ -104,6 +105,7 @@ class Measured:
     cpu_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     pause_s: list[float] = field(default_factory=list)
+    drain_s: list[float] = field(default_factory=list)  # of pause_s, waiting for requests in flight (vLLM)
     outputs: list[tuple[int, ...]] = field(default_factory=list)  # per episode, all sampled ids in order
 
 
@@ -179,6 +181,9 @@ class Workload:
             t = time.perf_counter()
             await self.engine.update_weights(self.weights, self.version)
             self.measured.pause_s.append(time.perf_counter() - t)
+            drain = getattr(self.engine, "last_update", {}).get("sync_drain_s")
+            if drain is not None:
+                self.measured.drain_s.append(drain)
 
     async def _probe(self, ids: list[int]) -> None:
         t = time.perf_counter()
@@ -242,7 +247,8 @@ def summarize(m: Measured) -> dict[str, float]:
             "cpu_s": m.cpu_s, "tokens": m.tokens,
             "prompt_tokens": m.prompt_tokens, "ttft_median_s": statistics.median(m.ttft_s) if m.ttft_s else None,
             "ttft_probes": len(m.ttft_s), "load_average_1m": os.getloadavg()[0], "pause_mean_s": statistics.mean(m.pause_s) if m.pause_s else None,
-            "pause_max_s": max(m.pause_s, default=None), "updates": len(m.pause_s)}
+            "pause_max_s": max(m.pause_s, default=None), "updates": len(m.pause_s),
+            "pause_drain_mean_s": statistics.mean(m.drain_s) if m.drain_s else None}
 
 
 def ratios(row: dict, base: dict) -> dict[str, float | None]:

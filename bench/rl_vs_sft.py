@@ -15,7 +15,7 @@ wall time per arm. Writes bench/results/rl_vs_sft.json.
 
     python bench/rl_vs_sft.py                  # about 30 min on 2 cores
     python bench/rl_vs_sft.py --from-run RUN   # arm A is an existing run of the same recipe
-    python bench/rl_vs_sft.py --keep DIR       # arms already finished in DIR (DIR/A, B, C) are not rerun
+    python bench/rl_vs_sft.py --keep DIR       # arms finished in DIR (DIR/A, B, C) are kept, unfinished ones resumed
     python bench/rl_vs_sft.py --config recipes/smoke.yaml --no-strong   # a check of this script
 """
 
@@ -83,12 +83,16 @@ def note_baseline(a: Path, result: dict) -> None:
 
 
 def run_arm(run: Path, label: str, overrides: list[str]) -> None:
-    """Train one arm, unless a finished run of it is already there (--keep DIR of an earlier invocation)."""
+    """Train one arm, unless a finished run of it is already there (--keep DIR of an earlier invocation);
+    an unfinished one there is resumed."""
     if (run / "summary.json").is_file():
         print(f"{label}: kept from {run}", flush=True)
-        return
-    print(f"{label} ...", flush=True)
-    train([*overrides, f"train.run_dir={run}"], f"({label[0]})")
+    elif (run / "state.json").is_file():
+        print(f"{label}: resuming {run} ...", flush=True)
+        train(["--resume", str(run)], f"({label[0]})")
+    else:
+        print(f"{label} ...", flush=True)
+        train([*overrides, f"train.run_dir={run}"], f"({label[0]})")
 
 
 def run_arms(work: Path, base: list[str], from_run: Path | None, strong: bool, cfg) -> dict[str, Path]:
