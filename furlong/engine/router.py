@@ -294,22 +294,19 @@ class Router:
         """Put a recovered instance back once it holds the live instances' weights (it may have missed
         updates, or be a restarted server holding its start weights)."""
         async with self._weights_lock:
-            await self._catch_up(inst)
-
-    async def _catch_up(self, inst: Instance) -> None:
-        target = min((i.engine.weight_version for i in self.live()), default=inst.engine.weight_version)
-        try:
+            target = min((i.engine.weight_version for i in self.live()), default=inst.engine.weight_version)
+            try:
+                if inst.engine.weight_version < target:
+                    await inst.engine.sync()
+                if self._paused:
+                    await inst.engine.pause()
+            except EngineError as e:
+                inst.reason = f"recovered but could not catch up: {e}"
+                return
             if inst.engine.weight_version < target:
-                await inst.engine.sync()
-            if self._paused:
-                await inst.engine.pause()
-        except EngineError as e:
-            inst.reason = f"recovered but could not catch up: {e}"
-            return
-        if inst.engine.weight_version < target:
-            inst.reason = f"recovered at weight version {inst.engine.weight_version}, behind the live {target}"
-            return
-        inst.live, inst.reason, inst.down = True, "", asyncio.Event()
+                inst.reason = f"recovered at weight version {inst.engine.weight_version}, behind the live {target}"
+                return
+            inst.live, inst.reason, inst.down = True, "", asyncio.Event()
         inst.readmitted += 1
         log.warning("router: %s put back at weight version %d; %d live", inst.name,
                     inst.engine.weight_version, len(self.live()))
