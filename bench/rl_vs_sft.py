@@ -102,9 +102,10 @@ def run_arms(work: Path, base: list[str], from_run: Path | None, strong: bool, c
     run_arm(runs["B"], f"B sft-only: {size}", [*base, "train.rl.steps=0", f"train.sft.epochs={size['epochs']}",
                                                 f"train.sft.instances_per_family={size['instances_per_family']}"])
     if strong:
+        # no further SFT; B's demonstrations are collected again only if RL's anchor (rl.sft_coef) uses them
         run_arm(runs["C"], "C strong-sft+rl: A's RL from B's SFT model",
                 [*base, f"train.model.path={runs['B'] / 'checkpoints' / 'sft'}", "train.sft.epochs=0",
-                 "train.sft.instances_per_family=1"])
+                 f"train.sft.instances_per_family={size['instances_per_family']}"])
     return {"size": size, **runs}
 
 

@@ -113,6 +113,10 @@ class RLConfig(_Node):
     tis_cap: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.05, ge=0, description="k3 KL penalty to the SFT model (a frozen copy is kept); "
                            "keeps the tool-call format the SFT taught while RL learns (README: stability)")
+    sft_coef: float = Field(1.0, ge=0, description="demonstration anchor (PPO-ptx): each optimizer step adds this "
+                            "times the NLL of sft_batch of SFT's demonstrations, so a demonstrated skill that RL "
+                            "erodes is pulled back even when its groups all fail (README: stability)")
+    sft_batch: int = Field(16, ge=1, description="demonstrations per optimizer step for the anchor (sft_coef)")
     negative_weight: float = Field(0.1, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
                                    "(1: plain GRPO; see the README's training results)")
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")

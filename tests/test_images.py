@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from conftest import run, spec
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import standins
+from furlong.paths import layer_mounts_dir
 from furlong.sandbox.images import ImageBuildError
 
 
@@ -184,3 +188,41 @@ def test_env_and_workdir_expand_variables_and_relative_workdirs_chain():
     assert df.next_workdir("/srv", "app", env) == "/srv/app"
     assert df.next_workdir("/srv/app", "$APP/data", env) == "/srv/app/data"
     assert df.next_workdir("/srv/app", "../x", env) == "/srv/x"
+
+
+def _views() -> int:
+    prefix = str(layer_mounts_dir()) + "/"
+    return sum(line.split()[4].startswith(prefix) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def test_lookups_at_once_share_one_and_new_layers_add_no_mount(store, backend, tmp_path: Path, monkeypatch):
+    """An RL step asks for a new task's image once per episode and per sandbox it reserves, all at once:
+    one lookup serves them all. And new layers are seen through the store's one view, not a mount each:
+    every sandbox start copies the host's mount table, and thousands of views made starts take seconds."""
+    paths = [_dockerfile(tmp_path / str(i), "FROM debian:bookworm\nCOPY n.txt /app/n.txt\n",
+                         {"n.txt": f"{i} {time.time_ns()}\n"}) for i in range(3)]  # new layers each run
+    calls: Counter = Counter()
+    real = store._resolve
+
+    async def counting(path, *args):
+        calls[path] += 1
+        return await real(path, *args)
+
+    monkeypatch.setattr(store, "_resolve", counting)
+
+    async def go():
+        store.base()  # the store's view, if this is its first use
+        before = _views()
+        refs = await asyncio.gather(*(store.image(p, backend) for p in paths for _ in range(8)))
+        box = await backend.create(spec(refs[-1]))
+        try:
+            out = (await box.exec("cat /app/n.txt")).stdout
+        finally:
+            await box.close()
+        return before, refs, out
+
+    before, refs, out = run(go())
+    assert calls == {p: 1 for p in paths}
+    assert [r.key for r in refs] == [r.key for r in refs[::8] for _ in range(8)] and len({r.key for r in refs}) == 3
+    assert out.startswith("2 ")
+    assert _views() == before  # three new layers, no new mount

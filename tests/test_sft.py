@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from furlong.model.loading import load_model
-from furlong.train.sft import Demo, sft_train
+from furlong.train.sft import Demo, load_demos, save_demos, sft_train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,3 +34,12 @@ def test_one_epoch_changes_the_model_and_no_demonstrations_is_an_error(tiny_dir:
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="no demonstrations"):
         sft_train(model, [], epochs=1, lr=1e-3, batch_size=4, seed=0, pad_id=0)
+
+
+def test_demonstrations_round_trip_through_their_file_and_a_bad_line_names_itself(tmp_path: Path):
+    demos = [_demo(), Demo(task_id="u", tokens=(1, 2, 3), loss_mask=(0, 1, 1))]
+    save_demos(tmp_path / "demos.jsonl", demos)
+    assert load_demos(tmp_path / "demos.jsonl") == demos
+    (tmp_path / "bad.jsonl").write_text('{"task_id": "t", "tokens": [1]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not a demonstration"):
+        load_demos(tmp_path / "bad.jsonl")

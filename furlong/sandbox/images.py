@@ -89,6 +89,7 @@ class ImageStore:
         self.build_timeout_s = build_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
         self._resolved: dict[Path, ImageRef] = {}  # a task's files do not change within a run
+        self._resolving: dict[Path, asyncio.Future] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         self.registry = registry.Registry(self.root / "registry", pulls)  # images pulled by digest
         check_traversable(self.root, self.host_uid)  # build sandboxes write layers under it by path
@@ -147,8 +148,17 @@ class ImageStore:
                                   + "\n".join(tail) + tar_err[-1000:])
 
     def _view(self, layer: Path) -> Path:
-        """As root, the read-only id-mapped view of a root-owned layer; otherwise the layer itself."""
-        return layers.readonly_view(layer, self.host_uid) if layers.supported() else layer
+        """As root, the layer seen through the read-only id-mapped view of the whole store; otherwise the
+        layer itself. One view for every layer, not one each: every sandbox start copies the host's mount
+        table into its namespace, so thousands of views (a host that has run many tasks) made each start
+        take seconds on a loaded machine. A layer built later shows through the same view."""
+        if not layers.supported():
+            return layer
+        try:
+            inside = layer.relative_to(self.root)
+        except ValueError:  # not in this store: a view of its own
+            return layers.readonly_view(layer, self.host_uid)
+        return layers.readonly_view(self.root, self.host_uid) / inside
 
     def _seal(self, upper: Path) -> None:
         """As root, hands a built layer to root so the sandbox uid cannot write it (chown clears
@@ -244,12 +254,23 @@ class ImageStore:
         return "layer-" + _sha(*parts)
 
     async def image(self, dockerfile: Path | None, backend, progress: Progress | None = None) -> ImageRef:
-        """The image for a task: the base, or its Dockerfile's FROM plus its own layer (built once)."""
+        """The image for a task: the base, or its Dockerfile's FROM plus its own layer (built once).
+
+        Callers asking for the same Dockerfile at once share one lookup: an RL step asks for each new task's
+        image once per episode and once per sandbox it reserves, all together, and a lookup costs tens of
+        milliseconds of CPU even when the layer is built (the cost the engine then waits for)."""
         progress = progress or (lambda _: None)
         if dockerfile is None:
             return await asyncio.to_thread(self.base, progress)
         if dockerfile in self._resolved:
             return self._resolved[dockerfile]
+        pending = self._resolving.get(dockerfile)
+        if pending is None:
+            pending = self._resolving[dockerfile] = asyncio.ensure_future(self._resolve(dockerfile, backend, progress))
+            pending.add_done_callback(lambda _: self._resolving.pop(dockerfile, None))
+        return await asyncio.shield(pending)  # one caller cancelled must not cancel the others' lookup
+
+    async def _resolve(self, dockerfile: Path, backend, progress: Progress) -> ImageRef:
         if why := df.outside_subset(dockerfile):  # multi-stage, ARG, USER, heredocs...: buildah builds it
             from furlong.sandbox import buildah  # it builds on this module
 

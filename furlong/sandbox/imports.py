@@ -54,7 +54,10 @@ def find(root: Path, name: str) -> dict | None:
 
 
 def names(root: Path) -> list[str]:
-    return sorted(json.loads(m.read_text())["name"] for m in root.glob("import-*/meta.json"))
+    # scandir, not glob: the store holds a directory per built layer (thousands), imports are few
+    with os.scandir(root) as entries:
+        metas = [Path(e.path) / "meta.json" for e in entries if e.name.startswith("import-") and e.is_dir()]
+    return sorted(json.loads(m.read_text())["name"] for m in metas if m.is_file())
 
 
 def import_image(root: Path, name: str, source: Path, progress: Callable[[str], None]) -> dict:

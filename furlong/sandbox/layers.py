@@ -5,8 +5,9 @@ layer must *look* owned by 61000 to look root-owned (and copy-up writable) insid
 (`mount_setattr(MOUNT_ATTR_IDMAP)`, Linux >= 5.12; overlayfs accepts such lower layers since 5.19)
 shows on-disk uid 0 as 61000, and the same mount is read-only, so even a leaked fd or an escaped
 process with uid 61000 gets EROFS or EACCES on the layer. bwrap resolves its `--overlay-src` fds back
-to paths, so the view is attached at a path (under `paths.layer_mounts_dir()`), once per layer per
-boot (views of deleted layers are detached by the next sweep).
+to paths, so the view is attached at a path (under `paths.layer_mounts_dir()`), once per boot; the image
+store views its whole directory this way and names each layer inside that one view (views of deleted
+directories are detached by the next sweep).
 """
 
 from __future__ import annotations
@@ -92,11 +93,14 @@ def readonly_view(layer: Path, uid: int) -> Path:
 
 
 def _current(target: Path, layer: Path) -> bool:
-    """Whether the view at `target` shows this very directory (a bind mount keeps st_dev and st_ino;
-    mountinfo's source path is relative to its filesystem, so it is not compared)."""
-    if str(target) not in _views():
+    """Whether the view at `target` shows this very directory: a bind mount keeps st_dev and st_ino, and
+    an unmounted `target` is an empty directory of its own, so the two stats say it. (Not mountinfo: a
+    host that has run many tasks has thousands of views, and parsing it cost more than an RL episode's
+    sandbox start; mountinfo's source path is relative to its filesystem, so it could not be compared.)"""
+    try:
+        a, b = os.stat(target), os.stat(layer)
+    except FileNotFoundError:
         return False
-    a, b = os.stat(target), os.stat(layer)
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 

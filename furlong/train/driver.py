@@ -36,11 +36,12 @@ from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
 from furlong.tasks.family import load_family
 from furlong.train.export import HF_DIR, write_hf
-from furlong.train.sft import oracle_demos, sft_train
+from furlong.train.sft import load_demos, oracle_demos, save_demos, sft_train
 from furlong.train.trainer import GRPOConfig, Trainer
 from furlong.train.weights import open_link, rollout_engine, shared_vllm
 
 CURSOR_FILE = "rollout_cursor.json"  # beside each RL checkpoint: where the group stream resumes
+DEMOS_FILE = "demos.jsonl"  # in the run dir: SFT's demonstrations, which RL's anchor (rl.sft_coef) reuses
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,13 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     for task in p.train_tasks:  # reward-only families' demonstrations are never shown
         if task.family in cfg.train.demonstrated():
             by_family.setdefault(task.family, []).append(task)
-    # epochs 0 (a model already fine-tuned, as bench/rl_vs_sft.py's arm C): no demonstrations are needed
-    tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]] if s.epochs else []
+    # epochs 0 (a model already fine-tuned, as bench/rl_vs_sft.py's arm C): demonstrations are needed only
+    # for RL's anchor
+    wanted = s.epochs > 0 or cfg.train.rl.sft_coef > 0
+    tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]] if wanted else []
     with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
         demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, cfg.train.rl.concurrency, advance)
+    save_demos(run.path / DEMOS_FILE, demos)
     demo_seconds = time.perf_counter() - start
     model = load_model(p.base_model)
     steps = s.epochs * -(-len(demos) // s.batch_size)
@@ -146,7 +150,7 @@ def grpo_config(cfg: Config) -> GRPOConfig:
                       off_policy=r.off_policy, mask_level=r.mask_level, is_low=r.is_low, is_high=r.is_high,
                       normalize_std=r.normalize_std, negative_weight=r.negative_weight,
                       filter_zero_variance=r.filter_zero_variance, micro_batch_size=r.micro_batch_size,
-                      temperature=r.temperature, seed=cfg.train.seed)
+                      temperature=r.temperature, sft_coef=r.sft_coef, sft_batch=r.sft_batch, seed=cfg.train.seed)
 
 
 def rollout_metrics(episodes: list[Episode], version: int) -> dict:
@@ -189,7 +193,7 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
     policy, engine_model = _policy_models(cfg, sft_dir)
     # The KL reference is the SFT model itself (with LoRA too: fresh adapters start as the identity).
     ref = load_model(sft_dir).requires_grad_(False) if r.kl_coef > 0 else None
-    trainer = Trainer(policy, grpo_config(cfg), ref_model=ref)
+    trainer = Trainer(policy, grpo_config(cfg), ref_model=ref, demos=anchor_demos(cfg, run))
     start, last = 0, run.state()["last_checkpoint"]
     if last:  # resuming: continue after the last complete step; its later metrics are redone
         trainer.load(run.checkpoint_dir(last["name"]))
@@ -213,6 +217,21 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
                             "status": {k: sum(row.get(f"status_{k}", 0) for row in rows) for k in STATUSES},
                             "episodes": episodes})
     return trainer
+
+
+def anchor_demos(cfg: Config, run: RunDir) -> list:
+    """SFT's demonstrations, for rl.sft_coef; none when the anchor is off."""
+    if cfg.train.rl.sft_coef == 0:
+        return []
+    path = run.path / DEMOS_FILE
+    if not path.is_file():
+        raise ConfigError(f"train.rl.sft_coef: {cfg.train.rl.sft_coef} needs SFT's demonstrations, but {path} "
+                          "is missing (a run whose SFT phase predates it): set train.rl.sft_coef=0 or start a new run")
+    demos = load_demos(path)
+    if not demos:
+        raise ConfigError(f"train.rl.sft_coef: {cfg.train.rl.sft_coef} needs demonstrations, but SFT collected "
+                          f"none ({path}): check train.sft.families and train.sft.instances_per_family")
+    return demos
 
 
 def _scheduler(cfg: Config, rollouts: Rollouts, p: Pieces, start: int, run: RunDir) -> Scheduler:

@@ -8,9 +8,11 @@ result, and a closing assistant turn. Its token layout is exactly what the RL lo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -108,6 +110,31 @@ def _batch(demos: list[Demo], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, 
     return ids, attn, labels
 
 
+def demo_nll(model, demos: list[Demo], pad_id: int = 0) -> torch.Tensor:
+    """Mean cross-entropy over the demonstrations' assistant tokens (their loss mask)."""
+    device = next(model.parameters()).device
+    ids, attn, labels = (t.to(device) for t in _batch(demos, pad_id))
+    return model(input_ids=ids, attention_mask=attn, labels=labels).loss
+
+
+def save_demos(path: Path, demos: list[Demo]) -> None:
+    """One JSON line per demonstration: RL's demonstration anchor (rl.sft_coef) reuses exactly what SFT saw."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(asdict(d)) + "\n" for d in demos))
+    tmp.replace(path)
+
+
+def load_demos(path: Path) -> list[Demo]:
+    demos = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+            demos.append(Demo(task_id=row["task_id"], tokens=tuple(row["tokens"]), loss_mask=tuple(row["loss_mask"])))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: not a demonstration (expected task_id, tokens, loss_mask): {exc}") from exc
+    return demos
+
+
 def sft_train(model, demos: list[Demo], epochs: int, lr: float, batch_size: int, seed: int, pad_id: int,
               on_step: Callable[[int, float], None] = lambda step, loss: None) -> list[float]:
     """Cross-entropy on the assistant tokens only (the loss mask), AdamW; returns the loss of each step."""
@@ -127,8 +154,7 @@ def sft_train(model, demos: list[Demo], epochs: int, lr: float, batch_size: int,
         order = demos[:]
         rng.shuffle(order)
         for start in range(0, len(order), batch_size):
-            ids, attn, labels = _batch(order[start:start + batch_size], pad_id)
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            loss = demo_nll(model, order[start:start + batch_size], pad_id)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

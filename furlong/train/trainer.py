@@ -33,6 +33,7 @@ from furlong.train.grpo import (
     policy_loss,
 )
 from furlong.train.logprobs import token_logprobs
+from furlong.train.sft import Demo, demo_nll
 
 CHECKPOINT_FILE = "trainer.pt"
 
@@ -65,6 +66,8 @@ class GRPOConfig:
     warmup_steps: int = 0  # optimizer steps over which lr ramps up linearly: Adam's first steps are the largest
     decay_steps: int = 0  # > 0: after warm-up, lr follows a cosine to min_lr_ratio * lr over this many steps
     min_lr_ratio: float = 0.1
+    sft_coef: float = 0.0  # > 0: plus this times the NLL of sft_batch demonstrations per optimizer step (PPO-ptx)
+    sft_batch: int = 16
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class TrainStats:
     clip_frac: float
     entropy: float
     grad_norm: float  # before clipping, mean over optimizer steps
+    grad_norm_rl: float  # the same, of the policy loss alone (without the demonstration anchor)
+    sft_nll: float  # mean NLL of the anchor's demonstrations (0: no anchor, sft_coef 0)
     response_len_mean: float
     tokens: int  # non-pad tokens of the trained episodes (per epoch)
     loss_tokens: int  # of which sampled (loss-masked)
@@ -146,7 +151,8 @@ def lr_at(cfg: GRPOConfig, step: int) -> float:
 class Trainer:
     """GRPO on one process. `version` counts weight updates (the engine's weight_version after a push)."""
 
-    def __init__(self, model: PreTrainedModel, config: GRPOConfig, ref_model: PreTrainedModel | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, config: GRPOConfig, ref_model: PreTrainedModel | None = None,
+                 demos: Sequence[Demo] = ()) -> None:
         wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
         if wrong:
             raise ValueError(f"the trainer keeps fp32 master weights; the model has {wrong} parameters "
@@ -155,6 +161,9 @@ class Trainer:
             raise ValueError("kl_coef > 0 needs a ref_model")
         if config.micro_batch_size < 1 or config.epochs < 1 or config.minibatches < 1:
             raise ValueError("micro_batch_size, epochs and minibatches must be >= 1")
+        if config.sft_coef > 0 and (not demos or config.sft_batch < 1):
+            raise ValueError("sft_coef > 0 needs demonstrations and sft_batch >= 1")
+        self.demos = list(demos) if config.sft_coef > 0 else []
         # eval(): no dropout, so the no-grad "old" pass and the grad pass compute the same function.
         self.model = model.eval()
         self.ref_model = ref_model.eval() if ref_model is not None and config.kl_coef > 0 else None
@@ -188,43 +197,41 @@ class Trainer:
                      episodes_dropped=len(episodes) - len(scored),
                      tokens=sum(len(e.tokens) for e in train), loss_tokens=sum(e.response_len for e in train))
         if stats["loss_tokens"] == 0:  # nothing to learn from: not an error, just no update
-            return _finish(stats, None, [], 0.0, False, self.version, start)
+            return _finish(stats, None, {}, False, self.version, start)
         advantages = group_advantages([e.reward for e in train], [group_key(e) for e in train],  # type: ignore[misc]
                                       self.config.normalize_std, self.config.adv_eps)
         advantages = weigh_negatives(advantages, self.config.negative_weight)
-        metrics, norms, entropy = self._optimize(train, advantages)
+        metrics, extra = self._optimize(train, advantages)
         self.version += 1
-        return _finish(stats, metrics, norms, entropy, True, self.version, start)
+        return _finish(stats, metrics, extra, True, self.version, start)
 
-    def _optimize(self, episodes: list[Episode], advantages: torch.Tensor) -> tuple[LossMetrics, list[float], float]:
+    def _optimize(self, episodes: list[Episode], advantages: torch.Tensor) -> tuple[LossMetrics, dict[str, float]]:
         cfg = self.config
         # With a single optimizer step the grad pass runs on the pre-step weights, so its detached logprobs
         # *are* the old logprobs: skip the extra no-grad forward (a third of the step's compute).
         old = None if cfg.epochs * cfg.minibatches == 1 else self._logprobs(self.model, episodes)
         ref = None if self.ref_model is None else self._logprobs(self.ref_model, episodes)
-        steps: list[LossMetrics] = []
-        norms: list[float] = []
-        entropy_sum = 0.0
+        updates: list[_Update] = []
         for _ in range(cfg.epochs):
             order = torch.randperm(len(episodes), generator=self.generator).tolist()
             for part in _split(order, cfg.minibatches):
                 if not any(episodes[i].response_len for i in part):
                     continue  # no sampled token: an AdamW step would still apply momentum and decay
-                metrics, norm, ent = self._minibatch_update(episodes, part, advantages, old, ref)
-                steps.append(metrics)
-                norms.append(norm)
-                entropy_sum += ent
-        self.last_minibatches = tuple(steps)
-        merged = merge_metrics(steps)
+                updates.append(self._minibatch_update(episodes, part, advantages, old, ref))
+        self.last_minibatches = tuple(u.metrics for u in updates)
+        merged = merge_metrics(self.last_minibatches)
         # merge_metrics sums losses (right for micro-batches of one minibatch); across steps, average them.
-        merged = LossMetrics(**{**asdict(merged), "loss": merged.loss / len(steps)})
-        return merged, norms, entropy_sum / max(merged.tokens, 1)
+        merged = LossMetrics(**{**asdict(merged), "loss": merged.loss / len(updates)})
+        n = len(updates)
+        return merged, {"entropy": sum(u.entropy for u in updates) / max(merged.tokens, 1),
+                        "grad_norm": sum(u.norm for u in updates) / n,
+                        "grad_norm_rl": sum(u.norm_rl for u in updates) / n,
+                        "sft_nll": sum(u.sft_nll for u in updates) / n}
 
     def _minibatch_update(self, episodes: list[Episode], indices: list[int], advantages: torch.Tensor,
-                          old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
-                          ) -> tuple[LossMetrics, float, float]:
-        """Gradient accumulation over micro-batches, then one clipped AdamW step. Returns the metrics, the
-        pre-clip grad norm and the sum of entropies over masked tokens."""
+                          old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> _Update:
+        """Gradient accumulation over micro-batches (and the demonstration anchor, if any), then one clipped
+        AdamW step."""
         cfg = self.config
         indices = sorted(indices, key=lambda i: len(episodes[i].tokens))  # similar lengths pad less
         denominator = float(sum(episodes[i].response_len for i in indices))
@@ -245,13 +252,25 @@ class Trainer:
             parts.append(metrics)
             entropy += float((ent * mb.loss_mask).sum())
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        norm_rl = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        nll = self._anchor() if self.demos else 0.0
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(cfg, self._opt_steps)
         self.optimizer.step()
         self._opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return merge_metrics(parts), float(norm), entropy
+        return _Update(merge_metrics(parts), float(norm), norm_rl, nll, entropy)
+
+    def _anchor(self) -> float:
+        """PPO-ptx (Ouyang et al. 2022): add sft_coef times the NLL of a random batch of demonstrations to the
+        gradient. A group whose samples all fail has no reward variance, so GRPO never pulls a forgotten
+        demonstrated skill back; this term does, and it costs almost nothing while the skill is kept."""
+        pick = torch.randint(len(self.demos), (self.config.sft_batch,), generator=self.generator).tolist()
+        with self._autocast():
+            nll = demo_nll(self.model, [self.demos[i] for i in pick])
+        (self.config.sft_coef * nll).backward()
+        return float(nll.detach())
 
     @torch.no_grad()
     def _logprobs(self, model: PreTrainedModel, episodes: list[Episode]) -> list[torch.Tensor]:
@@ -295,6 +314,17 @@ class Trainer:
         _set_rng_state(self.generator, state["rng"])
 
 
+@dataclass(frozen=True)
+class _Update:
+    """One optimizer step's results."""
+
+    metrics: LossMetrics
+    norm: float  # pre-clip, everything
+    norm_rl: float  # pre-clip, the policy loss alone
+    sft_nll: float
+    entropy: float  # summed over masked tokens
+
+
 def _pick(rows: list[torch.Tensor] | None, indices: list[int]) -> list[torch.Tensor] | None:
     return None if rows is None else [rows[i] for i in indices]
 
@@ -310,14 +340,15 @@ def _rollout_stats(scored: list[Episode]) -> dict[str, float]:
             "response_len_mean": sum(e.response_len for e in scored) / n}
 
 
-def _finish(stats: dict, metrics: LossMetrics | None, norms: list[float], entropy: float, updated: bool,
+def _finish(stats: dict, metrics: LossMetrics | None, extra: dict[str, float], updated: bool,
             version: int, start: float) -> TrainStats:
+    """`extra`: entropy, grad_norm, grad_norm_rl and sft_nll (all 0 for a step without an update)."""
     seconds = time.perf_counter() - start
     m = asdict(metrics) if metrics is not None else {k: 0.0 for k in LossMetrics.__dataclass_fields__}
     m.pop("tokens")
-    return TrainStats(**stats, **m, entropy=entropy, grad_norm=sum(norms) / max(len(norms), 1),
-                      seconds=seconds, tokens_per_s=stats["tokens"] / seconds if updated else 0.0,
-                      updated=updated, version=version)
+    zeros = dict.fromkeys(("entropy", "grad_norm", "grad_norm_rl", "sft_nll"), 0.0)
+    return TrainStats(**stats, **m, **{**zeros, **extra}, seconds=seconds, updated=updated, version=version,
+                      tokens_per_s=stats["tokens"] / seconds if updated else 0.0)
 
 
 def _rng_state(generator: torch.Generator) -> dict[str, torch.Tensor | list[torch.Tensor]]:
