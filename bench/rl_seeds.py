@@ -4,7 +4,7 @@ seed: held-out pass@1 gain on the reward-only families (never demonstrated) and 
 each with its paired 90% bootstrap interval (summary.json's heldout_gain), and the run's stability
 (entropy over the steps, train reward in each half; see runs.stability). Writes bench/results/rl_seeds.json.
 
-    python bench/rl_seeds.py                        # 3 default runs: about 30 min on 2 cores
+    python bench/rl_seeds.py                        # 3 default runs: about 20 min on 2 cores
     python bench/rl_seeds.py --seeds 3 4 --out bench/results/rl_seeds_more.json
     python bench/rl_seeds.py --jobs 3               # the seeds at once (each run's wall time then grows)
     python bench/rl_seeds.py --config recipes/smoke.yaml --seeds 0   # a check of this script

@@ -61,6 +61,12 @@ def sft_budget(a: Path, cfg) -> dict:
             "epochs": epochs, "available_per_family": available}
 
 
+def trained_size(run: Path) -> dict:
+    """What B's SFT did (a B kept from an earlier invocation was sized from that invocation's A)."""
+    sft = json.loads((run / "state.json").read_text())["phases"]["sft"]
+    return {"demos": sft["demos"], "epochs": sft["epochs"], "seconds": round(sft["seconds"], 1)}
+
+
 def arm(run: Path, phase: str, groups: dict[str, tuple[str, ...]]) -> dict:
     s = summary(run)
     out = {g: ci(bootstrap_mean(list(passes(run, phase, fams).values()))) for g, fams in groups.items()}
@@ -127,7 +133,8 @@ def main() -> None:
         runs = run_arms(work, base, args.from_run, not args.no_strong, cfg)
         result = {"command": "python bench/rl_vs_sft.py " + " ".join(sys.argv[1:]),
                   "pass_at_1": "held-out pass@1 [value, 90% bootstrap low, high]; differences in points",
-                  "groups": {g: list(f) for g, f in groups.items()}, "sft_only_size": runs["size"],
+                  "groups": {g: list(f) for g, f in groups.items()},
+                  "sft_only_size": {**runs["size"], "trained": trained_size(runs["B"])},
                   "A_sft_rl": arm(runs["A"], "eval_after", groups),
                   "B_sft_only": arm(runs["B"], "eval_after", groups),
                   "A_minus_B_points": {g: paired(runs["A"], runs["B"], f) for g, f in groups.items() if f}}
