@@ -319,7 +319,7 @@ def main() -> None:
     torch.set_num_threads(1)
     env = environment(args)
     model_dir = init_tiny()
-    grpo = replace(grpo_config(cfg), kl_coef=0.0)  # as measured: this bench's trainer has no KL reference model
+    grpo = replace(grpo_config(cfg), kl_coef=0.0, sft_coef=0.0)  # as measured: no KL reference, no demonstrations
     if args.warmup_steps is not None:
         grpo = replace(grpo, warmup_steps=args.warmup_steps)
     start = time.perf_counter()

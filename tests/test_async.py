@@ -136,9 +136,10 @@ def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[s
     """furlong.train.driver's RL loop itself on hand-made tasks; returns the logged rows and the run."""
     tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(4)]
     tasks.append(make_task(tmp_path / "tasks", "bug", "Create /tmp/done", "echo no reward"))  # infra_error
+    # scheduling under test: no KL reference model, no demonstrations for an anchor
     cfg = load_config(None, ["train.rl.tasks_per_step=2", "train.rl.group_size=3", "train.rl.concurrency=4",
                              "train.rl.checkpoint_every=100", "train.rl.lr=0.01", "train.rl.warmup_steps=0",
-                             "train.rl.kl_coef=0", *overrides])  # scheduling under test: no KL reference model
+                             "train.rl.kl_coef=0", "train.rl.sft_coef=0", *overrides])
     run_dir = RunDir.create(tmp_path / "run", {})
     tokenizer = load_tokenizer(tiny_dir)
     trainer = Trainer(load_model(tiny_dir), grpo_config(cfg))
