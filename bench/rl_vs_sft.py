@@ -13,7 +13,7 @@ difference. Reported: held-out pass@1 with 90% bootstrap intervals per arm on th
 the demonstrated ones and all; A - B (paired); C's gain on each group (paired, before vs after its RL);
 wall time per arm. Writes bench/results/rl_vs_sft.json.
 
-    python bench/rl_vs_sft.py                  # about 30 min on 2 cores
+    python bench/rl_vs_sft.py                  # about 20 min on 2 cores
     python bench/rl_vs_sft.py --from-run RUN   # arm A is an existing run of the same recipe
     python bench/rl_vs_sft.py --keep DIR       # arms finished in DIR (DIR/A, B, C) are kept, unfinished ones resumed
     python bench/rl_vs_sft.py --config recipes/smoke.yaml --no-strong   # a check of this script
