@@ -252,15 +252,17 @@ class Trainer:
             parts.append(metrics)
             entropy += float((ent * mb.loss_mask).sum())
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        norm_rl = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-        nll = self._anchor() if self.demos else 0.0
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        norm_rl, nll = None, 0.0
+        if self.demos:  # the policy loss's own norm is measured before the anchor's gradient joins it
+            norm_rl = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+            nll = self._anchor()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(cfg, self._opt_steps)
         self.optimizer.step()
         self._opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return _Update(merge_metrics(parts), float(norm), norm_rl, nll, entropy)
+        return _Update(merge_metrics(parts), norm, norm if norm_rl is None else norm_rl, nll, entropy)
 
     def _anchor(self) -> float:
         """PPO-ptx (Ouyang et al. 2022): add sft_coef times the NLL of a random batch of demonstrations to the
