@@ -61,9 +61,12 @@ class EvalConfig(_Node):
 # demonstrations of the first two only; number-words asks for number-stats' commands in words never
 # demonstrated, so RL must learn them from the verifier's reward (README: "What RL learns"). text-words,
 # its transform-text twin, is left out: after SFT the tiny model never samples the right command for most
-# of its wordings, so there is no reward to learn from.
+# of its wordings, so there is no reward to learn from. RL draws only number-words, so every group of a
+# step is of the family that only reward can teach (3-5 of 16 when RL drew all three families), and the
+# demonstration anchor (rl.sft_coef) keeps what SFT taught of the others (bench/results/rl_seeds.json).
 DEFAULT_FAMILIES = ("number-stats", "transform-text", "number-words")
 DEFAULT_SFT_FAMILIES = ("number-stats", "transform-text")
+DEFAULT_RL_FAMILIES = ("number-words",)
 
 
 class ModelConfig(_Node):
@@ -94,8 +97,9 @@ class SFTConfig(_Node):
 
 class RLConfig(_Node):
     families: tuple[str, ...] | None = Field(
-        None, description="the families RL draws its train tasks from (each one of train.families); null: all "
-        "of them. Held-out evals always cover every family")
+        DEFAULT_RL_FAMILIES, description="the families RL draws its train tasks from (each one of "
+        "train.families); null: all of them, which is also what setting train.families or train.sft.families "
+        "alone means. Held-out evals always cover every family")
     steps: int = Field(20, ge=0)
     tasks_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=2)
@@ -252,10 +256,13 @@ class TrainConfig(_Node):
 
     @model_validator(mode="after")
     def _family_subsets_known(self) -> TrainConfig:
-        if "families" in self.model_fields_set and "families" not in self.sft.model_fields_set:
-            # the default's demonstrated/reward-only split is about the default's families: a recipe that
-            # picks its own families demonstrates all of them unless it says otherwise
+        # the default's demonstrated/reward-only split is about the default's families: a recipe that picks
+        # its own families demonstrates them all, and RL draws from them all, unless it says otherwise
+        own = "families" in self.model_fields_set
+        if own and "families" not in self.sft.model_fields_set:
             object.__setattr__(self, "sft", self.sft.model_copy(update={"families": None}))
+        if (own or "families" in self.sft.model_fields_set) and "families" not in self.rl.model_fields_set:
+            object.__setattr__(self, "rl", self.rl.model_copy(update={"families": None}))
         for key, chosen in (("sft", self.sft.families), ("rl", self.rl.families)):
             unknown = [f for f in chosen or () if f not in self.families]
             if unknown:

@@ -5,6 +5,7 @@ both sides of a mid-episode weight update keep their versions, and sync mode dra
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -131,35 +132,59 @@ class FailingStarts:
         return await self.inner.acquire(spec_)
 
 
+class PushMidGeneration(DirectLink):
+    """A DirectLink whose every push lands while a generation is part-way through: it holds the engine
+    paused until one has sampled tokens and not finished, then updates and resumes, so that generation's
+    next token is the new version's. Mid-episode updates by construction, not by the machine's timing."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        super().__init__(engine)
+        self.split = 0  # pushes that landed inside a generation
+
+    async def push(self, weights, version: int) -> dict[str, float]:
+        for _ in range(3000):  # about 30 s: the episodes in flight may all be between turns
+            await self.engine.pause()
+            if any(r.output_ids for r in self.engine._batch.rows):  # unfinished: finished rows leave the batch
+                self.split += 1
+                break
+            await self.engine.resume()
+            await asyncio.sleep(0.01)
+        try:
+            return await super().push(weights, version)
+        finally:
+            await self.engine.resume()
+
+
 def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[str], fail_every: int = 0,
-          max_new_tokens: int = 12):
+          link_type: type[DirectLink] = DirectLink):
     """furlong.train.driver's RL loop itself on hand-made tasks; returns the logged rows and the run."""
     tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(4)]
     tasks.append(make_task(tmp_path / "tasks", "bug", "Create /tmp/done", "echo no reward"))  # infra_error
     # scheduling under test: no KL reference model, no demonstrations for an anchor
     cfg = load_config(None, ["train.rl.tasks_per_step=2", "train.rl.group_size=3", "train.rl.concurrency=4",
                              "train.rl.checkpoint_every=100", "train.rl.lr=0.01", "train.rl.warmup_steps=0",
-                             "train.rl.kl_coef=0", "train.rl.sft_coef=0", *overrides])
+                             "train.rl.kl_coef=0", "train.rl.sft_coef=0", "train.rl.families=null", *overrides])
     run_dir = RunDir.create(tmp_path / "run", {})
     tokenizer = load_tokenizer(tiny_dir)
     trainer = Trainer(load_model(tiny_dir), grpo_config(cfg))
 
     async def go():
-        link = DirectLink(HFEngine(load_model(tiny_dir), eos_token_ids=()))
+        link = links[0] = link_type(HFEngine(load_model(tiny_dir), eos_token_ids=()))
         async with WarmPools(backend, fixed_image(base_image)) as pools:
             source = FailingStarts(pools, fail_every) if fail_every else pools
-            rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=max_new_tokens), 4)
+            rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=12), 4)
             pieces = SimpleNamespace(train_tasks=tasks, tokenizer=tokenizer)  # checkpoints export the policy too
             await _rl_steps(cfg, trainer, rollouts, link, pieces, run_dir, QUIET, 0)
         await link.close()
 
+    links: list[DirectLink] = [None]
     run(go())
-    return run_dir.metrics("rl"), run_dir
+    return run_dir.metrics("rl"), run_dir, links[0]
 
 
 def test_async_bounds_staleness_and_accounts_for_every_episode(tiny_dir, backend, base_image, tmp_path):
     steps = 6
-    rows, run_dir = _loop(tmp_path, tiny_dir, backend, base_image,
+    rows, run_dir, _ = _loop(tmp_path, tiny_dir, backend, base_image,
                           [f"train.rl.steps={steps}", "train.rl.mode=async", "train.rl.max_staleness=1",
                            "train.rl.max_inflight_groups=4", "train.rl.stale_policy=drop"], fail_every=7)
     assert [r["step"] for r in rows] == list(range(steps))
@@ -222,14 +247,18 @@ def test_report_measures_lag_at_the_step_that_trained_a_group_not_the_one_it_was
 
 
 def test_a_mid_episode_weight_update_keeps_each_tokens_version_and_trains(tiny_dir, backend, base_image, tmp_path):
-    """With async rollouts, episodes keep generating across pushes: their tokens carry two versions.
-    Turns of 96 tokens keep most of an episode's time in generation, so a push lands mid-turn in some
-    episode whatever the machine's load (with 12, a loaded machine once had none in 6 steps)."""
-    rows, _ = _loop(tmp_path, tiny_dir, backend, base_image,
-                    ["train.rl.steps=8", "train.rl.mode=async", "train.rl.max_staleness=3",
-                     "train.rl.max_inflight_groups=4"], max_new_tokens=96)
+    """Async rollouts keep generating across pushes. Every push here waits until a generation is part-way
+    (PushMidGeneration), so the episodes it splits hold tokens of two versions whatever the machine's load,
+    and they are trained like the others."""
+    rows, run_dir, link = _loop(tmp_path, tiny_dir, backend, base_image,
+                                ["train.rl.steps=6", "train.rl.mode=async", "train.rl.max_staleness=4",
+                                 "train.rl.max_inflight_groups=6", "train.rl.filter_zero_variance=false"],
+                                link_type=PushMidGeneration)
+    assert link.split >= 1
+    records = [r for r in read_jsonl(run_dir.path / "episodes.jsonl") if r["phase"] == "rl" and r["version_first"] is not None]
+    assert any(r["version_first"] < r["version_last"] for r in records), "no episode spanned a weight update"
     assert sum(r["episodes_multi_version"] for r in rows) > 0, "no trained episode spanned a weight update"
-    assert all(r["staleness_max"] <= 3 for r in rows) and sum(r["updated"] for r in rows) >= 3
+    assert all(r["staleness_max"] <= 4 for r in rows) and sum(r["updated"] for r in rows) >= 3
 
 
 def test_sync_mode_draws_the_samples_of_the_loop_before_async(tmp_path):

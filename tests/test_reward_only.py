@@ -26,7 +26,10 @@ def test_sft_families_split_demonstrated_from_reward_only():
     default = load_config(None, [])  # the embedded default: two demonstrated families, one reward-only
     assert default.train.demonstrated() == ("number-stats", "transform-text")
     assert default.train.reward_only() == ("number-words",)
-    assert default.train.rl.families is None  # RL on every family unless train.rl.families names some
+    assert default.train.rl.families == ("number-words",)  # the default's RL: its reward-only family
+    # a recipe's own families (or its own demonstrated ones) make RL draw from all, unless it names some
+    assert cfg.train.rl.families is None and every.train.rl.families is None
+    assert load_config(None, ["train.sft.families=[number-stats]"]).train.rl.families is None
     only = load_config(None, ["train.rl.families=[number-words]"])
     assert only.train.rl.families == ("number-words",)
 

@@ -55,6 +55,11 @@ def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: 
         assert key in rows[0], key
     assert any((whole / "tb").iterdir()) and (whole / "config.yaml").exists()
     assert (whole / "checkpoints" / "sft" / "config.json").exists() and (whole / "checkpoints" / "rl-3").exists()
+    # resuming a finished run needs no demonstrations, as a run from before demos.jsonl has none
+    (whole / "demos.jsonl").unlink()
+    res = _train("--resume", str(whole))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.splitlines()[-1])["heldout_pass_at_1_after_rl"] == summary["heldout_pass_at_1_after_rl"]
 
     killed = tmp_path / "killed"
     proc = _train(f"train.run_dir={killed}", *SMALL, wait=False)

@@ -93,6 +93,38 @@ class Cgroup:
                     time.sleep(0.01)
 
 
+# A sandbox's launcher enters its cgroup milliseconds after making it; an empty one this old was left by a
+# furlong process that was killed before it could remove it.
+STALE_AFTER_S = 60.0
+_swept: set[Path] = set()
+
+
+def sweep(parent: Path, older_than_s: float = STALE_AFTER_S) -> int:
+    """Removes the empty sandbox cgroups under `parent` that killed runs left behind; returns how many.
+    The kernel refuses to remove a cgroup with processes, and the age check spares one another run has
+    just made and not yet entered."""
+    removed, now = 0, time.time()
+    try:
+        children = [d for d in parent.iterdir() if d.is_dir()]
+    except OSError:
+        return 0
+    for d in children:
+        try:
+            if now - d.stat().st_mtime >= older_than_s and not (d / "cgroup.procs").read_text().strip():
+                d.rmdir()
+                removed += 1
+        except OSError:  # entered, or removed by another run, since the check
+            continue
+    return removed
+
+
+def _sweep_once(parent: Path) -> None:
+    if parent not in _swept:
+        _swept.add(parent)
+        if removed := sweep(parent):
+            log.info("removed %d empty sandbox cgroups left in %s by killed runs", removed, parent)
+
+
 def _write(path: Path, value: str) -> bool:
     try:
         path.write_text(value)
@@ -127,6 +159,7 @@ def _create_v1(name: str, limits: Limits) -> Cgroup:
 
 def _limit_v1(dirs: list[Path], limits: Limits) -> Cgroup:
     for d in dirs:
+        _sweep_once(d.parent)
         d.mkdir(parents=True, exist_ok=True)
     mem, pids, cpu = dirs
     limit = str(limits.memory_mb << 20)
@@ -152,6 +185,7 @@ def _create_v2(mount: Path, name: str, limits: Limits) -> Cgroup:
 
 
 def _limit_v2(d: Path, limits: Limits) -> Cgroup:
+    _sweep_once(d.parent)
     d.mkdir(exist_ok=True)
     if not _write(d / "memory.max", str(limits.memory_mb << 20)):
         raise OSError(f"cannot set {d}/memory.max (memory controller not delegated)")

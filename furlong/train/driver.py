@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -193,13 +193,16 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
     policy, engine_model = _policy_models(cfg, sft_dir)
     # The KL reference is the SFT model itself (with LoRA too: fresh adapters start as the identity).
     ref = load_model(sft_dir).requires_grad_(False) if r.kl_coef > 0 else None
-    trainer = Trainer(policy, grpo_config(cfg), ref_model=ref, demos=anchor_demos(cfg, run))
+    # a finished RL phase trains no more, so it needs no anchor: a run from before demos.jsonl still resumes
+    done, config = bool(run.phase("rl")), grpo_config(cfg)
+    trainer = Trainer(policy, replace(config, sft_coef=0.0) if done else config, ref_model=ref,
+                      demos=[] if done else anchor_demos(cfg, run))
     start, last = 0, run.state()["last_checkpoint"]
     if last:  # resuming: continue after the last complete step; its later metrics are redone
         trainer.load(run.checkpoint_dir(last["name"]))
         start = last["step"] + 1
         run.drop_metrics_after("rl", last["step"])
-    if run.phase("rl"):
+    if done:
         return trainer
     drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
     link = await open_link(cfg, run.path, engine_model, sft_dir, _lora_spec(cfg), shared)
@@ -239,6 +242,9 @@ def _scheduler(cfg: Config, rollouts: Rollouts, p: Pieces, start: int, run: RunD
     next step's episodes start only once this step's weights are in the engine."""
     r, cursor, rows = cfg.train.rl, _cursor(run), run.metrics("rl")
     tasks = p.train_tasks if r.families is None else [t for t in p.train_tasks if t.family in r.families]
+    if not tasks:
+        raise ConfigError(f"train.rl.families: no train task is of {list(r.families or ())} (the train tasks' "
+                          f"families: {sorted({t.family for t in p.train_tasks})})")
     return Scheduler(rollouts, GroupStream(tasks, r.tasks_per_step, r.group_size, cfg.train.seed),
                      temperature=r.temperature, steps_left=r.steps - start, first_step=start,
                      inflight=r.inflight_groups(), lookahead=0 if r.mode == "sync" else r.max_staleness,
