@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     sb_sub = sb.add_subparsers(dest="sandbox_command", required=True)
     dg = sb_sub.add_parser("delegate", help="as root, once: give USER cgroups for per-sandbox limits")
     dg.add_argument("--user", required=True, help="the user who will run furlong")
+    sb_sub.add_parser("tidy", help="as root: detach the image-layer views earlier versions left mounted "
+                                   "(they slow every sandbox start), keeping the image store's own")
     return parser
 
 
@@ -232,9 +234,25 @@ def _run_dir(cfg: Config, args: argparse.Namespace):
 def cmd_sandbox(args: argparse.Namespace) -> int:
     from furlong.sandbox.cgroups import delegate
 
+    if args.sandbox_command == "tidy":
+        return _tidy()
     for d in delegate(args.user):
         print(d)
     console.print(f"{args.user} now gets per-sandbox cgroup limits when running furlong")
+    return 0
+
+
+def _tidy() -> int:
+    from furlong.paths import cache_dir
+    from furlong.sandbox import layers
+
+    if not layers.supported():
+        raise PermissionError("`furlong sandbox tidy` detaches root's image-layer views: run it as root "
+                              "(an ordinary user's sandboxes use the layers directly, no views to tidy)")
+    keep = layers.mount_point(cache_dir() / "images")
+    with console.status("detaching image-layer views"):
+        n = layers.detach_all_but(keep)
+    console.print(f"detached {n} image-layer views; kept the image store's own ({keep})")
     return 0
 
 

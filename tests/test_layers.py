@@ -47,3 +47,31 @@ def test_inside_the_image_still_looks_root_owned_and_writable(backend, base_imag
     assert res.ok, res.stderr
     assert res.stdout.split() == ["root", "root", "hi", "-rws"]
     assert not (store.root / store.base_key() / "rootfs" / "etc" / "furlong-probe").exists()
+
+
+def test_sandbox_tidy_detaches_every_view_but_the_stores_own(tmp_path, monkeypatch):
+    """Earlier versions left one view per layer mounted until reboot; `furlong sandbox tidy` detaches them
+    (here under a private FURLONG_LAYER_MOUNTS) and keeps the store's own view, and a later lookup of a
+    detached layer attaches it again."""
+    import sys
+    from pathlib import Path
+
+    from furlong.sandbox import layers
+
+    monkeypatch.setenv("FURLONG_LAYER_MOUNTS", str(tmp_path / "views"))
+    monkeypatch.setenv("FURLONG_CACHE", str(tmp_path / "cache"))
+    store, old = tmp_path / "cache" / "images", [tmp_path / "old" / f"layer{i}" for i in range(2)]
+    for d in (store, *old):
+        d.mkdir(parents=True)
+        (d / "mark").write_text(d.name)
+    kept = layers.readonly_view(store, DEFAULT_HOST_UID)
+    views = [layers.readonly_view(d, DEFAULT_HOST_UID) for d in old]
+    assert set(layers._views()) == {str(v) for v in (kept, *views)}
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", "sandbox", "tidy"], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr
+    assert "detached 2 image-layer views" in res.stdout + res.stderr
+    assert set(layers._views()) == {str(kept)} and (kept / "mark").read_text() == "images"
+    assert (layers.readonly_view(old[0], DEFAULT_HOST_UID) / "mark").read_text() == "layer0"
+    layers.detach_all_but(Path("/nonexistent"))  # leave no view of tmp_path behind
+    assert layers._views() == {}

@@ -134,6 +134,23 @@ def sweep() -> None:
                 pass
 
 
+def detach_all_but(keep: Path) -> int:
+    """Detaches every view under layer_mounts_dir() except the one at `keep` (the image store's own view):
+    the per-layer views earlier versions attached (one per layer a host ever used, kept until reboot, and
+    copied into every new sandbox's namespace) and those of other stores. Detaching is lazy: sandboxes
+    already running keep what they see. Returns how many views were detached."""
+    detached = 0
+    for target, sources in _views().items():
+        if Path(target) != keep:
+            _detach(Path(target), len(sources))
+            detached += 1
+            try:
+                os.rmdir(target)
+            except OSError:
+                pass
+    return detached
+
+
 def supported() -> bool:
     """Id-mapped read-only views need root (CAP_SYS_ADMIN on the layer's filesystem)."""
     return os.geteuid() == 0
