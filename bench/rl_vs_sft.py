@@ -1,7 +1,7 @@
 """Does RL earn its keep? Three arms from the same recipe (the embedded default unless --config), in one go:
 
-  A  sft+rl         `furlong train`: SFT on the demonstrated families' demonstrations, then RL on every
-                    family, reward-only ones included.
+  A  sft+rl         `furlong train`: SFT on the demonstrated families' demonstrations, then RL on
+                    train.rl.families (the default: the reward-only family alone).
   B  sft-only       no RL: SFT alone spends A's SFT + RL wall time on more SFT: more demonstrations of the
                     demonstrated families (up to all of their train instances) and more epochs, sized from
                     A's measured cost per demonstration and per demonstration-epoch.

@@ -64,14 +64,16 @@ def test_sandbox_tidy_detaches_every_view_but_the_stores_own(tmp_path, monkeypat
     for d in (store, *old):
         d.mkdir(parents=True)
         (d / "mark").write_text(d.name)
-    kept = layers.readonly_view(store, DEFAULT_HOST_UID)
-    views = [layers.readonly_view(d, DEFAULT_HOST_UID) for d in old]
-    assert set(layers._views()) == {str(v) for v in (kept, *views)}
-    res = subprocess.run([sys.executable, "-m", "furlong.cli", "sandbox", "tidy"], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).resolve().parent.parent)
-    assert res.returncode == 0, res.stderr
-    assert "detached 2 image-layer views" in res.stdout + res.stderr
-    assert set(layers._views()) == {str(kept)} and (kept / "mark").read_text() == "images"
-    assert (layers.readonly_view(old[0], DEFAULT_HOST_UID) / "mark").read_text() == "layer0"
-    layers.detach_all_but(Path("/nonexistent"))  # leave no view of tmp_path behind
+    try:
+        kept = layers.readonly_view(store, DEFAULT_HOST_UID)
+        views = [layers.readonly_view(d, DEFAULT_HOST_UID) for d in old]
+        assert set(layers._views()) == {str(v) for v in (kept, *views)}
+        res = subprocess.run([sys.executable, "-m", "furlong.cli", "sandbox", "tidy"], capture_output=True,
+                             text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+        assert res.returncode == 0, res.stderr
+        assert "detached 2 image-layer views" in res.stdout + res.stderr
+        assert set(layers._views()) == {str(kept)} and (kept / "mark").read_text() == "images"
+        assert (layers.readonly_view(old[0], DEFAULT_HOST_UID) / "mark").read_text() == "layer0"
+    finally:
+        layers.detach_all_but(Path("/nonexistent"))  # leave no view of tmp_path behind
     assert layers._views() == {}

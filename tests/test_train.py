@@ -162,6 +162,12 @@ def test_step_without_surviving_groups_does_not_update(tiny_dir: Path) -> None:
     assert not stats.updated and stats.groups_used == 0 and stats.groups_filtered == 1
     assert stats.episodes_dropped == 1 and stats.reward_mean == 1.0 and trainer.version == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # the demonstration anchor needs no reward variance: it still takes its step, and the version moves
+    anchored = Trainer(load_model(tiny_dir), GRPOConfig(lr=1e-2, sft_coef=1.0, sft_batch=2), demos=_demos())
+    stats = anchored.train_step(eps)
+    assert stats.updated and stats.groups_used == 0 and anchored.version == 1
+    assert stats.sft_nll > 0 and stats.grad_norm > 0 and stats.grad_norm_rl == 0 and stats.loss == 0
+    assert any(not torch.equal(before[k], v) for k, v in anchored.model.state_dict().items())
 
 
 # --- the loss ----------------------------------------------------------------------------------------------------

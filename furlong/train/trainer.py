@@ -13,9 +13,9 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -196,8 +196,14 @@ class Trainer:
         stats = dict(_rollout_stats(scored), groups_used=groups_used, groups_filtered=filtered,
                      episodes_dropped=len(episodes) - len(scored),
                      tokens=sum(len(e.tokens) for e in train), loss_tokens=sum(e.response_len for e in train))
-        if stats["loss_tokens"] == 0:  # nothing to learn from: not an error, just no update
-            return _finish(stats, None, {}, False, self.version, start)
+        if stats["loss_tokens"] == 0:  # nothing to learn from: not an error; the anchor still acts
+            if not self.demos:
+                return _finish(stats, None, {}, False, self.version, start)
+            self.optimizer.zero_grad(set_to_none=True)
+            update = self._step(self._anchor)
+            self.version += 1
+            return _finish(stats, None, {"grad_norm": update.norm, "sft_nll": update.sft_nll}, True, self.version,
+                           start)
         advantages = group_advantages([e.reward for e in train], [group_key(e) for e in train],  # type: ignore[misc]
                                       self.config.normalize_std, self.config.adv_eps)
         advantages = weigh_negatives(advantages, self.config.negative_weight)
@@ -251,18 +257,25 @@ class Trainer:
             loss.backward()
             parts.append(metrics)
             entropy += float((ent * mb.loss_mask).sum())
+        update = self._step(self._anchor if self.demos else None)
+        return replace(update, metrics=merge_metrics(parts), entropy=entropy)
+
+    def _step(self, anchor: Callable[[], float] | None) -> _Update:
+        """Adds the anchor's gradient (if any) to the accumulated one, clips, and takes one AdamW step."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm_rl, nll = None, 0.0
-        if self.demos:  # the policy loss's own norm is measured before the anchor's gradient joins it
-            norm_rl = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-            nll = self._anchor()
-        norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
+        if anchor is not None:  # the policy loss's own norm is measured before the anchor's gradient joins it
+            norm_rl = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None] or
+                                                          [torch.zeros(1)]))
+            nll = anchor()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip if self.config.grad_clip > 0
+                                                    else float("inf")))
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(cfg, self._opt_steps)
+            group["lr"] = lr_at(self.config, self._opt_steps)
         self.optimizer.step()
         self._opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return _Update(merge_metrics(parts), norm, norm if norm_rl is None else norm_rl, nll, entropy)
+        return _Update(None, norm, norm if norm_rl is None else norm_rl, nll, 0.0)
 
     def _anchor(self) -> float:
         """PPO-ptx (Ouyang et al. 2022): add sft_coef times the NLL of a random batch of demonstrations to the
@@ -320,7 +333,7 @@ class Trainer:
 class _Update:
     """One optimizer step's results."""
 
-    metrics: LossMetrics
+    metrics: LossMetrics | None  # None: an anchor-only step
     norm: float  # pre-clip, everything
     norm_rl: float  # pre-clip, the policy loss alone
     sft_nll: float
