@@ -4,6 +4,7 @@ RL phase, and reading a finished run's held-out results and stability figures.""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,8 @@ def fork_before_rl(src: Path, dst: Path, overrides: dict) -> None:
     for name, keep in (("metrics.jsonl", "sft"), ("episodes.jsonl", "eval_before")):
         rows = [r for r in read_jsonl(src / name) if r["phase"] == keep]
         (dst / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if (src / "demos.jsonl").exists():  # the demonstration anchor (rl.sft_coef) trains on SFT's own demos
+        shutil.copy2(src / "demos.jsonl", dst / "demos.jsonl")
 
 
 def ci(est, scale: float = 1.0) -> list[float]:

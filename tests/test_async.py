@@ -211,6 +211,7 @@ def _check_records(path: Path, rows: list[dict]) -> None:
     staleness, and `furlong report`'s sample lags are the trained ones."""
     records = [r for r in read_jsonl(path / "episodes.jsonl") if r["phase"] == "rl"]
     assert len({(r["step"], r["group"], r["sample"]) for r in records}) == len(records)
+    assert all(r["error"] for r in records if r["status"] == "infra_error")  # each one says why
     lags = []
     for row in rows:
         mine = [r for r in records if r["step"] == row["step"]]

@@ -236,6 +236,33 @@ def test_update_lands_between_steps_mid_generation(tiny_dir: Path) -> None:
     assert gen.weight_version == 0  # the oldest contributing policy bounds staleness
 
 
+def test_tokens_after_a_mid_generation_update_come_from_the_new_weights_alone(tiny_dir: Path) -> None:
+    """A partial rollout: each token's logprob is what a trainer holding the weights of its version computes,
+    on both sides of the update (the running request's KV is recomputed, not kept from the old weights)."""
+    model = load_model(tiny_dir)
+    old = load_model(tiny_dir)
+    new_weights = perturbed_weights(model)
+    p = prompts(3)[2]
+
+    async def main():
+        async with HFEngine(model, eos_token_ids=()) as engine:
+            task = asyncio.create_task(engine.generate(p, SamplingParams(max_new_tokens=40, seed=3)))
+            await tokens_generated(engine, 10)
+            await engine.update_weights(new_weights, version=1)
+            return await task, engine.stats.recomputed_tokens
+
+    gen, recomputed = run(main())
+    versions = torch.tensor(gen.token_weight_versions)
+    assert 0 < int((versions == 1).sum()) < len(versions) - 5  # the update landed mid-generation
+    first_new = int((versions == 1).nonzero()[0])
+    assert recomputed == len(p) + first_new - 1  # the prompt and every token fed back before the update
+    got = torch.tensor(gen.logprobs)
+    ref_old, ref_new = (reference_logprobs(m, p, gen.output_ids, 1.0) for m in (old, model))
+    assert (got - ref_old)[versions == 0].abs().max() <= TOL
+    assert (got - ref_new)[versions == 1].abs().max() <= TOL
+    assert (ref_old - ref_new)[versions == 1].abs().max() > 100 * TOL  # the two policies really differ
+
+
 def test_bad_weight_updates_are_rejected_whole(tiny_dir: Path) -> None:
     model = load_model(tiny_dir)
     norm = model.model.norm.weight.detach().clone()

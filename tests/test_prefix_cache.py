@@ -117,16 +117,23 @@ def test_weight_update_invalidates_cached_kv(tiny_dir: Path) -> None:
             after = await engine.generate(follow, greedy)
             hits_after_update = engine.stats.cached_tokens
             assert_matches_reference(model, follow, after, 0.0)  # computed under the new weights only
-            # A request that spans an update has KV from two weight versions: it must not be cached.
-            spanning = asyncio.create_task(engine.generate(prompts(4)[3], SamplingParams(max_new_tokens=30)))
+            # A request that spans an update continues on KV recomputed under the new weights, so its KV is
+            # the new weights' alone: it is cached, and a request reusing it matches the new weights.
+            q = prompts(4)[3]
+            spanning = asyncio.create_task(engine.generate(q, SamplingParams(max_new_tokens=30)))
             await tokens_generated(engine, engine.stats.generated_tokens + 3)
-            await engine.update_weights({"model.norm.weight": model.model.norm.weight.detach() * 1.1}, version=2)
-            await spanning
-            return after, hits_after_update, len(engine.prefix_cache)
+            await engine.update_weights(perturbed_weights(model), version=2)
+            spanned = await spanning
+            entries, hits = len(engine.prefix_cache), engine.stats.cached_tokens
+            reuse = q + list(spanned.output_ids) + [5]
+            again = await engine.generate(reuse, greedy)
+            return after, hits_after_update, spanned, entries, reuse, again, engine.stats.cached_tokens - hits
 
-    after, hits_after_update, entries = run(main())
+    after, hits_after_update, spanned, entries, reuse, again, reused = run(main())
     assert hits_after_update == 0 and set(after.token_weight_versions) == {1}
-    assert entries == 0
+    assert set(spanned.token_weight_versions) == {1, 2}
+    assert entries == 1 and reused == len(reuse) - 2  # the prompt and every token it fed back
+    assert_matches_reference(model, reuse, again, 0.0)
 
 
 def test_cache_stays_within_its_budget_least_recently_used_first(model) -> None:

@@ -7,7 +7,8 @@ forwards of similar length), each after the longest prefix whose KV the prefix c
 the earlier turns of the same episode, the group's shared prompt); a retired request's KV goes into that cache. New requests join and finished ones leave at
 step boundaries. All torch work runs on one dedicated worker thread so the event loop (sandboxes, other
 episodes) stays responsive. `update_weights` and `pause` take the same lock, so weights never change and
-pauses never begin in the middle of a step; an update empties the prefix cache (its KV came from older weights).
+pauses never begin in the middle of a step; an update empties the prefix cache (its KV came from older weights)
+and recomputes the running requests' KV under the new weights.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class EngineStats:
     prefill_tokens: int = 0  # of those, the tokens a prefill forward ran (the rest reused KV)
     cached_tokens: int = 0  # of those reused, the ones found in the prefix cache (the rest: a group's shared prompt)
     prefix_evictions: int = 0
+    recomputed_tokens: int = 0  # context re-prefilled for running requests after weight updates
 
     @property
     def reused_tokens(self) -> int:
@@ -143,13 +145,35 @@ class HFEngine:
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `state_dict` (all or some of the model's tensors) into the model between steps. Tokens sampled
-        afterwards carry `version`; running requests keep their KV cache (computed by older weights), but
-        the prefix cache is emptied and their KV is not cached when they finish."""
+        afterwards carry `version`. Running requests continue (a partial rollout) on KV recomputed under the
+        new weights, so each token after the update is sampled from the new policy alone, as AReaL's
+        interruptible rollouts do: new weights attending to KV the old ones computed would sample from
+        neither policy, and no trainer could reproduce those logprobs. The prefix cache is emptied."""
         async with self._step_lock:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._load_weights, state_dict)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self._load_weights, state_dict)
             self._version = version
             self._epoch += 1
             self.prefix_cache.clear()
+            await loop.run_in_executor(self._executor, self._recompute_running)
+
+    def _recompute_running(self) -> None:
+        """Worker thread: re-prefill every running request's context (prompt and the tokens fed back so far;
+        the last sampled token is fed by the next decode step) under the current weights."""
+        rows = list(self._batch.rows)
+        if not rows:
+            return
+        todo = [PrefillRow(r.prompt + r.output_ids[:-1]) for r in rows]
+        kvs: dict[int, KV] = {}
+        limit = self.max_prefill_tokens if self.batch_prefill else 0
+        with torch.inference_mode():
+            for chunk in _chunks([len(row.tokens) for row in todo], limit):
+                kvs.update(zip(chunk, prefill(self.model, [todo[i] for i in chunk])[1], strict=True))
+        self._batch.keep([])
+        self._batch.add(rows, [kvs[i] for i in range(len(rows))])
+        for r in rows:
+            r.kv_epoch = self._epoch  # its KV is the current weights' alone again: cacheable when it retires
+        self.stats.recomputed_tokens += sum(len(row.tokens) for row in todo)
 
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # keep_vars: the live tensors, including tied aliases such as lm_head.weight.

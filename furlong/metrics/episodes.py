@@ -33,6 +33,7 @@ def episode_record(e: "Episode", phase: str, step: int | None) -> dict:
         "tokens_prompt": e.prompt_len, "tokens_response": e.response_len, "tokens_total": len(e.tokens),
         "time": {k: getattr(t, k) for k in COMPONENTS}, "seconds": t.total,
         "start": t.started_at, "end": t.ended_at,
+        "error": e.error,  # what went wrong: for an infra_error (never scored) the only trace of why
     }
 
 
