@@ -142,13 +142,18 @@ class PushMidGeneration(DirectLink):
         self.split = 0  # pushes that landed inside a generation
 
     async def push(self, weights, version: int) -> dict[str, float]:
-        for _ in range(3000):  # about 30 s: the episodes in flight may all be between turns
-            await self.engine.pause()
-            if any(r.output_ids for r in self.engine._batch.rows):  # unfinished: finished rows leave the batch
-                self.split += 1
-                break
-            await self.engine.resume()
-            await asyncio.sleep(0.01)
+        # up to about 5 s: the episodes in flight may all be between turns, and the last steps' pushes find
+        # none (no groups are left to start), so a longer wait only costs time
+        for _ in range(2500):
+            # look first, pause only when a generation is part-way (pausing on every look starves the engine),
+            # then look again: the step the pause waited for may have finished it
+            if any(r.output_ids for r in self.engine._batch.rows):
+                await self.engine.pause()
+                if any(r.output_ids for r in self.engine._batch.rows):  # finished rows leave the batch
+                    self.split += 1
+                    break
+                await self.engine.resume()
+            await asyncio.sleep(0.002)
         try:
             return await super().push(weights, version)
         finally:
