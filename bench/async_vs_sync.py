@@ -8,7 +8,8 @@ Recipe: recipes/async-bench.yaml (families slow-echo, whose commands sleep 0.1-4
 and transform-text; the default's SFT, 32 instances per family x 9 epochs). Reported per mode, from the
 runs' metrics.jsonl, state.json and episodes.jsonl: RL steps and seconds, episodes settled (trained,
 filtered, dropped stale, infra errors) per minute, trainer idle fraction (share of RL time not in
-train_step) and the share it waited for a batch, engine idle fraction, mean and max staleness of the
+train_step) and the share it waited for a batch, engine idle fraction, the machine's busy cores over the
+RL phase (bench/cpuload.py: overlap pays only while cores are spare), mean and max staleness of the
 trained episodes, held-out pass@1 before and after RL with 90% bootstrap intervals; then async vs sync:
 the ratio of episodes per minute and the paired difference of held-out pass@1 after RL (bootstrap over
 the held-out tasks, both modes evaluated on the same tasks and seeds). Writes bench/results/async_vs_sync.json.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -31,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from furlong.metrics.episodes import read_jsonl  # noqa: E402
+from cpuload import CpuMeter  # noqa: E402
 from runs import ci, fork_before_rl, train  # noqa: E402
 from furlong.report.stats import bootstrap_mean  # noqa: E402
 
@@ -43,8 +46,9 @@ def _rewards(run: Path, phase: str) -> dict[str, float]:
     return {r["task"]: float(r["reward"] or 0.0) for r in read_jsonl(run / "episodes.jsonl") if r["phase"] == phase}
 
 
-def measure(run: Path) -> dict:
+def measure(run: Path, meter: CpuMeter) -> dict:
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["phase"] == "rl"]
+    rl_window = (rows[0]["time"] - rows[0]["step_seconds"], rows[-1]["time"])  # a row is logged as its step ends
     phases = json.loads((run / "state.json").read_text())["phases"]
     rl_s, eps = phases["rl"]["seconds"], phases["rl"]["episodes"]
     settled = sum(eps[k] for k in ("trained", "dropped_stale", "filtered", "infra_error"))
@@ -58,6 +62,7 @@ def measure(run: Path) -> dict:
             "trainer_idle_fraction": round(1 - sum(r["seconds"] for r in rows) / rl_s, 3),
             "trainer_wait_fraction": round(sum(r["trainer_wait_s"] for r in rows) / rl_s, 3),
             "engine_idle_fraction": round(sum(r["engine_idle_frac"] * r["step_seconds"] for r in rows) / rl_s, 3),
+            "cores_busy": meter.cores_busy(*rl_window),
             "staleness_mean": round(sum(s * n for s, n in batch) / max(sum(n for _, n in batch), 1), 3),
             "staleness_max": max(r["staleness_max"] for r in rows),
             "episodes_multi_version": sum(r["episodes_multi_version"] for r in rows),
@@ -101,15 +106,16 @@ def main() -> None:
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="furlong-async-bench-"))
     try:
-        sync_dir, async_dir = run_both(work, args.recipe, args.budget_s, args.max_staleness, args.seed)
-        sync, asyn = measure(sync_dir), measure(async_dir)
+        with CpuMeter() as meter:
+            sync_dir, async_dir = run_both(work, args.recipe, args.budget_s, args.max_staleness, args.seed)
+        sync, asyn = measure(sync_dir, meter), measure(async_dir, meter)
         ratios = compare(sync_dir, async_dir, sync, asyn)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     result = {"command": "python bench/async_vs_sync.py " + " ".join(sys.argv[1:]), "recipe": args.recipe,
               "rl_budget_s": args.budget_s, "max_staleness": args.max_staleness, "seed": args.seed,
-              "intervals": "[value, 90% bootstrap low, high]", "sync": sync, "async": asyn, "async_vs_sync": ratios}
+              "cores": os.cpu_count(), "intervals": "[value, 90% bootstrap low, high]", "sync": sync, "async": asyn, "async_vs_sync": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for key in sync:

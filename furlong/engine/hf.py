@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,10 +165,9 @@ class HFEngine:
             return
         todo = [PrefillRow(r.prompt + r.output_ids[:-1]) for r in rows]
         kvs: dict[int, KV] = {}
-        limit = self.max_prefill_tokens if self.batch_prefill else 0
         with torch.inference_mode():
-            for chunk in _chunks([len(row.tokens) for row in todo], limit):
-                kvs.update(zip(chunk, prefill(self.model, [todo[i] for i in chunk])[1], strict=True))
+            for chunk, _, chunk_kvs in self._prefills(todo):
+                kvs.update(zip(chunk, chunk_kvs, strict=True))
         self._batch.keep([])
         self._batch.add(rows, [kvs[i] for i in range(len(rows))])
         for r in rows:
@@ -309,15 +308,21 @@ class HFEngine:
         rows: list[_Request] = []
         kvs: list[KV] = []
         logits_rows: list[torch.Tensor] = []
-        for chunk in _chunks([len(row.tokens) for row in todo], self.max_prefill_tokens if self.batch_prefill else 0):
-            logits, chunk_kvs = prefill(self.model, [todo[i] for i in chunk])
-            self.stats.prefill_calls += 1
+        for chunk, logits, chunk_kvs in self._prefills(todo):
             for j, i in enumerate(chunk):
                 rows += members[i]
                 kvs += [chunk_kvs[j]] * len(members[i])
                 logits_rows.append(logits[j: j + 1].expand(len(members[i]), -1))
         self._batch.add(rows, kvs)
         self._sample(rows, torch.cat(logits_rows), version)
+
+    def _prefills(self, todo: list[PrefillRow]) -> Iterator[tuple[list[int], torch.Tensor, list[KV]]]:
+        """The prefill forwards for `todo`, batched by _chunks: per forward, the indices of its rows in
+        `todo`, their last-position logits and their KV. Admission and recompute both prefill this way."""
+        for chunk in _chunks([len(row.tokens) for row in todo], self.max_prefill_tokens if self.batch_prefill else 0):
+            logits, kvs = prefill(self.model, [todo[i] for i in chunk])
+            self.stats.prefill_calls += 1
+            yield chunk, logits, kvs
 
     def _cacheable(self, request: _Request) -> bool:
         # Only KV computed entirely under the current weights: no update since the request's prefill.
