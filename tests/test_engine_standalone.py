@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from furlong.engine.base import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
+from furlong.engine.remote import EngineProcess
 from furlong.engine.server import READY_PREFIX
 
 
@@ -60,3 +65,38 @@ def test_engine_server_help_needs_no_cli():
     res = subprocess.run([sys.executable, "-m", "furlong.engine.server", "--help"], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and "--model" in res.stdout and "--updates" in res.stdout
+
+
+def _get_health(sock: socket.socket) -> bytes:
+    """One keep-alive GET /health on an open connection; the status line (b"" if the server closed it)."""
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: engine\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return b""
+            head += chunk
+    except (BrokenPipeError, ConnectionResetError):
+        return b""
+    header, body = head.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in header.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return header.split(b"\r\n")[0]
+
+
+def test_the_engine_server_keeps_an_idle_connection_longer_than_clients_pool_it(tiny_dir: Path, tmp_path: Path):
+    """A request sent on a pooled connection just as the server drops it for idleness fails (ReadError, an
+    infra_error in RL). With uvicorn's default the server dropped connections idle 5 s, the very time httpx
+    pools them; now it keeps them past that, and our clients pool them for less."""
+    assert CLIENT_KEEPALIVE_S < 5 < SERVER_KEEPALIVE_S
+    server = EngineProcess(tiny_dir, updates=None, log=tmp_path / "server.log")
+    try:
+        url = urlsplit(server.url)
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            assert _get_health(sock) == b"HTTP/1.1 200 OK"
+            time.sleep(6.0)  # idle past uvicorn's default keep-alive
+            assert _get_health(sock) == b"HTTP/1.1 200 OK", "the server closed a connection idle 6 s"
+    finally:
+        server.stop()

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from furlong.engine.base import EngineError, Generation, SamplingParams
+from furlong.engine.base import CLIENT_KEEPALIVE_S, EngineError, Generation, SamplingParams
 from furlong.engine.server import READY_PREFIX
 
 
@@ -33,7 +33,8 @@ class RemoteEngine:
         self.url = url.rstrip("/")
         # Many episodes generate at once; the server batches them, so do not cap connections below that.
         self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, trust_env=False,
-                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                                             keepalive_expiry=CLIENT_KEEPALIVE_S))
         self._version = 0
 
     @property

@@ -32,7 +32,7 @@ import torch
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
-from furlong.engine.base import EngineError, SamplingParams
+from furlong.engine.base import SERVER_KEEPALIVE_S, EngineError, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.sync.relay import Relay, SyncFailed
@@ -132,7 +132,8 @@ def serve(args: argparse.Namespace) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, relay), log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, relay), log_level="warning", lifespan="on",
+                                            timeout_keep_alive=SERVER_KEEPALIVE_S))
 
     async def run() -> None:
         serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import torch
 
-from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams
+from furlong.engine.base import CLIENT_KEEPALIVE_S, EngineError, FinishReason, Generation, SamplingParams
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 INITIAL_VERSION_LABEL = "default"  # ServerArgs.weight_version when --weight-version is not given
@@ -128,7 +128,8 @@ class SGLangEngine:
         # A refused or dead connection fails within connect_timeout_s; only a generation may take long.
         self._client = httpx.AsyncClient(base_url=self.url, trust_env=False,
                                          timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                                             keepalive_expiry=CLIENT_KEEPALIVE_S))
         self._version = 0
         self._lora: str | None = None  # adapter name sent as `lora_path` with every request
         self._adapter_config: dict | None = None
