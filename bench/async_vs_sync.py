@@ -9,7 +9,7 @@ and transform-text; the default's SFT, 32 instances per family x 9 epochs). Repo
 runs' metrics.jsonl, state.json and episodes.jsonl: RL steps and seconds, episodes settled (trained,
 filtered, dropped stale, infra errors) per minute, trainer idle fraction (share of RL time not in
 train_step) and the share it waited for a batch, engine idle fraction, the machine's busy cores over the
-RL phase (bench/cpuload.py: overlap pays only while cores are spare), mean and max staleness of the
+RL phase and which processes used them (bench/cpuload.py: overlap pays only while cores are spare), mean and max staleness of the
 trained episodes, held-out pass@1 before and after RL with 90% bootstrap intervals; then async vs sync:
 the ratio of episodes per minute and the paired difference of held-out pass@1 after RL (bootstrap over
 the held-out tasks, both modes evaluated on the same tasks and seeds). Writes bench/results/async_vs_sync.json.
@@ -39,6 +39,9 @@ from furlong.report.stats import bootstrap_mean  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "async_vs_sync.json"
 RECIPE = "recipes/async-bench.yaml"
+# cores_by_process: furlong train's main thread is the event loop that drives the episodes, its other
+# threads the trainer (and the engine, when it is in-process); the engine server is its own process
+PROCESSES = {"furlong train": "furlong.cli train", "engine server": "furlong.engine.server"}
 
 
 def _rewards(run: Path, phase: str) -> dict[str, float]:
@@ -62,7 +65,7 @@ def measure(run: Path, meter: CpuMeter) -> dict:
             "trainer_idle_fraction": round(1 - sum(r["seconds"] for r in rows) / rl_s, 3),
             "trainer_wait_fraction": round(sum(r["trainer_wait_s"] for r in rows) / rl_s, 3),
             "engine_idle_fraction": round(sum(r["engine_idle_frac"] * r["step_seconds"] for r in rows) / rl_s, 3),
-            "cores_busy": meter.cores_busy(*rl_window),
+            "cores_busy": meter.cores_busy(*rl_window), "cores_by_process": meter.cores_by_process(*rl_window),
             "staleness_mean": round(sum(s * n for s, n in batch) / max(sum(n for _, n in batch), 1), 3),
             "staleness_max": max(r["staleness_max"] for r in rows),
             "episodes_multi_version": sum(r["episodes_multi_version"] for r in rows),
@@ -106,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="furlong-async-bench-"))
     try:
-        with CpuMeter() as meter:
+        with CpuMeter(PROCESSES) as meter:
             sync_dir, async_dir = run_both(work, args.recipe, args.budget_s, args.max_staleness, args.seed)
         sync, asyn = measure(sync_dir, meter), measure(async_dir, meter)
         ratios = compare(sync_dir, async_dir, sync, asyn)

@@ -1,7 +1,10 @@
-"""bench/cpuload.py, which the async bench uses to say whether overlap had spare cores: a busy loop shows up
-as a busy core, and a window holding fewer than two samples has no figure."""
+"""bench/cpuload.py, which the async bench uses to say whether overlap had spare cores and who used them:
+a busy loop shows up as a busy core, in its process's main thread or other threads as it ran, and a
+window holding fewer than two samples has no figure."""
 
 import importlib.util
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -9,14 +12,25 @@ _spec = importlib.util.spec_from_file_location("cpuload", Path(__file__).resolve
 cpuload = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cpuload)
 
+SPIN = "import time\nt = time.time()\nwhile time.time() - t < 2.5: pass\n"
+IN_A_THREAD = f"import threading\nthreading.Thread(target=exec, args=({SPIN!r},)).start()\n"
 
-def test_a_busy_loop_counts_as_a_busy_core() -> None:
-    with cpuload.CpuMeter(every_s=0.2) as meter:
+
+def test_busy_loops_count_as_busy_cores_of_the_process_and_thread_that_ran_them() -> None:
+    names = {"main": "# cpuload-test-main", "thread": "# cpuload-test-thread"}
+    with cpuload.CpuMeter(names, every_s=0.2) as meter:
+        time.sleep(0.5)  # two samples before the loops start
         start = time.time()
-        while time.time() - start < 2.0:
-            pass  # one core busy (this thread), whatever else the machine does
+        procs = [subprocess.Popen([sys.executable, "-c", SPIN + names["main"]]),
+                 subprocess.Popen([sys.executable, "-c", IN_A_THREAD + names["thread"]])]
+        for proc in procs:
+            proc.wait(timeout=60)
+        time.sleep(0.5)
         end = time.time()
-    busy = meter.cores_busy(start, end)
-    assert busy is not None and busy >= 0.7, busy
-    assert meter.cores_busy(end + 10, end + 20) is None
-    assert meter.cores_busy(start - 100, start - 50) is None
+    busy, by = meter.cores_busy(start, end), meter.cores_by_process(start, end)
+    assert busy is not None and by is not None
+    spun = 2.5 / (end - start)  # one core for 2.5 s of the window, if nothing else wanted it
+    assert by["main main thread"] >= 0.5 * spun and by["main other threads"] <= 0.1, by
+    assert by["thread other threads"] >= 0.5 * spun and by["thread main thread"] <= 0.1, by
+    assert busy >= by["main main thread"] + by["thread other threads"] - 0.05, (busy, by)
+    assert meter.cores_busy(end + 10, end + 20) is None and meter.cores_by_process(start - 100, start - 50) is None
