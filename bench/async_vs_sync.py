@@ -14,7 +14,9 @@ trained episodes, held-out pass@1 before and after RL with 90% bootstrap interva
 the ratio of episodes per minute and the paired difference of held-out pass@1 after RL (bootstrap over
 the held-out tasks, both modes evaluated on the same tasks and seeds). Writes bench/results/async_vs_sync.json.
 
-    python bench/async_vs_sync.py                  # 300 s of RL per mode: about 15 min on 2 shared cores
+    python bench/async_vs_sync.py                  # 300 s of RL per mode: about 16 min on 2 shared cores
+    python bench/async_vs_sync.py --recipe recipes/async-bench-server-kl.yaml --seed 0   # the README's figures:
+        # the engine in its own process, the default's KL and demonstration anchor (async drifts without them)
     python bench/async_vs_sync.py --budget-s 120   # shorter
     python bench/async_vs_sync.py --seed 1 --out bench/results/async_vs_sync_seed1.json   # a seed check
 """
