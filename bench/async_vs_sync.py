@@ -14,7 +14,7 @@ trained episodes, held-out pass@1 before and after RL with 90% bootstrap interva
 the ratio of episodes per minute and the paired difference of held-out pass@1 after RL (bootstrap over
 the held-out tasks, both modes evaluated on the same tasks and seeds). Writes bench/results/async_vs_sync.json.
 
-    python bench/async_vs_sync.py                  # 300 s of RL per mode: about 16 min on 2 shared cores
+    python bench/async_vs_sync.py                  # 300 s of RL per mode: 13-16 min on 2 shared cores
     python bench/async_vs_sync.py --recipe recipes/async-bench-server-kl.yaml --seed 0   # the README's figures:
         # the engine in its own process, the default's KL and demonstration anchor (async drifts without them)
     python bench/async_vs_sync.py --budget-s 120   # shorter
@@ -66,6 +66,8 @@ def measure(run: Path, meter: CpuMeter) -> dict:
             "steps_per_minute": round(60 * len(rows) / rl_s, 2),
             "trainer_idle_fraction": round(1 - sum(r["seconds"] for r in rows) / rl_s, 3),
             "trainer_wait_fraction": round(sum(r["trainer_wait_s"] for r in rows) / rl_s, 3),
+            # async's steps are bound by it: a train step beside generation is slower than one alone
+            "train_step_seconds_mean": round(sum(r["seconds"] for r in rows) / len(rows), 2),
             "engine_idle_fraction": round(sum(r["engine_idle_frac"] * r["step_seconds"] for r in rows) / rl_s, 3),
             "cores_busy": meter.cores_busy(*rl_window), "cores_by_process": meter.cores_by_process(*rl_window),
             "staleness_mean": round(sum(s * n for s, n in batch) / max(sum(n for _, n in batch), 1), 3),
