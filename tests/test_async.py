@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,8 +27,8 @@ from furlong.report.timing import episode_lags
 from furlong.metrics.timing import EpisodeTiming
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts
-from furlong.rollout.scheduler import OUTCOMES
-from furlong.sandbox.base import SandboxError
+from furlong.rollout.scheduler import OUTCOMES, GroupStream, Scheduler
+from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.pool import WarmPools, fixed_image
 from furlong.train.driver import _rl_steps, grpo_config
 from furlong.train.grpo import OffPolicy, policy_loss
@@ -132,6 +133,33 @@ class FailingStarts:
         return await self.inner.acquire(spec_)
 
 
+def per_task_image(image: ImageRef):
+    """The base image, but a distinct ImageRef (so a distinct sandbox spec and warm pool) per task."""
+    async def lookup(task) -> ImageRef:
+        return replace(image, env=(*image.env, ("FURLONG_TEST_TASK", task.id)))
+    return lookup
+
+
+class ColdAcquires:
+    """A sandbox source that records, for each acquire, the engine's weight version and whether the
+    acquire found no sandbox started for it beforehand (its episode then waits for a cold start)."""
+
+    def __init__(self, inner: WarmPools, engine: HFEngine) -> None:
+        self.inner, self.engine, self.log, self.reserved = inner, engine, [], 0
+
+    async def image(self, task):
+        return await self.inner.image(task)
+
+    def reserve(self, task):
+        self.reserved += 1
+        self.inner.reserve(task)
+
+    async def acquire(self, spec_):
+        pool = self.inner.pools.get(spec_)
+        self.log.append((self.engine.weight_version, pool is None or pool.spare <= 0))
+        return await self.inner.acquire(spec_)
+
+
 class PushMidGeneration(DirectLink):
     """A DirectLink whose every push lands while a generation is part-way through: it holds the engine
     paused until one has sampled tokens and not finished, then updates and resumes, so that generation's
@@ -161,10 +189,16 @@ class PushMidGeneration(DirectLink):
 
 
 def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[str], fail_every: int = 0,
-          link_type: type[DirectLink] = DirectLink):
-    """furlong.train.driver's RL loop itself on hand-made tasks; returns the logged rows and the run."""
-    tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(4)]
-    tasks.append(make_task(tmp_path / "tasks", "bug", "Create /tmp/done", "echo no reward"))  # infra_error
+          link_type: type[DirectLink] = DirectLink, sources: list | None = None):
+    """furlong.train.driver's RL loop itself on hand-made tasks; returns the logged rows and the run.
+    With `sources`, episodes take their sandboxes through a ColdAcquires, appended to it, from 12 tasks
+    each with an image of its own, as family instances have (so a sandbox started for one task never
+    serves another's episode), none leaving its reward out (that reruns in a control sandbox)."""
+    n = 4 if sources is None else 12
+    tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(n)]
+    if sources is None:
+        tasks.append(make_task(tmp_path / "tasks", "bug", "Create /tmp/done", "echo no reward"))  # infra_error
+    images = fixed_image(base_image) if sources is None else per_task_image(base_image)
     # scheduling under test: no KL reference model, no demonstrations for an anchor
     cfg = load_config(None, ["train.rl.tasks_per_step=2", "train.rl.group_size=3", "train.rl.concurrency=4",
                              "train.rl.checkpoint_every=100", "train.rl.lr=0.01", "train.rl.warmup_steps=0",
@@ -175,8 +209,10 @@ def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[s
 
     async def go():
         link = links[0] = link_type(HFEngine(load_model(tiny_dir), eos_token_ids=()))
-        async with WarmPools(backend, fixed_image(base_image)) as pools:
+        async with WarmPools(backend, images) as pools:
             source = FailingStarts(pools, fail_every) if fail_every else pools
+            if sources is not None:
+                sources.append(source := ColdAcquires(pools, link.engine))
             rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=12), 4)
             pieces = SimpleNamespace(train_tasks=tasks, tokenizer=tokenizer)  # checkpoints export the policy too
             await _rl_steps(cfg, trainer, rollouts, link, pieces, run_dir, QUIET, 0)
@@ -265,6 +301,50 @@ def test_a_mid_episode_weight_update_keeps_each_tokens_version_and_trains(tiny_d
     assert any(r["version_first"] < r["version_last"] for r in records), "no episode spanned a weight update"
     assert sum(r["episodes_multi_version"] for r in rows) > 0, "no trained episode spanned a weight update"
     assert all(r["staleness_max"] <= 4 for r in rows) and sum(r["updated"] for r in rows) >= 3
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_episodes_after_the_first_step_never_wait_for_a_cold_sandbox_start(tiny_dir, backend, base_image, tmp_path,
+                                                                           mode):
+    """Each step_done starts a step's worth of groups at once (sync: the next step; async: those the
+    staleness window held back), into slots the finished groups left free: their sandboxes must have
+    started while the trainer trained (Scheduler.prestart), not when the episodes asked. Only the first
+    groups, started with the loop, may find none started; deterministic: prestart reserves them before
+    the trainer's thread runs, and their acquires come after the next weight push."""
+    sources: list[ColdAcquires] = []
+    rows, _, _ = _loop(tmp_path, tiny_dir, backend, base_image,
+                       ["train.rl.steps=5", f"train.rl.mode={mode}", "train.rl.max_staleness=1",
+                        "train.rl.max_inflight_groups=4", "train.rl.filter_zero_variance=false"], sources=sources)
+    log = sources[0].log
+    assert len(log) == sum(r["episodes_started"] for r in rows) and sum(r["updated"] for r in rows) == 5
+    assert all(r["groups_stale"] == 0 for r in rows)  # no re-planned group starts outside the stream's order
+    assert sum(v >= 1 for v, _ in log) >= 12  # steps 1-4's episodes, at least (2 groups of 3 a step)
+    cold_later = [v for v, cold in log if cold and v >= 1]
+    assert cold_later == [], f"episodes waited for a sandbox start at weight versions {cold_later}"
+    assert sources[0].reserved == len(log)  # one sandbox started ahead per episode: none twice, none wasted
+
+
+def test_prestart_reserves_the_next_groups_first_window_once(tmp_path):
+    """Called again before step_done (async, where the window or the in-flight cap can hold the
+    predicted groups back for a step), prestart starts no second sandbox for the same episodes."""
+
+    class Reservations:  # a SandboxSource that only records what is reserved: no episode runs here
+        def __init__(self) -> None:
+            self.tasks: list[str] = []
+
+        def reserve(self, task) -> None:
+            self.tasks.append(task.id)
+
+    tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(4)]
+    source, stream = Reservations(), GroupStream(tasks, tasks_per_step=2, group_size=3, seed=0)
+    rollouts = Rollouts(None, None, source, AgentParams(), concurrency=4)
+    scheduler = Scheduler(rollouts, stream, temperature=1.0, steps_left=3, first_step=0, inflight=4, lookahead=1,
+                          max_staleness=1, requeue=True)
+    scheduler.prestart()
+    first, second = stream.spec(0).task.id, stream.spec(1).task.id
+    assert source.tasks == [first, first, first, second]  # the first `concurrency` episodes of groups 0 and 1
+    scheduler.prestart()
+    assert len(source.tasks) == 4
 
 
 def test_sync_mode_draws_the_samples_of_the_loop_before_async(tmp_path):

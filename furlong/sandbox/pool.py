@@ -107,6 +107,12 @@ class WarmPool:
         """Nothing ready, starting or waiting."""
         return self._results.empty() and not self._starting and not self._waiting
 
+    @property
+    def spare(self) -> int:
+        """Sandboxes ready or starting beyond those the waiting acquires will take: > 0 means the next
+        acquire gets one whose start began before it asked."""
+        return self._results.qsize() + len(self._starting) - self._waiting
+
     async def start(self) -> None:
         """Fills the pool and waits until every sandbox answers (or failed)."""
         self._fill()
@@ -146,7 +152,7 @@ class WarmPool:
             if self._closed:
                 raise SandboxError("the warm pool is closed")
             self._fill()
-            if self._results.qsize() + len(self._starting) <= self._waiting:
+            if self.spare <= 0:
                 self._refill()  # every waiting acquire has a start of its own coming
             self._waiting += 1
             try:
