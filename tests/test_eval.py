@@ -63,7 +63,9 @@ def test_reward_json_and_missing_reward(backend, base_image, tmp_path: Path):
 
 
 def test_agent_background_service_keeps_running_into_the_verifier(backend, base_image, tmp_path: Path):
-    serve = "cd /tmp && (python3 -m http.server 8099 --bind 127.0.0.1 >/dev/null 2>&1 &) ; sleep 0.5\n"
+    # the solution ends once the server accepts connections (a fixed sleep lost the race on a loaded host)
+    serve = ("cd /tmp && (python3 -m http.server 8099 --bind 127.0.0.1 >/dev/null 2>&1 &); "
+             "for i in $(seq 300); do (echo > /dev/tcp/127.0.0.1/8099) 2>/dev/null && break; sleep 0.1; done\n")
     probe = ("python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:8099/')\" "
              "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
     res = _episode(backend, base_image, task_dir(tmp_path, "svc", probe, serve))
