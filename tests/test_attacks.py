@@ -176,7 +176,10 @@ def test_output_flood_is_capped_and_background_floods_never_block(backend, base_
             r = await box.exec("head -c 200000000 /dev/zero | tr '\\0' a", timeout_s=60)
             assert r.truncated and len(r.stdout) < (2 << 20)
             # background writers keep the command's pipes: the init drains them forever, never blocking
-            r = await box.exec("yes flood &  yes flood >&2 & sleep 0.2", timeout_s=10)
+            # the command ends a second after the floods began (a fixed 0.2 s from the start caught none of
+            # their output once on a loaded host)
+            r = await box.exec("(touch /tmp/flooding; exec yes flood) & yes flood >&2 & "
+                               "until [ -e /tmp/flooding ]; do sleep 0.05; done; sleep 1", timeout_s=10)
             assert r.exit_code == 0 and not r.timed_out and r.truncated
             for _ in range(3):
                 assert (await box.exec("echo quiet")).stdout == "quiet\n"

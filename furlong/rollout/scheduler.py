@@ -182,14 +182,16 @@ class Scheduler:
                      in_flight, time.perf_counter() - start)
 
     def prestart(self) -> None:
-        """Starts now, while the trainer trains, the sandboxes of the groups `step_done` will start: the
-        next `tasks_per_step` of the stream (re-queued ones first). Both modes need it: sync starts a
-        step's groups only after the previous step trains, and async, bound by the staleness window,
-        starts a step's worth at each `step_done` too, into slots the finished groups left free, where
-        their episodes would otherwise wait for cold starts (0.7 s each, on 2 busy cores). Groups whose
-        sandboxes an earlier call started, and that have not started since, are not reserved twice."""
-        stream = range(self._next, min(self._next + self._per_step, self._total))
-        upcoming = [*self._pending, *map(self.stream.spec, stream)][: self._per_step]
+        """Starts now, while the trainer trains, the sandboxes of the groups that may start before the next
+        call: those the window lets in once `step_done` widens it (re-queued ones first; sync: the next
+        step's). Both modes need it: sync starts a step's groups only after the previous step trains, and
+        async, bound by the staleness window, starts a step's worth at each `step_done` too, into slots
+        the finished groups left free, where their episodes would otherwise wait for cold starts (0.7 s
+        each, on 2 busy cores). Groups whose sandboxes an earlier call started, and that have not started
+        since (the in-flight cap held them back), are not reserved twice."""
+        room = min(self._total, (self._step + 2 + self.lookahead) * self._per_step) - self._live()
+        stream = range(self._next, min(self._next + max(room, 0), self._total))
+        upcoming = [*self._pending, *map(self.stream.spec, stream)][: max(room, 0)]
         fresh = [spec for spec in upcoming if (spec.index, spec.attempt) not in self._prestarted]
         self._prestarted.update((spec.index, spec.attempt) for spec in fresh)
         self.rollouts.reserve_ahead([spec.task for spec in fresh for _ in spec.seeds])
