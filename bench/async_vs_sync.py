@@ -56,6 +56,7 @@ def measure(run: Path, meter: CpuMeter) -> dict:
     rl_window = (rows[0]["time"] - rows[0]["step_seconds"], rows[-1]["time"])  # a row is logged as its step ends
     phases = json.loads((run / "state.json").read_text())["phases"]
     rl_s, eps = phases["rl"]["seconds"], phases["rl"]["episodes"]
+    train_s = sum(r["seconds"] for r in rows)  # in train_step
     settled = sum(eps[k] for k in ("trained", "dropped_stale", "filtered", "infra_error"))
     batch = [(r["staleness_mean"], r["episodes_trained"] + r["episodes_filtered"]) for r in rows]
     before, after = _rewards(run, "eval_before"), _rewards(run, "eval_after")
@@ -64,10 +65,10 @@ def measure(run: Path, meter: CpuMeter) -> dict:
             "episodes_per_minute": round(60 * settled / rl_s, 1),
             "trained_episodes_per_minute": round(60 * eps["trained"] / rl_s, 1),
             "steps_per_minute": round(60 * len(rows) / rl_s, 2),
-            "trainer_idle_fraction": round(1 - sum(r["seconds"] for r in rows) / rl_s, 3),
+            "trainer_idle_fraction": round(1 - train_s / rl_s, 3),
             "trainer_wait_fraction": round(sum(r["trainer_wait_s"] for r in rows) / rl_s, 3),
             # async's steps are bound by it: a train step beside generation is slower than one alone
-            "train_step_seconds_mean": round(sum(r["seconds"] for r in rows) / len(rows), 2),
+            "train_step_seconds_mean": round(train_s / len(rows), 2),
             "engine_idle_fraction": round(sum(r["engine_idle_frac"] * r["step_seconds"] for r in rows) / rl_s, 3),
             "cores_busy": meter.cores_busy(*rl_window), "cores_by_process": meter.cores_by_process(*rl_window),
             "staleness_mean": round(sum(s * n for s, n in batch) / max(sum(n for _, n in batch), 1), 3),

@@ -121,9 +121,13 @@ class Scheduler:
     def _peek(self) -> GroupSpec:
         return self._pending[0] if self._pending else self.stream.spec(self._next)
 
+    def _window(self, step: int) -> int:
+        """How many groups may be live while the trainer trains `step`: sync, the groups of steps up to
+        it (the next step's wait for this step's weights); async, `lookahead` steps more."""
+        return min(self._total, (step + 1 + self.lookahead) * self._per_step)
+
     def _fill(self) -> None:
-        # sync: the next step's groups wait for this step's weights; async: up to `lookahead` steps ahead
-        ahead = min(self._total, (self._step + 1 + self.lookahead) * self._per_step)
+        ahead = self._window(self._step)
         while not self._closed and len(self._running) < self.inflight and self._live() < ahead:
             spec = self._peek()
             if self._pending:
@@ -189,9 +193,9 @@ class Scheduler:
         the finished groups left free, where their episodes would otherwise wait for cold starts (0.7 s
         each, on 2 busy cores). Groups whose sandboxes an earlier call started, and that have not started
         since (the in-flight cap held them back), are not reserved twice."""
-        room = min(self._total, (self._step + 2 + self.lookahead) * self._per_step) - self._live()
-        stream = range(self._next, min(self._next + max(room, 0), self._total))
-        upcoming = [*self._pending, *map(self.stream.spec, stream)][: max(room, 0)]
+        room = max(self._window(self._step + 1) - self._live(), 0)
+        stream = range(self._next, min(self._next + room, self._total))
+        upcoming = [*self._pending, *map(self.stream.spec, stream)][:room]
         fresh = [spec for spec in upcoming if (spec.index, spec.attempt) not in self._prestarted]
         self._prestarted.update((spec.index, spec.attempt) for spec in fresh)
         self.rollouts.reserve_ahead([spec.task for spec in fresh for _ in spec.seeds])
