@@ -48,7 +48,7 @@ from furlong.engine import SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import init_tiny, load_model, load_tokenizer
 from furlong.train import GRPOConfig as FurlongConfig
-from furlong.train import Trainer
+from furlong.train import LocalTrainer
 
 WORDS = ("apple", "river", "stone", "light", "cloud", "seven", "blue", "quiet", "paper", "garden", "number",
          "window", "orange", "silver", "table", "winter", "forest", "candle", "bridge", "yellow", "planet", "music",
@@ -132,7 +132,7 @@ class FurlongRun:
         torch.manual_seed(a.seed)
         self.policy, engine_model = load_model(model_dir), load_model(model_dir)
         self.batch = a.prompts_per_step * a.group_size
-        self.trainer = Trainer(self.policy, FurlongConfig(lr=a.lr, temperature=1.0, micro_batch_size=self.batch,
+        self.trainer = LocalTrainer(self.policy, FurlongConfig(lr=a.lr, temperature=1.0, micro_batch_size=self.batch,
                                                           seed=a.seed))
         self.sampling = SamplingParams(temperature=1.0, max_new_tokens=a.max_completion_length)
         # eos_token_ids=None: the model's generation_config eos ids (<|im_end|>, <|endoftext|>), as TRL uses.
@@ -169,7 +169,7 @@ class FurlongRun:
         t2 = time.perf_counter()
         stats = trainer.train_step(eps)
         t3 = time.perf_counter()
-        await engine.update_weights(trainer.state_dict_for_engine(), trainer.version)
+        await engine.update_weights(trainer.engine_weights(), trainer.version)
         t4 = time.perf_counter()
         return {"step": step + 1, "seconds": t4 - t0, "generate_s": t1 - t0, "other_s": t4 - t1,
                 "score_s": t2 - t1, "train_s": t3 - t2, "sync_s": t4 - t3, "reward": statistics.fmean(rewards),

@@ -6,7 +6,7 @@ trainer's master weights) and, for each learning rate (default: the default reci
 below and above it), runs --steps real GRPO steps with the recipe's trainer settings (`GRPOConfig` as the
 training driver builds it, warm-up included, only the lr replaced): real sampling with `HFEngine` on a
 sandbox-free single-turn task (reward 1 when the answer contains one of vocab/16 target ids, as in the
-learning test of tests/test_train.py) and a real `Trainer.train_step`.
+learning test of tests/test_train.py) and a real `LocalTrainer.train_step`.
 
 After each step the master is cast to bf16 (the published engine weights; tied tensors once) and diffed
 against the previous version (version 0 = bf16 of the starting weights). Each delta is encoded with furlong
@@ -54,8 +54,8 @@ from furlong.engine.hf import HFEngine
 from furlong.model import init_tiny, load_model
 from furlong.sync import InProcessTransport
 from furlong.sync.adapter import AdapterPublisher
-from furlong.train import Trainer
-from furlong.train.driver import grpo_config
+from furlong.train import LocalTrainer
+from furlong.build import grpo_config
 from furlong.train.lora import adapter_state_dict, trainable_model, wrap_lora
 
 Model = dict[str, torch.Tensor]
@@ -134,7 +134,7 @@ async def run_lora(model_dir: Path, grpo, args: argparse.Namespace) -> list[dict
     torch.manual_seed(args.seed)
     peft, engine_peft = wrap_lora(load_model(model_dir)), wrap_lora(load_model(model_dir))
     prompts, targets = task(trainable_model(peft).config.vocab_size, args)
-    trainer = Trainer(trainable_model(peft), grpo)
+    trainer = LocalTrainer(trainable_model(peft), grpo)
     publisher = AdapterPublisher(InProcessTransport(), engine_dtype=torch.bfloat16)
     publisher.publish(peft, 0)
     sampling = SamplingParams(temperature=grpo.temperature, max_new_tokens=args.max_new_tokens)
@@ -161,7 +161,7 @@ async def run_lr(
     sampling = SamplingParams(
         temperature=grpo.temperature, max_new_tokens=args.max_new_tokens
     )
-    trainer = Trainer(policy, grpo)
+    trainer = LocalTrainer(policy, grpo)
     prev = publish(policy)
     receiver = {k: v.clone() for k, v in prev.items()}
     chain = Chain.with_momentum()  # the steps are one delta chain, as a Publisher sends them
@@ -319,7 +319,7 @@ def main() -> None:
     torch.set_num_threads(1)
     env = environment(args)
     model_dir = init_tiny()
-    grpo = replace(grpo_config(cfg), kl_coef=0.0, sft_coef=0.0)  # as measured: no KL reference, no demonstrations
+    grpo = replace(grpo_config(cfg.train), kl_coef=0.0, sft_coef=0.0)  # as measured: no KL reference, no demonstrations
     if args.warmup_steps is not None:
         grpo = replace(grpo, warmup_steps=args.warmup_steps)
     start = time.perf_counter()

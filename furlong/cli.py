@@ -104,20 +104,11 @@ def _config(args: argparse.Namespace, flags: dict[str, str]) -> Config:
 
 
 def _sandbox_pieces(cfg: Config):
-    from furlong.sandbox.bwrap import BwrapBackend
-    from furlong.sandbox.images import ImageStore
+    from furlong import build
 
     _warn_limits()
-    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
-    return backend, ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror, pulls=_pulls(cfg))
-
-
-def _pulls(cfg: Config):
-    from furlong.sandbox.registry import Settings
-
-    i = cfg.images
-    return Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
-                             timeout_s=i.pull_timeout_s)
+    backend = build.sandbox_backend(cfg.sandbox)
+    return backend, build.image_store(cfg.sandbox, cfg.images, backend.host_uid)
 
 
 def _warn_limits() -> None:
@@ -257,7 +248,7 @@ def _tidy() -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from furlong.train.driver import train
+    from furlong.run.driver import train
 
     _warn_limits()
     cfg, run = _run_dir(_config(args, {}), args)
@@ -273,11 +264,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from furlong.train.driver import build, sft_phase
+    from furlong import build
+    from furlong.run.phases import sft_phase
 
     _warn_limits()
     cfg, run = _run_dir(_config(args, {}), args)
-    out = asyncio.run(sft_phase(cfg, build(cfg), run, console))
+    out = asyncio.run(sft_phase(cfg, build.pieces(cfg), run, console))
     console.print(f"SFT model: {out}")
     print(json.dumps(run.phase("sft")))
     return 0

@@ -238,6 +238,8 @@ class TrainConfig(_Node):
                           "sglang: RL rollouts on an SGLang server, evals stay on hf (train.sglang)")
     sglang: SGLangConfig = SGLangConfig()
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "
+                                           "(and its KL reference)")
     model: ModelConfig = ModelConfig()
     agent: AgentConfig = AgentConfig()
     sft: SFTConfig = SFTConfig()

@@ -1,5 +1,5 @@
 """Asynchronous RL (train.rl.mode=async): the off-policy corrections on crafted logprobs, and the real RL
-loop (furlong.train.driver._rl_steps: real engine, sandboxes, trainer) under random episode durations
+loop (furlong.run.driver.rl_steps: real engine, sandboxes, trainer) under random episode durations
 and sandbox failures: the staleness bound holds, every episode is accounted for exactly once, tokens on
 both sides of a mid-episode weight update keep their versions, and sync mode draws today's samples."""
 
@@ -30,9 +30,10 @@ from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import OUTCOMES, GroupStream, Scheduler
 from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.pool import WarmPools, fixed_image
-from furlong.train.driver import _rl_steps, grpo_config
+from furlong.build import grpo_config
+from furlong.run.driver import rl_steps
 from furlong.train.grpo import OffPolicy, policy_loss
-from furlong.train.trainer import GRPOConfig, Trainer
+from furlong.train.trainer import GRPOConfig, LocalTrainer
 from furlong.train.weights import DirectLink
 from furlong.engine.hf import HFEngine
 from tests_support import make_task
@@ -100,7 +101,7 @@ def _episode(tokenizer, reward: float, sample: int) -> Episode:
 @pytest.mark.parametrize("correction", ["tis", "masked_is", "decoupled_ppo"])
 def test_one_real_train_step_with_each_correction(tiny_dir, correction):
     tok = load_tokenizer(tiny_dir)
-    trainer = Trainer(load_model(tiny_dir), GRPOConfig(off_policy=correction, is_low=1e-6, is_high=1e6,
+    trainer = LocalTrainer(load_model(tiny_dir), GRPOConfig(off_policy=correction, is_low=1e-6, is_high=1e6,
                                                        tis_cap=1e6, lr=1e-3))
     before = [p.clone() for p in trainer.model.parameters()]
     stats = trainer.train_step([_episode(tok, r, i) for i, r in enumerate((1.0, 0.0, 1.0, 0.0))])
@@ -191,7 +192,7 @@ class PushMidGeneration(DirectLink):
 
 def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[str], fail_every: int = 0,
           link_type: type[DirectLink] = DirectLink, sources: list | None = None):
-    """furlong.train.driver's RL loop itself on hand-made tasks; returns the logged rows and the run.
+    """furlong.run.driver's RL loop itself on hand-made tasks; returns the logged rows and the run.
     With `sources`, episodes take their sandboxes through a ColdAcquires, appended to it, from 12 tasks
     each with an image of its own, as family instances have (so a sandbox started for one task never
     serves another's episode), none leaving its reward out (that reruns in a control sandbox)."""
@@ -206,7 +207,7 @@ def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[s
                              "train.rl.kl_coef=0", "train.rl.sft_coef=0", "train.rl.families=null", *overrides])
     run_dir = RunDir.create(tmp_path / "run", {})
     tokenizer = load_tokenizer(tiny_dir)
-    trainer = Trainer(load_model(tiny_dir), grpo_config(cfg))
+    trainer = LocalTrainer(load_model(tiny_dir), grpo_config(cfg.train))
 
     async def go():
         link = links[0] = link_type(HFEngine(load_model(tiny_dir), eos_token_ids=()))
@@ -217,7 +218,7 @@ def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[s
             rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=12),
                                 cfg.train.rl.concurrency)
             pieces = SimpleNamespace(train_tasks=tasks, tokenizer=tokenizer)  # checkpoints export the policy too
-            await _rl_steps(cfg, trainer, rollouts, link, pieces, run_dir, QUIET, 0)
+            await rl_steps(cfg, trainer, rollouts, link, pieces, run_dir, QUIET, 0)
         await link.close()
 
     links: list[DirectLink] = [None]

@@ -22,8 +22,8 @@ from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts, pass_rate, plan_step
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.pool import MAX_START_FAILURES, FreshSandboxes, WarmPool, WarmPools, fixed_image
-from furlong.train.driver import rollout_metrics
-from furlong.train.trainer import GRPOConfig, Trainer
+from furlong.rollout.records import rollout_metrics
+from furlong.train.trainer import GRPOConfig, LocalTrainer
 from tests_support import make_task
 
 QUIET = Console(file=open(os.devnull, "w"))
@@ -256,5 +256,5 @@ def test_rollout_with_broken_sandboxes_returns_every_episode_and_trains(tiny_dir
     assert len(broke) == 2 and {e.reward for e in broke} == {0.0}
     assert all(e.status in ("ok", "truncated") and e.reward in (0.0, 1.0) for e in episodes if e not in broke)
     assert rollout_metrics(episodes, 0)["status_agent_broke_sandbox"] == 2 and pass_rate(episodes) == 0.0
-    stats = Trainer(load_model(tiny_dir), GRPOConfig(filter_zero_variance=False)).train_step(episodes)
+    stats = LocalTrainer(load_model(tiny_dir), GRPOConfig(filter_zero_variance=False)).train_step(episodes)
     assert stats.episodes_dropped == 0  # scored episodes: trained on

@@ -21,7 +21,7 @@ from furlong.model import load_model
 from furlong.sync.adapter import AdapterPublisher, tensor_bytes
 from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
-from furlong.train import GRPOConfig, Trainer, token_logprobs
+from furlong.train import GRPOConfig, LocalTrainer, token_logprobs
 from furlong.train.lora import (
     LoraSpec,
     adapter_state_dict,
@@ -64,7 +64,7 @@ def test_only_adapters_train(small_dir: Path) -> None:
     base0, adapter0 = clone(base_state_dict(peft)), clone(adapter_state_dict(peft))
     assert adapter0 and all("lora_" in k for k in adapter0)
     assert len(adapter0) == SMALL.num_layers * 4 * 2  # q,k,v,o x (A, B)
-    trainer = Trainer(trainable_model(peft), CONFIG)
+    trainer = LocalTrainer(trainable_model(peft), CONFIG)
     n_opt = sum(len(g["params"]) for g in trainer.optimizer.param_groups)
     assert n_opt == len(adapter0)
     for step in range(3):
@@ -102,7 +102,7 @@ def test_engine_applies_published_adapter(small_dir: Path) -> None:
     stages them bit-exactly and pushes them into an HFEngine over a PeftModel; the engine then samples with
     exactly the trainer's policy."""
     peft = wrap_lora(load_model(small_dir))
-    trainer = Trainer(trainable_model(peft), CONFIG)
+    trainer = LocalTrainer(trainable_model(peft), CONFIG)
     engine_peft = wrap_lora(load_model(small_dir), seed=123)  # a different adapter init: the push must fix it
     transport = InProcessTransport()
     publisher = AdapterPublisher(transport)
@@ -140,7 +140,7 @@ def test_engine_applies_published_adapter(small_dir: Path) -> None:
 
 def test_peft_format_save_load(small_dir: Path, tmp_path: Path) -> None:
     peft = wrap_lora(load_model(small_dir))
-    trainer = Trainer(trainable_model(peft), CONFIG)
+    trainer = LocalTrainer(trainable_model(peft), CONFIG)
     trainer.train_step(episodes(7))
     out = save_adapter(peft, tmp_path / "adapter")
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
@@ -166,6 +166,6 @@ def test_adapter_is_small_fraction_of_model(small_dir: Path) -> None:
 def test_trainer_takes_the_peft_model_itself(small_dir: Path) -> None:
     peft = wrap_lora(load_model(small_dir), LoraSpec())
     base0 = clone(base_state_dict(peft))
-    trainer = Trainer(peft, CONFIG)
+    trainer = LocalTrainer(peft, CONFIG)
     assert trainer.train_step(episodes(0)).updated
     assert all(torch.equal(v, base_state_dict(peft)[k]) for k, v in base0.items())

@@ -17,7 +17,7 @@ from furlong.engine.hf import HFEngine
 from furlong.model import load_model
 from furlong.train import (
     GRPOConfig,
-    Trainer,
+    LocalTrainer,
     filter_zero_variance_groups,
     group_advantages,
     logprobs_from_logits,
@@ -97,7 +97,7 @@ def test_first_step_is_on_policy(tiny_dir: Path) -> None:
     groups = asyncio.run(main())
     eps = [episode(prompts[g], gen, float(i % 2), g, i)
            for g, group in enumerate(groups) for i, gen in enumerate(group)]
-    trainer = Trainer(model, GRPOConfig(lr=1e-3, temperature=0.7, minibatches=2, micro_batch_size=3))
+    trainer = LocalTrainer(model, GRPOConfig(lr=1e-3, temperature=0.7, minibatches=2, micro_batch_size=3))
     stats = trainer.train_step(eps)
     first = trainer.last_minibatches[0]
     assert stats.updated and stats.version == 1 and stats.groups_used == 3
@@ -157,13 +157,13 @@ def test_step_without_surviving_groups_does_not_update(tiny_dir: Path) -> None:
                      token_weight_versions=(0, 0))
     eps = [episode([1, 2, 3], gen, 1.0, 0, 0), episode([1, 2, 3], gen, 1.0, 0, 1),
            episode([1, 2, 3], gen, None, 0, 2)]  # an infra error would have made the group look varied
-    trainer = Trainer(model, GRPOConfig(lr=1e-2))
+    trainer = LocalTrainer(model, GRPOConfig(lr=1e-2))
     stats = trainer.train_step(eps)
     assert not stats.updated and stats.groups_used == 0 and stats.groups_filtered == 1
     assert stats.episodes_dropped == 1 and stats.reward_mean == 1.0 and trainer.version == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # the demonstration anchor needs no reward variance: it still takes its step, and the version moves
-    anchored = Trainer(load_model(tiny_dir), GRPOConfig(lr=1e-2, sft_coef=1.0, sft_batch=2), demos=_demos())
+    anchored = LocalTrainer(load_model(tiny_dir), GRPOConfig(lr=1e-2, sft_coef=1.0, sft_batch=2), demos=_demos())
     stats = anchored.train_step(eps)
     assert stats.updated and stats.groups_used == 0 and anchored.version == 1
     assert stats.sft_nll > 0 and stats.grad_norm > 0 and stats.grad_norm_rl == 0 and stats.loss == 0
@@ -251,7 +251,7 @@ def test_only_masked_tokens_contribute() -> None:
 # --- end to end: GRPO learns a toy task ----------------------------------------------------------------------
 
 
-async def toy_grpo_steps(engine, trainer: Trainer, prompts: list[list[int]], targets: set[int], steps: int) -> list[float]:
+async def toy_grpo_steps(engine, trainer: LocalTrainer, prompts: list[list[int]], targets: set[int], steps: int) -> list[float]:
     """GRPO on the toy task, as the sync driver runs it: sample groups, score, train, push the weights to the
     engine; checks the engine ran exactly the trainer's weights at every step. The reward of each step."""
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
@@ -264,7 +264,7 @@ async def toy_grpo_steps(engine, trainer: Trainer, prompts: list[list[int]], tar
         stats = trainer.train_step(eps)
         assert stats.logprob_diff_max <= TOL  # the engine runs exactly the trainer's weights
         rewards.append(stats.reward_mean)
-        await engine.update_weights(trainer.state_dict_for_engine(), trainer.version)
+        await engine.update_weights(trainer.engine_weights(), trainer.version)
     return rewards
 
 
@@ -275,7 +275,7 @@ def test_grpo_learns_toy_task(small_dir: Path) -> None:
     policy, engine_model = load_model(small_dir), load_model(small_dir)
     vocab = policy.config.vocab_size
     targets = set(random.Random(0).sample(range(vocab), vocab // 16))
-    trainer = Trainer(policy, GRPOConfig(lr=3e-3, micro_batch_size=32))
+    trainer = LocalTrainer(policy, GRPOConfig(lr=3e-3, micro_batch_size=32))
     prompts = random_prompts(4, vocab, seed=3)
 
     async def main() -> list[float]:
@@ -310,12 +310,12 @@ def fixed_episodes(model, n_groups: int, seed: int) -> list[Episode]:
 def test_save_load_resumes_exactly(small_dir: Path, tmp_path: Path) -> None:
     config = GRPOConfig(lr=1e-3, minibatches=2, epochs=2, micro_batch_size=3, weight_decay=0.01)
     batches = [fixed_episodes(load_model(small_dir), 3, seed=s) for s in range(3)]
-    a = Trainer(load_model(small_dir), config)
+    a = LocalTrainer(load_model(small_dir), config)
     a.train_step(batches[0])
     a.save(tmp_path / "ckpt")
     a.save(tmp_path / "ckpt")  # overwriting an existing checkpoint works and leaves no debris
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    b = Trainer(load_model(small_dir), config)
+    b = LocalTrainer(load_model(small_dir), config)
     b.load(tmp_path / "ckpt")
     assert b.version == a.version == 1
     for (name, pa), pb in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
@@ -331,22 +331,22 @@ def test_save_load_resumes_exactly(small_dir: Path, tmp_path: Path) -> None:
 
 def test_bf16_autocast_keeps_fp32_weights_and_logprobs(small_dir: Path) -> None:
     model = load_model(small_dir)
-    trainer = Trainer(model, GRPOConfig(lr=1e-3, bf16_autocast=True))
+    trainer = LocalTrainer(model, GRPOConfig(lr=1e-3, bf16_autocast=True))
     stats = trainer.train_step(fixed_episodes(load_model(small_dir), 2, seed=0))
     assert stats.updated and all(p.dtype == torch.float32 for p in model.parameters())
     # bf16 matmuls against fp32 rollouts: a visible but small mismatch, which TIS is there to absorb.
     assert 0 < stats.logprob_diff_max < 0.5 and torch.isfinite(torch.tensor(stats.loss))
     with pytest.raises(ValueError, match="fp32"):
-        Trainer(load_model(small_dir, dtype=torch.bfloat16), GRPOConfig())
+        LocalTrainer(load_model(small_dir, dtype=torch.bfloat16), GRPOConfig())
 
 
 def test_reference_kl_grows_as_the_policy_moves(small_dir: Path) -> None:
-    trainer = Trainer(load_model(small_dir), GRPOConfig(lr=3e-3, kl_coef=0.1), ref_model=load_model(small_dir))
+    trainer = LocalTrainer(load_model(small_dir), GRPOConfig(lr=3e-3, kl_coef=0.1), ref_model=load_model(small_dir))
     batch = fixed_episodes(load_model(small_dir), 2, seed=0)
     first, second = trainer.train_step(batch), trainer.train_step(batch)
     assert abs(first.ref_kl) < 1e-7 and second.ref_kl > 1e-5
     with pytest.raises(ValueError, match="ref_model"):
-        Trainer(load_model(small_dir), GRPOConfig(kl_coef=0.1))
+        LocalTrainer(load_model(small_dir), GRPOConfig(kl_coef=0.1))
 
 
 def test_selected_positions_match_the_full_output_layer():
@@ -385,9 +385,9 @@ def test_the_demonstration_anchor_pulls_the_policy_toward_the_demonstrations(sma
     demos, batch = _demos(), fixed_episodes(load_model(small_dir), 3, seed=0)
     with torch.no_grad():
         start = float(demo_nll(load_model(small_dir), demos))
-    plain = Trainer(load_model(small_dir), GRPOConfig(lr=3e-3))
-    ignored = Trainer(load_model(small_dir), GRPOConfig(lr=3e-3), demos=demos)
-    anchored = Trainer(load_model(small_dir), GRPOConfig(lr=3e-3, sft_coef=1.0, sft_batch=4), demos=demos)
+    plain = LocalTrainer(load_model(small_dir), GRPOConfig(lr=3e-3))
+    ignored = LocalTrainer(load_model(small_dir), GRPOConfig(lr=3e-3), demos=demos)
+    anchored = LocalTrainer(load_model(small_dir), GRPOConfig(lr=3e-3, sft_coef=1.0, sft_batch=4), demos=demos)
     for _ in range(4):
         a, b, c = plain.train_step(batch), ignored.train_step(batch), anchored.train_step(batch)
         assert a.sft_nll == b.sft_nll == 0 and c.sft_nll > 0 and a.loss == b.loss
@@ -397,4 +397,4 @@ def test_the_demonstration_anchor_pulls_the_policy_toward_the_demonstrations(sma
         after_plain, after_anchored = float(demo_nll(plain.model, demos)), float(demo_nll(anchored.model, demos))
     assert after_anchored < start - 0.5 and after_anchored < after_plain - 0.5, (start, after_plain, after_anchored)
     with pytest.raises(ValueError, match="demonstrations"):
-        Trainer(load_model(small_dir), GRPOConfig(sft_coef=1.0))
+        LocalTrainer(load_model(small_dir), GRPOConfig(sft_coef=1.0))

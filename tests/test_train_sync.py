@@ -13,7 +13,7 @@ from furlong.config import load_config
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model.loading import load_model
-from furlong.train.weights import open_link
+from furlong.build import weight_link
 
 PROMPT = [5, 17, 300, 42, 1000, 7]
 
@@ -59,7 +59,7 @@ def test_engine_server_pulls_deltas_and_samples_exactly_like_the_trainer_weights
     history = _steps(load_model(tiny_dir), 4)
 
     async def main() -> list[dict]:
-        link = await open_link(cfg, tmp_path, None, tiny_dir, None)
+        link = await weight_link(cfg, tmp_path, tiny_dir)
         logged = []
         try:
             for version, weights in enumerate(history):
@@ -86,7 +86,7 @@ def test_in_process_relay_with_bf16_publishing_loads_the_rounded_weights(tiny_di
     history = _steps(load_model(tiny_dir), 2)
 
     async def main() -> None:
-        link = await open_link(cfg, tmp_path, load_model(tiny_dir), tiny_dir, None)
+        link = await weight_link(cfg, tmp_path, tiny_dir)
         try:
             for version, weights in enumerate(history):
                 report = await link.push(weights, version)
@@ -105,7 +105,7 @@ def test_an_unchanged_version_is_not_republished(tiny_dir: Path, tmp_path: Path)
     weights = _steps(load_model(tiny_dir), 0)[0]
 
     async def main() -> tuple[dict, dict]:
-        link = await open_link(cfg, tmp_path, load_model(tiny_dir), tiny_dir, None)
+        link = await weight_link(cfg, tmp_path, tiny_dir)
         try:
             return await link.push(weights, 0), await link.push(weights, 0)  # a step whose groups were all filtered
         finally:

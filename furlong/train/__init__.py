@@ -14,7 +14,7 @@ from furlong.train.logprobs import (
     logprobs_from_logits,
     token_logprobs,
 )
-from furlong.train.trainer import GRPOConfig, MicroBatch, Trainer, TrainStats, collate
+from furlong.train.trainer import GRPOConfig, MicroBatch, LocalTrainer, TrainStats, collate
 
 __all__ = [
     "GRPOConfig",

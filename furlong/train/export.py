@@ -24,7 +24,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from furlong.train.trainer import fsync_dir, replace_dir
+from furlong.train.atomic import fsync_dir, replace_dir
 
 HF_DIR = "hf"
 ADAPTER_DIR = "adapter"

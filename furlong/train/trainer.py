@@ -32,8 +32,11 @@ from furlong.train.grpo import (
     merge_metrics,
     policy_loss,
 )
+from furlong.train.atomic import fsync_dir, replace_dir, write_synced
+from furlong.train.export import is_peft, write_hf
 from furlong.train.logprobs import token_logprobs
 from furlong.train.sft import Demo, demo_nll
+from furlong.train.stats import TrainStats
 
 CHECKPOINT_FILE = "trainer.pt"
 
@@ -68,35 +71,6 @@ class GRPOConfig:
     min_lr_ratio: float = 0.1
     sft_coef: float = 0.0  # > 0: plus this times the NLL of sft_batch demonstrations per optimizer step (PPO-ptx)
     sft_batch: int = 16
-
-
-@dataclass(frozen=True)
-class TrainStats:
-    loss: float
-    reward_mean: float  # over scored episodes, before filtering: what the rollouts achieved
-    pass_rate: float  # fraction with reward >= 1
-    groups_used: int
-    groups_filtered: int
-    episodes_dropped: int  # infra errors (reward None), never trained on
-    logprob_diff_mean: float
-    logprob_diff_max: float
-    rollout_train_kl: float
-    ppo_kl: float
-    clip_frac: float
-    entropy: float
-    grad_norm: float  # before clipping, mean over optimizer steps
-    grad_norm_rl: float  # the same, of the policy loss alone (without the demonstration anchor)
-    sft_nll: float  # mean NLL of the anchor's demonstrations (0: no anchor, sft_coef 0)
-    response_len_mean: float
-    tokens: int  # non-pad tokens of the trained episodes (per epoch)
-    loss_tokens: int  # of which sampled (loss-masked)
-    seconds: float
-    tokens_per_s: float
-    tis_weight_mean: float
-    tis_capped_frac: float
-    ref_kl: float
-    updated: bool  # False when no group survived filtering: the weights and the version are unchanged
-    version: int  # the trainer's weight version after this step
 
 
 @dataclass(frozen=True)
@@ -148,8 +122,9 @@ def lr_at(cfg: GRPOConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class Trainer:
-    """GRPO on one process. `version` counts weight updates (the engine's weight_version after a push)."""
+class LocalTrainer:
+    """GRPO on one process (furlong.train.protocol.Trainer). `version` counts weight updates (the engine's
+    weight_version after a push)."""
 
     def __init__(self, model: PreTrainedModel, config: GRPOConfig, ref_model: PreTrainedModel | None = None,
                  demos: Sequence[Demo] = ()) -> None:
@@ -168,7 +143,7 @@ class Trainer:
         self.model = model.eval()
         self.ref_model = ref_model.eval() if ref_model is not None and config.kl_coef > 0 else None
         self.config = config
-        self.device = next(model.parameters()).device
+        self._device = next(model.parameters()).device
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                            betas=config.betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay)
@@ -178,9 +153,21 @@ class Trainer:
         self.version = 0
         self.last_minibatches: tuple[LossMetrics, ...] = ()  # per optimizer step of the last train_step
 
-    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        """The live weights (no copies): the engine copies them in update_weights, before the next step."""
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The live weights (no copies): the engine copies them in update_weights, before the next step.
+        A LoRA policy sends only its adapters."""
+        if is_peft(self.model):
+            from peft import get_peft_model_state_dict  # peft loads slowly: only LoRA runs need it here
+
+            return {k: v.detach() for k, v in get_peft_model_state_dict(self.model).items()}
         return self.model.state_dict()
+
+    def export_hf(self, out: Path, tokenizer, base_model: Path | None = None) -> Path:
+        return write_hf(self.model, tokenizer, out, base_model=base_model)
 
     def _autocast(self) -> AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16_autocast)
@@ -311,9 +298,9 @@ class Trainer:
         try:
             state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "version": self.version, "opt_steps": self._opt_steps, "rng": _rng_state(self.generator)}
-            _write_synced(tmp / CHECKPOINT_FILE, lambda f: torch.save(state, f))
+            write_synced(tmp / CHECKPOINT_FILE, lambda f: torch.save(state, f))
             meta = json.dumps({"version": self.version, "config": asdict(self.config)}, indent=1)
-            _write_synced(tmp / "meta.json", lambda f: f.write(meta.encode()))
+            write_synced(tmp / "meta.json", lambda f: f.write(meta.encode()))
             fsync_dir(tmp)
             replace_dir(tmp, path)
         finally:
@@ -379,29 +366,3 @@ def _set_rng_state(generator: torch.Generator, state: dict) -> None:
     generator.set_state(state["generator"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _write_synced(path: Path, write) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_dir(new: Path, path: Path) -> None:
-    """os.replace cannot overwrite a non-empty directory, so an old checkpoint is first moved aside; a crash
-    between the two renames leaves it intact under `.<name>.old-*` rather than losing both."""
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    if path.exists():
-        os.replace(path, old)
-    os.replace(new, path)
-    fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)

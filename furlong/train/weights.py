@@ -14,22 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from furlong.config import Config
-from furlong.engine.hf import HFEngine
-from furlong.engine.remote import EngineProcess, RemoteEngine
+from furlong.engine.remote import EngineProcess
 from furlong.engine.router import Router
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
-from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+class WeightLink(Protocol):
+    """The rollout engine and how each trainer version reaches it; `push` returns the step's sync metrics."""
+
+    engine: object
+
+    async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]: ...
+
+    async def close(self) -> None: ...
 
 
 class DirectLink:
@@ -74,52 +79,7 @@ class PublishedLink:
         await self._cleanup()
 
 
-def _fresh_dir(cfg: Config, run_path: Path) -> DirectoryTransport:
-    # The run owns this directory: a resumed run republishes from its checkpoint's version, which may be
-    # older than files the killed run left, so they go.
-    root = cfg.train.sync.dir or run_path / "weights"
-    shutil.rmtree(root, ignore_errors=True)
-    return DirectoryTransport(root, keep=cfg.train.sync.keep)
-
-
-async def open_link(cfg: Config, run_path: Path, engine_model, model_dir: Path, lora: dict | None, shared=None):
-    """The rollout engine for RL and the link that keeps its weights current (`shared`: see rollout_engine)."""
-    s = cfg.train.sync
-    if cfg.train.engine == "sglang":
-        return await _sglang_link(cfg, run_path, model_dir)
-    if s.transport == "direct":
-        return DirectLink(rollout_engine(engine_model, shared, cfg.train.hf.prefix_cache_mb))
-    publisher_of = lambda t: Publisher(t, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype],  # noqa: E731
-                                       momentum=s.momentum)
-    if s.engine == "inprocess":
-        engine = rollout_engine(engine_model, shared, cfg.train.hf.prefix_cache_mb)
-        transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(cfg, run_path)
-        served = UpdateServer(transport) if s.transport == "http" else None  # type: ignore[arg-type]
-        relay = Relay(HttpTransport(served.url) if served else transport, engine)
-
-        async def cleanup_local() -> None:
-            await engine.close()
-            if served:
-                served.close()
-
-        return PublishedLink(engine, publisher_of(transport), lambda: _local_pull(relay), cleanup_local)
-    directory = _fresh_dir(cfg, run_path)
-    server = UpdateServer(directory) if s.transport == "http" else None
-    processes = await _start_engines(s.servers, model_dir, server.url if server else str(directory.root),
-                                     run_path, cfg.train.torch_threads, lora, cfg.train.hf.prefix_cache_mb)
-    # One process is served directly (as before routers existed); several sit behind a router.
-    remote = RemoteEngine(processes[0].url) if len(processes) == 1 else Router([RemoteEngine(p.url) for p in processes])
-
-    async def cleanup_remote() -> None:
-        await remote.close()
-        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in processes))
-        if server:
-            server.close()
-
-    return PublishedLink(remote, publisher_of(directory), remote.sync, cleanup_remote)
-
-
-async def _start_engines(n: int, model_dir: Path, updates: str, run_path: Path, threads: int,
+async def start_engines(n: int, model_dir: Path, updates: str, run_path: Path, threads: int,
                          lora: dict | None, prefix_cache_mb: float) -> list[EngineProcess]:
     """`n` engine server processes started at once (logs: engine-server.log, or engine-server-I.log for
     several); if one fails to start, the others are stopped before the error is raised."""
@@ -137,19 +97,6 @@ async def _start_engines(n: int, model_dir: Path, updates: str, run_path: Path, 
     return started  # type: ignore[return-value]
 
 
-async def _sglang_link(cfg: Config, run_path: Path, model_dir: Path) -> DirectLink:
-    """An SGLang server (started or attached, `train.sglang`) that loads each step's full weights itself."""
-    from furlong.config import ConfigError
-    from furlong.engine.factory import make_engine
-
-    if cfg.train.lora.enabled or cfg.train.sync.transport != "direct":
-        raise ConfigError("train.engine=sglang supports full-weight updates only: set train.lora.enabled=false "
-                          "and train.sync.transport=direct (the server loads each step's checkpoint)")
-    engine = await asyncio.to_thread(make_engine, "sglang", model_dir, seed=cfg.train.seed, sglang=cfg.train.sglang,
-                                     work_dir=run_path / "sglang")
-    return DirectLink(engine)  # type: ignore[arg-type]  # any Engine with update_weights
-
-
 class Borrowed:
     """An engine lent to one phase: everything passes through, but close() leaves it running for the next."""
 
@@ -163,32 +110,6 @@ class Borrowed:
         pass
 
 
-def shared_vllm(cfg: Config, sft_dir: Path, run_path: Path):
-    """train.engine=vllm: the run's one vLLM engine over the SFT model. With LoRA it runs an adapter of the
-    run's spec from the start, a fresh one (lora_B = 0: the identity, so eval_before sees the SFT model);
-    RL's adapter-only pushes replace its tensors."""
-    from furlong.engine.factory import make_engine
-
-    adapter = None
-    if cfg.train.lora.enabled:
-        from furlong.model.loading import load_model
-        from furlong.train.lora import LoraSpec, save_adapter, wrap_lora
-
-        lo = cfg.train.lora
-        fresh = wrap_lora(load_model(sft_dir), LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets))
-        adapter = save_adapter(fresh, run_path / "vllm-adapter")
-    return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
-
-
-def rollout_engine(model, shared=None, prefix_cache_mb: float = 256):
-    """A phase's engine: a new hf engine over the in-memory `model`, or the run's `shared` one (train.engine=vllm:
-    one vLLM for the whole run, lent to each phase, its weights pushed by the link or the driver)."""
-    if shared is not None:
-        return Borrowed(shared)
-    # episodes stop on end-of-turn, never on a bare EOS
-    return HFEngine(model, eos_token_ids=(), prefix_cache_mb=prefix_cache_mb)
-
-
-async def _local_pull(relay: Relay) -> dict:
+async def local_pull(relay: Relay) -> dict:
     # The same dict the engine server's POST /sync returns, so both links read one shape.
     return dataclasses.asdict(await relay.sync_once())

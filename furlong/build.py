@@ -1,0 +1,225 @@
+"""Builders: the config tree in, the run's roles out (sandbox backend, image store, tasks, trainer, the
+rollout engine and its weight link). This is the only module that reads the config for them: every class it
+builds takes plain arguments, so each is usable outside the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from furlong.agent.episode import AgentParams
+from furlong.config import Config, ConfigError, ImagesConfig, SandboxConfig, TrainConfig
+from furlong.engine.hf import HFEngine
+from furlong.engine.remote import RemoteEngine
+from furlong.engine.router import Router
+from furlong.model.loading import load_model, load_tokenizer
+from furlong.model.tiny import init_tiny
+from furlong.rollout.groups import Rollouts
+from furlong.rollout.scheduler import GroupStream, Scheduler
+from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.images import ImageStore
+from furlong.sandbox.pool import StoreImages
+from furlong.sandbox.registry import Settings
+from furlong.sync.publish import Publisher
+from furlong.sync.relay import Relay
+from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
+from furlong.tasks.family import load_family
+from furlong.tasks.model import Task
+from furlong.train.trainer import GRPOConfig, LocalTrainer
+from furlong.train.weights import Borrowed, DirectLink, PublishedLink, WeightLink, local_pull, start_engines
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """What every phase of a run shares."""
+
+    tokenizer: object
+    backend: BwrapBackend
+    store: ImageStore
+    images: StoreImages  # shared, so a Dockerfile that fails to build is tried once per run
+    train_tasks: list[Task]
+    eval_tasks: list[Task]
+    params: AgentParams
+    base_model: Path
+
+
+def sandbox_backend(s: SandboxConfig) -> BwrapBackend:
+    if s.backend != "bwrap":
+        raise ConfigError(f"sandbox.backend: {s.backend!r} is not a known backend (known: bwrap)")
+    return BwrapBackend(host_uid=s.host_uid, output_cap=s.output_cap_bytes)
+
+
+def image_store(s: SandboxConfig, i: ImagesConfig, host_uid: int) -> ImageStore:
+    pulls = Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
+                              timeout_s=i.pull_timeout_s)
+    return ImageStore(host_uid=host_uid, mirror=s.debian_mirror, pulls=pulls)
+
+
+def train_tasks(t: TrainConfig) -> tuple[list[Task], list[Task]]:
+    """The family instances a run trains on, and its held-out ones."""
+    families = [load_family(t.tasks / name) for name in t.families]
+    for f in families:
+        if len(f.seeds["heldout"]) < t.eval.heldout_per_family:
+            raise ConfigError(f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
+                              f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
+    return ([task for f in families for task in f.instances("train")],
+            [task for f in families for task in f.instances("heldout", t.eval.heldout_per_family)])
+
+
+def pieces(cfg: Config) -> Pieces:
+    t = cfg.train
+    base = t.model.path or init_tiny(seed=t.model.seed)
+    backend = sandbox_backend(cfg.sandbox)
+    store = image_store(cfg.sandbox, cfg.images, backend.host_uid)
+    train, heldout = train_tasks(t)
+    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
+                  train_tasks=train, eval_tasks=heldout, params=AgentParams.of(t.agent), base_model=Path(base))
+
+
+def grpo_config(t: TrainConfig) -> GRPOConfig:
+    r = t.rl
+    opt_steps = r.steps * r.minibatches
+    decay = max(opt_steps - r.warmup_steps, 1) if r.lr_decay == "cosine" else 0
+    return GRPOConfig(lr=r.lr, adam_eps=r.adam_eps, warmup_steps=r.warmup_steps, decay_steps=decay,
+                      min_lr_ratio=r.min_lr_ratio, grad_clip=r.grad_clip, minibatches=r.minibatches,
+                      clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
+                      off_policy=r.off_policy, mask_level=r.mask_level, is_low=r.is_low, is_high=r.is_high,
+                      normalize_std=r.normalize_std, negative_weight=r.negative_weight,
+                      filter_zero_variance=r.filter_zero_variance, micro_batch_size=r.micro_batch_size,
+                      temperature=r.temperature, sft_coef=r.sft_coef, sft_batch=r.sft_batch, seed=t.seed)
+
+
+def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
+    """The SFT model, wrapped with fresh LoRA adapters when train.lora is on (`seed`: their init)."""
+    model = load_model(sft_dir)
+    if not t.lora.enabled:
+        return model
+    from furlong.train.lora import LoraSpec, wrap_lora  # peft loads slowly: only LoRA runs need it
+
+    return wrap_lora(model, LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, targets=t.lora.targets), seed=seed)
+
+
+def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True) -> LocalTrainer:
+    """The policy trainer on train.device; the KL reference is the SFT model itself (with LoRA too: fresh
+    adapters start as the identity). `anchor` False: a finished RL phase, which trains no more."""
+    config = grpo_config(t) if anchor else replace(grpo_config(t), sft_coef=0.0)
+    device = torch.device(t.device)
+    policy = policy_model(t, sft_dir, seed=t.seed).to(device)
+    ref = load_model(sft_dir).to(device).requires_grad_(False) if t.rl.kl_coef > 0 else None
+    return LocalTrainer(policy, config, ref_model=ref, demos=demos if anchor else [])
+
+
+def lora_spec(t: TrainConfig) -> dict | None:
+    lo = t.lora
+    return {"rank": lo.rank, "alpha": lo.alpha, "targets": list(lo.targets)} if lo.enabled else None
+
+
+def shared_engine(cfg: Config, sft_dir: Path, run_path: Path):
+    """train.engine=vllm: the run's one vLLM engine over the SFT model (it takes up to a minute to start),
+    lent to each phase. With LoRA it runs a fresh adapter of the run's spec from the start (lora_B = 0: the
+    identity, so eval_before sees the SFT model); RL's adapter-only pushes replace its tensors. Else None."""
+    if cfg.train.engine != "vllm":
+        return None
+    from furlong.engine.factory import make_engine
+
+    adapter = None
+    if cfg.train.lora.enabled:
+        from furlong.train.lora import save_adapter
+
+        adapter = save_adapter(policy_model(cfg.train, sft_dir), run_path / "vllm-adapter")
+    return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
+
+
+def phase_engine(model_dir: Path, shared=None, prefix_cache_mb: float = 256):
+    """A phase's engine: the run's `shared` one (lent: closing it leaves it running), else a new hf engine over
+    the model in `model_dir`."""
+    if shared is not None:
+        return Borrowed(shared)
+    return hf_engine(load_model(model_dir), prefix_cache_mb)
+
+
+def hf_engine(model, prefix_cache_mb: float) -> HFEngine:
+    return HFEngine(model, eos_token_ids=(), prefix_cache_mb=prefix_cache_mb)  # episodes stop on end-of-turn
+
+
+def _fresh_dir(t: TrainConfig, run_path: Path) -> DirectoryTransport:
+    # The run owns this directory: a resumed run republishes from its checkpoint's version, which may be
+    # older than files the killed run left, so they go.
+    root = t.sync.dir or run_path / "weights"
+    shutil.rmtree(root, ignore_errors=True)
+    return DirectoryTransport(root, keep=t.sync.keep)
+
+
+async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None) -> WeightLink:
+    """RL's rollout engine and the link that keeps its weights current (train.engine, train.sync)."""
+    t, s = cfg.train, cfg.train.sync
+    if t.engine == "sglang":
+        return await _sglang_link(cfg, run_path, sft_dir)
+    local = (lambda: Borrowed(shared)) if shared is not None else (
+        lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb))
+    if s.transport == "direct":
+        return DirectLink(local())
+    publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
+                                            engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
+    if s.engine == "inprocess":
+        engine = local()
+        transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(t, run_path)
+        served = UpdateServer(transport) if s.transport == "http" else None  # type: ignore[arg-type]
+        relay = Relay(HttpTransport(served.url) if served else transport, engine)
+
+        async def cleanup_local() -> None:
+            await engine.close()
+            if served:
+                served.close()
+
+        return PublishedLink(engine, publisher(transport), lambda: local_pull(relay), cleanup_local)
+    directory = _fresh_dir(t, run_path)
+    server = UpdateServer(directory) if s.transport == "http" else None
+    processes = await start_engines(s.servers, sft_dir, server.url if server else str(directory.root), run_path,
+                                    t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb)
+    # One process is served directly; several sit behind a router.
+    remote = RemoteEngine(processes[0].url) if len(processes) == 1 else Router([RemoteEngine(p.url) for p in processes])
+
+    async def cleanup_remote() -> None:
+        await remote.close()
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in processes))
+        if server:
+            server.close()
+
+    return PublishedLink(remote, publisher(directory), remote.sync, cleanup_remote)
+
+
+async def _sglang_link(cfg: Config, run_path: Path, sft_dir: Path) -> DirectLink:
+    """An SGLang server (started or attached, train.sglang) that loads each step's full weights itself."""
+    from furlong.engine.factory import make_engine
+
+    if cfg.train.lora.enabled or cfg.train.sync.transport != "direct":
+        raise ConfigError("train.engine=sglang supports full-weight updates only: set train.lora.enabled=false "
+                          "and train.sync.transport=direct (the server loads each step's checkpoint)")
+    engine = await asyncio.to_thread(make_engine, "sglang", sft_dir, seed=cfg.train.seed, sglang=cfg.train.sglang,
+                                     work_dir=run_path / "sglang")
+    return DirectLink(engine)  # type: ignore[arg-type]  # any Engine with update_weights
+
+
+def scheduler(t: TrainConfig, rollouts: Rollouts, tasks: list[Task], start: int, cursor: dict | None,
+              counted: int) -> Scheduler:
+    """The RL rollout side from step `start`. Sync and async are one loop: sync runs one step's groups at a time
+    with zero lookahead, so the next step's episodes start only once this step's weights are in the engine.
+    `cursor`/`counted`: where a resumed run's stream goes on, and the in-flight episodes its rows counted."""
+    r = t.rl
+    picked = tasks if r.families is None else [task for task in tasks if task.family in r.families]
+    if not picked:
+        raise ConfigError(f"train.rl.families: no train task is of {list(r.families or ())} (the train tasks' "
+                          f"families: {sorted({task.family for task in tasks})})")
+    return Scheduler(rollouts, GroupStream(picked, r.tasks_per_step, r.group_size, t.seed),
+                     temperature=r.temperature, steps_left=r.steps - start, first_step=start,
+                     inflight=r.inflight_groups(), lookahead=0 if r.mode == "sync" else r.max_staleness,
+                     max_staleness=r.max_staleness, requeue=r.stale_policy == "requeue", cursor=cursor,
+                     counted=counted)
