@@ -33,6 +33,20 @@ def _pages() -> list[Path]:
     return [README, *sorted(DOCS.glob("*.md"))]
 
 
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors GitHub gives a page: lower case, punctuation dropped, spaces as hyphens."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if fenced or not line.startswith("#"):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        n = sum(1 for a in anchors if a == slug or re.fullmatch(re.escape(slug) + r"-\d+", a))
+        anchors.add(f"{slug}-{n}" if n else slug)
+    return anchors
+
+
 def _subcommands(parser: argparse.ArgumentParser, prefix: str = "furlong") -> list[str]:
     """Every leaf command `furlong --help` offers, e.g. `furlong image pull`."""
     actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -61,16 +75,17 @@ def test_readme_is_a_short_front_page_that_starts_with_the_two_commands():
     assert lines[:4] == FIRST_LINES
 
 
-def test_every_relative_link_resolves_to_a_file():
+def test_every_relative_link_resolves_to_a_file_and_heading():
     broken = []
     for page in _pages():
         for target in _LINK.findall(page.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
-            path = (page.parent / target.split("#", 1)[0]).resolve()
-            if not path.exists():
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
-    assert not broken, "links to missing files:\n" + "\n".join(broken)
+    assert not broken, "links to missing files or headings:\n" + "\n".join(broken)
 
 
 def test_every_cited_result_json_is_committed():
