@@ -47,12 +47,19 @@ def _anchors(page: Path) -> set[str]:
     return anchors
 
 
-def _subcommands(parser: argparse.ArgumentParser, prefix: str = "furlong") -> list[str]:
-    """Every leaf command `furlong --help` offers, e.g. `furlong image pull`."""
+def _subparsers(parser: argparse.ArgumentParser, prefix: str = "furlong") -> dict[str, argparse.ArgumentParser]:
+    """Every leaf command `furlong --help` offers, e.g. `furlong image pull`, with its parser."""
     actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not actions:
-        return [prefix]
-    return [cmd for name, sub in actions[0].choices.items() for cmd in _subcommands(sub, f"{prefix} {name}")]
+        return {prefix: parser}
+    return {cmd: leaf for name, sub in actions[0].choices.items()
+            for cmd, leaf in _subparsers(sub, f"{prefix} {name}").items()}
+
+
+def _command_cells() -> list[str]:
+    """The first cell of each row of the README's command table that runs `furlong`."""
+    return [line.split("` |", 1)[0].strip("| `") for line in README.read_text().splitlines()
+            if line.startswith("| `furlong ")]
 
 
 def test_configuration_reference_is_generated_from_the_config_tree():
@@ -96,6 +103,17 @@ def test_every_cited_result_json_is_committed():
 
 
 def test_readme_command_table_has_every_subcommand():
-    table = "\n".join(line for line in README.read_text().splitlines() if line.startswith("| `"))
-    missing = [cmd for cmd in _subcommands(_parser()) if f"`{cmd}" not in table]
+    cells = _command_cells()
+    missing = [cmd for cmd in _subparsers(_parser()) if not any(c.startswith(cmd) for c in cells)]
     assert not missing, f"README.md's command table lacks: {missing}"
+
+
+def test_readme_command_table_names_only_real_flags():
+    commands = _subparsers(_parser())
+    wrong = []
+    for cell in _command_cells():
+        name = max((c for c in commands if cell.startswith(c)), key=len, default=None)
+        assert name is not None, f"README.md's command table has {cell!r}, which furlong --help does not offer"
+        flags = {opt for action in commands[name]._actions for opt in action.option_strings}
+        wrong += [f"{name}: {flag}" for flag in re.findall(r"--[a-z][a-z-]*", cell) if flag not in flags]
+    assert not wrong, f"README.md's command table names flags furlong does not take: {wrong}"
