@@ -121,10 +121,10 @@ def _render_section(key: str, model: type[BaseModel]) -> str:
     return "\n".join(lines)
 
 
-def render() -> str:
-    """The whole reference as markdown, one section per config class, in the tree's order."""
+def render(root: type[BaseModel] = Config) -> str:
+    """The whole reference as markdown, one section per config class under `root`, in the tree's order."""
     parts = [_HEADER]
-    parts += [_render_section(key, model) for key, model in _sections(Config, "") if key]
+    parts += [_render_section(key, model) for key, model in _sections(root, "") if key]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 

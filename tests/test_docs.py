@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
 
 from furlong import config_doc
 from furlong.cli import _parser
@@ -117,3 +120,27 @@ def test_readme_command_table_names_only_real_flags():
         flags = {opt for action in commands[name]._actions for opt in action.option_strings}
         wrong += [f"{name}: {flag}" for flag in re.findall(r"--[a-z][a-z-]*", cell) if flag not in flags]
     assert not wrong, f"README.md's command table names flags furlong does not take: {wrong}"
+
+
+def test_configuration_reference_renders_undocumented_and_nested_keys():
+    class Inner(BaseModel):
+        """Knobs of the inner part."""
+
+        mode: Literal["a", "b"] = "a"
+        names: tuple[str, ...] = ("x",)
+
+    class Outer(BaseModel):
+        count: int = Field(3, ge=1)
+        where: Path | None = Field(None, description="a directory | or none")
+        inner: Inner = Inner()
+
+    class Root(BaseModel):
+        outer: Outer = Outer()
+
+    text = config_doc.render(Root)
+    assert "| `outer.count` | int, >= 1 | `3` |  |" in text
+    assert "| `outer.where` | path \\| null | `null` | a directory \\| or none |" in text
+    assert "## `outer.inner`\n\nKnobs of the inner part." in text
+    assert '| `outer.inner.mode` | "a" \\| "b" | `"a"` |' in text
+    assert '| `outer.inner.names` | list of str | `["x"]` |' in text
+    assert "## `outer`\n\n| key |" in text  # no docstring of its own: no intro, not pydantic's
