@@ -46,8 +46,10 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(json.dumps(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " \\| ".join(_type_name(a) for a in args)
-    if origin is tuple:
+    if origin in (tuple, list, set, frozenset):
         return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}" if args else "mapping"
     if inspect.isclass(annotation) and issubclass(annotation, Path):
         return "path"
     if inspect.isclass(annotation) and issubclass(annotation, Enum):
