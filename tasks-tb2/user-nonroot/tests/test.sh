@@ -1,6 +1,6 @@
 #!/bin/bash
-# Docker would run this as "worker"; furlong runs every command as the sandbox's root (the README's
-# "Images"), so the check is on the files, not on who wrote them.
+# Docker would run this as "worker"; furlong runs every command as the sandbox's root (docs/images.md,
+# "The full builder: buildah"), so the check is on the files, not on who wrote them.
 mkdir -p /logs/verifier
 id worker >/dev/null && [ "$(cat /data/values.txt 2>/dev/null)" = "1,2,3" ]
 rc=$?
