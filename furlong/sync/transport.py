@@ -287,7 +287,7 @@ def update_app(directory: DirectoryTransport, token: str | None = None) -> FastA
         where = ".".join(str(part) for part in first["loc"])
         return JSONResponse({"detail": f"{where}: {first['msg']}"}, status_code=400)
 
-    @app.exception_handler(TransportError)  # UpdateNotFound, its subclass, is matched first
+    @app.exception_handler(TransportError)
     async def transport_failed(request: Request, exc: TransportError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=404 if isinstance(exc, UpdateNotFound) else 500)
 
@@ -337,12 +337,13 @@ class HttpTransport:
     preallocated buffer, transient failures retried with exponential backoff.
 
     A request is tried `attempts` times in all, waiting backoff_s, 2 * backoff_s, ... (at most 8 s)
-    between tries; then TransportError names the attempts and the last failure. Read-only: the
-    publisher writes the served directory directly. Environment proxies are ignored on purpose: the
-    server is on the cluster network, never behind a web proxy."""
+    between tries; then TransportError names the attempts and the last failure. A host that does not
+    answer fails each try within connect_timeout_s; only a transfer may take up to timeout_s.
+    Read-only: the publisher writes the served directory directly. Environment proxies are ignored on
+    purpose: the server is on the cluster network, never behind a web proxy."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 60.0, attempts: int = 4, backoff_s: float = 0.25,
-                 token: str | None = None) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 60.0, connect_timeout_s: float = 5.0,
+                 attempts: int = 4, backoff_s: float = 0.25, token: str | None = None) -> None:
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
         self.base_url = base_url.rstrip("/")
@@ -350,7 +351,8 @@ class HttpTransport:
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         # A relay pulls several versions per sync over these connections; idle ones are dropped before
         # the server would close them (see furlong.sync.serving).
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s, trust_env=False, headers=headers,
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, trust_env=False,
+                                    timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
                                     limits=httpx.Limits(max_keepalive_connections=8,
                                                         keepalive_expiry=CLIENT_KEEPALIVE_S))
 
@@ -433,9 +435,7 @@ def _read_body(resp: httpx.Response, what: str) -> bytearray:
     buf = bytearray(int(length))
     got = 0
     try:
-        for piece in resp.iter_raw():
-            if got + len(piece) > len(buf):
-                raise TransportError(f"{what}: server sent more than the {len(buf)} bytes announced")
+        for piece in resp.iter_raw():  # never past Content-Length: h11 frames the body by it
             buf[got : got + len(piece)] = piece
             got += len(piece)
     except httpx.HTTPError as e:
