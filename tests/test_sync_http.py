@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from pathlib import Path
@@ -9,7 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
+from furlong.engine.hf import HFEngine
+from furlong.model import init_tiny, load_model
+from furlong.sync.publish import Publisher
+from furlong.sync.relay import Relay
 from furlong.sync.serving import BackgroundServer
 from furlong.sync.transport import (
     DirectoryTransport,
@@ -135,3 +141,29 @@ def test_client_pulls_several_versions_over_one_kept_alive_connection(tmp_path: 
         assert client.latest() == 3
         assert [len(client.get(v)) for v in (3, 2, 1)] == [len(PAYLOAD) - 3, len(PAYLOAD) - 2, len(PAYLOAD)]
     assert len(recorder.requests) == 4 and len({port for _, port in recorder.requests}) == 1
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_relay_syncs_its_engine_through_a_server_that_fails_transiently(tmp_path: Path) -> None:
+    from test_sync_publish import train_step
+
+    model_dir = init_tiny()
+    directory = DirectoryTransport(tmp_path / "updates", fsync=False)
+    pub = Publisher(directory, full_every=3)
+    w = dict(load_model(model_dir).state_dict())
+    for v in (1, 2):
+        w = train_step(w, v)
+        pub.publish(w, v)
+    flaky = _Flaky(update_app(directory), failures=3, how="503")
+
+    async def main(url: str) -> None:
+        async with HFEngine(load_model(model_dir), eos_token_ids=()) as engine:
+            with HttpTransport(url, backoff_s=0.01) as client:
+                report = await Relay(client, engine).sync_once()
+            assert report.applied == (1, 2) and engine.weight_version == 2
+            for name, tensor in engine.model.state_dict().items():
+                assert torch.equal(tensor, w[name].to(torch.bfloat16).to(tensor.dtype)), name
+
+    with BackgroundServer(flaky) as server:
+        asyncio.run(main(server.url))
+    assert [path for path, _ in flaky.requests[:4]] == ["/latest"] * 4
