@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from furlong.engine.base import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
+from furlong.sync.serving import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
 from furlong.engine.remote import EngineProcess
 from furlong.engine.server import READY_PREFIX
 

@@ -9,14 +9,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 
-# HTTP keep-alive: a client must drop an idle pooled connection before the server closes it, or a request
-# sent on it just as the server closes it fails with ReadError (one async RL episode in ~1,850 was lost so,
-# an infra_error, with uvicorn's and httpx's shared default of 5 s). Our engine server keeps idle
-# connections SERVER_KEEPALIVE_S; clients pool them CLIENT_KEEPALIVE_S, also under uvicorn's default 5 s,
-# which servers we do not configure (SGLang's) may keep.
-CLIENT_KEEPALIVE_S = 2.0
-SERVER_KEEPALIVE_S = 60
-
 
 class EngineError(RuntimeError):
     """The engine could not serve a request (bad input, closed engine, failed forward pass)."""

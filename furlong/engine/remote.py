@@ -17,8 +17,9 @@ from typing import Any
 
 import httpx
 
-from furlong.engine.base import CLIENT_KEEPALIVE_S, EngineError, Generation, SamplingParams
+from furlong.engine.base import EngineError, Generation, SamplingParams
 from furlong.engine.server import READY_PREFIX
+from furlong.sync.serving import CLIENT_KEEPALIVE_S
 
 
 class EngineUnavailable(EngineError):

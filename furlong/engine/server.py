@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import socket
 import sys
 from contextlib import asynccontextmanager
 
@@ -32,10 +31,11 @@ import torch
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
-from furlong.engine.base import SERVER_KEEPALIVE_S, EngineError, SamplingParams
+from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.sync.relay import Relay, SyncFailed
+from furlong.sync.serving import SERVER_KEEPALIVE_S, bound_socket
 from furlong.sync.transport import DirectoryTransport, HttpTransport, Transport
 
 READY_PREFIX = "furlong-engine listening on "
@@ -129,9 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     engine = _load_engine(args)
     relay = Relay(open_transport(args.updates), engine) if args.updates else None
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock = bound_socket(args.host, args.port)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, relay), log_level="warning", lifespan="on",
                                             timeout_keep_alive=SERVER_KEEPALIVE_S))
 

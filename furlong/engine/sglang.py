@@ -35,7 +35,8 @@ from typing import Any
 import httpx
 import torch
 
-from furlong.engine.base import CLIENT_KEEPALIVE_S, EngineError, FinishReason, Generation, SamplingParams
+from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams
+from furlong.sync.serving import CLIENT_KEEPALIVE_S
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 INITIAL_VERSION_LABEL = "default"  # ServerArgs.weight_version when --weight-version is not given

@@ -13,11 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from furlong.engine.base import EngineError
 from furlong.engine.sglang import SGLangEngine
@@ -98,24 +99,26 @@ class SGLangServer:
             raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        def give_up(state: RetryCallState) -> NoReturn:
+            raise self._failure(f"not healthy at {self.url}/health within {timeout_s:.0f} s")
+
         with httpx.Client(trust_env=False, timeout=5.0) as client:
-            while True:
-                code = self._proc.poll()
-                if code is not None:
-                    raise EngineError(f"SGLang server exited with code {code} before it was healthy\n"
-                                      f"  command: {' '.join(self.cmd)}\n  last lines of {self.launch.log}:\n"
-                                      f"{log_tail(self.launch.log)}")
-                try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass  # not listening yet
-                if time.monotonic() > deadline:
-                    raise EngineError(f"SGLang server not healthy at {self.url}/health within {timeout_s:.0f} s\n"
-                                      f"  command: {' '.join(self.cmd)}\n  last lines of {self.launch.log}:\n"
-                                      f"{log_tail(self.launch.log)}")
-                time.sleep(0.25)
+            Retrying(stop=stop_after_delay(timeout_s), wait=wait_fixed(0.25),
+                     retry=retry_if_result(lambda healthy: not healthy), retry_error_callback=give_up)(
+                self._healthy, client)
+
+    def _healthy(self, client: httpx.Client) -> bool:
+        code = self._proc.poll()
+        if code is not None:
+            raise self._failure(f"exited with code {code} before it was healthy")
+        try:
+            return client.get(f"{self.url}/health").status_code == 200
+        except httpx.HTTPError:
+            return False  # not listening yet
+
+    def _failure(self, what: str) -> EngineError:
+        return EngineError(f"SGLang server {what}\n  command: {' '.join(self.cmd)}\n"
+                           f"  last lines of {self.launch.log}:\n{log_tail(self.launch.log)}")
 
     @property
     def running(self) -> bool:

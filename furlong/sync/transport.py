@@ -10,8 +10,9 @@ immutable and strictly increasing; one publisher writes, any number of relays re
   final name, and the directory is fsynced; only then is the `LATEST` pointer replaced the
   same way. Readers take no locks: every name they look at is a complete file.
 * `UpdateServer` + `HttpTransport`: a small HTTP server over a DirectoryTransport (read-only
-  but for the full-snapshot request flag) and its streaming client, for engines on hosts that
-  do not share the trainer's filesystem. Standard library only (http.server, urllib).
+  but for the full-snapshot request flag) and its streaming, retrying client, for engines on
+  hosts that do not share the trainer's filesystem. FastAPI on uvicorn and httpx, like the
+  engine server and its clients (furlong.sync.serving); retries are tenacity's.
 
 One flag flows upstream: a relay that cannot follow the delta chain calls `request_full()`;
 the publisher's next `take_full_request()` sees (and clears) it and publishes a snapshot.
@@ -20,23 +21,26 @@ the publisher's next `take_full_request()` sees (and clears) it and publishes a 
 from __future__ import annotations
 
 import contextlib
-import http.client
+import hmac
 import json
 import os
 import re
-import shutil
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn, Protocol, Self, TypeVar
+
+import httpx
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from furlong.sync.errors import SyncError
+from furlong.sync.serving import CLIENT_KEEPALIVE_S, BackgroundServer
 from furlong.sync.update import KINDS
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 Payload = bytes | bytearray
 
@@ -234,33 +238,26 @@ def _fsync_dir(path: Path) -> None:
 
 
 class UpdateServer:
-    """Serves a DirectoryTransport over HTTP from a background thread.
+    """Serves a DirectoryTransport over HTTP (FastAPI on uvicorn) from a background thread.
 
     GET /latest, GET /latest-full?at_or_before=N -> {"version": int | null};
     GET /updates/{version} -> the payload (X-Furlong-Kind header), streamed from disk;
     POST /want-full -> 204 (a relay asking the publisher for a snapshot).
-    No authentication: bind to 127.0.0.1 or a private cluster network only."""
+    A malformed request gets 400 naming the field, an unknown version 404; neither changes anything.
+    `token`: if set, every request must carry `Authorization: Bearer <token>`, or it gets 401 and
+    changes nothing. Without one, bind to 127.0.0.1 or a private cluster network only."""
 
-    def __init__(self, directory: DirectoryTransport, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, directory: DirectoryTransport, host: str = "127.0.0.1", port: int = 0, *,
+                 token: str | None = None) -> None:
         self.directory = directory
-        self._httpd = ThreadingHTTPServer((host, port), _Handler)
-        self._httpd.daemon_threads = True
-        self._httpd.directory = directory  # type: ignore[attr-defined]  # read by _Handler
-        self._thread = threading.Thread(  # short poll: close() waits up to one interval
-            target=self._httpd.serve_forever, args=(0.05,), name="furlong-update-server",
-            daemon=True,
-        )
-        self._thread.start()
+        self._served = BackgroundServer(update_app(directory, token), host, port, name="furlong-update-server")
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return self._served.url
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join()
+        self._served.close()
 
     def __enter__(self) -> Self:
         return self
@@ -269,76 +266,95 @@ class UpdateServer:
         self.close()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a relay pulls several versions per sync
+def update_app(directory: DirectoryTransport, token: str | None = None) -> FastAPI:
+    """The UpdateServer's routes over `directory` (see UpdateServer)."""
+    from fastapi import Depends, FastAPI, Header, HTTPException, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    def do_GET(self) -> None:
-        directory: DirectoryTransport = self.server.directory  # type: ignore[attr-defined]
-        url = urllib.parse.urlsplit(self.path)
-        path, query = url.path, urllib.parse.parse_qs(url.query)
-        try:
-            if path == "/latest":
-                self._json({"version": directory.latest()})
-            elif path == "/latest-full":
-                bound = int(query.get("at_or_before", [str(2**62)])[0])
-                self._json({"version": directory.latest_full_at_or_before(bound)})
-            elif path.startswith("/updates/"):
-                self._send_update(directory, int(path.removeprefix("/updates/")))
-            else:
-                self.send_error(404, f"no route {path}")
-        except ValueError as e:
-            self.send_error(400, str(e))
-        except UpdateNotFound as e:
-            self.send_error(404, str(e))
-        except TransportError as e:  # e.g. an unreadable LATEST pointer
-            self.send_error(500, str(e))
+    expected = f"Bearer {token}".encode()
 
-    def do_POST(self) -> None:
-        if self.path != "/want-full":
-            self.send_error(404, f"no route {self.path}")
-            return
-        self.server.directory.request_full()  # type: ignore[attr-defined]
-        self.send_response(204)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+    def authorized(authorization: str = Header(default="")) -> None:
+        if token is not None and not hmac.compare_digest(authorization.encode(), expected):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
-    def _send_update(self, directory: DirectoryTransport, version: int) -> None:
+    app = FastAPI(title="furlong weight updates", dependencies=[Depends(authorized)],
+                  openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return JSONResponse({"detail": f"{where}: {first['msg']}"}, status_code=400)
+
+    @app.exception_handler(TransportError)
+    async def transport_failed(request: Request, exc: TransportError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404 if isinstance(exc, UpdateNotFound) else 500)
+
+    @app.get("/latest")
+    def latest() -> dict[str, int | None]:
+        return {"version": directory.latest()}
+
+    @app.get("/latest-full")
+    def latest_full(at_or_before: int = 2**62) -> dict[str, int | None]:
+        return {"version": directory.latest_full_at_or_before(at_or_before)}
+
+    @app.get("/updates/{version}")
+    def update(version: int) -> StreamingResponse:
         path = directory.path_of(version)
         try:  # an open file survives a concurrent prune
-            f = open(path, "rb")  # noqa: SIM115 - closed by the with below, after the 404 case
+            f = open(path, "rb")  # noqa: SIM115 - closed by _chunks once sent
         except FileNotFoundError as e:
             raise UpdateNotFound(f"{path}: pruned") from e
-        with f:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
-            self.send_header("X-Furlong-Kind", path.name.split(".")[1])
-            self.end_headers()
-            shutil.copyfileobj(f, self.wfile, 1 << 20)
+        headers = {"Content-Length": str(os.fstat(f.fileno()).st_size), "X-Furlong-Kind": path.name.split(".")[1]}
+        return StreamingResponse(_chunks(f), media_type="application/octet-stream", headers=headers)
 
-    def _json(self, obj: dict[str, Any]) -> None:
-        body = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    @app.post("/want-full")
+    def want_full() -> Response:
+        directory.request_full()
+        return Response(status_code=204)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # one line per request on stderr would drown the trainer's logs
+    return app
+
+
+def _chunks(f: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
+    with f:
+        while piece := f.read(size):
+            yield piece
+
+
+class _Transient(TransportError):
+    """One try failed in a way the next may not: a refused, reset or timed-out connection, a transfer cut
+    short, HTTP 502-504 (a proxy or a restarting server). Any other answer is final."""
+
+
+_TRANSIENT_STATUS = frozenset({502, 503, 504})
+T = TypeVar("T")
 
 
 class HttpTransport:
-    """Client of an UpdateServer; payloads stream into one preallocated buffer.
+    """Client of an UpdateServer: pooled keep-alive connections, payloads streamed into one
+    preallocated buffer, transient failures retried with exponential backoff.
 
-    Read-only: the publisher writes the served directory directly. Environment proxies are
-    ignored on purpose: the server is on the cluster network, never behind a web proxy."""
+    A request is tried `attempts` times in all, waiting backoff_s, 2 * backoff_s, ... (at most 8 s)
+    between tries; then TransportError names the attempts and the last failure. A host that does not
+    answer fails each try within connect_timeout_s; only a transfer may take up to timeout_s.
+    Read-only: the publisher writes the served directory directly. Environment proxies are ignored on
+    purpose: the server is on the cluster network, never behind a web proxy."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 60.0, chunk: int = 1 << 20) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 60.0, connect_timeout_s: float = 5.0,
+                 attempts: int = 4, backoff_s: float = 0.25, token: str | None = None) -> None:
+        if attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {attempts}")
         self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.chunk = chunk
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.attempts, self.backoff_s = attempts, backoff_s
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        # A relay pulls several versions per sync over these connections; idle ones are dropped before
+        # the server would close them (see furlong.sync.serving).
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, trust_env=False,
+                                    timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                    limits=httpx.Limits(max_keepalive_connections=8,
+                                                        keepalive_expiry=CLIENT_KEEPALIVE_S))
 
     def put(self, version: int, kind: str, payload: bytes | memoryview) -> None:
         raise TransportError("HttpTransport is read-only: publish into the served directory")
@@ -350,48 +366,80 @@ class HttpTransport:
         return self._json(f"/latest-full?at_or_before={int(version)}")["version"]
 
     def get(self, version: int) -> Payload:
-        with self._open(f"/updates/{int(version)}") as resp:
-            return self._read_body(resp, f"v{version}")
+        return self._request("GET", f"/updates/{int(version)}", _read_body)
 
     def request_full(self) -> None:
-        with self._open("/want-full", method="POST"):
-            pass
+        self._request("POST", "/want-full", lambda resp, what: None)
 
     def take_full_request(self) -> bool:
         raise TransportError("HttpTransport is read-only: the publisher polls the directory")
 
-    def _read_body(self, resp: http.client.HTTPResponse, what: str) -> Payload:
-        length = resp.getheader("Content-Length")
-        if length is None:
-            raise TransportError(f"{what}: server sent no Content-Length")
-        buf = bytearray(int(length))
-        view, got = memoryview(buf), 0
-        try:
-            while got < len(buf):
-                n = resp.readinto(view[got : got + self.chunk])
-                if not n:
-                    break
-                got += n
-        except (OSError, http.client.HTTPException) as e:
-            raise TransportError(f"{what}: transfer failed after {got} bytes: {e!r}") from e
-        if got != len(buf):
-            raise TransportError(f"{what}: connection closed after {got} of {len(buf)} bytes")
-        return buf
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _json(self, route: str) -> dict[str, Any]:
-        with self._open(route) as resp:
-            try:
-                return dict(json.loads(self._read_body(resp, route)))
-            except ValueError as e:
-                raise TransportError(f"{route}: bad JSON from server: {e}") from e
-
-    def _open(self, route: str, method: str = "GET") -> http.client.HTTPResponse:
-        req = urllib.request.Request(self.base_url + route, method=method)
+        body = self._request("GET", route, _read_body)
         try:
-            return self._opener.open(req, timeout=self.timeout_s)  # type: ignore[no-any-return]
-        except urllib.error.HTTPError as e:
-            if e.code == 404 and route.startswith("/updates/"):
-                raise UpdateNotFound(f"{route}: {e.reason}") from e
-            raise TransportError(f"{self.base_url}{route}: HTTP {e.code} {e.reason}") from e
-        except (OSError, http.client.HTTPException) as e:
-            raise TransportError(f"{self.base_url}{route}: {e!r}") from e
+            return dict(json.loads(body))
+        except ValueError as e:
+            raise TransportError(f"{self.base_url}{route}: bad JSON from server: {e}") from e
+
+    def _request(self, method: str, route: str, read: Callable[[httpx.Response, str], T]) -> T:
+        retrying = Retrying(stop=stop_after_attempt(self.attempts),
+                            wait=wait_exponential(multiplier=self.backoff_s, max=8.0),
+                            retry=retry_if_exception_type(_Transient), retry_error_callback=_give_up)
+        return retrying(self._try, method, route, read)
+
+    def _try(self, method: str, route: str, read: Callable[[httpx.Response, str], T]) -> T:
+        what = self.base_url + route
+        try:
+            with self._client.stream(method, route) as resp:
+                if resp.status_code >= 400:
+                    raise _refusal(resp, what, route)
+                return read(resp, what)
+        except httpx.HTTPError as e:
+            raise _Transient(f"{what}: {e!r}") from e
+
+
+def _give_up(state: RetryCallState) -> NoReturn:
+    assert state.outcome is not None  # called only after a failed try
+    err = state.outcome.exception()
+    raise TransportError(f"gave up after {state.attempt_number} attempts: {err}") from err
+
+
+def _refusal(resp: httpx.Response, what: str, route: str) -> TransportError:
+    """The error an HTTP error reply stands for (the server's one-line detail in it)."""
+    resp.read()
+    try:
+        detail = resp.json()["detail"]
+    except (ValueError, KeyError, TypeError):
+        detail = resp.text[:200]
+    message = f"{what}: HTTP {resp.status_code}: {detail}"
+    if resp.status_code in _TRANSIENT_STATUS:
+        return _Transient(message)
+    if resp.status_code == 404 and route.startswith("/updates/"):
+        return UpdateNotFound(message)
+    return TransportError(message)
+
+
+def _read_body(resp: httpx.Response, what: str) -> bytearray:
+    length = resp.headers.get("Content-Length")
+    if length is None:
+        raise TransportError(f"{what}: server sent no Content-Length")
+    buf = bytearray(int(length))
+    got = 0
+    try:
+        for piece in resp.iter_raw():  # never past Content-Length: h11 frames the body by it
+            buf[got : got + len(piece)] = piece
+            got += len(piece)
+    except httpx.HTTPError as e:
+        raise _Transient(f"{what}: transfer failed after {got} bytes: {e!r}") from e
+    if got != len(buf):
+        raise _Transient(f"{what}: connection closed after {got} of {len(buf)} bytes")
+    return buf
