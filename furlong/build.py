@@ -6,6 +6,7 @@ builds takes plain arguments, so each is usable outside the CLI.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -171,8 +172,9 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None) -
     if s.engine == "inprocess":
         engine = local()
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(t, run_path)
-        served = UpdateServer(transport) if s.transport == "http" else None  # type: ignore[arg-type]
-        relay = Relay(HttpTransport(served.url) if served else transport, engine)
+        token = secrets.token_urlsafe(24)  # the update server answers only this run's relays
+        served = UpdateServer(transport, token=token) if s.transport == "http" else None  # type: ignore[arg-type]
+        relay = Relay(HttpTransport(served.url, token=token) if served else transport, engine)
 
         async def cleanup_local() -> None:
             await engine.close()
@@ -181,9 +183,10 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None) -
 
         return PublishedLink(engine, publisher(transport), lambda: local_pull(relay), cleanup_local)
     directory = _fresh_dir(t, run_path)
-    server = UpdateServer(directory) if s.transport == "http" else None
+    token = secrets.token_urlsafe(24)
+    server = UpdateServer(directory, token=token) if s.transport == "http" else None
     processes = await start_engines(s.servers, sft_dir, server.url if server else str(directory.root), run_path,
-                                    t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb)
+                                    t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb, token if server else None)
     # One process is served directly; several sit behind a router.
     remote = RemoteEngine(processes[0].url) if len(processes) == 1 else Router([RemoteEngine(p.url) for p in processes])
 

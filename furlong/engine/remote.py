@@ -20,6 +20,7 @@ import httpx
 from furlong.engine.base import EngineError, Generation, SamplingParams
 from furlong.engine.server import READY_PREFIX
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
+from furlong.sync.transport import UPDATES_TOKEN_ENV
 
 
 class EngineUnavailable(EngineError):
@@ -100,7 +101,8 @@ class EngineProcess:
     """Starts `python -m furlong.engine.server` and stops it; its stderr goes to `log`."""
 
     def __init__(self, model: Path, *, updates: str | None, log: Path, threads: int = 1,
-                 lora: dict | None = None, start_timeout_s: float = 120.0, prefix_cache_mb: float = 256) -> None:
+                 lora: dict | None = None, start_timeout_s: float = 120.0, prefix_cache_mb: float = 256,
+                 updates_token: str | None = None) -> None:
         cmd = [sys.executable, "-m", "furlong.engine.server", "--model", str(model), "--threads", str(threads),
                "--prefix-cache-mb", str(prefix_cache_mb)]
         if updates:
@@ -110,8 +112,10 @@ class EngineProcess:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         self._log_file = open(log, "ab")
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if updates_token:  # in the environment, not argv: other users can read a process's command line
+            env[UPDATES_TOKEN_ENV] = updates_token
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, env=env)
         self.url = self._wait_ready(start_timeout_s)
 
     @property

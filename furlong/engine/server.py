@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 from contextlib import asynccontextmanager
 
@@ -36,7 +37,7 @@ from furlong.engine.hf import HFEngine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.sync.relay import Relay, SyncFailed
 from furlong.sync.serving import SERVER_KEEPALIVE_S, bound_socket
-from furlong.sync.transport import DirectoryTransport, HttpTransport, Transport
+from furlong.sync.transport import UPDATES_TOKEN_ENV, DirectoryTransport, HttpTransport, Transport
 
 READY_PREFIX = "furlong-engine listening on "
 
@@ -58,7 +59,7 @@ class GenerateBody(BaseModel):
 def open_transport(spec: str) -> Transport:
     """An http(s) URL is an UpdateServer; anything else is a published directory."""
     if spec.startswith(("http://", "https://")):
-        return HttpTransport(spec)
+        return HttpTransport(spec, token=os.environ.get(UPDATES_TOKEN_ENV) or None)
     return DirectoryTransport(spec)
 
 

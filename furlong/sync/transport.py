@@ -39,6 +39,8 @@ from furlong.sync.errors import SyncError
 from furlong.sync.serving import CLIENT_KEEPALIVE_S, BackgroundServer
 from furlong.sync.update import KINDS
 
+UPDATES_TOKEN_ENV = "FURLONG_UPDATES_TOKEN"  # an engine server's bearer token for its --updates URL
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 

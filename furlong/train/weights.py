@@ -80,13 +80,14 @@ class PublishedLink:
 
 
 async def start_engines(n: int, model_dir: Path, updates: str, run_path: Path, threads: int,
-                         lora: dict | None, prefix_cache_mb: float) -> list[EngineProcess]:
+                        lora: dict | None, prefix_cache_mb: float, updates_token: str | None = None) -> list[EngineProcess]:
     """`n` engine server processes started at once (logs: engine-server.log, or engine-server-I.log for
     several); if one fails to start, the others are stopped before the error is raised."""
     logs = [run_path / "engine-server.log"] if n == 1 else [run_path / f"engine-server-{i}.log" for i in range(n)]
     started = await asyncio.gather(*(asyncio.to_thread(EngineProcess, model_dir, updates=updates, log=log,
                                                        threads=threads, lora=lora,
-                                                       prefix_cache_mb=prefix_cache_mb) for log in logs),
+                                                       prefix_cache_mb=prefix_cache_mb, updates_token=updates_token)
+                                   for log in logs),
                                    return_exceptions=True)
     failed = [r for r in started if isinstance(r, BaseException)]
     if failed:
