@@ -104,12 +104,14 @@ def _config(args: argparse.Namespace, flags: dict[str, str]) -> Config:
 
 
 def _sandbox_pieces(cfg: Config):
-    from furlong.sandbox.bwrap import BwrapBackend
+    from furlong.sandbox.backends import make_backend
     from furlong.sandbox.images import ImageStore
 
     _warn_limits()
-    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
-    return backend, ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror, pulls=_pulls(cfg))
+    s = cfg.sandbox
+    store = ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=_pulls(cfg))
+    return make_backend(s.backend, layers=store, host_uid=s.host_uid, output_cap=s.output_cap_bytes,
+                        seccomp=s.seccomp), store
 
 
 def _pulls(cfg: Config):

@@ -7,6 +7,13 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 DEFAULT_OUTPUT_CAP = 1 << 20  # bytes of stdout (and of stderr) kept per command
+BASE_ENV = {  # what every sandbox's environment starts from, before its image's ENV
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "DEBIAN_FRONTEND": "noninteractive",
+}
 
 
 class SandboxError(RuntimeError):
@@ -45,11 +52,22 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class ImageRef:
-    """A built image: read-only layers (top first) plus the ENV / WORKDIR a Dockerfile set."""
+class LayerRef:
+    """One read-only layer of an image store, named by content: `digest` is the hash its inputs made (a
+    build's recipe and context, a registry's digest), `path` its place relative to the store's root, so
+    it means the same on every host with that store. A backend resolves it through a LayerSource."""
 
-    key: str
-    layers: tuple[Path, ...]
+    digest: str
+    path: str
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A built image, named by content: read-only layers (top first) plus the ENV / WORKDIR a Dockerfile
+    set. Nothing in it is a host path: any host that can fetch the layers can run it."""
+
+    digest: str
+    layers: tuple[LayerRef, ...]
     env: tuple[tuple[str, str], ...] = ()
     workdir: str = "/"
     note: str = ""  # how the image differs from what its FROM named (a stand-in), or where it came from
@@ -89,15 +107,33 @@ class Sandbox(Protocol):
 
     async def put_dir(self, src: Path, dest: str) -> None: ...
 
+    async def put_tar(self, data: bytes, dest: str) -> None:
+        """Unpacks a tar (files, directories and symlinks only) under dest."""
+
     async def close(self) -> None: ...
 
     @property
     def alive(self) -> bool: ...
 
 
-class Backend(Protocol):
-    """Makes fresh sandboxes from images."""
+class LayerSource(Protocol):
+    """Where a backend gets an image's layers: an ImageStore on this host."""
+
+    def layer_dir(self, layer: LayerRef) -> Path:
+        """The layer as a read-only directory on this host."""
+
+    def layer_tar(self, layer: LayerRef) -> bytes:
+        """The layer as a tar, for a backend whose sandboxes run on another host."""
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    """Makes fresh sandboxes from images; furlong.sandbox.backends.make_backend picks one by name."""
 
     name: str
 
     async def create(self, spec: SandboxSpec) -> Sandbox: ...
+
+    async def build(self, spec: SandboxSpec, layer: Path) -> Sandbox:
+        """A sandbox whose writes become a new layer over spec.image (a Dockerfile's build steps): once it
+        is closed, `layer` (an empty directory on this host, which the caller owns) holds them."""

@@ -31,7 +31,8 @@ from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts, step_of
 from furlong.rollout.scheduler import (ATTEMPT_STRIDE, OUTCOMES, Batch, GroupStream, Scheduler, outcome_counts,
                                        settled_episodes, staleness_stats)
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.backends import make_backend
+from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
 from furlong.tasks.family import load_family
@@ -47,7 +48,7 @@ DEMOS_FILE = "demos.jsonl"  # in the run dir: SFT's demonstrations, which RL's a
 @dataclass(frozen=True)
 class Pieces:
     tokenizer: object
-    backend: BwrapBackend
+    backend: SandboxBackend
     store: ImageStore
     images: StoreImages  # shared, so a Dockerfile that fails to build is tried once per run
     train_tasks: list
@@ -64,8 +65,10 @@ def build(cfg: Config) -> Pieces:
             raise ConfigError(f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
                               f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
     base = t.model.path or init_tiny(seed=t.model.seed)
-    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
-    store = ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror)
+    s = cfg.sandbox
+    store = ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror)
+    backend = make_backend(s.backend, layers=store, host_uid=s.host_uid, output_cap=s.output_cap_bytes,
+                           seccomp=s.seccomp)
     return Pieces(
         tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
         train_tasks=[task for f in families for task in f.instances("train")],
