@@ -14,8 +14,10 @@ from conftest import run
 from furlong.eval.agents import OracleAgent
 from furlong.eval.run import run_eval
 from furlong.sandbox.backends import KINDS, make_backend
-from furlong.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from furlong.sandbox.base import ExecResult, PythonRun, PythonSpec, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
+from furlong.tasks import genrun
+from furlong.tasks.loader import load_task
 from tests_support import make_task
 
 QUIET = Console(file=open(os.devnull, "w"))
@@ -74,6 +76,10 @@ class RecordingBackend:
         self.calls.append("build")
         return RecordingSandbox(await self._inner.build(spec, layer), self.calls)
 
+    def run_python(self, spec: PythonSpec) -> PythonRun:
+        self.calls.append("run_python")
+        return self._inner.run_python(spec)
+
 
 def test_an_image_build_and_an_oracle_episode_run_on_another_backend(store, tmp_path: Path):
     backend = RecordingBackend(make_backend("bwrap", layers=store))
@@ -96,6 +102,15 @@ def test_an_image_build_and_an_oracle_episode_run_on_another_backend(store, tmp_
     episode = backend.calls[first_close + 1:]
     assert episode[0] == "create" and episode[-1] == "close" and episode.count("exec") >= 2  # oracle, verifier
     assert "build" not in episode
+
+
+def test_a_family_generator_runs_on_another_backend(tmp_path: Path):
+    backend = RecordingBackend(make_backend("bwrap"))
+    family = Path(__file__).resolve().parent.parent / "tasks" / "count-in-file"
+    genrun.generate(family, [0, 1], tmp_path / "out", backend=backend)
+    tasks = [load_task(tmp_path / "out" / seed) for seed in ("0", "1")]
+    assert backend.calls == ["run_python"]  # one sandboxed run for both seeds
+    assert all(t.instruction for t in tasks) and tasks[0].instruction != tasks[1].instruction
 
 
 def test_an_unknown_backend_is_one_line_naming_the_known_ones():

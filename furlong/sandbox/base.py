@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 DEFAULT_OUTPUT_CAP = 1 << 20  # bytes of stdout (and of stderr) kept per command
 BASE_ENV = {  # what every sandbox's environment starts from, before its image's ENV
@@ -89,6 +89,43 @@ class SandboxSpec:
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)
 
 
+PYTHON_LIB = "/furlong/lib"  # where a Python sandbox finds the furlong package (add it to sys.path)
+
+
+@dataclass(frozen=True)
+class PythonSpec:
+    """furlong's own interpreter running untrusted code (a family's generate.py), its stdout streamed back:
+    no network, an unprivileged uid, nothing of the host's to read but the interpreter, the furlong package
+    (under PYTHON_LIB) and `read_only`; /tmp and /out are small tmpfs, /out the working directory."""
+
+    source: str  # run as `python -I -c source *args`
+    args: tuple[str, ...] = ()
+    read_only: tuple[tuple[str, Path], ...] = ()  # (path inside, host directory)
+    limits: Limits = field(default_factory=Limits)  # memory_mb and pids are enforced
+    max_file_bytes: int = 64 << 20
+    tmp_bytes: int = 64 << 20
+    out_bytes: int = 192 << 20
+
+
+class PythonRun(Protocol):
+    """A running Python sandbox. Blocking calls: its reader runs in a thread of its own."""
+
+    stdout: BinaryIO
+    stderr: BinaryIO
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status; raises TimeoutError if it has not exited within `timeout`."""
+
+    def kill(self) -> None:
+        """Ends it and everything it started."""
+
+    def release(self) -> None:
+        """Frees what the backend held for it, once it has exited."""
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     """One fresh, isolated environment for one episode. All methods are async."""
@@ -137,3 +174,6 @@ class SandboxBackend(Protocol):
     async def build(self, spec: SandboxSpec, layer: Path) -> Sandbox:
         """A sandbox whose writes become a new layer over spec.image (a Dockerfile's build steps): once it
         is closed, `layer` (an empty directory on this host, which the caller owns) holds them."""
+
+    def run_python(self, spec: PythonSpec) -> PythonRun:
+        """Starts a Python sandbox (family generators); raises SandboxError when it cannot start."""

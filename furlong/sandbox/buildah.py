@@ -305,8 +305,8 @@ async def image(store: ImageStore, dockerfile: Path, backend, progress: Progress
         if not (final / "meta.json").exists():
             await asyncio.to_thread(_build, store, bh, dockerfile, planned, key, progress)
     meta = json.loads((final / "meta.json").read_text())
-    return ImageRef(digest=key, layers=(store.layer(key, final / "rootfs"),), env=tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],
-                    note=meta["note"])
+    return ImageRef(digest=key, layers=(store.layer(key, final / "rootfs"),), env=tuple(tuple(p) for p in meta["env"]),
+                    workdir=meta["workdir"], note=meta["note"])
 
 
 def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key: str, progress: Progress) -> None:

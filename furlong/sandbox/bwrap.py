@@ -18,13 +18,14 @@ import uuid
 from pathlib import Path
 
 from furlong.paths import cache_dir
-from furlong.sandbox import cgroups, native, netns, seccomp
+from furlong.sandbox import cgroups, hostpython, native, netns, seccomp
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
     BASE_ENV,
     DEFAULT_OUTPUT_CAP,
     ExecResult,
     LayerSource,
+    PythonSpec,
     SandboxDied,
     SandboxError,
     SandboxSpec,
@@ -175,6 +176,9 @@ class BwrapBackend:
             raise
         box.scratch = work
         return box
+
+    def run_python(self, spec: PythonSpec) -> hostpython.HostPythonRun:
+        return hostpython.start(spec, self._bwrap, self.host_uid)
 
     async def _start(self, spec: SandboxSpec, upper: Path | None, work: Path | None = None) -> BwrapSandbox:
         name = uuid.uuid4().hex[:12]
