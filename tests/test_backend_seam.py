@@ -3,7 +3,9 @@ episodes run on a backend that is not BwrapBackend, and every call they make is 
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 import uuid
 from pathlib import Path
 
@@ -102,6 +104,9 @@ def test_an_image_build_and_an_oracle_episode_run_on_another_backend(store, tmp_
     episode = backend.calls[first_close + 1:]
     assert episode[0] == "create" and episode[-1] == "close" and episode.count("exec") >= 2  # oracle, verifier
     assert "build" not in episode
+    image = run(store.image(task.dockerfile, backend))  # the built layer, as a host elsewhere would fetch it
+    with tarfile.open(fileobj=io.BytesIO(store.layer_tar(image.layers[0]))) as layer:
+        assert layer.extractfile("app/built.txt").read() == b"hello\n"
 
 
 def test_a_family_generator_runs_on_another_backend(tmp_path: Path):

@@ -173,11 +173,12 @@ def test_oci_image_layers_apply_in_order_with_whiteouts(import_store, import_bac
     assert run(import_store.image(dockerfile, import_backend)).digest != image.digest
 
 
-def test_rootfs_directory_import_serves_a_dockerfile(import_store, store, backend, tmp_path, monkeypatch, capsys):
+def test_rootfs_directory_import_serves_a_dockerfile(import_store, store, tmp_path, monkeypatch, capsys):
     rootfs = store.root / store.base_key() / "rootfs"
     monkeypatch.setenv("FURLONG_CACHE", str(import_store.root.parent / "test-imports-cli"))
     assert main(["image", "import", "mydebian:copy", str(rootfs)]) == 0  # through the command, as a user would
     cli_store = ImageStore()
+    backend = BwrapBackend(layers=cli_store)  # the imported image's layers are in the command's store
     dockerfile = tmp_path / "task" / "environment" / "Dockerfile"
     dockerfile.parent.mkdir(parents=True)
     dockerfile.write_text("FROM mydebian:copy\nWORKDIR /app\nRUN cat /etc/debian_version > v.txt && id -u > u.txt\n")

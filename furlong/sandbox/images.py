@@ -157,12 +157,12 @@ class ImageStore:
     def layer_dir(self, layer: LayerRef) -> Path:
         """The layer as a read-only directory on this host (through the store's id-mapped view as root)."""
         rel = Path(layer.path)
-        if rel.is_absolute() or ".." in rel.parts:
-            raise SandboxError(f"layer {layer.digest}: path {layer.path!r} is not inside the image store")
+        if rel.is_absolute() or ".." in rel.parts or not (self.root / rel).is_dir():
+            raise SandboxError(f"layer {layer.digest}: {layer.path!r} is not a layer of the image store {self.root}")
         return self._view(self.root / rel)
 
     def layer_tar(self, layer: LayerRef) -> bytes:
-        """The layer as a tar of its directory (owners and modes as on disk), for a sandbox host elsewhere."""
+        """The layer as a tar of its directory (every entry root's, modes kept), for a sandbox host elsewhere."""
         return tar_dir(self.root / layer.path)
 
     def _view(self, layer: Path) -> Path:
