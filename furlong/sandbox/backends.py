@@ -5,7 +5,7 @@ Each kind is imported only when picked, so a backend's dependencies stay optiona
 
 from __future__ import annotations
 
-from furlong.sandbox.base import LayerSource, SandboxBackend, SandboxError
+from furlong.sandbox.base import DEFAULT_OUTPUT_CAP, LayerSource, SandboxBackend, SandboxError
 
 KINDS = ("bwrap",)
 
@@ -15,7 +15,6 @@ def make_backend(kind: str, *, layers: LayerSource | None = None, host_uid: int 
     """A backend of `kind`, resolving image layers through `layers` (an ImageStore)."""
     if kind == "bwrap":
         from furlong.sandbox.bwrap import DEFAULT_HOST_UID, BwrapBackend
-        from furlong.sandbox.base import DEFAULT_OUTPUT_CAP
 
         return BwrapBackend(host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
                             output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,

@@ -184,6 +184,8 @@ class BwrapBackend:
         name = uuid.uuid4().hex[:12]
         if spec.network:
             netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
+        for layer in spec.image.layers:  # a missing layer is one line too (opened once, cached by _fd)
+            self._fd(self.layers.layer_dir(layer))
         seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []
