@@ -65,7 +65,8 @@ async def main(n: int) -> dict:
     scratch = Path(tempfile.mkdtemp(dir=store.root.parent, prefix="bench-buildah-"))
     try:
         started = time.perf_counter()
-        await asyncio.to_thread(buildah.Buildah(scratch).import_ref, base)
+        await asyncio.to_thread(buildah.Buildah(scratch).import_ref, base,
+                                tuple(store.root / layer.path for layer in base.layers))
         import_s = time.perf_counter() - started
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

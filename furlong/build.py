@@ -22,7 +22,8 @@ from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import GroupStream, Scheduler
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.backends import make_backend
+from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages
 from furlong.sandbox.registry import Settings
@@ -42,7 +43,7 @@ class Pieces:
     """What every phase of a run shares."""
 
     tokenizer: object
-    backend: BwrapBackend
+    backend: SandboxBackend
     store: ImageStore
     images: StoreImages  # shared, so a Dockerfile that fails to build is tried once per run
     train_tasks: list[Task]
@@ -51,16 +52,16 @@ class Pieces:
     base_model: Path
 
 
-def sandbox_backend(s: SandboxConfig) -> BwrapBackend:
-    if s.backend != "bwrap":
-        raise ConfigError(f"sandbox.backend: {s.backend!r} is not a known backend (known: bwrap)")
-    return BwrapBackend(host_uid=s.host_uid, output_cap=s.output_cap_bytes)
-
-
-def image_store(s: SandboxConfig, i: ImagesConfig, host_uid: int) -> ImageStore:
+def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore:
     pulls = Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
                               timeout_s=i.pull_timeout_s)
-    return ImageStore(host_uid=host_uid, mirror=s.debian_mirror, pulls=pulls)
+    return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls)
+
+
+def sandbox_backend(s: SandboxConfig, store: ImageStore) -> SandboxBackend:
+    """sandbox.backend over `store`, which resolves the images' layers."""
+    return make_backend(s.backend, layers=store, host_uid=s.host_uid, output_cap=s.output_cap_bytes,
+                        seccomp=s.seccomp)
 
 
 def train_tasks(t: TrainConfig) -> tuple[list[Task], list[Task]]:
@@ -77,8 +78,8 @@ def train_tasks(t: TrainConfig) -> tuple[list[Task], list[Task]]:
 def pieces(cfg: Config) -> Pieces:
     t = cfg.train
     base = t.model.path or init_tiny(seed=t.model.seed)
-    backend = sandbox_backend(cfg.sandbox)
-    store = image_store(cfg.sandbox, cfg.images, backend.host_uid)
+    store = image_store(cfg.sandbox, cfg.images)
+    backend = sandbox_backend(cfg.sandbox, store)
     train, heldout = train_tasks(t)
     return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
                   train_tasks=train, eval_tasks=heldout, params=AgentParams.of(t.agent), base_model=Path(base))

@@ -107,8 +107,8 @@ def _sandbox_pieces(cfg: Config):
     from furlong import build
 
     _warn_limits()
-    backend = build.sandbox_backend(cfg.sandbox)
-    return backend, build.image_store(cfg.sandbox, cfg.images, backend.host_uid)
+    store = build.image_store(cfg.sandbox, cfg.images)
+    return build.sandbox_backend(cfg.sandbox, store), store
 
 
 def _warn_limits() -> None:

@@ -20,8 +20,8 @@ def store() -> ImageStore:
 
 
 @pytest.fixture(scope="session")
-def backend() -> BwrapBackend:
-    return BwrapBackend()
+def backend(store: ImageStore) -> BwrapBackend:
+    return BwrapBackend(layers=store)
 
 
 @pytest.fixture(scope="session")

@@ -237,7 +237,7 @@ def test_ten_thousand_files_in_and_out(backend, base_image, tmp_path: Path):
 
 def test_a_hostile_image_interpreter_never_runs_as_the_init(backend, base_image, store):
     """The init is furlong's own static binary: an image whose python3 is booby-trapped cannot touch it."""
-    tmp_path = Path(tempfile.mkdtemp(dir=store.root.parent))  # where the sandbox uid can reach layers
+    tmp_path = Path(tempfile.mkdtemp(dir=store.root))  # layers are found inside an image store
     layer = tmp_path / "layer"
     (layer / "usr/bin").mkdir(parents=True)
     trap = layer / "usr/bin/python3"
@@ -245,7 +245,7 @@ def test_a_hostile_image_interpreter_never_runs_as_the_init(backend, base_image,
     trap.chmod(0o755)
     for p in [tmp_path, layer, layer / "usr", layer / "usr/bin"]:
         p.chmod(0o755)
-    image = ImageRef(key="hostile", layers=(layer, *base_image.layers))
+    image = ImageRef(digest="hostile", layers=(store.layer("hostile", layer), *base_image.layers))
 
     async def go():
         box = await backend.create(spec(image))

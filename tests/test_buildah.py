@@ -117,7 +117,7 @@ def test_full_dockerfile_builds_with_buildah_and_runs_in_a_sandbox(store: ImageS
     path = _task(tmp_path, FULL, {"data.txt": "context data\n"})
     log: list[str] = []
     ref = run(store.image(path, backend, log.append))
-    meta = json.loads((store.root / ref.key / "meta.json").read_text())
+    meta = json.loads((store.root / ref.digest / "meta.json").read_text())
     assert meta["builder"] == "buildah" and meta["labels"]["org.example.task"] == "buildah test"
     assert len(ref.layers) == 1 and ref.workdir == "/app" and ("APP_MODE", "test") in ref.env
     assert "USER runner is not honoured" in ref.note and "python stand-in" in ref.note
@@ -144,15 +144,15 @@ def test_full_dockerfile_builds_with_buildah_and_runs_in_a_sandbox(store: ImageS
 def test_second_build_is_a_cache_hit(store: ImageStore, backend, tmp_path: Path):
     path = _task(tmp_path, FULL, {"data.txt": "context data\n"})
     first = run(store.image(path, backend))
-    meta = store.root / first.key / "meta.json"
+    meta = store.root / first.digest / "meta.json"
     written = meta.stat().st_mtime_ns
     started = time.monotonic()
     again = run(ImageStore(root=store.root).image(path, backend))  # a new store: no in-memory answer
-    assert again.key == first.key and meta.stat().st_mtime_ns == written
+    assert again.digest == first.digest and meta.stat().st_mtime_ns == written
     assert time.monotonic() - started < 10
     (path.parent / "data.txt").write_text("changed\n")  # the context's content is part of the key
-    changed_key = run(ImageStore(root=store.root).image(path, backend)).key
-    assert changed_key != first.key
+    changed_key = run(ImageStore(root=store.root).image(path, backend)).digest
+    assert changed_key != first.digest
 
 
 @needs_buildah
@@ -179,8 +179,8 @@ def test_unknown_base_in_a_stage_names_the_line(store: ImageStore, backend, tmp_
 def test_a_simple_dockerfile_still_takes_the_native_path(store: ImageStore, backend, tmp_path: Path):
     path = _task(tmp_path, "FROM furlong/base\nENV A=1\nRUN echo native > /n.txt\n")
     ref = run(store.image(path, backend))
-    meta = json.loads((store.root / ref.key / "meta.json").read_text())
-    assert meta["builder"] == "furlong" and ref.key.startswith("layer-") and len(ref.layers) == 2
+    meta = json.loads((store.root / ref.digest / "meta.json").read_text())
+    assert meta["builder"] == "furlong" and ref.digest.startswith("layer-") and len(ref.layers) == 2
 
 
 @needs_buildah

@@ -20,7 +20,7 @@ from furlong.eval.harness import run_episode
 from furlong.eval.run import run_eval, summarize
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts, pass_rate, plan_step
-from furlong.sandbox.base import ImageRef
+from furlong.sandbox.base import ImageRef, LayerRef
 from furlong.sandbox.pool import MAX_START_FAILURES, FreshSandboxes, WarmPool, WarmPools, fixed_image
 from furlong.rollout.records import rollout_metrics
 from furlong.train.trainer import GRPOConfig, LocalTrainer
@@ -133,7 +133,7 @@ def test_killing_the_init_does_nothing_and_a_dead_sandbox_is_scored_zero(backend
 
 def test_a_sandbox_that_cannot_start_is_infra_error(backend, base_image, tmp_path: Path):
     task = make_task(tmp_path, "t", "t", REWARD_IF_DONE)
-    missing = ImageRef(key="missing", layers=(tmp_path / "no-such-layer",))
+    missing = ImageRef(digest="missing", layers=(LayerRef("missing", "no-such-layer"),))
     res = run(run_episode(task, OracleAgent(), backend, missing))
     assert (res.reward, res.status) == (None, "infra_error") and res.error.startswith("sandbox did not start")
 

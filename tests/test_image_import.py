@@ -16,6 +16,7 @@ import pytest
 
 from conftest import run, spec
 from furlong.cli import main
+from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.imports import ImageImportError, directory, import_image
 from furlong.sandbox.layertar import UnpackError
@@ -30,6 +31,11 @@ def import_store(store: ImageStore):
     shutil.rmtree(root, ignore_errors=True)
     yield ImageStore(root=root)
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def import_backend(import_store: ImageStore) -> BwrapBackend:
+    return BwrapBackend(layers=import_store)  # the images imported here are found in their own store
 
 
 def meta_dir(store: ImageStore, name: str) -> str:
@@ -125,7 +131,8 @@ CONFIG = {"architecture": "amd64", "os": "linux",
 
 
 @pytest.mark.parametrize("form", ["oci-archive", "oci-layout"])
-def test_oci_image_layers_apply_in_order_with_whiteouts(import_store, store, backend, base_image, tmp_path, form):
+def test_oci_image_layers_apply_in_order_with_whiteouts(import_store, import_backend, store, backend, base_image,
+                                                        tmp_path, form):
     rootfs = store.root / store.base_key() / "rootfs"
     first = _bash_layer(rootfs, run(_bash_paths(backend, base_image)))
     layout = _oci_layout(tmp_path / "layout", [(first, LAYER_TAR), (_tar(SECOND, compress=True), LAYER_TAR + "+gzip")],
@@ -143,8 +150,8 @@ def test_oci_image_layers_apply_in_order_with_whiteouts(import_store, store, bac
     dockerfile.write_text("FROM t/oci:1\nRUN echo built > /data/built.txt\n")
 
     async def go():
-        image = await import_store.image(dockerfile, backend)
-        box = await backend.create(spec(image))
+        image = await import_store.image(dockerfile, import_backend)
+        box = await import_backend.create(spec(image))
         try:
             return image, await box.exec(
                 'pwd; echo "$GREETING"; echo /data/* /opq/*; '
@@ -163,14 +170,15 @@ def test_oci_image_layers_apply_in_order_with_whiteouts(import_store, store, bac
     # a re-import is a new image: layers built on the old one are not reused
     import_image(import_store.root, "t/oci:1", source, lambda _: None)
     import_store._resolved.clear()
-    assert run(import_store.image(dockerfile, backend)).key != image.key
+    assert run(import_store.image(dockerfile, import_backend)).digest != image.digest
 
 
-def test_rootfs_directory_import_serves_a_dockerfile(import_store, store, backend, tmp_path, monkeypatch, capsys):
+def test_rootfs_directory_import_serves_a_dockerfile(import_store, store, tmp_path, monkeypatch, capsys):
     rootfs = store.root / store.base_key() / "rootfs"
     monkeypatch.setenv("FURLONG_CACHE", str(import_store.root.parent / "test-imports-cli"))
     assert main(["image", "import", "mydebian:copy", str(rootfs)]) == 0  # through the command, as a user would
     cli_store = ImageStore()
+    backend = BwrapBackend(layers=cli_store)  # the imported image's layers are in the command's store
     dockerfile = tmp_path / "task" / "environment" / "Dockerfile"
     dockerfile.parent.mkdir(parents=True)
     dockerfile.write_text("FROM mydebian:copy\nWORKDIR /app\nRUN cat /etc/debian_version > v.txt && id -u > u.txt\n")

@@ -79,7 +79,7 @@ def test_layer_builds_caches_and_stacks_over_the_base(store, backend, tmp_path: 
     # the layer's identity covers the content COPY brings in, not just the file names
     (tmp_path / "environment" / "data" / "a.txt").write_text("changed\n")
     steps = df.parse(path)
-    assert store.layer_key(path, steps) != image.key
+    assert store.layer_key(path, steps) != image.digest
 
 
 def test_failing_run_step_is_an_error_naming_the_line(store, backend, tmp_path: Path):
@@ -175,7 +175,7 @@ def test_python_standin_behaves_like_the_official_image(store, backend, tmp_path
     assert r.stdout.startswith("42 (3, 11)\nPython 3.11") and r.stdout.endswith("1\nC.UTF-8\n"), r
     assert "python stand-in (Python 3.11" in image.note and "asks for Python 3.12" in image.note
     assert "asks for" not in image311.note and image311.layers[1:] == image.layers[1:]  # one stand-in layer
-    meta = json.loads((store.root / image.key / "meta.json").read_text())
+    meta = json.loads((store.root / image.digest / "meta.json").read_text())
     assert meta["base"] == "python:3.12-slim" and meta["note"] == image.note
 
 
@@ -223,6 +223,6 @@ def test_lookups_at_once_share_one_and_new_layers_add_no_mount(store, backend, t
 
     before, refs, out = run(go())
     assert calls == {p: 1 for p in paths}
-    assert [r.key for r in refs] == [r.key for r in refs[::8] for _ in range(8)] and len({r.key for r in refs}) == 3
+    assert [r.digest for r in refs] == [r.digest for r in refs[::8] for _ in range(8)] and len({r.digest for r in refs}) == 3
     assert out.startswith("2 ")
     assert _views() == before  # three new layers, no new mount

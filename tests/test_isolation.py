@@ -57,7 +57,7 @@ def test_no_network_unless_the_task_declares_it(backend, base_image):
     srv.close()
 
 
-def test_files_do_not_leak_between_episodes_or_into_the_image(backend, base_image):
+def test_files_do_not_leak_between_episodes_or_into_the_image(backend, base_image, store):
     async def go():
         box = await backend.create(spec(base_image))
         r = await box.exec("echo secret > /root/left-behind && echo x >> /etc/passwd && rm -rf /usr/bin/git && echo ok")
@@ -71,8 +71,9 @@ def test_files_do_not_leak_between_episodes_or_into_the_image(backend, base_imag
             await box.close()
 
     run(go())
-    assert not (base_image.layers[0] / "root" / "left-behind").exists()
-    assert (base_image.layers[0] / "usr" / "bin" / "git").exists()
+    rootfs = store.layer_dir(base_image.layers[0])
+    assert not (rootfs / "root" / "left-behind").exists()
+    assert (rootfs / "usr" / "bin" / "git").exists()
 
 
 def test_host_paths_and_kernel_settings_are_out_of_reach(backend, base_image, tmp_path: Path):

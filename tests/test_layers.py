@@ -19,7 +19,7 @@ AS_SANDBOX_UID = ["setpriv", f"--reuid={DEFAULT_HOST_UID}", f"--regid={DEFAULT_H
 
 def test_layer_is_root_owned_on_disk_and_read_only_to_the_sandbox_uid(store, base_image):
     disk = store.root / store.base_key() / "rootfs"
-    view = base_image.layers[0]
+    view = store.layer_dir(base_image.layers[0])
     assert os.stat(disk / "etc").st_uid == 0 and os.stat(view / "etc").st_uid == DEFAULT_HOST_UID
     for target in (disk / "etc" / "pwned", view / "etc" / "pwned", view / "etc" / "passwd"):
         res = subprocess.run([*AS_SANDBOX_UID, "sh", "-c", f"echo x >> {target}"], capture_output=True, text=True)

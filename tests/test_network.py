@@ -147,7 +147,7 @@ def test_an_image_build_installs_a_package_with_apt(store, backend, tmp_path: Pa
             await box.close()
 
     image, r = run(go())
-    shutil.rmtree(store.root / image.key, ignore_errors=True)  # apt's lists are tens of MB; the view goes at sweep
+    shutil.rmtree(store.root / image.digest, ignore_errors=True)  # apt's lists are tens of MB; the view goes at sweep
     assert r.stdout == "42\n", r
 
 

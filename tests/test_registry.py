@@ -15,6 +15,7 @@ import pytest
 
 from conftest import run, spec
 from furlong.cli import main
+from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 from furlong.sandbox.registry import Reference, Registry, RegistryError, Settings
 from registry_support import LocalRegistry, oci_from_rootfs, push
@@ -34,6 +35,12 @@ def reg_store(store: ImageStore):
     shutil.rmtree(root.parent, ignore_errors=True)
     yield ImageStore(root=root)
     shutil.rmtree(root.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def backend(reg_store: ImageStore) -> BwrapBackend:
+    """This module's images live in its own store, so its sandboxes find their layers there."""
+    return BwrapBackend(layers=reg_store)
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,8 @@ def test_image_build_without_root(user):
     check = python(user, """
         import os
         from furlong.sandbox.images import ImageStore
-        root = ImageStore().base().layers[0]
+        store = ImageStore()
+        root = store.layer_dir(store.base().layers[0])
         print(os.stat(root / "etc").st_uid == os.getuid(), (root / "etc/apt/apt.conf.d/99furlong").exists(),
               (root / "logs").is_dir(), os.listdir(root / "var/cache/apt/archives"))
     """)

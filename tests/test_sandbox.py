@@ -169,7 +169,7 @@ def test_a_layer_rebuilt_at_the_same_path_is_reopened(backend, base_image, store
 
     from furlong.sandbox.base import ImageRef
 
-    root = Path(tempfile.mkdtemp(dir=store.root.parent))
+    root = Path(tempfile.mkdtemp(dir=store.root))  # layers are found inside an image store
     layer = root / "layer"
     try:
         for version in ("one", "two"):
@@ -178,7 +178,7 @@ def test_a_layer_rebuilt_at_the_same_path_is_reopened(backend, base_image, store
             (layer / "version").write_text(version)
             for p in (root, layer, layer / "version"):
                 p.chmod(0o755 if p.is_dir() else 0o644)
-            image = ImageRef(key=f"rebuilt-{version}", layers=(layer, *base_image.layers))
+            image = ImageRef(digest=f"rebuilt-{version}", layers=(store.layer(version, layer), *base_image.layers))
 
             async def go():
                 box = await backend.create(spec(image))
@@ -200,16 +200,15 @@ def test_a_shell_state_file_inside_an_image_is_ignored(backend, base_image, stor
 
     from furlong.sandbox.base import ImageRef
 
-    root = Path(tempfile.mkdtemp(dir=store.root.parent))
+    root = Path(tempfile.mkdtemp(dir=store.root))
     state = root / "layer" / "run" / "furlong-shell" / "state"
     try:
         state.parent.mkdir(parents=True)
         state.write_text("export PATH=/nowhere\ncd -- / 2>/dev/null\n")
-        for p in [root, *root.rglob("*")]:
+        for p in [root, *root.rglob("*")]:  # this process's, as a built layer is: the sandbox's root inside
             p.chmod(0o755 if p.is_dir() else 0o644)
-            if os.geteuid() == 0:  # owned by the sandbox's root, as a built layer looks inside
-                os.chown(p, backend.host_uid, backend.host_uid)
-        image = dataclasses.replace(ImageRef(key="stale-state", layers=(root / "layer", *base_image.layers)),
+        layer = store.layer("stale-state", root / "layer")
+        image = dataclasses.replace(ImageRef(digest="stale-state", layers=(layer, *base_image.layers)),
                                     workdir="/tmp", env=(("PATH", "/usr/local/bin:/usr/bin:/bin"),))
 
         async def go():

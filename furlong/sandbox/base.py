@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 DEFAULT_OUTPUT_CAP = 1 << 20  # bytes of stdout (and of stderr) kept per command
+BASE_ENV = {  # what every sandbox's environment starts from, before its image's ENV
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "DEBIAN_FRONTEND": "noninteractive",
+}
 
 
 class SandboxError(RuntimeError):
@@ -45,11 +52,22 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class ImageRef:
-    """A built image: read-only layers (top first) plus the ENV / WORKDIR a Dockerfile set."""
+class LayerRef:
+    """One read-only layer of an image store, named by content: `digest` is the hash its inputs made (a
+    build's recipe and context, a registry's digest), `path` its place relative to the store's root, so
+    it means the same on every host with that store. A backend resolves it through a LayerSource."""
 
-    key: str
-    layers: tuple[Path, ...]
+    digest: str
+    path: str
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A built image, named by content: read-only layers (top first) plus the ENV / WORKDIR a Dockerfile
+    set. Nothing in it is a host path: any host that can fetch the layers can run it."""
+
+    digest: str
+    layers: tuple[LayerRef, ...]
     env: tuple[tuple[str, str], ...] = ()
     workdir: str = "/"
     note: str = ""  # how the image differs from what its FROM named (a stand-in), or where it came from
@@ -71,6 +89,43 @@ class SandboxSpec:
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)
 
 
+PYTHON_LIB = "/furlong/lib"  # where a Python sandbox finds the furlong package (add it to sys.path)
+
+
+@dataclass(frozen=True)
+class PythonSpec:
+    """furlong's own interpreter running untrusted code (a family's generate.py), its stdout streamed back:
+    no network, an unprivileged uid, nothing of the host's to read but the interpreter, the furlong package
+    (under PYTHON_LIB) and `read_only`; /tmp and /out are small tmpfs, /out the working directory."""
+
+    source: str  # run as `python -I -c source *args`
+    args: tuple[str, ...] = ()
+    read_only: tuple[tuple[str, Path], ...] = ()  # (path inside, host directory)
+    limits: Limits = field(default_factory=Limits)  # memory_mb and pids are enforced
+    max_file_bytes: int = 64 << 20
+    tmp_bytes: int = 64 << 20
+    out_bytes: int = 192 << 20
+
+
+class PythonRun(Protocol):
+    """A running Python sandbox. Blocking calls: its reader runs in a thread of its own."""
+
+    stdout: BinaryIO
+    stderr: BinaryIO
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status; raises TimeoutError if it has not exited within `timeout`."""
+
+    def kill(self) -> None:
+        """Ends it and everything it started."""
+
+    def release(self) -> None:
+        """Frees what the backend held for it, once it has exited."""
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     """One fresh, isolated environment for one episode. All methods are async."""
@@ -89,15 +144,36 @@ class Sandbox(Protocol):
 
     async def put_dir(self, src: Path, dest: str) -> None: ...
 
+    async def put_tar(self, data: bytes, dest: str) -> None:
+        """Unpacks a tar (files, directories and symlinks only) under dest."""
+
     async def close(self) -> None: ...
 
     @property
     def alive(self) -> bool: ...
 
 
-class Backend(Protocol):
-    """Makes fresh sandboxes from images."""
+class LayerSource(Protocol):
+    """Where a backend gets an image's layers: an ImageStore on this host."""
+
+    def layer_dir(self, layer: LayerRef) -> Path:
+        """The layer as a read-only directory on this host."""
+
+    def layer_tar(self, layer: LayerRef) -> bytes:
+        """The layer as a tar, for a backend whose sandboxes run on another host."""
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    """Makes fresh sandboxes from images; furlong.sandbox.backends.make_backend picks one by name."""
 
     name: str
 
     async def create(self, spec: SandboxSpec) -> Sandbox: ...
+
+    async def build(self, spec: SandboxSpec, layer: Path) -> Sandbox:
+        """A sandbox whose writes become a new layer over spec.image (a Dockerfile's build steps): once it
+        is closed, `layer` (an empty directory on this host, which the caller owns) holds them."""
+
+    def run_python(self, spec: PythonSpec) -> PythonRun:
+        """Starts a Python sandbox (family generators); raises SandboxError when it cannot start."""

@@ -112,17 +112,18 @@ class Buildah:
                 raise ImageBuildError(f"buildah cannot run without root here ({why}): it needs newuidmap "
                                       f"(apt-get install uidmap) and a subuid/subgid range for this user")
 
-    def import_ref(self, ref: ImageRef) -> str:
-        """`localhost/furlong/<key>`: the resolved image as a buildah image, made once per key."""
-        name = f"localhost/furlong/{ref.key}"
+    def import_ref(self, ref: ImageRef, layer_dirs: tuple[Path, ...]) -> str:
+        """`localhost/furlong/<digest>`: the resolved image (its layers' directories, top first) as a
+        buildah image, made once per digest."""
+        name = f"localhost/furlong/{ref.digest}"
         if self.has(name):
             return name
-        with _locked(self.home / f".import-{ref.key}.lock"):
+        with _locked(self.home / f".import-{ref.digest}.lock"):
             if self.has(name):
                 return name
-            tar = self.home / "tmp" / f"{ref.key}.{os.getpid()}.tar"
+            tar = self.home / "tmp" / f"{ref.digest}.{os.getpid()}.tar"
             try:
-                flatten_to_tar(ref.layers, tar)
+                flatten_to_tar(layer_dirs, tar)
                 ctr = self.run("from", "scratch").strip()
                 try:
                     self.run("add", "--quiet", ctr, str(tar), "/")
@@ -270,8 +271,9 @@ async def _local(store: ImageStore, bh: Buildah, dockerfile: Path, line: int, re
         raise ImageBuildError(f"{dockerfile}:{line}: FROM {ref}: {exc}") from None
     if resolved.note and resolved.note not in out.notes:
         out.notes.append(resolved.note)
-    progress(f"{ref}: as buildah image localhost/furlong/{resolved.key}")
-    return await asyncio.to_thread(bh.import_ref, resolved)
+    progress(f"{ref}: as buildah image localhost/furlong/{resolved.digest}")
+    dirs = tuple(store.root / layer.path for layer in resolved.layers)
+    return await asyncio.to_thread(bh.import_ref, resolved, dirs)
 
 
 # -- building and storing --------------------------------------------------------------------------
@@ -303,9 +305,8 @@ async def image(store: ImageStore, dockerfile: Path, backend, progress: Progress
         if not (final / "meta.json").exists():
             await asyncio.to_thread(_build, store, bh, dockerfile, planned, key, progress)
     meta = json.loads((final / "meta.json").read_text())
-    view = await asyncio.to_thread(store._view, final / "rootfs")
-    return ImageRef(key=key, layers=(view,), env=tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],
-                    note=meta["note"])
+    return ImageRef(digest=key, layers=(store.layer(key, final / "rootfs"),), env=tuple(tuple(p) for p in meta["env"]),
+                    workdir=meta["workdir"], note=meta["note"])
 
 
 def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key: str, progress: Progress) -> None:

@@ -18,11 +18,14 @@ import uuid
 from pathlib import Path
 
 from furlong.paths import cache_dir
-from furlong.sandbox import cgroups, native, netns, seccomp
+from furlong.sandbox import cgroups, hostpython, native, netns, seccomp
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
+    BASE_ENV,
     DEFAULT_OUTPUT_CAP,
     ExecResult,
+    LayerSource,
+    PythonSpec,
     SandboxDied,
     SandboxError,
     SandboxSpec,
@@ -32,13 +35,6 @@ from furlong.sandbox.tarball import tar_dir
 
 log = logging.getLogger(__name__)
 DEFAULT_HOST_UID = 61000  # used only when furlong runs as root; an otherwise unused uid
-BASE_ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
-    "LANG": "C.UTF-8",
-    "TERM": "dumb",
-    "DEBIAN_FRONTEND": "noninteractive",
-}
 REPLY_GRACE_S = 5.0  # how long past a command's own timeout the host waits before calling the sandbox dead
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
 SHM_MB = 64  # /dev/shm, as Docker sizes it
@@ -86,7 +82,8 @@ class BwrapBackend:
     name = "bwrap"
 
     def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP,
-                 seccomp: bool = True):
+                 seccomp: bool = True, layers: LayerSource | None = None):
+        self._layers = layers  # None: the default image store, made on first need
         self.seccomp = seccomp  # the global switch (config sandbox.seccomp); a spec may also turn it off
         self.host_uid = host_uid if os.geteuid() == 0 else os.geteuid()
         self.output_cap = output_cap
@@ -109,9 +106,17 @@ class BwrapBackend:
             fd = self._layer_fds[layer] = os.open(layer, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         return fd
 
+    @property
+    def layers(self) -> LayerSource:
+        if self._layers is None:
+            from furlong.sandbox.images import ImageStore  # it builds through backends like this one
+
+            self._layers = ImageStore(host_uid=self.host_uid)
+        return self._layers
+
     def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None,
                    seccomp_fd: int | None = None) -> tuple[list[str], list[int]]:
-        layer_fds = [self._fd(layer) for layer in spec.image.layers]
+        layer_fds = [self._fd(self.layers.layer_dir(layer)) for layer in spec.image.layers]
         fds = [*layer_fds, self._init_fd]
         args = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
                 "--new-session", "--as-pid-1", "--uid", "0", "--gid", "0", "--hostname", "sandbox",
@@ -153,14 +158,37 @@ class BwrapBackend:
             opts += ["--rlimit-as", str(spec.limits.memory_mb << 20), "--rlimit-nproc", str(spec.limits.pids)]
         return [*opts, "--", *args]
 
-    async def create(self, spec: SandboxSpec, upper: Path | None = None) -> BwrapSandbox:
-        """A fresh sandbox; with `upper`, writes persist there (image builds), else in a capped tmpfs."""
+    async def create(self, spec: SandboxSpec) -> BwrapSandbox:
+        """A fresh sandbox whose writes go to a capped tmpfs, gone when it closes."""
+        return await self._start(spec, None)
+
+    async def build(self, spec: SandboxSpec, layer: Path) -> BwrapSandbox:
+        """A sandbox whose writes persist in `layer`: it is the overlay's upper directory, so it must be
+        the sandbox uid's, beside a work directory of the same filesystem (removed at close)."""
+        work = layer.with_name(f".{layer.name}.work")
+        work.mkdir()
+        for d in (layer, work):
+            os.chown(d, self.host_uid, self.host_uid)
+        try:
+            box = await self._start(spec, layer, work)
+        except BaseException:
+            _remove_tree(work)
+            raise
+        box.scratch = work
+        return box
+
+    def run_python(self, spec: PythonSpec) -> hostpython.HostPythonRun:
+        return hostpython.start(spec, self._bwrap, self.host_uid)
+
+    async def _start(self, spec: SandboxSpec, upper: Path | None, work: Path | None = None) -> BwrapSandbox:
         name = uuid.uuid4().hex[:12]
         if spec.network:
             netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
+        for layer in spec.image.layers:  # a missing layer is one line too (opened once, cached by _fd)
+            self._fd(self.layers.layer_dir(layer))
         seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
-        rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, upper.with_name("work"))] if upper else []
+        rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []
         extra = ["--overlay", *(f"/proc/self/fd/{fd}" for fd in rw_fds), "/"] if upper else None
         args, fds = self.bwrap_args(spec, extra, seccomp_fd)
         fds += rw_fds
@@ -178,6 +206,15 @@ class BwrapBackend:
             for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
                 os.close(fd)
         return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
+
+
+def _remove_tree(path: Path) -> None:
+    """Removes an overlay work directory, also as an ordinary user: the kernel leaves its work/work mode 000."""
+    if os.geteuid() != 0:
+        for dirpath, dirnames, _ in os.walk(path):
+            for d in dirnames:
+                os.chmod(os.path.join(dirpath, d), 0o700)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -199,6 +236,7 @@ class BwrapSandbox:
         self._stderr_tail = b""
         self._closed = False
         self._death: str | None = None
+        self.scratch: Path | None = None  # a build's overlay work directory, removed at close
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_replies())
         self._err_reader = loop.create_task(self._read_stderr())
@@ -321,6 +359,8 @@ class BwrapSandbox:
                                                   return_exceptions=True), 5.0)
         except asyncio.TimeoutError:
             log.warning("sandbox %s: bwrap did not exit within 5 s of SIGKILL", self.name)
+        if self.scratch is not None:
+            await asyncio.to_thread(_remove_tree, self.scratch)
 
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None

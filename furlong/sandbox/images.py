@@ -30,7 +30,8 @@ from typing import Callable
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import imports, layers, registry, rootless, standins
-from furlong.sandbox.base import ImageRef, Limits, SandboxError, SandboxSpec
+from furlong.sandbox.base import BASE_ENV, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
+from furlong.sandbox.tarball import tar_dir
 
 FORMAT = "4"  # bump when the layout or the base recipe changes, so old caches are not reused
 BASE_PACKAGES = ("python3", "git", "procps", "ca-certificates")
@@ -84,7 +85,8 @@ class ImageStore:
         from furlong.sandbox.bwrap import DEFAULT_HOST_UID
 
         self.root = root or cache_dir() / "images"
-        self.host_uid = host_uid if host_uid is not None else (DEFAULT_HOST_UID if os.geteuid() == 0 else os.geteuid())
+        # the sandbox uid, as the bwrap backend picks it: the given one as root, else this process's own
+        self.host_uid = (DEFAULT_HOST_UID if host_uid is None else host_uid) if os.geteuid() == 0 else os.geteuid()
         self.mirror = mirror or os.environ.get("FURLONG_DEBIAN_MIRROR", DEFAULT_MIRROR)
         self.build_timeout_s = build_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
@@ -108,7 +110,7 @@ class ImageStore:
             with _locked(self.root / f".{key}.lock"):
                 if not (final / "meta.json").exists():
                     self._bootstrap(final, progress or (lambda _: None))
-        return ImageRef(key=key, layers=(self._view(final / "rootfs"),))
+        return ImageRef(digest=key, layers=(self.layer(key, final / "rootfs"),))
 
     def _bootstrap(self, final: Path, progress: Progress) -> None:
         if problem := rootless.base_build_problem():
@@ -146,6 +148,22 @@ class ImageStore:
         if boot.wait() != 0 or tar.wait() != 0:
             raise ImageBuildError(f"mmdebstrap failed ({boot.returncode}, tar {tar.returncode}):\n"
                                   + "\n".join(tail) + tar_err[-1000:])
+
+    # -- layers: named by digest, found under the root ---------------------------------------------
+    def layer(self, digest: str, directory: Path) -> LayerRef:
+        """The layer at `directory` (inside the store) as a reference any host with this store resolves."""
+        return LayerRef(digest=digest, path=str(directory.relative_to(self.root)))
+
+    def layer_dir(self, layer: LayerRef) -> Path:
+        """The layer as a read-only directory on this host (through the store's id-mapped view as root)."""
+        rel = Path(layer.path)
+        if rel.is_absolute() or ".." in rel.parts or not (self.root / rel).is_dir():
+            raise SandboxError(f"layer {layer.digest}: {layer.path!r} is not a layer of the image store {self.root}")
+        return self._view(self.root / rel)
+
+    def layer_tar(self, layer: LayerRef) -> bytes:
+        """The layer as a tar of its directory (every entry root's, modes kept), for a sandbox host elsewhere."""
+        return tar_dir(self.root / layer.path)
 
     def _view(self, layer: Path) -> Path:
         """As root, the layer seen through the read-only id-mapped view of the whole store; otherwise the
@@ -191,16 +209,17 @@ class ImageStore:
         standin = await self._standin(choice.standin, base, backend, progress)
         note = choice.note(standin.note)
         progress(note)
-        return ImageRef(key=standin.key, layers=standin.layers, env=standin.env, workdir="/", note=note)
+        return ImageRef(digest=standin.digest, layers=standin.layers, env=standin.env, workdir="/", note=note)
 
     def _imported(self, meta: dict) -> ImageRef:
         rootfs = imports.directory(self.root, meta["name"]) / imports.rootfs_name(meta["id"])
-        return ImageRef(key=f"import-{meta['id']}", layers=(self._view(rootfs),),
+        return ImageRef(digest=f"import-{meta['id']}", layers=(self.layer(f"import-{meta['id']}", rootfs),),
                         env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
                         note=f"{meta['name']}: imported by hand from {meta['source']}")
 
     def _pulled(self, meta: dict) -> ImageRef:
-        return ImageRef(key=f"pulled-{meta['manifest'][7:23]}", layers=(self._view(self.registry.rootfs(meta)),),
+        return ImageRef(digest=f"pulled-{meta['manifest'][7:23]}",
+                        layers=(self.layer(meta["manifest"], self.registry.rootfs(meta)),),
                         env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
                         note=f"{meta['ref']}: pulled, {meta['digest']}")
 
@@ -220,7 +239,7 @@ class ImageStore:
                                         label=f"{standin.name} stand-in", probe=standin.probe,
                                         extra={"standin": standin.name, "packages": standin.packages})
         meta = json.loads((final / "meta.json").read_text())
-        return ImageRef(key=key, layers=(await asyncio.to_thread(self._view, final / "upper"), *base.layers),
+        return ImageRef(digest=key, layers=(self.layer(key, final / "upper"), *base.layers),
                         env=tuple(tuple(p) for p in meta["env"]), note=meta.get("provides", ""))
 
     def listing(self) -> list[tuple[str, str]]:
@@ -282,7 +301,7 @@ class ImageStore:
             parent = await self.parent(steps[0].args, backend, progress)
         except registry.RegistryError as exc:
             raise ImageBuildError(f"{dockerfile}:{steps[0].line}: FROM {exc}") from None
-        key = await asyncio.to_thread(self.layer_key, dockerfile, steps, parent.key)
+        key = await asyncio.to_thread(self.layer_key, dockerfile, steps, parent.digest)
         final = self.root / key
         async with self._locks.setdefault(key, asyncio.Lock()):
             if not (final / "meta.json").exists():
@@ -290,7 +309,7 @@ class ImageStore:
                                         label=dockerfile.parent.parent.name,
                                         extra={"base": steps[0].args, "note": parent.note, "builder": "furlong"})
         meta = json.loads((final / "meta.json").read_text())
-        ref = ImageRef(key=key, layers=(await asyncio.to_thread(self._view, final / "upper"), *parent.layers),
+        ref = ImageRef(digest=key, layers=(self.layer(key, final / "upper"), *parent.layers),
                        env=parent.env + tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],
                        note=parent.note)
         self._resolved[dockerfile] = ref
@@ -300,10 +319,7 @@ class ImageStore:
                            label: str, probe: str = "", extra: dict | None = None) -> None:
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         _rmtree(tmp)
-        for d in ("upper", "work"):
-            (tmp / d).mkdir(parents=True)
-        os.chown(tmp / "upper", self.host_uid, self.host_uid)
-        os.chown(tmp / "work", self.host_uid, self.host_uid)
+        (tmp / "upper").mkdir(parents=True)
         started = time.monotonic()
         try:
             env, workdir, provides = await self._run_steps(tmp / "upper", parent, dockerfile, steps, backend,
@@ -311,7 +327,6 @@ class ImageStore:
         except BaseException:
             _rmtree(tmp)  # a failed build leaves nothing behind
             raise
-        _rmtree(tmp / "work")
         await asyncio.to_thread(self._seal, tmp / "upper")
         meta = {"env": env, "workdir": workdir, "dockerfile": str(dockerfile), **(extra or {}),
                 "seconds": round(time.monotonic() - started, 1)}
@@ -326,12 +341,10 @@ class ImageStore:
     async def _run_steps(self, upper: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
                          label: str, probe: str):
         """Runs the steps after FROM in one build sandbox; then `probe`, whose output is returned."""
-        from furlong.sandbox.bwrap import BASE_ENV
-
         env: list[tuple[str, str]] = []
         workdir = parent.workdir
         spec = SandboxSpec(image=parent, network=True, limits=BUILD_LIMITS)
-        box = await backend.create(spec, upper=upper)
+        box = await backend.build(spec, upper)
         try:
             for n, step in enumerate(steps[1:], 2):
                 progress(f"{label}: step {n}/{len(steps)} {step.op} {step.args[:60]}")

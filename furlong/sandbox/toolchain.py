@@ -33,7 +33,7 @@ from pathlib import Path
 
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import standins
-from furlong.sandbox.base import ImageRef, SandboxError
+from furlong.sandbox.base import ImageRef, LayerRef, SandboxError
 from furlong.sandbox.images import _sha  # the store's own hash, so keys look alike
 
 UV_VERSION = "0.13.9"
@@ -72,7 +72,7 @@ class ToolchainError(SandboxError):
 @dataclasses.dataclass(frozen=True)
 class Toolchain:
     key: str
-    layer: Path  # what sandboxes stack (a read-only view as root)
+    layer: LayerRef  # what sandboxes stack
     provides: str  # e.g. "uv 0.13.9, pytest 8.4.1"
 
 
@@ -146,7 +146,7 @@ async def build(store, backend, progress=lambda _: None) -> Toolchain:
             await _build(store, backend, progress, name, final)
     meta = json.loads((final / "meta.json").read_text())
     provides = ", ".join(meta.get("provides", "").split("\n"))
-    return Toolchain(name, await asyncio.to_thread(store._view, final / "upper"), provides)
+    return Toolchain(name, store.layer(name, final / "upper"), provides)
 
 
 async def _build(store, backend, progress, name: str, final: Path) -> None:
@@ -170,7 +170,7 @@ def stack(image: ImageRef, toolchain: Toolchain, network: bool) -> ImageRef:
     """The task's image with the toolchain on top; without network, uv is told to stay offline."""
     env = image.env + ENV + (() if network else OFFLINE_ENV)
     note = "; ".join(n for n in (image.note, f"verifier toolchain ({toolchain.provides})") if n)
-    return ImageRef(key=f"{image.key}+{toolchain.key}", layers=(toolchain.layer, *image.layers), env=env,
+    return ImageRef(digest=f"{image.digest}+{toolchain.key}", layers=(toolchain.layer, *image.layers), env=env,
                     workdir=image.workdir, note=note)
 
 

@@ -1,8 +1,8 @@
 """Runs inside the generator sandbox (furlong/tasks/genrun.py); furlong itself never imports it.
 
-argv: FAMILY_DIR OUT_DIR LIB_DIR SEED... Imports FAMILY_DIR/generate.py, and for every seed calls
-generate(seed, OUT_DIR/seed) and sends that tree to the host on stdout (deleting sent trees whenever
-/out, a small tmpfs, is a quarter full). The stream is JSON header lines, a file's bytes after its header:
+argv: FAMILY_DIR OUT_DIR LIB_DIR SEED... (LIB_DIR holds the furlong package). Imports FAMILY_DIR/generate.py,
+and for every seed calls generate(seed, OUT_DIR/seed) and sends that tree to the host on stdout (deleting
+sent trees whenever /out, a small tmpfs, is a quarter full). The stream is JSON header lines, a file's bytes after its header:
   {"seed": 3}  {"dir": "tests"}  {"file": "tests/test.sh", "mode": 493, "size": 52} + 52 bytes
   ... {"end": true}, or {"error": "one line"} on a failure.
 Nothing here is trusted: the generator runs in this process and could rewrite it, so the host checks
