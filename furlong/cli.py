@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from furlong.config import Config, ConfigError, load_config
 from furlong.engine.serve_args import add_serve_arguments
@@ -108,7 +109,8 @@ def _sandbox_pieces(cfg: Config):
     from furlong.sandbox.images import ImageStore
 
     _warn_limits()
-    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
+    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes,
+                           seccomp=cfg.sandbox.seccomp)
     return backend, ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror, pulls=_pulls(cfg))
 
 
@@ -325,11 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except (ConfigError, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        _error(exc)  # bad input (a TaskError, a ModelLoadError...): the message names the key, file or path
         return 2
     except SandboxError as exc:  # an image build or sandbox start the host cannot do: its message says why
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        _error(exc)
         return 1
+
+
+def _error(exc: BaseException) -> None:
+    # escaped: messages quote values such as [1 or [a, b] that rich would read as markup and drop
+    console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
 
 
 if __name__ == "__main__":

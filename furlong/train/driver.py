@@ -34,6 +34,7 @@ from furlong.rollout.scheduler import (ATTEMPT_STRIDE, OUTCOMES, Batch, GroupStr
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
+from furlong.sandbox.registry import Settings
 from furlong.tasks.family import load_family
 from furlong.train.export import HF_DIR, write_hf
 from furlong.train.sft import load_demos, oracle_demos, save_demos, sft_train
@@ -64,8 +65,12 @@ def build(cfg: Config) -> Pieces:
             raise ConfigError(f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
                               f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
     base = t.model.path or init_tiny(seed=t.model.seed)
-    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes)
-    store = ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror)
+    backend = BwrapBackend(host_uid=cfg.sandbox.host_uid, output_cap=cfg.sandbox.output_cap_bytes,
+                           seccomp=cfg.sandbox.seccomp)
+    i = cfg.images
+    pulls = Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
+                              timeout_s=i.pull_timeout_s)
+    store = ImageStore(host_uid=backend.host_uid, mirror=cfg.sandbox.debian_mirror, pulls=pulls)
     return Pieces(
         tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
         train_tasks=[task for f in families for task in f.instances("train")],
@@ -100,7 +105,7 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     wanted = s.epochs > 0 or cfg.train.rl.sft_coef > 0
     tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]] if wanted else []
     with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
-        demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, cfg.train.rl.concurrency, advance)
+        demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, s.concurrency, advance)
     save_demos(run.path / DEMOS_FILE, demos)
     demo_seconds = time.perf_counter() - start
     model = load_model(p.base_model)
@@ -128,7 +133,8 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
     drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
     engine = rollout_engine(model, shared, cfg.train.hf.prefix_cache_mb)
     async with _pools(p) as pools:
-        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency, EpisodeLog(run.path, name))
+        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.eval.concurrency,
+                            EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
             episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
     await engine.close()
@@ -141,16 +147,7 @@ async def eval_phase(name: str, model, cfg: Config, p: Pieces, run: RunDir, cons
 
 
 def grpo_config(cfg: Config) -> GRPOConfig:
-    r = cfg.train.rl
-    opt_steps = r.steps * r.minibatches
-    decay = max(opt_steps - r.warmup_steps, 1) if r.lr_decay == "cosine" else 0
-    return GRPOConfig(lr=r.lr, adam_eps=r.adam_eps, warmup_steps=r.warmup_steps, decay_steps=decay,
-                      min_lr_ratio=r.min_lr_ratio, grad_clip=r.grad_clip, minibatches=r.minibatches,
-                      clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
-                      off_policy=r.off_policy, mask_level=r.mask_level, is_low=r.is_low, is_high=r.is_high,
-                      normalize_std=r.normalize_std, negative_weight=r.negative_weight,
-                      filter_zero_variance=r.filter_zero_variance, micro_batch_size=r.micro_batch_size,
-                      temperature=r.temperature, sft_coef=r.sft_coef, sft_batch=r.sft_batch, seed=cfg.train.seed)
+    return GRPOConfig.of(cfg.train.rl, seed=cfg.train.seed)
 
 
 def rollout_metrics(episodes: list[Episode], version: int) -> dict:
