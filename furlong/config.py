@@ -352,4 +352,5 @@ def load_config(recipe: Path | None = None, overrides: list[str] = ()) -> Config
     except ValidationError as exc:
         problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()]
         where = f" in {recipe}" if recipe else ""
-        raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(problems)) from None
+        sep = " " if len(problems) == 1 else "\n  "  # one problem, one line
+        raise ConfigError(f"invalid config{where}:{sep}" + "\n  ".join(problems)) from None

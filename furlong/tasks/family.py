@@ -98,6 +98,8 @@ def _seed_range(raw: object, name: str, field: str) -> range:
 
 def _family_table(path: Path, name: str) -> dict:
     """family.toml's [family] table; any other key, there or at the top level, is an error naming it."""
+    if not is_family_dir(path):
+        raise TaskError(name, "family.toml", f"missing: {path} is not a task family")
     try:
         raw = tomllib.loads((path / "family.toml").read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
