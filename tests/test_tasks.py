@@ -71,7 +71,7 @@ def test_terminal_bench_task_loads(tmp_path: Path):
     ("[agent]\ntimeout_sec = -5", "field 'agent.timeout_sec'"),
     ("[environment]\nmemory_mb = 'lots'", "field 'environment.memory_mb'"),
     ("[agent]\ntimeout_secs = 30", "unknown key 'agent.timeout_secs' (known here: timeout_sec"),
-    ("[environment]\nmemory = 512\nmemroy_mb = 512", "unknown key 'environment.memroy_mb'"),
+    ("[environment]\nmemory = '512M'\nmemroy_mb = 512", "unknown key 'environment.memroy_mb'"),
     ("[furlong]\nverifier_tool_chain = true", "unknown key 'furlong.verifier_tool_chain'"),
     ("timeout_sec = 30", "unknown key 'timeout_sec'"),
 ])
@@ -92,6 +92,13 @@ def test_harbor_keys_furlong_does_not_act_on_still_load(tmp_path: Path):
     """)
     task = load_task(harbor(tmp_path, toml="schema_version = '1.1'\nsource = 'tb2'\n" + toml))
     assert (task.agent_timeout_s, task.limits.memory_mb) == (45.0, 512)
+
+
+def test_harbor_deprecated_memory_spelling_sets_the_limit(tmp_path: Path):
+    assert load_task(harbor(tmp_path, toml="[environment]\nmemory = '4G'\n")).limits.memory_mb == 4096
+    assert load_task(harbor(tmp_path, "both", "[environment]\nmemory = '4G'\nmemory_mb = 512\n")).limits.memory_mb == 512
+    with pytest.raises(TaskError, match="field 'environment.memory': Value error, expected a size like '4G'"):
+        load_task(harbor(tmp_path, "bad", "[environment]\nmemory = 'lots'\n"))
 
 
 def test_missing_tests_and_unreadable_files_are_named(tmp_path: Path):

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from furlong.sandbox import seccomp
 from furlong.sandbox.base import Limits, SyscallPolicy
@@ -57,8 +57,33 @@ class _Environment(_Section):
     skills_dir: Any = None
     healthcheck: Any = None
     workdir: Any = None
-    memory: Any = None  # Harbor's deprecated spellings of memory_mb and storage_mb
+    memory: str | None = None  # Harbor's deprecated spelling of memory_mb ("4G", "512M")
     storage: Any = None
+
+    @field_validator("memory")
+    @classmethod
+    def _size(cls, size: str | None) -> str | None:
+        if size is not None:
+            _megabytes(size)
+        return size
+
+    @model_validator(mode="after")
+    def _memory_spelling(self) -> _Environment:
+        if self.memory is not None and "memory_mb" not in self.model_fields_set:
+            self.memory_mb = _megabytes(self.memory)
+        return self
+
+
+def _megabytes(size: str) -> int:
+    units = {"G": 1024, "M": 1, "K": 1 / 1024}
+    number, unit = size.strip()[:-1], size.strip()[-1:].upper()
+    try:
+        mb = int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise ValueError("expected a size like '4G' or '512M'") from None
+    if mb <= 0:
+        raise ValueError("under a megabyte")
+    return mb
 
 
 class _Furlong(_Section):
