@@ -96,7 +96,8 @@ def test_harbor_keys_furlong_does_not_act_on_still_load(tmp_path: Path):
 
 def test_harbor_deprecated_memory_spelling_sets_the_limit(tmp_path: Path):
     assert load_task(harbor(tmp_path, toml="[environment]\nmemory = '4G'\n")).limits.memory_mb == 4096
-    assert load_task(harbor(tmp_path, "both", "[environment]\nmemory = '4G'\nmemory_mb = 512\n")).limits.memory_mb == 512
+    both = harbor(tmp_path, "both", "[environment]\nmemory = '4G'\nmemory_mb = 512\n")
+    assert load_task(both).limits.memory_mb == 512
     with pytest.raises(TaskError, match="field 'environment.memory': Value error, expected a size like '4G'"):
         load_task(harbor(tmp_path, "bad", "[environment]\nmemory = 'lots'\n"))
 

@@ -122,7 +122,8 @@ def _validated(model: type[BaseModel], data: Any, task: str, file: str) -> Any:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
-            raise TaskError(task, file, f"unknown key {field!r} (known here: {_known(model, err['loc'][:-1])})") from None
+            known = _known(model, err["loc"][:-1])
+            raise TaskError(task, file, f"unknown key {field!r} (known here: {known})") from None
         raise TaskError(task, file, f"field {field!r}: {err['msg']} (got {err.get('input')!r})") from None
 
 
