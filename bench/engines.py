@@ -51,7 +51,7 @@ import torch
 # This checkout's furlong, also when run as a script (the script's own directory is bench/).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from furlong.agent.episode import SYSTEM_PROMPT  # noqa: E402
+from furlong.config import DEFAULT_SYSTEM_PROMPT as SYSTEM_PROMPT  # noqa: E402
 from furlong.config import Config  # noqa: E402
 from furlong.engine import Engine, SamplingParams  # noqa: E402
 from furlong.engine.hf import HFEngine  # noqa: E402

@@ -44,6 +44,7 @@ from rich.console import Console
 from vs_trl_report import TARGET_SPEEDUP, print_report, ratios, summarize, summarize_round  # noqa: E402
 
 from furlong.agent.episode import Episode, EpisodeTiming
+from furlong.config import RLConfig
 from furlong.engine import SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import init_tiny, load_model, load_tokenizer
@@ -132,8 +133,10 @@ class FurlongRun:
         torch.manual_seed(a.seed)
         self.policy, engine_model = load_model(model_dir), load_model(model_dir)
         self.batch = a.prompts_per_step * a.group_size
-        self.trainer = LocalTrainer(self.policy, FurlongConfig(lr=a.lr, temperature=1.0, micro_batch_size=self.batch,
-                                                          seed=a.seed))
+        # plain GRPO, as TRL's defaults run it: no KL reference, no anchor, constant lr, std-normalized advantages
+        rl = RLConfig(lr=a.lr, temperature=1.0, micro_batch_size=self.batch, kl_coef=0.0, sft_coef=0.0,
+                      warmup_steps=0, lr_decay="constant", normalize_std=True, negative_weight=1.0)
+        self.trainer = LocalTrainer(self.policy, FurlongConfig.of(rl, seed=a.seed))
         self.sampling = SamplingParams(temperature=1.0, max_new_tokens=a.max_completion_length)
         # eos_token_ids=None: the model's generation_config eos ids (<|im_end|>, <|endoftext|>), as TRL uses.
         self.engine = HFEngine(engine_model)

@@ -86,16 +86,7 @@ def pieces(cfg: Config) -> Pieces:
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:
-    r = t.rl
-    opt_steps = r.steps * r.minibatches
-    decay = max(opt_steps - r.warmup_steps, 1) if r.lr_decay == "cosine" else 0
-    return GRPOConfig(lr=r.lr, adam_eps=r.adam_eps, warmup_steps=r.warmup_steps, decay_steps=decay,
-                      min_lr_ratio=r.min_lr_ratio, grad_clip=r.grad_clip, minibatches=r.minibatches,
-                      clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=r.tis_cap, kl_coef=r.kl_coef,
-                      off_policy=r.off_policy, mask_level=r.mask_level, is_low=r.is_low, is_high=r.is_high,
-                      normalize_std=r.normalize_std, negative_weight=r.negative_weight,
-                      filter_zero_variance=r.filter_zero_variance, micro_batch_size=r.micro_batch_size,
-                      temperature=r.temperature, sft_coef=r.sft_coef, sft_batch=r.sft_batch, seed=t.seed)
+    return GRPOConfig.of(t.rl, seed=t.seed)
 
 
 def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):

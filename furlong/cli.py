@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from furlong.config import Config, ConfigError, load_config
 from furlong.engine.serve_args import add_serve_arguments
@@ -317,11 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except (ConfigError, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        _error(exc)  # bad input (a TaskError, a ModelLoadError...): the message names the key, file or path
         return 2
     except SandboxError as exc:  # an image build or sandbox start the host cannot do: its message says why
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        _error(exc)
         return 1
+
+
+def _error(exc: BaseException) -> None:
+    # escaped: messages quote values such as [1 or [a, b] that rich would read as markup and drop
+    console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
 
 
 if __name__ == "__main__":

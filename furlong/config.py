@@ -21,11 +21,14 @@ class _Node(BaseModel):
 
 
 class SandboxConfig(_Node):
-    backend: Literal["bwrap"] = "bwrap"
+    backend: Literal["bwrap"] = Field("bwrap", description="the sandbox backend (bwrap: bubblewrap namespaces)")
     host_uid: int = Field(61000, gt=0, description="unprivileged uid sandboxes run as when furlong runs as root")
-    output_cap_bytes: int = Field(1 << 20, gt=0)
-    seccomp: bool = Field(True, description="the syscall filter (furlong.sandbox.seccomp); a task may also turn it off")
-    debian_mirror: str = "http://deb.debian.org/debian"
+    output_cap_bytes: int = Field(1 << 20, gt=0, description="stdout and stderr kept per command; the rest is "
+                                  "cut, and the cut is marked")
+    seccomp: bool = Field(True, description="the syscall filter (furlong.sandbox.seccomp): false turns it off for "
+                          "every sandbox; true filters each sandbox whose task keeps [environment] seccomp = true "
+                          "(the default)")
+    debian_mirror: str = Field("http://deb.debian.org/debian", description="apt mirror for building the base image")
 
 
 class ImagesConfig(_Node):
@@ -39,18 +42,19 @@ class ImagesConfig(_Node):
 
 
 class EvalConfig(_Node):
-    tasks: Path = BUNDLED_TASKS
-    agent: Literal["oracle", "noop", "model"] = "oracle"
-    # --agent model: a local HF checkpoint in the training agent loop (limits: train.agent.*)
+    tasks: Path = Field(BUNDLED_TASKS, description="a task, a task family, or a directory of them")
+    agent: Literal["oracle", "noop", "model"] = Field(
+        "oracle", description="oracle: the task's solution; noop: does nothing; model: eval.model in the training "
+                              "agent loop (limits: train.agent.*)")
     model: Path | None = Field(None, description="--agent model: a local Hugging Face checkpoint directory")
     adapter: Path | None = Field(None, description="--agent model: a PEFT adapter directory applied to eval.model")
     engine: Literal["hf", "vllm"] = Field("hf", description="--agent model: the inference engine")
     samples: int = Field(1, ge=1, description="episodes per task (pass@k is reported for k = powers of 2 and this)")
     temperature: float = Field(1.0, ge=0, description="--agent model: sampling temperature (0: greedy)")
     seed: int = Field(0, description="--agent model: sampling seeds derive from this, the task and the sample")
-    concurrency: int = Field(2, ge=1)
-    out: Path | None = None
-    split: Literal["train", "heldout", "all"] = "heldout"
+    concurrency: int = Field(2, ge=1, description="episodes (sandboxes) at once")
+    out: Path | None = Field(None, description="write one JSON line per episode here; null: none")
+    split: Literal["train", "heldout", "all"] = Field("heldout", description="which instances of task families")
     per_family: int | None = Field(2, ge=1, description="instances of each task family; null for all")
     verifier_toolchain: bool = Field(False, description="stack uv, uvx and pytest on every task's image "
                                                         "(a task opts in alone with [furlong] verifier_toolchain)")
@@ -71,15 +75,25 @@ DEFAULT_RL_FAMILIES = ("number-words",)
 
 class ModelConfig(_Node):
     path: Path | None = Field(None, description="a local Hugging Face checkpoint; null builds the tiny model")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the tiny model's initial weights (model.path null)")
+
+
+DEFAULT_SYSTEM_PROMPT = ("You are an agent in a Linux terminal. Use the bash tool to complete the task. "
+                         "When the task is done, reply without a tool call.")
 
 
 class AgentConfig(_Node):
-    max_turns: int = Field(3, ge=1)
-    max_context_tokens: int = Field(768, ge=64)
+    """The multi-turn agent loop (furlong.agent.episode) of training, its evals and `furlong eval --agent model`."""
+
+    max_turns: int = Field(3, ge=1, description="model turns per episode")
+    max_context_tokens: int = Field(768, ge=64, description="an episode whose tokens reach this is truncated")
     max_new_tokens: int = Field(96, ge=1, description="per model turn")
-    command_timeout_s: float = Field(10.0, gt=0)
-    observation_chars: int = Field(400, ge=32)
+    command_timeout_s: float = Field(10.0, gt=0, description="one bash tool call")
+    observation_chars: int = Field(400, ge=32, description="a tool result beyond this is cut, keeping head and tail")
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="the first message of every episode and "
+                               "SFT demonstration")
+    tool_schema_in_prompt: bool = Field(False, description="render the bash tool's JSON schema into the prompt "
+                                        "(tiny models do better without it; chat models trained on tools, with it)")
 
 
 class SFTConfig(_Node):
@@ -89,10 +103,12 @@ class SFTConfig(_Node):
         DEFAULT_SFT_FAMILIES, description="the families whose oracle demonstrations SFT shows the model (each "
         "one of train.families); the others are reward-only: RL learns them from the verifier alone. "
         "null: all of train.families, which is also what setting train.families alone means")
-    instances_per_family: int = Field(128, ge=1)
-    epochs: int = Field(4, ge=0)
-    lr: float = Field(2e-3, gt=0)
-    batch_size: int = Field(8, ge=1)
+    instances_per_family: int = Field(128, ge=1, description="train instances of each family demonstrated")
+    epochs: int = Field(4, ge=0, description="passes over the demonstrations; 0: no SFT (the anchor may still "
+                        "use them)")
+    lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
+    batch_size: int = Field(8, ge=1, description="demonstrations per optimizer step")
+    concurrency: int = Field(16, ge=1, description="oracle solutions replayed at once, each in its own sandbox")
 
 
 class RLConfig(_Node):
@@ -100,21 +116,24 @@ class RLConfig(_Node):
         DEFAULT_RL_FAMILIES, description="the families RL draws its train tasks from (each one of "
         "train.families); null: all of them, which is also what setting train.families or train.sft.families "
         "alone means. Held-out evals always cover every family")
-    steps: int = Field(20, ge=0)
-    tasks_per_step: int = Field(16, ge=1)
-    group_size: int = Field(8, ge=2)
-    temperature: float = Field(1.0, gt=0)
-    lr: float = Field(2e-4, gt=0)
+    steps: int = Field(20, ge=0, description="RL steps (each: one batch, one or more optimizer steps)")
+    tasks_per_step: int = Field(16, ge=1, description="GRPO groups per step, one task each")
+    group_size: int = Field(8, ge=2, description="episodes per group (the advantage baseline is their mean)")
+    temperature: float = Field(1.0, gt=0, description="rollout sampling temperature (the trainer uses it too)")
+    lr: float = Field(2e-4, gt=0, description="AdamW peak learning rate")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon: coordinates whose gradient is below it move less")
     warmup_steps: int = Field(5, ge=0, description="optimizer steps of linear lr warm-up")
     lr_decay: Literal["constant", "cosine"] = Field(
         "cosine", description="after warm-up: keep lr, or follow a cosine to min_lr_ratio * lr at the last step")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay ends at this fraction of lr")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0: no clipping (the norm is logged)")
-    minibatches: int = Field(1, ge=1, description="optimizer steps per RL step (PPO-style reuse of a batch)")
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
-    tis_cap: float = Field(2.0, gt=0)
+    minibatches: int = Field(1, ge=1, description="optimizer steps per pass over a step's episodes")
+    epochs: int = Field(1, ge=1, description="passes over a step's episodes (PPO-style reuse of a batch)")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (1 - clip_low)")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 (1 + clip_high; DAPO's clip-higher)")
+    tis_cap: float = Field(2.0, gt=0, description="tis: truncation of the train/rollout importance weight")
     kl_coef: float = Field(0.05, ge=0, description="k3 KL penalty to the SFT model (a frozen copy is kept); "
                            "keeps the tool-call format the SFT taught while RL learns (README: stability)")
     sft_coef: float = Field(1.0, ge=0, description="demonstration anchor (PPO-ptx): each optimizer step adds this "
@@ -124,10 +143,11 @@ class RLConfig(_Node):
     negative_weight: float = Field(0.1, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
                                    "(1: plain GRPO; see the README's training results)")
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
-    filter_zero_variance: bool = True
-    micro_batch_size: int = Field(16, ge=1)
+    filter_zero_variance: bool = Field(True, description="drop groups whose rewards are all equal (no signal)")
+    micro_batch_size: int = Field(16, ge=1, description="episodes per forward/backward pass")
+    bf16_autocast: bool = Field(False, description="bf16 compute in the trainer; weights stay fp32")
     concurrency: int = Field(16, ge=1, description="episodes (sandboxes) at once; the engine batches their turns")
-    checkpoint_every: int = Field(5, ge=1)
+    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints (the last step always saves)")
     time_budget_s: float | None = Field(
         None, gt=0, description="stop RL after the step whose end crosses this many seconds of RL step time "
                                 "(resumed runs included); null: run all `steps`")
@@ -163,10 +183,11 @@ class RLConfig(_Node):
 class LoraConfig(_Node):
     """Train only low-rank adapters (PEFT); the base stays frozen and only adapters go to the engine."""
 
-    enabled: bool = False
-    rank: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
+    rank: int = Field(8, ge=1, description="adapter rank")
+    alpha: int = Field(16, ge=1, description="adapter scale numerator (scale = alpha / rank)")
+    targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"), description="module names "
+                                     "that get adapters")
 
 
 class SyncConfig(_Node):
@@ -207,7 +228,7 @@ class SGLangConfig(_Node):
     launch_module: str = Field("sglang.launch_server", description="run with python -m (tests: tests.sglang_standin)")
     port: int = Field(0, ge=0, description="0: a free port")
     extra_args: tuple[str, ...] = Field((), description="more launch_server flags, e.g. [--mem-fraction-static, 0.5]")
-    start_timeout_s: float = Field(600.0, gt=0)
+    start_timeout_s: float = Field(600.0, gt=0, description="a started server must answer within this")
     weights_via: Literal["disk", "tensor"] = Field(
         "disk", description="disk: each update is a checkpoint the server loads (/update_weights_from_disk); "
                             "tensor: /update_weights_from_tensor (same host only)")
@@ -225,29 +246,31 @@ class TrainEvalConfig(_Node):
     heldout_per_family: int = Field(64, ge=1, description="held-out instances of each family, one episode each "
                                                            "(the bundled families have 128)")
     temperature: float = Field(1.0, ge=0, description="pass@1 is measured by sampling at this temperature")
-    seed: int = 1234
+    seed: int = Field(1234, description="sampling seeds of held-out episodes derive from this")
+    concurrency: int = Field(16, ge=1, description="held-out episodes (sandboxes) at once")
 
 
 class TrainConfig(_Node):
-    tasks: Path = BUNDLED_TASKS
-    families: tuple[str, ...] = DEFAULT_FAMILIES
+    tasks: Path = Field(BUNDLED_TASKS, description="the directory that holds train.families")
+    families: tuple[str, ...] = Field(DEFAULT_FAMILIES, description="task families (directories under "
+                                      "train.tasks) that SFT, RL and the held-out evals use")
     run_dir: Path | None = Field(None, description="null: runs/<date-time>")
-    seed: int = 0
+    seed: int = Field(0, description="the run's seed: group order, minibatch shuffles, SFT order, LoRA init")
     engine: Literal["hf", "vllm", "sglang"] = Field(
         "hf", description="hf (in-process); vllm: rollouts and evals (the vllm extra; furlong.engine.vllm); "
                           "sglang: RL rollouts on an SGLang server, evals stay on hf (train.sglang)")
-    sglang: SGLangConfig = SGLangConfig()
+    sglang: SGLangConfig = Field(SGLangConfig(), description="train.engine=sglang: the server")
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "
                                            "(and its KL reference)")
-    model: ModelConfig = ModelConfig()
-    agent: AgentConfig = AgentConfig()
-    sft: SFTConfig = SFTConfig()
-    rl: RLConfig = RLConfig()
-    lora: LoraConfig = LoraConfig()
-    sync: SyncConfig = SyncConfig()
-    hf: HFEngineConfig = HFEngineConfig()
-    eval: TrainEvalConfig = TrainEvalConfig()
+    model: ModelConfig = Field(ModelConfig(), description="the starting checkpoint")
+    agent: AgentConfig = Field(AgentConfig(), description="the agent loop's limits and prompt")
+    sft: SFTConfig = Field(SFTConfig(), description="the SFT warm-start")
+    rl: RLConfig = Field(RLConfig(), description="GRPO")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters")
+    sync: SyncConfig = Field(SyncConfig(), description="weight sync to the rollout engine")
+    hf: HFEngineConfig = Field(HFEngineConfig(), description="the in-process hf engine")
+    eval: TrainEvalConfig = Field(TrainEvalConfig(), description="the held-out evals before and after RL")
 
     @model_validator(mode="after")
     def _vllm_engine_supports(self) -> TrainConfig:
@@ -281,10 +304,10 @@ class TrainConfig(_Node):
 
 
 class Config(_Node):
-    sandbox: SandboxConfig = SandboxConfig()
-    images: ImagesConfig = ImagesConfig()
-    eval: EvalConfig = EvalConfig()
-    train: TrainConfig = TrainConfig()
+    sandbox: SandboxConfig = Field(SandboxConfig(), description="sandboxes, for every command")
+    images: ImagesConfig = Field(ImagesConfig(), description="base images from registries")
+    eval: EvalConfig = Field(EvalConfig(), description="`furlong eval`")
+    train: TrainConfig = Field(TrainConfig(), description="`furlong train` and `furlong sft`")
 
 
 class ConfigError(ValueError):
@@ -301,6 +324,17 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _value(key: str, raw: str) -> Any:
+    """An override's value, read as YAML (4, true, [a, b], null); empty is null."""
+    if not raw.strip():
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise ConfigError(f"override {key}={raw}: {problem} (values are YAML: 4, true, [a, b], null)") from None
+
+
 def load_config(recipe: Path | None = None, overrides: list[str] = ()) -> Config:
     tree: dict = {}
     if recipe is not None:
@@ -314,10 +348,11 @@ def load_config(recipe: Path | None = None, overrides: list[str] = ()) -> Config
         key, eq, raw = item.partition("=")
         if not eq or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. eval.concurrency=4")
-        _set(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set(tree, key.strip(), _value(key.strip(), raw))
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
         problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()]
         where = f" in {recipe}" if recipe else ""
-        raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(problems)) from None
+        sep = " " if len(problems) == 1 else "\n  "  # one problem, one line
+        raise ConfigError(f"invalid config{where}:{sep}" + "\n  ".join(problems)) from None

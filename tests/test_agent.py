@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from conftest import run
-from furlong.agent.episode import AgentParams, run_episode
+from furlong.agent.episode import run_episode
 from furlong.agent.runner import AGENT_GRACE_S
 from furlong.engine.base import Generation, SamplingParams
 from furlong.engine.hf import HFEngine
@@ -15,7 +15,7 @@ from furlong.model.chat import Message, ToolCall, assistant_ids, render_text
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
-from tests_support import make_task
+from tests_support import agent_params, make_task
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_multi_turn_tokens_mask_and_no_retokenization(tiny, backend, base_image,
              Message("assistant", "<tool_call>{not json}</tool_call>"),
              Message("assistant", "Done.")]
     policy = ScriptedPolicy(tokenizer, turns)
-    params = AgentParams(max_turns=6, max_context_tokens=4096)
+    params = agent_params(max_turns=6, max_context_tokens=4096)
     ep = run(run_episode(task, policy, tokenizer, FreshSandboxes(backend, fixed_image(base_image)), params,
                          SamplingParams(), 3, 1))
     assert (ep.status, ep.reward, ep.turns, ep.tool_errors) == ("ok", 1.0, 4, 1)
@@ -77,7 +77,7 @@ def test_real_engine_episode_invariants(tiny, backend, base_image, tmp_path):
         engine = HFEngine(load_model(path), eos_token_ids=())
         try:
             return await run_episode(task, engine, tokenizer, FreshSandboxes(backend, fixed_image(base_image)),
-                                     AgentParams(max_turns=2, max_new_tokens=24, max_context_tokens=512),
+                                     agent_params(max_turns=2, max_new_tokens=24, max_context_tokens=512),
                                      SamplingParams(temperature=1.0, seed=5))
         finally:
             await engine.close()
@@ -107,7 +107,7 @@ def test_agent_timeout_counts_sandbox_work_not_engine_waits(tiny, backend, base_
     run against the task's agent timeout."""
     tokenizer, _ = tiny
     sandboxes = FreshSandboxes(backend, fixed_image(base_image))
-    params = AgentParams(max_turns=3, max_context_tokens=4096)
+    params = agent_params(max_turns=3, max_context_tokens=4096)
     write = [Message("assistant", "", (ToolCall("bash", {"command": "echo hi > /tmp/out.txt"}),)),
              Message("assistant", "Done.")]
     task = make_task(tmp_path, "slow-engine", "Write hi", agent_timeout=1.5,

@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from conftest import run
-from furlong.agent.episode import AgentParams, Episode
+from furlong.agent.episode import Episode
 from furlong.config import load_config
 from furlong.metrics.episodes import read_jsonl
 from furlong.metrics.run import RunDir
@@ -33,10 +33,10 @@ from furlong.sandbox.pool import WarmPools, fixed_image
 from furlong.build import grpo_config
 from furlong.run.driver import rl_steps
 from furlong.train.grpo import OffPolicy, policy_loss
-from furlong.train.trainer import GRPOConfig, LocalTrainer
+from furlong.train.trainer import LocalTrainer
 from furlong.train.weights import DirectLink
 from furlong.engine.hf import HFEngine
-from tests_support import make_task
+from tests_support import agent_params, grpo, make_task
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 QUIET = Console(file=open(os.devnull, "w"))
@@ -101,8 +101,8 @@ def _episode(tokenizer, reward: float, sample: int) -> Episode:
 @pytest.mark.parametrize("correction", ["tis", "masked_is", "decoupled_ppo"])
 def test_one_real_train_step_with_each_correction(tiny_dir, correction):
     tok = load_tokenizer(tiny_dir)
-    trainer = LocalTrainer(load_model(tiny_dir), GRPOConfig(off_policy=correction, is_low=1e-6, is_high=1e6,
-                                                       tis_cap=1e6, lr=1e-3))
+    trainer = LocalTrainer(load_model(tiny_dir), grpo(off_policy=correction, is_low=1e-6, is_high=1e6,
+                                                 tis_cap=1e6, lr=1e-3))
     before = [p.clone() for p in trainer.model.parameters()]
     stats = trainer.train_step([_episode(tok, r, i) for i, r in enumerate((1.0, 0.0, 1.0, 0.0))])
     assert stats.updated and math.isfinite(stats.loss) and stats.tis_weight_mean > 0
@@ -215,7 +215,7 @@ def _loop(tmp_path: Path, tiny_dir: Path, backend, base_image, overrides: list[s
             source = FailingStarts(pools, fail_every) if fail_every else pools
             if sources is not None:
                 sources.append(source := ColdAcquires(pools, link.engine))
-            rollouts = Rollouts(link.engine, tokenizer, source, AgentParams(max_turns=3, max_new_tokens=12),
+            rollouts = Rollouts(link.engine, tokenizer, source, agent_params(max_turns=3, max_new_tokens=12),
                                 cfg.train.rl.concurrency)
             pieces = SimpleNamespace(train_tasks=tasks, tokenizer=tokenizer)  # checkpoints export the policy too
             await rl_steps(cfg, trainer, rollouts, link, pieces, run_dir, QUIET, 0)
@@ -345,7 +345,7 @@ def test_prestart_reserves_the_next_groups_first_window_once(tmp_path):
 
     tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(4)]
     source, stream = Reservations(), GroupStream(tasks, tasks_per_step=2, group_size=3, seed=0)
-    rollouts = Rollouts(None, None, source, AgentParams(), concurrency=4)
+    rollouts = Rollouts(None, None, source, agent_params(), concurrency=4)
     scheduler = Scheduler(rollouts, stream, temperature=1.0, steps_left=3, first_step=0, inflight=4, lookahead=1,
                           max_staleness=1, requeue=True)
     scheduler.prestart()

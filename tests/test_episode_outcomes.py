@@ -12,7 +12,6 @@ import pytest
 from rich.console import Console
 
 from conftest import run, spec
-from furlong.agent.episode import AgentParams
 from furlong.agent.runner import STATUSES, AgentRun, run_outcome
 from furlong.engine.hf import HFEngine
 from furlong.eval.agents import NoopAgent, OracleAgent
@@ -23,8 +22,8 @@ from furlong.rollout.groups import Rollouts, pass_rate, plan_step
 from furlong.sandbox.base import ImageRef, LayerRef
 from furlong.sandbox.pool import MAX_START_FAILURES, FreshSandboxes, WarmPool, WarmPools, fixed_image
 from furlong.rollout.records import rollout_metrics
-from furlong.train.trainer import GRPOConfig, LocalTrainer
-from tests_support import make_task
+from furlong.train.trainer import LocalTrainer
+from tests_support import agent_params, grpo, make_task
 
 QUIET = Console(file=open(os.devnull, "w"))
 REWARD_IF_DONE = "test -f /tmp/done && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt"
@@ -245,7 +244,7 @@ def test_rollout_with_broken_sandboxes_returns_every_episode_and_trains(tiny_dir
         try:
             async with WarmPools(backend, fixed_image(base_image)) as pools:
                 source = Breaking(pools, {0: "killed", 1: ("exec", 0)})
-                rollouts = Rollouts(engine, tokenizer, source, AgentParams(max_turns=2, max_new_tokens=24), 4)
+                rollouts = Rollouts(engine, tokenizer, source, agent_params(max_turns=2, max_new_tokens=24), 4)
                 return await rollouts.run_plan(plan, temperature=1.0)
         finally:
             await engine.close()
@@ -256,5 +255,5 @@ def test_rollout_with_broken_sandboxes_returns_every_episode_and_trains(tiny_dir
     assert len(broke) == 2 and {e.reward for e in broke} == {0.0}
     assert all(e.status in ("ok", "truncated") and e.reward in (0.0, 1.0) for e in episodes if e not in broke)
     assert rollout_metrics(episodes, 0)["status_agent_broke_sandbox"] == 2 and pass_rate(episodes) == 0.0
-    stats = LocalTrainer(load_model(tiny_dir), GRPOConfig(filter_zero_variance=False)).train_step(episodes)
+    stats = LocalTrainer(load_model(tiny_dir), grpo(filter_zero_variance=False)).train_step(episodes)
     assert stats.episodes_dropped == 0  # scored episodes: trained on

@@ -20,7 +20,8 @@ from furlong.metrics.timing import EpisodeTiming
 
 SMOKE = ["train.families=[count-in-file]", "train.sft.instances_per_family=4", "train.sft.epochs=1",
          "train.sft.batch_size=4", "train.rl.steps=1", "train.rl.tasks_per_step=2", "train.rl.group_size=2",
-         "train.rl.concurrency=4", "train.eval.heldout_per_family=2", "train.agent.max_turns=2",
+         "train.rl.concurrency=4", "train.sft.concurrency=4", "train.eval.concurrency=4",
+         "train.eval.heldout_per_family=2", "train.agent.max_turns=2",
          "train.agent.max_new_tokens=24"]
 
 

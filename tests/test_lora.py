@@ -21,7 +21,7 @@ from furlong.model import load_model
 from furlong.sync.adapter import AdapterPublisher, tensor_bytes
 from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
-from furlong.train import GRPOConfig, LocalTrainer, token_logprobs
+from furlong.train import LocalTrainer, token_logprobs
 from furlong.train.lora import (
     LoraSpec,
     adapter_state_dict,
@@ -32,11 +32,11 @@ from furlong.train.lora import (
     wrap_lora,
 )
 from furlong.train.trainer import collate
-from tests_support import SMALL
+from tests_support import SMALL, grpo
 
 TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-CONFIG = GRPOConfig(lr=1e-2, micro_batch_size=8)
+CONFIG = grpo(lr=1e-2, micro_batch_size=8)
 
 
 def episodes(seed: int, groups: int = 3, group_size: int = 4) -> list[Episode]:

@@ -4,7 +4,10 @@ a 32-bit syscall is no way around it, and ordinary tools still work under it."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -149,3 +152,21 @@ def _task(root: Path, environment: str) -> Path:
     (root / "instruction.md").write_text("Do it.\n")
     (root / "tests" / "test.sh").write_text("true\n")
     return root
+
+
+def test_config_switch_reaches_the_sandboxes_of_furlong_eval(tmp_path: Path):
+    """sandbox.seccomp=false, given on the command line, lifts the filter in the episodes' sandboxes."""
+    task = _task(tmp_path / "probe", "")
+    (task / "tests" / "probe.py").write_text(f"NUMBERS = {NUMBERS!r}\n" + PROBE)
+    (task / "tests" / "test.sh").write_text(
+        "python3 /tests/probe.py | grep -q '^io_uring_setup EPERM$' && echo 0 > /logs/verifier/reward.txt "
+        "|| echo 1 > /logs/verifier/reward.txt\n")
+
+    def pass_rate(*overrides: str) -> float:
+        res = subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--tasks", str(task), "--agent", "noop",
+                              *overrides], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.splitlines()[-1])["pass_rate"]
+
+    assert pass_rate() == 0.0  # filtered: io_uring_setup is refused with EPERM
+    assert pass_rate("sandbox.seccomp=false") == 1.0

@@ -70,11 +70,36 @@ def test_terminal_bench_task_loads(tmp_path: Path):
     ("[agent]\ntimeout_sec = 'soon'", "field 'agent.timeout_sec'"),
     ("[agent]\ntimeout_sec = -5", "field 'agent.timeout_sec'"),
     ("[environment]\nmemory_mb = 'lots'", "field 'environment.memory_mb'"),
+    ("[agent]\ntimeout_secs = 30", "unknown key 'agent.timeout_secs' (known here: timeout_sec"),
+    ("[environment]\nmemory = '512M'\nmemroy_mb = 512", "unknown key 'environment.memroy_mb'"),
+    ("[furlong]\nverifier_tool_chain = true", "unknown key 'furlong.verifier_tool_chain'"),
+    ("timeout_sec = 30", "unknown key 'timeout_sec'"),
 ])
 def test_malformed_task_toml_names_task_file_and_field(tmp_path: Path, toml: str, words: str):
     with pytest.raises(TaskError) as err:
         load_task(harbor(tmp_path, toml=toml))
     assert err.value.task == "demo" and err.value.file == "task.toml" and words in str(err.value)
+
+
+def test_harbor_keys_furlong_does_not_act_on_still_load(tmp_path: Path):
+    toml = TOML.replace("[agent]", "anything = { nested = [1, 2] }\n[agent]\nuser = 'agent'") + textwrap.dedent("""
+        build_timeout_sec = 600.0
+        storage_mb = 10240
+        gpus = 0
+        docker_image = "ghcr.io/org/img:1"
+        [solution]
+        env = { A = "1" }
+    """)
+    task = load_task(harbor(tmp_path, toml="schema_version = '1.1'\nsource = 'tb2'\n" + toml))
+    assert (task.agent_timeout_s, task.limits.memory_mb) == (45.0, 512)
+
+
+def test_harbor_deprecated_memory_spelling_sets_the_limit(tmp_path: Path):
+    assert load_task(harbor(tmp_path, toml="[environment]\nmemory = '4G'\n")).limits.memory_mb == 4096
+    both = harbor(tmp_path, "both", "[environment]\nmemory = '4G'\nmemory_mb = 512\n")
+    assert load_task(both).limits.memory_mb == 512
+    with pytest.raises(TaskError, match="field 'environment.memory': Value error, expected a size like '4G'"):
+        load_task(harbor(tmp_path, "bad", "[environment]\nmemory = 'lots'\n"))
 
 
 def test_missing_tests_and_unreadable_files_are_named(tmp_path: Path):
@@ -131,6 +156,19 @@ def test_family_instances_are_deterministic_and_split(tmp_path: Path, monkeypatc
     again = load_family(tmp_path / "adder").instance(0, "train")
     assert again.instruction == train[0].instruction
     assert len(load_tasks(tmp_path, split="all", per_family=2)) == 4
+
+
+@pytest.mark.parametrize("toml, words", [
+    ("[family]\ntrain_seeds = [0, 1000000000]\nheldout_seeds = [-10, 0]\n",
+     "field 'family.train_seeds': 1000000000 seeds in [0, 1000000000]; at most 100000"),
+    ("[family]\ntrain_seed = [0, 10]\nheldout_seeds = [10, 20]\n", "unknown key 'family.train_seed'"),
+    ("[family]\ntrain_seeds = [0, 10]\nheldout_seeds = [10, 20]\n[generator]\nx = 1\n", "unknown key 'generator'"),
+])
+def test_bad_family_toml_names_the_key(tmp_path: Path, toml: str, words: str):
+    _family(tmp_path, toml)
+    with pytest.raises(TaskError) as err:
+        load_family(tmp_path / "adder")
+    assert err.value.file == "family.toml" and words in str(err.value)
 
 
 def test_family_with_overlapping_splits_is_refused(tmp_path: Path):

@@ -16,7 +16,6 @@ from furlong.engine import Generation, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import load_model
 from furlong.train import (
-    GRPOConfig,
     LocalTrainer,
     filter_zero_variance_groups,
     group_advantages,
@@ -27,6 +26,7 @@ from furlong.train import (
 from furlong.train.grpo import weigh_negatives
 from furlong.train.sft import Demo, demo_nll
 from furlong.train.trainer import collate, lr_at
+from tests_support import grpo
 
 TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -97,7 +97,7 @@ def test_first_step_is_on_policy(tiny_dir: Path) -> None:
     groups = asyncio.run(main())
     eps = [episode(prompts[g], gen, float(i % 2), g, i)
            for g, group in enumerate(groups) for i, gen in enumerate(group)]
-    trainer = LocalTrainer(model, GRPOConfig(lr=1e-3, temperature=0.7, minibatches=2, micro_batch_size=3))
+    trainer = LocalTrainer(model, grpo(lr=1e-3, temperature=0.7, minibatches=2, micro_batch_size=3))
     stats = trainer.train_step(eps)
     first = trainer.last_minibatches[0]
     assert stats.updated and stats.version == 1 and stats.groups_used == 3
@@ -132,12 +132,13 @@ def test_negative_advantages_are_scaled_by_negative_weight() -> None:
 
 
 def test_lr_warms_up_then_follows_a_cosine_to_its_floor() -> None:
-    cfg = GRPOConfig(lr=1.0, warmup_steps=4, decay_steps=11, min_lr_ratio=0.1)
+    cfg = grpo(lr=1.0, warmup_steps=4, lr_decay="cosine", steps=15, min_lr_ratio=0.1)  # 11 steps of decay
+    assert cfg.decay_steps == 11
     lrs = [lr_at(cfg, step) for step in range(20)]
     assert lrs[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert all(a > b for a, b in zip(lrs[4:14], lrs[5:15]))  # strictly down over the decay
     assert lrs[14] == pytest.approx(0.1) and lrs[19] == pytest.approx(0.1)
-    assert [lr_at(GRPOConfig(lr=1.0, warmup_steps=4), s) for s in (3, 4, 100)] == [1.0, 1.0, 1.0]
+    assert [lr_at(grpo(lr=1.0, warmup_steps=4), s) for s in (3, 4, 100)] == [1.0, 1.0, 1.0]
 
 
 def test_filter_zero_variance_groups() -> None:
@@ -157,13 +158,13 @@ def test_step_without_surviving_groups_does_not_update(tiny_dir: Path) -> None:
                      token_weight_versions=(0, 0))
     eps = [episode([1, 2, 3], gen, 1.0, 0, 0), episode([1, 2, 3], gen, 1.0, 0, 1),
            episode([1, 2, 3], gen, None, 0, 2)]  # an infra error would have made the group look varied
-    trainer = LocalTrainer(model, GRPOConfig(lr=1e-2))
+    trainer = LocalTrainer(model, grpo(lr=1e-2))
     stats = trainer.train_step(eps)
     assert not stats.updated and stats.groups_used == 0 and stats.groups_filtered == 1
     assert stats.episodes_dropped == 1 and stats.reward_mean == 1.0 and trainer.version == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # the demonstration anchor needs no reward variance: it still takes its step, and the version moves
-    anchored = LocalTrainer(load_model(tiny_dir), GRPOConfig(lr=1e-2, sft_coef=1.0, sft_batch=2), demos=_demos())
+    anchored = LocalTrainer(load_model(tiny_dir), grpo(lr=1e-2, sft_coef=1.0, sft_batch=2), demos=_demos())
     stats = anchored.train_step(eps)
     assert stats.updated and stats.groups_used == 0 and anchored.version == 1
     assert stats.sft_nll > 0 and stats.grad_norm > 0 and stats.grad_norm_rl == 0 and stats.loss == 0
@@ -275,7 +276,7 @@ def test_grpo_learns_toy_task(small_dir: Path) -> None:
     policy, engine_model = load_model(small_dir), load_model(small_dir)
     vocab = policy.config.vocab_size
     targets = set(random.Random(0).sample(range(vocab), vocab // 16))
-    trainer = LocalTrainer(policy, GRPOConfig(lr=3e-3, micro_batch_size=32))
+    trainer = LocalTrainer(policy, grpo(lr=3e-3, micro_batch_size=32))
     prompts = random_prompts(4, vocab, seed=3)
 
     async def main() -> list[float]:
@@ -308,7 +309,7 @@ def fixed_episodes(model, n_groups: int, seed: int) -> list[Episode]:
 
 
 def test_save_load_resumes_exactly(small_dir: Path, tmp_path: Path) -> None:
-    config = GRPOConfig(lr=1e-3, minibatches=2, epochs=2, micro_batch_size=3, weight_decay=0.01)
+    config = grpo(lr=1e-3, minibatches=2, epochs=2, micro_batch_size=3, weight_decay=0.01)
     batches = [fixed_episodes(load_model(small_dir), 3, seed=s) for s in range(3)]
     a = LocalTrainer(load_model(small_dir), config)
     a.train_step(batches[0])
@@ -331,22 +332,22 @@ def test_save_load_resumes_exactly(small_dir: Path, tmp_path: Path) -> None:
 
 def test_bf16_autocast_keeps_fp32_weights_and_logprobs(small_dir: Path) -> None:
     model = load_model(small_dir)
-    trainer = LocalTrainer(model, GRPOConfig(lr=1e-3, bf16_autocast=True))
+    trainer = LocalTrainer(model, grpo(lr=1e-3, bf16_autocast=True))
     stats = trainer.train_step(fixed_episodes(load_model(small_dir), 2, seed=0))
     assert stats.updated and all(p.dtype == torch.float32 for p in model.parameters())
     # bf16 matmuls against fp32 rollouts: a visible but small mismatch, which TIS is there to absorb.
     assert 0 < stats.logprob_diff_max < 0.5 and torch.isfinite(torch.tensor(stats.loss))
     with pytest.raises(ValueError, match="fp32"):
-        LocalTrainer(load_model(small_dir, dtype=torch.bfloat16), GRPOConfig())
+        LocalTrainer(load_model(small_dir, dtype=torch.bfloat16), grpo())
 
 
 def test_reference_kl_grows_as_the_policy_moves(small_dir: Path) -> None:
-    trainer = LocalTrainer(load_model(small_dir), GRPOConfig(lr=3e-3, kl_coef=0.1), ref_model=load_model(small_dir))
+    trainer = LocalTrainer(load_model(small_dir), grpo(lr=3e-3, kl_coef=0.1), ref_model=load_model(small_dir))
     batch = fixed_episodes(load_model(small_dir), 2, seed=0)
     first, second = trainer.train_step(batch), trainer.train_step(batch)
     assert abs(first.ref_kl) < 1e-7 and second.ref_kl > 1e-5
     with pytest.raises(ValueError, match="ref_model"):
-        LocalTrainer(load_model(small_dir), GRPOConfig(kl_coef=0.1))
+        LocalTrainer(load_model(small_dir), grpo(kl_coef=0.1))
 
 
 def test_selected_positions_match_the_full_output_layer():
@@ -385,9 +386,9 @@ def test_the_demonstration_anchor_pulls_the_policy_toward_the_demonstrations(sma
     demos, batch = _demos(), fixed_episodes(load_model(small_dir), 3, seed=0)
     with torch.no_grad():
         start = float(demo_nll(load_model(small_dir), demos))
-    plain = LocalTrainer(load_model(small_dir), GRPOConfig(lr=3e-3))
-    ignored = LocalTrainer(load_model(small_dir), GRPOConfig(lr=3e-3), demos=demos)
-    anchored = LocalTrainer(load_model(small_dir), GRPOConfig(lr=3e-3, sft_coef=1.0, sft_batch=4), demos=demos)
+    plain = LocalTrainer(load_model(small_dir), grpo(lr=3e-3))
+    ignored = LocalTrainer(load_model(small_dir), grpo(lr=3e-3), demos=demos)
+    anchored = LocalTrainer(load_model(small_dir), grpo(lr=3e-3, sft_coef=1.0, sft_batch=4), demos=demos)
     for _ in range(4):
         a, b, c = plain.train_step(batch), ignored.train_step(batch), anchored.train_step(batch)
         assert a.sft_nll == b.sft_nll == 0 and c.sft_nll > 0 and a.loss == b.loss
@@ -397,4 +398,4 @@ def test_the_demonstration_anchor_pulls_the_policy_toward_the_demonstrations(sma
         after_plain, after_anchored = float(demo_nll(plain.model, demos)), float(demo_nll(anchored.model, demos))
     assert after_anchored < start - 0.5 and after_anchored < after_plain - 0.5, (start, after_plain, after_anchored)
     with pytest.raises(ValueError, match="demonstrations"):
-        LocalTrainer(load_model(small_dir), GRPOConfig(sft_coef=1.0))
+        LocalTrainer(load_model(small_dir), grpo(sft_coef=1.0))

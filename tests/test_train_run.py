@@ -14,7 +14,8 @@ SMALL = [
     "train.families=[count-in-file, number-stats]", "train.sft.families=[count-in-file]",  # number-stats: reward-only
     "train.sft.instances_per_family=4", "train.sft.epochs=1", "train.sft.batch_size=4",
     "train.rl.steps=4", "train.rl.tasks_per_step=2", "train.rl.group_size=2", "train.rl.concurrency=4",
-    "train.rl.checkpoint_every=1", "train.eval.heldout_per_family=2",
+    "train.rl.checkpoint_every=1", "train.eval.heldout_per_family=2", "train.sft.concurrency=4",
+    "train.eval.concurrency=4",
     "train.agent.max_turns=1", "train.agent.max_new_tokens=24",
 ]
 

@@ -13,7 +13,6 @@ import torch
 from rich.console import Console
 
 from conftest import run
-from furlong.agent.episode import AgentParams
 from furlong.build import grpo_config
 from furlong.config import load_config
 from furlong.engine.hf import HFEngine
@@ -25,7 +24,7 @@ from furlong.sandbox.pool import WarmPools, fixed_image
 from furlong.train.protocol import Trainer
 from furlong.train.trainer import LocalTrainer
 from furlong.train.weights import DirectLink
-from tests_support import make_task
+from tests_support import agent_params, make_task
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HALF_PASS = "mkdir -p /logs/verifier; echo $((RANDOM % 2)) > /logs/verifier/reward.txt"
@@ -88,7 +87,7 @@ def test_the_rl_loop_runs_a_second_trainer_through_the_protocol_alone(tiny_dir, 
     async def go():
         link = DirectLink(engine)
         async with WarmPools(backend, fixed_image(base_image)) as pools:
-            rollouts = Rollouts(engine, tokenizer, pools, AgentParams(max_turns=2, max_new_tokens=8), 4)
+            rollouts = Rollouts(engine, tokenizer, pools, agent_params(max_turns=2, max_new_tokens=8), 4)
             await link.push(trainer.engine_weights(), trainer.version)
             pieces = SimpleNamespace(train_tasks=tasks, tokenizer=tokenizer)
             await rl_steps(cfg, trainer, rollouts, link, pieces, run_dir, Console(file=open(os.devnull, "w")), 0)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from furlong.agent.episode import AgentParams
+from furlong.config import AgentConfig, RLConfig
 from furlong.model import TinySpec
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import Task
+from furlong.train.trainer import GRPOConfig
 
 # A model small enough that 40 GRPO steps with real sampling take seconds on two CPU cores (conftest's
 # small_dir builds it once per module).
@@ -24,3 +27,19 @@ def make_task(root: Path, name: str, instruction: str, test: str, solve: str = "
     (d / "tests" / "test.sh").write_text(test + "\n")
     (d / "solution" / "solve.sh").write_text(solve + "\n")
     return load_task(d)
+
+
+# Plain GRPO, as the trainer tests measure it: no KL reference, no demonstration anchor, a constant lr,
+# std-normalized advantages with negatives at full weight. Each test sets the train.rl keys it checks.
+PLAIN_GRPO = {"lr": 1e-5, "kl_coef": 0.0, "sft_coef": 0.0, "lr_decay": "constant", "warmup_steps": 0,
+              "normalize_std": True, "negative_weight": 1.0, "micro_batch_size": 8}
+
+
+def grpo(seed: int = 0, **rl) -> GRPOConfig:
+    """The trainer's settings from a train.rl node: PLAIN_GRPO with `rl`'s keys over it."""
+    return GRPOConfig.of(RLConfig(**{**PLAIN_GRPO, **rl}), seed=seed)
+
+
+def agent_params(**agent) -> AgentParams:
+    """The agent loop's settings from a train.agent node with `agent`'s keys set."""
+    return AgentParams.of(AgentConfig(**agent))

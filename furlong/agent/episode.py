@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
@@ -20,27 +21,27 @@ from furlong.sandbox.base import Sandbox
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
 
-SYSTEM_PROMPT = ("You are an agent in a Linux terminal. Use the bash tool to complete the task. "
-                 "When the task is done, reply without a tool call.")
-
+if TYPE_CHECKING:
+    from furlong.config import AgentConfig
 
 @dataclass(frozen=True)
 class AgentParams:
-    max_turns: int = 4
-    max_context_tokens: int = 1024
-    max_new_tokens: int = 128  # per model turn
-    command_timeout_s: float = 10.0
-    observation_chars: int = 600  # a tool result beyond this is cut, keeping head and tail
-    system_prompt: str = SYSTEM_PROMPT
-    tool_schema_in_prompt: bool = False  # tiny models do better without the JSON schema in context
+    """The agent loop's limits and prompt: the config's `train.agent` keys of the same names
+    (furlong.config.AgentConfig holds their defaults and meanings)."""
+
+    max_turns: int
+    max_context_tokens: int
+    max_new_tokens: int  # per model turn
+    command_timeout_s: float
+    observation_chars: int  # a tool result beyond this is cut, keeping head and tail
+    system_prompt: str
+    tool_schema_in_prompt: bool
 
     @classmethod
-    def of(cls, config) -> AgentParams:
-        """From the config's `train.agent` node (furlong.config.AgentConfig): training and `furlong eval
-        --agent model` run the same loop with the same limits."""
-        return cls(max_turns=config.max_turns, max_context_tokens=config.max_context_tokens,
-                   max_new_tokens=config.max_new_tokens, command_timeout_s=config.command_timeout_s,
-                   observation_chars=config.observation_chars)
+    def of(cls, agent: AgentConfig) -> AgentParams:
+        """From the config's `train.agent` node: training and `furlong eval --agent model` run the same
+        loop with the same limits."""
+        return cls(**{f.name: getattr(agent, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 
-class ModelLoadError(RuntimeError):
-    """A checkpoint directory is missing or incomplete; the message names the path and what is wrong."""
+class ModelLoadError(ValueError):
+    """A checkpoint directory is missing or incomplete; the message names the path and what is wrong.
+    A ValueError: it is bad input, which the CLI reports in one line."""
 
 
 def _local_dir(path: Path | str, needs: tuple[str, ...]) -> Path:

@@ -37,7 +37,7 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     wanted = s.epochs > 0 or cfg.train.rl.sft_coef > 0
     tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]] if wanted else []
     with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
-        demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, cfg.train.rl.concurrency, advance)
+        demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, s.concurrency, advance)
     save_demos(run.path / DEMOS_FILE, demos)
     demo_seconds = time.perf_counter() - start
     model = load_model(p.base_model)
@@ -66,7 +66,8 @@ async def eval_phase(name: str, model_dir: Path, cfg: Config, p: Pieces, run: Ru
     drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
     engine = phase_engine(model_dir, shared, cfg.train.hf.prefix_cache_mb)
     async with WarmPools(p.backend, p.images) as pools:
-        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.rl.concurrency, EpisodeLog(run.path, name))
+        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.eval.concurrency,
+                            EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
             episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
     await engine.close()

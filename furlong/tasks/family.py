@@ -22,6 +22,9 @@ from furlong.tasks.loader import load_harbor
 from furlong.tasks.model import Task, TaskError
 
 SPLITS = ("train", "heldout")
+FAMILY_KEYS = ("description", "train_seeds", "heldout_seeds")
+# Each seed is a generated task directory in the cache: a range far past any run's needs is a typo.
+MAX_SEEDS = 100_000
 
 
 def is_family_dir(path: Path) -> bool:
@@ -48,7 +51,7 @@ class Family:
         if split not in (*SPLITS, "all"):
             raise ValueError(f"split must be one of train, heldout, all; got {split!r}")
         splits = SPLITS if split == "all" else (split,)
-        wanted = [(seed, s) for s in splits for seed in list(self.seeds[s])[:limit]]
+        wanted = [(seed, s) for s in splits for seed in self.seeds[s][:limit]]
         self._generate([seed for seed, _ in wanted])
         cache = self.cache
         return [self._load(cache, seed, s) for seed, s in wanted]
@@ -87,19 +90,35 @@ def _digest(path: Path) -> str:
 def _seed_range(raw: object, name: str, field: str) -> range:
     if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, int) for x in raw) and raw[0] < raw[1]):
         raise TaskError(name, "family.toml", f"field 'family.{field}': expected [start, stop) integers, got {raw!r}")
+    if raw[1] - raw[0] > MAX_SEEDS:
+        raise TaskError(name, "family.toml", f"field 'family.{field}': {raw[1] - raw[0]} seeds in {raw!r}; "
+                                             f"at most {MAX_SEEDS} (each is a generated task)")
     return range(raw[0], raw[1])
+
+
+def _family_table(path: Path, name: str) -> dict:
+    """family.toml's [family] table; any other key, there or at the top level, is an error naming it."""
+    if not is_family_dir(path):
+        raise TaskError(name, "family.toml", f"missing: {path} is not a task family")
+    try:
+        raw = tomllib.loads((path / "family.toml").read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise TaskError(name, "family.toml", f"unreadable: {exc}") from None
+    conf = raw.get("family")
+    if not isinstance(conf, dict):
+        raise TaskError(name, "family.toml", "missing the [family] table")
+    unknown = [k for k in raw if k != "family"] + [f"family.{k}" for k in conf if k not in FAMILY_KEYS]
+    if unknown:
+        raise TaskError(name, "family.toml", f"unknown key {unknown[0]!r} (known: [family] {', '.join(FAMILY_KEYS)})")
+    return conf
 
 
 def load_family(path: Path) -> Family:
     name = path.name
-    try:
-        conf = tomllib.loads((path / "family.toml").read_text()).get("family")
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise TaskError(name, "family.toml", f"unreadable: {exc}") from None
-    if not isinstance(conf, dict):
-        raise TaskError(name, "family.toml", "missing the [family] table")
+    conf = _family_table(path, name)
     seeds = {s: _seed_range(conf.get(f"{s}_seeds"), name, f"{s}_seeds") for s in SPLITS}
-    if set(seeds["train"]) & set(seeds["heldout"]):
+    train, heldout = seeds["train"], seeds["heldout"]
+    if train.start < heldout.stop and heldout.start < train.stop:
         raise TaskError(name, "family.toml", "train_seeds and heldout_seeds overlap")
     if not (path / "generate.py").is_file():
         raise TaskError(name, "generate.py", "missing")

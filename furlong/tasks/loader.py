@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from furlong.sandbox import seccomp
 from furlong.sandbox.base import Limits, SyscallPolicy
@@ -16,16 +16,25 @@ from furlong.tasks.model import Task, TaskError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # Harbor ignores keys it does not know; so do we
+    """A task.toml table. A key that neither Harbor nor furlong defines is an error naming it: a typo such
+    as `timeout_secs` must not leave the task on a default. Harbor's keys that furlong does not act on are
+    declared `Any` so that Harbor's tasks keep loading."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class _Agent(_Section):
     timeout_sec: float = Field(600.0, gt=0)
+    user: Any = None  # Harbor's; the agent runs as the sandbox's user
 
 
 class _Verifier(_Section):
     timeout_sec: float = Field(600.0, gt=0)
     env: dict[str, str] = {}
+    user: Any = None  # Harbor's keys for a separate verifier user or sandbox: furlong verifies in the agent's
+    environment: Any = None
+    environment_mode: Any = None
+    collect: Any = None
 
 
 class _Environment(_Section):
@@ -35,6 +44,46 @@ class _Environment(_Section):
     network: bool = False
     seccomp: bool = True  # furlong's own keys: the syscall filter, and names taken off its deny list
     seccomp_allow: list[str] = []
+    # Harbor's keys furlong does not act on: the image comes from environment/Dockerfile, and there are
+    # no GPUs, storage quotas, MCP servers or skills in a sandbox
+    build_timeout_sec: Any = None
+    docker_image: Any = None
+    storage_mb: Any = None
+    gpus: Any = None
+    gpu_types: Any = None
+    tpu: Any = None
+    mcp_servers: Any = None
+    env: Any = None
+    skills_dir: Any = None
+    healthcheck: Any = None
+    workdir: Any = None
+    memory: str | None = None  # Harbor's deprecated spelling of memory_mb ("4G", "512M")
+    storage: Any = None
+
+    @field_validator("memory")
+    @classmethod
+    def _size(cls, size: str | None) -> str | None:
+        if size is not None:
+            _megabytes(size)
+        return size
+
+    @model_validator(mode="after")
+    def _memory_spelling(self) -> _Environment:
+        if self.memory is not None and "memory_mb" not in self.model_fields_set:
+            self.memory_mb = _megabytes(self.memory)
+        return self
+
+
+def _megabytes(size: str) -> int:
+    units = {"G": 1024, "M": 1, "K": 1 / 1024}
+    number, unit = size.strip()[:-1], size.strip()[-1:].upper()
+    try:
+        mb = int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise ValueError("expected a size like '4G' or '512M'") from None
+    if mb <= 0:
+        raise ValueError("under a megabyte")
+    return mb
 
 
 class _Furlong(_Section):
@@ -48,9 +97,19 @@ class _HarborToml(_Section):
     verifier: _Verifier = _Verifier()
     environment: _Environment = _Environment()
     furlong: _Furlong = _Furlong()
+    metadata: dict[str, Any] = {}  # free-form: author, difficulty, tags...
+    # Harbor's top-level keys furlong does not read
+    version: Any = None
+    schema_version: Any = None
+    task: Any = None
+    source: Any = None
+    solution: Any = None
+    artifacts: Any = None
 
 
-class _TerminalBenchYaml(_Section):
+class _TerminalBenchYaml(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # task.yaml carries many keys for TB1's own harness
+
     instruction: str
     max_agent_timeout_sec: float = Field(180.0, gt=0)
     max_test_timeout_sec: float = Field(30.0, gt=0)
@@ -62,7 +121,17 @@ def _validated(model: type[BaseModel], data: Any, task: str, file: str) -> Any:
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            known = _known(model, err["loc"][:-1])
+            raise TaskError(task, file, f"unknown key {field!r} (known here: {known})") from None
         raise TaskError(task, file, f"field {field!r}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def _known(model: type[BaseModel], loc: tuple) -> str:
+    """The keys the table at `loc` takes, for an unknown-key error."""
+    for key in loc:
+        model = model.model_fields[str(key)].annotation
+    return ", ".join(model.model_fields)
 
 
 def _read(path: Path, task: str) -> str:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from furlong.agent.episode import AgentParams
-from furlong.agent.tools import ToolRunner
+from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
 from furlong.sandbox.base import SandboxError, SandboxSpec
 from furlong.tasks.model import Task
@@ -44,7 +44,8 @@ def solution_command(task: Task) -> str:
 
 
 def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: AgentParams) -> Demo:
-    prompt = render_prompt_ids(tokenizer, [Message("system", params.system_prompt), Message("user", task.instruction)])
+    prompt = render_prompt_ids(tokenizer, [Message("system", params.system_prompt), Message("user", task.instruction)],
+                               [BASH_TOOL] if params.tool_schema_in_prompt else None)
     call = assistant_ids(tokenizer, Message("assistant", "", (ToolCall("bash", {"command": command}),)))
     result = continuation_ids(tokenizer, [Message("tool", observation)])
     final = assistant_ids(tokenizer, Message("assistant", FINAL_ANSWER))

@@ -15,8 +15,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -38,39 +39,53 @@ from furlong.train.logprobs import token_logprobs
 from furlong.train.sft import Demo, demo_nll
 from furlong.train.stats import TrainStats
 
+if TYPE_CHECKING:
+    from furlong.config import RLConfig
+
 CHECKPOINT_FILE = "trainer.pt"
 
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # <= 0: no clipping (the norm is still reported)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float = 2.0
-    off_policy: str = "tis"  # tis | masked_is | decoupled_ppo (grpo.OffPolicy)
-    mask_level: str = "token"  # masked_is: token | sequence
-    is_low: float = 0.5  # masked_is: the kept ratio range
-    is_high: float = 2.0
-    kl_coef: float = 0.0  # > 0 needs a reference model
-    normalize_std: bool = True
-    negative_weight: float = 1.0  # < 1 scales down negative advantages (see grpo.weigh_negatives)
-    adv_eps: float = 1e-6
-    filter_zero_variance: bool = True
-    micro_batch_size: int = 8  # episodes per forward/backward
-    temperature: float = 1.0  # must be the rollout temperature, or every importance ratio is off
-    epochs: int = 1  # passes over the step's episodes
-    minibatches: int = 1  # optimizer steps per epoch
-    bf16_autocast: bool = False
-    seed: int = 0  # minibatch shuffling
-    warmup_steps: int = 0  # optimizer steps over which lr ramps up linearly: Adam's first steps are the largest
-    decay_steps: int = 0  # > 0: after warm-up, lr follows a cosine to min_lr_ratio * lr over this many steps
-    min_lr_ratio: float = 0.1
-    sft_coef: float = 0.0  # > 0: plus this times the NLL of sft_batch demonstrations per optimizer step (PPO-ptx)
-    sft_batch: int = 16
+    """The trainer's settings: train.rl's keys of the same names (furlong.config.RLConfig holds their defaults
+    and meanings), plus the run's seed and the cosine decay's length, which `of` derives."""
+
+    lr: float
+    adam_betas: tuple[float, float]
+    weight_decay: float
+    adam_eps: float
+    grad_clip: float  # <= 0: no clipping (the norm is still reported)
+    clip_low: float
+    clip_high: float
+    tis_cap: float
+    off_policy: str  # tis | masked_is | decoupled_ppo (grpo.OffPolicy)
+    mask_level: str  # masked_is: token | sequence
+    is_low: float
+    is_high: float
+    kl_coef: float  # > 0 needs a reference model
+    normalize_std: bool
+    negative_weight: float  # < 1 scales down negative advantages (see grpo.weigh_negatives)
+    filter_zero_variance: bool
+    micro_batch_size: int  # episodes per forward/backward
+    temperature: float  # must be the rollout temperature, or every importance ratio is off
+    epochs: int  # passes over the step's episodes
+    minibatches: int  # optimizer steps per epoch
+    bf16_autocast: bool
+    warmup_steps: int  # Adam's first steps are the largest: lr ramps up linearly over these
+    min_lr_ratio: float
+    sft_coef: float  # > 0: plus this times the NLL of sft_batch demonstrations per optimizer step (PPO-ptx)
+    sft_batch: int
+    seed: int  # minibatch shuffling, the anchor's draws
+    decay_steps: int  # > 0: after warm-up, lr follows a cosine to min_lr_ratio * lr over this many steps
+
+    @classmethod
+    def of(cls, rl: RLConfig, seed: int) -> GRPOConfig:
+        """From the config's `train.rl` node: every field of that name, copied; the decay spans the
+        optimizer steps after warm-up (rl.lr_decay cosine) or is off (constant)."""
+        opt_steps = rl.steps * rl.minibatches * rl.epochs
+        derived = {"seed": seed, "decay_steps": max(opt_steps - rl.warmup_steps, 1) if rl.lr_decay == "cosine" else 0}
+        copied = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name not in derived}
+        return cls(**copied, **derived)
 
 
 @dataclass(frozen=True)
@@ -145,7 +160,7 @@ class LocalTrainer:
         self.config = config
         self._device = next(model.parameters()).device
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
-                                           betas=config.betas, eps=config.adam_eps,
+                                           betas=config.adam_betas, eps=config.adam_eps,
                                            weight_decay=config.weight_decay)
         self.off_policy = OffPolicy(config.off_policy, config.tis_cap, config.is_low, config.is_high, config.mask_level)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -192,7 +207,7 @@ class LocalTrainer:
             return _finish(stats, None, {"grad_norm": update.norm, "sft_nll": update.sft_nll}, True, self.version,
                            start)
         advantages = group_advantages([e.reward for e in train], [group_key(e) for e in train],  # type: ignore[misc]
-                                      self.config.normalize_std, self.config.adv_eps)
+                                      self.config.normalize_std)
         advantages = weigh_negatives(advantages, self.config.negative_weight)
         metrics, extra = self._optimize(train, advantages)
         self.version += 1
