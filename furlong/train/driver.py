@@ -7,7 +7,6 @@ done and continues RL from the last checkpoint.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, replace
@@ -16,21 +15,21 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from furlong.agent.episode import AgentParams, Episode
+from furlong.agent.episode import AgentParams
 from furlong.config import Config, ConfigError
 from furlong.engine.prefix import prefix_metrics
 from furlong.agent.runner import STATUSES
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
-from furlong.metrics.episodes import EpisodeLog, drop_episodes_after, episode_record
+from furlong.metrics.episodes import EpisodeLog, drop_episodes_after
 from furlong.metrics.gains import heldout_gains
-from furlong.metrics.outcomes import Scored, outcome_summary, status_counts
+from furlong.metrics.outcomes import Scored, outcome_summary
 from furlong.metrics.run import RunDir, atomic_write
 from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
-from furlong.rollout.groups import Rollouts, step_of
-from furlong.rollout.scheduler import (ATTEMPT_STRIDE, OUTCOMES, Batch, GroupStream, Scheduler, outcome_counts,
-                                       settled_episodes, staleness_stats)
+from furlong.rollout.groups import Rollouts
+from furlong.rollout.records import OUTCOMES, batch_metrics, rollout_metrics, settled_records
+from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
@@ -153,21 +152,6 @@ def grpo_config(cfg: Config) -> GRPOConfig:
                       temperature=r.temperature, sft_coef=r.sft_coef, sft_batch=r.sft_batch, seed=cfg.train.seed)
 
 
-def rollout_metrics(episodes: list[Episode], version: int) -> dict:
-    n = max(len(episodes), 1)
-    keys = ",".join(f"{e.task_id}#{e.group_id}.{e.sample_id}" for e in episodes)
-    lags = [version - min(v for v, m in zip(e.token_weight_versions, e.loss_mask) if m)
-            for e in episodes if e.response_len]
-    out = {f"time_{k}": sum(getattr(e.timing, k) for e in episodes) / n
-           for k in ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")}
-    out.update({"episodes": len(episodes), "turns_mean": sum(e.turns for e in episodes) / n,
-                "tool_errors": sum(e.tool_errors for e in episodes),
-                **{f"status_{k}": v for k, v in status_counts(e.status for e in episodes).items()},
-                "sample_lag_mean": sum(lags) / max(len(lags), 1),
-                "samples_sha": hashlib.sha256(keys.encode()).hexdigest()[:16]})
-    return out
-
-
 def _policy_models(cfg: Config, sft_dir: Path):
     """The trainer's model and the engine's: plain copies, or both wrapped with the same LoRA adapters."""
     if not cfg.train.lora.enabled:
@@ -252,23 +236,6 @@ def _scheduler(cfg: Config, rollouts: Rollouts, p: Pieces, start: int, run: RunD
                      counted=rows[-1].get("episodes_in_flight", 0) if cursor and rows else 0)
 
 
-def settled_records(batch: Batch, step: int, filter_zero_variance: bool) -> list[dict]:
-    """episodes.jsonl lines for the episodes this step settled: `step` is the step that trained (or
-    dropped) them, `plan_step` the step the group was planned for (later in async mode)."""
-    return [{**episode_record(e, "rl", step), "plan_step": step_of(e), "attempt": g.spec.attempt,
-             "slot": g.spec.group_id % ATTEMPT_STRIDE, "in_batch": any(g is b for b in batch.groups),
-             "outcome": outcome}
-            for g, e, outcome in settled_episodes(batch, filter_zero_variance)]
-
-
-def batch_metrics(batch: Batch, filter_zero_variance: bool) -> dict:
-    """Where every episode went: started this step, and how those settled by this batch ended."""
-    counts = outcome_counts(batch, filter_zero_variance)
-    return {"episodes_started": batch.started, **{f"episodes_{k}": v for k, v in counts.items()},
-            "episodes_in_flight": batch.in_flight, "groups_stale": len(batch.stale),
-            "trainer_wait_s": batch.wait_s, **staleness_stats(batch.groups, batch.version)}
-
-
 def _cursor(run: RunDir) -> dict | None:
     last = run.state()["last_checkpoint"]
     path = run.checkpoint_dir(last["name"]) / CURSOR_FILE if last else None
@@ -293,7 +260,7 @@ async def _rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link, p: 
                 synced = await link.push(_weights_for_engine(cfg, trainer), trainer.version)
                 scheduler.step_done()
                 spent += (seconds := time.perf_counter() - step_start)
-                run.log("rl", step, {**asdict(stats), **rollout_metrics(batch.episodes, batch.version),
+                run.log("rl", step, {**asdict(stats), **rollout_metrics(batch.episodes),
                                      **window.diagnostics(batch.episodes, batch.version, stats.seconds),
                                      **batch_metrics(batch, r.filter_zero_variance), **synced,
                                      **prefix_metrics(link.engine),
