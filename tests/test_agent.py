@@ -51,7 +51,7 @@ def test_multi_turn_tokens_mask_and_no_retokenization(tiny, backend, base_image,
     policy = ScriptedPolicy(tokenizer, turns)
     params = AgentParams(max_turns=6, max_context_tokens=4096)
     ep = run(run_episode(task, policy, tokenizer, FreshSandboxes(backend, fixed_image(base_image)), params,
-                         SamplingParams(), 3, 1))
+                         SamplingParams(), group_id=3, sample_id=1))
     assert (ep.status, ep.reward, ep.turns, ep.tool_errors) == ("ok", 1.0, 4, 1)
     # each prompt extends the previous prompt plus what was sampled: history is never re-tokenized
     for before, after, sampled in zip(policy.prompts, policy.prompts[1:], policy.turns):
