@@ -27,8 +27,7 @@ from furlong.report.timing import episode_lags
 from furlong.metrics.timing import EpisodeTiming
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts
-from furlong.rollout.records import OUTCOMES
-from furlong.rollout.scheduler import GroupStream, Scheduler
+from furlong.rollout.scheduler import OUTCOMES, GroupStream, Scheduler
 from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.pool import WarmPools, fixed_image
 from furlong.train.driver import _rl_steps, grpo_config

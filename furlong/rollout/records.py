@@ -9,10 +9,9 @@ from collections.abc import Sequence
 from furlong.agent.episode import Episode
 from furlong.metrics.episodes import episode_record
 from furlong.metrics.outcomes import status_counts
-from furlong.rollout.scheduler import Batch, Group
+from furlong.rollout.scheduler import OUTCOMES, Batch, Group
 from furlong.train.grpo import filter_zero_variance_groups
 
-OUTCOMES = ("trained", "dropped_stale", "filtered", "infra_error")
 TIME_PARTS = ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")
 
 

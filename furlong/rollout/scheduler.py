@@ -26,6 +26,8 @@ from furlong.rollout.groups import PlannedEpisode, Rollouts, plan_step
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
 
+OUTCOMES = ("trained", "dropped_stale", "filtered", "infra_error")  # how each started episode ends
+
 
 @dataclass(frozen=True)
 class GroupSpec:

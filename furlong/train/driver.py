@@ -28,8 +28,8 @@ from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts
-from furlong.rollout.records import OUTCOMES, batch_metrics, rollout_metrics, settled_records
-from furlong.rollout.scheduler import GroupStream, Scheduler
+from furlong.rollout.records import batch_metrics, rollout_metrics, settled_records
+from furlong.rollout.scheduler import OUTCOMES, GroupStream, Scheduler
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, WarmPools
