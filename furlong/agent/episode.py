@@ -47,7 +47,7 @@ class AgentParams:
 @dataclass(frozen=True, kw_only=True)
 class Episode:
     task_id: str
-    group_id: int  # an RL group's position in the stream of groups (furlong.rollout.scheduler); eval: the task's
+    group_id: int  # RL: its group's index in the stream of groups (rollout/scheduler.py); eval: its task's index
     step: int | None = None  # the RL step its group was planned for; None outside RL (held-out eval)
     attempt: int = 0  # 0, or how many stale copies of its group were re-queued before this one
     sample_id: int
