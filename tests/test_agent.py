@@ -51,7 +51,7 @@ def test_multi_turn_tokens_mask_and_no_retokenization(tiny, backend, base_image,
     policy = ScriptedPolicy(tokenizer, turns)
     params = agent_params(max_turns=6, max_context_tokens=4096)
     ep = run(run_episode(task, policy, tokenizer, FreshSandboxes(backend, fixed_image(base_image)), params,
-                         SamplingParams(), 3, 1))
+                         SamplingParams(), group_id=3, sample_id=1))
     assert (ep.status, ep.reward, ep.turns, ep.tool_errors) == ("ok", 1.0, 4, 1)
     # each prompt extends the previous prompt plus what was sampled: history is never re-tokenized
     for before, after, sampled in zip(policy.prompts, policy.prompts[1:], policy.turns):
@@ -113,11 +113,13 @@ def test_agent_timeout_counts_sandbox_work_not_engine_waits(tiny, backend, base_
     task = make_task(tmp_path, "slow-engine", "Write hi", agent_timeout=1.5,
                      test="grep -q hi /tmp/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt")
     # 2 waits of 4 s: past the agent timeout and past the runner's hard limit (timeout + grace) alike
-    ep = run(run_episode(task, SlowEngine(tokenizer, write, 4.0), tokenizer, sandboxes, params, SamplingParams(), 3, 1))
+    ep = run(run_episode(task, SlowEngine(tokenizer, write, 4.0), tokenizer, sandboxes, params, SamplingParams(),
+                         group_id=3, sample_id=1))
     assert 1.5 + AGENT_GRACE_S < 8.0 <= ep.timing.model_wait
     assert (ep.status, ep.reward, ep.turns) == ("ok", 1.0, 2)
     sleepy = [Message("assistant", "", (ToolCall("bash", {"command": "sleep 1; sleep 1; echo hi > /tmp/out.txt"}),)),
               Message("assistant", "Done.")]
     task = make_task(tmp_path, "slow-agent", "Write hi", agent_timeout=1.5, test="echo 1 > /logs/verifier/reward.txt")
-    ep = run(run_episode(task, SlowEngine(tokenizer, sleepy, 0.0), tokenizer, sandboxes, params, SamplingParams(), 3, 1))
+    ep = run(run_episode(task, SlowEngine(tokenizer, sleepy, 0.0), tokenizer, sandboxes, params, SamplingParams(),
+                         group_id=3, sample_id=1))
     assert ep.status == "timeout" and ep.turns == 1  # the agent's own 2 s of commands still hit the 1.5 s limit

@@ -254,7 +254,7 @@ def _check_records(path: Path, rows: list[dict]) -> None:
     group was planned for), so its outcomes add up to that step's counts, its lags to that step's
     staleness, and `furlong report`'s sample lags are the trained ones."""
     records = [r for r in read_jsonl(path / "episodes.jsonl") if r["phase"] == "rl"]
-    assert len({(r["step"], r["group"], r["sample"]) for r in records}) == len(records)
+    assert len({(r["step"], r["group"], r["attempt"], r["sample"]) for r in records}) == len(records)
     assert all(r["error"] for r in records if r["status"] == "infra_error")  # each one says why
     lags = []
     for row in rows:
@@ -269,7 +269,7 @@ def _check_records(path: Path, rows: list[dict]) -> None:
 
 
 def _record(step: int, plan_step: int, version_first: int, in_batch: bool = True, reward: float = 1.0) -> dict:
-    return {"phase": "rl", "step": step, "plan_step": plan_step, "group": plan_step * 100_000, "sample": 0,
+    return {"phase": "rl", "step": step, "plan_step": plan_step, "group": plan_step, "sample": 0,
             "version_first": version_first, "in_batch": in_batch, "reward": reward, "seconds": 1.0,
             "outcome": "trained" if in_batch else "dropped_stale"}
 
@@ -355,6 +355,54 @@ def test_prestart_reserves_the_next_groups_first_window_once(tmp_path):
     assert len(source.tasks) == 4
 
 
+class UnstartableSandboxes:
+    """A SandboxSource whose episodes end 10 ms after asking for their image, as infra errors (no
+    sandbox ever starts), logging ("reserve", task) for each sandbox reserved ahead and ("end", task)
+    for each episode that ends: the order of reservations is what is under test, no episode runs."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    def reserve(self, task) -> None:
+        self.log.append(("reserve", task.id))
+
+    async def image(self, task):
+        await asyncio.sleep(0.01)
+        raise SandboxError("injected: no image")
+
+    async def acquire(self, spec_):
+        raise SandboxError("injected: no sandbox")
+
+
+def test_groups_held_back_by_the_inflight_cap_start_their_sandboxes_while_the_group_ahead_runs(tiny_dir, tmp_path):
+    """prestart expects more episodes than the `concurrency` it may start sandboxes for at once (three
+    groups of two, two slots): those past that first window must still have their sandboxes started ahead,
+    as the episodes before them take their slots, not once their own group has started (cold, when the
+    in-flight cap lets one group run at a time and a slot is free at once)."""
+    tasks = [make_task(tmp_path / "tasks", f"t{i}", "Create /tmp/done", RANDOM_TEST) for i in range(6)]
+    source, stream = UnstartableSandboxes(), GroupStream(tasks, tasks_per_step=2, group_size=2, seed=0)
+    rollouts = Rollouts(None, load_tokenizer(tiny_dir), source, agent_params(), concurrency=2,
+                        on_episode=lambda e: source.log.append(("end", e.task_id)))
+    scheduler = Scheduler(rollouts, stream, temperature=1.0, steps_left=3, first_step=0, inflight=1, lookahead=1,
+                          max_staleness=10, requeue=False)
+
+    async def go() -> None:  # the driver's loop, with no training
+        for step in range(3):
+            await scheduler.next_batch(0)
+            if step < 2:
+                scheduler.prestart()
+            scheduler.step_done()
+        await scheduler.close()
+
+    run(go())
+    order = [stream.spec(i).task.id for i in range(6)]
+    assert [e for e in source.log if e[0] == "end"] == [("end", t) for t in order for _ in range(2)]
+    for ahead, task in zip(order[2:], order[3:]):  # every group from the first prestart's on
+        reserved = [i for i, e in enumerate(source.log) if e == ("reserve", task)]
+        first_end_ahead = source.log.index(("end", ahead))
+        assert len(reserved) == 2 and max(reserved) < first_end_ahead, (task, source.log)
+
+
 def test_sync_mode_draws_the_samples_of_the_loop_before_async(tmp_path):
     """samples_sha of `furlong train --config recipes/smoke.yaml` (seed 0), recorded from the sync loop as
     it was before the scheduler replaced it (commit 14d2dff)."""
@@ -402,7 +450,7 @@ def test_async_kill_and_resume_trains_every_group_exactly_once(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert [r["step"] for r in rl()] == list(range(steps))
     records = [r for r in read_jsonl(run_dir / "episodes.jsonl") if r["phase"] == "rl"]
-    assert len({(r["step"], r["group"], r["sample"]) for r in records}) == len(records)
+    assert len({(r["step"], r["group"], r["attempt"], r["sample"]) for r in records}) == len(records)
     batched: dict[int, list[dict]] = {}
     for r in records:
         if r["in_batch"]:

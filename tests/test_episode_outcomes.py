@@ -245,7 +245,7 @@ def test_rollout_with_broken_sandboxes_returns_every_episode_and_trains(tiny_dir
             async with WarmPools(backend, fixed_image(base_image)) as pools:
                 source = Breaking(pools, {0: "killed", 1: ("exec", 0)})
                 rollouts = Rollouts(engine, tokenizer, source, agent_params(max_turns=2, max_new_tokens=24), 4)
-                return await rollouts.run_plan(plan, temperature=1.0)
+                return await rollouts.run(plan.episodes(), temperature=1.0)
         finally:
             await engine.close()
 
@@ -254,6 +254,6 @@ def test_rollout_with_broken_sandboxes_returns_every_episode_and_trains(tiny_dir
     broke = [e for e in episodes if e.status == "agent_broke_sandbox"]
     assert len(broke) == 2 and {e.reward for e in broke} == {0.0}
     assert all(e.status in ("ok", "truncated") and e.reward in (0.0, 1.0) for e in episodes if e not in broke)
-    assert rollout_metrics(episodes, 0)["status_agent_broke_sandbox"] == 2 and pass_rate(episodes) == 0.0
+    assert rollout_metrics(episodes)["status_agent_broke_sandbox"] == 2 and pass_rate(episodes) == 0.0
     stats = LocalTrainer(load_model(tiny_dir), grpo(filter_zero_variance=False)).train_step(episodes)
     assert stats.episodes_dropped == 0  # scored episodes: trained on

@@ -157,9 +157,9 @@ def test_bootstrap_matches_the_normal_approximation_on_a_known_case():
 
 
 def _episode(group: int, start: float, end: float, tokens: int, tool_s: float, versions: list[int],
-             sample: int = 0) -> Episode:
+             sample: int = 0, step: int | None = None) -> Episode:
     mask = [0, *[1] * len(versions)]
-    return Episode(task_id="t", group_id=group, sample_id=sample, prompt_len=1, tokens=tuple(range(tokens)),
+    return Episode(task_id="t", group_id=group, step=step, sample_id=sample, prompt_len=1, tokens=tuple(range(tokens)),
                    loss_mask=tuple(mask + [0] * (tokens - len(mask))), rollout_logprobs=(0.0,) * tokens,
                    token_weight_versions=tuple([-1, *versions] + [-1] * (tokens - len(mask))), reward=1.0,
                    status="ok", timing=EpisodeTiming(agent_commands=tool_s, other=end - start - tool_s,
@@ -178,9 +178,9 @@ def test_diagnostics_formulas_on_known_episodes():
 
 
 def test_records_of_redone_steps_are_dropped_and_a_torn_line_is_skipped(tmp_path: Path):
-    log = EpisodeLog(tmp_path, "rl", step_of=lambda e: e.group_id // 100_000)
+    log = EpisodeLog(tmp_path, "rl")
     for step in range(3):
-        log(_episode(step * 100_000, 0.0, 1.0, 10, 0.0, [step]))
+        log(_episode(step, 0.0, 1.0, 10, 0.0, [step], step=step))
     EpisodeLog(tmp_path, "eval_before")(_episode(0, 0.0, 1.0, 10, 0.0, [0]))
     with open(tmp_path / "episodes.jsonl", "a") as f:
         f.write('{"phase": "rl", "st')  # a kill mid-write

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
@@ -44,10 +45,12 @@ class AgentParams:
         return cls(**{f.name: getattr(agent, f.name) for f in fields(cls)})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Episode:
     task_id: str
-    group_id: int
+    group_id: int  # RL: its group's index in the stream of groups (rollout/scheduler.py); eval: its task's index
+    step: int | None = None  # the RL step its group was planned for; None outside RL (held-out eval)
+    attempt: int = 0  # 0, or how many stale copies of its group were re-queued before this one
     sample_id: int
     prompt_len: int
     tokens: tuple[int, ...]
@@ -65,6 +68,18 @@ class Episode:
     @property
     def response_len(self) -> int:
         return sum(self.loss_mask)
+
+    @cached_property
+    def oldest_version(self) -> int | None:
+        """The weight version of its oldest sampled token (None: nothing was sampled); staleness and
+        sample lag are measured from it."""
+        return min((v for v, m in zip(self.token_weight_versions, self.loss_mask) if m), default=None)
+
+    @property
+    def group_key(self) -> tuple[str, int | None, int, int]:
+        """The GRPO group it belongs to: one per (step, group, attempt), so two re-queued copies of a group
+        in one batch are two groups; the task id too, so two tasks reusing a group number never pool."""
+        return self.task_id, self.step, self.group_id, self.attempt
 
 
 @dataclass
@@ -172,14 +187,15 @@ class ModelAgent:
 
 
 async def run_episode(task: Task, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams,
-                      sampling: SamplingParams, group_id: int = 0, sample_id: int = 0) -> Episode:
+                      sampling: SamplingParams, *, group_id: int = 0, step: int | None = None, attempt: int = 0,
+                      sample_id: int = 0) -> Episode:
     """One RL episode through the one episode runner (furlong.agent.runner.run_outcome); never raises
     for the model's, the task's or the sandbox's fault: failures become the status."""
     agent = ModelAgent(engine, tokenizer, params, sampling, task.instruction)
     outcome = await run_outcome(task, agent, sandboxes)
     t = agent.trace
-    return Episode(task_id=task.id, group_id=group_id, sample_id=sample_id, prompt_len=agent.prompt_len,
-                   tokens=tuple(t.tokens), loss_mask=tuple(t.mask), rollout_logprobs=tuple(t.logprobs),
-                   token_weight_versions=tuple(t.versions), reward=outcome.reward, status=outcome.status,
-                   timing=outcome.timing, turns=agent.turns, error=outcome.error, tool_errors=agent.tool_errors,
-                   family=task.family)
+    return Episode(task_id=task.id, group_id=group_id, step=step, attempt=attempt, sample_id=sample_id,
+                   prompt_len=agent.prompt_len, tokens=tuple(t.tokens), loss_mask=tuple(t.mask),
+                   rollout_logprobs=tuple(t.logprobs), token_weight_versions=tuple(t.versions),
+                   reward=outcome.reward, status=outcome.status, timing=outcome.timing, turns=agent.turns,
+                   error=outcome.error, tool_errors=agent.tool_errors, family=task.family)

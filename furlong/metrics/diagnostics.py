@@ -77,14 +77,9 @@ def _clip01(x: float) -> float:
     return min(max(x, 0.0), 1.0)
 
 
-def _lag(e: Episode, trained_version: int) -> int | None:
-    sampled = [v for v, m in zip(e.token_weight_versions, e.loss_mask) if m]
-    return trained_version - min(sampled) if sampled else None
-
-
 def sample_lag(episodes: Sequence[Episode], trained_version: int) -> dict[str, float]:
     """Mean and max lag, and the mean in each quartile of episode duration (q1 shortest)."""
-    pairs = [(e.timing.total, lag) for e in episodes if (lag := _lag(e, trained_version)) is not None]
+    pairs = [(e.timing.total, trained_version - e.oldest_version) for e in episodes if e.oldest_version is not None]
     if not pairs:
         return {"sample_lag_mean": 0.0, "sample_lag_max": 0.0}
     seconds, lags = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs], dtype=float)
@@ -96,9 +91,9 @@ def sample_lag(episodes: Sequence[Episode], trained_version: int) -> dict[str, f
 
 
 def group_wait(episodes: Sequence[Episode]) -> float:
-    groups: dict[int, list[Episode]] = {}
+    groups: dict[tuple, list[Episode]] = {}
     for e in episodes:
-        groups.setdefault(e.group_id, []).append(e)
+        groups.setdefault(e.group_key, []).append(e)
     waited = spanned = 0.0
     for members in groups.values():
         start = min(e.timing.started_at for e in members)

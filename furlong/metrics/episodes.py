@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from furlong.metrics.timing import PARTS
 
@@ -24,12 +24,15 @@ COMPONENTS = (*PARTS, "other")  # the timing breakdown, in the order plots stack
 
 
 def episode_record(e: "Episode", phase: str, step: int | None) -> dict:
-    sampled = [v for v, m in zip(e.token_weight_versions, e.loss_mask) if m]
+    """`step`: the step the record belongs to (for RL, the one that settled the episode)."""
     t = e.timing
+    # version_first/last: the oldest and newest weight version among its sampled tokens (sample lag is
+    # measured from the oldest)
+    last = max((v for v, m in zip(e.token_weight_versions, e.loss_mask) if m), default=None)
     return {
         "phase": phase, "step": step, "task": e.task_id, "family": e.family, "group": e.group_id,
-        "sample": e.sample_id, "status": e.status, "reward": e.reward, "turns": e.turns,
-        "version_first": sampled[0] if sampled else None, "version_last": sampled[-1] if sampled else None,
+        "attempt": e.attempt, "sample": e.sample_id, "status": e.status, "reward": e.reward, "turns": e.turns,
+        "version_first": e.oldest_version, "version_last": last,
         "tokens_prompt": e.prompt_len, "tokens_response": e.response_len, "tokens_total": len(e.tokens),
         "time": {k: getattr(t, k) for k in COMPONENTS}, "seconds": t.total,
         "start": t.started_at, "end": t.ended_at,
@@ -38,13 +41,13 @@ def episode_record(e: "Episode", phase: str, step: int | None) -> dict:
 
 
 class EpisodeLog:
-    """Appends one record per finished episode of a phase; `step_of` says which step an episode is in."""
+    """Appends one record per finished episode of a phase, under the step the episode was planned for."""
 
-    def __init__(self, run_path: Path, phase: str, step_of: Callable[["Episode"], int | None] = lambda e: None):
-        self.path, self.phase, self.step_of = Path(run_path) / FILENAME, phase, step_of
+    def __init__(self, run_path: Path, phase: str):
+        self.path, self.phase = Path(run_path) / FILENAME, phase
 
     def __call__(self, episode: "Episode") -> None:
-        self.write([episode_record(episode, self.phase, self.step_of(episode))])
+        self.write([episode_record(episode, self.phase, episode.step)])
 
     def write(self, records: list[dict]) -> None:
         with open(self.path, "a") as f:  # one write: a kill leaves at most one torn last line

@@ -25,6 +25,18 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def metrics_row(*parts: dict) -> dict:
+    """One metrics row from the parts each stage reports; a key two parts both write is an error, not a
+    silent overwrite (the row would hold whichever came last)."""
+    row: dict = {}
+    for part in parts:
+        twice = row.keys() & part.keys()
+        if twice:
+            raise ValueError(f"metrics row: {sorted(twice)} written by two parts")
+        row.update(part)
+    return row
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = Path(path)

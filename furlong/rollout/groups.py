@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -15,6 +14,22 @@ from furlong.engine.base import Engine, SamplingParams
 from furlong.metrics.outcomes import Scored, rates
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
+
+
+@dataclass(frozen=True)
+class PlannedEpisode:
+    """One episode to run: its task, its sampling seed and who it is (the fields its Episode gets)."""
+
+    task: Task
+    seed: int
+    group_id: int
+    step: int | None
+    attempt: int
+    sample_id: int
+
+    @property
+    def key(self) -> tuple[int | None, int, int, int]:
+        return self.step, self.group_id, self.attempt, self.sample_id
 
 
 @dataclass(frozen=True)
@@ -29,6 +44,12 @@ class RolloutPlan:
     def episode_seed(self, group: int, sample: int) -> int:
         return mix_seed(self.seed, self.step, group, sample)
 
+    def episodes(self) -> list[PlannedEpisode]:
+        """Group g of the step is group step * len(tasks) + g of the stream (GroupStream's numbering)."""
+        first = self.step * len(self.tasks)
+        return [PlannedEpisode(task, self.episode_seed(g, s), first + g, self.step, 0, s)
+                for g, task in enumerate(self.tasks) for s in range(self.group_size)]
+
 
 def plan_step(tasks: list[Task], step: int, tasks_per_step: int, group_size: int, seed: int) -> RolloutPlan:
     """Deterministic in (seed, step), so a resumed run draws exactly the samples the killed one would have."""
@@ -39,33 +60,22 @@ def plan_step(tasks: list[Task], step: int, tasks_per_step: int, group_size: int
     return RolloutPlan(step=step, tasks=tuple(picked), group_size=group_size, seed=seed)
 
 
-GROUP_STRIDE = 100_000  # an RL episode's group_id is step * GROUP_STRIDE + its group in the step
-
-
-def step_of(episode: Episode) -> int:
-    return episode.group_id // GROUP_STRIDE
-
-
-@dataclass(frozen=True)
-class _Job:
-    task: Task
-    sampling: SamplingParams
-    group_id: int
-    sample_id: int
-
-
 @dataclass(eq=False)
-class _Waiting:
+class _Place:
     task: Task
-    reserved: bool = False
+    reserved: bool = False  # its sandbox is starting (or started) in the warm pool
 
 
 class Rollouts:
-    """Episodes at bounded concurrency. Every episode goes through the one runner, so a plan always
-    returns one Episode per sample: a sandbox failure is an episode's status, never a step's exception.
+    """Episodes at bounded concurrency. Every episode goes through the one runner, so a run always
+    returns one Episode per planned episode: a sandbox failure is an episode's status, never an exception.
 
-    Sandboxes are reserved a window ahead (as wide as the concurrency): the first window of a step by
-    `prepare`, called while the previous step trains, then one more each time an episode starts.
+    Sandboxes start ahead through one line: the episodes about to take one of the `concurrency` slots,
+    in the order they will. The first `concurrency` places in the line have their sandbox reserved. An
+    episode joins the line when it is expected (`expect`: e.g. the next step's groups, while this one
+    trains) or, if nobody expected it, when it starts waiting for a slot; it leaves the line when it takes
+    a slot, and the first place without a sandbox gets one. So a slot never waits on a sandbox start, and
+    no more than `concurrency` sandboxes wait idle for their episodes.
     """
 
     def __init__(self, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams, concurrency: int,
@@ -74,94 +84,53 @@ class Rollouts:
         self.params, self.concurrency = params, concurrency
         self.on_episode = on_episode  # called as each episode finishes (the run's episode records)
         self._slots = asyncio.Semaphore(concurrency)
-        self._prepared: set[int] = set()
-        self._ahead = 0  # episodes waiting for a slot whose sandbox is already starting
-        self._credit: Counter[str] = Counter()  # task ids with a sandbox reserved before their episode began
-        self._waiting: deque[_Waiting] = deque()  # episodes waiting for a slot with no sandbox started yet
+        self._line: dict[tuple, _Place] = {}  # PlannedEpisode.key -> place, in line order
+        self._reserved = 0  # places in the line whose sandbox is reserved: always its first ones
 
-    @staticmethod
-    def _plan_jobs(plan: RolloutPlan, temperature: float) -> list[_Job]:
-        return [_Job(task, SamplingParams(temperature=temperature, seed=plan.episode_seed(g, s)),
-                     plan.step * GROUP_STRIDE + g, s)
-                for g, task in enumerate(plan.tasks) for s in range(plan.group_size)]
+    def expect(self, episodes: Sequence[PlannedEpisode]) -> None:
+        """These episodes will start soon, in this order: they join the line (once, however often they
+        are expected), and the first `concurrency` places get their sandboxes started now."""
+        for planned in episodes:
+            self._line.setdefault(planned.key, _Place(planned.task))
+        self._reserve_front()
 
-    def prepare(self, plan: RolloutPlan) -> None:
-        """Starts the sandboxes of the plan's first episodes in the background (once per step)."""
-        if plan.step not in self._prepared:
-            self._prepared.add(plan.step)
-            episodes = [task for task in plan.tasks for _ in range(plan.group_size)]
-            for task in episodes[: self.concurrency]:
-                self.sandboxes.reserve(task)
+    def _reserve_front(self) -> None:
+        for place in self._line.values():
+            if self._reserved >= self.concurrency:
+                return
+            if not place.reserved:
+                place.reserved, self._reserved = True, self._reserved + 1
+                self.sandboxes.reserve(place.task)
 
-    async def run_plan(self, plan: RolloutPlan, temperature: float) -> list[Episode]:
-        self.prepare(plan)
-        return await self._run(self._plan_jobs(plan, temperature))
+    def _leave_line(self, planned: PlannedEpisode) -> None:
+        place = self._line.pop(planned.key, None)
+        if place is not None and place.reserved:
+            self._reserved -= 1
+        self._reserve_front()
 
-    def _reserve_waiting(self) -> None:
-        """Keeps up to `concurrency` waiting episodes' sandboxes starting, oldest waiter first (the
-        semaphore hands out slots in that order)."""
-        while self._ahead < self.concurrency and self._waiting:
-            entry = self._waiting.popleft()
-            entry.reserved, self._ahead = True, self._ahead + 1
-            self.sandboxes.reserve(entry.task)
+    async def run(self, episodes: Sequence[PlannedEpisode], temperature: float,
+                  on_done: Callable[[], None] = lambda: None) -> list[Episode]:
+        """Every episode, `concurrency` at a time, in order; `on_done` after each one finishes."""
+        self.expect(episodes)
 
-    def reserve_ahead(self, tasks: Sequence[Task]) -> None:
-        """Starts the sandboxes of the first `concurrency` episodes about to run (e.g. the next step's,
-        while this one trains); the episodes then take them instead of reserving their own."""
-        for task in tasks[: self.concurrency]:
-            self._credit[task.id] += 1
-            self.sandboxes.reserve(task)
-
-    async def run_group(self, task: Task, group_id: int, seeds: Sequence[int], temperature: float) -> list[Episode]:
-        """One GRPO group, one episode per seed (furlong.rollout.scheduler's unit of work). While an
-        episode waits for one of the `concurrency` slots its sandbox starts ahead in the warm pool, for
-        at most `concurrency` waiting episodes at a time, so a slot never waits on a sandbox start."""
-
-        async def one(sample: int, seed: int) -> Episode:
-            entry = _Waiting(task)
-            if self._credit[task.id] > 0:  # its sandbox was reserved by reserve_ahead already
-                self._credit[task.id] -= 1
-                entry.reserved, self._ahead = True, self._ahead + 1
-            else:
-                self._waiting.append(entry)
-                self._reserve_waiting()
+        async def one(planned: PlannedEpisode) -> Episode:
             async with self._slots:
-                if entry in self._waiting:
-                    self._waiting.remove(entry)
-                self._ahead -= entry.reserved
-                self._reserve_waiting()  # a reservation slot is free: the next waiting episode gets it
-                episode = await run_episode(task, self.engine, self.tokenizer, self.sandboxes, self.params,
-                                            SamplingParams(temperature=temperature, seed=seed),
-                                            group_id=group_id, sample_id=sample)
-            self.on_episode(episode)
-            return episode
-
-        return list(await asyncio.gather(*(one(s, seed) for s, seed in enumerate(seeds))))
-
-    async def evaluate(self, tasks: list[Task], temperature: float, seed: int,
-                       on_done: Callable[[], None] = lambda: None) -> list[Episode]:
-        """pass@1: one sampled episode per task, with fixed seeds."""
-        for task in tasks[: self.concurrency]:
-            self.sandboxes.reserve(task)
-        jobs = [_Job(t, SamplingParams(temperature=temperature, seed=mix_seed(seed, -1, i)), i, 0)
-                for i, t in enumerate(tasks)]
-        return await self._run(jobs, on_done)
-
-    async def _run(self, jobs: list[_Job], on_done: Callable[[], None] = lambda: None) -> list[Episode]:
-        """The first `concurrency` jobs' sandboxes are already reserved; each job that starts reserves
-        the one `concurrency` places behind it."""
-
-        async def one(k: int, job: _Job) -> Episode:
-            async with self._slots:
-                if k + self.concurrency < len(jobs):  # keep the window full
-                    self.sandboxes.reserve(jobs[k + self.concurrency].task)
-                episode = await run_episode(job.task, self.engine, self.tokenizer, self.sandboxes, self.params,
-                                            job.sampling, group_id=job.group_id, sample_id=job.sample_id)
+                self._leave_line(planned)
+                episode = await run_episode(planned.task, self.engine, self.tokenizer, self.sandboxes, self.params,
+                                            SamplingParams(temperature=temperature, seed=planned.seed),
+                                            group_id=planned.group_id, step=planned.step, attempt=planned.attempt,
+                                            sample_id=planned.sample_id)
             self.on_episode(episode)
             on_done()
             return episode
 
-        return list(await asyncio.gather(*(one(k, job) for k, job in enumerate(jobs))))
+        return list(await asyncio.gather(*(one(p) for p in episodes)))
+
+    async def evaluate(self, tasks: list[Task], temperature: float, seed: int,
+                       on_done: Callable[[], None] = lambda: None) -> list[Episode]:
+        """pass@1: one sampled episode per task, with fixed seeds (group i is task i, in no step)."""
+        episodes = [PlannedEpisode(t, mix_seed(seed, -1, i), i, None, 0, 0) for i, t in enumerate(tasks)]
+        return await self.run(episodes, temperature, on_done)
 
 
 def pass_rate(episodes: list[Episode]) -> float:

@@ -20,25 +20,27 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
 
 from furlong.agent.episode import Episode
-from furlong.rollout.groups import GROUP_STRIDE, Rollouts, plan_step
+from furlong.rollout.groups import PlannedEpisode, Rollouts, plan_step
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
-from furlong.train.grpo import filter_zero_variance_groups
 
-OUTCOMES = ("trained", "dropped_stale", "filtered", "infra_error")
-ATTEMPT_STRIDE = 1_000  # a re-queued copy's group_id: step * GROUP_STRIDE + attempt * ATTEMPT_STRIDE + slot
+OUTCOMES = ("trained", "dropped_stale", "filtered", "infra_error")  # how each started episode ends
 
 
 @dataclass(frozen=True)
 class GroupSpec:
-    index: int  # position in the stream: step * tasks_per_step + slot in plan_step(step)
+    index: int  # position in the stream: step * tasks_per_step + slot (its episodes' group_id)
+    step: int  # the step plan_step planned it for
+    slot: int  # its place in plan_step(step).tasks
     attempt: int  # 0, or how many stale copies of this group were re-queued before this one
     task: Task
-    group_id: int
     seeds: tuple[int, ...]  # one sampling seed per episode
+
+    def episodes(self) -> list[PlannedEpisode]:
+        return [PlannedEpisode(self.task, seed, self.index, self.step, self.attempt, s)
+                for s, seed in enumerate(self.seeds)]
 
 
 class GroupStream:
@@ -53,12 +55,7 @@ class GroupStream:
         # attempt 0 keeps the seeds sync mode has always used; a re-queued copy samples afresh
         seeds = tuple(plan.episode_seed(slot, s) if attempt == 0 else mix_seed(self.seed, step, slot, s, attempt)
                       for s in range(self.group_size))
-        # each attempt its own group id, so two copies in one batch are two GRPO groups, and its records
-        # are distinct; attempt 0 keeps the id sync mode has always used
-        if self.tasks_per_step > ATTEMPT_STRIDE or attempt >= GROUP_STRIDE // ATTEMPT_STRIDE:
-            raise ValueError(f"group {index} attempt {attempt}: group ids allow at most {ATTEMPT_STRIDE} tasks per "
-                             f"step and {GROUP_STRIDE // ATTEMPT_STRIDE} attempts of a group")
-        return GroupSpec(index, attempt, plan.tasks[slot], step * GROUP_STRIDE + attempt * ATTEMPT_STRIDE + slot, seeds)
+        return GroupSpec(index, step, slot, attempt, plan.tasks[slot], seeds)
 
 
 @dataclass(frozen=True)
@@ -69,8 +66,7 @@ class Group:
     @property
     def oldest_version(self) -> int | None:
         """The weight version of the group's oldest sampled token (None: nothing was sampled)."""
-        return min((v for e in self.episodes for v, m in zip(e.token_weight_versions, e.loss_mask) if m),
-                   default=None)
+        return min((e.oldest_version for e in self.episodes if e.oldest_version is not None), default=None)
 
     def staleness(self, version: int) -> int:
         oldest = self.oldest_version
@@ -111,7 +107,6 @@ class Scheduler:
         # resume: `counted` episodes of the re-planned groups were in flight at the killed run's last logged
         # step, so its rows already count them as started; their re-runs are not counted again
         self._started = -counted
-        self._prestarted: set[tuple[int, int]] = set()  # (index, attempt) of groups prestart reserved for
         self._closed = False
 
     def _live(self) -> int:
@@ -134,14 +129,13 @@ class Scheduler:
                 self._pending.popleft()
             else:
                 self._next += 1
-            self._prestarted.discard((spec.index, spec.attempt))
             task = asyncio.get_running_loop().create_task(self._run(spec), name=f"group-{spec.index}")
             self._running[task] = spec
             self._started += len(spec.seeds)
             task.add_done_callback(self._done)
 
     async def _run(self, spec: GroupSpec) -> Group:
-        episodes = await self.rollouts.run_group(spec.task, spec.group_id, spec.seeds, self.temperature)
+        episodes = await self.rollouts.run(spec.episodes(), self.temperature)
         return Group(spec, tuple(episodes))
 
     def _done(self, task: asyncio.Task) -> None:
@@ -191,14 +185,12 @@ class Scheduler:
         step's). Both modes need it: sync starts a step's groups only after the previous step trains, and
         async, bound by the staleness window, starts a step's worth at each `step_done` too, into slots
         the finished groups left free, where their episodes would otherwise wait for cold starts (0.7 s
-        each, on 2 busy cores). Groups whose sandboxes an earlier call started, and that have not started
-        since (the in-flight cap held them back), are not reserved twice."""
+        each, on 2 busy cores). Their episodes join the rollouts' line of sandbox reservations: the first
+        `concurrency` start now, the rest as the episodes ahead of them take slots."""
         room = max(self._window(self._step + 1) - self._live(), 0)
         stream = range(self._next, min(self._next + room, self._total))
         upcoming = [*self._pending, *map(self.stream.spec, stream)][:room]
-        fresh = [spec for spec in upcoming if (spec.index, spec.attempt) not in self._prestarted]
-        self._prestarted.update((spec.index, spec.attempt) for spec in fresh)
-        self.rollouts.reserve_ahead([spec.task for spec in fresh for _ in spec.seeds])
+        self.rollouts.expect([e for spec in upcoming for e in spec.episodes()])
 
     def step_done(self) -> None:
         """The trainer finished a step and the engine has its weights: later groups may start."""
@@ -216,29 +208,3 @@ class Scheduler:
         for task in self._running:
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
-
-
-def settled_episodes(batch: Batch, filter_zero_variance: bool) -> list[tuple[Group, Episode, str]]:
-    """Every episode settled by this batch with how it ended: exactly one of OUTCOMES (the trainer's own
-    rules: no reward is an infra error, then a zero-variance group is filtered)."""
-    scored = [e for e in batch.episodes if e.reward is not None]
-    kept = {id(e) for e in (filter_zero_variance_groups(scored).episodes if filter_zero_variance else scored)}
-    out = [(g, e, "infra_error" if e.reward is None else "trained" if id(e) in kept else "filtered")
-           for g in batch.groups for e in g.episodes]
-    return out + [(g, e, "infra_error" if e.reward is None else "dropped_stale")
-                  for g in batch.stale for e in g.episodes]
-
-
-def outcome_counts(batch: Batch, filter_zero_variance: bool) -> dict[str, int]:
-    outcomes = [o for _, _, o in settled_episodes(batch, filter_zero_variance)]
-    return {k: outcomes.count(k) for k in OUTCOMES}
-
-
-def staleness_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
-    """Per trained episode: versions from its oldest sampled token to the version trained, and how many
-    episodes kept generating across a weight update (tokens of more than one version)."""
-    sampled = [{v for v, m in zip(e.token_weight_versions, e.loss_mask) if m}
-               for g in groups for e in g.episodes if e.response_len]
-    lags = [version - min(vs) for vs in sampled]
-    return {"staleness_mean": sum(lags) / max(len(lags), 1), "staleness_max": max(lags, default=0),
-            "episodes_multi_version": sum(len(vs) > 1 for vs in sampled)}

@@ -21,7 +21,7 @@ from furlong.config import Config
 from furlong.engine.prefix import prefix_metrics
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
 from furlong.metrics.episodes import EpisodeLog, drop_episodes_after
-from furlong.metrics.run import RunDir, atomic_write
+from furlong.metrics.run import RunDir, atomic_write, metrics_row
 from furlong.metrics.ui import progress_bar
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.records import batch_metrics, rollout_metrics, settled_records
@@ -98,10 +98,10 @@ async def rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link: Weig
                 synced = await link.push(trainer.engine_weights(), trainer.version)
                 scheduler.step_done()
                 spent += (seconds := time.perf_counter() - step_start)
-                run.log("rl", step, {**asdict(stats), **rollout_metrics(batch.episodes, batch.version),
-                                     **window.diagnostics(batch.episodes, batch.version, stats.seconds),
-                                     **batch_metrics(batch, r.filter_zero_variance), **synced,
-                                     **prefix_metrics(link.engine), "step_seconds": seconds})
+                run.log("rl", step, metrics_row(asdict(stats), rollout_metrics(batch.episodes),
+                                                window.diagnostics(batch.episodes, batch.version, stats.seconds),
+                                                batch_metrics(batch, r.filter_zero_variance), synced,
+                                                prefix_metrics(link.engine), {"step_seconds": seconds}))
                 records.write(settled_records(batch, step, r.filter_zero_variance))
                 last = step == r.steps - 1 or (r.time_budget_s is not None and spent >= r.time_budget_s)
                 if (step + 1) % r.checkpoint_every == 0 or last:

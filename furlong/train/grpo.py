@@ -16,10 +16,9 @@ import torch
 from furlong.agent.episode import Episode
 
 
-def group_key(episode: Episode) -> tuple[str, int]:
-    """Which GRPO group an episode belongs to. The task id is part of the key so that two tasks that happen to
-    reuse a group number are never pooled into one baseline."""
-    return episode.task_id, episode.group_id
+def group_key(episode: Episode) -> tuple[str, int | None, int, int]:
+    """Which GRPO group an episode belongs to (Episode.group_key: task, step, group, attempt)."""
+    return episode.group_key
 
 
 def group_advantages(rewards: Sequence[float] | torch.Tensor, group_ids: Sequence[Hashable],
@@ -69,7 +68,7 @@ class GroupFilter:
 def filter_zero_variance_groups(episodes: Sequence[Episode]) -> GroupFilter:
     """DAPO dynamic sampling: drop groups whose rewards are all equal. Their advantages are all 0, so they add
     no gradient, only tokens to the loss denominator that dilute the groups that do teach something."""
-    rewards: dict[tuple[str, int], list[float]] = {}
+    rewards: dict[tuple, list[float]] = {}
     for e in episodes:
         if e.reward is None:
             raise ValueError(f"episode {e.task_id}/{e.group_id}/{e.sample_id} has no reward (infra error); "
