@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
+from furlong.envs.base import EnvSpec, Environment, Toolbox
 from furlong.metrics.timing import EpisodeTiming
 from furlong.model.chat import Message, ToolCallError, continuation_ids, end_of_turn_id, parse_tool_calls, render_prompt_ids
-from furlong.sandbox.base import Sandbox
 from furlong.seeding import mix_seed
-from furlong.tasks.model import Task
 
 SYSTEM_PROMPT = ("You are an agent in a Linux terminal. Use the bash tool to complete the task. "
                  "When the task is done, reply without a tool call.")
@@ -115,8 +114,8 @@ class ModelAgent:
         since = self._waiting_since
         return self.model_wait_s + (0.0 if since is None else time.perf_counter() - since)
 
-    async def run(self, task: Task, sandbox: Sandbox, timeout_s: float) -> AgentRun:
-        runner = ToolRunner(sandbox, self.params.command_timeout_s, self.params.observation_chars)
+    async def run(self, spec: EnvSpec, tools: Toolbox, timeout_s: float) -> AgentRun:
+        runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
         try:
             async with asyncio.timeout(timeout_s) as deadline:
                 status = await self._converse(runner, deadline)
@@ -170,12 +169,12 @@ class ModelAgent:
         return "truncated"
 
 
-async def run_episode(task: Task, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams,
+async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment | SandboxSource, params: AgentParams,
                       sampling: SamplingParams, group_id: int = 0, sample_id: int = 0) -> Episode:
     """One RL episode through the one episode runner (furlong.agent.runner.run_outcome); never raises
     for the model's, the task's or the sandbox's fault: failures become the status."""
     agent = ModelAgent(engine, tokenizer, params, sampling, task.instruction)
-    outcome = await run_outcome(task, agent, sandboxes)
+    outcome = await run_outcome(task, agent, env)
     t = agent.trace
     return Episode(task_id=task.id, group_id=group_id, sample_id=sample_id, prompt_len=agent.prompt_len,
                    tokens=tuple(t.tokens), loss_mask=tuple(t.mask), rollout_logprobs=tuple(t.logprobs),
