@@ -108,6 +108,11 @@ class ModelAgent:
         self.tool_calls = 0
         self.tool_errors = 0
 
+    @property
+    def response_len(self) -> int:
+        """Tokens the model sampled so far (the loss mask's ones)."""
+        return sum(self.trace.mask)
+
     def engine_wait_s(self) -> float:
         """Seconds spent waiting on the engine so far, a wait in progress included: the runner's hard limit
         on the agent phase excuses them too."""

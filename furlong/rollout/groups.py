@@ -13,7 +13,7 @@ from furlong.agent.episode import AgentParams, Episode, run_episode
 from furlong.agent.runner import SandboxSource
 from furlong.engine.base import Engine, SamplingParams
 from furlong.metrics.outcomes import Scored, rates
-from furlong.seeding import mix_seed
+from furlong.seeding import eval_seed, mix_seed
 from furlong.tasks.model import Task
 
 
@@ -140,10 +140,10 @@ class Rollouts:
 
     async def evaluate(self, tasks: list[Task], temperature: float, seed: int,
                        on_done: Callable[[], None] = lambda: None) -> list[Episode]:
-        """pass@1: one sampled episode per task, with fixed seeds."""
+        """pass@1: one sampled episode per task, seeded as `furlong eval` seeds sample 0 (eval_seed)."""
         for task in tasks[: self.concurrency]:
             self.sandboxes.reserve(task)
-        jobs = [_Job(t, SamplingParams(temperature=temperature, seed=mix_seed(seed, -1, i)), i, 0)
+        jobs = [_Job(t, SamplingParams(temperature=temperature, seed=eval_seed(seed, t.id, 0)), i, 0)
                 for i, t in enumerate(tasks)]
         return await self._run(jobs, on_done)
 
