@@ -13,7 +13,8 @@ from conftest import run
 from furlong.agent.episode import AgentParams
 from furlong.agent.tools import ToolRunner
 from furlong.engine.base import Generation, SamplingParams
-from furlong.envs.base import Score, ToolArgumentError
+from furlong.agent.runner import AgentRun, run_outcome
+from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError
 from furlong.metrics.timing import Clock
 from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids
 from furlong.model.loading import load_model, load_tokenizer
@@ -153,3 +154,68 @@ def test_a_python_toolbox_reports_bad_calls_to_the_model(tokenizer):
     assert run(runner.run(ToolCall("add", {"a": "one", "b": 2}))) == "error: add needs integer arguments ['a', 'b']"
     assert run(runner.run(ToolCall("bash", {"command": "ls"}))) == "error: unknown tool 'bash'; the tools: add, submit"
     assert runner.errors == 2
+
+
+class Submitter:
+    """A scripted agent for any environment: submits one answer through the tools."""
+
+    name = "submitter"
+
+    def __init__(self, answer: int):
+        self.answer = answer
+
+    async def run(self, spec, tools, timeout_s):
+        await tools.call("submit", {"answer": self.answer}, timeout_s)
+        return AgentRun(commands=1)
+
+
+class Refusing(SumEnv):
+    async def open(self, spec, clock):
+        raise EnvUnavailable("session refused: the server is full")
+
+
+class Judged(SumEnv):
+    """Scores every episode with a fixed Score, whatever the answer."""
+
+    def __init__(self, score: Score):
+        super().__init__()
+        self.fixed = score
+
+    async def open(self, spec, clock):
+        episode = SumEpisode(spec)
+        episode.score = self._score
+        return episode
+
+    async def _score(self) -> Score:
+        return self.fixed
+
+
+def test_the_runners_status_rules_hold_for_any_environment():
+    spec = Sum("s", 2, 3)
+    ok = run(run_outcome(spec, Submitter(5), SumEnv()))
+    assert (ok.status, ok.reward, ok.timing.agent_commands >= 0) == ("ok", 1.0, True)
+    assert run(run_outcome(spec, Submitter(4), SumEnv())).reward == 0.0
+    refused = run(run_outcome(spec, Submitter(5), Refusing()))
+    assert (refused.status, refused.reward, refused.error) == ("infra_error", None, "session refused: the server is full")
+    broken = run(run_outcome(spec, Submitter(5), Judged(Score(reward=None, error="scorer crashed"))))
+    assert (broken.status, broken.reward, broken.error) == ("infra_error", None, "scorer crashed")
+    broke = run(run_outcome(spec, Submitter(5), Judged(Score(reward=None, agent_broke_env=True, error="state gone"))))
+    assert (broke.status, broke.reward, broke.error) == ("agent_broke_sandbox", 0.0, "state gone")
+    late = run(run_outcome(spec, Submitter(5), Judged(Score(reward=0.0, timed_out=True))))
+    assert (late.status, late.reward) == ("timeout", 0.0)
+    crashed = run(run_outcome(spec, Submitter("five"), SumEnv()))  # the agent's own code raised
+    assert (crashed.status, crashed.reward) == ("infra_error", None) and "agent failed" in crashed.error
+
+
+def test_harbor_families_are_an_env_source_of_the_runs_instances():
+    from furlong.config import BUNDLED_TASKS
+    from furlong.envs.harbor import HarborSource
+    from furlong.tasks.family import load_family
+
+    families = [load_family(BUNDLED_TASKS / name) for name in ("count-in-file", "number-stats")]
+    source = HarborSource(families, {"heldout": 2, "train": 3})
+    heldout = source.instances("heldout")
+    assert [t.family for t in heldout] == ["count-in-file"] * 2 + ["number-stats"] * 2
+    assert [t.id for t in heldout] == [t.id for f in families for t in f.instances("heldout", 2)]
+    assert len(source.instances("train")) == 6
+    assert not {t.id for t in heldout} & {t.id for t in source.instances("train")}

@@ -30,8 +30,8 @@ def _eval(model: Path, out: Path) -> dict:
 
 
 def _fingerprint(rows: list[dict], phase: str | None = None) -> dict[str, tuple]:
-    """What sampling decides of each episode: its status, reward, turns and sampled-token count."""
-    return {r["task"]: (r["status"], r["reward"], r["turns"], r["tokens_response"]) for r in rows
+    """What sampling decides of each episode: its status, reward, turns and sampled tokens."""
+    return {r["task"]: (r["status"], r["reward"], r["turns"], r["tokens_response"], r["response_sha"]) for r in rows
             if phase is None or r["phase"] == phase}
 
 
@@ -48,3 +48,4 @@ def test_furlong_eval_on_a_checkpoint_gives_the_runs_heldout_pass_at_1(tmp_path:
         # not only the mean: every held-out episode is the one training sampled
         trained = _fingerprint(records, phase)
         assert len(trained) == HELDOUT and _fingerprint(list(map(json.loads, out.read_text().splitlines()))) == trained
+        assert len({v[4] for v in trained.values()}) == HELDOUT  # each task's episode sampled its own tokens

@@ -8,7 +8,9 @@ which owns the sandbox, the verifier, the status and the reward (its docstring h
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
@@ -64,6 +66,16 @@ class Episode:
     def response_len(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def response_sha(self) -> str:
+        return response_sha(self.tokens, self.loss_mask)
+
+
+def response_sha(tokens: Sequence[int], loss_mask: Sequence[int]) -> str:
+    """A short digest of the sampled ids: two episodes with the same one sampled the same tokens."""
+    sampled = ",".join(str(t) for t, m in zip(tokens, loss_mask) if m)
+    return hashlib.sha256(sampled.encode()).hexdigest()[:16]
+
 
 @dataclass
 class _Trace:
@@ -112,6 +124,10 @@ class ModelAgent:
     def response_len(self) -> int:
         """Tokens the model sampled so far (the loss mask's ones)."""
         return sum(self.trace.mask)
+
+    @property
+    def response_sha(self) -> str:
+        return response_sha(self.trace.tokens, self.trace.mask)
 
     def engine_wait_s(self) -> float:
         """Seconds spent waiting on the engine so far, a wait in progress included: the runner's hard limit

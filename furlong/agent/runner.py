@@ -26,6 +26,11 @@ Statuses (`STATUSES`), and who is to blame:
   (reward 0).
 - `truncated`: the model agent hit its turn or context limit; the tests score it.
 - `ok`: everything else the tests scored.
+
+Those are the Harbor environment's terms; for any environment the same rules read: `open` failing is
+infra_error; an exception during the agent phase is agent_broke_sandbox if the environment caused it
+(`EpisodeEnv.caused`), infra_error if the agent's own code did; a `Score` without a reward is
+agent_broke_sandbox when it blames the agent (`agent_broke_env`), infra_error otherwise.
 """
 
 from __future__ import annotations

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
 from furlong.metrics.timing import Clock
 from furlong.sandbox.base import ImageRef, Sandbox, SandboxSpec
+from furlong.tasks.family import Family
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import Verdict, verify
 
@@ -168,6 +170,17 @@ class HarborEpisode:
 
     async def close(self) -> None:
         await close_quietly(self.guard.inner)
+
+
+class HarborSource:
+    """Harbor task families as an EnvSource: each split's instances, family by family, at most
+    `limits[split]` of each family (all where a split has no limit)."""
+
+    def __init__(self, families: Sequence[Family], limits: Mapping[str, int | None] | None = None):
+        self.families, self.limits = tuple(families), dict(limits or {})
+
+    def instances(self, split: str) -> list[Task]:
+        return [task for f in self.families for task in f.instances(split, self.limits.get(split))]
 
 
 class HarborEnv:
