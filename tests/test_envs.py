@@ -16,7 +16,7 @@ from furlong.engine.base import Generation, SamplingParams
 from furlong.agent.runner import AgentRun, run_outcome
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError
 from furlong.metrics.timing import Clock
-from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids
+from furlong.model.chat import Message, ToolCall, assistant_ids
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts, plan_step
 from furlong.train.trainer import GRPOConfig, Trainer
