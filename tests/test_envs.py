@@ -219,3 +219,13 @@ def test_harbor_families_are_an_env_source_of_the_runs_instances():
     assert [t.id for t in heldout] == [t.id for f in families for t in f.instances("heldout", 2)]
     assert len(source.instances("train")) == 6
     assert not {t.id for t in heldout} & {t.id for t in source.instances("train")}
+
+
+def test_the_model_sees_the_environments_own_tool_schemas(tokenizer):
+    from furlong.agent.episode import run_episode
+
+    params = AgentParams(max_turns=3, max_context_tokens=4096, tool_schema_in_prompt=True)
+    episode = run(run_episode(Sum("s", 2, 3), SumPolicy(tokenizer), tokenizer, SumEnv(), params, SamplingParams(seed=1)))
+    prompt = tokenizer.decode(list(episode.tokens[: episode.prompt_len]))
+    assert '"name": "submit"' in prompt and '"name": "add"' in prompt and '"name": "bash"' not in prompt
+    assert episode.reward is not None and episode.turns == 3

@@ -111,14 +111,20 @@ class ModelAgent:
 
     def __init__(self, engine: Engine, tokenizer, params: AgentParams, sampling: SamplingParams, instruction: str):
         self.engine, self.tokenizer, self.params, self.sampling = engine, tokenizer, params, sampling
-        messages = [Message("system", params.system_prompt), Message("user", instruction)]
-        self.trace = _Trace(render_prompt_ids(tokenizer, messages, [BASH_TOOL] if params.tool_schema_in_prompt else None))
-        self.prompt_len = len(self.trace.tokens)
+        self._messages = [Message("system", params.system_prompt), Message("user", instruction)]
+        self._prompt((BASH_TOOL,))
         self.model_wait_s = 0.0  # finished engine waits; engine_wait_s() adds one in progress
         self._waiting_since: float | None = None  # perf_counter() at the start of an engine wait in progress
         self.turns = 0
         self.tool_calls = 0
         self.tool_errors = 0
+
+    def _prompt(self, schemas: Sequence[dict]) -> None:
+        """The episode's first tokens (with the tool schemas when params.tool_schema_in_prompt)."""
+        self.schemas = tuple(schemas)
+        shown = list(self.schemas) if self.params.tool_schema_in_prompt else None
+        self.trace = _Trace(render_prompt_ids(self.tokenizer, self._messages, shown))
+        self.prompt_len = len(self.trace.tokens)
 
     @property
     def response_len(self) -> int:
@@ -136,6 +142,8 @@ class ModelAgent:
         return self.model_wait_s + (0.0 if since is None else time.perf_counter() - since)
 
     async def run(self, spec: EnvSpec, tools: Toolbox, timeout_s: float) -> AgentRun:
+        if self.params.tool_schema_in_prompt and tuple(tools.schemas) != self.schemas:
+            self._prompt(tools.schemas)  # the environment's own tools, before the first turn
         runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
         try:
             async with asyncio.timeout(timeout_s) as deadline:
