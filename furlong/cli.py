@@ -23,8 +23,20 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. eval.concurrency=4")
 
 
+REPRODUCE_HELP = """\
+reproducing a training run's held-out pass@1 (eval_before: RUN/checkpoints/sft; eval_after:
+RUN/checkpoints/rl-N/hf, the last step's) with the one runner and seed rule training uses:
+  furlong eval --agent model --model RUN/checkpoints/rl-N/hf --tasks TRAIN_TASKS/FAMILY --split heldout
+    --per-family <train.eval.heldout_per_family> --seed <train.eval.seed (1234)>
+    --temperature <train.eval.temperature> --concurrency <train.rl.concurrency> --engine hf
+    [the run's train.agent.* overrides]
+one family per --tasks (or a directory holding only the run's families); the same concurrency keeps
+the engine's batches, and so its sampled tokens, the same."""
+
+
 def _eval_parser(sub) -> None:
-    ev = sub.add_parser("eval", help="run an agent on tasks, each in a fresh sandbox, and score it")
+    ev = sub.add_parser("eval", help="run an agent on tasks, each in a fresh sandbox, and score it",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=REPRODUCE_HELP)
     ev.add_argument("--tasks", type=Path, help="a task, a task family, or a directory of them (eval.tasks)")
     ev.add_argument("--agent", choices=["oracle", "noop", "model"], help="eval.agent (model: --model DIR)")
     ev.add_argument("--model", type=Path, help="--agent model: a local Hugging Face checkpoint (eval.model)")
@@ -32,6 +44,8 @@ def _eval_parser(sub) -> None:
     ev.add_argument("--engine", choices=["hf", "vllm"], help="--agent model: inference engine (eval.engine)")
     ev.add_argument("--samples", type=int, help="episodes per task; pass@k for powers of 2 up to it (eval.samples)")
     ev.add_argument("--temperature", type=float, help="--agent model: sampling temperature (eval.temperature)")
+    ev.add_argument("--seed", type=int, help="--agent model: sampling seeds derive from it, the task id and the "
+                                             "sample (eval.seed)")
     ev.add_argument("--concurrency", type=int, help="episodes at once (eval.concurrency)")
     ev.add_argument("--out", type=Path, help="write one JSON line per episode here (eval.out)")
     ev.add_argument("--split", choices=["train", "heldout", "all"], help="family instances to use (eval.split)")
@@ -135,7 +149,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = _config(args, {"tasks": "eval.tasks", "agent": "eval.agent", "concurrency": "eval.concurrency",
                          "out": "eval.out", "split": "eval.split", "per_family": "eval.per_family",
                          "model": "eval.model", "adapter": "eval.adapter", "engine": "eval.engine",
-                         "samples": "eval.samples", "temperature": "eval.temperature"})
+                         "samples": "eval.samples", "temperature": "eval.temperature", "seed": "eval.seed"})
     e = cfg.eval
     check_model_flags(e)
     suite = load_suite(e.tasks, split=e.split, per_family=e.per_family)

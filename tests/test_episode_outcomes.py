@@ -35,7 +35,8 @@ class CommandAgent:
     def __init__(self, *commands: str, name: str = "commands"):
         self.commands, self.name = commands, name
 
-    async def run(self, task, sandbox, timeout_s):
+    async def run(self, task, tools, timeout_s):
+        sandbox = tools.sandbox  # a Harbor episode's toolbox holds its sandbox
         for cmd in self.commands:
             await sandbox.exec(cmd, timeout_s=timeout_s)
         return AgentRun(commands=len(self.commands))
@@ -47,7 +48,8 @@ class DaemonKiller:
 
     name = "daemon-killer"
 
-    async def run(self, task, sandbox, timeout_s):
+    async def run(self, task, tools, timeout_s):
+        sandbox = tools.sandbox  # a Harbor episode's toolbox holds its sandbox
         await sandbox.exec("touch /tmp/done; kill -9 1; kill -STOP 1; kill -9 -1", timeout_s=10)
         return AgentRun(commands=1)
 
@@ -57,7 +59,8 @@ class SandboxEnder:
 
     name = "sandbox-ender"
 
-    async def run(self, task, sandbox, timeout_s):
+    async def run(self, task, tools, timeout_s):
+        sandbox = tools.sandbox  # a Harbor episode's toolbox holds its sandbox
         await sandbox.exec("touch /tmp/done", timeout_s=10)
         await sandbox.inner.close()
         await sandbox.exec("true")
@@ -118,8 +121,8 @@ def test_killing_the_init_does_nothing_and_a_dead_sandbox_is_scored_zero(backend
     class Mixed:
         name = "mixed"
 
-        async def run(self, task, sandbox, timeout_s):
-            return await agents[task.id].run(task, sandbox, timeout_s)
+        async def run(self, task, tools, timeout_s):
+            return await agents[task.id].run(task, tools, timeout_s)
 
     killer, ended, fine = run(run_eval(tasks, Mixed(), backend, store, 2, None, QUIET))
     assert (killer.reward, killer.status) == (1.0, "ok"), killer.error  # the init survived kill -9 -1

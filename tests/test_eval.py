@@ -78,7 +78,8 @@ class HostKillerAgent:
 
     name = "host-killer"
 
-    async def run(self, task, sandbox, timeout_s):
+    async def run(self, task, tools, timeout_s):
+        sandbox = tools.sandbox  # a Harbor episode's toolbox holds its sandbox
         await sandbox.exec("true")
         os.kill(sandbox.inner._proc.pid, signal.SIGKILL)
         # the init dies a moment after bwrap (its parent-death signal); until then it may still answer
@@ -93,14 +94,16 @@ class HostKillerAgent:
 class CrashingAgent:
     name = "crash"
 
-    async def run(self, task, sandbox, timeout_s):
+    async def run(self, task, tools, timeout_s):
+        sandbox = tools.sandbox  # a Harbor episode's toolbox holds its sandbox
         raise RuntimeError("agent bug")
 
 
 class SlowAgent:
     name = "slow"
 
-    async def run(self, task, sandbox, timeout_s):
+    async def run(self, task, tools, timeout_s):
+        sandbox = tools.sandbox  # a Harbor episode's toolbox holds its sandbox
         res = await sandbox.exec("touch /app/done 2>/dev/null || (mkdir -p /app && touch /app/done); sleep 600",
                                  timeout_s=timeout_s)
         return AgentRun(commands=1, timed_out=res.timed_out)

@@ -126,7 +126,8 @@ class MarkerAgent:
 
     name = "marker"
 
-    async def run(self, task, sandbox, timeout_s):
+    async def run(self, task, tools, timeout_s):
+        sandbox = tools.sandbox  # a Harbor episode's toolbox holds its sandbox
         await sandbox.exec("touch /tmp/agent-was-here")
         return AgentRun(commands=1)
 

@@ -8,7 +8,9 @@ which owns the sandbox, the verifier, the status and the reward (its docstring h
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -16,11 +18,10 @@ from typing import TYPE_CHECKING
 from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
+from furlong.envs.base import EnvSpec, Environment, Toolbox
 from furlong.metrics.timing import EpisodeTiming
 from furlong.model.chat import Message, ToolCallError, continuation_ids, end_of_turn_id, parse_tool_calls, render_prompt_ids
-from furlong.sandbox.base import Sandbox
 from furlong.seeding import mix_seed
-from furlong.tasks.model import Task
 
 if TYPE_CHECKING:
     from furlong.config import AgentConfig
@@ -81,6 +82,16 @@ class Episode:
         in one batch are two groups; the task id too, so two tasks reusing a group number never pool."""
         return self.task_id, self.step, self.group_id, self.attempt
 
+    @property
+    def response_sha(self) -> str:
+        return response_sha(self.tokens, self.loss_mask)
+
+
+def response_sha(tokens: Sequence[int], loss_mask: Sequence[int]) -> str:
+    """A short digest of the sampled ids: two episodes with the same one sampled the same tokens."""
+    sampled = ",".join(str(t) for t, m in zip(tokens, loss_mask) if m)
+    return hashlib.sha256(sampled.encode()).hexdigest()[:16]
+
 
 @dataclass
 class _Trace:
@@ -116,14 +127,29 @@ class ModelAgent:
 
     def __init__(self, engine: Engine, tokenizer, params: AgentParams, sampling: SamplingParams, instruction: str):
         self.engine, self.tokenizer, self.params, self.sampling = engine, tokenizer, params, sampling
-        messages = [Message("system", params.system_prompt), Message("user", instruction)]
-        self.trace = _Trace(render_prompt_ids(tokenizer, messages, [BASH_TOOL] if params.tool_schema_in_prompt else None))
-        self.prompt_len = len(self.trace.tokens)
+        self._messages = [Message("system", params.system_prompt), Message("user", instruction)]
+        self._prompt((BASH_TOOL,))
         self.model_wait_s = 0.0  # finished engine waits; engine_wait_s() adds one in progress
         self._waiting_since: float | None = None  # perf_counter() at the start of an engine wait in progress
         self.turns = 0
         self.tool_calls = 0
         self.tool_errors = 0
+
+    def _prompt(self, schemas: Sequence[dict]) -> None:
+        """The episode's first tokens (with the tool schemas when params.tool_schema_in_prompt)."""
+        self.schemas = tuple(schemas)
+        shown = list(self.schemas) if self.params.tool_schema_in_prompt else None
+        self.trace = _Trace(render_prompt_ids(self.tokenizer, self._messages, shown))
+        self.prompt_len = len(self.trace.tokens)
+
+    @property
+    def response_len(self) -> int:
+        """Tokens the model sampled so far (the loss mask's ones)."""
+        return sum(self.trace.mask)
+
+    @property
+    def response_sha(self) -> str:
+        return response_sha(self.trace.tokens, self.trace.mask)
 
     def engine_wait_s(self) -> float:
         """Seconds spent waiting on the engine so far, a wait in progress included: the runner's hard limit
@@ -131,8 +157,10 @@ class ModelAgent:
         since = self._waiting_since
         return self.model_wait_s + (0.0 if since is None else time.perf_counter() - since)
 
-    async def run(self, task: Task, sandbox: Sandbox, timeout_s: float) -> AgentRun:
-        runner = ToolRunner(sandbox, self.params.command_timeout_s, self.params.observation_chars)
+    async def run(self, spec: EnvSpec, tools: Toolbox, timeout_s: float) -> AgentRun:
+        if self.params.tool_schema_in_prompt and tuple(tools.schemas) != self.schemas:
+            self._prompt(tools.schemas)  # the environment's own tools, before the first turn
+        runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
         try:
             async with asyncio.timeout(timeout_s) as deadline:
                 status = await self._converse(runner, deadline)
@@ -186,13 +214,13 @@ class ModelAgent:
         return "truncated"
 
 
-async def run_episode(task: Task, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams,
+async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment | SandboxSource, params: AgentParams,
                       sampling: SamplingParams, *, group_id: int = 0, step: int | None = None, attempt: int = 0,
                       sample_id: int = 0) -> Episode:
     """One RL episode through the one episode runner (furlong.agent.runner.run_outcome); never raises
     for the model's, the task's or the sandbox's fault: failures become the status."""
     agent = ModelAgent(engine, tokenizer, params, sampling, task.instruction)
-    outcome = await run_outcome(task, agent, sandboxes)
+    outcome = await run_outcome(task, agent, env)
     t = agent.trace
     return Episode(task_id=task.id, group_id=group_id, step=step, attempt=attempt, sample_id=sample_id,
                    prompt_len=agent.prompt_len, tokens=tuple(t.tokens), loss_mask=tuple(t.mask),

@@ -1,8 +1,10 @@
-"""The one episode runner for eval and RL: sandbox, agent phase, verifier phase, status and reward.
+"""The one episode runner for eval, SFT and RL: open the environment, agent phase, score, status and reward.
 
-`run_outcome(task, agent, sandboxes)` is the only code that decides an episode's status and reward.
-The model conversation (furlong.agent.episode) and the scripted agents (furlong.eval.agents) plug
-into it as the agent phase; it never raises for the agent's, the task's or the sandbox's fault.
+`run_outcome(spec, agent, env)` is the only code that decides an episode's status and reward. The
+environment (furlong.envs.base.Environment) opens the episode's world and scores it; a Harbor task in
+a sandbox (furlong.envs.harbor) is the first, and a plain SandboxSource stands for it. The model
+conversation (furlong.agent.episode) and the scripted agents (furlong.eval.agents) plug into it as the
+agent phase; it never raises for the agent's, the task's or the environment's fault.
 
 Statuses (`STATUSES`), and who is to blame:
 
@@ -24,23 +26,27 @@ Statuses (`STATUSES`), and who is to blame:
   (reward 0).
 - `truncated`: the model agent hit its turn or context limit; the tests score it.
 - `ok`: everything else the tests scored.
+
+Those are the Harbor environment's terms; for any environment the same rules read: `open` failing is
+infra_error; an exception during the agent phase is agent_broke_sandbox if the environment caused it
+(`EpisodeEnv.caused`), infra_error if the agent's own code did; a `Score` without a reward is
+agent_broke_sandbox when it blames the agent (`agent_broke_env`), infra_error otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from furlong.envs.base import EnvSpec, Environment, EnvUnavailable, EpisodeEnv, Score, Toolbox, describe
+from furlong.envs.harbor import GuardedSandbox, HarborEnv, SandboxSource, sandbox_spec
 from furlong.metrics.timing import Clock, EpisodeTiming
-from furlong.sandbox.base import ImageRef, Sandbox, SandboxSpec
-from furlong.tasks.model import Task
-from furlong.tasks.verifier import Verdict, verify
 
-log = logging.getLogger(__name__)
+__all__ = ["AGENT_GRACE_S", "STATUSES", "Agent", "AgentRun", "GuardedSandbox", "Outcome", "SandboxSource",
+           "describe", "environment", "run_outcome", "sandbox_spec"]
 
 STATUSES = ("ok", "truncated", "timeout", "agent_broke_sandbox", "infra_error")
 AGENT_GRACE_S = 5.0  # past the agent timeout, for a command that was given the whole timeout to report back
@@ -56,23 +62,15 @@ class AgentRun:
 
 
 class Agent(Protocol):
-    """The agent phase. An agent that waits on a shared engine may also define `engine_wait_s() -> float`:
-    the seconds it has waited so far, a wait in progress included. The episode's `model_wait` time is
-    that figure, and the runner's hard limit on the phase does not count it (see `_agent_phase`)."""
+    """The agent phase: it acts through the episode's `tools` (a Harbor episode's BashTools also hold
+    its sandbox, for scripted agents). An agent that waits on a shared engine may also define
+    `engine_wait_s() -> float`: the seconds it has waited so far, a wait in progress included. The
+    episode's `model_wait` time is that figure, and the runner's hard limit on the phase does not
+    count it (see `_agent_phase`)."""
 
     name: str
 
-    async def run(self, task: Task, sandbox: Sandbox, timeout_s: float) -> AgentRun: ...
-
-
-class SandboxSource(Protocol):
-    """Where episodes get images and started sandboxes (fresh ones, or from a warm pool)."""
-
-    async def image(self, task: Task) -> ImageRef: ...
-
-    def reserve(self, task: Task) -> None: ...  # an episode of `task` is coming: start its sandbox ahead
-
-    async def acquire(self, spec: SandboxSpec) -> Sandbox: ...  # started: it answered a first command
+    async def run(self, spec: Any, tools: Toolbox, timeout_s: float) -> AgentRun: ...
 
 
 @dataclass(frozen=True)
@@ -92,139 +90,68 @@ class Outcome:
     image_note: str | None = None  # e.g. which stand-in served the task's FROM, and its real Python version
 
 
-def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
-    """The one place a task's sandbox is specified (also the warm pools' key)."""
-    return SandboxSpec(image=image, network=task.network, limits=task.limits, syscalls=task.syscalls)
+def environment(source: Environment | SandboxSource) -> Environment:
+    """`source` itself, or the Harbor environment over a SandboxSource."""
+    return source if hasattr(source, "open") else HarborEnv(source)
 
 
-def describe(exc: BaseException) -> str:
-    """One line: the exception's type and message (a KeyError's message is just the key)."""
-    text = " ".join(str(exc).split())[:800]
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class GuardedSandbox:
-    """What an agent or the verifier sees: the episode's sandbox, with the time spent in its calls
-    added up and every exception a call raised remembered (and re-raised unchanged), so the runner
-    can tell a broken sandbox from a bug in the agent's own code."""
-
-    def __init__(self, inner: Sandbox):
-        self.inner = inner
-        self.seconds = 0.0
-        self.commands = 0
-        self.errors: list[BaseException] = []
-
-    def caused(self, exc: BaseException) -> bool:
-        """Whether `exc`, or an exception it was raised from or while handling, came from a sandbox call."""
-        seen: set[int] = set()
-        chain: BaseException | None = exc
-        while chain is not None and id(chain) not in seen:
-            if any(chain is e for e in self.errors):
-                return True
-            seen.add(id(chain))
-            chain = chain.__cause__ or chain.__context__
-        return False
-
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return await getattr(self.inner, method)(*args, **kwargs)
-        except Exception as exc:
-            self.errors.append(exc)
-            raise
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.commands += method == "exec"
-
-    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None):
-        return await self._call("exec", cmd, timeout_s, cwd, env)
-
-    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        await self._call("write_file", path, data, mode)
-
-    async def read_file(self, path: str) -> bytes:
-        return await self._call("read_file", path)
-
-    async def put_dir(self, src, dest: str) -> None:
-        await self._call("put_dir", src, dest)
-
-    async def close(self) -> None:  # the runner closes the sandbox; an agent cannot end the episode early
-        raise RuntimeError("an agent must not close its episode's sandbox")
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-
-async def run_outcome(task: Task, agent: Agent, sandboxes: SandboxSource) -> Outcome:
-    """Never raises for the agent's, the task's or the sandbox's fault (see the module docstring)."""
+async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | SandboxSource) -> Outcome:
+    """Never raises for the agent's, the task's or the environment's fault (see the module docstring)."""
     clock = Clock()
     try:
-        image = await sandboxes.image(task)
+        env = await environment(source).open(spec, clock)
+    except EnvUnavailable as exc:
+        return _unscored(clock, str(exc))
     except Exception as exc:
-        return _unscored(clock, f"image unavailable: {describe(exc)}")
-    t = time.perf_counter()
+        return _unscored(clock, f"environment did not open: {describe(exc)}")
     try:
-        sandbox = await sandboxes.acquire(sandbox_spec(task, image))
-    except Exception as exc:
-        clock.add("sandbox_start", t)
-        return _unscored(clock, f"sandbox did not start: {describe(exc)}")
-    clock.add("sandbox_start", t)
-    guard = GuardedSandbox(sandbox)
-    try:
-        outcome = await _phases(task, agent, guard, sandboxes, image, clock)
-        return dataclasses.replace(outcome, image_note=image.note or None)
+        outcome = await _phases(spec, agent, env, clock)
+        return dataclasses.replace(outcome, image_note=env.note)
     finally:
-        await _close(sandbox)
+        await env.close()
 
 
-async def _phases(task: Task, agent: Agent, guard: GuardedSandbox, sandboxes: SandboxSource, image: ImageRef,
-                  clock: Clock) -> Outcome:
+async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) -> Outcome:
     try:
-        run, failure = await _agent_phase(task, agent, guard)
+        run, failure = await _agent_phase(spec, agent, env)
     finally:
-        clock.spent["agent_commands"] = guard.seconds
+        clock.spent["agent_commands"] = env.seconds
         clock.spent["model_wait"] = _engine_wait(agent)
-    if failure is not None and guard.caused(failure):
+    if failure is not None and env.caused(failure):
         return _broke(clock, f"sandbox broke during the agent phase: {describe(failure)}", run)
     if failure is not None:
         return _unscored(clock, f"agent failed: {describe(failure)}")
     t = time.perf_counter()
-    verdict, problem = await _verifier_phase(task, GuardedSandbox(guard.inner), image.workdir)
-    if problem:  # no reward in the agent's sandbox: a clean run of the tests says whose fault
-        await _close(guard.inner)  # done with it (closing twice is a no-op); free it before taking another
-        _, control_problem = await _control_run(task, sandboxes, image)
-        clock.add("verifier", t)
-        if control_problem:
-            return _unscored(clock, f"task bug: {problem}; with no agent either: {control_problem}", run, verdict)
-        return _broke(clock, f"verifier failed in the agent's sandbox ({problem}) but not in a fresh one", run,
-                      verdict)
-    assert verdict is not None  # no problem means the tests left a reward
+    score = await env.score()
     clock.add("verifier", t)
-    status = "timeout" if verdict.timed_out or run.timed_out else ("truncated" if run.truncated else "ok")
-    return Outcome(reward=verdict.reward, status=status, timing=clock.timing(), error=verdict.problem,
-                   agent_timed_out=run.timed_out, rewards=verdict.rewards, **_records(run, verdict))
+    if score.agent_broke_env:
+        return _broke(clock, score.error or "the agent left the environment unable to score it", run, score)
+    if score.reward is None:
+        return _unscored(clock, score.error or "no reward", run, score)
+    status = "timeout" if score.timed_out or run.timed_out else ("truncated" if run.truncated else "ok")
+    return Outcome(reward=score.reward, status=status, timing=clock.timing(), error=score.error,
+                   agent_timed_out=run.timed_out, rewards=score.rewards, **_records(run, score))
 
 
-async def _agent_phase(task: Task, agent: Agent, sandbox: GuardedSandbox) -> tuple[AgentRun, Exception | None]:
+async def _agent_phase(spec: EnvSpec, agent: Agent, env: EpisodeEnv) -> tuple[AgentRun, Exception | None]:
     """The agent's run, or the exception it ended with. Its background processes keep running.
 
     The hard limit (agent timeout + grace, for an agent that overruns its own) stops its clock while the
     agent waits on a shared engine (`engine_wait_s`, as ModelAgent's own timeout does): a loaded engine
     must not turn an episode into a timeout scored 0."""
     loop = asyncio.get_running_loop()
-    phase = asyncio.ensure_future(agent.run(task, sandbox, task.agent_timeout_s))
-    excused, end = _engine_wait(agent), loop.time() + task.agent_timeout_s + AGENT_GRACE_S
+    phase = asyncio.ensure_future(agent.run(spec, env.tools, spec.agent_timeout_s))
+    excused, end = _engine_wait(agent), loop.time() + spec.agent_timeout_s + AGENT_GRACE_S
     try:
         while not phase.done():
             await asyncio.wait({phase}, timeout=max(0.0, end - loop.time()))
             waited = _engine_wait(agent)
             if not phase.done() and waited <= excused:
-                return AgentRun(commands=sandbox.commands, timed_out=True), None
+                return AgentRun(commands=env.calls, timed_out=True), None
             end, excused = end + waited - excused, waited
         return phase.result(), None
     except Exception as exc:  # raised inside the phase (e.g. a sandbox call's own timeout)
-        return AgentRun(commands=sandbox.commands), exc
+        return AgentRun(commands=env.calls), exc
     finally:
         if not phase.done():
             phase.cancel()
@@ -237,49 +164,18 @@ def _engine_wait(agent: Agent) -> float:
     return float(wait()) if callable(wait) else 0.0
 
 
-async def _verifier_phase(task: Task, sandbox: GuardedSandbox, workdir: str) -> tuple[Verdict | None, str]:
-    """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
-    ("" when they did)."""
-    try:
-        verdict = await verify(task, sandbox, workdir)
-    except Exception as exc:
-        return None, describe(exc)
-    if verdict.reward is None:
-        return verdict, verdict.problem or "no reward"
-    return verdict, ""
-
-
-async def _control_run(task: Task, sandboxes: SandboxSource, image: ImageRef) -> tuple[Verdict | None, str]:
-    """The task's tests alone, in a fresh sandbox no agent touched."""
-    try:
-        sandbox = await sandboxes.acquire(sandbox_spec(task, image))
-    except Exception as exc:
-        return None, f"sandbox did not start: {describe(exc)}"
-    try:
-        return await _verifier_phase(task, GuardedSandbox(sandbox), image.workdir)
-    finally:
-        await _close(sandbox)
-
-
-async def _close(sandbox: Sandbox) -> None:
-    try:
-        await sandbox.close()
-    except Exception as exc:  # the outcome is decided; a failed close must not change or abort it
-        log.warning("closing a sandbox failed: %s", describe(exc))
-
-
-def _records(run: AgentRun | None, verdict: Verdict | None) -> dict[str, Any]:
-    """The Outcome fields that say what the agent's last command and the tests printed."""
+def _records(run: AgentRun | None, score: Score | None) -> dict[str, Any]:
+    """The Outcome fields that say what the agent's last command and the scorer printed."""
     return {"agent_exit_code": run.last_exit_code if run else None, "agent_output": run.last_output if run else None,
-            "verifier_exit_code": verdict.exit_code if verdict else None,
-            "verifier_output": verdict.output_tail if verdict else None}
+            "verifier_exit_code": score.exit_code if score else None,
+            "verifier_output": score.output if score else None}
 
 
-def _unscored(clock: Clock, error: str, run: AgentRun | None = None, verdict: Verdict | None = None) -> Outcome:
+def _unscored(clock: Clock, error: str, run: AgentRun | None = None, score: Score | None = None) -> Outcome:
     return Outcome(reward=None, status="infra_error", timing=clock.timing(), error=error,
-                   agent_timed_out=bool(run and run.timed_out), **_records(run, verdict))
+                   agent_timed_out=bool(run and run.timed_out), **_records(run, score))
 
 
-def _broke(clock: Clock, error: str, run: AgentRun, verdict: Verdict | None = None) -> Outcome:
+def _broke(clock: Clock, error: str, run: AgentRun, score: Score | None = None) -> Outcome:
     return Outcome(reward=0.0, status="agent_broke_sandbox", timing=clock.timing(), error=error,
-                   agent_timed_out=run.timed_out, **_records(run, verdict))
+                   agent_timed_out=run.timed_out, **_records(run, score))

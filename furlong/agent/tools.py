@@ -1,24 +1,15 @@
-"""The agent's one tool, bash, and how its results are written back to the model."""
+"""The model's tool calls run against the episode's toolbox (furlong.envs.base.Toolbox), and how
+their results are written back to the model."""
 
 from __future__ import annotations
 
 import time
 
+from furlong.envs.base import Toolbox, ToolArgumentError
+from furlong.envs.harbor import BASH_TOOL
 from furlong.model.chat import ToolCall, ToolCallError
-from furlong.sandbox.base import Sandbox
 
-BASH_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "bash",
-        "description": "Run a bash command in the task's terminal and return its exit code and output.",
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "string", "description": "the command to run"}},
-            "required": ["command"],
-        },
-    },
-}
+__all__ = ["BASH_TOOL", "ToolRunner", "clip"]
 
 
 def clip(text: str, limit: int) -> str:
@@ -29,9 +20,14 @@ def clip(text: str, limit: int) -> str:
     return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
+def tool_names(tools: Toolbox) -> tuple[str, ...]:
+    return tuple(schema["function"]["name"] for schema in tools.schemas)
+
+
 class ToolRunner:
-    def __init__(self, sandbox: Sandbox, timeout_s: float, observation_chars: int):
-        self.sandbox, self.timeout_s, self.limit = sandbox, timeout_s, observation_chars
+    def __init__(self, tools: Toolbox, timeout_s: float, observation_chars: int):
+        self.tools, self.timeout_s, self.limit = tools, timeout_s, observation_chars
+        self.names = tool_names(tools)
         self.seconds = 0.0
         self.errors = 0
 
@@ -41,18 +37,16 @@ class ToolRunner:
         return f"error: {err.message}"
 
     async def run(self, call: ToolCall) -> str:
-        command = call.arguments.get("command")
-        if call.name != "bash":
+        if call.name not in self.names:
             self.errors += 1
-            return f"error: unknown tool {call.name!r}; the only tool is bash"
-        if not isinstance(command, str) or not command.strip():
-            self.errors += 1
-            return 'error: bash needs {"command": "<a non-empty string>"}'
+            known = f"the only tool is {self.names[0]}" if len(self.names) == 1 else f"the tools: {', '.join(self.names)}"
+            return f"error: unknown tool {call.name!r}; {known}"
         t = time.perf_counter()
         try:
-            res = await self.sandbox.exec(command, timeout_s=self.timeout_s)
+            observation = await self.tools.call(call.name, call.arguments, self.timeout_s)
+        except ToolArgumentError as exc:
+            self.errors += 1
+            return f"error: {exc}"
         finally:
             self.seconds += time.perf_counter() - t
-        head = f"exit code {res.exit_code}" + (f" (timed out after {self.timeout_s:g}s)" if res.timed_out else "")
-        body = res.stdout + (res.stderr if not res.stdout else ("\n" + res.stderr if res.stderr else ""))
-        return clip(f"{head}\n{body}".rstrip("\n"), self.limit)
+        return clip(observation, self.limit)

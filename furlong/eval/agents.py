@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from furlong.agent.runner import Agent, AgentRun
-from furlong.sandbox.base import Sandbox
+from furlong.envs.harbor import BashTools
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import output_tail
 
@@ -36,16 +36,17 @@ def agent_for(agents: Agent | EpisodeAgents, task: Task, sample: int) -> Agent:
 class NoopAgent:
     name = "noop"
 
-    async def run(self, task: Task, sandbox: Sandbox, timeout_s: float) -> AgentRun:
+    async def run(self, task: Task, tools: BashTools, timeout_s: float) -> AgentRun:
         return AgentRun()
 
 
 class OracleAgent:
-    """Runs the task's solution script, as Harbor's oracle does."""
+    """Runs the task's solution script, as Harbor's oracle does (a Harbor episode's agent: it needs the sandbox)."""
 
     name = "oracle"
 
-    async def run(self, task: Task, sandbox: Sandbox, timeout_s: float) -> AgentRun:
+    async def run(self, task: Task, tools: BashTools, timeout_s: float) -> AgentRun:
+        sandbox = tools.sandbox
         if task.solution is None:
             raise ValueError(f"task {task.id!r} has no solution for the oracle agent")
         if task.solution.parent == task.path:  # Terminal-Bench: a lone solution.sh beside task.yaml

@@ -37,15 +37,19 @@ class EpisodeResult:
     image_note: str | None = None  # what served the task's FROM when it is not the image asked for
     sample: int = 0  # which of the task's --samples episodes this is (0-based)
     turns: int | None = None  # model turns taken (null for the scripted agents)
+    tokens_response: int | None = None  # tokens the model sampled (null for the scripted agents)
+    response_sha: str | None = None  # their digest, as in the run's episodes.jsonl (same digest: same tokens)
 
     @classmethod
-    def of(cls, task: Task, agent: str, outcome: Outcome, sample: int = 0, turns: int | None = None) -> EpisodeResult:
+    def of(cls, task: Task, agent: str, outcome: Outcome, sample: int = 0, turns: int | None = None,
+           tokens_response: int | None = None, response_sha: str | None = None) -> EpisodeResult:
         return cls(task=task.id, agent=agent, reward=outcome.reward, status=outcome.status, timing=outcome.timing,
                    error=outcome.error, agent_timed_out=outcome.agent_timed_out, rewards=outcome.rewards,
                    family=task.family, seed=task.seed, split=task.split,
                    verifier_exit_code=outcome.verifier_exit_code, verifier_output=outcome.verifier_output,
                    agent_exit_code=outcome.agent_exit_code, agent_output=outcome.agent_output,
-                   image_note=outcome.image_note, sample=sample, turns=turns)
+                   image_note=outcome.image_note, sample=sample, turns=turns, tokens_response=tokens_response,
+                   response_sha=response_sha)
 
     @classmethod
     def unloadable(cls, broken: BrokenTask, agent: str) -> EpisodeResult:
@@ -62,7 +66,8 @@ class EpisodeResult:
 async def run_agent(task: Task, agent: Agent, sandboxes: SandboxSource, sample: int = 0) -> EpisodeResult:
     """Never raises for an agent's, a task's or the sandbox's fault: a failure becomes the status."""
     outcome = await run_outcome(task, agent, sandboxes)
-    return EpisodeResult.of(task, agent.name, outcome, sample, getattr(agent, "turns", None))
+    return EpisodeResult.of(task, agent.name, outcome, sample, getattr(agent, "turns", None),
+                            getattr(agent, "response_len", None), getattr(agent, "response_sha", None))
 
 
 async def run_episode(task: Task, agent: Agent, backend, image: ImageRef) -> EpisodeResult:

@@ -2,20 +2,19 @@
 the agent, in the very loop training uses: each episode is a `furlong.agent.episode.ModelAgent`
 conversation (same prompt, tool-call format and limits, `train.agent.*`) run by the one episode runner.
 
-Each of a task's `samples` episodes samples with its own seed, derived from `eval.seed`, the task's id
-and the sample's index (not the task's position in the suite), so adding tasks changes no other task's
-samples, and a rerun gives the same episodes.
+Each of a task's `samples` episodes samples with its own seed, `furlong.seeding.eval_seed(eval.seed, task
+id, sample)` (not the task's position in the suite), so adding tasks changes no other task's samples, a
+rerun gives the same episodes, and training's held-out eval (the same rule, with train.eval.seed) is
+reproduced by `furlong eval` on the same checkpoint.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 from furlong.agent.episode import AgentParams, ModelAgent
 from furlong.config import Config, EvalConfig
 from furlong.engine.base import Engine, SamplingParams
 from furlong.engine.factory import check_checkpoint
-from furlong.seeding import mix_seed
+from furlong.seeding import eval_seed
 from furlong.tasks.model import Task
 
 
@@ -33,11 +32,6 @@ def check_model_flags(e: EvalConfig) -> None:
         check_checkpoint(e.adapter, "--adapter", "adapter_config.json")
 
 
-def task_seed_key(task_id: str) -> int:
-    """A stable integer for a task id (Python's hash() of a str changes between processes)."""
-    return int.from_bytes(hashlib.blake2b(task_id.encode(), digest_size=8).digest(), "little")
-
-
 class ModelAgents:
     """A fresh ModelAgent per episode (furlong.eval.agents.EpisodeAgents), all sharing one engine, which
     batches every concurrent episode's generation requests."""
@@ -49,7 +43,7 @@ class ModelAgents:
         self.temperature, self.seed = temperature, seed
 
     def for_episode(self, task: Task, sample: int) -> ModelAgent:
-        sampling = SamplingParams(temperature=self.temperature, seed=mix_seed(self.seed, task_seed_key(task.id), sample))
+        sampling = SamplingParams(temperature=self.temperature, seed=eval_seed(self.seed, task.id, sample))
         return ModelAgent(self.engine, self.tokenizer, self.params, sampling, task.instruction)
 
     async def close(self) -> None:

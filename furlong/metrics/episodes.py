@@ -34,6 +34,7 @@ def episode_record(e: "Episode", phase: str, step: int | None) -> dict:
         "attempt": e.attempt, "sample": e.sample_id, "status": e.status, "reward": e.reward, "turns": e.turns,
         "version_first": e.oldest_version, "version_last": last,
         "tokens_prompt": e.prompt_len, "tokens_response": e.response_len, "tokens_total": len(e.tokens),
+        "response_sha": e.response_sha,
         "time": {k: getattr(t, k) for k in COMPONENTS}, "seconds": t.total,
         "start": t.started_at, "end": t.ended_at,
         "error": e.error,  # what went wrong: for an infra_error (never scored) the only trace of why

@@ -12,7 +12,7 @@ from furlong.agent.episode import AgentParams, Episode, run_episode
 from furlong.agent.runner import SandboxSource
 from furlong.engine.base import Engine, SamplingParams
 from furlong.metrics.outcomes import Scored, rates
-from furlong.seeding import mix_seed
+from furlong.seeding import eval_seed, mix_seed
 from furlong.tasks.model import Task
 
 
@@ -128,8 +128,9 @@ class Rollouts:
 
     async def evaluate(self, tasks: list[Task], temperature: float, seed: int,
                        on_done: Callable[[], None] = lambda: None) -> list[Episode]:
-        """pass@1: one sampled episode per task, with fixed seeds (group i is task i, in no step)."""
-        episodes = [PlannedEpisode(t, mix_seed(seed, -1, i), i, None, 0, 0) for i, t in enumerate(tasks)]
+        """pass@1: one sampled episode per task (group i is task i, in no step), seeded as `furlong eval` seeds
+        its sample 0 (eval_seed), so both report the same episodes for the same checkpoint."""
+        episodes = [PlannedEpisode(t, eval_seed(seed, t.id, 0), i, None, 0, 0) for i, t in enumerate(tasks)]
         return await self.run(episodes, temperature, on_done)
 
 

@@ -36,8 +36,9 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     # epochs 0 (a model already fine-tuned): demonstrations are needed only for RL's anchor
     wanted = s.epochs > 0 or cfg.train.rl.sft_coef > 0
     tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]] if wanted else []
-    with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
-        demos = await oracle_demos(tasks, p.tokenizer, p.backend, p.store, p.params, s.concurrency, advance)
+    async with WarmPools(p.backend, p.images) as pools:  # the sandboxes RL's episodes get, through the same runner
+        with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
+            demos = await oracle_demos(tasks, p.tokenizer, pools, p.params, s.concurrency, advance)
     save_demos(run.path / DEMOS_FILE, demos)
     demo_seconds = time.perf_counter() - start
     model = load_model(p.base_model)

@@ -18,11 +18,11 @@ from typing import Callable
 import torch
 
 from furlong.agent.episode import AgentParams
+from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
+from furlong.envs.base import Toolbox
 from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
-from furlong.sandbox.base import SandboxError, SandboxSpec
 from furlong.tasks.model import Task
-from furlong.tasks.verifier import verify
 
 log = logging.getLogger(__name__)
 
@@ -55,42 +55,52 @@ def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: A
 
 
 DEMO_ATTEMPTS = 3  # a sandbox that fails to start or answer on a loaded machine is tried again
+# A trusted solution does not break its sandbox: these statuses are the machine's doing, worth a retry.
+RETRIED = ("infra_error", "agent_broke_sandbox")
 
 
-async def oracle_demo(task: Task, tokenizer, backend, store, params: AgentParams) -> Demo | None:
-    """None when the solution does not pass in the sandbox (such a demo would teach a wrong answer), or
-    when the sandbox failed every attempt: one lost demonstration must not end the run."""
-    image = await store.image(task.dockerfile, backend)  # a broken image is the task's error: it propagates
+class DemoAgent:
+    """The oracle acting as the model would: the solution as one bash tool call through the same
+    ToolRunner a model's call goes through, its command and observation kept for the demonstration."""
+
+    name = "oracle-demo"
+
+    def __init__(self, params: AgentParams):
+        self.params = params
+        self.command: str | None = None
+        self.observation: str | None = None
+
+    async def run(self, task: Task, tools: Toolbox, timeout_s: float) -> AgentRun:
+        self.command = solution_command(task)
+        runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
+        self.observation = await runner.run(ToolCall("bash", {"command": self.command}))
+        return AgentRun(commands=1)
+
+
+async def oracle_demo(task: Task, tokenizer, sandboxes: SandboxSource, params: AgentParams) -> Demo | None:
+    """The solution replayed as an episode of the one runner (furlong.agent.runner). None when it does
+    not pass (such a demo would teach a wrong answer), or when the sandbox failed every attempt: one
+    lost demonstration must not end the run."""
     for attempt in range(DEMO_ATTEMPTS):
-        try:
-            return await _replay(task, image, tokenizer, backend, params)
-        except (SandboxError, TimeoutError) as exc:
-            if attempt == DEMO_ATTEMPTS - 1:
-                log.warning("sft: no demonstration of %s: the sandbox failed %d times (%s)", task.id, DEMO_ATTEMPTS, exc)
-    return None
-
-
-async def _replay(task: Task, image, tokenizer, backend, params: AgentParams) -> Demo | None:
-    box = await backend.create(SandboxSpec(image=image, network=task.network, limits=task.limits))
-    try:
-        command = solution_command(task)
-        observation = await ToolRunner(box, params.command_timeout_s, params.observation_chars).run(
-            ToolCall("bash", {"command": command}))
-        verdict = await verify(task, box, image.workdir)
-    finally:
-        await box.close()
-    if verdict.reward != 1.0:
+        agent = DemoAgent(params)
+        outcome = await run_outcome(task, agent, sandboxes)
+        if outcome.status not in RETRIED:
+            break
+        if attempt == DEMO_ATTEMPTS - 1:
+            log.warning("sft: no demonstration of %s: %s %d times (%s)", task.id, outcome.status, DEMO_ATTEMPTS,
+                        outcome.error)
+    if outcome.reward != 1.0 or agent.command is None or agent.observation is None:
         return None
-    return demo_tokens(tokenizer, task, command, observation, params)
+    return demo_tokens(tokenizer, task, agent.command, agent.observation, params)
 
 
-async def oracle_demos(tasks: list[Task], tokenizer, backend, store, params: AgentParams, concurrency: int,
-                       on_done: Callable[[], None] = lambda: None) -> list[Demo]:
+async def oracle_demos(tasks: list[Task], tokenizer, sandboxes: SandboxSource, params: AgentParams,
+                       concurrency: int, on_done: Callable[[], None] = lambda: None) -> list[Demo]:
     slots = asyncio.Semaphore(concurrency)
 
     async def one(task: Task) -> Demo | None:
         async with slots:
-            demo = await oracle_demo(task, tokenizer, backend, store, params)
+            demo = await oracle_demo(task, tokenizer, sandboxes, params)
         on_done()
         return demo
 

@@ -1,0 +1,1 @@
+"""The environment seam (furlong.envs.base) and its implementations: Harbor tasks in sandboxes (harbor)."""

@@ -1,0 +1,91 @@
+"""The environment seam: where an episode's world comes from, what the agent may call in it, and its score.
+
+An `EnvSource` lists instances (`EnvSpec`s) per split. An `Environment` opens one episode's world
+(`EpisodeEnv`: a sandbox, a remote session, a Python object) for a spec; the one episode runner
+(furlong.agent.runner.run_outcome) hands the agent its `tools`, then asks it for a `Score` and
+decides the episode's status from it. A Harbor task in a sandbox (furlong.envs.harbor) is the first
+implementation; anything with these few methods plugs into the same runner, Rollouts and eval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from furlong.metrics.timing import Clock
+
+
+class EnvSpec(Protocol):
+    """One instance an episode is run on (furlong.tasks.model.Task is one)."""
+
+    id: str
+    instruction: str
+    family: str | None
+    agent_timeout_s: float
+
+
+class EnvSource(Protocol):
+    def instances(self, split: str) -> list[Any]: ...  # the split's EnvSpecs, in a fixed order
+
+
+class ToolArgumentError(ValueError):
+    """A tool call the tool cannot run (missing or ill-typed arguments): the model sees the message."""
+
+
+class Toolbox(Protocol):
+    """The tools an agent may call in an episode, each with a JSON schema (OpenAI function format)."""
+
+    schemas: Sequence[dict]
+
+    async def call(self, name: str, arguments: dict, timeout_s: float) -> str: ...  # the observation
+
+
+@dataclass(frozen=True)
+class Score:
+    """What an episode's environment says about the finished agent phase.
+
+    `reward` None: no reward, and `agent_broke_env` says whose fault that is (True: the agent left the
+    environment unable to score it, which scores 0; False: the environment or task is broken, unscored)."""
+
+    reward: float | None
+    rewards: dict[str, float] = field(default_factory=dict)
+    timed_out: bool = False  # the scoring itself ran out of time (reward 0)
+    agent_broke_env: bool = False
+    error: str | None = None
+    exit_code: int | None = None  # the scorer's, e.g. the tests' exit code and output tail
+    output: str | None = None
+
+
+class EpisodeEnv(Protocol):
+    """One episode's opened world. `seconds`/`calls`: time spent in, and number of, the agent's calls
+    into it (the episode's agent_commands time)."""
+
+    tools: Toolbox
+    note: str | None  # shown with the outcome, e.g. which stand-in image served the task
+    seconds: float
+    calls: int
+
+    def caused(self, exc: BaseException) -> bool: ...  # whether `exc` came from the environment, not the agent
+
+    async def score(self) -> Score: ...
+
+    async def close(self) -> None: ...  # idempotent; never called by the agent
+
+
+class Environment(Protocol):
+    """Opens episodes. `open` raising means the episode never started (an infra_error, never scored)."""
+
+    def reserve(self, spec: Any) -> None: ...  # an episode of `spec` is coming: start its world ahead
+
+    async def open(self, spec: Any, clock: Clock) -> EpisodeEnv: ...  # charges its start to clock's sandbox_start
+
+
+class EnvUnavailable(Exception):
+    """`Environment.open` failed before the agent could act; the message is the episode's error."""
+
+
+def describe(exc: BaseException) -> str:
+    """One line: the exception's type and message (a KeyError's message is just the key)."""
+    text = " ".join(str(exc).split())[:800]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,230 @@
+"""A Harbor task in a sandbox: the first `Environment` (furlong.envs.base).
+
+The episode's sandbox comes from a `SandboxSource` (fresh sandboxes, or a warm pool), its one tool is
+bash, and its score is the task's tests (furlong.tasks.verifier) run in the agent's sandbox. When those
+leave no reward, a control run of the tests in a fresh sandbox no agent touched says whose fault that is
+(the rules: furlong.agent.runner's docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
+from furlong.metrics.timing import Clock
+from furlong.sandbox.base import ImageRef, Sandbox, SandboxSpec
+from furlong.tasks.family import Family
+from furlong.tasks.model import Task
+from furlong.tasks.verifier import Verdict, verify
+
+log = logging.getLogger(__name__)
+
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a bash command in the task's terminal and return its exit code and output.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "the command to run"}},
+            "required": ["command"],
+        },
+    },
+}
+
+
+class SandboxSource(Protocol):
+    """Where episodes get images and started sandboxes (fresh ones, or from a warm pool)."""
+
+    async def image(self, task: Task) -> ImageRef: ...
+
+    def reserve(self, task: Task) -> None: ...  # an episode of `task` is coming: start its sandbox ahead
+
+    async def acquire(self, spec: SandboxSpec) -> Sandbox: ...  # started: it answered a first command
+
+
+def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
+    """The one place a task's sandbox is specified (also the warm pools' key)."""
+    return SandboxSpec(image=image, network=task.network, limits=task.limits, syscalls=task.syscalls)
+
+
+class GuardedSandbox:
+    """What an agent or the verifier sees: the episode's sandbox, with the time spent in its calls
+    added up and every exception a call raised remembered (and re-raised unchanged), so the runner
+    can tell a broken sandbox from a bug in the agent's own code."""
+
+    def __init__(self, inner: Sandbox):
+        self.inner = inner
+        self.seconds = 0.0
+        self.commands = 0
+        self.errors: list[BaseException] = []
+
+    def caused(self, exc: BaseException) -> bool:
+        """Whether `exc`, or an exception it was raised from or while handling, came from a sandbox call."""
+        seen: set[int] = set()
+        chain: BaseException | None = exc
+        while chain is not None and id(chain) not in seen:
+            if any(chain is e for e in self.errors):
+                return True
+            seen.add(id(chain))
+            chain = chain.__cause__ or chain.__context__
+        return False
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await getattr(self.inner, method)(*args, **kwargs)
+        except Exception as exc:
+            self.errors.append(exc)
+            raise
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.commands += method == "exec"
+
+    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None):
+        return await self._call("exec", cmd, timeout_s, cwd, env)
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        await self._call("write_file", path, data, mode)
+
+    async def read_file(self, path: str) -> bytes:
+        return await self._call("read_file", path)
+
+    async def put_dir(self, src, dest: str) -> None:
+        await self._call("put_dir", src, dest)
+
+    async def close(self) -> None:  # the runner closes the sandbox; an agent cannot end the episode early
+        raise RuntimeError("an agent must not close its episode's sandbox")
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+
+class BashTools:
+    """The Harbor episode's toolbox: bash in the sandbox. Scripted agents (the oracle) use `sandbox` itself."""
+
+    schemas = (BASH_TOOL,)
+
+    def __init__(self, sandbox: GuardedSandbox):
+        self.sandbox = sandbox
+
+    async def call(self, name: str, arguments: dict, timeout_s: float) -> str:
+        command = arguments.get("command")
+        if not isinstance(command, str) or not command.strip():
+            raise ToolArgumentError('bash needs {"command": "<a non-empty string>"}')
+        res = await self.sandbox.exec(command, timeout_s=timeout_s)
+        head = f"exit code {res.exit_code}" + (f" (timed out after {timeout_s:g}s)" if res.timed_out else "")
+        body = res.stdout + (res.stderr if not res.stdout else ("\n" + res.stderr if res.stderr else ""))
+        return f"{head}\n{body}".rstrip("\n")
+
+
+class HarborEpisode:
+    """One task's opened sandbox (furlong.envs.base.EpisodeEnv)."""
+
+    def __init__(self, task: Task, sandbox: Sandbox, image: ImageRef, sandboxes: SandboxSource):
+        self.task, self.image, self.sandboxes = task, image, sandboxes
+        self.guard = GuardedSandbox(sandbox)
+        self.tools = BashTools(self.guard)
+        self.note = image.note or None
+
+    @property
+    def seconds(self) -> float:
+        return self.guard.seconds
+
+    @property
+    def calls(self) -> int:
+        return self.guard.commands
+
+    def caused(self, exc: BaseException) -> bool:
+        return self.guard.caused(exc)
+
+    async def score(self) -> Score:
+        verdict, problem = await verifier_phase(self.task, GuardedSandbox(self.guard.inner), self.image.workdir)
+        if not problem:
+            assert verdict is not None  # no problem means the tests left a reward
+            return Score(reward=verdict.reward, rewards=verdict.rewards, timed_out=verdict.timed_out,
+                         error=verdict.problem, **_record(verdict))
+        # no reward in the agent's sandbox: a clean run of the tests says whose fault
+        await self.close()  # done with it (closing twice is a no-op); free it before taking another
+        _, control_problem = await self._control_run()
+        if control_problem:
+            return Score(reward=None, error=f"task bug: {problem}; with no agent either: {control_problem}",
+                         **_record(verdict))
+        return Score(reward=None, agent_broke_env=True, **_record(verdict),
+                     error=f"verifier failed in the agent's sandbox ({problem}) but not in a fresh one")
+
+    async def _control_run(self) -> tuple[Verdict | None, str]:
+        """The task's tests alone, in a fresh sandbox no agent touched."""
+        try:
+            sandbox = await self.sandboxes.acquire(sandbox_spec(self.task, self.image))
+        except Exception as exc:
+            return None, f"sandbox did not start: {describe(exc)}"
+        try:
+            return await verifier_phase(self.task, GuardedSandbox(sandbox), self.image.workdir)
+        finally:
+            await close_quietly(sandbox)
+
+    async def close(self) -> None:
+        await close_quietly(self.guard.inner)
+
+
+class HarborSource:
+    """Harbor task families as an EnvSource: each split's instances, family by family, at most
+    `limits[split]` of each family (all where a split has no limit)."""
+
+    def __init__(self, families: Sequence[Family], limits: Mapping[str, int | None] | None = None):
+        self.families, self.limits = tuple(families), dict(limits or {})
+
+    def instances(self, split: str) -> list[Task]:
+        return [task for f in self.families for task in f.instances(split, self.limits.get(split))]
+
+
+class HarborEnv:
+    """Harbor tasks, each episode in a sandbox from `sandboxes` (furlong.envs.base.Environment)."""
+
+    def __init__(self, sandboxes: SandboxSource):
+        self.sandboxes = sandboxes
+
+    def reserve(self, task: Task) -> None:
+        self.sandboxes.reserve(task)
+
+    async def open(self, task: Task, clock: Clock) -> HarborEpisode:
+        try:
+            image = await self.sandboxes.image(task)
+        except Exception as exc:
+            raise EnvUnavailable(f"image unavailable: {describe(exc)}") from exc
+        t = time.perf_counter()
+        try:
+            sandbox = await self.sandboxes.acquire(sandbox_spec(task, image))
+        except Exception as exc:
+            raise EnvUnavailable(f"sandbox did not start: {describe(exc)}") from exc
+        finally:
+            clock.add("sandbox_start", t)
+        return HarborEpisode(task, sandbox, image, self.sandboxes)
+
+
+async def verifier_phase(task: Task, sandbox: GuardedSandbox, workdir: str) -> tuple[Verdict | None, str]:
+    """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
+    ("" when they did)."""
+    try:
+        verdict = await verify(task, sandbox, workdir)
+    except Exception as exc:
+        return None, describe(exc)
+    if verdict.reward is None:
+        return verdict, verdict.problem or "no reward"
+    return verdict, ""
+
+
+async def close_quietly(sandbox: Sandbox) -> None:
+    try:
+        await sandbox.close()
+    except Exception as exc:  # the outcome is decided; a failed close must not change or abort it
+        log.warning("closing a sandbox failed: %s", describe(exc))
+
+
+def _record(verdict: Verdict | None) -> dict[str, Any]:
+    return {"exit_code": verdict.exit_code if verdict else None, "output": verdict.output_tail if verdict else None}
