@@ -16,6 +16,7 @@ import torch
 from furlong.agent.episode import AgentParams
 from furlong.config import Config, ConfigError, ImagesConfig, SandboxConfig, TrainConfig
 from furlong.engine.hf import HFEngine
+from furlong.envs.harbor import HarborSource
 from furlong.engine.remote import RemoteEngine
 from furlong.engine.router import Router
 from furlong.model.loading import load_model, load_tokenizer
@@ -64,15 +65,15 @@ def sandbox_backend(s: SandboxConfig, store: ImageStore) -> SandboxBackend:
                         seccomp=s.seccomp)
 
 
-def train_tasks(t: TrainConfig) -> tuple[list[Task], list[Task]]:
-    """The family instances a run trains on, and its held-out ones."""
-    families = [load_family(t.tasks / name) for name in t.families]
+def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource:
+    """The run's task families (their generators run on `backend`): all their train instances, and
+    train.eval.heldout_per_family held-out ones each."""
+    families = [load_family(t.tasks / name, backend) for name in t.families]
     for f in families:
         if len(f.seeds["heldout"]) < t.eval.heldout_per_family:
             raise ConfigError(f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
                               f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
-    return ([task for f in families for task in f.instances("train")],
-            [task for f in families for task in f.instances("heldout", t.eval.heldout_per_family)])
+    return HarborSource(families, {"heldout": t.eval.heldout_per_family})
 
 
 def pieces(cfg: Config) -> Pieces:
@@ -80,9 +81,10 @@ def pieces(cfg: Config) -> Pieces:
     base = t.model.path or init_tiny(seed=t.model.seed)
     store = image_store(cfg.sandbox, cfg.images)
     backend = sandbox_backend(cfg.sandbox, store)
-    train, heldout = train_tasks(t)
+    source = env_source(t, backend)
     return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
-                  train_tasks=train, eval_tasks=heldout, params=AgentParams.of(t.agent), base_model=Path(base))
+                  train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
+                  params=AgentParams.of(t.agent), base_model=Path(base))
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:

@@ -13,10 +13,11 @@ import os
 import shutil
 import tomllib
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from furlong.paths import cache_dir
+from furlong.sandbox.base import SandboxBackend
 from furlong.tasks import genrun
 from furlong.tasks.loader import load_harbor
 from furlong.tasks.model import Task, TaskError
@@ -38,6 +39,7 @@ class Family:
     description: str
     seeds: dict[str, range]
     digest: str  # of the family's files: instances of an edited generator get a new cache dir
+    backend: SandboxBackend | None = field(default=None, compare=False)  # runs generate.py; None: bwrap
 
     @property
     def cache(self) -> Path:
@@ -68,7 +70,7 @@ class Family:
             batch = missing[i:i + genrun.BATCH_SEEDS]
             tmp = cache / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
-                genrun.generate(self.path, batch, tmp)
+                genrun.generate(self.path, batch, tmp, backend=self.backend)
                 for seed in batch:
                     try:
                         (tmp / str(seed)).rename(cache / str(seed))
@@ -113,7 +115,7 @@ def _family_table(path: Path, name: str) -> dict:
     return conf
 
 
-def load_family(path: Path) -> Family:
+def load_family(path: Path, backend: SandboxBackend | None = None) -> Family:
     name = path.name
     conf = _family_table(path, name)
     seeds = {s: _seed_range(conf.get(f"{s}_seeds"), name, f"{s}_seeds") for s in SPLITS}
@@ -123,4 +125,4 @@ def load_family(path: Path) -> Family:
     if not (path / "generate.py").is_file():
         raise TaskError(name, "generate.py", "missing")
     return Family(name=name, path=path, description=str(conf.get("description", "")),
-                  seeds=seeds, digest=_digest(path))
+                  seeds=seeds, digest=_digest(path), backend=backend)
