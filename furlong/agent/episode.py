@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
-from furlong.metrics.timing import EpisodeTiming
 from furlong.model.chat import Message, ToolCallError, continuation_ids, end_of_turn_id, parse_tool_calls, render_prompt_ids
 from furlong.sandbox.base import Sandbox
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
+from furlong.timing import EpisodeTiming
 
 SYSTEM_PROMPT = ("You are an agent in a Linux terminal. Use the bash tool to complete the task. "
                  "When the task is done, reply without a tool call.")

@@ -35,10 +35,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from furlong.metrics.timing import Clock, EpisodeTiming
 from furlong.sandbox.base import ImageRef, Sandbox, SandboxSpec
+from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import Verdict, verify
+from furlong.timing import Clock, EpisodeTiming
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,6 @@ class Outcome:
     agent_exit_code: int | None = None
     agent_output: str | None = None
     image_note: str | None = None  # e.g. which stand-in served the task's FROM, and its real Python version
-
-
-def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
-    """The one place a task's sandbox is specified (also the warm pools' key)."""
-    return SandboxSpec(image=image, network=task.network, limits=task.limits, syscalls=task.syscalls)
 
 
 def describe(exc: BaseException) -> str:

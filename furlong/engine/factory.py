@@ -13,20 +13,19 @@ import importlib
 import importlib.util
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from furlong.engine.base import Engine
+import torch
 
-if TYPE_CHECKING:
-    from furlong.config import SGLangConfig
+from furlong.config import SGLangConfig
+from furlong.engine.base import Engine, EngineUnavailable
+from furlong.engine.hf import HFEngine
+from furlong.engine.sglang_launch import open_sglang
+from furlong.model.loading import load_model
 
 EngineKind = Literal["hf", "vllm", "sglang"]
 ENGINE_KINDS: tuple[str, ...] = ("hf", "vllm", "sglang")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class EngineUnavailable(ValueError):
-    """The backend asked for cannot be built here (not installed, unknown name, bad checkpoint path)."""
 
 
 def check_checkpoint(path: Path | str, what: str = "model", needs: str = "config.json") -> Path:
@@ -61,11 +60,6 @@ def make_engine(kind: str, model_dir: Path | str, *, adapter: Path | str | None 
 
 
 def _hf_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> Engine:
-    import torch
-
-    from furlong.engine.hf import HFEngine
-    from furlong.model.loading import load_model
-
     model = load_model(model_dir, dtype=getattr(torch, dtype))
     if adapter is not None:
         from peft import PeftModel
@@ -88,9 +82,6 @@ def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -
 
 def _sglang_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int, sglang: SGLangConfig | None,
                    work_dir: Path | None) -> Engine:
-    from furlong.config import SGLangConfig
-    from furlong.engine.sglang_launch import open_sglang
-
     s = sglang or SGLangConfig()
     return open_sglang(model_dir, work_dir=work_dir or Path(tempfile.mkdtemp(prefix="furlong-sglang-")),
                        adapter=adapter, dtype=dtype, seed=seed, url=s.url, python=s.python,

@@ -17,13 +17,8 @@ from typing import Any
 
 import httpx
 
-from furlong.engine.base import CLIENT_KEEPALIVE_S, EngineError, Generation, SamplingParams
+from furlong.engine.base import CLIENT_KEEPALIVE_S, EngineError, EngineUnavailable, Generation, SamplingParams
 from furlong.engine.server import READY_PREFIX
-
-
-class EngineUnavailable(EngineError):
-    """The engine process could not be reached (refused, reset, timed out): it is gone or hung, so the
-    same request may be served by another instance (furlong.engine.router). An HTTP error reply is not this."""
 
 
 class RemoteEngine:

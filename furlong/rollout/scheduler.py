@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from furlong.agent.episode import Episode
+from furlong.rollout.group_filter import filter_zero_variance_groups
 from furlong.rollout.groups import GROUP_STRIDE, Rollouts, plan_step
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
-from furlong.train.grpo import filter_zero_variance_groups
 
 OUTCOMES = ("trained", "dropped_stale", "filtered", "infra_error")
 ATTEMPT_STRIDE = 1_000  # a re-queued copy's group_id: step * GROUP_STRIDE + attempt * ATTEMPT_STRIDE + slot

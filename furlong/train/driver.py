@@ -172,7 +172,7 @@ def _policy_models(cfg: Config, sft_dir: Path):
     """The trainer's model and the engine's: plain copies, or both wrapped with the same LoRA adapters."""
     if not cfg.train.lora.enabled:
         return load_model(sft_dir), load_model(sft_dir)
-    from furlong.train.lora import LoraSpec, wrap_lora
+    from furlong.model.lora import LoraSpec, wrap_lora
 
     lo = cfg.train.lora
     spec = LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets)
@@ -183,7 +183,7 @@ def _weights_for_engine(cfg: Config, trainer: Trainer) -> dict:
     """With LoRA only the adapter tensors travel: the engine's frozen base is already the same."""
     if not cfg.train.lora.enabled:
         return trainer.state_dict_for_engine()
-    from furlong.train.lora import adapter_state_dict
+    from furlong.model.lora import adapter_state_dict
 
     return adapter_state_dict(trainer.model)
 

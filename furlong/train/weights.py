@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
-from furlong.config import Config
+from furlong.config import Config, ConfigError
+from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router
+from furlong.model.loading import load_model
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
@@ -139,9 +141,6 @@ async def _start_engines(n: int, model_dir: Path, updates: str, run_path: Path, 
 
 async def _sglang_link(cfg: Config, run_path: Path, model_dir: Path) -> DirectLink:
     """An SGLang server (started or attached, `train.sglang`) that loads each step's full weights itself."""
-    from furlong.config import ConfigError
-    from furlong.engine.factory import make_engine
-
     if cfg.train.lora.enabled or cfg.train.sync.transport != "direct":
         raise ConfigError("train.engine=sglang supports full-weight updates only: set train.lora.enabled=false "
                           "and train.sync.transport=direct (the server loads each step's checkpoint)")
@@ -167,12 +166,9 @@ def shared_vllm(cfg: Config, sft_dir: Path, run_path: Path):
     """train.engine=vllm: the run's one vLLM engine over the SFT model. With LoRA it runs an adapter of the
     run's spec from the start, a fresh one (lora_B = 0: the identity, so eval_before sees the SFT model);
     RL's adapter-only pushes replace its tensors."""
-    from furlong.engine.factory import make_engine
-
     adapter = None
     if cfg.train.lora.enabled:
-        from furlong.model.loading import load_model
-        from furlong.train.lora import LoraSpec, save_adapter, wrap_lora
+        from furlong.model.lora import LoraSpec, save_adapter, wrap_lora
 
         lo = cfg.train.lora
         fresh = wrap_lora(load_model(sft_dir), LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets))
