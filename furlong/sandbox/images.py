@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from furlong.paths import cache_dir, check_traversable
-from furlong.sandbox import buildah, imports, layers, registry, rootless, standins
 from furlong.sandbox import dockerfile as df
+from furlong.sandbox import buildah, imports, layers, registry, rootless, standins
 from furlong.sandbox.base import ImageRef, Limits, SandboxError, SandboxSpec
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.bwrap import BASE_ENV, DEFAULT_HOST_UID
