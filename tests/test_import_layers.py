@@ -15,9 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "furlong"
 
 # Function-level imports of furlong modules allowed outside cli.py (whose lazy imports keep `--help` fast).
-# Each one defers an optional, heavy third-party import; a cycle is never a reason: move the shared piece down.
+# Each defers a heavy third-party import that only one path needs; a cycle is never a reason (the contracts
+# see function-level imports too): move the shared piece down instead.
 LAZY_ALLOWED = {
-    "furlong.model.lora": "imports peft, which only a run with LoRA needs",
+    "furlong.model.lora": "peft: only a run with LoRA needs it",
+    "furlong.model.loading": "transformers (seconds): `furlong eval` with a scripted agent never loads a model",
+    "furlong.engine.hf": "torch and transformers: engine.factory serves vllm and sglang without them",
+    "furlong.engine.sglang_launch": "torch (through engine.sglang): only the sglang engine needs it",
 }
 
 

@@ -15,13 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from furlong.config import SGLangConfig
 from furlong.engine.base import Engine, EngineUnavailable
-from furlong.engine.hf import HFEngine
-from furlong.engine.sglang_launch import open_sglang
-from furlong.model.loading import load_model
 
 EngineKind = Literal["hf", "vllm", "sglang"]
 ENGINE_KINDS: tuple[str, ...] = ("hf", "vllm", "sglang")
@@ -60,6 +55,11 @@ def make_engine(kind: str, model_dir: Path | str, *, adapter: Path | str | None 
 
 
 def _hf_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> Engine:
+    import torch
+
+    from furlong.engine.hf import HFEngine
+    from furlong.model.loading import load_model
+
     model = load_model(model_dir, dtype=getattr(torch, dtype))
     if adapter is not None:
         from peft import PeftModel
@@ -82,6 +82,8 @@ def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -
 
 def _sglang_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int, sglang: SGLangConfig | None,
                    work_dir: Path | None) -> Engine:
+    from furlong.engine.sglang_launch import open_sglang
+
     s = sglang or SGLangConfig()
     return open_sglang(model_dir, work_dir=work_dir or Path(tempfile.mkdtemp(prefix="furlong-sglang-")),
                        adapter=adapter, dtype=dtype, seed=seed, url=s.url, python=s.python,

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import hashlib
 
-import torch
-
 from furlong.agent.episode import AgentParams, ModelAgent
 from furlong.config import Config, EvalConfig
 from furlong.engine.base import Engine, EngineUnavailable, SamplingParams
 from furlong.engine.factory import check_checkpoint, make_engine
-from furlong.model.loading import ModelLoadError, load_tokenizer
 from furlong.seeding import mix_seed
 from furlong.tasks.model import Task
 
@@ -64,6 +61,10 @@ class ModelAgents:
 def model_agents(cfg: Config) -> ModelAgents:
     """The engine (eval.engine) over eval.model (+ eval.adapter) and its tokenizer; the flags must have
     passed check_model_flags."""
+    import torch
+
+    from furlong.model.loading import ModelLoadError, load_tokenizer
+
     e = cfg.eval
     assert e.model is not None  # check_model_flags ran
     torch.set_num_threads(cfg.train.torch_threads)
