@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from furlong.metrics.episodes import read_jsonl  # noqa: E402
 from cpuload import CpuMeter  # noqa: E402
 from runs import ci, fork_before_rl, train  # noqa: E402
-from furlong.report.stats import bootstrap_mean  # noqa: E402
+from furlong.metrics.stats import bootstrap_mean  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "async_vs_sync.json"
 RECIPE = "recipes/async-bench.yaml"

@@ -32,7 +32,7 @@ from runs import ROOT, ci, summary, train
 
 from furlong.config import load_config
 from furlong.metrics.gains import eval_passes
-from furlong.report.stats import bootstrap_mean, bootstrap_paired_diff
+from furlong.metrics.stats import bootstrap_mean, bootstrap_paired_diff
 from furlong.tasks.family import load_family
 
 RESULTS = ROOT / "bench" / "results" / "rl_vs_sft.json"

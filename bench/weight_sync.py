@@ -52,11 +52,11 @@ from furlong.config import RECIPES, load_config
 from furlong.engine import Generation, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import init_tiny, load_model
+from furlong.model.lora import adapter_state_dict, trainable_model, wrap_lora
 from furlong.sync import InProcessTransport
 from furlong.sync.adapter import AdapterPublisher
 from furlong.train import LocalTrainer
 from furlong.build import grpo_config
-from furlong.train.lora import adapter_state_dict, trainable_model, wrap_lora
 
 Model = dict[str, torch.Tensor]
 RESULTS = Path(__file__).parent / "results" / "weight_sync.json"

@@ -15,6 +15,7 @@ import torch
 
 from furlong.agent.episode import AgentParams
 from furlong.config import Config, ConfigError, ImagesConfig, SandboxConfig, TrainConfig
+from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.envs.harbor import HarborSource
 from furlong.engine.remote import RemoteEngine
@@ -96,7 +97,7 @@ def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
     model = load_model(sft_dir)
     if not t.lora.enabled:
         return model
-    from furlong.train.lora import LoraSpec, wrap_lora  # peft loads slowly: only LoRA runs need it
+    from furlong.model.lora import LoraSpec, wrap_lora  # peft loads slowly: only LoRA runs need it
 
     return wrap_lora(model, LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, targets=t.lora.targets), seed=seed)
 
@@ -122,11 +123,9 @@ def shared_engine(cfg: Config, sft_dir: Path, run_path: Path):
     identity, so eval_before sees the SFT model); RL's adapter-only pushes replace its tensors. Else None."""
     if cfg.train.engine != "vllm":
         return None
-    from furlong.engine.factory import make_engine
-
     adapter = None
     if cfg.train.lora.enabled:
-        from furlong.train.lora import save_adapter
+        from furlong.model.lora import save_adapter
 
         adapter = save_adapter(policy_model(cfg.train, sft_dir), run_path / "vllm-adapter")
     return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
@@ -195,8 +194,6 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None) -
 
 async def _sglang_link(cfg: Config, run_path: Path, sft_dir: Path) -> DirectLink:
     """An SGLang server (started or attached, train.sglang) that loads each step's full weights itself."""
-    from furlong.engine.factory import make_engine
-
     if cfg.train.lora.enabled or cfg.train.sync.transport != "direct":
         raise ConfigError("train.engine=sglang supports full-weight updates only: set train.lora.enabled=false "
                           "and train.sync.transport=direct (the server loads each step's checkpoint)")

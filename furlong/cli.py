@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from furlong.config import Config, ConfigError, load_config
+from furlong.engine.base import EngineUnavailable
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.sandbox.base import SandboxError
 
@@ -144,7 +145,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from furlong.eval.agents import make_agent
     from furlong.eval.model import check_model_flags
     from furlong.eval.run import print_table, summarize
-    from furlong.tasks.loader import load_suite
+    from furlong.tasks.suite import load_suite
 
     cfg = _config(args, {"tasks": "eval.tasks", "agent": "eval.agent", "concurrency": "eval.concurrency",
                          "out": "eval.out", "split": "eval.split", "per_family": "eval.per_family",
@@ -214,7 +215,7 @@ def cmd_image(args: argparse.Namespace) -> int:
     console.print(f"base image: {store.root / store.base_key()}")
     if args.tasks:
         from furlong.eval.run import prepare_images
-        from furlong.tasks.loader import load_tasks
+        from furlong.tasks.suite import load_tasks
 
         images = asyncio.run(prepare_images(load_tasks(args.tasks, split="all"), store, backend, console))
         failed = [v for v in images.values() if isinstance(v, str)]
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report}
     try:
         return handlers[args.command](args)
-    except (ConfigError, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:
+    except (ConfigError, EngineUnavailable, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:
         _error(exc)  # bad input (a TaskError, a ModelLoadError...): the message names the key, file or path
         return 2
     except SandboxError as exc:  # an image build or sandbox start the host cannot do: its message says why

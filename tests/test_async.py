@@ -24,7 +24,6 @@ from furlong.metrics.episodes import read_jsonl
 from furlong.metrics.run import RunDir
 from furlong.report.data import load_run
 from furlong.report.timing import episode_lags
-from furlong.metrics.timing import EpisodeTiming
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import OUTCOMES, GroupStream, Scheduler
@@ -32,6 +31,7 @@ from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.pool import WarmPools, fixed_image
 from furlong.build import grpo_config
 from furlong.run.driver import rl_steps
+from furlong.timing import EpisodeTiming
 from furlong.train.grpo import OffPolicy, policy_loss
 from furlong.train.trainer import LocalTrainer
 from furlong.train.weights import DirectLink
@@ -279,7 +279,7 @@ def test_report_measures_lag_at_the_step_that_trained_a_group_not_the_one_it_was
     not 0 (the plan step's version); a group dropped as stale was never trained, so it has no lag and is
     not in its step's reward."""
     from furlong.metrics.episodes import EpisodeLog
-    from furlong.report.sections import by_step
+    from furlong.report.parts import by_step
 
     run = RunDir.create(tmp_path / "run", {})
     for step in range(3):  # each step updates the weights: step s trains at version s

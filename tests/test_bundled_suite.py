@@ -10,7 +10,7 @@ from conftest import run
 from furlong.config import BUNDLED_TASKS
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.run import run_eval
-from furlong.tasks.loader import load_tasks
+from furlong.tasks.suite import load_tasks
 
 QUIET = Console(file=open(os.devnull, "w"))
 

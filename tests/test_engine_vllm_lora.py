@@ -17,11 +17,11 @@ from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.factory import make_engine
 from furlong.engine.vllm import vllm_available
 from furlong.model.loading import load_model
+from furlong.model.lora import LoraSpec, adapter_state_dict, save_adapter, wrap_lora
 from furlong.model.tiny import init_tiny
 from furlong.sync.adapter import AdapterPublisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
-from furlong.train.lora import LoraSpec, adapter_state_dict, save_adapter, wrap_lora
 from furlong.train.logprobs import token_logprobs
 from test_engine_vllm import loop  # noqa: F401  (the module's event loop fixture)
 

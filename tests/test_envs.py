@@ -15,7 +15,7 @@ from furlong.agent.tools import ToolRunner
 from furlong.engine.base import Generation, SamplingParams
 from furlong.agent.runner import AgentRun, run_outcome
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError
-from furlong.metrics.timing import Clock
+from furlong.timing import Clock
 from furlong.model.chat import Message, ToolCall, assistant_ids
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts, plan_step

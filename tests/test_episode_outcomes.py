@@ -15,7 +15,7 @@ from conftest import run, spec
 from furlong.agent.runner import STATUSES, AgentRun, run_outcome
 from furlong.engine.hf import HFEngine
 from furlong.eval.agents import NoopAgent, OracleAgent
-from furlong.eval.harness import run_episode
+from furlong.eval.harness import run_task_episode
 from furlong.eval.run import run_eval, summarize
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts, pass_rate, plan_step
@@ -136,7 +136,7 @@ def test_killing_the_init_does_nothing_and_a_dead_sandbox_is_scored_zero(backend
 def test_a_sandbox_that_cannot_start_is_infra_error(backend, base_image, tmp_path: Path):
     task = make_task(tmp_path, "t", "t", REWARD_IF_DONE)
     missing = ImageRef(digest="missing", layers=(LayerRef("missing", "no-such-layer"),))
-    res = run(run_episode(task, OracleAgent(), backend, missing))
+    res = run(run_task_episode(task, OracleAgent(), backend, missing))
     assert (res.reward, res.status) == (None, "infra_error") and res.error.startswith("sandbox did not start")
 
     async def pooled():

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from conftest import run
 from furlong.eval.agents import AgentRun, NoopAgent, OracleAgent
-from furlong.eval.harness import run_episode
+from furlong.eval.harness import run_task_episode
 from furlong.eval.run import run_eval
 from furlong.tasks.loader import load_task
 
@@ -34,7 +34,7 @@ PASS_IF_FILE = "test -f /app/done && echo 1 > /logs/verifier/reward.txt || echo 
 
 
 def _episode(backend, image, d: Path, agent=None):
-    return run(run_episode(load_task(d), agent or OracleAgent(), backend, image))
+    return run(run_task_episode(load_task(d), agent or OracleAgent(), backend, image))
 
 
 def test_oracle_scores_one_and_noop_zero_with_timing(backend, base_image, tmp_path: Path):

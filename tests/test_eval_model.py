@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from furlong.engine.factory import EngineUnavailable, make_engine
+from furlong.engine.base import EngineUnavailable
+from furlong.engine.factory import make_engine
 from furlong.eval.harness import EpisodeResult
 from furlong.eval.passk import ks_for, pass_at_k
 from furlong.eval.run import summarize
-from furlong.metrics.timing import EpisodeTiming
+from furlong.timing import EpisodeTiming
 
 SMOKE = ["train.families=[count-in-file]", "train.sft.instances_per_family=4", "train.sft.epochs=1",
          "train.sft.batch_size=4", "train.rl.steps=1", "train.rl.tasks_per_step=2", "train.rl.group_size=2",

@@ -53,7 +53,7 @@ def test_export_loads_with_plain_transformers_and_gives_the_same_logits(tiny_dir
 def test_lora_export_is_a_merged_model_plus_a_peft_adapter(tiny_dir: Path, tmp_path: Path):
     from peft import PeftModel
 
-    from furlong.train.lora import LoraSpec, wrap_lora
+    from furlong.model.lora import LoraSpec, wrap_lora
 
     policy = wrap_lora(load_model(tiny_dir), LoraSpec(rank=4, alpha=8))
     _perturb(policy, 0.05, only="lora_B")  # lora_B starts at zero: without this the adapter is the identity

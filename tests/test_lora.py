@@ -18,11 +18,11 @@ from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.engine import SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import load_model
-from furlong.sync.adapter import AdapterPublisher, tensor_bytes
+from furlong.sync.adapter import AdapterPublisher, state_dict_nbytes
 from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
 from furlong.train import LocalTrainer, token_logprobs
-from furlong.train.lora import (
+from furlong.model.lora import (
     LoraSpec,
     adapter_state_dict,
     base_state_dict,
@@ -158,7 +158,7 @@ def test_peft_format_save_load(small_dir: Path, tmp_path: Path) -> None:
 
 def test_adapter_is_small_fraction_of_model(small_dir: Path) -> None:
     peft = wrap_lora(load_model(small_dir))
-    adapter, full = tensor_bytes(adapter_state_dict(peft)), tensor_bytes(peft.state_dict())
+    adapter, full = state_dict_nbytes(adapter_state_dict(peft)), state_dict_nbytes(peft.state_dict())
     print(f"raw adapter/full (fp32): {adapter}/{full} = {adapter / full:.4f}")
     assert adapter / full < 0.1
 

@@ -18,8 +18,8 @@ import pytest
 from furlong.agent.episode import Episode
 from furlong.metrics.diagnostics import group_wait, kv_held_tool_wait, sample_lag
 from furlong.metrics.episodes import EpisodeLog, drop_episodes_after, read_jsonl
-from furlong.metrics.timing import EpisodeTiming
-from furlong.report.stats import bootstrap_diff, bootstrap_mean, bootstrap_ratio
+from furlong.metrics.stats import bootstrap_diff, bootstrap_mean, bootstrap_ratio
+from furlong.timing import EpisodeTiming
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, TASKS, GROUP, HELDOUT = 2, 2, 2, 2  # smoke recipe, 2 RL steps: the fewest that give two halves

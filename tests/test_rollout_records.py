@@ -10,10 +10,10 @@ import pytest
 from furlong.agent.episode import Episode
 from furlong.metrics.diagnostics import StepWindow
 from furlong.metrics.run import metrics_row
-from furlong.metrics.timing import EpisodeTiming
+from furlong.timing import EpisodeTiming
 from furlong.rollout.records import batch_metrics, rollout_metrics, settled_records
 from furlong.rollout.scheduler import Batch, Group, GroupSpec, GroupStream
-from furlong.train.grpo import filter_zero_variance_groups
+from furlong.rollout.group_filter import filter_zero_variance_groups
 from tests_support import make_task
 
 

@@ -13,9 +13,10 @@ import pytest
 
 from conftest import run
 from furlong.eval.agents import AgentRun, OracleAgent
-from furlong.eval.harness import run_episode
-from furlong.tasks.loader import BrokenTask, load_suite, load_task, load_tasks
+from furlong.eval.harness import run_task_episode
+from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
+from furlong.tasks.suite import BrokenTask, load_suite, load_tasks
 from furlong.tasks.verifier import OUTPUT_TAIL_CHARS, output_tail
 from test_eval import PASS_IF_FILE, task_dir
 
@@ -138,7 +139,7 @@ NO_REWARD_IF_MARKED = ("if [ -f /tmp/agent-was-here ]; then echo 'in the agent s
 
 def test_after_a_control_run_the_record_is_the_agents_sandbox_verifier(backend, base_image, tmp_path: Path):
     task = load_task(task_dir(tmp_path, "marked", NO_REWARD_IF_MARKED))
-    res = run(run_episode(task, MarkerAgent(), backend, base_image))
+    res = run(run_task_episode(task, MarkerAgent(), backend, base_image))
     assert (res.status, res.reward, res.verifier_exit_code) == ("agent_broke_sandbox", 0.0, 5)
     assert res.verifier_output == "in the agent sandbox\n"
     assert (res.agent_exit_code, res.agent_output) == (None, None)  # this agent reports no last command
@@ -146,7 +147,7 @@ def test_after_a_control_run_the_record_is_the_agents_sandbox_verifier(backend, 
 
 def test_a_task_bug_records_the_tests_output(backend, base_image, tmp_path: Path):
     task = load_task(task_dir(tmp_path, "silent", "echo 'forgot the reward'; exit 1\n", "echo solved"))
-    res = run(run_episode(task, OracleAgent(), backend, base_image))
+    res = run(run_task_episode(task, OracleAgent(), backend, base_image))
     assert (res.status, res.reward) == ("infra_error", None) and "task bug" in res.error
     assert (res.verifier_exit_code, res.verifier_output) == (1, "forgot the reward\n")
     assert (res.agent_exit_code, res.agent_output) == (0, "solved\n")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from furlong.tasks.family import load_family
-from furlong.tasks.loader import load_task, load_tasks
+from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
+from furlong.tasks.suite import load_tasks
 
 TOML = """\
 version = "1.0"

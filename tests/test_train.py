@@ -15,9 +15,9 @@ from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.engine import Generation, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import load_model
+from furlong.rollout.group_filter import filter_zero_variance_groups
 from furlong.train import (
     LocalTrainer,
-    filter_zero_variance_groups,
     group_advantages,
     logprobs_from_logits,
     policy_loss,

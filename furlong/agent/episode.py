@@ -19,9 +19,9 @@ from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
 from furlong.envs.base import EnvSpec, Environment, Toolbox
-from furlong.metrics.timing import EpisodeTiming
 from furlong.model.chat import Message, ToolCallError, continuation_ids, end_of_turn_id, parse_tool_calls, render_prompt_ids
 from furlong.seeding import mix_seed
+from furlong.timing import EpisodeTiming
 
 if TYPE_CHECKING:
     from furlong.config import AgentConfig

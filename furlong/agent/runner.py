@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from furlong.envs.base import EnvSpec, Environment, EnvUnavailable, EpisodeEnv, Score, Toolbox, describe
 from furlong.envs.harbor import GuardedSandbox, HarborEnv, SandboxSource, sandbox_spec
-from furlong.metrics.timing import Clock, EpisodeTiming
+from furlong.timing import Clock, EpisodeTiming
 
 __all__ = ["AGENT_GRACE_S", "STATUSES", "Agent", "AgentRun", "GuardedSandbox", "Outcome", "SandboxSource",
            "describe", "environment", "run_outcome", "sandbox_spec"]

@@ -14,6 +14,13 @@ class EngineError(RuntimeError):
     """The engine could not serve a request (bad input, closed engine, failed forward pass)."""
 
 
+class EngineUnavailable(EngineError):
+    """No engine to serve here: the backend asked for cannot be built (not installed, unknown name, bad
+    checkpoint path), or an engine process could not be reached (refused, reset, timed out): it is gone or
+    hung, so the same request may be served by another instance (furlong.engine.router). An HTTP error reply
+    is not this."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion.

@@ -13,20 +13,14 @@ import importlib
 import importlib.util
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from furlong.engine.base import Engine
-
-if TYPE_CHECKING:
-    from furlong.config import SGLangConfig
+from furlong.config import SGLangConfig
+from furlong.engine.base import Engine, EngineUnavailable
 
 EngineKind = Literal["hf", "vllm", "sglang"]
 ENGINE_KINDS: tuple[str, ...] = ("hf", "vllm", "sglang")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class EngineUnavailable(ValueError):
-    """The backend asked for cannot be built here (not installed, unknown name, bad checkpoint path)."""
 
 
 def check_checkpoint(path: Path | str, what: str = "model", needs: str = "config.json") -> Path:
@@ -88,7 +82,6 @@ def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -
 
 def _sglang_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int, sglang: SGLangConfig | None,
                    work_dir: Path | None) -> Engine:
-    from furlong.config import SGLangConfig
     from furlong.engine.sglang_launch import open_sglang
 
     s = sglang or SGLangConfig()

@@ -28,6 +28,7 @@ from furlong.engine.base import EngineError, FinishReason, Generation, SamplingP
 from furlong.engine.kv import KV, DecodeBatch, PrefillRow, prefill
 from furlong.engine.prefix import PrefixCache
 from furlong.engine.sampling import sample_next
+from furlong.model.loading import load_model
 
 
 @dataclass
@@ -117,8 +118,6 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> HFEngine:
-        from furlong.model.loading import load_model  # engine must not need the model layer otherwise
-
         return cls(load_model(path, dtype=dtype), **kwargs)
 
     @property

@@ -17,15 +17,10 @@ from typing import Any
 
 import httpx
 
-from furlong.engine.base import EngineError, Generation, SamplingParams
+from furlong.engine.base import EngineError, EngineUnavailable, Generation, SamplingParams
 from furlong.engine.server import READY_PREFIX
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
 from furlong.sync.transport import UPDATES_TOKEN_ENV
-
-
-class EngineUnavailable(EngineError):
-    """The engine process could not be reached (refused, reset, timed out): it is gone or hung, so the
-    same request may be served by another instance (furlong.engine.router). An HTTP error reply is not this."""
 
 
 class RemoteEngine:

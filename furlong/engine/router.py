@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from furlong.engine.base import EngineError, Generation, SamplingParams
-from furlong.engine.remote import EngineUnavailable, RemoteEngine
+from furlong.engine.base import EngineError, EngineUnavailable, Generation, SamplingParams
+from furlong.engine.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

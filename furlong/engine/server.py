@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.engine.serve_args import add_serve_arguments
+from furlong.model.loading import load_model
 from furlong.sync.relay import Relay, SyncFailed
 from furlong.sync.serving import SERVER_KEEPALIVE_S, bound_socket
 from furlong.sync.transport import UPDATES_TOKEN_ENV, DirectoryTransport, HttpTransport, Transport
@@ -111,11 +112,9 @@ def build_app(engine: HFEngine, relay: Relay | None) -> FastAPI:
 
 
 def _load_engine(args: argparse.Namespace) -> HFEngine:
-    from furlong.model.loading import load_model
-
     model = load_model(args.model)
     if args.lora:
-        from furlong.train.lora import LoraSpec, wrap_lora
+        from furlong.model.lora import LoraSpec, wrap_lora
 
         spec = json.loads(args.lora)
         model = wrap_lora(model, LoraSpec(rank=spec["rank"], alpha=spec["alpha"], targets=tuple(spec["targets"])))

@@ -2,7 +2,7 @@
 
 vLLM 0.32 takes adapters only as PEFT directories (adapter_config.json + adapter_model.safetensors) named by
 a `LoRARequest(lora_name, lora_int_id, lora_path)`. So an adapter update (PEFT-named `...lora_A.weight` /
-`...lora_B.weight` tensors, as furlong.train.lora and furlong.sync.adapter publish them) is merged into the
+`...lora_B.weight` tensors, as furlong.model.lora and furlong.sync.adapter publish them) is merged into the
 current tensors, written as a new directory and loaded under a fresh id and name; the old one is removed.
 The fresh name matters beyond bookkeeping: vLLM keys its prefix cache by the LoRA name and path, so KV blocks
 computed under an older adapter are never reused for a newer one.

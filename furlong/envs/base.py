@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from furlong.metrics.timing import Clock
+from furlong.timing import Clock
 
 
 class EnvSpec(Protocol):

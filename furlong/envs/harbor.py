@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
-from furlong.metrics.timing import Clock
+from furlong.timing import Clock
 from furlong.sandbox.base import ImageRef, Sandbox, SandboxSpec
+from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import Verdict, verify
@@ -44,11 +45,6 @@ class SandboxSource(Protocol):
     def reserve(self, task: Task) -> None: ...  # an episode of `task` is coming: start its sandbox ahead
 
     async def acquire(self, spec: SandboxSpec) -> Sandbox: ...  # started: it answered a first command
-
-
-def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
-    """The one place a task's sandbox is specified (also the warm pools' key)."""
-    return SandboxSpec(image=image, network=task.network, limits=task.limits, syscalls=task.syscalls)
 
 
 class GuardedSandbox:

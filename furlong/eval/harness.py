@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from furlong.agent.runner import STATUSES, Agent, Outcome, SandboxSource, run_outcome
-from furlong.metrics.timing import EpisodeTiming
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
-from furlong.tasks.loader import BrokenTask
 from furlong.tasks.model import Task
+from furlong.tasks.suite import BrokenTask
+from furlong.timing import EpisodeTiming
 
-__all__ = ["STATUSES", "EpisodeResult", "run_episode", "run_agent"]
+__all__ = ["STATUSES", "EpisodeResult", "run_task_episode", "run_agent"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,6 @@ async def run_agent(task: Task, agent: Agent, sandboxes: SandboxSource, sample: 
                             getattr(agent, "response_len", None), getattr(agent, "response_sha", None))
 
 
-async def run_episode(task: Task, agent: Agent, backend, image: ImageRef) -> EpisodeResult:
+async def run_task_episode(task: Task, agent: Agent, backend, image: ImageRef) -> EpisodeResult:
     """One episode in a fresh sandbox of `image`."""
     return await run_agent(task, agent, FreshSandboxes(backend, fixed_image(image)))

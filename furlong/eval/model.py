@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from furlong.agent.episode import AgentParams, ModelAgent
 from furlong.config import Config, EvalConfig
-from furlong.engine.base import Engine, SamplingParams
-from furlong.engine.factory import check_checkpoint
+from furlong.engine.base import Engine, EngineUnavailable, SamplingParams
+from furlong.engine.factory import check_checkpoint, make_engine
 from furlong.seeding import eval_seed
 from furlong.tasks.model import Task
 
@@ -57,7 +57,6 @@ def model_agents(cfg: Config) -> ModelAgents:
     passed check_model_flags."""
     import torch
 
-    from furlong.engine.factory import EngineUnavailable, make_engine
     from furlong.model.loading import ModelLoadError, load_tokenizer
 
     e = cfg.eval
@@ -66,6 +65,6 @@ def model_agents(cfg: Config) -> ModelAgents:
     try:
         tokenizer = load_tokenizer(e.model)  # first: a checkpoint without a chat template fails before loading
         engine = make_engine(e.engine, e.model, adapter=e.adapter, seed=e.seed)
-    except ModelLoadError as exc:  # the CLI prints ValueErrors as one line
+    except ModelLoadError as exc:  # the CLI prints EngineUnavailable as one line
         raise EngineUnavailable(f"--model: {exc}") from None
     return ModelAgents(engine, tokenizer, AgentParams.of(cfg.train.agent), e.temperature, e.seed)

@@ -20,8 +20,8 @@ from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import FreshSandboxes
 from furlong.sandbox.toolchain import ToolchainImages
-from furlong.tasks.loader import BrokenTask
 from furlong.tasks.model import Task
+from furlong.tasks.suite import BrokenTask
 
 
 async def prepare_images(tasks: list[Task], store: ImageStore, backend, console: Console) -> dict:

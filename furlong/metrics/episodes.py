@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from furlong.metrics.timing import PARTS
+from furlong.timing import PARTS
 
 if TYPE_CHECKING:  # the report reads records without importing the agent (and its model stack)
     from furlong.agent.episode import Episode

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from furlong.metrics.episodes import FILENAME, read_jsonl
 from furlong.metrics.outcomes import passed
-from furlong.report.stats import bootstrap_mean, bootstrap_paired_diff
+from furlong.metrics.stats import bootstrap_mean, bootstrap_paired_diff
 
 
 def eval_passes(run_path: Path, phase: str) -> dict[str, tuple[str, bool]]:

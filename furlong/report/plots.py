@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import numpy as np  # noqa: E402
 
-from furlong.report.stats import Estimate  # noqa: E402
+from furlong.metrics.stats import Estimate  # noqa: E402
 
 SIZE = (7.0, 3.4)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from furlong.metrics.episodes import COMPONENTS
+from furlong.metrics.stats import Estimate, bootstrap_mean
 from furlong.report import plots
 from furlong.report.data import RunData
 from furlong.report.document import Heading, Image, Table
-from furlong.report.sections import FRACTIONS, NO_RECORDS, Section
-from furlong.report.stats import Estimate, bootstrap_mean
+from furlong.report.parts import FRACTIONS, NO_RECORDS, Section
 
 PHASE_ORDER = ("rl", "eval_before", "eval_after")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from furlong.metrics.episodes import COMPONENTS
+from furlong.metrics.stats import bootstrap_diff, bootstrap_mean, bootstrap_ratio
 from furlong.report.data import RunData
 from furlong.report.document import Heading, Para, Table
-from furlong.report.sections import Section, by_step
-from furlong.report.stats import bootstrap_diff, bootstrap_mean, bootstrap_ratio
+from furlong.report.parts import Section, by_step
 from furlong.report.timing import component_samples
 
 ASSUMPTION = ("Assumption: only model_wait (time an episode waits on generation) shrinks, by k; sandbox start, "

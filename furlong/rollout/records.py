@@ -10,7 +10,7 @@ from furlong.agent.episode import Episode
 from furlong.metrics.episodes import episode_record
 from furlong.metrics.outcomes import status_counts
 from furlong.rollout.scheduler import OUTCOMES, Batch, Group
-from furlong.train.grpo import filter_zero_variance_groups
+from furlong.rollout.group_filter import filter_zero_variance_groups
 
 TIME_PARTS = ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")
 

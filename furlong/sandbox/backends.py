@@ -1,11 +1,12 @@
 """The one place a sandbox backend is chosen by name (config `sandbox.backend`).
 
-Each kind is imported only when picked, so a backend's dependencies stay optional.
+A kind whose dependencies are optional (a remote host's client, a VM runner) is imported only when picked.
 """
 
 from __future__ import annotations
 
-from furlong.sandbox.base import DEFAULT_OUTPUT_CAP, LayerSource, SandboxBackend, SandboxError
+from furlong.sandbox.base import DEFAULT_HOST_UID, DEFAULT_OUTPUT_CAP, LayerSource, SandboxBackend, SandboxError
+from furlong.sandbox.bwrap import BwrapBackend
 
 KINDS = ("bwrap",)
 
@@ -14,8 +15,6 @@ def make_backend(kind: str, *, layers: LayerSource | None = None, host_uid: int 
                  output_cap: int | None = None, seccomp: bool = True) -> SandboxBackend:
     """A backend of `kind`, resolving image layers through `layers` (an ImageStore)."""
     if kind == "bwrap":
-        from furlong.sandbox.bwrap import DEFAULT_HOST_UID, BwrapBackend
-
         return BwrapBackend(host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
                             output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,
                             seccomp=seccomp, layers=layers)

@@ -14,6 +14,7 @@ BASE_ENV = {  # what every sandbox's environment starts from, before its image's
     "TERM": "dumb",
     "DEBIAN_FRONTEND": "noninteractive",
 }
+DEFAULT_HOST_UID = 61000  # used only when furlong runs as root; an otherwise unused uid
 
 
 class SandboxError(RuntimeError):

@@ -32,14 +32,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from furlong.sandbox import heredoc, netns
-from furlong.sandbox.base import ImageRef, SandboxError
+from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef, SandboxError
+from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.dockerfile import DockerfileError
 from furlong.sandbox.flatten import flatten_to_tar
-from furlong.sandbox.images import ImageBuildError, ImageStore, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.layertar import LayerWriter, UnpackError, apply_tar_output
 from furlong.sandbox.registry import RegistryError
+
+if TYPE_CHECKING:
+    from furlong.sandbox.images import ImageStore  # it calls image() below for Dockerfiles it cannot build
 
 FORMAT = "1"  # bump when the export or the key changes
 _STEP = re.compile(r"^(?:\[(\d+)/\d+\] )?STEP (\d+)/\d+: (\S+)")
@@ -66,8 +70,6 @@ def _build_network():
     host's (its loopback services included), so the build runs inside a fenced pasta namespace, as a
     networked sandbox does. A user's rootless buildah keeps the user's own network (documented)."""
     if os.geteuid() == 0:
-        from furlong.sandbox.bwrap import DEFAULT_HOST_UID
-
         return netns.joined(DEFAULT_HOST_UID)
     return contextlib.nullcontext([])
 

@@ -21,6 +21,7 @@ from furlong.paths import cache_dir
 from furlong.sandbox import cgroups, hostpython, native, netns, seccomp
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
+    DEFAULT_HOST_UID,
     BASE_ENV,
     DEFAULT_OUTPUT_CAP,
     ExecResult,
@@ -30,11 +31,11 @@ from furlong.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
 from furlong.sandbox.shell import wrap
 from furlong.sandbox.tarball import tar_dir
 
 log = logging.getLogger(__name__)
-DEFAULT_HOST_UID = 61000  # used only when furlong runs as root; an otherwise unused uid
 REPLY_GRACE_S = 5.0  # how long past a command's own timeout the host waits before calling the sandbox dead
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
 SHM_MB = 64  # /dev/shm, as Docker sizes it
@@ -109,8 +110,6 @@ class BwrapBackend:
     @property
     def layers(self) -> LayerSource:
         if self._layers is None:
-            from furlong.sandbox.images import ImageStore  # it builds through backends like this one
-
             self._layers = ImageStore(host_uid=self.host_uid)
         return self._layers
 

@@ -15,22 +15,19 @@ stand-in's note says what the image really is; ImageRef.note carries it.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import imports, layers, registry, rootless, standins
-from furlong.sandbox.base import BASE_ENV, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
+from furlong.sandbox import buildah, imports, layers, registry, rootless, standins
+from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
+from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.tarball import tar_dir
 
 FORMAT = "4"  # bump when the layout or the base recipe changes, so old caches are not reused
@@ -39,51 +36,10 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BUILD_LIMITS = Limits(cpus=2.0, memory_mb=4096, pids=2048, lifetime_s=3600)
 APT_CONF = 'APT::Sandbox::User "root";\n'  # apt cannot switch to _apt: only one uid is mapped
 
-Progress = Callable[[str], None]
-
-
-class ImageBuildError(SandboxError):
-    pass
-
-
-def _sha(*parts: str | bytes) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode() if isinstance(part, str) else part)
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-def _rmtree(path: Path) -> None:
-    """Removes a build's tree, also as an ordinary user, whose overlay work dirs are mode 000 and
-    whose image may hold read-only directories (root ignores modes; an owner must chmod first)."""
-    if not path.exists():
-        return
-    if os.geteuid() != 0 and not path.is_symlink():
-        os.chmod(path, 0o700)
-        for dirpath, dirnames, _ in os.walk(path):  # top-down: each child is opened before descent
-            for name in dirnames:
-                child = os.path.join(dirpath, name)
-                if not os.path.islink(child):
-                    os.chmod(child, 0o700)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@contextmanager
-def _locked(path: Path):
-    """A cross-process lock, so two runs never build the same image at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
 class ImageStore:
     def __init__(self, root: Path | None = None, host_uid: int | None = None,
                  mirror: str | None = None, build_timeout_s: float = 1800.0,
                  pulls: registry.Settings | None = None):
-        from furlong.sandbox.bwrap import DEFAULT_HOST_UID
-
         self.root = root or cache_dir() / "images"
         # the sandbox uid, as the bwrap backend picks it: the given one as root, else this process's own
         self.host_uid = (DEFAULT_HOST_UID if host_uid is None else host_uid) if os.geteuid() == 0 else os.geteuid()
@@ -291,8 +247,6 @@ class ImageStore:
 
     async def _resolve(self, dockerfile: Path, backend, progress: Progress) -> ImageRef:
         if why := df.outside_subset(dockerfile):  # multi-stage, ARG, USER, heredocs...: buildah builds it
-            from furlong.sandbox import buildah  # it builds on this module
-
             self._resolved[dockerfile] = await buildah.image(self, dockerfile, backend, progress, why)
             return self._resolved[dockerfile]
         imported = registry.FromNames(await asyncio.to_thread(imports.names, self.root))  # or any reference

@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
-from furlong.agent.runner import sandbox_spec
 from furlong.sandbox.base import ImageRef, Sandbox, SandboxError, SandboxSpec
+from furlong.sandbox.toolchain import build, stack
+
+if TYPE_CHECKING:
+    from furlong.tasks.model import Task  # the tasks layer builds on this one
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +24,11 @@ READY_TIMEOUT_S = 30.0  # for a new sandbox to answer its first command
 MAX_START_FAILURES = 3  # in a row, for one acquire, before it gives up (the episode is then infra_error)
 
 ImageLookup = Callable[[object], Awaitable[ImageRef]]  # task -> its built image
+
+
+def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
+    """The one place a task's sandbox is specified (also the warm pools' key)."""
+    return SandboxSpec(image=image, network=task.network, limits=task.limits, syscalls=task.syscalls)
 
 
 async def start_sandbox(backend, spec: SandboxSpec, timeout_s: float = READY_TIMEOUT_S) -> Sandbox:
@@ -47,8 +55,6 @@ class StoreImages:
         try:
             image = await self.store.image(task.dockerfile, self.backend)
             if getattr(task, "verifier_toolchain", False):  # uv/uvx/pytest on top (furlong.sandbox.toolchain)
-                from furlong.sandbox.toolchain import build, stack
-
                 image = stack(image, await build(self.store, self.backend), task.network)
             return image
         except Exception as exc:

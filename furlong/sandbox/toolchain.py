@@ -34,7 +34,7 @@ from pathlib import Path
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import standins
 from furlong.sandbox.base import ImageRef, LayerRef, SandboxError
-from furlong.sandbox.images import _sha  # the store's own hash, so keys look alike
+from furlong.sandbox.builds import _sha  # the store's own hash, so keys look alike
 
 UV_VERSION = "0.13.9"
 PYTEST_VERSION = "8.4.1"  # what TB2's tests pin

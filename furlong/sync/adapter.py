@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from peft import PeftModel
 
+from furlong.model.lora import adapter_state_dict, base_state_dict
 from furlong.sync.publish import PublishedUpdate, Publisher
 from furlong.sync.transport import Transport
-from furlong.train.lora import adapter_state_dict, base_state_dict
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class AdapterUpdateSize:
         return self.adapter_bytes / self.full_model_bytes
 
 
-def tensor_bytes(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:
+def state_dict_nbytes(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:
     """Raw bytes of `tensors` (floating ones counted in `dtype` if given), each storage counted once."""
     seen: set[tuple[int, tuple[int, ...]]] = set()
     total = 0
@@ -78,6 +78,6 @@ class AdapterPublisher:
 def adapter_update_size(peft: PeftModel, update: PublishedUpdate,
                         dtype: torch.dtype | None = None) -> AdapterUpdateSize:
     """Adapter bytes of `update` vs the full model's bytes (in `dtype`, default the publisher's)."""
-    adapter = tensor_bytes(adapter_state_dict(peft), dtype)
-    full = tensor_bytes(base_state_dict(peft), dtype) + adapter
+    adapter = state_dict_nbytes(adapter_state_dict(peft), dtype)
+    full = state_dict_nbytes(base_state_dict(peft), dtype) + adapter
     return AdapterUpdateSize(update.version, update.kind, update.payload_bytes, adapter, full)

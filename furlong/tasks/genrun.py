@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from furlong.sandbox.base import PYTHON_LIB, Limits, PythonRun, PythonSpec, SandboxBackend, SandboxError
+from furlong.sandbox.backends import make_backend
 from furlong.tasks.model import TaskError
 
 INSTANCE_TIMEOUT_S = 60.0  # for each instance; the first one also covers start-up and importing generate.py
@@ -37,8 +38,6 @@ CHILD_SOURCE = (Path(__file__).parent / "genchild.py").read_text()
 
 @functools.cache
 def _default_backend() -> SandboxBackend:
-    from furlong.sandbox.backends import make_backend
-
     return make_backend("bwrap")
 
 

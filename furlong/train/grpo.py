@@ -1,4 +1,5 @@
-"""GRPO / DAPO pieces as pure functions: group advantages, the dynamic-sampling filter, the policy loss.
+"""GRPO / DAPO pieces as pure functions: group advantages and the policy loss (the dynamic-sampling filter
+is furlong.rollout.group_filter).
 
 The loss is DAPO's: a token-level PPO clipped objective with clip-higher (asymmetric clip range), each token
 weighted by an off-policy correction (OffPolicy: truncated IS by default, masked IS, or AReaL's decoupled PPO)
@@ -12,13 +13,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from furlong.agent.episode import Episode
-
-
-def group_key(episode: Episode) -> tuple[str, int | None, int, int]:
-    """Which GRPO group an episode belongs to (Episode.group_key: task, step, group, attempt)."""
-    return episode.group_key
 
 
 def group_advantages(rewards: Sequence[float] | torch.Tensor, group_ids: Sequence[Hashable],
@@ -56,27 +50,6 @@ def weigh_negatives(advantages: torch.Tensor, weight: float) -> torch.Tensor:
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"negative_weight must be in [0, 1], got {weight}")
     return torch.where(advantages < 0, advantages * weight, advantages)
-
-
-@dataclass(frozen=True)
-class GroupFilter:
-    episodes: tuple[Episode, ...]  # the survivors, in their original order
-    groups_kept: int
-    groups_dropped: int
-
-
-def filter_zero_variance_groups(episodes: Sequence[Episode]) -> GroupFilter:
-    """DAPO dynamic sampling: drop groups whose rewards are all equal. Their advantages are all 0, so they add
-    no gradient, only tokens to the loss denominator that dilute the groups that do teach something."""
-    rewards: dict[tuple, list[float]] = {}
-    for e in episodes:
-        if e.reward is None:
-            raise ValueError(f"episode {e.task_id}/{e.group_id}/{e.sample_id} has no reward (infra error); "
-                             "drop those before filtering")
-        rewards.setdefault(group_key(e), []).append(e.reward)
-    varied = {key for key, rs in rewards.items() if max(rs) > min(rs)}
-    return GroupFilter(episodes=tuple(e for e in episodes if group_key(e) in varied),
-                       groups_kept=len(varied), groups_dropped=len(rewards) - len(varied))
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,12 @@ import torch
 from transformers import PreTrainedModel
 
 from furlong.agent.episode import Episode
+from furlong.rollout.group_filter import filter_zero_variance_groups, group_key
 from furlong.train.grpo import (
     LossMetrics,
     OffPolicy,
-    filter_zero_variance_groups,
     group_advantages,
     weigh_negatives,
-    group_key,
     merge_metrics,
     policy_loss,
 )

@@ -23,6 +23,7 @@ import torch
 
 from furlong.engine.remote import EngineProcess
 from furlong.engine.router import Router
+from furlong.model.loading import load_model
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 

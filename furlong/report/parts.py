@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from furlong.metrics.stats import Estimate, bootstrap_mean, point
 from furlong.report import plots
 from furlong.report.data import RunData
 from furlong.report.document import Block, Heading, Image, Para, Table
-from furlong.report.stats import Estimate, bootstrap_mean, point
 
 FRACTIONS = ("group_wait_frac", "kv_held_tool_wait_frac", "engine_idle_frac", "trainer_idle_frac")
 NO_RECORDS = "no episodes.jsonl (a run from before per-episode records)"
