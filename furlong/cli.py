@@ -29,7 +29,7 @@ reproducing a training run's held-out pass@1 (eval_before: RUN/checkpoints/sft; 
 RUN/checkpoints/rl-N/hf, the last step's) with the one runner and seed rule training uses:
   furlong eval --agent model --model RUN/checkpoints/rl-N/hf --tasks TRAIN_TASKS/FAMILY --split heldout
     --per-family <train.eval.heldout_per_family> --seed <train.eval.seed (1234)>
-    --temperature <train.eval.temperature> --concurrency <train.rl.concurrency> --engine hf
+    --temperature <train.eval.temperature> --concurrency <train.eval.concurrency> --engine hf
     [the run's train.agent.* overrides]
 one family per --tasks (or a directory holding only the run's families); the same concurrency keeps
 the engine's batches, and so its sampled tokens, the same."""
