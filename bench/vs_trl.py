@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from provenance import finish, provenance  # noqa: E402
 from vs_trl_report import TARGET_SPEEDUP, print_report, ratios, summarize, summarize_round  # noqa: E402
 
 from furlong.agent.episode import Episode, EpisodeTiming
@@ -343,6 +344,7 @@ def eval_reward(model: Any, task: Task, a: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    prov = provenance()
     torch.set_num_threads(a.threads)
     console = Console(width=None if sys.stdout.isatty() else 120)
     import transformers
@@ -399,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {k: summarize(rounds, k, a) for k in sides}
     params = sum(p.numel() for p in load_model(model_dir).parameters())
     result: dict[str, Any] = {
+        "provenance": finish(prov),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "trl": trl_version,
