@@ -9,7 +9,7 @@ difference in the algorithm. This check removes the sampling: furlong's engine s
 first step on the very same completion ids (its generation is replaced by a lookup; scoring, advantages,
 loss, backward and clipping are TRL's own, with bench/vs_trl.py's config). Compared: the gradient each
 optimizer step received (after clipping at 1.0, both), the pre-clip gradient norm, the rewards and the
-updated weights. Needs `trl` (see bench/README.md). ~20 s.
+updated weights. Needs `trl` (see bench/README.md). 3 min at load ~7.
 """
 
 from __future__ import annotations
