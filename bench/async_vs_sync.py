@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from furlong.metrics.episodes import read_jsonl  # noqa: E402
 from cpuload import CpuMeter  # noqa: E402
+from provenance import finish, provenance  # noqa: E402
 from runs import ci, fork_before_rl, train  # noqa: E402
 from furlong.metrics.stats import bootstrap_mean  # noqa: E402
 
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS, help="the result JSON")
     ap.add_argument("--keep", type=Path, help="keep both run directories here (default: deleted)")
     args = ap.parse_args()
+    prov = provenance()
     work = args.keep or Path(tempfile.mkdtemp(prefix="furlong-async-bench-"))
     try:
         with CpuMeter(PROCESSES) as meter:
@@ -121,7 +123,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    result = {"command": "python bench/async_vs_sync.py " + " ".join(sys.argv[1:]), "recipe": args.recipe,
+    result = {"provenance": finish(prov), "recipe": args.recipe,
               "rl_budget_s": args.budget_s, "max_staleness": args.max_staleness, "seed": args.seed,
               "cores": os.cpu_count(), "intervals": "[value, 90% bootstrap low, high]", "sync": sync, "async": asyn, "async_vs_sync": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
+from provenance import finish, provenance
+
 from furlong.sandbox import buildah
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
@@ -90,7 +92,9 @@ if __name__ == "__main__":
     parser.add_argument("--starts", type=int, default=10)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    prov = provenance()
     result = asyncio.run(main(args.starts))
+    result = {"provenance": finish(prov), **result}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

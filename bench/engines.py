@@ -51,6 +51,8 @@ import torch
 # This checkout's furlong, also when run as a script (the script's own directory is bench/).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from provenance import finish, provenance  # noqa: E402
+
 from furlong.config import DEFAULT_SYSTEM_PROMPT as SYSTEM_PROMPT  # noqa: E402
 from furlong.config import Config  # noqa: E402
 from furlong.engine import Engine, SamplingParams  # noqa: E402
@@ -321,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not args.engines:
         ap.error(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
     torch.set_num_threads(args.threads)
+    prov = provenance()
     found = asyncio.run(run_all(args))
-    report = report_of(found, args)
+    report = {"provenance": finish(prov), **report_of(found, args)}
     print_table(report["engines"], args.engines[0])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import finish, provenance
+
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
@@ -74,6 +76,7 @@ def main() -> None:
         return child(args.child, args.samples, args.work)
     if os.geteuid() != 0:
         sys.exit("bench/mount_table.py: root only (as a user, image layers are not mounted)")
+    prov = provenance()
     rows = []
     for k in args.mounts:
         with tempfile.TemporaryDirectory() as work:
@@ -89,7 +92,7 @@ def main() -> None:
         print(row, flush=True)
     for row in rows:
         row["p50_vs_none"] = round(row["p50_ms"] / rows[0]["p50_ms"], 2)
-    result = {"command": "python bench/mount_table.py " + " ".join(sys.argv[1:]),
+    result = {"provenance": finish(prov),
               "what": "cold sandbox start + first command + close, one at a time, from a mount namespace with "
                       "`extra_mounts` bind mounts added", "load_avg_at_end": os.getloadavg(), "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))

@@ -20,6 +20,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from provenance import finish, provenance
 from runs import ROOT, TrainFailed, stability, summary, train
 
 RESULTS = ROOT / "bench" / "results" / "rl_seeds.json"
@@ -62,6 +63,7 @@ def main() -> None:
                     "run there has finished (DIR/seedN/summary.json) is summarized, not run again")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_args()
+    prov = provenance()
     work = args.keep or Path(tempfile.mkdtemp(prefix="furlong-rl-seeds-"))
     def go(seed: int) -> dict:
         try:
@@ -79,7 +81,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     ok = [bool(r.get("reward_only")) and r["reward_only"]["gain_ci90"][0] > 0 for r in results]
-    out = {"command": "python bench/rl_seeds.py " + " ".join(sys.argv[1:]), "config": args.config or "default",
+    out = {"provenance": finish(prov), "config": args.config or "default",
            "jobs": args.jobs,
            "gain": "held-out pass@1 after minus before RL, points, [paired 90% bootstrap interval]",
            "seeds": results, "reward_only_gain_above_zero_in_every_seed": all(ok),

@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from provenance import finish, provenance
 from runs import ROOT, ci, summary, train
 
 from furlong.config import load_config
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="keep the run directories here (default: deleted)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every arm")
     args = ap.parse_args()
+    prov = provenance()
     cfg = load_config(Path(args.config) if args.config else None, args.overrides)
     base = [*(["--config", args.config] if args.config else []), *args.overrides]
     groups = {"reward_only": cfg.train.reward_only(), "demonstrated": cfg.train.demonstrated(),
@@ -131,7 +133,7 @@ def main() -> None:
     work = args.keep or Path(tempfile.mkdtemp(prefix="furlong-rl-vs-sft-"))
     try:
         runs = run_arms(work, base, args.from_run, not args.no_strong, cfg)
-        result = {"command": "python bench/rl_vs_sft.py " + " ".join(sys.argv[1:]),
+        result = {"provenance": finish(prov),
                   "pass_at_1": "held-out pass@1 [value, 90% bootstrap low, high]; differences in points",
                   "groups": {g: list(f) for g, f in groups.items()},
                   "sft_only_size": {**runs["size"], "trained": trained_size(runs["B"])},
@@ -147,7 +149,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "command"}, indent=1), f"\nwritten to {args.out}")
+    print(json.dumps({k: v for k, v in result.items() if k != "provenance"}, indent=1), f"\nwritten to {args.out}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from provenance import finish, provenance
+
 from furlong.sandbox.base import Limits, SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
@@ -233,7 +235,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="commands per sandbox at each sweep load")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sandbox.json")
     args = ap.parse_args()
-    res = asyncio.run(main_async(args))
+    prov = provenance()
+    res = {"provenance": finish(prov), **asyncio.run(main_async(args))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     report(res, Console())

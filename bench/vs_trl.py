@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from provenance import finish, provenance  # noqa: E402
 from vs_trl_report import TARGET_SPEEDUP, print_report, ratios, summarize, summarize_round  # noqa: E402
 
 from furlong.agent.episode import Episode, EpisodeTiming
@@ -133,9 +134,10 @@ class FurlongRun:
         torch.manual_seed(a.seed)
         self.policy, engine_model = load_model(model_dir), load_model(model_dir)
         self.batch = a.prompts_per_step * a.group_size
-        # plain GRPO, as TRL's defaults run it: no KL reference, no anchor, constant lr, std-normalized advantages
+        # plain GRPO, as TRL's defaults run it: no KL reference, no anchor, constant lr, std-normalized advantages;
+        # adv_eps: TRL divides by (group std + 1e-4), furlong's default eps is 1e-6; held equal here
         rl = RLConfig(lr=a.lr, temperature=1.0, micro_batch_size=self.batch, kl_coef=0.0, sft_coef=0.0,
-                      warmup_steps=0, lr_decay="constant", normalize_std=True, negative_weight=1.0)
+                      warmup_steps=0, lr_decay="constant", normalize_std=True, negative_weight=1.0, adv_eps=1e-4)
         self.trainer = LocalTrainer(self.policy, FurlongConfig.of(rl, seed=a.seed))
         self.sampling = SamplingParams(temperature=1.0, max_new_tokens=a.max_completion_length)
         # eos_token_ids=None: the model's generation_config eos ids (<|im_end|>, <|endoftext|>), as TRL uses.
@@ -196,6 +198,24 @@ def run_furlong(model_dir: Path, task: Task, a: argparse.Namespace) -> dict[str,
 # --- TRL ----------------------------------------------------------------------------------------------------
 
 
+def trl_config(a: argparse.Namespace, out_dir: str, **overrides: Any) -> Any:
+    """TRL's GRPOConfig for the bench's job: every setting furlong's side is held equal to is spelled out."""
+    from trl import GRPOConfig
+
+    settings: dict[str, Any] = dict(
+        output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=a.seed,
+        max_steps=a.steps, per_device_train_batch_size=a.prompts_per_step * a.group_size,
+        gradient_accumulation_steps=1, num_generations=a.group_size, max_completion_length=a.max_completion_length,
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+        beta=0.0, num_iterations=1, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
+        shuffle_dataset=False, dataloader_num_workers=0, log_completions=False,
+        use_transformers_continuous_batching=a.trl_continuous_batching,
+    )
+    return GRPOConfig(**settings | overrides)
+
+
 def run_trl(model_dir: Path, task: Task, a: argparse.Namespace,
             other_step: Callable[[], object] | None = None, other_first: bool = False) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same task. `other_step` (interleaving: one furlong step) runs at each
@@ -203,7 +223,7 @@ def run_trl(model_dir: Path, task: Task, a: argparse.Namespace,
     import transformers
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     transformers.logging.set_verbosity_error()
     t_setup = time.perf_counter()
@@ -244,21 +264,10 @@ def run_trl(model_dir: Path, task: Task, a: argparse.Namespace,
             if not other_first:
                 self.other()
 
-    batch = a.prompts_per_step * a.group_size
     out_dir = tempfile.mkdtemp(prefix="furlong-vs-trl-")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = GRPOConfig(
-            output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-            use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=a.seed,
-            max_steps=a.steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-            num_generations=a.group_size, max_completion_length=a.max_completion_length,
-            temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
-            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
-            beta=0.0, num_iterations=1, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
-            shuffle_dataset=False, dataloader_num_workers=0, log_completions=False,
-            use_transformers_continuous_batching=a.trl_continuous_batching,
-        )
+        config = trl_config(a, out_dir)
         timer = StepTimer()
         trainer = GRPOTrainer(model=model, reward_funcs=allowed_token_fraction, args=config,
                               train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
@@ -346,6 +355,7 @@ def eval_reward(model: Any, task: Task, a: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    prov = provenance()
     torch.set_num_threads(a.threads)
     console = Console(width=None if sys.stdout.isatty() else 120)
     import transformers
@@ -402,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {k: summarize(rounds, k, a) for k in sides}
     params = sum(p.numel() for p in load_model(model_dir).parameters())
     result: dict[str, Any] = {
+        "provenance": finish(prov),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "trl": trl_version,

@@ -45,6 +45,7 @@ import torch
 # The synthetic benchmark's helpers (measure, environment), importable when run as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from provenance import finish, provenance
 from weight_sync_synthetic import Chain, environment, measure, print_table
 
 from furlong.agent.episode import Episode, EpisodeTiming
@@ -316,6 +317,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    prov = provenance()
     torch.set_num_threads(1)
     env = environment(args)
     model_dir = init_tiny()
@@ -339,7 +341,7 @@ def main() -> None:
     )
     print_table(table, title, COLUMNS, is_total=lambda row: row["step"] == "all")
     print_table(lora_rows, f"LoRA (rank 8, q/k/v/o) adapter-only updates in bf16, lr {args.lora_lr:g}", LORA_COLUMNS)
-    results = {"model": str(model_dir), "params_bf16": n_params, "recipe_lr": recipe_lr, "steps": args.steps,
+    results = {"provenance": finish(prov), "model": str(model_dir), "params_bf16": n_params, "recipe_lr": recipe_lr, "steps": args.steps,
                "grpo": asdict(grpo) | {"lr": "per row"}, "task": task_description(args), "environment": env,
                "summary": [r for r in table if r["step"] == "all"], "rows": rows, "lora": lora_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 import zstandard
+from provenance import finish, provenance
 
 from furlong.sync import (
     apply_delta,
@@ -281,6 +282,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    prov = provenance()
     torch.set_num_threads(1)  # one core: the per-core numbers are the point
     env = environment(args)
     prev = build_model(int(args.params))
@@ -309,7 +311,7 @@ def main() -> None:
     print_table(rows, title)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"params": n_params, "environment": env, "rows": rows}, indent=2)
+        json.dumps({"provenance": finish(prov), "params": n_params, "environment": env, "rows": rows}, indent=2)
     )
     print(f"wrote {args.out}")
 

@@ -143,6 +143,7 @@ class RLConfig(_Node):
     negative_weight: float = Field(0.1, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
                                    "(1: plain GRPO; see the README's training results)")
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
+    adv_eps: float = Field(1e-6, gt=0, description="normalize_std: advantages are divided by (group std + this)")
     filter_zero_variance: bool = Field(True, description="drop groups whose rewards are all equal (no signal)")
     micro_batch_size: int = Field(16, ge=1, description="episodes per forward/backward pass")
     bf16_autocast: bool = Field(False, description="bf16 compute in the trainer; weights stay fp32")

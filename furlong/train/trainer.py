@@ -63,6 +63,7 @@ class GRPOConfig:
     is_high: float
     kl_coef: float  # > 0 needs a reference model
     normalize_std: bool
+    adv_eps: float
     negative_weight: float  # < 1 scales down negative advantages (see grpo.weigh_negatives)
     filter_zero_variance: bool
     micro_batch_size: int  # episodes per forward/backward
@@ -206,7 +207,7 @@ class LocalTrainer:
             return _finish(stats, None, {"grad_norm": update.norm, "sft_nll": update.sft_nll}, True, self.version,
                            start)
         advantages = group_advantages([e.reward for e in train], [group_key(e) for e in train],  # type: ignore[misc]
-                                      self.config.normalize_std)
+                                      self.config.normalize_std, self.config.adv_eps)
         advantages = weigh_negatives(advantages, self.config.negative_weight)
         metrics, extra = self._optimize(train, advantages)
         self.version += 1
