@@ -57,7 +57,7 @@ from furlong.model.lora import adapter_state_dict, trainable_model, wrap_lora
 from furlong.sync import InProcessTransport
 from furlong.sync.adapter import AdapterPublisher
 from furlong.train import LocalTrainer
-from furlong.build import grpo_config
+from furlong.build.training import grpo_config
 
 Model = dict[str, torch.Tensor]
 RESULTS = Path(__file__).parent / "results" / "weight_sync.json"

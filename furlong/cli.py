@@ -120,7 +120,7 @@ def _config(args: argparse.Namespace, flags: dict[str, str]) -> Config:
 
 
 def _sandbox_pieces(cfg: Config):
-    from furlong import build
+    from furlong.build import sandbox as build
 
     _warn_limits()
     store = build.image_store(cfg.sandbox, cfg.images)
@@ -153,7 +153,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          "samples": "eval.samples", "temperature": "eval.temperature", "seed": "eval.seed"})
     e = cfg.eval
     check_model_flags(e)
-    suite = load_suite(e.tasks, split=e.split, per_family=e.per_family)
+    backend, store = _sandbox_pieces(cfg)  # family generators run on the configured backend too
+    suite = load_suite(e.tasks, split=e.split, per_family=e.per_family, backend=backend)
     agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
     if e.verifier_toolchain:
         from furlong.sandbox.toolchain import opt_in_all
@@ -161,7 +162,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         suite = type(suite)(opt_in_all(suite.entries))
     for broken in suite.broken:  # each is also an infra_error line in --out and the table
         console.print(f"[yellow]not loaded:[/yellow] {broken.error}", soft_wrap=True)
-    backend, store = _sandbox_pieces(cfg)
     _base_image(store)
     console.print(f"{len(suite.tasks)} tasks ({len(suite.broken)} not loaded) from {e.tasks}, agent {e.agent}, "
                   f"{e.samples} sample(s) each, concurrency {e.concurrency}")
@@ -173,7 +173,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _model_agents(cfg: Config):
     """--agent model: the engine over the checkpoint, built before any image so a bad one fails fast."""
-    from furlong.eval.model import model_agents
+    from furlong.build.evaluation import model_agents
 
     with console.status(f"loading {cfg.eval.model} ({cfg.eval.engine} engine)"):
         return model_agents(cfg)
@@ -217,7 +217,8 @@ def cmd_image(args: argparse.Namespace) -> int:
         from furlong.eval.run import prepare_images
         from furlong.tasks.suite import load_tasks
 
-        images = asyncio.run(prepare_images(load_tasks(args.tasks, split="all"), store, backend, console))
+        images = asyncio.run(prepare_images(load_tasks(args.tasks, split="all", backend=backend), store, backend,
+                                            console))
         failed = [v for v in images.values() if isinstance(v, str)]
         console.print(f"{len(images) - len(failed)} task images ready, {len(failed)} failed")
         return 1 if failed else 0
@@ -280,7 +281,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from furlong import build
+    from furlong.build import training as build
     from furlong.run.phases import sft_phase
 
     _warn_limits()

@@ -32,7 +32,7 @@ class SandboxConfig(_Node):
 
 
 class ImagesConfig(_Node):
-    """Base images pulled from registries (furlong.sandbox.registry; README "Base images from registries")."""
+    """Base images pulled from registries (furlong.sandbox.registry; docs/images.md, "Base images from registries")."""
 
     prefer_registry: bool = Field(False, description="pull the names furlong has stand-ins for (python:*, "
                                   "debian:bookworm...) from their registry too; env FURLONG_PREFER_REGISTRY=1")
@@ -63,7 +63,7 @@ class EvalConfig(_Node):
 # Fixed-path families where the instruction's words pick the command: learnable by the 4M-parameter
 # tiny model within the default budget (families that need names copied are not, yet). SFT shows
 # demonstrations of the first two only; number-words asks for number-stats' commands in words never
-# demonstrated, so RL must learn them from the verifier's reward (README: "What RL learns"). text-words,
+# demonstrated, so RL must learn them from the verifier's reward (docs/training.md, "What RL learns from reward alone"). text-words,
 # its transform-text twin, is left out: after SFT the tiny model never samples the right command for most
 # of its wordings, so there is no reward to learn from. RL draws only number-words, so every group of a
 # step is of the family that only reward can teach (3-5 of 16 when RL drew all three families), and the
@@ -92,7 +92,7 @@ class AgentConfig(_Node):
     observation_chars: int = Field(400, ge=32, description="a tool result beyond this is cut, keeping head and tail")
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="the first message of every episode and "
                                "SFT demonstration")
-    tool_schema_in_prompt: bool = Field(False, description="render the bash tool's JSON schema into the prompt "
+    tool_schema_in_prompt: bool = Field(False, description="render the environment's tool schemas (Harbor: bash) into the prompt "
                                         "(tiny models do better without it; chat models trained on tools, with it)")
 
 
@@ -135,13 +135,13 @@ class RLConfig(_Node):
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 (1 + clip_high; DAPO's clip-higher)")
     tis_cap: float = Field(2.0, gt=0, description="tis: truncation of the train/rollout importance weight")
     kl_coef: float = Field(0.05, ge=0, description="k3 KL penalty to the SFT model (a frozen copy is kept); "
-                           "keeps the tool-call format the SFT taught while RL learns (README: stability)")
+                           "keeps the tool-call format the SFT taught while RL learns (docs/training.md#stability)")
     sft_coef: float = Field(1.0, ge=0, description="demonstration anchor (PPO-ptx): each optimizer step adds this "
                             "times the NLL of sft_batch of SFT's demonstrations, so a demonstrated skill that RL "
-                            "erodes is pulled back even when its groups all fail (README: stability)")
+                            "erodes is pulled back even when its groups all fail (docs/training.md#stability)")
     sft_batch: int = Field(16, ge=1, description="demonstrations per optimizer step for the anchor (sft_coef)")
     negative_weight: float = Field(0.1, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
-                                   "(1: plain GRPO; see the README's training results)")
+                                   "(1: plain GRPO; see docs/training.md#results)")
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
     adv_eps: float = Field(1e-6, gt=0, description="normalize_std: advantages are divided by (group std + this)")
     filter_zero_variance: bool = Field(True, description="drop groups whose rewards are all equal (no signal)")
@@ -192,7 +192,7 @@ class LoraConfig(_Node):
 
 
 class SyncConfig(_Node):
-    """How each RL step's weights reach the rollout engine (furlong.sync; see the README)."""
+    """How each RL step's weights reach the rollout engine (furlong.sync; docs/weight-sync.md)."""
 
     transport: Literal["direct", "inprocess", "directory", "http"] = Field(
         "direct", description="direct: copy into the in-process engine; otherwise publish full/delta updates "

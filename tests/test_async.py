@@ -29,7 +29,7 @@ from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import OUTCOMES, GroupStream, Scheduler
 from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.pool import WarmPools, fixed_image
-from furlong.build import grpo_config
+from furlong.build.training import grpo_config
 from furlong.run.driver import rl_steps
 from furlong.timing import EpisodeTiming
 from furlong.train.grpo import OffPolicy, policy_loss

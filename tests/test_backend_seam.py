@@ -16,7 +16,8 @@ from conftest import run
 from furlong.eval.agents import OracleAgent
 from furlong.eval.run import run_eval
 from furlong.sandbox.backends import KINDS, make_backend
-from furlong.sandbox.base import ExecResult, PythonRun, PythonSpec, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from furlong.sandbox.base import (ExecResult, LayerRef, PythonRun, PythonSpec, Sandbox, SandboxBackend, SandboxError,
+                                  SandboxSpec)
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.tasks import genrun
 from furlong.tasks.loader import load_task
@@ -123,3 +124,12 @@ def test_an_unknown_backend_is_one_line_naming_the_known_ones():
         make_backend("gvisor")
     text = str(err.value)
     assert "sandbox.backend" in text and "'gvisor'" in text and all(k in text for k in KINDS) and "\n" not in text
+
+
+@pytest.mark.parametrize("path", ["/etc", "../..", "no-such-layer"])
+def test_a_layer_reference_outside_the_store_is_refused_by_both_resolvers(store, path):
+    """A LayerRef comes from an image reference a client may send: it never names a host path."""
+    ref = LayerRef("forged", path)
+    for resolve in (store.layer_dir, store.layer_tar):
+        with pytest.raises(SandboxError, match="is not a layer of the image store"):
+            resolve(ref)

@@ -14,7 +14,7 @@ PACKAGE = Path(furlong.__file__).parent
 
 # Keys read generically, not by attribute name; each says by what.
 READ_GENERICALLY = {
-    "sandbox.backend": "read by the sandbox-backend builder (furlong/build.py), which matches on its value",
+    "sandbox.backend": "read by the sandbox-backend builder (furlong/build/sandbox.py), which matches on its value",
     "train.rl.max_inflight_groups": "read by RLConfig.inflight_groups(), which the scheduler's builder calls",
 }
 

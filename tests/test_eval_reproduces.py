@@ -13,7 +13,8 @@ HELDOUT, CONCURRENCY, SEED, TEMPERATURE = 4, 4, 77, 1.0
 AGENT = ["train.agent.max_turns=2", "train.agent.max_new_tokens=24"]
 RUN = [f"train.families=[{FAMILY}]", "train.sft.instances_per_family=4", "train.sft.epochs=1",
        "train.sft.batch_size=4", "train.rl.steps=1", "train.rl.tasks_per_step=2", "train.rl.group_size=2",
-       f"train.rl.concurrency={CONCURRENCY}", f"train.eval.heldout_per_family={HELDOUT}",
+       f"train.rl.concurrency={CONCURRENCY}", f"train.eval.concurrency={CONCURRENCY}",
+       f"train.eval.heldout_per_family={HELDOUT}",
        f"train.eval.seed={SEED}", f"train.eval.temperature={TEMPERATURE}", *AGENT]
 
 

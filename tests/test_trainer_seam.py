@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 from conftest import run
-from furlong.build import grpo_config
+from furlong.build.training import grpo_config
 from furlong.config import load_config
 from furlong.engine.hf import HFEngine
 from furlong.metrics.run import RunDir

@@ -71,7 +71,7 @@ def _hf_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> 
 
 def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> Engine:
     if importlib.util.find_spec("vllm") is None:
-        raise EngineUnavailable("engine 'vllm': vllm is not installed (the furlong[vllm] extra; see the README)")
+        raise EngineUnavailable("engine 'vllm': vllm is not installed (the furlong[vllm] extra: bash install.sh --vllm; docs/engines.md)")
     try:
         module = importlib.import_module("furlong.engine.vllm")
     except ModuleNotFoundError as exc:  # vllm is there, but this furlong has no backend for it (or a dep is missing)

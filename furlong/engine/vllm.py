@@ -118,7 +118,7 @@ class VLLMEngine:
         `eos_token_ids` stop every request in addition to its own stop ids (None: generation_config's).
         `adapter`: a PEFT LoRA directory every request runs (updates then replace its tensors only)."""
         if not vllm_available():
-            raise EngineError("train.engine=vllm needs vLLM: install the extra (install.sh --vllm, see README)")
+            raise EngineError("train.engine=vllm needs vLLM: install the extra (bash install.sh --vllm; docs/engines.md)")
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise EngineError(f"{model_dir}: not a Hugging Face model directory (no config.json)")

@@ -11,9 +11,9 @@ reproduced by `furlong eval` on the same checkpoint.
 from __future__ import annotations
 
 from furlong.agent.episode import AgentParams, ModelAgent
-from furlong.config import Config, EvalConfig
-from furlong.engine.base import Engine, EngineUnavailable, SamplingParams
-from furlong.engine.factory import check_checkpoint, make_engine
+from furlong.config import EvalConfig
+from furlong.engine.base import Engine, SamplingParams
+from furlong.engine.factory import check_checkpoint
 from furlong.seeding import eval_seed
 from furlong.tasks.model import Task
 
@@ -50,21 +50,3 @@ class ModelAgents:
         close = getattr(self.engine, "close", None)  # the Engine protocol does not require one
         if close is not None:
             await close()
-
-
-def model_agents(cfg: Config) -> ModelAgents:
-    """The engine (eval.engine) over eval.model (+ eval.adapter) and its tokenizer; the flags must have
-    passed check_model_flags."""
-    import torch
-
-    from furlong.model.loading import ModelLoadError, load_tokenizer
-
-    e = cfg.eval
-    assert e.model is not None  # check_model_flags ran
-    torch.set_num_threads(cfg.train.torch_threads)
-    try:
-        tokenizer = load_tokenizer(e.model)  # first: a checkpoint without a chat template fails before loading
-        engine = make_engine(e.engine, e.model, adapter=e.adapter, seed=e.seed)
-    except ModelLoadError as exc:  # the CLI prints EngineUnavailable as one line
-        raise EngineUnavailable(f"--model: {exc}") from None
-    return ModelAgents(engine, tokenizer, AgentParams.of(cfg.train.agent), e.temperature, e.seed)

@@ -1,4 +1,4 @@
-"""Where an RL step's time goes, logged with each step's metrics (see the README's "Episode records").
+"""Where an RL step's time goes, logged with each step's metrics (docs/report.md, "Step diagnostics").
 
 - sample lag: the trained version minus the version of an episode's oldest sampled token, overall and
   by quartile of the step's episode durations (do long episodes train more off-policy?);

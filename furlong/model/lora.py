@@ -57,7 +57,7 @@ def wrap_lora(model: PreTrainedModel, spec: LoraSpec = LoraSpec(), *, seed: int 
 
 
 def trainable_model(peft: PeftModel) -> PreTrainedModel:
-    """The injected model to hand to `Trainer` (same parameters as `peft`; only adapters require grad)."""
+    """The injected model to hand to `LocalTrainer` (same parameters as `peft`; only adapters require grad)."""
     return peft.get_base_model()
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from furlong import build
-from furlong.build import Pieces
+from furlong.build import training as build
+from furlong.build.training import Pieces
 from furlong.config import Config
 from furlong.engine.prefix import prefix_metrics
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
@@ -26,11 +26,11 @@ from furlong.metrics.ui import progress_bar
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.records import batch_metrics, rollout_metrics, settled_records
 from furlong.rollout.scheduler import Scheduler
+from furlong.run.phases import anchor_demos, eval_phase, sft_phase
+from furlong.run.summary import rl_totals, run_summary
 from furlong.sandbox.pool import WarmPools
 from furlong.train.export import HF_DIR
-from furlong.run.phases import anchor_demos, eval_phase, sft_phase
 from furlong.train.protocol import Trainer
-from furlong.run.summary import rl_totals, run_summary
 from furlong.train.weights import WeightLink
 
 CURSOR_FILE = "rollout_cursor.json"  # beside each RL checkpoint: where the group stream resumes

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from furlong.build import Pieces, phase_engine
+from furlong.build.training import Pieces, phase_engine
 from furlong.config import Config, ConfigError
 from furlong.metrics.episodes import EpisodeLog, drop_episodes_after
 from furlong.metrics.outcomes import Scored, outcome_summary

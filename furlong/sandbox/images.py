@@ -110,16 +110,20 @@ class ImageStore:
         """The layer at `directory` (inside the store) as a reference any host with this store resolves."""
         return LayerRef(digest=digest, path=str(directory.relative_to(self.root)))
 
-    def layer_dir(self, layer: LayerRef) -> Path:
-        """The layer as a read-only directory on this host (through the store's id-mapped view as root)."""
+    def _stored(self, layer: LayerRef) -> Path:
+        """The layer's directory in the store; a reference outside it (absolute, `..`) or missing is one line."""
         rel = Path(layer.path)
         if rel.is_absolute() or ".." in rel.parts or not (self.root / rel).is_dir():
             raise SandboxError(f"layer {layer.digest}: {layer.path!r} is not a layer of the image store {self.root}")
-        return self._view(self.root / rel)
+        return self.root / rel
+
+    def layer_dir(self, layer: LayerRef) -> Path:
+        """The layer as a read-only directory on this host (through the store's id-mapped view as root)."""
+        return self._view(self._stored(layer))
 
     def layer_tar(self, layer: LayerRef) -> bytes:
         """The layer as a tar of its directory (every entry root's, modes kept), for a sandbox host elsewhere."""
-        return tar_dir(self.root / layer.path)
+        return tar_dir(self._stored(layer))
 
     def _view(self, layer: Path) -> Path:
         """As root, the layer seen through the read-only id-mapped view of the whole store; otherwise the

@@ -95,7 +95,7 @@ class Reference:
 
 @dataclass(frozen=True)
 class Settings:
-    """How to reach registries (config `images.*`; see the README's "Base images from registries")."""
+    """How to reach registries (config `images.*`; see docs/images.md, "Base images from registries")."""
 
     prefer_registry: bool = False  # also pull names furlong has a stand-in for (python:*, debian:bookworm...)
     auth_file: Path | None = None  # containers-auth.json; None: skopeo's own defaults

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from furlong.sandbox.base import SandboxBackend
 from furlong.tasks.family import is_family_dir, load_family
 from furlong.tasks.loader import is_task_dir, load_task
 from furlong.tasks.model import Task, TaskError
@@ -39,16 +40,19 @@ class Suite:
         return [e for e in self.entries if isinstance(e, BrokenTask)]
 
 
-def load_tasks(path: Path, split: str = "heldout", per_family: int | None = None) -> list[Task]:
+def load_tasks(path: Path, split: str = "heldout", per_family: int | None = None,
+               backend: SandboxBackend | None = None) -> list[Task]:
     """A task, a family, or a directory of both; raises the first broken one's TaskError."""
-    suite = load_suite(path, split, per_family)
+    suite = load_suite(path, split, per_family, backend)
     if suite.broken:
         raise suite.broken[0].cause
     return suite.tasks
 
 
-def load_suite(path: Path, split: str = "heldout", per_family: int | None = None) -> Suite:
-    """A task, a family, or a directory of both. Families give instances of `split` (train|heldout|all).
+def load_suite(path: Path, split: str = "heldout", per_family: int | None = None,
+               backend: SandboxBackend | None = None) -> Suite:
+    """A task, a family, or a directory of both. Families give instances of `split` (train|heldout|all),
+    their generators run on `backend` (None: a default bwrap one).
 
     A task or family given directly that is broken raises its TaskError (there is nothing else to run).
     In a directory of them, each broken one becomes a BrokenTask and the rest still load, so one bad
@@ -61,13 +65,13 @@ def load_suite(path: Path, split: str = "heldout", per_family: int | None = None
     if is_task_dir(path):
         return Suite([load_task(path)])
     if is_family_dir(path):
-        return Suite(list(load_family(path).instances(split, per_family)))
+        return Suite(list(load_family(path, backend).instances(split, per_family)))
     entries: list[Task | BrokenTask] = []
     for child in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if is_task_dir(child):
             entries.append(_task_or_broken(child))
         elif is_family_dir(child):
-            entries.extend(_family_or_broken(child, split, per_family))
+            entries.extend(_family_or_broken(child, split, per_family, backend))
         elif problem := _task_without_config(child):
             entries.append(BrokenTask(child.name, child, TaskError(child.name, "task.toml", problem)))
     if not entries:
@@ -92,9 +96,10 @@ def _task_or_broken(path: Path) -> Task | BrokenTask:
         return BrokenTask(path.name, path, exc)
 
 
-def _family_or_broken(path: Path, split: str, per_family: int | None) -> list[Task | BrokenTask]:
+def _family_or_broken(path: Path, split: str, per_family: int | None,
+                      backend: SandboxBackend | None) -> list[Task | BrokenTask]:
     try:
-        return list(load_family(path).instances(split, per_family))
+        return list(load_family(path, backend).instances(split, per_family))
     except TaskError as exc:  # a bad family.toml, or a generator that fails: the whole family is one record
         return [BrokenTask(path.name, path, exc, family=path.name)]
 

@@ -18,7 +18,7 @@ __all__ = [
     "LossMetrics",
     "MicroBatch",
     "TrainStats",
-    "Trainer",
+    "LocalTrainer",
     "collate",
     "entropy_from_logits",
     "group_advantages",

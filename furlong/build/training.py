@@ -1,7 +1,5 @@
-"""Builders: the config tree in, the run's roles out (sandbox backend, image store, tasks, trainer, the
-rollout engine and its weight link). This is the only module that reads the config for them: every class it
-builds takes plain arguments, so each is usable outside the CLI.
-"""
+"""Builders for a training run: its pieces (tokenizer, sandboxes, tasks), the trainer, the rollout engine and
+its weight link, the scheduler. Every class built here takes plain arguments."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from pathlib import Path
 import torch
 
 from furlong.agent.episode import AgentParams
-from furlong.config import Config, ConfigError, ImagesConfig, SandboxConfig, TrainConfig
+from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.envs.harbor import HarborSource
@@ -24,11 +22,10 @@ from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import GroupStream, Scheduler
-from furlong.sandbox.backends import make_backend
 from furlong.sandbox.base import SandboxBackend
+from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages
-from furlong.sandbox.registry import Settings
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
@@ -52,18 +49,6 @@ class Pieces:
     eval_tasks: list[Task]
     params: AgentParams
     base_model: Path
-
-
-def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore:
-    pulls = Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
-                              timeout_s=i.pull_timeout_s)
-    return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls)
-
-
-def sandbox_backend(s: SandboxConfig, store: ImageStore) -> SandboxBackend:
-    """sandbox.backend over `store`, which resolves the images' layers."""
-    return make_backend(s.backend, layers=store, host_uid=s.host_uid, output_cap=s.output_cap_bytes,
-                        seccomp=s.seccomp)
 
 
 def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource:
