@@ -12,18 +12,18 @@ from pathlib import Path
 import torch
 
 from furlong.agent.episode import AgentParams
+from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
-from furlong.envs.harbor import HarborSource
 from furlong.engine.remote import RemoteEngine
 from furlong.engine.router import Router
+from furlong.envs.harbor import HarborSource
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.base import SandboxBackend
-from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages
 from furlong.sync.publish import Publisher
