@@ -1,0 +1,27 @@
+"""Builders for `furlong eval --agent model`: the engine over a checkpoint, its tokenizer and the agents."""
+
+from __future__ import annotations
+
+from furlong.agent.episode import AgentParams
+from furlong.config import Config
+from furlong.engine.base import EngineUnavailable
+from furlong.engine.factory import make_engine
+from furlong.eval.model import ModelAgents
+
+
+def model_agents(cfg: Config) -> ModelAgents:
+    """The engine (eval.engine) over eval.model (+ eval.adapter) and its tokenizer; the flags must have
+    passed check_model_flags."""
+    import torch
+
+    from furlong.model.loading import ModelLoadError, load_tokenizer
+
+    e = cfg.eval
+    assert e.model is not None  # check_model_flags ran
+    torch.set_num_threads(cfg.train.torch_threads)
+    try:
+        tokenizer = load_tokenizer(e.model)  # first: a checkpoint without a chat template fails before loading
+        engine = make_engine(e.engine, e.model, adapter=e.adapter, seed=e.seed)
+    except ModelLoadError as exc:  # the CLI prints EngineUnavailable as one line
+        raise EngineUnavailable(f"--model: {exc}") from None
+    return ModelAgents(engine, tokenizer, AgentParams.of(cfg.train.agent), e.temperature, e.seed)
