@@ -31,27 +31,28 @@ class RecordingSandbox:
 
     def __init__(self, inner: Sandbox, calls: list[str]):
         self._inner, self._calls = inner, calls
+        self.verifier_uid = inner.verifier_uid
 
     async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
-                   env: dict[str, str] | None = None) -> ExecResult:
+                   env: dict[str, str] | None = None, as_verifier: bool = False) -> ExecResult:
         self._calls.append("exec")
-        return await self._inner.exec(cmd, timeout_s=timeout_s, cwd=cwd, env=env)
+        return await self._inner.exec(cmd, timeout_s=timeout_s, cwd=cwd, env=env, as_verifier=as_verifier)
 
-    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644, as_verifier: bool = False) -> None:
         self._calls.append("write_file")
-        await self._inner.write_file(path, data, mode)
+        await self._inner.write_file(path, data, mode, as_verifier=as_verifier)
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, as_verifier: bool = False) -> bytes:
         self._calls.append("read_file")
-        return await self._inner.read_file(path)
+        return await self._inner.read_file(path, as_verifier=as_verifier)
 
-    async def put_dir(self, src: Path, dest: str) -> None:
+    async def put_dir(self, src: Path, dest: str, as_verifier: bool = False) -> None:
         self._calls.append("put_dir")
-        await self._inner.put_dir(src, dest)
+        await self._inner.put_dir(src, dest, as_verifier=as_verifier)
 
-    async def put_tar(self, data: bytes, dest: str) -> None:
+    async def put_tar(self, data: bytes, dest: str, as_verifier: bool = False) -> None:
         self._calls.append("put_tar")
-        await self._inner.put_tar(data, dest)
+        await self._inner.put_tar(data, dest, as_verifier=as_verifier)
 
     async def close(self) -> None:
         self._calls.append("close")

@@ -80,17 +80,25 @@ class GuardedSandbox:
             self.seconds += time.perf_counter() - start
             self.commands += method == "exec"
 
-    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None):
-        return await self._call("exec", cmd, timeout_s, cwd, env)
+    @property
+    def verifier_uid(self) -> int | None:
+        return getattr(self.inner, "verifier_uid", None)
 
-    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        await self._call("write_file", path, data, mode)
+    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None,
+                   as_verifier: bool = False):
+        return await self._call("exec", cmd, timeout_s, cwd, env, as_verifier=as_verifier)
 
-    async def read_file(self, path: str) -> bytes:
-        return await self._call("read_file", path)
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644, as_verifier: bool = False) -> None:
+        await self._call("write_file", path, data, mode, as_verifier=as_verifier)
 
-    async def put_dir(self, src, dest: str) -> None:
-        await self._call("put_dir", src, dest)
+    async def read_file(self, path: str, as_verifier: bool = False) -> bytes:
+        return await self._call("read_file", path, as_verifier=as_verifier)
+
+    async def put_dir(self, src, dest: str, as_verifier: bool = False) -> None:
+        await self._call("put_dir", src, dest, as_verifier=as_verifier)
+
+    async def put_tar(self, data: bytes, dest: str, as_verifier: bool = False) -> None:
+        await self._call("put_tar", data, dest, as_verifier=as_verifier)
 
     async def close(self) -> None:  # the runner closes the sandbox; an agent cannot end the episode early
         raise RuntimeError("an agent must not close its episode's sandbox")

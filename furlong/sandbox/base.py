@@ -129,7 +129,13 @@ class PythonRun(Protocol):
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """One fresh, isolated environment for one episode. All methods are async."""
+    """One fresh, isolated environment for one episode. All methods are async.
+
+    Calls run as the agent unless `as_verifier`: then as the verifier's identity, which the agent's
+    processes cannot signal, trace or write as, and which owns /tests and /logs (furlong.sandbox.bwrap).
+    `verifier_uid` is None where the sandbox has one uid only: `as_verifier` then runs as the agent."""
+
+    verifier_uid: int | None
 
     async def exec(
         self,
@@ -137,15 +143,16 @@ class Sandbox(Protocol):
         timeout_s: float = 60.0,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        as_verifier: bool = False,
     ) -> ExecResult: ...
 
-    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644, as_verifier: bool = False) -> None: ...
 
-    async def read_file(self, path: str) -> bytes: ...
+    async def read_file(self, path: str, as_verifier: bool = False) -> bytes: ...
 
-    async def put_dir(self, src: Path, dest: str) -> None: ...
+    async def put_dir(self, src: Path, dest: str, as_verifier: bool = False) -> None: ...
 
-    async def put_tar(self, data: bytes, dest: str) -> None:
+    async def put_tar(self, data: bytes, dest: str, as_verifier: bool = False) -> None:
         """Unpacks a tar (files, directories and symlinks only) under dest."""
 
     async def close(self) -> None: ...

@@ -3,9 +3,11 @@
 Each sandbox is a fresh set of namespaces (user, mount, pid, net, ipc, uts, cgroup) whose root is an
 overlay over the image with its writes in a size-capped tmpfs, so nothing one episode writes is seen by
 the next. It runs as an unprivileged host uid: the compiled launcher (native/launch.c) joins the
-sandbox's cgroups, mounts the capped tmpfs in a private mount namespace and drops to that uid before
-bwrap runs, because root plus a user namespace could still write host /proc/sys. The sandbox's pid 1 is
-the compiled init (native/init.c), exec'd from a host fd so the image never sees or supplies it.
+sandbox's cgroups, drops to that uid, enters a user namespace mapping many uids (furlong.sandbox.idmap)
+and mounts the capped tmpfs there before bwrap runs in it, because root plus a user namespace could still
+write host /proc/sys. The sandbox's pid 1 is the compiled init (native/init.c), exec'd from a host fd so
+the image never sees or supplies it; it runs the agent's commands as the agent's uid without any
+capability, and the verifier's as a uid of its own that owns the /tests and /logs mounts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from furlong.paths import cache_dir
-from furlong.sandbox import cgroups, hostpython, native, netns, seccomp
+from furlong.sandbox import cgroups, hostpython, idmap, native, netns, seccomp
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
     DEFAULT_HOST_UID,
@@ -40,6 +42,14 @@ REPLY_GRACE_S = 5.0  # how long past a command's own timeout the host waits befo
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
 SHM_MB = 64  # /dev/shm, as Docker sizes it
 OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
+TESTS_DIR, LOGS_DIR = "/tests", "/logs"  # the verifier's mounts (furlong.tasks.model names what goes inside)
+VERIFIER_MOUNT_MB = 512  # each: a size cap (tmpfs pages count toward the sandbox's memory limit)
+# The init's capabilities in the sandbox's user namespace: to run commands as other uids, hand the verifier
+# its share (init.c VERIFIER_CAPS) and its mounts. Agent commands get none.
+# CAP_SYS_ADMIN is for entering the verifier's user namespace (setns), which the init does in the verifier's
+# commands before it applies the seccomp filter.
+INIT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH",
+             "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_SYS_ADMIN")
 
 
 def bwrap_executable() -> str:
@@ -95,6 +105,9 @@ class BwrapBackend:
         self._upper_mnt = cache_dir() / "native" / "upper"
         self._upper_mnt.mkdir(parents=True, exist_ok=True)
         self._layer_fds: dict[Path, int] = {}
+        self.subids = idmap.sub_ids()  # None: one uid per sandbox, the verifier's the agent's (idmap.problem())
+        if self.subids is None:
+            log.warning("sandboxes have one uid, so the verifier runs as the agent: %s", idmap.problem())
 
     def _fd(self, layer: Path) -> int:
         # Layers are handed to bwrap as /proc/self/fd paths, opened once per layer; a layer rebuilt or
@@ -113,15 +126,17 @@ class BwrapBackend:
             self._layers = ImageStore(host_uid=self.host_uid)
         return self._layers
 
-    def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None,
-                   seccomp_fd: int | None = None) -> tuple[list[str], list[int]]:
+    def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None, seccomp_fd: int | None = None,
+                   init_args: tuple[str, ...] = (), verifier: bool = False) -> tuple[list[str], list[int]]:
+        """bwrap's argv and the fds it needs. Many uids (self.subids): bwrap runs as root of the launcher's
+        user namespace and makes no other; `verifier` adds the verifier's mounts."""
         layer_fds = [self._fd(self.layers.layer_dir(layer)) for layer in spec.image.layers]
         fds = [*layer_fds, self._init_fd]
-        args = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-                "--new-session", "--as-pid-1", "--uid", "0", "--gid", "0", "--hostname", "sandbox",
-                "--cap-drop", "ALL", "--clearenv"]
-        if spec.network:
-            args += ["--share-net"]  # pasta's namespace (see launcher), not the host's
+        args = [self._bwrap, *self._namespaces(spec), "--die-with-parent", "--new-session", "--as-pid-1",
+                "--hostname", "sandbox", "--cap-drop", "ALL", "--clearenv"]
+        if self.subids is not None:
+            for cap in INIT_CAPS:
+                args += ["--cap-add", cap]
         for key, value in {**BASE_ENV, **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
         for fd in reversed(layer_fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
@@ -131,26 +146,41 @@ class BwrapBackend:
         # /dev is a tmpfs of bwrap's making: read-only, except a capped /dev/shm (both count as memory)
         args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB << 20), "--perms", "1777",
                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        if verifier:  # mount points: the agent, owner of "/", can neither rename nor replace them
+            for path in (TESTS_DIR, LOGS_DIR):
+                args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
         if spec.network:
             args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
-        if seccomp_fd is not None:  # bwrap loads the filter just before it execs the init
-            args += ["--seccomp", str(seccomp_fd)]
+        if seccomp_fd is not None:  # the init applies it to every command, once it has taken its identity
+            init_args = (*init_args, "--seccomp", str(seccomp_fd))
             fds.append(seccomp_fd)
-        args += ["--chdir", spec.image.workdir, "--", f"/proc/self/fd/{self._init_fd}"]
+        args += ["--chdir", spec.image.workdir, "--", f"/proc/self/fd/{self._init_fd}", *init_args]
         return args, fds
 
+    def _namespaces(self, spec: SandboxSpec) -> list[str]:
+        if self.subids is None:  # bwrap's own user namespace, one uid
+            return ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", "0", "--gid", "0",
+                    *(["--share-net"] if spec.network else [])]  # pasta's namespace (see launcher)
+        # the launcher's user namespace; seccomp refuses unshare/clone of a new one to the sandbox
+        return ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+                *([] if spec.network else ["--unshare-net"])]
+
     def launcher(self, args: list[str], cgroup: cgroups.Cgroup | None, spec: SandboxSpec,
-                 capped_upper: bool = True) -> list[str]:
+                 capped_upper: bool = True, verifier_ns_fd: int | None = None) -> list[str]:
         """The launcher's argv: join the cgroup, cap the writable layer, drop to the sandbox uid, exec bwrap
         (inside pasta's network namespace when the sandbox has network: pasta runs as the sandbox uid)."""
         if spec.network:
-            args = netns.wrap(args, self.host_uid)
+            args = netns.wrap(args, self.host_uid, in_userns=self.subids is not None)
         root = os.geteuid() == 0
         opts = [self._launch]
         for procs in (cgroup.procs_files if cgroup else []):
             opts += ["--cgroup", str(procs)]
         if root:
             opts += ["--oom-adj", str(OOM_ADJ_INIT), "--uid", str(self.host_uid)]
+        if self.subids is not None:
+            opts += self.subids.launcher_args()
+            if verifier_ns_fd is not None:
+                opts += ["--verifier-ns", str(verifier_ns_fd), str(idmap.VERIFIER_UID)]
         if capped_upper:
             opts += ["--upper", str(self._upper_mnt), str(writable_layer_bytes(spec))]
         if cgroup is None:  # weaker: RLIMIT_NPROC counts every process of the uid, not of this sandbox
@@ -189,12 +219,19 @@ class BwrapBackend:
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []
         extra = ["--overlay", *(f"/proc/self/fd/{fd}" for fd in rw_fds), "/"] if upper else None
-        args, fds = self.bwrap_args(spec, extra, seccomp_fd)
+        agent_fds = [os.open(f, os.O_WRONLY | os.O_CLOEXEC) for f in _agent_procs(cgroup)]
+        rw_fds += agent_fds
+        verifier = self.subids is not None and upper is None  # a build sandbox has no verifier
+        # an fd number reserved for the launcher, which puts the verifier's user namespace there
+        vns_fd = os.open(os.devnull, os.O_RDONLY) if verifier else None
+        rw_fds += [vns_fd] if vns_fd is not None else []
+        init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd)
+        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier)
         fds += rw_fds
         secret = proto.new_secret()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.launcher(args, cgroup, spec, capped_upper=upper is None), stdin=asyncio.subprocess.PIPE,
+                *self.launcher(args, cgroup, spec, upper is None, vns_fd), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, pass_fds=fds, limit=1 << 16)
             proc.stdin.write(secret)
         except OSError as exc:
@@ -204,7 +241,27 @@ class BwrapBackend:
         finally:
             for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
                 os.close(fd)
-        return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
+        box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
+        box.verifier_uid = idmap.VERIFIER_UID if verifier else None
+        box.upper_mnt = self._upper_mnt if upper is None else None
+        return box
+
+
+def _agent_procs(cgroup: cgroups.Cgroup | None) -> list[Path]:
+    """The cgroup.procs files the init moves each agent command into (a nested pids limit), if any."""
+    return list(getattr(cgroup, "agent_procs_files", None) or [])
+
+
+def _init_args(agent_fds: list[int], verifier_uid: int | None, verifier_ns_fd: int | None,
+               agent: tuple[int, int] = (0, 0)) -> tuple[str, ...]:
+    args = ["--agent", f"{agent[0]}:{agent[1]}"]
+    if verifier_uid is not None:
+        args += ["--verifier", str(verifier_uid)]
+    if verifier_ns_fd is not None:
+        args += ["--verifier-ns", str(verifier_ns_fd)]
+    for fd in agent_fds:
+        args += ["--agent-procs", str(fd)]
+    return tuple(args)
 
 
 def _remove_tree(path: Path) -> None:
@@ -236,6 +293,8 @@ class BwrapSandbox:
         self._closed = False
         self._death: str | None = None
         self.scratch: Path | None = None  # a build's overlay work directory, removed at close
+        self.verifier_uid: int | None = None  # the uid `as_verifier` calls run as (host view); None: the agent's
+        self.upper_mnt: Path | None = None  # where the launcher mounted the writable layer's tmpfs (not a build's)
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_replies())
         self._err_reader = loop.create_task(self._read_stderr())
@@ -303,10 +362,12 @@ class BwrapSandbox:
         return SandboxDied(self._death)
 
     async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
-                   env: dict[str, str] | None = None) -> ExecResult:
+                   env: dict[str, str] | None = None, as_verifier: bool = False) -> ExecResult:
         env = env or {}
-        script = wrap(cmd, cwd, env)
-        reply = await self._call(lambda rid: proto.exec_request(rid, script, env, timeout_s, self._cap),
+        # the verifier never sources or saves the agent's shell state (its PATH, its cwd)
+        script = wrap(cmd, "/" if as_verifier and cwd is None else cwd, env)
+        role = _role(as_verifier)
+        reply = await self._call(lambda rid: proto.exec_request(rid, script, env, timeout_s, self._cap, role),
                                  "exec", timeout_s + REPLY_GRACE_S)
         try:
             r = proto.parse_exec(reply.body, self._cap)
@@ -316,20 +377,23 @@ class BwrapSandbox:
                           stderr=r.stderr.decode(errors="replace"), duration_s=r.duration_s,
                           timed_out=r.timed_out, truncated=r.truncated)
 
-    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644, as_verifier: bool = False) -> None:
         raw = data.encode() if isinstance(data, str) else data
-        await self._call(lambda rid: proto.put_request(rid, [(1, mode, path, raw)]), "write", 60.0)
+        role = _role(as_verifier)
+        await self._call(lambda rid: proto.put_request(rid, [(1, mode, path, raw)], role), "write", 60.0)
 
-    async def read_file(self, path: str) -> bytes:
-        return (await self._call(lambda rid: proto.read_request(rid, path), "read", 60.0)).body
+    async def read_file(self, path: str, as_verifier: bool = False) -> bytes:
+        role = _role(as_verifier)
+        return (await self._call(lambda rid: proto.read_request(rid, path, role), "read", 60.0)).body
 
-    async def put_dir(self, src: Path, dest: str) -> None:
-        await self.put_tar(tar_dir(Path(src)), dest)
+    async def put_dir(self, src: Path, dest: str, as_verifier: bool = False) -> None:
+        await self.put_tar(tar_dir(Path(src)), dest, as_verifier)
 
-    async def put_tar(self, data: bytes, dest: str) -> None:
+    async def put_tar(self, data: bytes, dest: str, as_verifier: bool = False) -> None:
         entries = [(0, 0o755, "/" + dest.strip("/"), b"")] if dest.strip("/") else []
         entries += proto.tar_entries(data, dest)
-        await self._call(lambda rid: proto.put_request(rid, entries), "put", 120.0)
+        role = _role(as_verifier)
+        await self._call(lambda rid: proto.put_request(rid, entries, role), "put", 120.0)
 
     async def ping(self) -> int:
         reply = await self._call(proto.ping_request, "ping", 30.0)
@@ -361,8 +425,32 @@ class BwrapSandbox:
         if self.scratch is not None:
             await asyncio.to_thread(_remove_tree, self.scratch)
 
+    @property
+    def upper_dir(self) -> Path | None:
+        """The writable layer as the host sees it: the tmpfs lives in the launcher's mount namespace, which
+        bwrap's outer process keeps (pasta, first in a networked sandbox, moves itself to an empty root)."""
+        if self.upper_mnt is None or not self.alive:
+            return None
+        pids = [self._proc.pid]
+        try:
+            pids += [int(p) for p in Path(f"/proc/{self._proc.pid}/task/{self._proc.pid}/children").read_text().split()]
+        except OSError:
+            return None
+        for pid in pids:
+            upper = Path(f"/proc/{pid}/root{self.upper_mnt}/u")
+            try:
+                if upper.is_dir():
+                    return upper
+            except OSError:
+                continue
+        return None
+
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None
+
+
+def _role(as_verifier: bool) -> int:
+    return proto.VERIFIER if as_verifier else proto.AGENT
 
 
 async def _read_exact_or_eof(stream: asyncio.StreamReader, n: int) -> bytes:

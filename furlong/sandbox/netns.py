@@ -91,11 +91,12 @@ def fence_script(addresses: list[str]) -> str:
     return "\n".join(lines)
 
 
-def wrap(argv: list[str], uid: int) -> list[str]:
-    """`argv` (bwrap) run inside a fresh network namespace that pasta connects to the internet."""
+def wrap(argv: list[str], uid: int, in_userns: bool = False) -> list[str]:
+    """`argv` (bwrap) run inside a fresh network namespace that pasta connects to the internet; with
+    `in_userns` (the launcher already made the sandbox's user namespace) pasta makes no user namespace."""
     check(uid)
     pasta = shutil.which("pasta") or "pasta"
-    return [pasta, *PASTA_OPTIONS, "--", "/bin/sh", "-c", fence_script(host_local_addresses()),
+    return [pasta, *PASTA_OPTIONS, *(["--netns-only"] if in_userns else []), "--", "/bin/sh", "-c", fence_script(host_local_addresses()),
             "furlong-netns", *argv]
 
 

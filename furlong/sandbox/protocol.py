@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 SECRET_LEN, ID_LEN = 32, 16
 OP_EXEC, OP_READ, OP_PUT, OP_PING = 1, 2, 3, 4
+AGENT, VERIFIER = 0, 1  # the role a request runs as (init.c: identities)
 HEADER = SECRET_LEN + ID_LEN + 1
 READ_MAX = 256 << 20  # the init refuses larger files
 FRAME_SLACK = 1 << 16
@@ -48,24 +49,29 @@ def _str(data: bytes) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
-def exec_request(rid: bytes, script: str, env: dict[str, str], timeout_s: float, cap: int) -> bytes:
+def _head(rid: bytes, op: int, role: int) -> bytes:
+    return rid + bytes([op, role])
+
+
+def exec_request(rid: bytes, script: str, env: dict[str, str], timeout_s: float, cap: int,
+                 role: int = AGENT) -> bytes:
     blob = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
     timeout_ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF))
     body = struct.pack("<II", timeout_ms, cap) + _str(script.encode()) + _str(blob)
-    return frame(rid + bytes([OP_EXEC]) + body)
+    return frame(_head(rid, OP_EXEC, role) + body)
 
 
-def read_request(rid: bytes, path: str) -> bytes:
-    return frame(rid + bytes([OP_READ]) + _str(path.encode()))
+def read_request(rid: bytes, path: str, role: int = AGENT) -> bytes:
+    return frame(_head(rid, OP_READ, role) + _str(path.encode()))
 
 
 def ping_request(rid: bytes) -> bytes:
-    return frame(rid + bytes([OP_PING]))
+    return frame(_head(rid, OP_PING, AGENT))
 
 
-def put_request(rid: bytes, entries: list[tuple[int, int, str, bytes]]) -> bytes:
+def put_request(rid: bytes, entries: list[tuple[int, int, str, bytes]], role: int = AGENT) -> bytes:
     """entries: (kind 0 dir | 1 file | 2 symlink, mode, absolute path, data or link target)."""
-    parts = [rid, bytes([OP_PUT])]
+    parts = [_head(rid, OP_PUT, role)]
     for kind, mode, path, data in entries:
         parts += [struct.pack("<BI", kind, mode & 0o7777), _str(path.encode()), _str(data)]
     return frame(b"".join(parts))

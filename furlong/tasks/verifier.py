@@ -51,15 +51,21 @@ class Verdict:
 
 
 async def verify(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
-    """Copies the tests in (only now: the agent never saw them), runs them, returns the reward."""
-    await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR}; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}", 30, cwd="/")
+    """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
+
+    Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
+    agent's processes, still running, can neither write nor replace (furlong.sandbox.bwrap). With one uid
+    only (`sandbox.verifier_uid is None`) /tests and /logs are the agent's, as in earlier versions."""
+    # /tests is a mount point: its contents go, it stays (the rm of the directory itself fails harmlessly)
+    await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} 2>/dev/null; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}",
+                       30, cwd="/", as_verifier=True)
     if task.tests_dir is not None:
-        await sandbox.put_dir(task.tests_dir, TESTS_DIR)
+        await sandbox.put_dir(task.tests_dir, TESTS_DIR, as_verifier=True)
     script = f"{TESTS_DIR}/{task.test_script.name}"
     if task.tests_dir is None or task.test_script.parent != task.tests_dir:
-        await sandbox.write_file(script, task.test_script.read_bytes(), 0o755)
+        await sandbox.write_file(script, task.test_script.read_bytes(), 0o755, as_verifier=True)
     res = await sandbox.exec(f"bash {shlex.quote(script)}", timeout_s=task.verifier_timeout_s,
-                             cwd=workdir, env=dict(task.verifier_env))
+                             cwd=workdir, env=dict(task.verifier_env), as_verifier=True)
     tail = output_tail(res.stdout, res.stderr)
     if res.timed_out:
         return Verdict(reward=0.0, timed_out=True, exit_code=res.exit_code, output_tail=tail,
@@ -73,7 +79,7 @@ async def verify(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
 
 async def _read_reward(sandbox: Sandbox) -> tuple[float | None, dict[str, float], str | None]:
     try:
-        raw = (await sandbox.read_file(f"{VERIFIER_LOG_DIR}/reward.txt")).decode(errors="replace").strip()
+        raw = (await sandbox.read_file(f"{VERIFIER_LOG_DIR}/reward.txt", as_verifier=True)).decode(errors="replace").strip()
         value = _finite(float(raw))
         return value, {"reward": value}, None
     except SandboxDied:
@@ -83,7 +89,7 @@ async def _read_reward(sandbox: Sandbox) -> tuple[float | None, dict[str, float]
     except ValueError:
         return None, {}, f"reward.txt is not a number: {raw[:80]!r}"
     try:
-        data = json.loads(await sandbox.read_file(f"{VERIFIER_LOG_DIR}/reward.json"))
+        data = json.loads(await sandbox.read_file(f"{VERIFIER_LOG_DIR}/reward.json", as_verifier=True))
         rewards = {str(k): _finite(float(v)) for k, v in data.items()}
         if "reward" not in rewards:
             return None, rewards, "reward.json has no 'reward' key"

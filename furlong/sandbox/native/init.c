@@ -7,9 +7,20 @@
  * It is non-dumpable, so agent processes (same uid, no capabilities) can neither ptrace it nor open
  * /proc/1/fd or /proc/1/mem.
  *
+ * Identities (argv, from the host): `--agent UID:GID` runs agent commands as that uid with no
+ * capabilities at all (bounding set emptied, no_new_privs), and moves each into the agent cgroup
+ * (`--agent-procs FD`, repeatable: cgroup.procs files the host opened) whose pids limit leaves the init
+ * and the verifier room; `--verifier UID` hands that uid the /tests and /logs mounts the host made, and
+ * runs verifier commands as it: inside the namespace at `--verifier-ns FD` (furlong-launch made it: there
+ * UID is root and the agent's uid 0 is UID) as root with VERIFIER_CAPS, so the tests install packages and
+ * read everything as root would in Docker, while agent processes cannot write, signal or trace any of it.
+ * `--seccomp FD` is the compiled filter every command gets, applied here after the identity is taken
+ * (setns is one of the calls it refuses). The init keeps only the capabilities it needs (bwrap's
+ * --cap-add list) and is non-dumpable.
+ *
  * Protocol (stdin: requests, stdout: replies), every frame is u32 little-endian length + payload.
  *   handshake: the host's first 32 bytes on stdin are the per-sandbox secret.
- *   request:   id[16] op[1] body
+ *   request:   id[16] op[1] role[1] body   (role 0: as the agent, 1: as the verifier)
  *   reply:     secret[32] id[16] status[1] (0 ok, 1 error: body is the message) body
  * Ops (body layouts; "str" is u32 length + bytes):
  *   EXEC  u32 timeout_ms, u32 cap, str script, str env ("K=V\0K=V\0..." overriding the init's env)
@@ -28,8 +39,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sched.h>
 #include <sys/epoll.h>
+#include <sys/fsuid.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -45,6 +63,13 @@
 #define MARKER "\n[... furlong: %llu bytes truncated ...]\n"
 
 enum { OP_EXEC = 1, OP_READ = 2, OP_PUT = 3, OP_PING = 4 };
+enum { ROLE_AGENT = 0, ROLE_VERIFIER = 1 };
+#define CAPBIT(c) (1ull << (c))
+/* What the tests get, as root would have them for installing and checking: never ptrace, mounts, admin. */
+#define VERIFIER_CAPS (CAPBIT(CAP_CHOWN) | CAPBIT(CAP_DAC_OVERRIDE) | CAPBIT(CAP_DAC_READ_SEARCH) | \
+  CAPBIT(CAP_FOWNER) | CAPBIT(CAP_FSETID) | CAPBIT(CAP_KILL) | CAPBIT(CAP_SETGID) | CAPBIT(CAP_SETUID) | \
+  CAPBIT(CAP_NET_BIND_SERVICE))
+#define MAX_AGENT_PROCS 8
 
 typedef struct { unsigned char *p; size_t len, cap; } buf_t;
 
@@ -69,6 +94,10 @@ static job_t *jobs[MAX_JOBS];
 static int drains[DRAIN_MAX];
 static int epfd, sigfd;
 static char **base_env;
+static long agent_uid = 0, agent_gid = 0, verifier_uid = -1;
+static int agent_procs[MAX_AGENT_PROCS], n_agent_procs, verifier_ns = -1, seccomp_fd = -1;
+static struct sock_fprog seccomp_prog;
+static uint64_t own_caps;  /* the init's permitted set, restored after an op done as a role */
 
 static void die(const char *what) { fprintf(stderr, "furlong-init: %s: %s\n", what, strerror(errno)); _exit(111); }
 
@@ -213,7 +242,87 @@ static char **make_env(const unsigned char *blob, uint32_t n) {
   return env;
 }
 
-static void child_exec(const char *script, char **env, int out, int err) {
+/* ---- identities ------------------------------------------------------------------------------ */
+
+static int set_caps(uint64_t eff, uint64_t perm, uint64_t inh) {
+  struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+  struct __user_cap_data_struct d[2] = {{(uint32_t)eff, (uint32_t)perm, (uint32_t)inh},
+                                        {(uint32_t)(eff >> 32), (uint32_t)(perm >> 32), (uint32_t)(inh >> 32)}};
+  return (int)syscall(SYS_capset, &h, d);
+}
+
+static uint64_t get_permitted(void) {
+  struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+  struct __user_cap_data_struct d[2];
+  if (syscall(SYS_capget, &h, d) < 0) die("capget");
+  return (uint64_t)d[0].permitted | ((uint64_t)d[1].permitted << 32);
+}
+
+static int is_verifier(int role) { return role == ROLE_VERIFIER && verifier_uid >= 0; }
+
+static int apply_seccomp(void) {
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return -1;
+  return seccomp_prog.len ? prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &seccomp_prog, 0, 0) : 0;
+}
+
+static void load_seccomp(void) {  /* the whole program, read once: an array of struct sock_filter */
+  buf_t b = {0};
+  unsigned char chunk[4096];
+  ssize_t r;
+  while ((r = read(seccomp_fd, chunk, sizeof chunk)) > 0) buf_put(&b, chunk, (size_t)r);
+  if (r < 0 || b.len == 0 || b.len % sizeof(struct sock_filter) || b.len / sizeof(struct sock_filter) > 0xffff) {
+    errno = EINVAL;
+    die("seccomp program");
+  }
+  seccomp_prog.len = (unsigned short)(b.len / sizeof(struct sock_filter));
+  seccomp_prog.filter = (struct sock_filter *)b.p;
+  close(seccomp_fd);
+  seccomp_fd = -1;
+}
+
+/* In a command's child, before exec: who it runs as, with which capabilities, in which cgroup. */
+static int become(int role) {
+  int verifier = is_verifier(role);
+  uint64_t keep = verifier ? VERIFIER_CAPS & own_caps : 0;
+  uid_t uid = verifier ? (uid_t)verifier_uid : (uid_t)agent_uid;
+  gid_t gid = verifier ? (gid_t)verifier_uid : (gid_t)agent_gid;
+  if (verifier && verifier_ns >= 0) {  /* root there (full capabilities in it), trimmed to `keep` below */
+    if (setns(verifier_ns, CLONE_NEWUSER) < 0) return -1;
+    uid = 0, gid = 0, keep = VERIFIER_CAPS;
+  }
+  if (!verifier)
+    for (int i = 0; i < n_agent_procs; i++)
+      if (write(agent_procs[i], "0", 1) != 1) return -1;  /* fail closed: never outside the agent's limits */
+  if (!own_caps) return apply_seccomp();  /* one uid, no capabilities (bwrap's own user namespace) */
+  for (int cap = 0; cap < 64; cap++)
+    if (!(keep & CAPBIT(cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL) return -1;
+  if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0) return -1;
+  if (prctl(PR_SET_KEEPCAPS, keep != 0, 0, 0, 0) < 0) return -1;
+  if (setgroups(0, NULL) < 0 || setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0) return -1;
+  if (set_caps(keep, keep, keep) < 0) return -1;
+  for (int cap = 0; cap < 64; cap++)
+    if (uid != 0 && (keep & CAPBIT(cap)) && prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) < 0) return -1;
+  return apply_seccomp();
+}
+
+/* File ops of a request done with the role's file ids and no capability, then back to the init's. */
+static void fs_as(int role) {
+  if (!own_caps) return;
+  uid_t uid = is_verifier(role) ? (uid_t)verifier_uid : (uid_t)agent_uid;
+  gid_t gid = is_verifier(role) ? (gid_t)verifier_uid : (gid_t)agent_gid;
+  setfsgid(gid);
+  setfsuid(uid);
+  if (set_caps(0, own_caps, 0) < 0) die("capset");
+}
+
+static void fs_restore(void) {
+  if (!own_caps) return;
+  setfsuid(0);
+  setfsgid(0);
+  if (set_caps(own_caps, own_caps, 0) < 0) die("capset");
+}
+
+static void child_exec(const char *script, char **env, int out, int err, int role) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, NULL);
@@ -221,6 +330,12 @@ static void child_exec(const char *script, char **env, int out, int err) {
   setsid();  /* its own process group: a timeout kills the whole group */
   int fd = open("/proc/self/oom_score_adj", O_WRONLY);
   if (fd >= 0) { write_all(fd, "1000", 4); close(fd); }  /* the OOM killer picks agents, never init */
+  if (become(role) < 0) {
+    char msg[160];
+    int n = snprintf(msg, sizeof msg, "furlong-init: cannot take the command's identity: %s\n", strerror(errno));
+    if (n > 0 && write(err, msg, (size_t)n) < 0) { /* nothing more to say */ }
+    _exit(126);
+  }
   int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (null < 0 || dup2(null, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0) _exit(126);
   char *argv[] = {"bash", "-c", (char *)script, NULL};
@@ -238,7 +353,7 @@ static void watch(int fd, uint64_t tag) {
 #define TAG_JOB(slot, stream) ((3ull << 32) | ((uint64_t)(slot) << 1) | (stream))
 #define TAG_DRAIN(fd) ((4ull << 32) | (uint64_t)(fd))
 
-static void op_exec(const unsigned char *id, cursor_t *c) {
+static void op_exec(const unsigned char *id, cursor_t *c, int role) {
   uint32_t timeout_ms = take_u32(c), cap = take_u32(c), nscript, nenv;
   const unsigned char *script_raw = take_str(c, &nscript), *env_raw = take_str(c, &nenv);
   char *script = c->bad || c->left ? NULL : cstr(script_raw, nscript);
@@ -250,7 +365,7 @@ static void op_exec(const unsigned char *id, cursor_t *c) {
   if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) { reply_error(id, "exec: pipe", errno); free(script); return; }
   char **env = make_env(env_raw, nenv);
   pid_t pid = fork();
-  if (pid == 0) child_exec(script, env, out[1], err[1]);
+  if (pid == 0) child_exec(script, env, out[1], err[1], role);
   int fork_errno = errno;
   free(env), free(script), close(out[1]), close(err[1]);
   if (pid < 0) { close(out[0]), close(err[0]); reply_error(id, "exec: fork", fork_errno); return; }
@@ -267,7 +382,7 @@ static void op_exec(const unsigned char *id, cursor_t *c) {
   jobs[slot] = j;
 }
 
-static void op_read(const unsigned char *id, cursor_t *c) {
+static void op_read(const unsigned char *id, cursor_t *c) {  /* as a role: see dispatch */
   uint32_t n;
   const unsigned char *raw = take_str(c, &n);
   char *path = c->bad || c->left ? NULL : cstr(raw, n);
@@ -348,13 +463,15 @@ static void op_put(const unsigned char *id, cursor_t *c) {
 
 static void dispatch(const unsigned char *frame, uint32_t n) {
   unsigned char id[ID_LEN] = {0};
-  if (n < ID_LEN + 1) { reply_error(id, "malformed frame", EINVAL); return; }
+  if (n < ID_LEN + 2) { reply_error(id, "malformed frame", EINVAL); return; }
   memcpy(id, frame, ID_LEN);
-  cursor_t c = {frame + ID_LEN + 1, n - ID_LEN - 1, 0};
+  int role = frame[ID_LEN + 1];
+  if (role != ROLE_AGENT && role != ROLE_VERIFIER) { reply_error(id, "unknown role", EINVAL); return; }
+  cursor_t c = {frame + ID_LEN + 2, n - ID_LEN - 2, 0};
   switch (frame[ID_LEN]) {
-    case OP_EXEC: op_exec(id, &c); break;
-    case OP_READ: op_read(id, &c); break;
-    case OP_PUT: op_put(id, &c); break;
+    case OP_EXEC: op_exec(id, &c, role); break;
+    case OP_READ: fs_as(role); op_read(id, &c); fs_restore(); break;
+    case OP_PUT: fs_as(role); op_put(id, &c); fs_restore(); break;
     case OP_PING: { uint32_t pid = (uint32_t)getpid(); reply(id, 0, &pid, 4); break; }
     default: reply_error(id, "unknown op", EINVAL);
   }
@@ -483,11 +600,54 @@ static void on_event(uint64_t tag) {
   }
 }
 
-int main(void) {
+static void parse_args(int argc, char **argv) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const char *opt = argv[i], *val = argv[i + 1];
+    if (!strcmp(opt, "--agent") && sscanf(val, "%ld:%ld", &agent_uid, &agent_gid) == 2) continue;
+    if (!strcmp(opt, "--verifier") && sscanf(val, "%ld", &verifier_uid) == 1) continue;
+    if (!strcmp(opt, "--verifier-ns") && sscanf(val, "%d", &verifier_ns) == 1) continue;
+    if (!strcmp(opt, "--seccomp") && sscanf(val, "%d", &seccomp_fd) == 1) continue;
+    if (!strcmp(opt, "--agent-procs") && n_agent_procs < MAX_AGENT_PROCS) {
+      agent_procs[n_agent_procs++] = atoi(val);
+      continue;
+    }
+    errno = EINVAL;
+    die(opt);
+  }
+  if (argc % 2 == 0) { errno = EINVAL; die("odd argument list"); }
+}
+
+/* Every fd but 0-2 and the agent cgroup's procs files (kept close-on-exec) is closed. */
+static void close_host_fds(void) {
+  unsigned int from = 3;
+  int keep[MAX_AGENT_PROCS + 2], n = 0;
+  for (int i = 0; i < n_agent_procs; i++) keep[n++] = agent_procs[i];
+  if (verifier_ns >= 0) keep[n++] = verifier_ns;
+  if (seccomp_fd >= 0) keep[n++] = seccomp_fd;
+  for (;;) {
+    unsigned int next = ~0u;
+    for (int i = 0; i < n; i++)
+      if ((unsigned int)keep[i] >= from && (unsigned int)keep[i] < next) next = (unsigned int)keep[i];
+    if (next > from && close_range(from, next == ~0u ? ~0u : next - 1, 0) < 0) die("close_range");
+    if (next == ~0u) break;
+    if (fcntl((int)next, F_SETFD, FD_CLOEXEC) < 0) die("kept fd");
+    from = next + 1;
+  }
+}
+
+static void own(const char *path, mode_t mode, long uid, long gid) {
+  if (mkdir(path, mode) < 0 && errno != EEXIST) die(path);
+  if (chown(path, (uid_t)uid, (gid_t)gid) < 0 || chmod(path, mode) < 0) die(path);
+}
+
+int main(int argc, char **argv) {
   extern char **environ;
+  parse_args(argc, argv);
   /* First, before anything else: the host's fds (image layers) must never reach an agent process. */
-  if (close_range(3, ~0u, 0) < 0) die("close_range");
+  close_host_fds();
   if (prctl(PR_SET_DUMPABLE, 0) < 0) die("prctl");
+  if (seccomp_fd >= 0) load_seccomp();
+  own_caps = get_permitted();
   size_t got = 0;
   while (got < SECRET_LEN) {
     ssize_t r = read(0, secret + got, SECRET_LEN - got);
@@ -506,8 +666,14 @@ int main(void) {
   watch(sigfd, TAG_SIGNAL);
   /* The shell state dir (the host wraps commands to use it). Every sandbox starts with none: a state
    * file an image happens to carry (e.g. left by a build step) must not set its first cwd or PATH. */
-  mkdir("/run/furlong-shell", 0755);
+  own("/run/furlong-shell", 0755, agent_uid, agent_gid);
   unlink("/run/furlong-shell/state");
+  if (verifier_uid >= 0) {  /* the host mounted both: mount points the agent can neither rename nor write */
+    own("/tests", 0755, verifier_uid, verifier_uid);
+    own("/logs", 0755, verifier_uid, verifier_uid);
+    own("/logs/verifier", 0755, verifier_uid, verifier_uid);
+    own("/logs/agent", 0755, agent_uid, agent_gid);
+  }
   for (;;) {
     struct epoll_event evs[64];
     int n = epoll_wait(epfd, evs, 64, next_timeout_ms());

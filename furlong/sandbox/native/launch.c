@@ -10,6 +10,18 @@
  *                      memory limit (where it would take the init down with it). As non-root this first
  *                      enters a user namespace mapping only our own uid, which may mount a tmpfs.
  *   --uid N            as root: drop to uid/gid N (no supplementary groups) before exec
+ *   --subids U G N     a user namespace of our own mapping 0 to our uid/gid (N's, as root) and 1..N to the
+ *                      subordinate ranges starting at host uid U / gid G, entered before --upper's mount
+ *                      (which it then owns), so bwrap runs in it as root and the sandbox has many uids: the
+ *                      verifier's apart from the agent's. A forked helper writes the maps, since the
+ *                      process that unshares cannot: directly as root, through newuidmap/newgidmap (setuid
+ *                      helpers that check /etc/subuid and /etc/subgid) as an ordinary user.
+ *   --verifier-ns FD V with --subids: a second user namespace, owned by uid V of the first, where V is
+ *                      root and the first's root (the agent, owner of the image's files) is V: the swap
+ *                      gives the verifier root's powers over every file (dpkg, apt and the tests run as
+ *                      uid 0, as in Docker) while its processes stay a uid the agent cannot signal or trace,
+ *                      and the agent holds no capability over the namespace. Put at FD (which the host
+ *                      reserved) for the init, which enters it for each verifier command.
  *   --rlimit-as B / --rlimit-nproc N   rlimits, where no cgroup could be made
  *   -- ARGV...         what to exec (bwrap)
  */
@@ -22,8 +34,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static void die(const char *what, const char *arg) {
@@ -51,9 +65,11 @@ static void own_userns(void) {  /* non-root: a user namespace where only we exis
   write_file("/proc/self/gid_map", map);
 }
 
-static void mount_upper(const char *dir, const char *size, long uid) {
+static void mount_upper(const char *dir, const char *size, long uid, int in_userns) {
   char opts[128], path[4096];
-  if (geteuid() == 0 && getuid() == 0) {
+  if (in_userns) {
+    /* already in a user + mount namespace of our own (--subids) */
+  } else if (geteuid() == 0 && getuid() == 0) {
     if (unshare(CLONE_NEWNS) < 0) die("unshare", "mount namespace");
   } else {
     own_userns();
@@ -75,13 +91,112 @@ static void set_limit(int resource, const char *value) {
   if (setrlimit(resource, &rl) < 0) die("setrlimit", value);
 }
 
+static void drop_to(long uid) {
+  if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
+      setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0)
+    die("drop to uid", NULL);
+}
+
+static int run_map_tool(const char *tool, pid_t pid, unsigned long id, const char *start, const char *count) {
+  char spid[32], sid[32];
+  snprintf(spid, sizeof spid, "%d", (int)pid);
+  snprintf(sid, sizeof sid, "%lu", id);
+  pid_t child = fork();
+  if (child < 0) return -1;
+  if (child == 0) {
+    execlp(tool, tool, spid, "0", sid, "1", "1", start, count, (char *)NULL);
+    fprintf(stderr, "furlong-launch: exec %s: %s (apt-get install uidmap)\n", tool, strerror(errno));
+    _exit(127);
+  }
+  int status;
+  if (waitpid(child, &status, 0) < 0) return -1;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : -1;
+}
+
+static int write_map(pid_t pid, const char *kind, unsigned long id, const char *start, const char *count) {
+  char path[64], map[160];
+  snprintf(path, sizeof path, "/proc/%d/%s_map", (int)pid, kind);
+  int n = snprintf(map, sizeof map, "0 %lu 1\n1 %s %s\n", id, start, count);
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  int ok = write(fd, map, (size_t)n) == n;
+  close(fd);
+  return ok ? 0 : -1;
+}
+
+/* Enters a new user + mount namespace whose uid/gid maps a forked helper writes (see --subids). */
+static void mapped_userns(long as_uid, const char *ustart, const char *gstart, const char *count) {
+  int go[2];
+  char c = 0;
+  pid_t self = getpid();
+  int root = geteuid() == 0;
+  unsigned long uid = root ? (unsigned long)as_uid : getuid(), gid = root ? (unsigned long)as_uid : getgid();
+  if (pipe2(go, O_CLOEXEC) < 0) die("pipe", NULL);
+  pid_t helper = fork();
+  if (helper < 0) die("fork", NULL);
+  if (helper == 0) {  /* still in the caller's namespaces, and as root still root */
+    close(go[1]);
+    if (read(go[0], &c, 1) != 1) _exit(1);
+    int r = root ? write_map(self, "uid", uid, ustart, count) | write_map(self, "gid", gid, gstart, count)
+                 : run_map_tool("newuidmap", self, uid, ustart, count) | run_map_tool("newgidmap", self, gid, gstart, count);
+    _exit(r ? 1 : 0);
+  }
+  close(go[0]);
+  if (root) drop_to(as_uid);  /* the namespace's owner, and its root, is the sandbox uid */
+  if (unshare(CLONE_NEWUSER | CLONE_NEWNS) < 0) die("unshare", "user+mount namespace");
+  if (write(go[1], &c, 1) != 1) die("signal the id-map helper", NULL);
+  close(go[1]);
+  int status;
+  if (waitpid(helper, &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    errno = EPERM;
+    die("mapping the sandbox's uids and gids", root ? NULL : "(newuidmap/newgidmap and /etc/subuid, /etc/subgid)");
+  }
+  if (setgroups(0, NULL) < 0) die("setgroups", NULL);
+}
+
+/* As root of the sandbox's user namespace: the verifier's namespace (see --verifier-ns), at fd `at`. */
+static void verifier_userns(int at, long v, long count) {
+  int go[2], ready[2];
+  char c = 0, map[256], path[64];
+  if (pipe2(go, O_CLOEXEC) < 0 || pipe2(ready, O_CLOEXEC) < 0) die("pipe", NULL);
+  pid_t child = fork();
+  if (child < 0) die("fork", NULL);
+  if (child == 0) {  /* the namespace's owner: uid v, so the agent (uid 0, no capability) has no say in it */
+    close(go[1]), close(ready[0]);
+    if (setresgid((gid_t)v, (gid_t)v, (gid_t)v) < 0 || setresuid((uid_t)v, (uid_t)v, (uid_t)v) < 0) _exit(1);
+    prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);  /* a uid change cleared it: the parent must open our /proc files */
+    if (unshare(CLONE_NEWUSER) < 0) _exit(2);
+    if (write(ready[1], &c, 1) != 1) _exit(3);
+    if (read(go[0], &c, 1) < 0) _exit(4);  /* until the maps are written and the fd taken: EOF */
+    _exit(0);
+  }
+  close(go[0]), close(ready[1]);
+  if (read(ready[0], &c, 1) != 1) { errno = ECHILD; die("making the verifier's user namespace", NULL); }
+  close(ready[0]);
+  int n = snprintf(map, sizeof map, "0 %ld 1\n%ld 0 1\n1 1 %ld\n", v, v, v - 1);
+  if (v < count) n += snprintf(map + n, sizeof map - (size_t)n, "%ld %ld %ld\n", v + 1, v + 1, count - v);
+  for (const char *kind = "uid"; kind; kind = kind[0] == 'u' ? "gid" : NULL) {
+    snprintf(path, sizeof path, "/proc/%d/%s_map", (int)child, kind);
+    write_file(path, map);
+  }
+  snprintf(path, sizeof path, "/proc/%d/ns/user", (int)child);
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) die("open", path);
+  if (dup2(fd, at) < 0) die("dup2", "verifier namespace");
+  if (fd != at) close(fd);
+  close(go[1]);
+  int status;
+  waitpid(child, &status, 0);
+}
+
 int main(int argc, char **argv) {
-  long uid = -1;
+  long uid = -1, vns_fd = -1, vns_uid = -1;
+  const char *upper = NULL, *upper_size = NULL, *sub[3] = {NULL, NULL, NULL};
   int i = 1;
   for (; i < argc && strcmp(argv[i], "--"); i++) {
     const char *opt = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
     if (!val) { errno = EINVAL; die("missing value for", opt); }
-    if (!strcmp(opt, "--cgroup")) {
+    if (!strcmp(opt, "--cgroup")) {  /* at once: every later step, and every process, is inside */
       char pid[32];
       snprintf(pid, sizeof pid, "%d", getpid());
       write_file(val, pid);
@@ -90,7 +205,15 @@ int main(int argc, char **argv) {
       if (fd >= 0) { if (write(fd, val, strlen(val)) < 0) { /* agents still go first at 1000 */ } close(fd); }
     } else if (!strcmp(opt, "--upper")) {
       if (i + 2 >= argc) { errno = EINVAL; die("--upper takes DIR SIZE", NULL); }
-      mount_upper(val, argv[i + 2], uid);
+      upper = val, upper_size = argv[i + 2];
+      i++;
+    } else if (!strcmp(opt, "--subids")) {
+      if (i + 3 >= argc) { errno = EINVAL; die("--subids takes UID_START GID_START COUNT", NULL); }
+      sub[0] = val, sub[1] = argv[i + 2], sub[2] = argv[i + 3];
+      i += 2;
+    } else if (!strcmp(opt, "--verifier-ns")) {
+      if (i + 2 >= argc) { errno = EINVAL; die("--verifier-ns takes FD UID", NULL); }
+      vns_fd = strtol(val, NULL, 10), vns_uid = strtol(argv[i + 2], NULL, 10);
       i++;
     } else if (!strcmp(opt, "--uid")) {
       uid = strtol(val, NULL, 10);
@@ -105,10 +228,14 @@ int main(int argc, char **argv) {
     i++;
   }
   if (i + 1 >= argc) { errno = EINVAL; die("nothing to exec after --", NULL); }
-  if (uid >= 0 && geteuid() == 0) {
-    if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
-        setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0)
-      die("drop to uid", argv[i] ? NULL : NULL);
+  if (sub[0]) {
+    if (geteuid() == 0 && uid < 0) { errno = EINVAL; die("--subids as root needs --uid", NULL); }
+    mapped_userns(uid, sub[0], sub[1], sub[2]);
+    if (vns_fd >= 0) verifier_userns((int)vns_fd, vns_uid, strtol(sub[2], NULL, 10));
+    if (upper) mount_upper(upper, upper_size, -1, 1);
+  } else {
+    if (upper) mount_upper(upper, upper_size, uid, 0);
+    if (uid >= 0 && geteuid() == 0) drop_to(uid);
   }
   execv(argv[i + 1], argv + i + 1);
   die("exec", argv[i + 1]);
