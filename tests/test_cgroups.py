@@ -8,16 +8,18 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+import as_user
 from furlong.sandbox import cgroups
 from furlong.sandbox.base import Limits
-from test_rootless import python, user  # noqa: F401 (the CI user, delegated cgroups, runuser)
+from test_rootless import user  # noqa: F401 (the CI user, with a subuid range and delegated cgroups)
+
+REPO = Path(__file__).resolve().parent.parent
 
 UNIFIED = Path("/sys/fs/cgroup/unified")  # a hybrid host's bare v2 tree: no controllers, real migration rules
 AGENT_PIDS = 24
@@ -81,7 +83,7 @@ argv += ["--", bwrap_executable(), "--unshare-all", "--unshare-user", "--uid", "
          "/usr/bin/python3", "-c", sys.stdin.read(), str(agent), str(verifier), *map(str, fds)]
 proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, pass_fds=fds)
 out = json.loads(proc.stdout.readline() or "{}")
-out["agent_on_host"] = sum(len(f.read_text().split()) for f in cg.agent_procs_files)
+out["agent_on_host"] = len(cg.agent_pids())
 out["total_on_host"] = len(cg.pids())
 cg.remove()
 proc.wait(10)
@@ -91,14 +93,13 @@ print(json.dumps(out))
 """
 
 
-def _run(as_user: str | None, parent: str = "", agent: int = AGENT_PIDS, prefix: list[str] | None = None) -> dict:
-    """HOST as `as_user` (None: this process's user), optionally started through `prefix` (a cgroup move)."""
+def _run(user: str | None, parent: str = "", agent: int = AGENT_PIDS, prefix: tuple[str, ...] = ()) -> dict:
+    """HOST as `user` (None: this process's user), started through `prefix` (a command that execs the rest)."""
     argv = [sys.executable, "-c", HOST, parent, str(agent)]
-    if as_user is not None:
-        res = python(as_user, f"import subprocess, sys; sys.exit(subprocess.run({[*(prefix or []), *argv]!r}, "
-                              f"input={INSIDE!r}, text=True).returncode)")
-    else:
-        res = subprocess.run([*(prefix or []), *argv], input=INSIDE, capture_output=True, text=True, timeout=120)
+    if user is not None:
+        argv = as_user.command(user, argv, {"PYTHONPATH": str(REPO)})
+    res = subprocess.run([*prefix, *argv], input=INSIDE, capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 0, res.stdout + res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -157,17 +158,9 @@ def test_v2_layout_in_a_delegated_tree_as_a_user(user):  # noqa: F811
         for p in (d, d / "cgroup.procs", d / "cgroup.subtree_control", d / "cgroup.threads"):
             os.chown(p, uid, uid)
         (d / "host").mkdir()
-        join = ["sh", "-c", f'echo $$ > {d}/host/cgroup.procs && exec "$@"', "join"]
         # root moves the user's process into the delegated tree, as a login into a delegated scope would
-        res = python(None, f"""
-            import subprocess, sys
-            sys.path.insert(0, "tests")
-            import as_user
-            res = subprocess.run({join!r} + as_user.command({user!r}, [sys.executable, "-c", {HOST!r}, {str(d)!r}, "0"],
-                                 {{"PYTHONPATH": "."}}), input={INSIDE!r}, capture_output=True, text=True)
-            print(res.stdout + res.stderr)
-        """)
-        _check_moved_and_gone(json.loads(res.stdout.strip().splitlines()[-2 if not res.stdout.strip().endswith("}") else -1]))
+        join = ("sh", "-c", f'echo $$ > {d}/host/cgroup.procs && exec "$@"', "join")
+        _check_moved_and_gone(_run(user, str(d), agent=0, prefix=join))
     finally:
         _rmdir(d / "host")
         d.rmdir()

@@ -64,13 +64,11 @@ class Cgroup:
 
     def pids(self) -> set[int]:
         """Every process of the sandbox, the agent's and the init's."""
-        found: set[int] = set()
-        for d in self._tree():
-            try:
-                found.update(int(p) for p in (d / "cgroup.procs").read_text().split())
-            except OSError:
-                pass
-        return found
+        return _procs([d / "cgroup.procs" for d in self._tree()])
+
+    def agent_pids(self) -> set[int]:
+        """The processes of agent commands, which the agent's pids limit bounds."""
+        return _procs(self.agent_procs_files)
 
     def memory_peak_bytes(self) -> int | None:
         for name in ("memory.max_usage_in_bytes", "memory.peak"):
@@ -97,7 +95,7 @@ class Cgroup:
 
     def remove(self) -> None:
         self.kill_all()
-        for d in dict.fromkeys(self._tree()):  # a cgroup with children cannot be removed: they go first
+        for d in self._tree():  # a cgroup with children cannot be removed: they go first
             for _ in range(50):
                 try:
                     d.rmdir()
@@ -106,6 +104,16 @@ class Cgroup:
                     break
                 except OSError:
                     time.sleep(0.01)
+
+
+def _procs(files: list[Path]) -> set[int]:
+    found: set[int] = set()
+    for f in files:
+        try:
+            found.update(int(p) for p in f.read_text().split())
+        except OSError:  # removed meanwhile
+            pass
+    return found
 
 
 # A sandbox's launcher enters its cgroup milliseconds after making it; an empty one this old was left by a
