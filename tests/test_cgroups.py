@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import as_user
+from conftest import run, spec
 from furlong.sandbox import cgroups
 from furlong.sandbox.base import Limits
 from test_rootless import user  # noqa: F401 (the CI user, with a subuid range and delegated cgroups)
@@ -164,6 +165,39 @@ def test_v2_layout_in_a_delegated_tree_as_a_user(user):  # noqa: F811
     finally:
         _rmdir(d / "host")
         d.rmdir()
+
+
+def _cgroup_fd_holders(pids: set[int], files: list[Path]) -> set[int]:
+    """The processes among `pids` that hold an fd open on one of `files` (seen from the host)."""
+    targets = {str(f) for f in files}
+    holders = set()
+    for pid in pids:
+        try:
+            links = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+        except OSError:  # gone meanwhile
+            continue
+        if links & targets:
+            holders.add(pid)
+    return holders
+
+
+def test_agent_cannot_reach_its_cgroup_from_inside_the_sandbox(backend, base_image):
+    """Its limits are files the sandbox uid may own (a delegated cgroup): the agent must find no cgroupfs,
+    mount none, and inherit no fd the host opened on the agent's cgroup.procs (only the init holds one)."""
+    async def go():
+        box = await backend.create(spec(base_image, pids=40))
+        try:
+            r = await box.exec("sleep 30 & ls /sys/fs/cgroup; mkdir -p /tmp/m; "
+                               "mount -t cgroup2 none /tmp/m || mount -t cgroup -o pids none /tmp/m || echo refused", 10)
+            assert r.stdout.strip().endswith("refused") and "No such file" in r.stderr, r
+            cg = box._cgroup
+            if cg is not None:
+                holders = _cgroup_fd_holders(cg.pids(), cg.agent_procs_files)
+                assert len(holders) <= 1 and not holders & cg.agent_pids(), holders
+        finally:
+            await box.close()
+
+    run(go())
 
 
 def _rmdir(d) -> None:
