@@ -146,7 +146,9 @@ def test_v2_layout_lets_the_sandbox_move_an_agent_command():
     """v2's rules (the no-internal-processes layout, the open-time namespace check) on the bare v2 tree."""
     d = _bare_v2()
     try:
-        _check_moved_and_gone(_run(None, str(d), agent=0))
+        out = _run(None, str(d), agent=0)
+        assert out["agent_on_host"] == 1, out  # the mover, seen in S/agent from the host
+        _check_moved_and_gone(out)
     finally:
         d.rmdir()
 
@@ -161,7 +163,9 @@ def test_v2_layout_in_a_delegated_tree_as_a_user(user):  # noqa: F811
         (d / "host").mkdir()
         # root moves the user's process into the delegated tree, as a login into a delegated scope would
         join = ("sh", "-c", f'echo $$ > {d}/host/cgroup.procs && exec "$@"', "join")
-        _check_moved_and_gone(_run(user, str(d), agent=0, prefix=join))
+        out = _run(user, str(d), agent=0, prefix=join)
+        assert out["agent_on_host"] == 1, out
+        _check_moved_and_gone(out)
     finally:
         _rmdir(d / "host")
         d.rmdir()
