@@ -1,15 +1,207 @@
-"""Sandbox cgroups that a killed furlong process left are swept, and nothing else is."""
+"""A sandbox's cgroups: the agent's nested pids limit leaves the init and the verifier room, an agent
+command can be moved into it from inside the sandbox, and cgroups that a killed furlong process left are
+swept, and nothing else is. Run through the real launcher and bwrap, as root and as an ordinary user."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
+import as_user
+from conftest import run, spec
 from furlong.sandbox import cgroups
 from furlong.sandbox.base import Limits
+from test_rootless import user  # noqa: F401 (the CI user, with a subuid range and delegated cgroups)
+
+REPO = Path(__file__).resolve().parent.parent
+
+UNIFIED = Path("/sys/fs/cgroup/unified")  # a hybrid host's bare v2 tree: no controllers, real migration rules
+AGENT_PIDS = 24
+
+# Inside the sandbox: a child moves itself into the agent's cgroup by writing "0" to the fds the host
+# opened (what the init does for each agent command), then forks without bound; its parent stays
+# behind, as the verifier does, and forks what it can.
+INSIDE = """
+import json, os, sys, time
+agent, verifier = int(sys.argv[1]), int(sys.argv[2])
+def forks(limit):
+    n = 0
+    while n < limit:
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        n += 1
+    return n
+r, w = os.pipe()
+if os.fork() == 0:
+    for fd in sys.argv[3:]:
+        os.write(int(fd), b"0")
+    moved = open("/proc/self/cgroup").read()
+    os.write(w, json.dumps({"moved": moved, "agent_forks": forks(3 * agent)}).encode() + b"\\n")
+    time.sleep(60)
+    os._exit(0)
+out = json.loads(os.fdopen(r).readline())
+out["init"] = open("/proc/self/cgroup").read()
+out["verifier_forks"] = forks(2 * verifier)
+print(json.dumps(out), flush=True)
+time.sleep(60)
+"""
+
+# On the host: make the cgroup (or only its v2 layout, under a bare hierarchy's directory), start the
+# real launcher and bwrap in it, read what happened inside, then remove it all.
+HOST = """
+import json, os, subprocess, sys, uuid
+from pathlib import Path
+from furlong.sandbox import cgroups, native
+from furlong.sandbox.base import DEFAULT_HOST_UID, Limits
+from furlong.sandbox.bwrap import bwrap_executable
+parent, agent = sys.argv[1], int(sys.argv[2])
+name = "t" + uuid.uuid4().hex[:8]
+if parent:
+    (Path(parent) / name).mkdir()
+    cg = cgroups._nest_v2(Path(parent) / name)
+else:
+    cg = cgroups.create(name, Limits(pids=agent))
+    if cg is None:
+        print(json.dumps({"cgroup": None})); sys.exit()
+fds = [os.open(f, os.O_WRONLY | os.O_CLOEXEC) for f in cg.agent_procs_files]
+verifier = cgroups.VERIFIER_PIDS if agent else 0
+argv = [str(native.binary("launch")), *(a for f in cg.procs_files for a in ("--cgroup", str(f)))]
+argv += ["--uid", str(DEFAULT_HOST_UID)] if os.geteuid() == 0 else []
+argv += ["--", bwrap_executable(), "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
+         "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--",
+         "/usr/bin/python3", "-c", sys.stdin.read(), str(agent), str(verifier), *map(str, fds)]
+proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, pass_fds=fds)
+out = json.loads(proc.stdout.readline() or "{}")
+out["agent_on_host"] = len(cg.agent_pids())
+out["total_on_host"] = len(cg.pids())
+cg.remove()
+proc.wait(10)
+out.update(cgroup=[str(d) for d in cg.dirs], v2=cg.v2, left=len(cg.pids()),
+           dirs_left=[str(d) for d in cg._tree() if d.exists()])
+print(json.dumps(out))
+"""
+
+
+def _run(user: str | None, parent: str = "", agent: int = AGENT_PIDS, prefix: tuple[str, ...] = ()) -> dict:
+    """HOST as `user` (None: this process's user), started through `prefix` (a command that execs the rest)."""
+    argv = [sys.executable, "-c", HOST, parent, str(agent)]
+    if user is not None:
+        argv = as_user.command(user, argv, {"PYTHONPATH": str(REPO)})
+    res = subprocess.run([*prefix, *argv], input=INSIDE, capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _check_limits(out: dict) -> None:
+    if out.get("cgroup", True) is None:
+        pytest.skip("this user may not make cgroups here (see `furlong sandbox delegate`)")
+    assert out["agent_forks"] == AGENT_PIDS - 1, out  # 72 asked for; the mover itself is the last pid
+    assert out["agent_on_host"] == AGENT_PIDS, out  # counted on the host: all of them moved, and held
+    # the init side keeps its headroom: the whole sandbox, the launcher's bwrap and init included, fits
+    assert cgroups.VERIFIER_PIDS - 8 <= out["verifier_forks"] <= cgroups.VERIFIER_PIDS, out
+    assert out["total_on_host"] <= AGENT_PIDS + cgroups.VERIFIER_PIDS, out
+    _check_moved_and_gone(out)
+
+
+def _check_moved_and_gone(out: dict) -> None:
+    # seen from inside the sandbox's cgroup namespace: the agent's cgroup is not below the init's
+    moved = {line.split(":", 2)[1]: line.split(":", 2)[2] for line in out["moved"].splitlines()}
+    init = {line.split(":", 2)[1]: line.split(":", 2)[2] for line in out["init"].splitlines()}
+    key = "" if out["v2"] else "pids"
+    assert init[key] == "/" and moved[key] in ("/agent", "/../agent"), out
+    assert out["left"] == 0 and out["dirs_left"] == [], out
+
+
+def test_agent_fork_bomb_leaves_the_verifier_its_pids():
+    out = _run(None)
+    _check_limits(out)
+
+
+def test_agent_fork_bomb_leaves_the_verifier_its_pids_as_a_user(user):  # noqa: F811
+    _check_limits(_run(user))
+
+
+def _bare_v2() -> Path:
+    if os.geteuid() != 0 or not (UNIFIED / "cgroup.procs").exists() or (UNIFIED / "pids.max").exists():
+        pytest.skip("no bare v2 hierarchy beside v1 here (on a v2 host the tests above cover v2)")
+    d = UNIFIED / f"furlong-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    return d
+
+
+def test_v2_layout_lets_the_sandbox_move_an_agent_command():
+    """v2's rules (the no-internal-processes layout, the open-time namespace check) on the bare v2 tree."""
+    d = _bare_v2()
+    try:
+        out = _run(None, str(d), agent=0)
+        assert out["agent_on_host"] == 1, out  # the mover, seen in S/agent from the host
+        _check_moved_and_gone(out)
+    finally:
+        d.rmdir()
+
+
+def test_v2_layout_in_a_delegated_tree_as_a_user(user):  # noqa: F811
+    """As a user who owns a delegated v2 directory (as `furlong sandbox delegate` leaves it), started in it."""
+    d = _bare_v2()
+    try:
+        uid = int(subprocess.check_output(["id", "-u", user]))
+        for p in (d, d / "cgroup.procs", d / "cgroup.subtree_control", d / "cgroup.threads"):
+            os.chown(p, uid, uid)
+        (d / "host").mkdir()
+        # root moves the user's process into the delegated tree, as a login into a delegated scope would
+        join = ("sh", "-c", f'echo $$ > {d}/host/cgroup.procs && exec "$@"', "join")
+        out = _run(user, str(d), agent=0, prefix=join)
+        assert out["agent_on_host"] == 1, out
+        _check_moved_and_gone(out)
+    finally:
+        _rmdir(d / "host")
+        d.rmdir()
+
+
+def _cgroup_fd_holders(pids: set[int], files: list[Path]) -> set[int]:
+    """The processes among `pids` that hold an fd open on one of `files` (seen from the host)."""
+    targets = {str(f) for f in files}
+    holders = set()
+    for pid in pids:
+        try:
+            links = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+        except OSError:  # gone meanwhile
+            continue
+        if links & targets:
+            holders.add(pid)
+    return holders
+
+
+def test_agent_cannot_reach_its_cgroup_from_inside_the_sandbox(backend, base_image):
+    """Its limits are files the sandbox uid may own (a delegated cgroup): the agent must find no cgroupfs,
+    mount none, and inherit no fd the host opened on the agent's cgroup.procs (only the init holds one)."""
+    async def go():
+        box = await backend.create(spec(base_image, pids=40))
+        try:
+            r = await box.exec("sleep 30 & ls /sys/fs/cgroup; mkdir -p /tmp/m; "
+                               "mount -t cgroup2 none /tmp/m || mount -t cgroup -o pids none /tmp/m || echo refused", 10)
+            assert r.stdout.strip().endswith("refused") and "No such file" in r.stderr, r
+            cg = box._cgroup
+            if cg is not None:
+                holders = _cgroup_fd_holders(cg.pids(), cg.agent_procs_files)
+                assert len(holders) <= 1 and not holders & cg.agent_pids(), holders
+        finally:
+            await box.close()
+
+    run(go())
 
 
 def _rmdir(d) -> None:
@@ -27,22 +219,23 @@ def test_sweep_removes_empty_stale_cgroups_and_spares_busy_and_new_ones():
     cg = cgroups.create(f"sweeptest-{uuid.uuid4().hex[:8]}", Limits())
     if cg is None:
         pytest.skip("this process may not make cgroups here")
-    parent = cg.dirs[0]
-    stale, busy = parent / "stale", parent / "busy"
-    stale.mkdir()
-    busy.mkdir()
+    parent = cg.dirs[0] / "sweep"  # not the sandbox's own directory, whose init and agent children are live
+    stale, busy, nested = parent / "stale", parent / "busy", parent / "nested"
+    for d in (parent, stale, busy, nested, nested / "init", nested / "agent", busy / "agent"):
+        d.mkdir()
     sleeper = subprocess.Popen(["sleep", "120"])
     try:
-        (busy / "cgroup.procs").write_text(str(sleeper.pid))
+        (busy / "agent" / "cgroup.procs").write_text(str(sleeper.pid))
         assert cgroups.sweep(parent, older_than_s=3600) == 0  # just made: maybe another run's, about to enter
         assert stale.is_dir()
-        assert cgroups.sweep(parent, older_than_s=0) == 1
-        assert not stale.exists() and busy.is_dir()  # the kernel keeps a cgroup with processes in it
+        assert cgroups.sweep(parent, older_than_s=0) == 2  # stale, and nested with its empty children
+        assert not stale.exists() and not nested.exists()
+        assert busy.is_dir() and (busy / "agent").is_dir()  # the kernel keeps a cgroup with processes in it
         assert sleeper.poll() is None
     finally:
         sleeper.kill()
         sleeper.wait()
-        _rmdir(busy)
-        _rmdir(stale)
+        for d in (busy / "agent", busy, stale, parent):
+            _rmdir(d)
         cg.remove()
-    assert not parent.exists()
+    assert not any(d.exists() for d in cg.dirs)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import as_user
+from furlong.sandbox.cgroups import VERIFIER_PIDS
 
 REPO = Path(__file__).resolve().parent.parent
 CI_USER = "furlong-ci"
@@ -145,8 +146,9 @@ FORK_BOMB = r"""
     cg = cgroups.create("t" + uuid.uuid4().hex[:8], Limits(cpus=1.0, memory_mb=256, pids=40))
     if cg is None:
         print(json.dumps({"cgroup": None})); sys.exit()
-    # Exactly what the launcher does for a non-root user: join the cgroup, then exec bwrap.
-    join = " && ".join(f"echo $$ > {f}" for f in cg.procs_files)
+    # What the launcher does for a non-root user: join the cgroup, then exec bwrap; and what the init does
+    # for an agent command: move it into the agent's cgroup, whose pids limit is the Limits' one.
+    join = " && ".join(f"echo $$ > {f}" for f in cg.procs_files + cg.agent_procs_files)
     bomb = ("import os, time\nn = 0\nfor i in range(300):\n    try:\n        if os.fork() == 0:\n"
             "            time.sleep(60); os._exit(0)\n        n += 1\n    except OSError:\n        pass\n"
             "print(n, flush=True); time.sleep(60)")
@@ -191,7 +193,8 @@ def test_sandbox_through_the_backend_is_limited(user):
                 if box._cgroup is None:
                     return {"cgroup": None}
                 r = await box.exec("for i in $(seq 300); do sleep 60 2>/dev/null & done 2>/dev/null; echo ok", 30)
-                return {"cgroup": True, "inside": len(box._cgroup.pids()), "out": r.stdout}
+                return {"cgroup": True, "inside": len(box._cgroup.pids()), "agent": len(box._cgroup.agent_pids()),
+                        "out": r.stdout}
             finally:
                 await box.close()
         print(json.dumps(asyncio.run(asyncio.wait_for(main(), 120))))
@@ -200,7 +203,7 @@ def test_sandbox_through_the_backend_is_limited(user):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     if out["cgroup"] is None:
         pytest.skip("the bwrap launcher does not yet put a non-root user's sandbox in its delegated cgroup")
-    assert 0 < out["inside"] <= 40, out
+    assert 0 < out["inside"] <= 40 + VERIFIER_PIDS and out["agent"] <= 40, out  # the init side keeps its room
 
 
 def test_no_cgroup_warns_once(user):

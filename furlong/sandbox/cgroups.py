@@ -1,7 +1,15 @@
 """CPU, memory and pid limits for one sandbox through cgroups, v1 (per-controller trees) or v2.
 
 A sandbox's first process writes its own pid into `procs_files` before it drops to the sandbox uid and
-starts bwrap, so every process the sandbox ever makes is born inside the limits.
+starts bwrap, so every process the sandbox ever makes is born inside the limits. The init moves each agent
+command into `agent_procs_files`, a nested cgroup whose pids limit is the agent's alone: a fork bomb left
+running there cannot take the VERIFIER_PIDS the sandbox keeps beyond it for the init and the verifier.
+
+Layout (S = the sandbox's cgroup, which holds the memory, cpu and total pids limits):
+  v2: S/init (the launcher, bwrap, the init, the verifier) and S/agent, siblings, because a v2 cgroup with
+      controllers enabled for its children may hold no processes itself;
+  v1: S in each controller's tree, holding every process, and S/agent in the pids tree only.
+Without a cgroup (rlimits) there is no nested headroom: agent and verifier share one RLIMIT_NPROC.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ log = logging.getLogger(__name__)
 ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
 CFS_PERIOD_US = 100_000
+# pids the sandbox keeps beyond the agent's limit: the init and bwrap (3), and the verifier's test run
+# (a shell, pytest or uv, and the processes they start)
+VERIFIER_PIDS = 64
 
 
 def _own_path(controller: str | None) -> str:
@@ -39,23 +50,25 @@ def _v2_mount() -> Path | None:
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Cgroup:
-    dirs: list[Path]  # one per v1 controller, or a single v2 directory
+    dirs: list[Path]  # the sandbox's cgroup, holding its limits: one per v1 controller, or a single v2 directory
     v2: bool
+    procs_files: list[Path]  # the launcher joins these: every sandbox process is born inside
+    agent_procs_files: list[Path]  # the init moves each agent command here: the agent's own pids limit
 
-    @property
-    def procs_files(self) -> list[Path]:
-        return [d / "cgroup.procs" for d in self.dirs]
+    def _tree(self) -> list[Path]:
+        """Every directory of this sandbox's cgroups, children before their parent."""
+        return [*(f.parent for f in self.agent_procs_files + self.procs_files if f.parent not in self.dirs),
+                *self.dirs]
 
     def pids(self) -> set[int]:
-        found: set[int] = set()
-        for f in self.procs_files:
-            try:
-                found.update(int(p) for p in f.read_text().split())
-            except OSError:
-                pass
-        return found
+        """Every process of the sandbox, the agent's and the init's."""
+        return _procs([d / "cgroup.procs" for d in self._tree()])
+
+    def agent_pids(self) -> set[int]:
+        """The processes of agent commands, which the agent's pids limit bounds."""
+        return _procs(self.agent_procs_files)
 
     def memory_peak_bytes(self) -> int | None:
         for name in ("memory.max_usage_in_bytes", "memory.peak"):
@@ -82,7 +95,7 @@ class Cgroup:
 
     def remove(self) -> None:
         self.kill_all()
-        for d in self.dirs:
+        for d in self._tree():  # a cgroup with children cannot be removed: they go first
             for _ in range(50):
                 try:
                     d.rmdir()
@@ -91,6 +104,16 @@ class Cgroup:
                     break
                 except OSError:
                     time.sleep(0.01)
+
+
+def _procs(files: list[Path]) -> set[int]:
+    found: set[int] = set()
+    for f in files:
+        try:
+            found.update(int(p) for p in f.read_text().split())
+        except OSError:  # removed meanwhile
+            pass
+    return found
 
 
 # A sandbox's launcher enters its cgroup milliseconds after making it; an empty one this old was left by a
@@ -110,9 +133,14 @@ def sweep(parent: Path, older_than_s: float = STALE_AFTER_S) -> int:
         return 0
     for d in children:
         try:
-            if now - d.stat().st_mtime >= older_than_s and not (d / "cgroup.procs").read_text().strip():
-                d.rmdir()
-                removed += 1
+            if now - d.stat().st_mtime < older_than_s:
+                continue
+            tree = [*(c for c in d.iterdir() if c.is_dir()), d]  # a sandbox's init and agent cgroups first
+            if any((c / "cgroup.procs").read_text().strip() for c in tree):
+                continue
+            for c in tree:
+                c.rmdir()
+            removed += 1
         except OSError:  # entered, or removed by another run, since the check
             continue
     return removed
@@ -135,7 +163,8 @@ def _write(path: Path, value: str) -> bool:
 
 
 def create(name: str, limits: Limits) -> Cgroup | None:
-    """Makes a cgroup with the limits, or None where this process may not (then rlimits apply).
+    """Makes a cgroup with the limits, or None where this process may not (then rlimits apply, and no
+    pids are kept for the verifier beyond the agent's).
 
     As root: under this process's own cgroup. As an ordinary user: under a delegated subtree
     (`delegated_base()`); the launcher then writes its pid into `procs_files`, which a user may do
@@ -166,11 +195,20 @@ def _limit_v1(dirs: list[Path], limits: Limits) -> Cgroup:
     if not _write(mem / "memory.limit_in_bytes", limit):
         raise OSError(f"cannot set {mem}/memory.limit_in_bytes")
     _write(mem / "memory.memsw.limit_in_bytes", limit)  # present only with swap accounting
-    if not _write(pids / "pids.max", str(limits.pids)):
+    if not _write(pids / "pids.max", str(limits.pids + VERIFIER_PIDS)):
         raise OSError(f"cannot set {pids}/pids.max")
     _write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
     _write(cpu / "cpu.cfs_quota_us", str(int(limits.cpus * CFS_PERIOD_US)))
-    return Cgroup(dirs=dirs, v2=False)
+    agent = _agent_cgroup(pids / "agent", limits)  # v1 allows processes beside children: the init stays in S
+    return Cgroup(dirs=dirs, v2=False, procs_files=[d / "cgroup.procs" for d in dirs],
+                  agent_procs_files=[agent / "cgroup.procs"])
+
+
+def _agent_cgroup(d: Path, limits: Limits) -> Path:
+    d.mkdir(exist_ok=True)
+    if not _write(d / "pids.max", str(limits.pids)):
+        raise OSError(f"cannot set {d}/pids.max (the agent's cgroup)")
+    return d
 
 
 def _create_v2(mount: Path, name: str, limits: Limits) -> Cgroup:
@@ -190,10 +228,22 @@ def _limit_v2(d: Path, limits: Limits) -> Cgroup:
     if not _write(d / "memory.max", str(limits.memory_mb << 20)):
         raise OSError(f"cannot set {d}/memory.max (memory controller not delegated)")
     _write(d / "memory.swap.max", "0")
-    if not _write(d / "pids.max", str(limits.pids)):
+    if not _write(d / "pids.max", str(limits.pids + VERIFIER_PIDS)):
         raise OSError(f"cannot set {d}/pids.max (pids controller not delegated)")
     _write(d / "cpu.max", f"{int(limits.cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}")
-    return Cgroup(dirs=[d], v2=True)
+    if not _write(d / "cgroup.subtree_control", "+pids"):
+        raise OSError(f"cannot enable pids in {d}/cgroup.subtree_control")
+    cgroup = _nest_v2(d)
+    _agent_cgroup(d / "agent", limits)
+    return cgroup
+
+
+def _nest_v2(d: Path) -> Cgroup:
+    """S/init and S/agent as siblings: a v2 cgroup whose children have controllers holds no processes."""
+    for child in ("init", "agent"):
+        (d / child).mkdir(exist_ok=True)
+    return Cgroup(dirs=[d], v2=True, procs_files=[d / "init" / "cgroup.procs"],
+                  agent_procs_files=[d / "agent" / "cgroup.procs"])
 
 
 def _create_delegated(name: str, limits: Limits) -> Cgroup | None:

@@ -75,7 +75,9 @@ def _command(spec: PythonSpec, bwrap: str, host_uid: int, cgroup: cgroups.Cgroup
     if cgroup is None:
         rlimits += [f"--as={spec.limits.memory_mb << 20}", f"--nproc={_nproc_budget(host_uid, spec.limits.pids)}"]
     child = [sys.executable, "-I", "-c", spec.source, *spec.args]
-    joins = [f"echo $$ > {shlex.quote(str(f))}" for f in (cgroup.procs_files if cgroup else [])]
+    # the agent's cgroup last: no verifier runs beside host Python, so it keeps the agent's pids limit
+    joins = [f"echo $$ > {shlex.quote(str(f))}" for f in (cgroup.procs_files + cgroup.agent_procs_files
+                                                         if cgroup else [])]
     if os.geteuid() != 0:
         return _sh(joins, ["prlimit", *rlimits, "--", *_bwrap(bwrap, binds, spec, child)])
     # Root's home is 0700 and bwrap (as the sandbox uid) resolves bind sources by path, so root
