@@ -20,6 +20,7 @@ from furlong.eval.run import run_eval, summarize
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts, pass_rate, plan_step
 from furlong.sandbox.base import ImageRef, LayerRef
+from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.pool import MAX_START_FAILURES, FreshSandboxes, WarmPool, WarmPools, fixed_image
 from furlong.rollout.records import rollout_metrics
 from furlong.train.trainer import LocalTrainer
@@ -164,13 +165,28 @@ def test_tests_that_write_no_reward_are_a_task_bug(backend, base_image, tmp_path
     assert (out.reward, out.status) == (None, "infra_error") and "task bug" in out.error
 
 
-@pytest.mark.parametrize("sabotage", [
+SABOTAGES = [
     "rm -rf /logs && touch /logs",  # the verifier cannot even make its log directory
     "(while :; do rm -f /logs/verifier/reward.txt; sleep 0.01; done) >/dev/null 2>&1 &",  # eats the reward
-])
-def test_an_agent_that_keeps_the_tests_from_scoring_gets_zero(backend, base_image, tmp_path: Path, sabotage: str):
+    "head -c 600M /dev/zero > /logs/agent/fill",  # fills the agent's log mount, beside the verifier's
+]
+
+
+@pytest.mark.parametrize("sabotage", SABOTAGES)
+def test_an_agent_cannot_keep_the_tests_from_scoring(backend, base_image, tmp_path: Path, sabotage: str):
+    """/logs and /tests are the verifier's (docs/sandboxes.md): the sabotage fails, the tests score."""
+    assert backend.subids is not None, "this machine maps many uids (root, or a user with /etc/subuid)"
     task = make_task(tmp_path, "t", "t", REWARD_IF_DONE + "; sleep 0.3")
     out = run(run_outcome(task, CommandAgent(sabotage), fresh(backend, base_image)))
+    assert (out.reward, out.status, out.error) == (0.0, "ok", None)
+
+
+@pytest.mark.parametrize("sabotage", SABOTAGES[:2])
+def test_with_one_uid_an_agent_that_keeps_the_tests_from_scoring_gets_zero(store, base_image, tmp_path: Path,
+                                                                          sabotage: str):
+    one_uid = BwrapBackend(layers=store, many_uids=False)  # the verifier is the agent: the sabotage works
+    task = make_task(tmp_path, "t", "t", REWARD_IF_DONE + "; sleep 0.3")
+    out = run(run_outcome(task, CommandAgent(sabotage), fresh(one_uid, base_image)))
     assert (out.reward, out.status) == (0.0, "agent_broke_sandbox") and "not in a fresh one" in out.error
 
 

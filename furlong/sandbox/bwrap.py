@@ -42,7 +42,9 @@ REPLY_GRACE_S = 5.0  # how long past a command's own timeout the host waits befo
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
 SHM_MB = 64  # /dev/shm, as Docker sizes it
 OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
-TESTS_DIR, LOGS_DIR = "/tests", "/logs"  # the verifier's mounts (furlong.tasks.model names what goes inside)
+# the verifier's mounts (furlong.tasks.model names what goes inside), and the agent's own log mount in /logs,
+# so filling it leaves the verifier's space alone
+TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR = "/tests", "/logs", "/logs/agent"
 VERIFIER_MOUNT_MB = 512  # each: a size cap (tmpfs pages count toward the sandbox's memory limit)
 # The init's capabilities in the sandbox's user namespace: to run commands as other uids, hand the verifier
 # its share (init.c VERIFIER_CAPS) and its mounts. Agent commands get none.
@@ -93,7 +95,7 @@ class BwrapBackend:
     name = "bwrap"
 
     def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP,
-                 seccomp: bool = True, layers: LayerSource | None = None):
+                 seccomp: bool = True, layers: LayerSource | None = None, many_uids: bool = True):
         self._layers = layers  # None: the default image store, made on first need
         self.seccomp = seccomp  # the global switch (config sandbox.seccomp); a spec may also turn it off
         self.host_uid = host_uid if os.geteuid() == 0 else os.geteuid()
@@ -105,8 +107,9 @@ class BwrapBackend:
         self._upper_mnt = cache_dir() / "native" / "upper"
         self._upper_mnt.mkdir(parents=True, exist_ok=True)
         self._layer_fds: dict[Path, int] = {}
-        self.subids = idmap.sub_ids()  # None: one uid per sandbox, the verifier's the agent's (idmap.problem())
-        if self.subids is None:
+        # None: one uid per sandbox, the verifier's the agent's (idmap.problem(), or many_uids=False)
+        self.subids = idmap.sub_ids() if many_uids else None
+        if self.subids is None and many_uids:
             log.warning("sandboxes have one uid, so the verifier runs as the agent: %s", idmap.problem())
 
     def _fd(self, layer: Path) -> int:
@@ -147,7 +150,7 @@ class BwrapBackend:
         args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB << 20), "--perms", "1777",
                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         if verifier:  # mount points: the agent, owner of "/", can neither rename nor replace them
-            for path in (TESTS_DIR, LOGS_DIR):
+            for path in (TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR):
                 args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
         if spec.network:
             args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
@@ -248,8 +251,9 @@ class BwrapBackend:
 
 
 def _agent_procs(cgroup: cgroups.Cgroup | None) -> list[Path]:
-    """The cgroup.procs files the init moves each agent command into (a nested pids limit), if any."""
-    return list(getattr(cgroup, "agent_procs_files", None) or [])
+    """The cgroup.procs files the init moves each agent command into (a nested pids limit), if any.
+    Opened here, by the host: the kernel checks the opener's credentials and cgroup namespace."""
+    return list(cgroup.agent_procs_files) if cgroup is not None else []
 
 
 def _init_args(agent_fds: list[int], verifier_uid: int | None, verifier_ns_fd: int | None,
