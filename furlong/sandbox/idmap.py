@@ -7,7 +7,7 @@ helpers newuidmap/newgidmap (package uidmap), as rootless Podman does. The verif
 VERIFIER_UID, which the agent's processes (uid 0 without any capability) cannot signal, trace or write as.
 
 A user without a range of 65535 ids still gets sandboxes, with one uid as before: `sub_ids()` is None
-and `problem()` says why, and the verifier then runs as the agent's uid (episodes record that).
+and `problem()` says why (the backend logs it once), and the verifier then runs as the agent's uid.
 """
 
 from __future__ import annotations

@@ -666,7 +666,10 @@ int main(int argc, char **argv) {
   watch(sigfd, TAG_SIGNAL);
   /* The shell state dir (the host wraps commands to use it). Every sandbox starts with none: a state
    * file an image happens to carry (e.g. left by a build step) must not set its first cwd or PATH. */
-  own("/run/furlong-shell", 0755, agent_uid, agent_gid);
+  mkdir("/run", 0755);  /* an imported image may lack it; without the state dir, cd and export just do not persist */
+  if (mkdir("/run/furlong-shell", 0755) == 0 || errno == EEXIST) {
+    if (chown("/run/furlong-shell", (uid_t)agent_uid, (gid_t)agent_gid) < 0) { /* one uid: it is ours already */ }
+  }
   unlink("/run/furlong-shell/state");
   if (verifier_uid >= 0) {  /* the host mounted both: mount points the agent can neither rename nor write */
     own("/tests", 0755, verifier_uid, verifier_uid);
