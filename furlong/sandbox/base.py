@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
+
+from furlong.sandbox.changes import Change
 
 DEFAULT_OUTPUT_CAP = 1 << 20  # bytes of stdout (and of stderr) kept per command
 BASE_ENV = {  # what every sandbox's environment starts from, before its image's ENV
@@ -129,7 +132,9 @@ class PythonRun(Protocol):
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """One fresh, isolated environment for one episode. All methods are async."""
+    """One fresh, isolated environment for one episode. All methods are async. A backend may also
+    implement `ChangeTracking` (the bwrap backend does): without it, the verifier cannot check what the
+    agent changed in the image, and records that it did not (furlong.tasks.integrity)."""
 
     async def exec(
         self,
@@ -152,6 +157,18 @@ class Sandbox(Protocol):
 
     @property
     def alive(self) -> bool: ...
+
+
+@runtime_checkable
+class ChangeTracking(Protocol):
+    """The optional capability of a Sandbox to say, from the host, what its processes changed in its image."""
+
+    async def changes(self, roots: Sequence[str]) -> tuple[Change, ...] | None:
+        """The entries under `roots` (absolute paths inside) that differ from the image, sorted by path,
+        uids as seen inside (furlong.sandbox.changes); None where they cannot be read now."""
+
+    async def image_has(self, paths: Sequence[str]) -> frozenset[str] | None:
+        """Which of `paths` the image itself holds (no symlink followed); None where it cannot say."""
 
 
 class LayerSource(Protocol):

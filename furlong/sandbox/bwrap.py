@@ -11,15 +11,19 @@ the compiled init (native/init.c), exec'd from a host fd so the image never sees
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from furlong.paths import cache_dir
 from furlong.sandbox import cgroups, hostpython, native, netns, seccomp
 from furlong.sandbox import protocol as proto
+from furlong.sandbox.changes import Change, image_entry, overlay_changes
 from furlong.sandbox.base import (
     DEFAULT_HOST_UID,
     BASE_ENV,
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 REPLY_GRACE_S = 5.0  # how long past a command's own timeout the host waits before calling the sandbox dead
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
 SHM_MB = 64  # /dev/shm, as Docker sizes it
+OVERFLOW_UID = 65534  # what the kernel shows for a uid a namespace does not map
 OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
 
 
@@ -204,7 +209,10 @@ class BwrapBackend:
         finally:
             for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
                 os.close(fd)
-        return BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
+        box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
+        if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
+            box.writes = WritableLayer(self._upper_mnt, tuple(self.layers.layer_dir(l) for l in spec.image.layers))
+        return box
 
 
 def _remove_tree(path: Path) -> None:
@@ -224,6 +232,61 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+@dataclass(frozen=True)
+class WritableLayer:
+    """Where a sandbox's writes are: the tmpfs the launcher mounted at `mount` in its own mount namespace
+    (the host reaches it through /proc/PID/root of the launcher, whose bwrap stays in that namespace),
+    over the image's layers (`lowers`, host directories, top first)."""
+
+    mount: Path
+    lowers: tuple[Path, ...]
+
+    def changes(self, pid: int, roots: Sequence[str]) -> tuple[Change, ...] | None:
+        """What the sandbox changed under `roots`, uids as the sandbox sees them; None if unreadable."""
+        upper = Path(f"/proc/{pid}/root{self.mount}/u")
+        try:
+            uids = _uid_map(pid)
+            before = os.stat(upper)
+            found = overlay_changes(upper, self.lowers, roots)
+            after = os.stat(upper)  # still the same directory: the launcher did not die (and its pid return)
+        except OSError:
+            return None
+        if (before.st_dev, before.st_ino) != (after.st_dev, after.st_ino) or uids is None:
+            return None
+        return tuple(dataclasses.replace(c, uid=_inside(c.uid, uids)) for c in found)
+
+    def image_has(self, paths: Sequence[str]) -> frozenset[str]:
+        return frozenset(p for p in paths if image_entry(self.lowers, p.lstrip("/")) is not None)
+
+
+def _uid_map(pid: int) -> list[tuple[int, int, int]] | None:
+    """The uid map of the sandbox's own user namespace (its init's, the deepest of the launcher's
+    descendants), as (inside, outside, count) with outside in this process's view."""
+    deepest = pid
+    for _ in range(8):  # launcher/bwrap, [pasta, sh, bwrap,] the init, its children
+        try:
+            children = Path(f"/proc/{deepest}/task/{deepest}/children").read_text().split()
+        except OSError:
+            return None
+        if not children:
+            break
+        deepest = int(children[0])
+    if deepest == pid:
+        return None
+    try:
+        rows = Path(f"/proc/{deepest}/uid_map").read_text().split("\n")
+    except OSError:
+        return None
+    return [(int(a), int(b), int(n)) for a, b, n in (r.split() for r in rows if r.strip())]
+
+
+def _inside(uid: int, uids: list[tuple[int, int, int]]) -> int:
+    for inside, outside, count in uids:
+        if outside <= uid < outside + count:
+            return inside + uid - outside
+    return OVERFLOW_UID
+
+
 class BwrapSandbox:
     def __init__(self, proc, cgroup, output_cap: int, lifetime_s: float, name: str, secret: bytes):
         self.name = name
@@ -236,6 +299,7 @@ class BwrapSandbox:
         self._closed = False
         self._death: str | None = None
         self.scratch: Path | None = None  # a build's overlay work directory, removed at close
+        self.writes: WritableLayer | None = None  # None: its writes cannot be read on the host (a build)
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_replies())
         self._err_reader = loop.create_task(self._read_stderr())
@@ -337,6 +401,20 @@ class BwrapSandbox:
             return proto.parse_ping(reply.body)
         except proto.ProtocolError as exc:
             raise self._violation(exc) from None
+
+    async def changes(self, roots: Sequence[str]) -> tuple[Change, ...] | None:
+        """What this sandbox changed in its image under `roots` (furlong.sandbox.changes), uids as seen
+        inside; None where that cannot be read (a build sandbox, a closed or dead one)."""
+        if self.writes is None or not self.alive:
+            return None
+        found = await asyncio.to_thread(self.writes.changes, self._proc.pid, roots)
+        return found if self.alive else None
+
+    async def image_has(self, paths: Sequence[str]) -> frozenset[str] | None:
+        """Which of `paths` the sandbox's image holds (an entry of any type, no symlink followed)."""
+        if self.writes is None:
+            return None
+        return await asyncio.to_thread(self.writes.image_has, paths)
 
     def _kill(self) -> None:
         if self._proc.returncode is None:
