@@ -174,10 +174,17 @@ def test_a_replaced_python3_is_seen_from_the_host(backend, base_image):
     assert tampered == ("/usr/bin/python3.11",)
 
 
+def test_a_directory_the_host_cannot_list_hides_nothing(backend, base_image):
+    """Mode 0111 keeps /usr/bin executable but unlistable to a host user without CAP_DAC_OVERRIDE."""
+    _, tampered = run(_changes_after(backend, base_image, "cp /bin/true /usr/bin/python3; chmod 111 /usr/bin"))
+    assert tampered == (("/usr/bin/python3.11",) if os.geteuid() == 0 else ("/usr/bin (unreadable from the host)",))
+
+
 def test_a_pth_that_imports_is_tampering_and_one_that_adds_a_path_is_not(backend, base_image):
     pth = "/usr/lib/python3/dist-packages"
-    _, tampered = run(_changes_after(backend, base_image, f"echo /opt/lib > {pth}/a.pth; echo 'import os' > {pth}/b.pth; "
-                                                         "touch /usr/bin/python3.11 /bin/bash; chmod 755 /bin/sh"))
+    cmd = (f"echo /opt/lib > {pth}/a.pth; echo 'import os' > {pth}/b.pth; "
+           "touch /usr/bin/python3.11 /bin/bash; chmod 755 /bin/sh")
+    _, tampered = run(_changes_after(backend, base_image, cmd))
     assert tampered == (f"{pth}/b.pth",)  # touched and chmod-ed toolchain files are unchanged
 
 
@@ -216,15 +223,16 @@ def test_verify_scores_tampering_zero_unless_the_task_trusts_the_agents_tools(ba
     async def go(t):
         box = await backend.create(spec(base_image))
         try:
-            await box.exec("echo 'import os' > /usr/lib/python3/dist-packages/x.pth; echo wrong > /tmp/answer")
+            await box.exec("echo 'import os' > /usr/lib/python3/dist-packages/x.pth; echo 42 > /tmp/answer")
             return await verify(t, box, "/")
         finally:
             await box.close()
 
     strict, relaxed = run(go(dataclasses.replace(trusting, trust_agent_tools=False))), run(go(trusting))
-    assert (strict.reward, strict.tampered, strict.tampered_paths) == (0.0, True, ("/usr/lib/python3/dist-packages/x.pth",))
-    assert (relaxed.reward, relaxed.tampered, relaxed.tampered_paths) == (0.0, False, strict.tampered_paths)
-    assert strict.tamper_checked and "reward" not in (strict.problem or "")
+    pth = ("/usr/lib/python3/dist-packages/x.pth",)
+    assert (strict.reward, strict.tampered, strict.tampered_paths, strict.exit_code) == (0.0, True, pth, 0)
+    assert (relaxed.reward, relaxed.tampered, relaxed.tampered_paths) == (1.0, False, pth)  # recorded only
+    assert strict.tamper_checked and relaxed.tamper_checked
 
 
 class CommandAgent:

@@ -188,8 +188,9 @@ class BwrapBackend:
         name = uuid.uuid4().hex[:12]
         if spec.network:
             netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
-        for layer in spec.image.layers:  # a missing layer is one line too (opened once, cached by _fd)
-            self._fd(self.layers.layer_dir(layer))
+        lowers = tuple(self.layers.layer_dir(layer) for layer in spec.image.layers)
+        for lower in lowers:  # a missing layer is one line too (opened once, cached by _fd)
+            self._fd(lower)
         seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []
@@ -211,7 +212,7 @@ class BwrapBackend:
                 os.close(fd)
         box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
         if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
-            box.writes = WritableLayer(self._upper_mnt, tuple(self.layers.layer_dir(l) for l in spec.image.layers))
+            box.writes = WritableLayer(self._upper_mnt, lowers)
         return box
 
 

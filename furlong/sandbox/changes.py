@@ -22,7 +22,7 @@ WALK_LIMIT = 200_000  # entries walked per scan; past it the scan ends with one 
 _OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")  # root's overlays, and user-namespace ones
 _CHUNK = 1 << 20
 
-Kind = Literal["added", "modified", "deleted", "truncated"]
+Kind = Literal["added", "modified", "deleted", "truncated", "unreadable"]
 EntryType = Literal["file", "dir", "symlink", "other"]
 
 
@@ -30,8 +30,9 @@ EntryType = Literal["file", "dir", "symlink", "other"]
 class Change:
     """One entry that differs from the image. `uid` owns the upper entry (for a deletion, the whiteout),
     in the walker's view of uids (a sandbox translates it into its own). `type` is the new entry's, or
-    for a deletion the image entry's. kind "truncated": the walk stopped at `path` after WALK_LIMIT
-    entries, so what lies beyond is unknown (a reader must not take that as "nothing changed")."""
+    for a deletion the image entry's. Two kinds say what lies beyond `path` is unknown, and a reader must
+    not take that as "nothing changed": "truncated" (the walk stopped after WALK_LIMIT entries) and
+    "unreadable" (a directory the walker may not list: a host user has no CAP_DAC_OVERRIDE)."""
 
     path: str
     kind: Kind
@@ -217,6 +218,9 @@ class _Walk:
                     return
                 try:
                     child = entry.open_dir()
+                except PermissionError:
+                    self.add(rel, "unreadable", st.st_uid, "dir")
+                    return
                 except OSError:
                     return  # swapped mid-walk: the next scan sees what it became
                 os.close(fd)
@@ -239,8 +243,11 @@ class _Walk:
             return
         try:
             fd = entry.open_dir()
-        except OSError:
+        except PermissionError:
+            self.add(rel, "unreadable", st.st_uid, "dir")
             return
+        except OSError:
+            return  # swapped mid-walk: the next scan sees what it became
         try:
             self.children(rel, fd, st.st_uid, opaque_over=old is not None and _is_dir(old) and _opaque_fd(fd))
         finally:
@@ -249,7 +256,7 @@ class _Walk:
     def children(self, rel: str, fd: int, uid: int, opaque_over: bool) -> None:
         try:
             names = sorted(os.listdir(fd))
-        except OSError:
+        except OSError:  # opened (O_RDONLY needs read permission), so not for lack of it
             return
         for name in names:
             child = f"{rel}/{name}" if rel else name

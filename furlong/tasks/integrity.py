@@ -34,7 +34,9 @@ same bytes is unchanged):
       at that path (the tests would import it), or a new toolchain command in a bin directory that
       comes, on the verifier's PATH, before every directory where the image has that command
       (shadowing it).
-  A scan that stopped at its entry limit counts as tampered (what it did not see may be anything).
+  A scan that stopped at its entry limit, or met a directory the host cannot list (an ordinary user's
+  furlong, and a directory the agent made mode 0111), counts as tampered: what it did not see may be
+  anything.
 
 Honest work does not trip it: packages pip installs (new files in site-packages, their scripts in a bin
 directory under other names), a binary a solution builds, tools apt installs, libraries added beside
@@ -54,7 +56,6 @@ from furlong.sandbox.changes import Change
 
 BIN_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin", "/root/.local/bin")
 LIB_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")
-PY_PARENTS = ("/usr/lib", "/usr/local/lib", "/root/.local/lib")  # each python3* directory in them
 TOOLCHAIN_LAYER = "/opt/furlong/toolchain"
 PRELOAD = "/etc/ld.so.preload"
 ROOT_CONFIG = ("/conftest.py", "/pytest.ini", "/.pytest.ini", "/pyproject.toml", "/tox.ini", "/setup.cfg")
@@ -92,6 +93,8 @@ def tampered(changes: Sequence[Change], search: Sequence[str], image_has: Callab
     for c in changes:
         if c.kind == "truncated":
             found.add(f"{c.path} (scan stopped at its entry limit)")
+        elif c.kind == "unreadable":
+            found.add(f"{c.path} (unreadable from the host)")
         elif c.kind != "deleted" and _counts(c, search, image_has, read):
             found.add(c.path)
     return tuple(sorted(found))
@@ -121,7 +124,7 @@ def _counts(c: Change, search: Sequence[str], image_has: Callable[[str], bool],
     if any(parent == d or parent.startswith(d + "/") for d in LIB_DIRS) and _LOADER.fullmatch(name):
         return True
     if (tree := _PY_TREE.fullmatch(c.path)) is not None:
-        return _python(c, tree.group(3), name, parent, image_has, read)
+        return _python(c, tree.group(3), name, parent, read)
     if parent in search or parent in BIN_DIRS:
         return _command(c, parent, name, search, image_has)
     return False
@@ -135,8 +138,7 @@ def _above_toolchain(path: str, search: Sequence[str]) -> bool:
     return _PY_TREE.fullmatch(path) is not None and _PY_TREE.fullmatch(path).group(3) == ""
 
 
-def _python(c: Change, inside: str, name: str, parent: str, image_has: Callable[[str], bool],
-            read: Callable[[str], bytes | None]) -> bool:
+def _python(c: Change, inside: str, name: str, parent: str, read: Callable[[str], bytes | None]) -> bool:
     """A changed path in a Python tree; `inside` is its path below the python3* directory."""
     site = _SITE.search(inside)
     if c.kind == "modified" and site is None:
@@ -146,7 +148,8 @@ def _python(c: Change, inside: str, name: str, parent: str, image_has: Callable[
     if name.endswith(".pth") and c.type == "file":
         return _hook_pth(name, read(c.path))
     if name == "entry_points.txt" and parent.endswith((".dist-info", ".egg-info")):
-        return "[pytest11]" in (read(c.path) or b"").decode(errors="replace")
+        data = read(c.path)  # unreadable after it changed: cannot say it is harmless
+        return data is None or b"[pytest11]" in data
     top = (inside[site.end():] if site else inside.lstrip("/")).split("/")[0]
     return _TEST_TOOL.fullmatch(top) is not None  # a test tool's package, new or changed: the tests import it
 
