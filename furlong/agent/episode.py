@@ -59,12 +59,13 @@ class Episode:
     rollout_logprobs: tuple[float, ...]  # 0.0 where loss_mask is 0
     token_weight_versions: tuple[int, ...]  # -1 where loss_mask is 0
     reward: float | None  # None exactly for infra_error: never scored, never trained on
-    status: str  # ok | truncated | timeout | agent_broke_sandbox | infra_error (furlong.agent.runner)
+    status: str  # one of furlong.agent.runner.STATUSES
     timing: EpisodeTiming
     turns: int
     error: str | None = None
     tool_errors: int = 0
     family: str | None = None
+    tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
 
     @property
     def response_len(self) -> int:
@@ -226,4 +227,5 @@ async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment
                    prompt_len=agent.prompt_len, tokens=tuple(t.tokens), loss_mask=tuple(t.mask),
                    rollout_logprobs=tuple(t.logprobs), token_weight_versions=tuple(t.versions),
                    reward=outcome.reward, status=outcome.status, timing=outcome.timing, turns=agent.turns,
-                   error=outcome.error, tool_errors=agent.tool_errors, family=task.family)
+                   error=outcome.error, tool_errors=agent.tool_errors, family=task.family,
+                   tampered_paths=outcome.tampered_paths)

@@ -22,6 +22,12 @@ Statuses (`STATUSES`), and who is to blame:
   in a clean one is the agent's doing (a filled disk, a removed /logs, a process deleting the reward).
   Without this control run, breaking the verifier would turn a failure into an unscored episode,
   which a policy can learn to prefer.
+- `reward_tampered` (reward 0.0, scored and trained on): the agent changed what the tests execute (their
+  interpreter, shell, test tools or a startup hook: the rule is furlong.tasks.integrity), before the tests
+  ran or while they ran, and the task does not trust the agent's tools (`[verifier] trust_agent_tools`).
+  The tests still ran (their output is kept), but a reward they give is not the task's; the policy must
+  learn that tampering does not pay. The changed paths are kept (`tampered_paths`), also where the task
+  trusts the agent's tools (and the status is what it would otherwise be).
 - `timeout`: the agent ran out of time (the tests still run and score it), or the tests timed out
   (reward 0).
 - `truncated`: the model agent hit its turn or context limit; the tests score it.
@@ -48,7 +54,7 @@ from furlong.timing import Clock, EpisodeTiming
 __all__ = ["AGENT_GRACE_S", "STATUSES", "Agent", "AgentRun", "GuardedSandbox", "Outcome", "SandboxSource",
            "describe", "environment", "run_outcome", "sandbox_spec"]
 
-STATUSES = ("ok", "truncated", "timeout", "agent_broke_sandbox", "infra_error")
+STATUSES = ("ok", "truncated", "timeout", "agent_broke_sandbox", "reward_tampered", "infra_error")
 AGENT_GRACE_S = 5.0  # past the agent timeout, for a command that was given the whole timeout to report back
 
 
@@ -88,6 +94,7 @@ class Outcome:
     agent_exit_code: int | None = None
     agent_output: str | None = None
     image_note: str | None = None  # e.g. which stand-in served the task's FROM, and its real Python version
+    tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (capped, sorted)
 
 
 def environment(source: Environment | SandboxSource) -> Environment:
@@ -128,6 +135,9 @@ async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) ->
         return _broke(clock, score.error or "the agent left the environment unable to score it", run, score)
     if score.reward is None:
         return _unscored(clock, score.error or "no reward", run, score)
+    if score.tampered:
+        return Outcome(reward=0.0, status="reward_tampered", timing=clock.timing(), error=score.error,
+                       agent_timed_out=run.timed_out, rewards=score.rewards, **_records(run, score))
     status = "timeout" if score.timed_out or run.timed_out else ("truncated" if run.truncated else "ok")
     return Outcome(reward=score.reward, status=status, timing=clock.timing(), error=score.error,
                    agent_timed_out=run.timed_out, rewards=score.rewards, **_records(run, score))
@@ -168,7 +178,8 @@ def _records(run: AgentRun | None, score: Score | None) -> dict[str, Any]:
     """The Outcome fields that say what the agent's last command and the scorer printed."""
     return {"agent_exit_code": run.last_exit_code if run else None, "agent_output": run.last_output if run else None,
             "verifier_exit_code": score.exit_code if score else None,
-            "verifier_output": score.output if score else None}
+            "verifier_output": score.output if score else None,
+            "tampered_paths": score.tampered_paths if score else ()}
 
 
 def _unscored(clock: Clock, error: str, run: AgentRun | None = None, score: Score | None = None) -> Outcome:

@@ -55,6 +55,8 @@ class Score:
     error: str | None = None
     exit_code: int | None = None  # the scorer's, e.g. the tests' exit code and output tail
     output: str | None = None
+    tampered_paths: tuple[str, ...] = ()  # what the agent changed that the scorer runs (furlong.tasks.integrity)
+    tampered: bool = False  # and the task does not trust the agent's tools: reward 0, status reward_tampered
 
 
 class EpisodeEnv(Protocol):

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
 from furlong.timing import Clock
-from furlong.sandbox.base import ImageRef, Sandbox, SandboxSpec
+from furlong.sandbox.base import BASE_ENV, ChangeTracking, ImageRef, Sandbox, SandboxSpec
+from furlong.sandbox.changes import Change
 from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
 from furlong.tasks.model import Task
@@ -100,6 +101,17 @@ class GuardedSandbox:
     async def put_tar(self, data: bytes, dest: str, as_verifier: bool = False) -> None:
         await self._call("put_tar", data, dest, as_verifier=as_verifier)
 
+    async def changes(self, roots: Sequence[str]) -> tuple[Change, ...] | None:
+        """The inner sandbox's ChangeTracking, where it has it (None otherwise: no tamper check)."""
+        if not isinstance(self.inner, ChangeTracking):
+            return None
+        return await self._call("changes", roots)
+
+    async def image_has(self, paths: Sequence[str]) -> frozenset[str] | None:
+        if not isinstance(self.inner, ChangeTracking):
+            return None
+        return await self._call("image_has", paths)
+
     async def close(self) -> None:  # the runner closes the sandbox; an agent cannot end the episode early
         raise RuntimeError("an agent must not close its episode's sandbox")
 
@@ -147,11 +159,11 @@ class HarborEpisode:
         return self.guard.caused(exc)
 
     async def score(self) -> Score:
-        verdict, problem = await verifier_phase(self.task, GuardedSandbox(self.guard.inner), self.image.workdir)
+        verdict, problem = await verifier_phase(self.task, GuardedSandbox(self.guard.inner), self.image)
         if not problem:
             assert verdict is not None  # no problem means the tests left a reward
             return Score(reward=verdict.reward, rewards=verdict.rewards, timed_out=verdict.timed_out,
-                         error=verdict.problem, **_record(verdict))
+                         error=verdict.problem, tampered=verdict.tampered, **_record(verdict))
         # no reward in the agent's sandbox: a clean run of the tests says whose fault
         await self.close()  # done with it (closing twice is a no-op); free it before taking another
         _, control_problem = await self._control_run()
@@ -168,7 +180,7 @@ class HarborEpisode:
         except Exception as exc:
             return None, f"sandbox did not start: {describe(exc)}"
         try:
-            return await verifier_phase(self.task, GuardedSandbox(sandbox), self.image.workdir)
+            return await verifier_phase(self.task, GuardedSandbox(sandbox), self.image)
         finally:
             await close_quietly(sandbox)
 
@@ -211,11 +223,12 @@ class HarborEnv:
         return HarborEpisode(task, sandbox, image, self.sandboxes)
 
 
-async def verifier_phase(task: Task, sandbox: GuardedSandbox, workdir: str) -> tuple[Verdict | None, str]:
+async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef) -> tuple[Verdict | None, str]:
     """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
     ("" when they did)."""
     try:
-        verdict = await verify(task, sandbox, workdir)
+        verdict = await verify(task, sandbox, image.workdir, verifier_uid=sandbox.verifier_uid,
+                               search_path=dict(image.env).get("PATH", BASE_ENV["PATH"]))
     except Exception as exc:
         return None, describe(exc)
     if verdict.reward is None:
@@ -231,4 +244,5 @@ async def close_quietly(sandbox: Sandbox) -> None:
 
 
 def _record(verdict: Verdict | None) -> dict[str, Any]:
-    return {"exit_code": verdict.exit_code if verdict else None, "output": verdict.output_tail if verdict else None}
+    return {"exit_code": verdict.exit_code if verdict else None, "output": verdict.output_tail if verdict else None,
+            "tampered_paths": verdict.tampered_paths if verdict else ()}

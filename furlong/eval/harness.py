@@ -20,7 +20,7 @@ class EpisodeResult:
     task: str
     agent: str
     reward: float | None  # None for infra_error: an infrastructure failure is not a score
-    status: str  # ok | truncated | timeout | agent_broke_sandbox | infra_error
+    status: str  # one of furlong.agent.runner.STATUSES
     timing: EpisodeTiming
     error: str | None = None
     agent_timed_out: bool = False
@@ -39,6 +39,7 @@ class EpisodeResult:
     turns: int | None = None  # model turns taken (null for the scripted agents)
     tokens_response: int | None = None  # tokens the model sampled (null for the scripted agents)
     response_sha: str | None = None  # their digest, as in the run's episodes.jsonl (same digest: same tokens)
+    tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
 
     @classmethod
     def of(cls, task: Task, agent: str, outcome: Outcome, sample: int = 0, turns: int | None = None,
@@ -49,7 +50,7 @@ class EpisodeResult:
                    verifier_exit_code=outcome.verifier_exit_code, verifier_output=outcome.verifier_output,
                    agent_exit_code=outcome.agent_exit_code, agent_output=outcome.agent_output,
                    image_note=outcome.image_note, sample=sample, turns=turns, tokens_response=tokens_response,
-                   response_sha=response_sha)
+                   response_sha=response_sha, tampered_paths=outcome.tampered_paths)
 
     @classmethod
     def unloadable(cls, broken: BrokenTask, agent: str) -> EpisodeResult:

@@ -127,7 +127,7 @@ def _by_task(results: list[EpisodeResult]) -> list[tuple[str, str | None, list[S
     return [(task, family, episodes) for task, (family, episodes) in tasks.items()]
 
 
-STATUS_STYLE = {"infra_error": "yellow", "agent_broke_sandbox": "red"}
+STATUS_STYLE = {"infra_error": "yellow", "agent_broke_sandbox": "red", "reward_tampered": "red"}
 
 
 def print_table(results: list[EpisodeResult], console: Console) -> None:

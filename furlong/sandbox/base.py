@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
+
+from furlong.sandbox.changes import Change
 
 DEFAULT_OUTPUT_CAP = 1 << 20  # bytes of stdout (and of stderr) kept per command
 BASE_ENV = {  # what every sandbox's environment starts from, before its image's ENV
@@ -133,7 +136,9 @@ class Sandbox(Protocol):
 
     Calls run as the agent unless `as_verifier`: then as the verifier's identity, which the agent's
     processes cannot signal, trace or write as, and which owns /tests and /logs (furlong.sandbox.bwrap).
-    `verifier_uid` is None where the sandbox has one uid only: `as_verifier` then runs as the agent."""
+    `verifier_uid` is None where the sandbox has one uid only: `as_verifier` then runs as the agent.
+    A backend may also implement `ChangeTracking` (the bwrap backend does): without it, the verifier
+    cannot check what the agent changed in the image, and records that it did not (furlong.tasks.integrity)."""
 
     verifier_uid: int | None
 
@@ -159,6 +164,18 @@ class Sandbox(Protocol):
 
     @property
     def alive(self) -> bool: ...
+
+
+@runtime_checkable
+class ChangeTracking(Protocol):
+    """The optional capability of a Sandbox to say, from the host, what its processes changed in its image."""
+
+    async def changes(self, roots: Sequence[str]) -> tuple[Change, ...] | None:
+        """The entries under `roots` (absolute paths inside) that differ from the image, sorted by path,
+        uids as seen inside (furlong.sandbox.changes); None where they cannot be read now."""
+
+    async def image_has(self, paths: Sequence[str]) -> frozenset[str] | None:
+        """Which of `paths` the image itself holds (no symlink followed); None where it cannot say."""
 
 
 class LayerSource(Protocol):

@@ -13,15 +13,19 @@ capability, and the verifier's as a uid of its own that owns the /tests and /log
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from furlong.paths import cache_dir
 from furlong.sandbox import cgroups, hostpython, idmap, native, netns, seccomp
 from furlong.sandbox import protocol as proto
+from furlong.sandbox.changes import Change, image_entry, overlay_changes
 from furlong.sandbox.base import (
     DEFAULT_HOST_UID,
     BASE_ENV,
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 REPLY_GRACE_S = 5.0  # how long past a command's own timeout the host waits before calling the sandbox dead
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
 SHM_MB = 64  # /dev/shm, as Docker sizes it
+OVERFLOW_UID = 65534  # what the kernel shows for a uid a namespace does not map
 OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
 # the verifier's mounts (furlong.tasks.model names what goes inside), and the agent's own log mount in /logs,
 # so filling it leaves the verifier's space alone
@@ -216,8 +221,9 @@ class BwrapBackend:
         name = uuid.uuid4().hex[:12]
         if spec.network:
             netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
-        for layer in spec.image.layers:  # a missing layer is one line too (opened once, cached by _fd)
-            self._fd(self.layers.layer_dir(layer))
+        lowers = tuple(self.layers.layer_dir(layer) for layer in spec.image.layers)
+        for lower in lowers:  # a missing layer is one line too (opened once, cached by _fd)
+            self._fd(lower)
         seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []
@@ -246,7 +252,8 @@ class BwrapBackend:
                 os.close(fd)
         box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
         box.verifier_uid = idmap.VERIFIER_UID if verifier else None
-        box.upper_mnt = self._upper_mnt if upper is None else None
+        if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
+            box.writes = WritableLayer(self._upper_mnt, lowers)
         return box
 
 
@@ -285,6 +292,80 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+@dataclass(frozen=True)
+class WritableLayer:
+    """Where a sandbox's writes are: the tmpfs the launcher mounted at `mount` in its own mount namespace
+    (the host reaches it through /proc/PID/root of the launcher, whose bwrap stays in that namespace),
+    over the image's layers (`lowers`, host directories, top first)."""
+
+    mount: Path
+    lowers: tuple[Path, ...]
+
+    def changes(self, pid: int, roots: Sequence[str]) -> tuple[Change, ...] | None:
+        """What the sandbox changed under `roots`, uids as the sandbox sees them; None if unreadable."""
+        upper = self._upper(pid)
+        try:
+            uids = _uid_map(pid)
+            before = os.stat(upper)
+            found = overlay_changes(upper, self.lowers, roots)
+            after = os.stat(upper)  # still the same directory: the launcher did not die (and its pid return)
+        except OSError:
+            return None
+        if (before.st_dev, before.st_ino) != (after.st_dev, after.st_ino) or uids is None:
+            return None
+        return tuple(dataclasses.replace(c, uid=_inside(c.uid, uids)) for c in found)
+
+    def _upper(self, pid: int) -> Path:
+        """The launcher's view of the tmpfs, or its first child's: pasta, first in a networked sandbox,
+        moves itself to an empty root, and the shell it starts execs bwrap in the launcher's namespace."""
+        for candidate in (pid, *_children(pid)):
+            upper = Path(f"/proc/{candidate}/root{self.mount}/u")
+            try:
+                if upper.is_dir():
+                    return upper
+            except OSError:
+                continue
+        return Path(f"/proc/{pid}/root{self.mount}/u")  # gone: the walk then fails with OSError
+
+    def image_has(self, paths: Sequence[str]) -> frozenset[str]:
+        return frozenset(p for p in paths if image_entry(self.lowers, p.lstrip("/")) is not None)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _uid_map(pid: int) -> list[tuple[int, int, int]] | None:
+    """The uid map of the sandbox's own user namespace, as (inside, outside, count) with outside in this
+    process's view: its init's (pid 1 of the sandbox's pid namespace, along the launcher's first
+    children), not a verifier command's, whose namespace maps otherwise."""
+    current = pid
+    for _ in range(6):  # launcher/bwrap, [pasta, sh, bwrap,] the init
+        kids = _children(current)
+        if not kids:
+            return None
+        current = kids[0]
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+            if len(nspid) > 1 and nspid[-1] == "1":
+                rows = Path(f"/proc/{current}/uid_map").read_text().split("\n")
+                return [(int(a), int(b), int(n)) for a, b, n in (r.split() for r in rows if r.strip())]
+        except (OSError, StopIteration):
+            return None
+    return None
+
+
+def _inside(uid: int, uids: list[tuple[int, int, int]]) -> int:
+    for inside, outside, count in uids:
+        if outside <= uid < outside + count:
+            return inside + uid - outside
+    return OVERFLOW_UID
+
+
 class BwrapSandbox:
     def __init__(self, proc, cgroup, output_cap: int, lifetime_s: float, name: str, secret: bytes):
         self.name = name
@@ -297,8 +378,8 @@ class BwrapSandbox:
         self._closed = False
         self._death: str | None = None
         self.scratch: Path | None = None  # a build's overlay work directory, removed at close
-        self.verifier_uid: int | None = None  # the uid `as_verifier` calls run as (host view); None: the agent's
-        self.upper_mnt: Path | None = None  # where the launcher mounted the writable layer's tmpfs (not a build's)
+        self.verifier_uid: int | None = None  # the uid `as_verifier` calls run as (inside); None: the agent's
+        self.writes: WritableLayer | None = None  # None: its writes cannot be read on the host (a build)
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_replies())
         self._err_reader = loop.create_task(self._read_stderr())
@@ -406,6 +487,20 @@ class BwrapSandbox:
         except proto.ProtocolError as exc:
             raise self._violation(exc) from None
 
+    async def changes(self, roots: Sequence[str]) -> tuple[Change, ...] | None:
+        """What this sandbox changed in its image under `roots` (furlong.sandbox.changes), uids as seen
+        inside; None where that cannot be read (a build sandbox, a closed or dead one)."""
+        if self.writes is None or not self.alive:
+            return None
+        found = await asyncio.to_thread(self.writes.changes, self._proc.pid, roots)
+        return found if self.alive else None
+
+    async def image_has(self, paths: Sequence[str]) -> frozenset[str] | None:
+        """Which of `paths` the sandbox's image holds (an entry of any type, no symlink followed)."""
+        if self.writes is None:
+            return None
+        return await asyncio.to_thread(self.writes.image_has, paths)
+
     def _kill(self) -> None:
         if self._proc.returncode is None:
             try:
@@ -428,26 +523,6 @@ class BwrapSandbox:
             log.warning("sandbox %s: bwrap did not exit within 5 s of SIGKILL", self.name)
         if self.scratch is not None:
             await asyncio.to_thread(_remove_tree, self.scratch)
-
-    @property
-    def upper_dir(self) -> Path | None:
-        """The writable layer as the host sees it: the tmpfs lives in the launcher's mount namespace, which
-        bwrap's outer process keeps (pasta, first in a networked sandbox, moves itself to an empty root)."""
-        if self.upper_mnt is None or not self.alive:
-            return None
-        pids = [self._proc.pid]
-        try:
-            pids += [int(p) for p in Path(f"/proc/{self._proc.pid}/task/{self._proc.pid}/children").read_text().split()]
-        except OSError:
-            return None
-        for pid in pids:
-            upper = Path(f"/proc/{pid}/root{self.upper_mnt}/u")
-            try:
-                if upper.is_dir():
-                    return upper
-            except OSError:
-                continue
-        return None
 
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None

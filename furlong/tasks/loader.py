@@ -30,6 +30,9 @@ class _Agent(_Section):
 class _Verifier(_Section):
     timeout_sec: float = Field(600.0, gt=0)
     env: dict[str, str] = {}
+    # furlong's: the agent may replace what the tests execute (the task is about a tool); see
+    # furlong.tasks.integrity. Tampering is still recorded in the episode, but not scored 0.
+    trust_agent_tools: bool = False
     user: Any = None  # Harbor's keys for a separate verifier user or sandbox: furlong verifies in the agent's
     environment: Any = None
     environment_mode: Any = None
@@ -165,7 +168,7 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         network=env.allow_internet or env.network,
         limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid),
         verifier_env=tuple(sorted(conf.verifier.env.items())), format="harbor",
-        verifier_toolchain=conf.furlong.verifier_toolchain,
+        verifier_toolchain=conf.furlong.verifier_toolchain, trust_agent_tools=conf.verifier.trust_agent_tools,
     )
 
 

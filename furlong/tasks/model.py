@@ -35,6 +35,7 @@ class Task:
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)  # task.toml [environment] seccomp*
     verifier_env: tuple[tuple[str, str], ...] = ()
     verifier_toolchain: bool = False  # task.toml [furlong] verifier_toolchain: uv/uvx/pytest stacked on the image
+    trust_agent_tools: bool = False  # task.toml [verifier] trust_agent_tools: tampering is recorded, not scored 0
     format: str = "harbor"  # harbor | terminal-bench
     family: str | None = None  # set for instances generated from a task family
     seed: int | None = None

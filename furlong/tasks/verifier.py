@@ -7,12 +7,14 @@ runner (furlong.agent.runner): it runs the same tests in a fresh sandbox to tell
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shlex
 from dataclasses import dataclass, field
 
-from furlong.sandbox.base import Sandbox, SandboxDied, SandboxError
+from furlong.sandbox.base import BASE_ENV, ChangeTracking, Sandbox, SandboxDied, SandboxError
+from furlong.tasks import integrity
 from furlong.tasks.model import TESTS_DIR, VERIFIER_LOG_DIR, Task
 
 OUTPUT_TAIL_CHARS = 4000  # of a command's output kept in an episode's record: enough for a test report's end
@@ -48,14 +50,62 @@ class Verdict:
     exit_code: int | None = None
     output_tail: str = ""
     problem: str | None = None
+    tampered_paths: tuple[str, ...] = ()  # what furlong.tasks.integrity counts (capped at MAX_LISTED)
+    tampered: bool = False  # tampered_paths, and the task does not trust the agent's tools: reward 0
+    tamper_checked: bool = False  # False: the sandbox cannot say what changed (a backend without ChangeTracking)
 
 
-async def verify(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
+async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int | None = None,
+                 search_path: str = BASE_ENV["PATH"]) -> Verdict:
     """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
+
+    What the tests execute is checked (furlong.tasks.integrity) before they run, and again after: the
+    agent's background processes run on meanwhile, and anything they changed counts; what the verifier's
+    own uid made does not (`verifier_uid`, as seen inside; None: the agent's uid, so every change counts).
+    A tampered episode's tests still run, for the record, but it scores 0 unless the task trusts the
+    agent's tools. `search_path` is the tests' PATH (the image's).
 
     Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
     agent's processes, still running, can neither write nor replace (furlong.sandbox.bwrap). With one uid
     only (`sandbox.verifier_uid is None`) /tests and /logs are the agent's, as in earlier versions."""
+    search = integrity.path_dirs(dict(task.verifier_env).get("PATH", search_path))
+    before = await _tampering(sandbox, search, None)
+    verdict = await _run_tests(task, sandbox, workdir)
+    after = await _tampering(sandbox, search, verifier_uid)
+    if before is None or after is None:
+        return verdict
+    paths = integrity.listed(sorted(set(before) | set(after)))
+    tampered = bool(paths) and not task.trust_agent_tools
+    if tampered:
+        verdict = dataclasses.replace(verdict, reward=0.0, rewards={"reward": 0.0}, problem=None)
+    return dataclasses.replace(verdict, tampered_paths=paths, tampered=tampered, tamper_checked=True)
+
+
+async def _tampering(sandbox: Sandbox, search: tuple[str, ...], verifier_uid: int | None) -> tuple[str, ...] | None:
+    """The paths the rule counts now, leaving out entries of `verifier_uid`; None without ChangeTracking."""
+    if not isinstance(sandbox, ChangeTracking):
+        return None
+    changes = await sandbox.changes(integrity.scan_roots(search))
+    if changes is None:
+        return None
+    if verifier_uid is not None:
+        changes = tuple(c for c in changes if c.uid != verifier_uid)
+    names = {f"{d}/{name}" for d in (*search, *integrity.BIN_DIRS) for name in integrity.COMMANDS}
+    present = await sandbox.image_has(sorted(names)) or frozenset()
+    contents = {path: await _read_or_none(sandbox, path) for path in integrity.content_paths(changes)}
+    return integrity.tampered(changes, search, present.__contains__, contents.get)
+
+
+async def _read_or_none(sandbox: Sandbox, path: str) -> bytes | None:
+    try:
+        return await sandbox.read_file(path)
+    except SandboxDied:
+        raise
+    except SandboxError:
+        return None
+
+
+async def _run_tests(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
     # /tests is a mount point: its contents go, it stays (the rm of the directory itself fails harmlessly)
     await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} 2>/dev/null; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}",
                        30, cwd="/", as_verifier=True)
