@@ -1,4 +1,6 @@
-"""The documented Dockerfile subset furlong builds itself: FROM (one resolvable base), RUN, COPY, WORKDIR, ENV.
+"""The documented Dockerfile subset furlong builds itself: FROM (one resolvable base), RUN, COPY, WORKDIR, ENV,
+and USER where no RUN or WORKDIR runs as a user other than root after it (the build sandbox runs its steps
+as root: such a USER is the image's runtime user only).
 
 A Dockerfile using anything else (`outside_subset` says what) is built by buildah instead (buildah.py);
 within the subset, a malformed instruction is an error naming the file and line.
@@ -18,8 +20,9 @@ from pathlib import Path
 
 from furlong.sandbox import standins
 from furlong.sandbox.tarball import root_owned
+from furlong.sandbox.users import ROOT_USERS
 
-SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "ENV")
+SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "ENV", "USER")
 # `RUN <<EOF`, `cat <<-'EOF'`: a heredoc's body lines follow the instruction (`<<<` is a here-string).
 HEREDOC = re.compile(r"(?<![<\\])<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_.-]*)\2(?!<)")
 
@@ -67,12 +70,15 @@ def outside_subset(path: Path) -> str | None:
         text = path.read_text()
     except (OSError, UnicodeDecodeError):
         return None
-    first = True
+    first, user = True, ""
     for line_no, logical in _logical_lines(text):
         op, _, args = logical.partition(" ")
         op, args = op.upper(), args.strip()
         if op not in SUPPORTED:
             return f"{path}:{line_no}: {op}"
+        user = args if op == "USER" else user
+        if op in AS_USER and user not in ROOT_USERS:
+            return f"{path}:{line_no}: {op} as USER {user}"
         if op == "FROM" and not first:
             return f"{path}:{line_no}: a second FROM (multi-stage)"
         if op == "FROM" and len(args.split()) > 1:
@@ -82,6 +88,19 @@ def outside_subset(path: Path) -> str | None:
         if op == "RUN" and not args.startswith("[") and HEREDOC.search(args):
             return f"{path}:{line_no}: a heredoc (RUN <<EOF)"  # the body lines are no instructions: stop here
         first = False
+    return None
+
+
+AS_USER = ("RUN", "WORKDIR")  # the steps whose effect depends on the user they run as
+
+
+def step_as_user(steps: list[Instruction], user: str) -> Instruction | None:
+    """The first RUN or WORKDIR that would run as a user other than root, starting as `user` (the FROM
+    image's): buildah builds a Dockerfile that has one."""
+    for step in steps[1:]:
+        user = step.args if step.op == "USER" else user
+        if step.op in AS_USER and user not in ROOT_USERS:
+            return step
     return None
 
 
@@ -124,6 +143,8 @@ def _validate(path: Path, step: Instruction, first: bool, imported: Collection[s
             raise DockerfileError(path, step.line, "COPY needs at least one source and a destination")
     elif step.op == "ENV":
         env_pairs(path, step)
+    elif step.op == "USER" and len(step.args.split()) != 1:
+        raise DockerfileError(path, step.line, f"USER takes one user[:group], got {step.args!r}")
 
 
 def env_pairs(path: Path, step: Instruction) -> list[tuple[str, str]]:
