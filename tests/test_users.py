@@ -1,21 +1,27 @@
 """A Dockerfile's USER: resolved to ids from the image's own /etc/passwd and /etc/group, read through the
 layers as the sandbox's overlay shows them (whiteouts, opaque directories, symlinks kept inside the
-image); carried into ImageRef.user by the native builder (a trailing USER) and by buildah (USER before a
-RUN); a USER the image cannot honour is a build error naming the line; USER is part of the image's key."""
+image); carried into ImageRef.user by buildah (a USER other than root) and by the native builder (USER root,
+or the FROM image's USER under ENV/COPY steps); a USER the image cannot honour is a build error naming the
+line; USER is part of the image's key."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
 
-from conftest import run, spec
+from conftest import run
 from furlong.sandbox import dockerfile as df
+from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
+from furlong.sandbox.imports import import_image
 from furlong.sandbox.users import ROOT, Identity, UserError, resolve_user
+from test_image_import import LAYER_TAR, _bash_layer, _bash_paths, _oci_layout
 
 PASSWD = "root:x:0:0:root:/root:/bin/bash\nworker:x:1000:1000::/home/worker:/bin/bash\n"
 GROUP = "root:x:0:\nworker:x:1000:\nstaff:x:50:worker,other\n"
@@ -139,68 +145,100 @@ def test_symlinks_resolve_inside_the_image_never_on_the_host(tmp_path: Path):
         resolve_user("worker", [loop])
 
 
-def test_steps_after_a_user_route_to_buildah(tmp_path: Path):
-    """The native build sandbox runs its steps as root: a RUN or WORKDIR after a USER other than root goes to
-    buildah, a trailing USER (or one back to root) stays native."""
+def test_a_user_other_than_root_routes_to_buildah(tmp_path: Path):
+    """The native build sandbox maps one uid, so a RUN that chowns to another user fails there: a Dockerfile
+    naming a USER other than root goes to buildah, and so does a RUN or WORKDIR as the FROM image's USER."""
     cases = {
-        f"FROM debian:bookworm\n{ADD_WORKER}\nENV A=1\nCOPY x /x\nUSER worker\nENV B=2\n": None,
-        "FROM debian:bookworm\nUSER worker\nUSER root\nRUN true\nUSER 0\nWORKDIR /a\n": None,
-        "FROM debian:bookworm\nUSER worker\nRUN true\n": ":3: RUN as USER worker",
-        "FROM debian:bookworm\nUSER 1000:1000\nWORKDIR /app\n": ":3: WORKDIR as USER 1000:1000",
+        f"FROM debian:bookworm\n{ADD_WORKER}\nUSER worker\n": ":3: USER worker (not root)",
+        "FROM debian:bookworm\nUSER 1000:1000\n": ":2: USER 1000:1000 (not root)",
+        "FROM debian:bookworm\nUSER root\nRUN true\nUSER 0\nWORKDIR /a\n": None,
     }
     for text, reason in cases.items():
         why = df.outside_subset(_dockerfile(tmp_path, text))
         assert why is None if reason is None else (why is not None and why.endswith(reason)), (text, why)
     steps = df.parse(_dockerfile(tmp_path, "FROM debian:bookworm\nENV A=1\nRUN true\n"))
-    assert df.step_as_user(steps, "") is None and df.step_as_user(steps, "worker") == steps[2]  # FROM's USER
+    assert df.step_as_user(steps, "") is None and df.step_as_user(steps, "worker") == steps[2]
+    assert df.step_as_user(steps[:2], "worker") is None  # ENV (or COPY) alone does not depend on the user
     with pytest.raises(df.DockerfileError, match="USER takes one user"):
         df.parse(_dockerfile(tmp_path, "FROM debian:bookworm\nUSER a b\n"))
 
 
-def test_native_builder_carries_a_trailing_user(store: ImageStore, backend, tmp_path: Path):
-    variants = {user: _dockerfile(tmp_path / (user or "none"), f"FROM debian:bookworm\n{ADD_WORKER}\n"
-                                  + (f"USER {user}\n" if user else "")) for user in ("worker", "1000:1000", "")}
-    refs = {user: run(store.image(path, backend)) for user, path in variants.items()}
-    assert {u: r.user for u, r in refs.items()} == {"worker": "worker", "1000:1000": "1000:1000", "": ""}
-    assert len({r.digest for r in refs.values()}) == 3  # USER is part of the image's identity
-    meta = json.loads((store.root / refs["worker"].digest / "meta.json").read_text())
-    assert meta["builder"] == "furlong" and meta["user"] == "worker"
-    dirs = [store.root / layer.path for layer in refs["worker"].layers]
-    assert resolve_user("worker", dirs) == Identity(1000, 1000, "/home/worker", "worker")
-    assert resolve_user(refs["1000:1000"].user, dirs) == Identity(1000, 1000, "/home/worker", "worker")
-
-    async def check():  # the build ran as root and the layer holds the entries
-        box = await backend.create(spec(refs["worker"]))
-        try:
-            return (await box.exec("id -un; grep -c worker /etc/passwd /etc/group")).stdout
-        finally:
-            await box.close()
-
-    assert run(check()) == "root\n/etc/passwd:1\n/etc/group:1\n"
+def test_native_builder_keeps_user_root_in_the_key(store: ImageStore, backend, tmp_path: Path):
+    plain = run(store.image(_dockerfile(tmp_path / "a", "FROM debian:bookworm\nENV A=1\n"), backend))
+    rooted = run(store.image(_dockerfile(tmp_path / "b", "FROM debian:bookworm\nENV A=1\nUSER root\n"), backend))
+    assert (plain.user, rooted.user) == ("", "root") and plain.digest != rooted.digest
+    assert store.check_user(rooted, "x") == ROOT
+    meta = json.loads((store.root / rooted.digest / "meta.json").read_text())
+    assert meta["builder"] == "furlong" and meta["user"] == "root"
 
 
-def test_native_builder_refuses_a_user_the_image_lacks(store: ImageStore, backend, tmp_path: Path):
-    path = _dockerfile(tmp_path, "FROM debian:bookworm\nENV A=1\nUSER ghost\n")
+def _user_layer(user_files: dict[str, str]) -> bytes:
+    """A layer with /etc's passwd and group and a world-writable /tmp (modes kept, unlike _tar's)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, mode in (("etc", 0o755), ("tmp", 0o1777)):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, mode
+            tar.addfile(info)
+        for name, text in user_files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(text.encode()), 0o644
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def user_import(store, backend, base_image, tmp_path_factory):
+    """A store of its own holding imported images whose config sets USER: `t/user:1` (worker, in its
+    passwd) and `t/ghost:1` (no such user); bash and its libraries only, from the base."""
+    root = store.root.parent / f"test-imports-users-{os.getpid()}"
+    import_store = ImageStore(root=root)
+    rootfs = store.root / store.base_key() / "rootfs"
+    bash = _bash_layer(rootfs, run(_bash_paths(backend, base_image)))
+    files = _user_layer({"etc/passwd": PASSWD, "etc/group": GROUP})
+    for name, user in (("t/user:1", "worker"), ("t/ghost:1", "ghost")):
+        config = {"architecture": "amd64", "os": "linux", "config": {"User": user, "WorkingDir": "/"}}
+        layout = _oci_layout(tmp_path_factory.mktemp("layout"), [(bash, LAYER_TAR), (files, LAYER_TAR)], config)
+        import_image(import_store.root, name, layout, lambda _: None)
+    yield import_store
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_from_an_image_with_a_user_inherits_it(user_import: ImageStore, tmp_path: Path):
+    """An image FROM names keeps its USER: ENV/COPY steps build natively under it, a RUN goes to buildah
+    (it runs there as that user), and a USER the image lacks fails the build naming the FROM line."""
+    backend = BwrapBackend(layers=user_import)
+    native = run(user_import.image(_dockerfile(tmp_path / "n", "FROM t/user:1\nENV A=1\n"), backend))
+    meta = json.loads((user_import.root / native.digest / "meta.json").read_text())
+    assert meta["builder"] == "furlong" and native.user == "worker"
+    assert user_import.check_user(native, "x") == Identity(1000, 1000, "/home/worker", "worker", (50,))
+    ghost = _dockerfile(tmp_path / "g", "FROM t/ghost:1\nENV A=1\n")
     with pytest.raises(ImageBuildError) as err:
-        run(store.image(path, backend))
-    assert str(err.value) == f"{path}:3: USER ghost: no such user in the image's /etc/passwd"
+        run(user_import.image(ghost, backend))
+    assert str(err.value) == f"{ghost}:1: FROM t/ghost:1: USER ghost: no such user in the image's /etc/passwd"
+    if shutil.which("buildah") is None:
+        return
+    path = _dockerfile(tmp_path / "b", 'FROM t/user:1\nRUN ["/bin/bash", "-c", "echo $UID > /tmp/uid"]\n')
+    built = run(user_import.image(path, backend))
+    meta = json.loads((user_import.root / built.digest / "meta.json").read_text())
+    assert meta["builder"] == "buildah" and built.user == "worker"
+    assert (user_import.root / built.layers[0].path / "tmp/uid").read_text() == "1000\n"
 
 
 @needs_buildah
 def test_buildah_carries_the_user_and_runs_later_steps_as_it(store: ImageStore, backend, tmp_path: Path):
-    path = _dockerfile(tmp_path, f"FROM debian:bookworm\n{ADD_WORKER}\nUSER worker\n"
-                                 "RUN id -u > /tmp/built-as && id -g >> /tmp/built-as\n")
-    assert df.outside_subset(path).endswith(":4: RUN as USER worker")
-    ref = run(store.image(path, backend))
+    trailing = _dockerfile(tmp_path / "t", f"FROM debian:bookworm\n{ADD_WORKER}\nUSER worker\n")
+    ref = run(store.image(trailing, backend))
     meta = json.loads((store.root / ref.digest / "meta.json").read_text())
     assert meta["builder"] == "buildah" and ref.user == "worker" and "not honoured" not in ref.note
-    assert resolve_user(ref.user, [store.root / layer.path for layer in ref.layers]) == Identity(
-        1000, 1000, "/home/worker", "worker")
-    assert (store.root / ref.layers[0].path / "tmp/built-as").read_text() == "1000\n1000\n"
-    other = _dockerfile(tmp_path / "numeric", f"FROM debian:bookworm\n{ADD_WORKER}\nUSER 1000\n"
-                                              "RUN id -u > /tmp/built-as && id -g >> /tmp/built-as\n")
-    numeric = run(store.image(other, backend))
-    assert numeric.user == "1000" and numeric.digest != ref.digest  # USER is part of the key
+    dirs = [store.root / layer.path for layer in ref.layers]
+    assert resolve_user(ref.user, dirs) == Identity(1000, 1000, "/home/worker", "worker")
+    path = _dockerfile(tmp_path / "r", f"FROM debian:bookworm\n{ADD_WORKER}\nUSER 1000:1000\n"
+                                       "RUN id -u > /tmp/built-as && id -g >> /tmp/built-as\n")
+    numeric = run(store.image(path, backend))
+    assert numeric.user == "1000:1000" and numeric.digest != ref.digest  # USER is part of the key
+    assert store.check_user(numeric, "x") == Identity(1000, 1000, "/home/worker", "worker")
+    assert (store.root / numeric.layers[0].path / "tmp/built-as").read_text() == "1000\n1000\n"
 
 
 @needs_buildah

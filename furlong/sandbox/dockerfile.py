@@ -1,6 +1,7 @@
 """The documented Dockerfile subset furlong builds itself: FROM (one resolvable base), RUN, COPY, WORKDIR, ENV,
-and USER where no RUN or WORKDIR runs as a user other than root after it (the build sandbox runs its steps
-as root: such a USER is the image's runtime user only).
+and USER root. The build sandbox maps one uid, its root, so a Dockerfile that names another USER (its RUN
+steps would `chown` to that user, or run as it) is built by buildah, and so is one whose RUN or WORKDIR
+would run as the USER its FROM image sets (`step_as_user`).
 
 A Dockerfile using anything else (`outside_subset` says what) is built by buildah instead (buildah.py);
 within the subset, a malformed instruction is an error naming the file and line.
@@ -70,15 +71,14 @@ def outside_subset(path: Path) -> str | None:
         text = path.read_text()
     except (OSError, UnicodeDecodeError):
         return None
-    first, user = True, ""
+    first = True
     for line_no, logical in _logical_lines(text):
         op, _, args = logical.partition(" ")
         op, args = op.upper(), args.strip()
         if op not in SUPPORTED:
             return f"{path}:{line_no}: {op}"
-        user = args if op == "USER" else user
-        if op in AS_USER and user not in ROOT_USERS:
-            return f"{path}:{line_no}: {op} as USER {user}"
+        if op == "USER" and args not in ROOT_USERS:
+            return f"{path}:{line_no}: USER {args} (not root)"
         if op == "FROM" and not first:
             return f"{path}:{line_no}: a second FROM (multi-stage)"
         if op == "FROM" and len(args.split()) > 1:
@@ -91,15 +91,12 @@ def outside_subset(path: Path) -> str | None:
     return None
 
 
-AS_USER = ("RUN", "WORKDIR")  # the steps whose effect depends on the user they run as
-
-
 def step_as_user(steps: list[Instruction], user: str) -> Instruction | None:
-    """The first RUN or WORKDIR that would run as a user other than root, starting as `user` (the FROM
-    image's): buildah builds a Dockerfile that has one."""
+    """The first RUN or WORKDIR (the steps whose effect depends on who runs them) that would run as a user
+    other than root, starting as `user`, the FROM image's; buildah builds a Dockerfile that has one."""
     for step in steps[1:]:
         user = step.args if step.op == "USER" else user
-        if step.op in AS_USER and user not in ROOT_USERS:
+        if step.op in ("RUN", "WORKDIR") and user not in ROOT_USERS:
             return step
     return None
 

@@ -250,7 +250,7 @@ class ImageStore:
         return await asyncio.shield(pending)  # one caller cancelled must not cancel the others' lookup
 
     async def _resolve(self, dockerfile: Path, backend, progress: Progress) -> ImageRef:
-        if why := df.outside_subset(dockerfile):  # multi-stage, ARG, RUN as a USER, heredocs...: buildah
+        if why := df.outside_subset(dockerfile):  # multi-stage, ARG, USER worker, heredocs...: buildah
             return await self._by_buildah(dockerfile, backend, progress, why)
         imported = registry.FromNames(await asyncio.to_thread(imports.names, self.root))  # or any reference
         steps = df.parse(dockerfile, imported=imported)
@@ -315,8 +315,8 @@ class ImageStore:
 
     async def _run_steps(self, upper: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
                          label: str, probe: str):
-        """Runs the steps after FROM in one build sandbox, as root (step_as_user keeps a RUN as another user
-        out of here); then `probe`, whose output is returned."""
+        """Runs the steps after FROM in one build sandbox, as root (a USER other than root goes to buildah);
+        then `probe`, whose output is returned."""
         env: list[tuple[str, str]] = []
         workdir, user = parent.workdir, parent.user
         spec = SandboxSpec(image=parent, network=True, limits=BUILD_LIMITS)
