@@ -67,13 +67,15 @@ class LayerRef:
 
 @dataclass(frozen=True)
 class ImageRef:
-    """A built image, named by content: read-only layers (top first) plus the ENV / WORKDIR a Dockerfile
-    set. Nothing in it is a host path: any host that can fetch the layers can run it."""
+    """A built image, named by content: read-only layers (top first) plus the ENV / WORKDIR / USER a
+    Dockerfile set. Nothing in it is a host path: any host that can fetch the layers can run it."""
 
     digest: str
     layers: tuple[LayerRef, ...]
     env: tuple[tuple[str, str], ...] = ()
     workdir: str = "/"
+    # the final stage's last USER, as written ("" = root): users.resolve_user reads it in the layers
+    user: str = ""
     note: str = ""  # how the image differs from what its FROM named (a stand-in), or where it came from
 
 

@@ -10,8 +10,8 @@ built by buildah (Debian's 1.28: daemonless, no service to run) and unpacked int
    system's /var/lib/containers); buildah itself never reaches a registry.
 3. The image's tree is read through `buildah mount` (inside `buildah unshare` as a user) and unpacked by
    layertar's checked writer into `<store>/buildah-<key>/rootfs`: one layer, owned and viewed like an
-   import. Its config gives the env and workdir; USER cannot be honoured (a sandbox maps one uid) and is
-   recorded in the note.
+   import. Its config gives the env, workdir and user (the final stage's last USER, resolved to ids in the
+   sandbox by users.py). Files keep no owner: every one is root's in the sandbox.
 The image is cached by a hash of the rewritten Dockerfile (the resolved images' keys are in it) and of
 the whole build context's content.
 """
@@ -45,11 +45,10 @@ from furlong.sandbox.registry import RegistryError
 if TYPE_CHECKING:
     from furlong.sandbox.images import ImageStore  # it calls image() below for Dockerfiles it cannot build
 
-FORMAT = "1"  # bump when the export or the key changes
+FORMAT = "2"  # bump when the export, the key or the meta changes
 _STEP = re.compile(r"^(?:\[(\d+)/\d+\] )?STEP (\d+)/\d+: (\S+)")
 _ARG_REF = re.compile(r"\$(?:\{(\w+)(?::-([^}]*))?\}|(\w+))")
 _NOISE = ("Close_Fd sealing memfd copy",)  # buildah 1.28 prints this on every RUN; it means nothing
-_ROOT_USERS = ("", "0", "root", "0:0", "root:root")
 
 
 @dataclass
@@ -99,10 +98,6 @@ class Buildah:
             raise ImageBuildError(f"buildah {args[0]} failed ({proc.returncode}): {last[0][:300]}")
         return proc.stdout
 
-    def has(self, name: str) -> bool:
-        return subprocess.run(self.argv("inspect", "--type", "image", name), capture_output=True,
-                              env=self.env()).returncode == 0
-
     def check(self) -> None:
         """One line naming what keeps buildah from working here, if anything."""
         if shutil.which("buildah") is None:
@@ -118,10 +113,10 @@ class Buildah:
         """`localhost/furlong/<digest>`: the resolved image (its layers' directories, top first) as a
         buildah image, made once per digest."""
         name = f"localhost/furlong/{ref.digest}"
-        if self.has(name):
+        if self._imported(name, ref.user):
             return name
         with _locked(self.home / f".import-{ref.digest}.lock"):
-            if self.has(name):
+            if self._imported(name, ref.user):
                 return name
             tar = self.home / "tmp" / f"{ref.digest}.{os.getpid()}.tar"
             try:
@@ -130,13 +125,21 @@ class Buildah:
                 try:
                     self.run("add", "--quiet", ctr, str(tar), "/")
                     env = [a for k, v in ref.env for a in ("--env", f"{k}={v}")]
-                    self.run("config", *env, "--workingdir", ref.workdir or "/", ctr)
+                    user = ["--user", ref.user] if ref.user else []  # RUN steps over it run as its USER
+                    self.run("config", *env, *user, "--workingdir", ref.workdir or "/", ctr)
                     self.run("commit", "--quiet", ctr, name)
                 finally:
                     subprocess.run(self.argv("rm", ctr), capture_output=True, env=self.env())
             finally:
                 tar.unlink(missing_ok=True)
         return name
+
+    def _imported(self, name: str, user: str) -> bool:
+        """Whether `name` is made, with the USER it should have (one made before USER was carried has none)."""
+        proc = subprocess.run(self.argv("inspect", "--type", "image", name), capture_output=True, text=True,
+                              env=self.env())
+        return proc.returncode == 0 and (json.loads(proc.stdout).get("OCIv1", {}).get("config") or {}).get(
+            "User", "") == user
 
     def bud(self, dockerfile: Path, context: Path, tag: str, progress: Progress,
             timeout_s: float) -> tuple[int, list[str]]:
@@ -307,8 +310,10 @@ async def image(store: ImageStore, dockerfile: Path, backend, progress: Progress
         if not (final / "meta.json").exists():
             await asyncio.to_thread(_build, store, bh, dockerfile, planned, key, progress)
     meta = json.loads((final / "meta.json").read_text())
-    return ImageRef(digest=key, layers=(store.layer(key, final / "rootfs"),), env=tuple(tuple(p) for p in meta["env"]),
-                    workdir=meta["workdir"], note=meta["note"])
+    ref = ImageRef(digest=key, layers=(store.layer(key, final / "rootfs"),), env=tuple(tuple(p) for p in meta["env"]),
+                   workdir=meta["workdir"], user=meta["user"], note=meta["note"])
+    await asyncio.to_thread(store.check_user, ref, str(dockerfile))
+    return ref
 
 
 def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key: str, progress: Progress) -> None:
@@ -348,14 +353,10 @@ def _store(bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path, pr
         raise ImageBuildError(f"{dockerfile}: the built image has no /bin/bash, which furlong's sandbox runs "
                               f"commands with")
     config = bh.config(f"localhost/furlong/{key}")
-    notes = list(planned.notes)
-    user = str(config.get("User") or "")
-    if user not in _ROOT_USERS:
-        notes.append(f"USER {user} is not honoured: commands run as the sandbox's root (one uid is mapped)")
     meta = {"dockerfile": str(dockerfile), "builder": "buildah", "key": key,
             "env": [e.split("=", 1) for e in config.get("Env") or [] if "=" in e],
-            "workdir": config.get("WorkingDir") or "/", "user": user, "labels": config.get("Labels") or {},
-            "note": "; ".join(notes), "skipped_devices": skipped,
+            "workdir": config.get("WorkingDir") or "/", "user": str(config.get("User") or ""),
+            "labels": config.get("Labels") or {}, "note": "; ".join(planned.notes), "skipped_devices": skipped,
             "build_seconds": round(built, 2), "seconds": round(time.monotonic() - started, 1)}
     (tmp / "meta.json").write_text(json.dumps(meta))
 

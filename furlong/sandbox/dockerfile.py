@@ -1,4 +1,7 @@
-"""The documented Dockerfile subset furlong builds itself: FROM (one resolvable base), RUN, COPY, WORKDIR, ENV.
+"""The documented Dockerfile subset furlong builds itself: FROM (one resolvable base), RUN, COPY, WORKDIR, ENV,
+and USER root. The build sandbox maps one uid, its root, so a Dockerfile that names another USER (its RUN
+steps would `chown` to that user, or run as it) is built by buildah, and so is one whose RUN or WORKDIR
+would run as the USER its FROM image sets (`step_as_user`).
 
 A Dockerfile using anything else (`outside_subset` says what) is built by buildah instead (buildah.py);
 within the subset, a malformed instruction is an error naming the file and line.
@@ -18,8 +21,9 @@ from pathlib import Path
 
 from furlong.sandbox import standins
 from furlong.sandbox.tarball import root_owned
+from furlong.sandbox.users import ROOT_USERS
 
-SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "ENV")
+SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "ENV", "USER")
 # `RUN <<EOF`, `cat <<-'EOF'`: a heredoc's body lines follow the instruction (`<<<` is a here-string).
 HEREDOC = re.compile(r"(?<![<\\])<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_.-]*)\2(?!<)")
 
@@ -73,6 +77,8 @@ def outside_subset(path: Path) -> str | None:
         op, args = op.upper(), args.strip()
         if op not in SUPPORTED:
             return f"{path}:{line_no}: {op}"
+        if op == "USER" and args not in ROOT_USERS:
+            return f"{path}:{line_no}: USER {args} (not root)"
         if op == "FROM" and not first:
             return f"{path}:{line_no}: a second FROM (multi-stage)"
         if op == "FROM" and len(args.split()) > 1:
@@ -82,6 +88,16 @@ def outside_subset(path: Path) -> str | None:
         if op == "RUN" and not args.startswith("[") and HEREDOC.search(args):
             return f"{path}:{line_no}: a heredoc (RUN <<EOF)"  # the body lines are no instructions: stop here
         first = False
+    return None
+
+
+def step_as_user(steps: list[Instruction], user: str) -> Instruction | None:
+    """The first RUN or WORKDIR (the steps whose effect depends on who runs them) that would run as a user
+    other than root, starting as `user`, the FROM image's; buildah builds a Dockerfile that has one."""
+    for step in steps[1:]:
+        user = step.args if step.op == "USER" else user
+        if step.op in ("RUN", "WORKDIR") and user not in ROOT_USERS:
+            return step
     return None
 
 
@@ -124,6 +140,8 @@ def _validate(path: Path, step: Instruction, first: bool, imported: Collection[s
             raise DockerfileError(path, step.line, "COPY needs at least one source and a destination")
     elif step.op == "ENV":
         env_pairs(path, step)
+    elif step.op == "USER" and len(step.args.split()) != 1:
+        raise DockerfileError(path, step.line, f"USER takes one user[:group], got {step.args!r}")
 
 
 def env_pairs(path: Path, step: Instruction) -> list[tuple[str, str]]:

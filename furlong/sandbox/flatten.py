@@ -19,14 +19,21 @@ from furlong.sandbox.tarball import root_owned
 _OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")  # root's overlays, and user-namespace ones
 
 
-def _opaque(path: str) -> bool:
+def is_opaque(path: str | int) -> bool:
+    """Whether the directory at `path` (or the open fd) hides what lower layers hold under it."""
     for name in _OPAQUE:
         try:
-            if os.getxattr(path, name, follow_symlinks=False) == b"y":
+            value = os.getxattr(path, name) if isinstance(path, int) else os.getxattr(path, name, follow_symlinks=False)
+            if value == b"y":
                 return True
         except OSError:
             continue
     return False
+
+
+def is_whiteout(st: os.stat_result) -> bool:
+    """Whether an lstat result is an overlay whiteout: the path is deleted below this layer."""
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
 def _hidden(rel: str, whiteouts: set[str], opaque: set[str]) -> bool:
@@ -63,7 +70,7 @@ def flatten_to_tar(layers: tuple[Path, ...], out: Path) -> None:
                             keep.append(name)
                         continue
                     st = os.lstat(path)
-                    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                    if is_whiteout(st):
                         new_whiteouts.add(rel)
                         continue
                     if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
@@ -72,7 +79,7 @@ def flatten_to_tar(layers: tuple[Path, ...], out: Path) -> None:
                     tar.add(path, arcname=rel, recursive=False, filter=root_owned)
                     if is_dir:
                         keep.append(name)
-                        if _opaque(path):
+                        if is_opaque(path):
                             new_opaque.add(rel)
                 dirnames[:] = [d for d in dirnames if d in keep]
             whiteouts |= new_whiteouts

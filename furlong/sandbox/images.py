@@ -25,7 +25,7 @@ from pathlib import Path
 
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import buildah, imports, layers, registry, rootless, standins
+from furlong.sandbox import buildah, imports, layers, registry, rootless, standins, users
 from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.tarball import tar_dir
@@ -175,13 +175,13 @@ class ImageStore:
         rootfs = imports.directory(self.root, meta["name"]) / imports.rootfs_name(meta["id"])
         return ImageRef(digest=f"import-{meta['id']}", layers=(self.layer(f"import-{meta['id']}", rootfs),),
                         env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
-                        note=f"{meta['name']}: imported by hand from {meta['source']}")
+                        user=meta.get("user", ""), note=f"{meta['name']}: imported by hand from {meta['source']}")
 
     def _pulled(self, meta: dict) -> ImageRef:
         return ImageRef(digest=f"pulled-{meta['manifest'][7:23]}",
                         layers=(self.layer(meta["manifest"], self.registry.rootfs(meta)),),
                         env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
-                        note=f"{meta['ref']}: pulled, {meta['digest']}")
+                        user=meta.get("user", ""), note=f"{meta['ref']}: pulled, {meta['digest']}")
 
     def standin_key(self, standin: standins.Standin) -> str:
         return f"standin-{standin.name}-" + _sha(FORMAT, self.base_key(), standin.dockerfile())
@@ -250,15 +250,17 @@ class ImageStore:
         return await asyncio.shield(pending)  # one caller cancelled must not cancel the others' lookup
 
     async def _resolve(self, dockerfile: Path, backend, progress: Progress) -> ImageRef:
-        if why := df.outside_subset(dockerfile):  # multi-stage, ARG, USER, heredocs...: buildah builds it
-            self._resolved[dockerfile] = await buildah.image(self, dockerfile, backend, progress, why)
-            return self._resolved[dockerfile]
+        if why := df.outside_subset(dockerfile):  # multi-stage, ARG, USER worker, heredocs...: buildah
+            return await self._by_buildah(dockerfile, backend, progress, why)
         imported = registry.FromNames(await asyncio.to_thread(imports.names, self.root))  # or any reference
         steps = df.parse(dockerfile, imported=imported)
         try:
             parent = await self.parent(steps[0].args, backend, progress)
         except registry.RegistryError as exc:
             raise ImageBuildError(f"{dockerfile}:{steps[0].line}: FROM {exc}") from None
+        if (step := df.step_as_user(steps, parent.user)) is not None:  # FROM's image set a USER
+            why = f"{dockerfile}:{step.line}: {step.op} as USER {parent.user} (set by {steps[0].args})"
+            return await self._by_buildah(dockerfile, backend, progress, why)
         key = await asyncio.to_thread(self.layer_key, dockerfile, steps, parent.digest)
         final = self.root / key
         async with self._locks.setdefault(key, asyncio.Lock()):
@@ -269,9 +271,24 @@ class ImageStore:
         meta = json.loads((final / "meta.json").read_text())
         ref = ImageRef(digest=key, layers=(self.layer(key, final / "upper"), *parent.layers),
                        env=parent.env + tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],
-                       note=parent.note)
+                       user=meta.get("user", parent.user), note=parent.note)
+        where = next((f"{dockerfile}:{s.line}" for s in reversed(steps) if s.op == "USER"),
+                     f"{dockerfile}:{steps[0].line}: FROM {steps[0].args}")
+        await asyncio.to_thread(self.check_user, ref, where)
         self._resolved[dockerfile] = ref
         return ref
+
+    async def _by_buildah(self, dockerfile: Path, backend, progress: Progress, why: str) -> ImageRef:
+        self._resolved[dockerfile] = await buildah.image(self, dockerfile, backend, progress, why)
+        return self._resolved[dockerfile]
+
+    def check_user(self, ref: ImageRef, where: str) -> users.Identity:
+        """The identity the image's USER names; an image whose USER cannot run is a build error naming
+        `where` (the Dockerfile's line), not a failure of every sandbox it would start."""
+        try:
+            return users.resolve_user(ref.user, [self.root / layer.path for layer in ref.layers])
+        except (users.UserError, OSError) as exc:
+            raise ImageBuildError(f"{where}: {exc}") from None
 
     async def _build_layer(self, final: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
                            label: str, probe: str = "", extra: dict | None = None) -> None:
@@ -280,13 +297,13 @@ class ImageStore:
         (tmp / "upper").mkdir(parents=True)
         started = time.monotonic()
         try:
-            env, workdir, provides = await self._run_steps(tmp / "upper", parent, dockerfile, steps, backend,
-                                                           progress, label, probe)
+            env, workdir, user, provides = await self._run_steps(tmp / "upper", parent, dockerfile, steps,
+                                                                 backend, progress, label, probe)
         except BaseException:
             _rmtree(tmp)  # a failed build leaves nothing behind
             raise
         await asyncio.to_thread(self._seal, tmp / "upper")
-        meta = {"env": env, "workdir": workdir, "dockerfile": str(dockerfile), **(extra or {}),
+        meta = {"env": env, "workdir": workdir, "user": user, "dockerfile": str(dockerfile), **(extra or {}),
                 "seconds": round(time.monotonic() - started, 1)}
         (tmp / "meta.json").write_text(json.dumps({**meta, "provides": provides} if probe else meta))
         with _locked(self.root / f".{final.name}.lock"):
@@ -298,9 +315,10 @@ class ImageStore:
 
     async def _run_steps(self, upper: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
                          label: str, probe: str):
-        """Runs the steps after FROM in one build sandbox; then `probe`, whose output is returned."""
+        """Runs the steps after FROM in one build sandbox, as root (a USER other than root goes to buildah);
+        then `probe`, whose output is returned."""
         env: list[tuple[str, str]] = []
-        workdir = parent.workdir
+        workdir, user = parent.workdir, parent.user
         spec = SandboxSpec(image=parent, network=True, limits=BUILD_LIMITS)
         box = await backend.build(spec, upper)
         try:
@@ -309,6 +327,8 @@ class ImageStore:
                 seen = {**BASE_ENV, **dict(parent.env), **dict(env)}  # what $VAR means at this step
                 if step.op == "ENV":
                     env += [(k, df.expand(v, seen)) for k, v in df.env_pairs(dockerfile, step)]
+                elif step.op == "USER":
+                    user = df.expand(step.args, seen)
                 elif step.op == "WORKDIR":
                     workdir = df.next_workdir(workdir, step.args, seen)
                     await self._must(box, f"mkdir -p {shlex.quote(workdir)}", dockerfile, step, dict(env), "/")
@@ -322,7 +342,7 @@ class ImageStore:
             await box.exec("rm -rf /run/furlong-shell", timeout_s=30, cwd="/")
         finally:
             await box.close()
-        return env, workdir, provides
+        return env, workdir, user, provides
 
     async def _must(self, box, cmd: str, dockerfile: Path, step, env: dict, cwd: str) -> None:
         res = await box.exec(cmd, timeout_s=self.build_timeout_s, cwd=cwd, env=env)

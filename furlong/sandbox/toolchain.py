@@ -171,7 +171,7 @@ def stack(image: ImageRef, toolchain: Toolchain, network: bool) -> ImageRef:
     env = image.env + ENV + (() if network else OFFLINE_ENV)
     note = "; ".join(n for n in (image.note, f"verifier toolchain ({toolchain.provides})") if n)
     return ImageRef(digest=f"{image.digest}+{toolchain.key}", layers=(toolchain.layer, *image.layers), env=env,
-                    workdir=image.workdir, note=note)
+                    workdir=image.workdir, user=image.user, note=note)
 
 
 class ToolchainImages:
