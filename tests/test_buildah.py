@@ -137,7 +137,7 @@ def test_full_dockerfile_builds_with_buildah_and_runs_in_a_sandbox(store: ImageS
     assert res.ok, res.stderr
     assert res.stdout.splitlines() == [
         "/app", "test C.UTF-8", "hello from the builder", "plain heredoc", "context data", "level 3", "dashed 4",
-        "literal $HOME", "42from python", "root", "pip ", "no-marker"]  # the stand-in's whiteout holds
+        "literal $HOME", "42from python", "runner", "pip ", "no-marker"]  # USER runner; the stand-in's whiteout holds
 
 
 @needs_buildah

@@ -85,6 +85,10 @@ class GuardedSandbox:
     def verifier_uid(self) -> int | None:
         return getattr(self.inner, "verifier_uid", None)
 
+    @property
+    def agent_uid(self) -> int:
+        return getattr(self.inner, "agent_uid", 0)
+
     async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None,
                    as_verifier: bool = False):
         return await self._call("exec", cmd, timeout_s, cwd, env, as_verifier=as_verifier)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from furlong.paths import cache_dir
-from furlong.sandbox import cgroups, hostpython, idmap, native, netns, seccomp
+from furlong.sandbox import cgroups, hostpython, idmap, native, netns, seccomp, users
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.changes import Change, image_entry, overlay_changes
 from furlong.sandbox.base import (
@@ -112,6 +112,7 @@ class BwrapBackend:
         self._upper_mnt = cache_dir() / "native" / "upper"
         self._upper_mnt.mkdir(parents=True, exist_ok=True)
         self._layer_fds: dict[Path, int] = {}
+        self._identities: dict[str, users.Identity] = {}  # image digest -> who its USER is
         # None: one uid per sandbox, the verifier's the agent's (idmap.problem(), or many_uids=False)
         self.subids = idmap.sub_ids() if many_uids else None
         if self.subids is None and many_uids:
@@ -135,9 +136,11 @@ class BwrapBackend:
         return self._layers
 
     def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None, seccomp_fd: int | None = None,
-                   init_args: tuple[str, ...] = (), verifier: bool = False) -> tuple[list[str], list[int]]:
+                   init_args: tuple[str, ...] = (), verifier: bool = False,
+                   home: str = BASE_ENV["HOME"]) -> tuple[list[str], list[int]]:
         """bwrap's argv and the fds it needs. Many uids (self.subids): bwrap runs as root of the launcher's
-        user namespace and makes no other; `verifier` adds the verifier's mounts."""
+        user namespace and makes no other; `verifier` adds the verifier's mounts. `home` is the agent's
+        HOME (its USER's), unless the image's ENV sets one (Docker's rule)."""
         layer_fds = [self._fd(self.layers.layer_dir(layer)) for layer in spec.image.layers]
         fds = [*layer_fds, self._init_fd]
         args = [self._bwrap, *self._namespaces(spec), "--die-with-parent", "--new-session", "--as-pid-1",
@@ -145,7 +148,7 @@ class BwrapBackend:
         if self.subids is not None:
             for cap in INIT_CAPS:
                 args += ["--cap-add", cap]
-        for key, value in {**BASE_ENV, **dict(spec.image.env)}.items():
+        for key, value in {**BASE_ENV, "HOME": home, **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
         for fd in reversed(layer_fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
             args += ["--overlay-src", f"/proc/self/fd/{fd}"]
@@ -172,6 +175,19 @@ class BwrapBackend:
         # the launcher's user namespace; seccomp refuses unshare/clone of a new one to the sandbox
         return ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
                 *([] if spec.network else ["--unshare-net"])]
+
+    def _identity(self, spec: SandboxSpec, lowers: tuple[Path, ...]) -> users.Identity:
+        """Who the image's USER is (ids inside the sandbox); one line when this host cannot run it."""
+        if (known := self._identities.get(spec.image.digest)) is None:
+            try:
+                known = users.resolve_user(spec.image.user, lowers)
+            except (users.UserError, OSError) as exc:
+                raise SandboxError(f"image {spec.image.digest[:12]}: {exc}") from None
+            self._identities[spec.image.digest] = known
+        if (known.uid, known.gid) != (0, 0) and self.subids is None:
+            raise SandboxError(f"image {spec.image.digest[:12]}: USER {spec.image.user} needs sandboxes with many "
+                               f"uids, and these have one: {idmap.problem()}")
+        return known
 
     def launcher(self, args: list[str], cgroup: cgroups.Cgroup | None, spec: SandboxSpec,
                  capped_upper: bool = True, verifier_ns_fd: int | None = None) -> list[str]:
@@ -224,6 +240,7 @@ class BwrapBackend:
         lowers = tuple(self.layers.layer_dir(layer) for layer in spec.image.layers)
         for lower in lowers:  # a missing layer is one line too (opened once, cached by _fd)
             self._fd(lower)
+        agent = users.ROOT if upper is not None else self._identity(spec, lowers)  # build steps run as root
         seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []
@@ -234,8 +251,8 @@ class BwrapBackend:
         # an fd number reserved for the launcher, which puts the verifier's user namespace there
         vns_fd = os.open(os.devnull, os.O_RDONLY) if verifier else None
         rw_fds += [vns_fd] if vns_fd is not None else []
-        init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd)
-        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier)
+        init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd, (agent.uid, agent.gid))
+        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home)
         fds += rw_fds
         secret = proto.new_secret()
         try:
@@ -252,6 +269,7 @@ class BwrapBackend:
                 os.close(fd)
         box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
         box.verifier_uid = idmap.VERIFIER_UID if verifier else None
+        box.agent_uid = agent.uid
         if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
             box.writes = WritableLayer(self._upper_mnt, lowers)
         return box
@@ -379,6 +397,7 @@ class BwrapSandbox:
         self._death: str | None = None
         self.scratch: Path | None = None  # a build's overlay work directory, removed at close
         self.verifier_uid: int | None = None  # the uid `as_verifier` calls run as (inside); None: the agent's
+        self.agent_uid = 0  # the uid agent calls run as (inside): the image's USER
         self.writes: WritableLayer | None = None  # None: its writes cannot be read on the host (a build)
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_replies())
