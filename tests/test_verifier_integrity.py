@@ -1,0 +1,77 @@
+"""A verifier the agent cannot reach: every forgery of issue 28, tried as a task solution, judged on the host.
+
+Each case is one small task (tests/integrity_support.py) run through both ways an episode is run: `furlong
+eval --agent oracle` (the forgery is the task's solve.sh) and the RL episode runner over warm pools (the
+forgery is a scripted agent's one command). A forgery writes the wrong answer and attacks the verifier: it
+must earn 0, scored (status `ok`, or `reward_tampered` where it replaced what the tests execute). A reach
+writes the right answer and attacks the verifier's processes: it must still earn 1, since they are out of
+its reach. Honest solutions whose background processes the tests depend on must still earn 1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from rich.console import Console
+
+from conftest import run
+from integrity_support import (HONEST, SERVER, SERVER_CHECK, UPDATER, UPDATER_CHECK, WRONG, Case, forgeries, make,
+                               reaches, through_eval, through_runner)
+
+QUIET = Console(file=open(os.devnull, "w"))
+
+# The forgeries of what the tests execute or load: scored 0 either because the verifier never runs the
+# agent's version (status ok) or because running it is caught (reward_tampered).
+TAMPERING = {"python3-replaced", "python3-shadowed", "bash-replaced", "sh-replaced", "pytest-replaced",
+             "sitecustomize", "pth-file", "ld-so-preload"}
+FORGERIES = forgeries()
+REACHES = reaches()
+HONEST_BACKGROUND = {"server": (SERVER, SERVER_CHECK), "updater": (UPDATER, UPDATER_CHECK)}
+
+
+def _cases() -> list[Case]:
+    return [*(Case(f"forge-{n}", WRONG + s, pytest=n == "pytest-replaced") for n, s in FORGERIES.items()),
+            *(Case(f"reach-{n}", HONEST + s) for n, s in REACHES.items()),
+            Case("pytest-honest", HONEST, pytest=True), Case("pytest-wrong", WRONG, pytest=True),
+            *(Case(n, solve, check) for n, (solve, check) in HONEST_BACKGROUND.items())]
+
+
+@pytest.fixture(scope="module")
+def episodes(backend, store, tmp_path_factory) -> dict[str, dict[str, tuple[float | None, str, str | None]]]:
+    """case -> path ("eval" or "runner") -> (reward, status, error): every case run once each way."""
+    root = tmp_path_factory.mktemp("integrity")
+    tasks = [make(root, case) for case in _cases()]
+    started = time.monotonic()
+    evals = run(through_eval(tasks, backend, store, QUIET))
+    outcomes = run(through_runner(tasks, backend, store))
+    print(f"{2 * len(tasks)} episodes in {time.monotonic() - started:.1f}s")
+    return {t.id: {"eval": (e.reward, e.status, e.error), "runner": (o.reward, o.status, o.error)}
+            for t, e, o in zip(tasks, evals, outcomes)}
+
+
+@pytest.mark.parametrize("name", FORGERIES)
+def test_a_forgery_earns_nothing_and_is_scored(episodes, name: str):
+    allowed = {"ok", "reward_tampered"} if name in TAMPERING else {"ok"}
+    for path, (reward, status, error) in episodes[f"forge-{name}"].items():
+        assert reward == 0.0 and status in allowed, (path, reward, status, error)
+
+
+@pytest.mark.parametrize("name", REACHES)
+def test_the_verifiers_processes_are_out_of_the_agents_reach(episodes, name: str):
+    for path, (reward, status, error) in episodes[f"reach-{name}"].items():
+        assert (reward, status) == (1.0, "ok"), (path, error)
+
+
+def test_pytest_from_the_verifier_toolchain_still_judges(episodes):
+    """The honest baseline of the pytest forgery: the same task, run with pytest, scores 1 and 0."""
+    for path in ("eval", "runner"):
+        assert episodes["pytest-honest"][path][:2] == (1.0, "ok"), episodes["pytest-honest"][path]
+        assert episodes["pytest-wrong"][path][:2] == (0.0, "ok"), episodes["pytest-wrong"][path]
+
+
+@pytest.mark.parametrize("name", HONEST_BACKGROUND)
+def test_what_the_agents_background_processes_serve_is_visible_to_the_tests(episodes, name: str):
+    for path, (reward, status, error) in episodes[name].items():
+        assert (reward, status) == (1.0, "ok"), (path, error)
