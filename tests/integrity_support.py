@@ -67,6 +67,8 @@ def fake(path: str, body: str, shell: str = "/bin/sh") -> str:
 
 # The checker's command line, and not the pkill loop's own (a pattern that matched itself would kill it).
 PKILL_LOOP = background("while :; do pkill -9 -f '^python3 /tests/[c]heck'; done")
+# It holds every pid it can get when the solution ends (it had a second to), and keeps them.
+FORK_BOMB = background("bomb() { bomb | bomb & }; bomb") + "sleep 1\n"
 REWARD_1 = "mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; exit 0"
 
 # Finds the checker's processes and tries one way in (argv[1]); on success it records how in /app/reached.
@@ -175,7 +177,7 @@ def forgeries() -> dict[str, str]:
         "ld-so-preload": preload_forgery(),
         "pkill-loop": PKILL_LOOP,
         "ptrace-forger": python_script("/tmp/forger.py", PTRACE_FORGER) + background("python3 /tmp/forger.py"),
-        "fork-bomb": background("bomb() { bomb | bomb & }; bomb"),
+        "fork-bomb": FORK_BOMB,
         "kill-all": "kill -9 -1\n",
     }
 
@@ -184,12 +186,11 @@ def reaches() -> dict[str, str]:
     """name -> what follows the right answer: an attack on the verifier's processes (each must earn 1)."""
     reacher = python_script("/tmp/reacher.py", REACHER)
     return {
-        "honest": "",
         "kill-loop": background("while :; do kill -9 -1; done"),
         "pkill-loop": PKILL_LOOP,
         **{f"{mode}-reach": reacher + background(f"python3 /tmp/reacher.py {mode}")
            for mode in ("signal", "ptrace", "mem", "environ")},
-        "fork-bomb": background("bomb() { bomb | bomb & }; bomb"),
+        "fork-bomb": FORK_BOMB,
         "kill-all": "kill -9 -1\n",
     }
 
@@ -219,6 +220,7 @@ class Case:
     solve: str
     check: str = CHECK
     pytest: bool = False  # the tests run pytest from the verifier toolchain
+    run: str = "python3"  # what test.sh runs the checker with
 
 
 def make(root: Path, case: Case) -> Task:
@@ -228,7 +230,7 @@ def make(root: Path, case: Case) -> Task:
     toolchain = "[furlong]\nverifier_toolchain = true\n" if case.pytest else ""
     (d / "task.toml").write_text(f"{toolchain}[agent]\ntimeout_sec = 30\n[verifier]\ntimeout_sec = 20\n")
     (d / "instruction.md").write_text("Write 55 to /app/answer.txt.\n")
-    check, run = ("test_check.py", "pytest -q") if case.pytest else ("check.py", "python3")
+    check, run = ("test_check.py", "pytest -q -p no:cacheprovider") if case.pytest else ("check.py", case.run)
     (d / "tests" / check).write_text(PYTEST_CHECK if case.pytest else case.check)
     (d / "tests" / "test.sh").write_text(TEST_SH.format(run=run, check=check))
     (d / "solution" / "solve.sh").write_text("#!/bin/bash\n" + case.solve)

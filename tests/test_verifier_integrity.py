@@ -28,13 +28,20 @@ TAMPERING = {"python3-replaced", "python3-shadowed", "bash-replaced", "sh-replac
              "sitecustomize", "pth-file", "ld-so-preload"}
 FORGERIES = forgeries()
 REACHES = reaches()
+# The same tasks without an attack: the right answer earns 1, the wrong one 0 (with python3 and with pytest).
+BASELINES = {"honest": (HONEST, 1.0), "wrong": (WRONG, 0.0), "pytest-honest": (HONEST, 1.0),
+             "pytest-wrong": (WRONG, 0.0)}
 HONEST_BACKGROUND = {"server": (SERVER, SERVER_CHECK), "updater": (UPDATER, UPDATER_CHECK)}
 
 
+# How a forgery's tests run the checker: through pytest, or through sh (as subprocess's shell=True does).
+RUN = {"pytest-replaced": {"pytest": True}, "sh-replaced": {"run": "sh -c 'exec python3 \"$0\"'"}}
+
+
 def _cases() -> list[Case]:
-    return [*(Case(f"forge-{n}", WRONG + s, pytest=n == "pytest-replaced") for n, s in FORGERIES.items()),
+    return [*(Case(f"forge-{n}", WRONG + s, **RUN.get(n, {})) for n, s in FORGERIES.items()),
             *(Case(f"reach-{n}", HONEST + s) for n, s in REACHES.items()),
-            Case("pytest-honest", HONEST, pytest=True), Case("pytest-wrong", WRONG, pytest=True),
+            *(Case(n, solve, pytest=n.startswith("pytest")) for n, (solve, _) in BASELINES.items()),
             *(Case(n, solve, check) for n, (solve, check) in HONEST_BACKGROUND.items())]
 
 
@@ -54,24 +61,26 @@ def episodes(backend, store, tmp_path_factory) -> dict[str, dict[str, tuple[floa
 @pytest.mark.parametrize("name", FORGERIES)
 def test_a_forgery_earns_nothing_and_is_scored(episodes, name: str):
     allowed = {"ok", "reward_tampered"} if name in TAMPERING else {"ok"}
-    for path, (reward, status, error) in episodes[f"forge-{name}"].items():
-        assert reward == 0.0 and status in allowed, (path, reward, status, error)
+    paid = {path: e for path, e in episodes[f"forge-{name}"].items() if e[0] != 0.0 or e[1] not in allowed}
+    assert not paid, paid
 
 
 @pytest.mark.parametrize("name", REACHES)
 def test_the_verifiers_processes_are_out_of_the_agents_reach(episodes, name: str):
-    for path, (reward, status, error) in episodes[f"reach-{name}"].items():
-        assert (reward, status) == (1.0, "ok"), (path, error)
+    _all_pass(episodes[f"reach-{name}"])
 
 
-def test_pytest_from_the_verifier_toolchain_still_judges(episodes):
-    """The honest baseline of the pytest forgery: the same task, run with pytest, scores 1 and 0."""
-    for path in ("eval", "runner"):
-        assert episodes["pytest-honest"][path][:2] == (1.0, "ok"), episodes["pytest-honest"][path]
-        assert episodes["pytest-wrong"][path][:2] == (0.0, "ok"), episodes["pytest-wrong"][path]
+@pytest.mark.parametrize("name", BASELINES)
+def test_without_an_attack_the_tests_judge_the_answer(episodes, name: str):
+    wrong = {path: e for path, e in episodes[name].items() if e[:2] != (BASELINES[name][1], "ok")}
+    assert not wrong, wrong
 
 
 @pytest.mark.parametrize("name", HONEST_BACKGROUND)
 def test_what_the_agents_background_processes_serve_is_visible_to_the_tests(episodes, name: str):
-    for path, (reward, status, error) in episodes[name].items():
-        assert (reward, status) == (1.0, "ok"), (path, error)
+    _all_pass(episodes[name])
+
+
+def _all_pass(paths: dict[str, tuple[float | None, str, str | None]]) -> None:
+    failed = {path: e for path, e in paths.items() if e[:2] != (1.0, "ok")}
+    assert not failed, failed
