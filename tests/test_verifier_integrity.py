@@ -17,6 +17,10 @@ import pytest
 from rich.console import Console
 
 from conftest import run
+from furlong.config import BUNDLED_TASKS
+from furlong.eval.agents import NoopAgent
+from furlong.eval.run import run_eval
+from furlong.tasks.loader import load_task
 from integrity_support import (HONEST, SERVER, SERVER_CHECK, UPDATER, UPDATER_CHECK, WRONG, Case, forgeries, make,
                                reaches, through_eval, through_runner)
 
@@ -84,3 +88,15 @@ def test_what_the_agents_background_processes_serve_is_visible_to_the_tests(epis
 def _all_pass(paths: dict[str, tuple[float | None, str, str | None]]) -> None:
     failed = {path: e for path, e in paths.items() if e[:2] != (1.0, "ok")}
     assert not failed, failed
+
+
+def test_bundled_tasks_that_install_what_the_tests_run_pass_with_their_oracle(backend, store):
+    """Honest work that changes what the tests load: a pip-installed package they import, a binary built
+    and installed on PATH that they run. Both ways an episode runs, and a do-nothing agent fails."""
+    tasks = [load_task(BUNDLED_TASKS / name) for name in ("pip-install-package", "c-build-install")]
+    evals = run(through_eval(tasks, backend, store, QUIET))
+    outcomes = run(through_runner(tasks, backend, store))
+    noop = run(run_eval(tasks, NoopAgent(), backend, store, 2, None, QUIET))
+    for task, e, o, n in zip(tasks, evals, outcomes, noop):
+        _all_pass({"eval": (e.reward, e.status, e.error), "runner": (o.reward, o.status, o.error)})
+        assert (n.reward, n.status) == (0.0, "ok"), (task.id, n.error)
