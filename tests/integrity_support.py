@@ -67,8 +67,19 @@ def fake(path: str, body: str, shell: str = "/bin/sh") -> str:
 
 # The checker's command line, and not the pkill loop's own (a pattern that matched itself would kill it).
 PKILL_LOOP = background("while :; do pkill -9 -f '^python3 /tests/[c]heck'; done")
-# It holds every pid it can get when the solution ends (it had a second to), and keeps them.
-FORK_BOMB = background("bomb() { bomb | bomb & }; bomb") + "sleep 1\n"
+# The classic bomb, and a forker that keeps every pid it gets and retries (bash gives up at its first
+# failed fork, so the bomb's own pids come and go): by the time the solution ends, a second later, every
+# free pid is held, and each one that comes free is taken.
+HOLDER = """import os, time
+while True:
+    try:
+        if os.fork() == 0:
+            time.sleep(1e6)
+    except OSError:
+        time.sleep(0.001)
+"""
+FORK_BOMB = python_script("/tmp/holder.py", HOLDER) + background("python3 /tmp/holder.py") \
+    + background("bomb() { bomb | bomb & }; bomb") + "sleep 1\n"
 REWARD_1 = "mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; exit 0"
 
 # Finds the checker's processes and tries one way in (argv[1]); on success it records how in /app/reached.
