@@ -16,6 +16,7 @@ def rot13(data: bytes) -> bytes:
 assert rot13(b"Hello, World!\n") == b"Uryyb, Jbeyq!\n"
 text = bytes(range(256)) * 40
 assert rot13(rot13(text)) == text
-assert rot13(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") == b"nopqrstuvwxyzabcdefghijklmNOPQRSTUVWXYZABCDEFGHIJKLM"
+letters = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+assert rot13(letters) == letters[13:26] + letters[:13] + letters[39:] + letters[26:39]
 assert os.stat(BIN).st_mode & 0o111, f"{BIN} is not executable"
 print("ok")
