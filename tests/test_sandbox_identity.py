@@ -57,7 +57,7 @@ def test_the_agent_cannot_write_rename_or_remove_the_verifiers_mounts(many_uids,
     results, listing = run(go())
     for attack, res in zip(attacks, results):
         assert res.exit_code != 0, f"{attack!r} succeeded: {res}"
-    assert listing == "/logs/verifier:\n\n/tests:\n755\n"
+    assert listing == "/logs/verifier:\n\n/tests:\n700\n"
 
 
 def test_the_agent_cannot_signal_trace_or_read_the_verifiers_processes(many_uids, base_image):

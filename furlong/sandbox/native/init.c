@@ -672,7 +672,7 @@ int main(int argc, char **argv) {
   }
   unlink("/run/furlong-shell/state");
   if (verifier_uid >= 0) {  /* the host mounted both: mount points the agent can neither rename nor write */
-    own("/tests", 0755, verifier_uid, verifier_uid);
+    own("/tests", 0700, verifier_uid, verifier_uid);  /* not even readable: its expected answers stay its own */
     own("/logs", 0755, verifier_uid, verifier_uid);
     own("/logs/verifier", 0755, verifier_uid, verifier_uid);
     own("/logs/agent", 0755, agent_uid, agent_gid);

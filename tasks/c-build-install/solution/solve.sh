@@ -1,0 +1,2 @@
+#!/bin/bash
+make -C /app/src install
