@@ -1,8 +1,12 @@
-"""Sandbox benchmark: start-up, per-command overhead and a concurrency sweep, each beside its baseline.
+"""Sandbox benchmark: start-up, per-command overhead, a concurrency sweep, and cold start against the
+size of the host's mount table, each beside its baseline.
 
     python bench/sandbox_bench.py [--samples 40] [--out bench/results/sandbox.json]
 
-Everything is measured in this one run (this machine is noisy: only same-run ratios mean much).
+Everything is measured in this one run (this machine is noisy: only same-run ratios mean much). The mount
+measurements (root only) each run in a private mount namespace, so the host's own table is untouched:
+cold start with N dummy bind mounts added, and with the views that looking up every layer of the image
+store leaves, through the store's one view (this code) and one view per layer (before it).
 """
 
 from __future__ import annotations
@@ -13,14 +17,18 @@ import json
 import os
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from mount_table import add_mounts
 from provenance import finish, provenance
 
+from furlong.sandbox import layers
 from furlong.sandbox.base import Limits, SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
@@ -28,6 +36,7 @@ from furlong.sandbox.pool import WarmPool
 
 CPU_BOUND = "python3 -c 'sum(i * i for i in range(1_500_000))'"
 TARGETS = {"fresh_p50_ms": 10.0, "command_overhead_ms": 1.0, "slowdown_at_cores": 1.25}
+DUMMY_MOUNTS = (0, 500, 1500)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -156,6 +165,58 @@ async def sweep(backend, spec, loads: list[int], rounds: int) -> dict[int, list[
     return out
 
 
+
+def _mount_count() -> int:
+    return len(Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def _store_layers(store: ImageStore) -> list[Path]:
+    """Every layer directory in the store, as a run over all its tasks would look them up."""
+    return sorted({*store.root.glob("*/upper"), *store.root.glob("*/rootfs"), *store.root.glob("*/rootfs-*"),
+                   *store.root.glob("registry/*/rootfs")})
+
+
+async def mounts_child(mode: str, n: int, samples: int, work: Path) -> dict:
+    """In a private mount namespace: cold start with `n` dummy bind mounts added (mode "dummy"), or after
+    looking up every layer of the store (mode "layers"): through the store's one view, then one view each."""
+    store, backend = ImageStore(), BwrapBackend()
+    spec = SandboxSpec(image=store.base(), limits=Limits(cpus=1.0))
+    row: dict = {"mounts_at_start": _mount_count()}
+    if mode == "dummy":
+        add_mounts(n, work)
+        row.update(extra_mounts=n, mounts=_mount_count(), cold=stats_ms(await cold_start(backend, spec, samples)))
+        return row
+    found = _store_layers(store)
+    for layer in found:
+        store.layer_dir(store.layer("x", layer))
+    row.update(layers=len(found), store_view={"mounts": _mount_count(),
+                                              "cold": stats_ms(await cold_start(backend, spec, samples))})
+    for layer in found:  # the behaviour before the store's one view: a view per layer, kept until reboot
+        layers.readonly_view(layer, store.host_uid)
+    row["per_layer_views"] = {"mounts": _mount_count(), "cold": stats_ms(await cold_start(backend, spec, samples))}
+    return row
+
+
+def mounts_sweep(samples: int) -> dict:
+    """Each measurement in a child in its own mount namespace; its views go under a temporary directory."""
+    rows = []
+    for mode, n in [*(("dummy", k) for k in DUMMY_MOUNTS), ("layers", 0)]:
+        with tempfile.TemporaryDirectory(dir="/run/furlong") as views, tempfile.TemporaryDirectory() as work:
+            os.chmod(views, 0o755)  # the sandbox uid resolves its layers through it
+            res = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, __file__,
+                                  "--mounts-child", mode, str(n), "--samples", str(samples), "--work", work],
+                                 capture_output=True, text=True, env={**os.environ, "FURLONG_LAYER_MOUNTS": views})
+        if res.returncode != 0:
+            raise RuntimeError(f"the mount measurement {mode} {n} failed:\n{res.stderr[-2000:]}")
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    dummy, run = rows[:-1], rows[-1]
+    base = dummy[0]["cold"]["p50_ms"]
+    per_100 = (dummy[-1]["cold"]["p50_ms"] - base) / max(dummy[-1]["extra_mounts"] / 100, 1)
+    return {"dummy_bind_mounts": [{**r, "p50_vs_none": r["cold"]["p50_ms"] / base} for r in dummy],
+            "p50_ms_per_100_mounts": per_100, "every_store_layer_looked_up": run,
+            "host_mounts_before_and_after_this_bench": None}
+
+
 async def main_async(args) -> dict:
     store, backend = ImageStore(), BwrapBackend()
     spec = SandboxSpec(image=store.base(), limits=Limits(cpus=1.0))
@@ -225,8 +286,26 @@ def report(res: dict, console: Console) -> None:
     console.print(w)
     console.print(f"capacity (largest load with p95 ≤ 1.5× single): {res['sweep']['capacity_p95_le_1.5x']} sandboxes "
                   f"on {res['machine']['cores']} cores")
+    if "mounts" in res:
+        report_mounts(res["mounts"], console)
     for name, ok in res["targets"].items():
         console.print(f"target {name}: {'[green]met' if ok else '[red]missed'}")
+
+
+def report_mounts(m: dict, console: Console) -> None:
+    t = Table(title="cold start against the host's mount table (each in a private mount namespace)")
+    for col in ("table", "mounts", "p50 ms", "p95 ms", "p50 vs none"):
+        t.add_column(col)
+    for r in m["dummy_bind_mounts"]:
+        t.add_row(f"+{r['extra_mounts']} dummy bind mounts", str(r["mounts"]), f"{r['cold']['p50_ms']:.2f}",
+                  f"{r['cold']['p95_ms']:.2f}", f"{r['p50_vs_none']:.2f}×")
+    run = m["every_store_layer_looked_up"]
+    for key, what in (("store_view", "one view per store (now)"), ("per_layer_views", "one view per layer (before)")):
+        t.add_row(f"{run['layers']} layers looked up: {what}", str(run[key]["mounts"]),
+                  f"{run[key]['cold']['p50_ms']:.2f}", f"{run[key]['cold']['p95_ms']:.2f}", "")
+    console.print(t)
+    console.print(f"{m['p50_ms_per_100_mounts']:.2f} ms of cold start per 100 mounts; host mount table before and "
+                  f"after this bench: {m['host_mounts_before_and_after_this_bench']}")
 
 
 def main() -> None:
@@ -234,9 +313,22 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5, help="commands per sandbox at each sweep load")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sandbox.json")
+    ap.add_argument("--mounts-child", nargs=2, metavar=("MODE", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.mounts_child:
+        mode, n = args.mounts_child
+        print(json.dumps(asyncio.run(mounts_child(mode, int(n), args.samples, args.work))))
+        return
     prov = provenance()
-    res = {"provenance": finish(prov), **asyncio.run(main_async(args))}
+    host_before = _mount_count()
+    res = asyncio.run(main_async(args))
+    if os.geteuid() == 0:  # as a user, layers are not mounted and bind mounts need a namespace of one's own
+        res["mounts"] = mounts_sweep(args.samples)
+        res["mounts"]["host_mounts_before_and_after_this_bench"] = [host_before, _mount_count()]
+        view = res["mounts"]["every_store_layer_looked_up"]["store_view"]["cold"]["p50_ms"]
+        res["targets"]["fresh_p50_ms<=10 (cold, every store layer looked up)"] = view <= TARGETS["fresh_p50_ms"]
+    res = {"provenance": finish(prov), **res}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     report(res, Console())

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -214,3 +216,36 @@ def test_build_steps_cannot_reach_host_loopback_but_resolve_names(tmp_path: Path
     server.close()
     assert accepted == [] and out.startswith("loopback ") and "loopback 0" not in out, out
     assert out.split()[-1] == "resolved", out  # DNS through pasta's forwarder
+
+
+def _tiny_rootfs(root: Path) -> Path:
+    """/bin/sh and /bin/sleep with their libraries, copied from the host: enough for a RUN step."""
+    rootfs = root / "rootfs"
+    for binary in ("/bin/sh", "/bin/sleep"):
+        libs = re.findall(r"(/\S+) \(0x", subprocess.run(["ldd", binary], capture_output=True, text=True).stdout)
+        for path in (binary, *libs):
+            (rootfs / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, rootfs / path.lstrip("/"))
+    return rootfs
+
+
+@needs_buildah
+@pytest.mark.skipif(os.geteuid() != 0, reason="as a user, buildah mounts in a user namespace of its own anyway")
+def test_a_build_killed_mid_run_leaves_no_mount_on_the_host(tmp_path: Path):
+    """Root's buildah mounts its containers' layers; a build killed at its timeout never unmounts them, and
+    every mount left in the host's table slows every later sandbox start. Its own mount namespace takes them."""
+    home = Path(tempfile.mkdtemp(prefix="test-buildah-mounts-", dir="/var/cache"))  # overlay needs a real fs
+    bh = Buildah(home)
+    try:
+        ctr = bh.run("from", "scratch").strip()
+        bh.run("copy", ctr, str(_tiny_rootfs(tmp_path)), "/")
+        bh.run("commit", "--quiet", ctr, "localhost/tiny")
+        bh.run("rm", ctr)
+        (tmp_path / "Dockerfile").write_text("FROM localhost/tiny\nRUN sleep 15\n")
+        mine = lambda: [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines() if str(home) in ln]
+        status, _ = bh.bud(tmp_path / "Dockerfile", tmp_path, "localhost/killed", lambda _: None, timeout_s=4)
+        assert status == -9  # killed in its RUN step, the working container still mounted where buildah ran
+        assert mine() == []
+        assert len(json.loads(bh.run("containers", "--json"))) == 1  # the proof that it died mid-build
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

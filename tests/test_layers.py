@@ -5,7 +5,10 @@ write neither the layer nor the view, even holding an fd to it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +80,55 @@ def test_sandbox_tidy_detaches_every_view_but_the_stores_own(tmp_path, monkeypat
     finally:
         layers.detach_all_but(Path("/nonexistent"))  # leave no view of tmp_path behind
     assert layers._views() == {}
+
+
+def _mounts_under(path: Path) -> list[str]:
+    return [ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+            if ln.split()[4].startswith(f"{path}/")]
+
+
+def test_many_layers_and_rebuilds_keep_one_view_and_a_held_view_stays_valid(monkeypatch):
+    """Every sandbox start copies the host's mount table, so views must not pile up: hundreds of layers,
+    one layer rebuilt at its path again and again, and the whole store replaced leave one view, and the
+    sandbox uid still cannot write through it. A view held open (a running sandbox's overlay) keeps showing
+    what it showed when the store under it is replaced (its view detached lazily, not stacked)."""
+    from furlong.sandbox import layers
+    from furlong.sandbox.images import ImageStore
+
+    views = Path(tempfile.mkdtemp(prefix="test-views-", dir="/run/furlong"))  # private: other runs' views differ
+    root = Path(tempfile.mkdtemp(prefix="test-mounts-", dir="/var/cache/furlong")) / "images"
+    for d in (views, root.parent):
+        d.chmod(0o755)  # the sandbox uid must reach a store's layers and their views
+    monkeypatch.setenv("FURLONG_LAYER_MOUNTS", str(views))
+    try:
+        store = ImageStore(root=root)
+        refs = []
+        for i in range(300):
+            (root / f"layer-{i}").mkdir(parents=True)
+            (root / f"layer-{i}" / "n").write_text(str(i))
+            refs.append(store.layer(f"layer-{i}", root / f"layer-{i}"))
+        assert [(store.layer_dir(r) / "n").read_text() for r in refs] == [str(i) for i in range(300)]
+        for i in range(30):  # a layer rebuilt at the same path: a new directory each time
+            shutil.rmtree(root / "layer-0")
+            (root / "layer-0").mkdir()
+            (root / "layer-0" / "n").write_text(f"rebuilt {i}")
+            assert (store.layer_dir(refs[0]) / "n").read_text() == f"rebuilt {i}"
+        assert len(_mounts_under(views)) == 1
+        held = os.open(store.layer_dir(refs[1]), os.O_PATH | os.O_DIRECTORY)  # what a running sandbox holds
+        try:
+            root.rename(root.with_name("old"))  # the store replaced while that sandbox runs
+            (root / "layer-1").mkdir(parents=True)
+            (root / "layer-1" / "n").write_text("new store")
+            store = ImageStore(root=root)
+            assert (store.layer_dir(refs[1]) / "n").read_text() == "new store"
+            assert Path(f"/proc/self/fd/{held}/n").read_text() == "1"
+            assert len(_mounts_under(views)) == 1
+            res = subprocess.run([*AS_SANDBOX_UID, "sh", "-c", f"echo x > {store.layer_dir(refs[1])}/n"],
+                                 capture_output=True, text=True)
+            assert res.returncode != 0 and "Read-only file system" in res.stderr
+        finally:
+            os.close(held)
+    finally:
+        layers.detach_all_but(Path("/nonexistent"))
+        shutil.rmtree(root.parent, ignore_errors=True)
+        shutil.rmtree(views, ignore_errors=True)

@@ -64,6 +64,9 @@ class Plan:
         return "\n".join(self.lines) + "\n"
 
 
+_PRIVATE_MOUNTS = ("unshare", "--mount", "--propagation", "private", "--")
+
+
 def _build_network():
     """RUN steps under chroot isolation share the caller's network namespace: as root that would be the
     host's (its loopback services included), so the build runs inside a fenced pasta namespace, as a
@@ -84,9 +87,15 @@ class Buildah:
         self.home = home
         (home / "tmp").mkdir(parents=True, exist_ok=True)
 
-    def argv(self, *args: str) -> list[str]:
+    def _buildah(self, *args: str) -> list[str]:
         return ["buildah", "--root", str(self.home / "storage"), "--runroot", str(self.home / "run"),
                 "--storage-driver", "overlay", *args]
+
+    def argv(self, *args: str) -> list[str]:
+        """As root, buildah runs in a mount namespace of its own: it mounts its containers' layers where it
+        runs, and one killed mid-build (a timeout) never unmounts them, so in the host's namespace each
+        would stay until reboot and slow every later sandbox start. (A user's buildah has its own already.)"""
+        return [*_PRIVATE_MOUNTS, *self._buildah(*args)] if os.geteuid() == 0 else self._buildah(*args)
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "TMPDIR": str(self.home / "tmp"), "BUILDAH_ISOLATION": "chroot"}
@@ -175,15 +184,12 @@ class Buildah:
     def export(self, tag: str, rootfs: Path, label: str) -> int:
         """Unpacks the image's tree into `rootfs` (as this uid's files); the device nodes left out."""
         ctr = self.run("from", "--pull=never", "--quiet", tag).strip()
-        try:
-            if os.geteuid() == 0:  # root mounts it in the host's namespace; buildah unshare refuses root here
-                source = ["tar", "-C", self.run("mount", ctr).strip(), "--numeric-owner", "-cf", "-", "."]
-            else:  # the storage's ids belong to the user's namespace: read it from inside
-                script = 'set -e; m=$("$@" mount "$0"); exec tar -C "$m" --numeric-owner -cf - .'
-                source = self.argv("unshare", "sh", "-c", script, ctr, *self.argv())
-            return _untar(source, rootfs, label, self.env())
+        try:  # mounted and read in one namespace: root's own (buildah unshare refuses root), else the user's
+            script = 'set -e; m=$("$@" mount "$0"); exec tar -C "$m" --numeric-owner -cf - .'
+            inside = _PRIVATE_MOUNTS if os.geteuid() == 0 else self._buildah("unshare")
+            return _untar([*inside, "sh", "-c", script, ctr, *self._buildah()], rootfs, label, self.env())
         finally:
-            subprocess.run(self.argv("rm", ctr), capture_output=True, env=self.env())  # rm unmounts
+            subprocess.run(self.argv("rm", ctr), capture_output=True, env=self.env())  # its mount went with sh
 
 
 def _untar(source: list[str], rootfs: Path, label: str, env: dict[str, str]) -> int:

@@ -119,23 +119,20 @@ class ImageStore:
 
     def layer_dir(self, layer: LayerRef) -> Path:
         """The layer as a read-only directory on this host (through the store's id-mapped view as root)."""
-        return self._view(self._stored(layer))
+        return self._view(self._stored(layer).relative_to(self.root))
 
     def layer_tar(self, layer: LayerRef) -> bytes:
         """The layer as a tar of its directory (every entry root's, modes kept), for a sandbox host elsewhere."""
         return tar_dir(self._stored(layer))
 
-    def _view(self, layer: Path) -> Path:
-        """As root, the layer seen through the read-only id-mapped view of the whole store; otherwise the
-        layer itself. One view for every layer, not one each: every sandbox start copies the host's mount
-        table into its namespace, so thousands of views (a host that has run many tasks) made each start
-        take seconds on a loaded machine. A layer built later shows through the same view."""
+    def _view(self, inside: Path) -> Path:
+        """As root, the layer at `inside` (relative to the store) seen through the read-only id-mapped view
+        of the whole store; otherwise the layer itself. One view per store, never one per layer or build:
+        every sandbox start copies the host's mount table into its namespace (about 1 ms per 100 mounts,
+        bench/sandbox_bench.py), and views are never detached while a sandbox may use them. A layer built,
+        rebuilt or imported later shows through the same view."""
         if not layers.supported():
-            return layer
-        try:
-            inside = layer.relative_to(self.root)
-        except ValueError:  # not in this store: a view of its own
-            return layers.readonly_view(layer, self.host_uid)
+            return self.root / inside
         return layers.readonly_view(self.root, self.host_uid) / inside
 
     def _seal(self, upper: Path) -> None:
