@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from furlong.sandbox import idmap
 from furlong.sandbox.base import ImageRef, Limits, SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
@@ -58,6 +59,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def spec(image: ImageRef, **limits) -> SandboxSpec:
     network = limits.pop("network", False)
     return SandboxSpec(image=image, network=network, limits=Limits(**limits))
+
+
+def init_host_uid(backend: BwrapBackend) -> int:
+    """The host uid of a sandbox's init: its INIT_UID in the subordinate range (many uids), else the sandbox uid."""
+    return backend.subids.uid_start + idmap.INIT_UID - 1 if backend.subids else backend.host_uid
 
 
 def run(coro):

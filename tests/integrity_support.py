@@ -183,6 +183,9 @@ def forgeries() -> dict[str, str]:
         "reward-writer": background("while :; do echo 1 > /logs/verifier/reward.txt; sleep 0.005; done"),
         "test-rewriter": background("while :; do if [ -s /tests/check.py ] && ! grep -q FORGED /tests/check.py; "
                                     "then echo 'raise SystemExit(0)  # FORGED' > /tests/check.py; fi; done"),
+        # reads the expected answer out of the checker once it is copied in, and writes it before it runs
+        "tests-reader": background("while :; do if grep -qs '\"55\"' /tests/check.py; then echo 55 > /app/answer.txt; "
+                                   "fi; done"),
         "python3-replaced": fake("/usr/bin/python3", "exit 0") + fake("/usr/bin/python3.11", "exit 0"),
         "python3-shadowed": "mkdir -p /usr/local/bin\n" + fake("/usr/local/bin/python3", "exit 0"),
         "bash-replaced": fake("/usr/bin/bash", REWARD_1),

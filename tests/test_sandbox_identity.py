@@ -8,11 +8,16 @@ CI runs this file as root and again as an ordinary user (with a subordinate id r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import signal
+from pathlib import Path
 
 import pytest
 
 from conftest import run, spec
 from furlong.sandbox import idmap
+from furlong.sandbox.base import SandboxError
 
 CAPS = "grep -E '^Cap(Eff|Bnd)' /proc/self/status | awk '{print $2}' | tr '\\n' ' '"
 
@@ -57,7 +62,7 @@ def test_the_agent_cannot_write_rename_or_remove_the_verifiers_mounts(many_uids,
     results, listing = run(go())
     for attack, res in zip(attacks, results):
         assert res.exit_code != 0, f"{attack!r} succeeded: {res}"
-    assert listing == "/logs/verifier:\n\n/tests:\n700\n"
+    assert listing == "/logs/verifier:\n\n/tests:\n711\n"  # listable by nobody else; its files owner-only
 
 
 def test_the_agent_cannot_signal_trace_or_read_the_verifiers_processes(many_uids, base_image):
@@ -112,3 +117,41 @@ def test_verifier_calls_never_use_the_agents_shell_state(many_uids, base_image):
 
     res = run(go())
     assert res.stdout == "/\n1\n"
+
+
+@pytest.mark.parametrize("uid", [idmap.INIT_UID, idmap.VERIFIER_UID])
+def test_an_image_whose_user_is_the_init_or_the_verifier_is_refused(many_uids, base_image, uid: int):
+    image = dataclasses.replace(base_image, digest=f"{base_image.digest}-user{uid}", user=str(uid))
+    with pytest.raises(SandboxError, match=f"USER {uid} is uid {uid}, which furlong keeps"):
+        run(many_uids.create(spec(image)))
+
+
+def test_the_init_is_neither_root_nor_the_agent_and_ends_with_bwrap(many_uids, base_image):
+    """The init leaves uid 0 (an agent's `kill -9 -1` cannot reach what it forks); bwrap's end is still its end."""
+    async def go():
+        box = await many_uids.create(spec(base_image))
+        await box.exec("true")
+        init = _children(box._proc.pid)
+        seen = await box.exec("ps -o uid= -p 1; kill -9 -1; sleep 0.2; echo alive")
+        os.kill(box._proc.pid, signal.SIGKILL)
+        for _ in range(300):
+            if not box.alive and not any(_running(p) for p in init):
+                break
+            await asyncio.sleep(0.01)
+        await box.close()
+        return seen, init, box.alive, [p for p in init if _running(p)]
+
+    seen, init, alive, left = run(go())
+    assert seen.stdout.split() == [str(idmap.INIT_UID), "alive"] and init
+    assert not alive and not left
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except OSError:
+        return False

@@ -184,6 +184,10 @@ class BwrapBackend:
             except (users.UserError, OSError) as exc:
                 raise SandboxError(f"image {spec.image.digest[:12]}: {exc}") from None
             self._identities[spec.image.digest] = known
+        if known.uid in idmap.RESERVED_UIDS:
+            raise SandboxError(f"image {spec.image.digest[:12]}: USER {spec.image.user} is uid {known.uid}, which "
+                               f"furlong keeps for its own init and verifier (uids {idmap.RESERVED_UIDS}): "
+                               "give the user another uid")
         if (known.uid, known.gid) != (0, 0) and self.subids is None:
             raise SandboxError(f"image {spec.image.digest[:12]}: USER {spec.image.user} needs sandboxes with many "
                                f"uids, and these have one: {idmap.problem()}")
@@ -251,8 +255,15 @@ class BwrapBackend:
         # an fd number reserved for the launcher, which puts the verifier's user namespace there
         vns_fd = os.open(os.devnull, os.O_RDONLY) if verifier else None
         rw_fds += [vns_fd] if vns_fd is not None else []
-        init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd, (agent.uid, agent.gid))
+        # bwrap's monitor keeps its status fd (and closes every other): the init, which closes the write
+        # end, sees the pipe's end when bwrap goes
+        parent_pipe = list(os.pipe()) if verifier else []
+        rw_fds += parent_pipe
+        init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd, (agent.uid, agent.gid),
+                               parent_pipe[0] if parent_pipe else None)
         args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home)
+        if parent_pipe:
+            args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
         fds += rw_fds
         secret = proto.new_secret()
         try:
@@ -282,10 +293,12 @@ def _agent_procs(cgroup: cgroups.Cgroup | None) -> list[Path]:
 
 
 def _init_args(agent_fds: list[int], verifier_uid: int | None, verifier_ns_fd: int | None,
-               agent: tuple[int, int] = (0, 0)) -> tuple[str, ...]:
+               agent: tuple[int, int] = (0, 0), parent_fd: int | None = None) -> tuple[str, ...]:
     args = ["--agent", f"{agent[0]}:{agent[1]}"]
     if verifier_uid is not None:
         args += ["--verifier", str(verifier_uid)]
+    if parent_fd is not None:  # the init leaves uid 0 and watches for bwrap's end on this pipe
+        args += ["--init-uid", str(idmap.INIT_UID), "--parent-fd", str(parent_fd)]
     if verifier_ns_fd is not None:
         args += ["--verifier-ns", str(verifier_ns_fd)]
     for fd in agent_fds:
@@ -494,8 +507,9 @@ class BwrapSandbox:
         await self.put_tar(tar_dir(Path(src)), dest, as_verifier)
 
     async def put_tar(self, data: bytes, dest: str, as_verifier: bool = False) -> None:
-        entries = [(0, 0o755, "/" + dest.strip("/"), b"")] if dest.strip("/") else []
-        entries += proto.tar_entries(data, dest)
+        entries = proto.tar_entries(data, dest)
+        if not entries and dest.strip("/"):  # else `dest` is made with the members' parents, and one that
+            entries = [(0, 0o755, "/" + dest.strip("/"), b"")]  # exists keeps its mode (/tests: 0700)
         role = _role(as_verifier)
         await self._call(lambda rid: proto.put_request(rid, entries, role), "put", 120.0)
 

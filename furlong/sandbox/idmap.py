@@ -4,7 +4,8 @@ Inside a sandbox, uid/gid 0 is the agent (it owns the image's files, as root doe
 1..65535 come from a subordinate range on the host: as root, host ids from ROOT_SUB_START (a range no
 account uses); as an ordinary user, the user's range in /etc/subuid and /etc/subgid, mapped by the setuid
 helpers newuidmap/newgidmap (package uidmap), as rootless Podman does. The verifier runs as
-VERIFIER_UID, which the agent's processes (uid 0 without any capability) cannot signal, trace or write as.
+VERIFIER_UID, which the agent's processes (uid 0 without any capability) cannot signal, trace or write as;
+the init itself runs as INIT_UID, so a command it starts is out of the agent's reach from its first instant.
 
 A user without a range of 65535 ids still gets sandboxes, with one uid as before: `sub_ids()` is None
 and `problem()` says why (the backend logs it once), and the verifier then runs as the agent's uid.
@@ -22,6 +23,8 @@ from pathlib import Path
 COUNT = 65535  # ids 1..65535 inside: every uid a Dockerfile's useradd picks
 ROOT_SUB_START = 1_000_000_000  # as root: host ids 10^9 + 0..65534, far above any account's
 VERIFIER_UID = 65533  # inside; its gid is the same number
+INIT_UID = 65532  # inside: the init leaves uid 0 (keeping its capabilities), so no agent uid can signal it
+RESERVED_UIDS = (INIT_UID, VERIFIER_UID)  # an image's USER may not be one of these
 
 
 @dataclass(frozen=True)

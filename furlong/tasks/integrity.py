@@ -33,7 +33,13 @@ same bytes is unchanged):
   (c) a new test tool: a test tool's package or module in a Python tree that the image does not hold
       at that path (the tests would import it), or a new toolchain command in a bin directory that
       comes, on the verifier's PATH, before every directory where the image has that command
-      (shadowing it).
+      (shadowing it);
+  (d) any other program the tests may run: an entry of a bin directory the image holds that was
+      modified (the agent's `mkdir` in place of the image's), or a new one that shadows the image's
+      (as in c), unless it is a console-script wrapper as pip and uv write them (a shebang naming a
+      python of a bin directory, then only `from MODULE import FUNC` and the launcher's fixed lines):
+      that is what `pip install -U pip` leaves, and its code lives in site-packages, as any installed
+      package's does.
   A scan that stopped at its entry limit, or met a directory the host cannot list (an ordinary user's
   furlong, and a directory the agent made mode 0111), counts as tampered: what it did not see may be
   anything.
@@ -43,8 +49,11 @@ directory under other names), a binary a solution builds, tools apt installs, li
 libc. An agent that installs its own pytest for its own checks should do so in a virtualenv; a task
 whose point is replacing a tool sets `[verifier] trust_agent_tools = true` (recorded, not scored).
 Known limits: tests that import the agent's code run it in their process; a libc planted outside the
-library directories and registered with ldconfig, the uv cache under $HOME, and files the tests read from
-the task's working directory (a pyproject.toml `uv run` picks up) are not checked.
+library directories and registered with ldconfig, the uv cache under $HOME, files the tests read from
+the task's working directory (a pyproject.toml `uv run` picks up), and the code a console-script wrapper
+imports (site-packages, as the tests' own imports) are not checked. A solution that upgrades the image's
+own programs (apt upgrading coreutils, a newer jq built into /usr/local/bin) counts under (d): such a
+task sets `trust_agent_tools`.
 """
 
 from __future__ import annotations
@@ -100,10 +109,28 @@ def tampered(changes: Sequence[Change], search: Sequence[str], image_has: Callab
     return tuple(sorted(found))
 
 
-def content_paths(changes: Sequence[Change]) -> tuple[str, ...]:
-    """The changed files whose bytes the rule reads: .pth files and entry_points.txt in the Python trees."""
-    return tuple(c.path for c in changes if c.kind in ("added", "modified") and c.type == "file"
-                 and _PY_TREE.fullmatch(c.path) and (c.path.endswith(".pth") or c.path.endswith("/entry_points.txt")))
+def probe_paths(changes: Sequence[Change], search: Sequence[str]) -> tuple[str, ...]:
+    """The paths whose presence in the image the rule asks about (`image_has`): every bin directory's
+    toolchain commands, and the names of the programs the agent added or changed in one."""
+    names = {*COMMANDS, *(c.path.rpartition("/")[2] for c in changes if _in_bin(c, search))}
+    return tuple(sorted(f"{d}/{name}" for d in {*search, *BIN_DIRS} for name in names))
+
+
+def content_paths(changes: Sequence[Change], search: Sequence[str] = (),
+                  image_has: Callable[[str], bool] = lambda _: False) -> tuple[str, ...]:
+    """The changed files whose bytes the rule reads: .pth files and entry_points.txt in the Python trees,
+    and the programs in bin directories that replace or shadow the image's (a console script or not)."""
+    def wanted(c: Change) -> bool:
+        if _PY_TREE.fullmatch(c.path):
+            return c.path.endswith(".pth") or c.path.endswith("/entry_points.txt")
+        parent, _, name = c.path.rpartition("/")
+        return _in_bin(c, search) and (c.kind == "modified" or _shadows(parent, name, search, image_has))
+    return tuple(c.path for c in changes if c.kind in ("added", "modified") and c.type == "file" and wanted(c))
+
+
+def _in_bin(c: Change, search: Sequence[str]) -> bool:
+    parent = c.path.rpartition("/")[0] or "/"
+    return c.kind in ("added", "modified") and c.type != "dir" and (parent in search or parent in BIN_DIRS)
 
 
 def listed(paths: Sequence[str], cap: int = MAX_LISTED) -> tuple[str, ...]:
@@ -126,7 +153,7 @@ def _counts(c: Change, search: Sequence[str], image_has: Callable[[str], bool],
     if (tree := _PY_TREE.fullmatch(c.path)) is not None:
         return _python(c, tree.group(3), name, parent, read)
     if parent in search or parent in BIN_DIRS:
-        return _command(c, parent, name, search, image_has)
+        return _command(c, parent, name, search, image_has, read)
     return False
 
 
@@ -170,14 +197,42 @@ def _hook_pth(name: str, data: bytes | None) -> bool:
     return True
 
 
-def _command(c: Change, parent: str, name: str, search: Sequence[str], image_has: Callable[[str], bool]) -> bool:
-    """A changed entry in a bin directory named like a toolchain command."""
-    if not _COMMAND.fullmatch(name) or (c.kind == "added" and c.type == "dir"):
+def _command(c: Change, parent: str, name: str, search: Sequence[str], image_has: Callable[[str], bool],
+             read: Callable[[str], bytes | None]) -> bool:
+    """A changed entry in a bin directory: a toolchain command (rules a, c) or any other program (d)."""
+    if c.kind == "added" and c.type == "dir":
         return False
-    if c.kind == "modified":
-        return True  # the image's own command, changed
+    replaced = c.kind == "modified" or _shadows(parent, name, search, image_has)
+    if _COMMAND.fullmatch(name):
+        return replaced  # the image's own command changed, or shadowed
+    return replaced and not (c.type == "file" and _console_script(read(c.path), search))
+
+
+def _shadows(parent: str, name: str, search: Sequence[str], image_has: Callable[[str], bool]) -> bool:
+    """Whether a program `name` in `parent` comes, on the verifier's PATH, before every image copy of it."""
     order = list(search) + [d for d in BIN_DIRS if d not in search]
     if parent not in order:
         return False
     holders = [d for d in order if image_has(f"{d}/{name}")]
     return bool(holders) and order.index(parent) < order.index(holders[0])
+
+
+_WRAPPER_LINES = (  # what pip's (distlib's) and uv's console-script launchers hold below the shebang
+    re.compile(r"#.*|import (re|sys)|from [\w.]+ import \w+|if __name__ == (['\"])__main__\2:|"),
+    re.compile(r" +sys\.argv\[0\] = re\.sub\(r'\(-script\\\.pyw\|\\\.exe\)\?\$', '', sys\.argv\[0\]\)"),
+    re.compile(r" +(if|elif) sys\.argv\[0\]\.endswith\(\"(-script\.pyw|\.exe)\"\):|"
+               r" +sys\.argv\[0\] = sys\.argv\[0\]\[:-\d+\]|"
+               r" +sys\.exit\(\w+\(\)\)"),
+)
+
+
+def _console_script(data: bytes | None, search: Sequence[str]) -> bool:
+    """Whether `data` is a console-script launcher whose python is a bin directory's (the rule guards those)."""
+    if data is None or len(data) > 4096:
+        return False
+    first, _, rest = data.decode(errors="replace").partition("\n")
+    interpreter = first[2:].strip() if first.startswith("#!") else ""
+    where, _, name = interpreter.rpartition("/")
+    if where not in (*search, *BIN_DIRS) or re.fullmatch(r"python(3(\.\d+)?)?", name) is None:
+        return False
+    return all(any(p.fullmatch(line) for p in _WRAPPER_LINES) for line in rest.splitlines())

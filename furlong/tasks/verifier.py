@@ -14,6 +14,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from furlong.sandbox.base import BASE_ENV, ChangeTracking, Sandbox, SandboxDied, SandboxError
+from furlong.sandbox.tarball import tar_dir
 from furlong.tasks import integrity
 from furlong.tasks.model import TESTS_DIR, VERIFIER_LOG_DIR, Task
 
@@ -90,9 +91,9 @@ async def _tampering(sandbox: Sandbox, search: tuple[str, ...], verifier_uid: in
         return None
     if verifier_uid is not None:
         changes = tuple(c for c in changes if c.uid != verifier_uid)
-    names = {f"{d}/{name}" for d in (*search, *integrity.BIN_DIRS) for name in integrity.COMMANDS}
-    present = await sandbox.image_has(sorted(names)) or frozenset()
-    contents = {path: await _read_or_none(sandbox, path) for path in integrity.content_paths(changes)}
+    present = await sandbox.image_has(integrity.probe_paths(changes, search)) or frozenset()
+    wanted = integrity.content_paths(changes, search, present.__contains__)
+    contents = {path: await _read_or_none(sandbox, path) for path in wanted}
     return integrity.tampered(changes, search, present.__contains__, contents.get)
 
 
@@ -106,14 +107,18 @@ async def _read_or_none(sandbox: Sandbox, path: str) -> bytes | None:
 
 
 async def _run_tests(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
-    # /tests is a mount point: its contents go, it stays (the rm of the directory itself fails harmlessly)
-    await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} 2>/dev/null; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}",
-                       30, cwd="/", as_verifier=True)
+    if sandbox.verifier_uid is None:  # one uid: whatever the agent left in /tests and /logs/verifier goes
+        # /tests is a mount point: its contents go, it stays (the rm of the directory itself fails harmlessly)
+        await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} 2>/dev/null; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}",
+                           30, cwd="/")
+    # else both are the verifier's own empty mounts: no program the agent may have replaced runs for them
+    # the verifier's alone (its own uid's, owner-only modes, in a 0711 /tests): an agent's process still
+    # running may not read the expected answers, even knowing the files' names
     if task.tests_dir is not None:
-        await sandbox.put_dir(task.tests_dir, TESTS_DIR, as_verifier=True)
+        await sandbox.put_tar(tar_dir(task.tests_dir, mode_mask=0o700), TESTS_DIR, as_verifier=True)
     script = f"{TESTS_DIR}/{task.test_script.name}"
     if task.tests_dir is None or task.test_script.parent != task.tests_dir:
-        await sandbox.write_file(script, task.test_script.read_bytes(), 0o755, as_verifier=True)
+        await sandbox.write_file(script, task.test_script.read_bytes(), 0o700, as_verifier=True)
     res = await sandbox.exec(f"bash {shlex.quote(script)}", timeout_s=task.verifier_timeout_s,
                              cwd=workdir, env=dict(task.verifier_env), as_verifier=True)
     tail = output_tail(res.stdout, res.stderr)

@@ -94,7 +94,9 @@ static job_t *jobs[MAX_JOBS];
 static int drains[DRAIN_MAX];
 static int epfd, sigfd;
 static char **base_env;
-static long agent_uid = 0, agent_gid = 0, verifier_uid = -1;
+static long agent_uid = 0, agent_gid = 0, verifier_uid = -1, init_uid = -1;
+static uid_t init_fsuid = 0;
+static int parent_fd = -1;  /* the read end of bwrap's status pipe, which only bwrap's monitor keeps open */  /* the init's file uid between ops done as a role */
 static int agent_procs[MAX_AGENT_PROCS], n_agent_procs, verifier_ns = -1, seccomp_fd = -1;
 static struct sock_fprog seccomp_prog;
 static uint64_t own_caps;  /* the init's permitted set, restored after an op done as a role */
@@ -317,7 +319,7 @@ static void fs_as(int role) {
 
 static void fs_restore(void) {
   if (!own_caps) return;
-  setfsuid(0);
+  setfsuid(init_fsuid);
   setfsgid(0);
   if (set_caps(own_caps, own_caps, 0) < 0) die("capset");
 }
@@ -350,6 +352,7 @@ static void watch(int fd, uint64_t tag) {
 
 #define TAG_STDIN 1ull
 #define TAG_SIGNAL 2ull
+#define TAG_PARENT 5ull
 #define TAG_JOB(slot, stream) ((3ull << 32) | ((uint64_t)(slot) << 1) | (stream))
 #define TAG_DRAIN(fd) ((4ull << 32) | (uint64_t)(fd))
 
@@ -575,6 +578,12 @@ static void read_requests(void) {
 
 static void on_event(uint64_t tag) {
   if (tag == TAG_STDIN) { read_requests(); return; }
+  if (tag == TAG_PARENT) {  /* bwrap's status lines are dropped; at the pipe's end bwrap is gone, and so is the sandbox */
+    char chunk[512];
+    ssize_t r = read(parent_fd, chunk, sizeof chunk);
+    if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) _exit(0);
+    return;
+  }
   if (tag == TAG_SIGNAL) {
     struct signalfd_siginfo si;
     while (read(sigfd, &si, sizeof si) == sizeof si) {}
@@ -605,6 +614,8 @@ static void parse_args(int argc, char **argv) {
     const char *opt = argv[i], *val = argv[i + 1];
     if (!strcmp(opt, "--agent") && sscanf(val, "%ld:%ld", &agent_uid, &agent_gid) == 2) continue;
     if (!strcmp(opt, "--verifier") && sscanf(val, "%ld", &verifier_uid) == 1) continue;
+    if (!strcmp(opt, "--init-uid") && sscanf(val, "%ld", &init_uid) == 1) continue;
+    if (!strcmp(opt, "--parent-fd") && sscanf(val, "%d", &parent_fd) == 1) continue;
     if (!strcmp(opt, "--verifier-ns") && sscanf(val, "%d", &verifier_ns) == 1) continue;
     if (!strcmp(opt, "--seccomp") && sscanf(val, "%d", &seccomp_fd) == 1) continue;
     if (!strcmp(opt, "--agent-procs") && n_agent_procs < MAX_AGENT_PROCS) {
@@ -620,9 +631,10 @@ static void parse_args(int argc, char **argv) {
 /* Every fd but 0-2 and the agent cgroup's procs files (kept close-on-exec) is closed. */
 static void close_host_fds(void) {
   unsigned int from = 3;
-  int keep[MAX_AGENT_PROCS + 2], n = 0;
+  int keep[MAX_AGENT_PROCS + 3], n = 0;
   for (int i = 0; i < n_agent_procs; i++) keep[n++] = agent_procs[i];
   if (verifier_ns >= 0) keep[n++] = verifier_ns;
+  if (parent_fd >= 0) keep[n++] = parent_fd;
   if (seccomp_fd >= 0) keep[n++] = seccomp_fd;
   for (;;) {
     unsigned int next = ~0u;
@@ -638,6 +650,20 @@ static void close_host_fds(void) {
 static void own(const char *path, mode_t mode, long uid, long gid) {
   if (mkdir(path, mode) < 0 && errno != EEXIST) die(path);
   if (chown(path, (uid_t)uid, (gid_t)gid) < 0 || chmod(path, mode) < 0) die(path);
+}
+
+/* The init keeps its capabilities but leaves uid 0, the agent's uid when the image's USER is root: a
+ * command's child runs as the init until become(), and an agent looping on `kill -9 -1` could otherwise
+ * kill a verifier command in that window. The uid change resets the dumpable flag (set again), and
+ * bwrap's parent-death signal could no longer reach a process of another uid: the end of bwrap's
+ * status pipe (`--parent-fd`) tells the init instead that bwrap is gone. */
+static void leave_uid_0(void) {
+  if (prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) < 0 || setresuid((uid_t)init_uid, (uid_t)init_uid, (uid_t)init_uid) < 0)
+    die("init uid");
+  if (set_caps(own_caps, own_caps, 0) < 0) die("capset");
+  if (prctl(PR_SET_KEEPCAPS, 0, 0, 0, 0) < 0 || prctl(PR_SET_DUMPABLE, 0) < 0) die("prctl");
+  init_fsuid = (uid_t)init_uid;
+  setfsuid(init_fsuid);
 }
 
 int main(int argc, char **argv) {
@@ -664,6 +690,10 @@ int main(int argc, char **argv) {
   if ((epfd = epoll_create1(EPOLL_CLOEXEC)) < 0) die("epoll_create1");
   watch(0, TAG_STDIN);
   watch(sigfd, TAG_SIGNAL);
+  if (parent_fd >= 0) {
+    fcntl(parent_fd, F_SETFL, O_NONBLOCK);
+    watch(parent_fd, TAG_PARENT);
+  }
   /* The shell state dir (the host wraps commands to use it). Every sandbox starts with none: a state
    * file an image happens to carry (e.g. left by a build step) must not set its first cwd or PATH. */
   mkdir("/run", 0755);  /* an imported image may lack it; without the state dir, cd and export just do not persist */
@@ -672,11 +702,14 @@ int main(int argc, char **argv) {
   }
   unlink("/run/furlong-shell/state");
   if (verifier_uid >= 0) {  /* the host mounted both: mount points the agent can neither rename nor write */
-    own("/tests", 0700, verifier_uid, verifier_uid);  /* not even readable: its expected answers stay its own */
+    /* not listable; the verifier puts its files there owner-only: its expected answers stay its own, and
+     * an agent's `pytest` run from / (which looks for /tests/conftest.py) finds nothing rather than EACCES */
+    own("/tests", 0711, verifier_uid, verifier_uid);
     own("/logs", 0755, verifier_uid, verifier_uid);
     own("/logs/verifier", 0755, verifier_uid, verifier_uid);
     own("/logs/agent", 0755, agent_uid, agent_gid);
   }
+  if (init_uid >= 0 && own_caps) leave_uid_0();
   for (;;) {
     struct epoll_event evs[64];
     int n = epoll_wait(epfd, evs, 64, next_timeout_ms());
