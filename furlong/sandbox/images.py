@@ -154,10 +154,14 @@ class ImageStore:
             return
         sub = idmap.sub_ids()
         uid_start, gid_start = (sub.uid_start, sub.gid_start) if sub else (None, None)
-        for dirpath, dirnames, filenames in os.walk(upper):
+        done: set[int] = set()  # each inode once (a directory is also its own ".", a hard link is two
+        for dirpath, dirnames, filenames in os.walk(upper):  # names): mapping an id twice would give it to root
             for name in [".", *dirnames, *filenames]:
                 path = os.path.join(dirpath, name)
                 st = os.lstat(path)
+                if st.st_ino in done:
+                    continue
+                done.add(st.st_ino)
                 os.lchown(path, _inside_id(st.st_uid, uid_start), _inside_id(st.st_gid, gid_start))
                 if st.st_mode & 0o6000 and not os.path.islink(path):
                     os.chmod(path, st.st_mode & 0o7777)
