@@ -12,7 +12,7 @@ built by buildah (Debian's 1.28: daemonless, no service to run) and unpacked int
    layertar's checked writer into `<store>/buildah-<key>/rootfs`: one layer, owned and viewed like an
    import. Its config gives the env, workdir and user (the final stage's last USER, resolved to ids in the
    sandbox by users.py). As root, files keep their owners (a RUN's `chown worker /data`); as an ordinary
-user every one is root's in the sandbox (layertar.py says why).
+   user every one is root's in the sandbox (layertar.py says why).
 The image is cached by a hash of the rewritten Dockerfile (the resolved images' keys are in it) and of
 the whole build context's content.
 """
