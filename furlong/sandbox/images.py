@@ -30,8 +30,9 @@ from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef,
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.tarball import tar_dir
 
-FORMAT = "4"  # bump when the layout or the base recipe changes, so old caches are not reused
-LAYER_FORMAT = "5"  # bump when a built layer's files change (5: owners kept), so old layers are rebuilt
+# bump when the layout or the base recipe changes, so old caches are not reused. (Not bumped when owners
+# were kept: a native RUN has no capability to chown, so every layer built before holds what it would now.)
+FORMAT = "4"
 BASE_PACKAGES = ("python3", "git", "procps", "ca-certificates")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BUILD_LIMITS = Limits(cpus=2.0, memory_mb=4096, pids=2048, lifetime_s=3600)
@@ -199,7 +200,7 @@ class ImageStore:
                         user=meta.get("user", ""), note=f"{meta['ref']}: pulled, {meta['digest']}")
 
     def standin_key(self, standin: standins.Standin) -> str:
-        return f"standin-{standin.name}-" + _sha(LAYER_FORMAT, self.base_key(), standin.dockerfile())
+        return f"standin-{standin.name}-" + _sha(FORMAT, self.base_key(), standin.dockerfile())
 
     async def _standin(self, standin: standins.Standin, base: ImageRef, backend, progress: Progress) -> ImageRef:
         """The base plus the stand-in's layer (its note: what the probe printed, e.g. 3.11.2)."""
@@ -237,7 +238,7 @@ class ImageStore:
     def layer_key(self, dockerfile: Path, steps: list[df.Instruction], parent_key: str | None = None) -> str:
         """The parent's key (the base unless FROM named a stand-in or an import), the steps, and the
         content COPY brings in."""
-        parts: list[str | bytes] = [LAYER_FORMAT, parent_key or self.base_key()]
+        parts: list[str | bytes] = [FORMAT, parent_key or self.base_key()]
         workdir = "/"
         for step in steps[1:]:
             parts.append(f"{step.op} {step.args}")
