@@ -253,11 +253,12 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 def _tidy() -> int:
     from furlong.paths import cache_dir
     from furlong.sandbox import layers
+    from furlong.sandbox.base import DEFAULT_HOST_UID
 
     if not layers.supported():
         raise PermissionError("`furlong sandbox tidy` detaches root's image-layer views: run it as root "
                               "(an ordinary user's sandboxes use the layers directly, no views to tidy)")
-    keep = layers.mount_point(cache_dir() / "images")
+    keep = layers.mount_point(cache_dir() / "images", DEFAULT_HOST_UID)  # the view sandboxes use by default
     with console.status("detaching image-layer views"):
         n = layers.detach_all_but(keep)
     console.print(f"detached {n} image-layer views; kept the image store's own ({keep})")

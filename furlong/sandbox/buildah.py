@@ -11,7 +11,8 @@ built by buildah (Debian's 1.28: daemonless, no service to run) and unpacked int
 3. The image's tree is read through `buildah mount` (inside `buildah unshare` as a user) and unpacked by
    layertar's checked writer into `<store>/buildah-<key>/rootfs`: one layer, owned and viewed like an
    import. Its config gives the env, workdir and user (the final stage's last USER, resolved to ids in the
-   sandbox by users.py). Files keep no owner: every one is root's in the sandbox.
+   sandbox by users.py). As root, files keep their owners (a RUN's `chown worker /data`); as an ordinary
+   user every one is root's in the sandbox (layertar.py says why).
 The image is cached by a hash of the rewritten Dockerfile (the resolved images' keys are in it) and of
 the whole build context's content.
 """
@@ -45,7 +46,7 @@ from furlong.sandbox.registry import RegistryError
 if TYPE_CHECKING:
     from furlong.sandbox.images import ImageStore  # it calls image() below for Dockerfiles it cannot build
 
-FORMAT = "2"  # bump when the export, the key or the meta changes
+FORMAT = "3"  # bump when the export, the key or the meta changes (3: owners kept as root)
 _STEP = re.compile(r"^(?:\[(\d+)/\d+\] )?STEP (\d+)/\d+: (\S+)")
 _ARG_REF = re.compile(r"\$(?:\{(\w+)(?::-([^}]*))?\}|(\w+))")
 _NOISE = ("Close_Fd sealing memfd copy",)  # buildah 1.28 prints this on every RUN; it means nothing

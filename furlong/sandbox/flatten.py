@@ -3,8 +3,9 @@ overlay directories).
 
 A layer is an overlayfs upper directory: a character device 0/0 is a whiteout (the path is deleted
 below it) and a directory with the `overlay.opaque` xattr hides everything below it in lower layers.
-Layers are walked top first; the first layer holding a path wins. Everything is root-owned in the tar,
-as it is inside a sandbox.
+Layers are walked top first; the first layer holding a path wins. As root, entries keep their owners
+(on disk they are the ids inside a sandbox: layertar.py); as a user, every file is the user's, which is
+the sandbox's root, so the tar is root-owned.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import stat
 import tarfile
 from pathlib import Path
 
+from furlong.sandbox.layertar import inside_id
 from furlong.sandbox.tarball import root_owned
 
 _OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")  # root's overlays, and user-namespace ones
@@ -48,8 +50,15 @@ def _hidden(rel: str, whiteouts: set[str], opaque: set[str]) -> bool:
     return False
 
 
+def _as_stored(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid, info.gid = inside_id(info.uid), inside_id(info.gid)
+    info.uname = info.gname = ""  # the ids are the sandbox's, not the names this host gives them
+    return info
+
+
 def flatten_to_tar(layers: tuple[Path, ...], out: Path) -> None:
     """Writes the merged tree of `layers` (top first) to the tar `out`."""
+    owned = _as_stored if os.geteuid() == 0 else root_owned
     seen: dict[str, bool] = {}  # path -> is a directory, from the highest layer that has it
     whiteouts: set[str] = set()
     opaque: set[str] = set()
@@ -76,7 +85,7 @@ def flatten_to_tar(layers: tuple[Path, ...], out: Path) -> None:
                     if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
                         continue  # device nodes: bwrap gives every sandbox its own /dev
                     seen[rel] = is_dir
-                    tar.add(path, arcname=rel, recursive=False, filter=root_owned)
+                    tar.add(path, arcname=rel, recursive=False, filter=owned)
                     if is_dir:
                         keep.append(name)
                         if is_opaque(path):

@@ -25,16 +25,27 @@ from pathlib import Path
 
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import buildah, imports, layers, registry, rootless, standins, users
+from furlong.sandbox import buildah, idmap, imports, layers, registry, rootless, standins, users
 from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.tarball import tar_dir
 
-FORMAT = "4"  # bump when the layout or the base recipe changes, so old caches are not reused
+# bump when the layout or the base recipe changes, so old caches are not reused. (Not bumped when owners
+# were kept: a native RUN has no capability to chown, so every layer built before holds what it would now.)
+FORMAT = "4"
 BASE_PACKAGES = ("python3", "git", "procps", "ca-certificates")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BUILD_LIMITS = Limits(cpus=2.0, memory_mb=4096, pids=2048, lifetime_s=3600)
 APT_CONF = 'APT::Sandbox::User "root";\n'  # apt cannot switch to _apt: only one uid is mapped
+
+
+def _inside_id(host: int, sub_start: int | None) -> int:
+    """A host id a build sandbox wrote -> the id inside: its subordinate range (from `sub_start`, None:
+    one id only) is inside 1..COUNT; its root (the sandbox uid) and any id it does not map are root's."""
+    if sub_start is not None and sub_start <= host < sub_start + idmap.COUNT:
+        return host - sub_start + 1
+    return 0
+
 
 class ImageStore:
     def __init__(self, root: Path | None = None, host_uid: int | None = None,
@@ -136,15 +147,23 @@ class ImageStore:
         return layers.readonly_view(self.root, self.host_uid) / inside
 
     def _seal(self, upper: Path) -> None:
-        """As root, hands a built layer to root so the sandbox uid cannot write it (chown clears
-        set-id bits, so they are put back)."""
+        """As root, gives a built layer's files their owners as the sandbox saw them, so the sandbox uid
+        cannot write the stored layer and the store's view shows them as they were built. The build
+        sandbox wrote them as host ids: the sandbox uid for its root, the subordinate range for its other
+        ids (a RUN's `chown worker`); anything else is root's (chown clears set-id bits: they are put back)."""
         if os.geteuid() != 0:
             return
-        for dirpath, dirnames, filenames in os.walk(upper):
+        sub = idmap.sub_ids()
+        uid_start, gid_start = (sub.uid_start, sub.gid_start) if sub else (None, None)
+        done: set[int] = set()  # each inode once (a directory is also its own ".", a hard link is two
+        for dirpath, dirnames, filenames in os.walk(upper):  # names): mapping an id twice would give it to root
             for name in [".", *dirnames, *filenames]:
                 path = os.path.join(dirpath, name)
                 st = os.lstat(path)
-                os.lchown(path, 0, 0)
+                if st.st_ino in done:
+                    continue
+                done.add(st.st_ino)
+                os.lchown(path, _inside_id(st.st_uid, uid_start), _inside_id(st.st_gid, gid_start))
                 if st.st_mode & 0o6000 and not os.path.islink(path):
                     os.chmod(path, st.st_mode & 0o7777)
 

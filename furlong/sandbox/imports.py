@@ -4,8 +4,10 @@ NAME, so that a Dockerfile's `FROM NAME` uses it.
 
 Layers are unpacked by this module, never by `tar`: no member may leave the image root (`..`), be
 written through a symlink (a layer's `etc -> /etc` followed by `etc/passwd` would reach the host's
-/etc), or create a device node (bwrap gives every sandbox its own /dev). Files belong to the importing
-uid (root, or the user), as the base's do, so the store's id-mapped views show them root-owned inside.
+/etc), or create a device node (bwrap gives every sandbox its own /dev). As root, files keep their
+owners (0..65535; the store's id-mapped view shows them so inside); as a user, every file is the user's,
+the sandbox's root (layertar.py says why). An image imported or pulled before owners were kept stays
+root-owned until it is imported again.
 """
 
 from __future__ import annotations

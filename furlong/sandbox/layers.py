@@ -1,13 +1,16 @@
 """Read-only, id-mapped views of image layers, so the sandbox uid never owns or can write the shared layers.
 
-As root, layers are owned by root on disk. A sandbox maps its host uid (61000) to its own root, so a
-layer must *look* owned by 61000 to look root-owned (and copy-up writable) inside. An id-mapped mount
-(`mount_setattr(MOUNT_ATTR_IDMAP)`, Linux >= 5.12; overlayfs accepts such lower layers since 5.19)
-shows on-disk uid 0 as 61000, and the same mount is read-only, so even a leaked fd or an escaped
-process with uid 61000 gets EROFS or EACCES on the layer. bwrap resolves its `--overlay-src` fds back
-to paths, so the view is attached at a path (under `paths.layer_mounts_dir()`), once per boot; the image
-store views its whole directory this way and names each layer inside that one view (views of deleted
-directories are detached by the next sweep).
+As root, layers hold on disk the ids their files have inside (0 for root, 1000 for a Dockerfile's
+`worker`). A sandbox maps its host uid (61000) to its own root and ids 1..65535 to a subordinate range
+(idmap.py), so a layer must *look* owned by those host ids to look owned by the right user inside. An
+id-mapped mount (`mount_setattr(MOUNT_ATTR_IDMAP)`, Linux >= 5.12; overlayfs accepts such lower layers
+since 5.19) maps on-disk ids exactly as the sandbox maps inside ids (0 -> 61000, 1..65535 -> the range),
+and the same mount is read-only, so even a leaked fd or an escaped process with uid 61000 gets EROFS or
+EACCES on the layer. With one uid per sandbox (no range), only 0 is mapped; other owners show as nobody.
+bwrap resolves its `--overlay-src` fds back to paths, so the view is attached at a path (under
+`paths.layer_mounts_dir()`, named by the layer and the id maps), once per boot; the image store views its
+whole directory this way and names each layer inside that one view (views of deleted directories are
+detached by the next sweep; the view an earlier version attached with its one-id map, when the new one is).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 from furlong.paths import layer_mounts_dir
+from furlong.sandbox import idmap
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on x86_64 and arm64
 _OPEN_TREE_CLONE, _AT_RECURSIVE, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = 1, 0x8000, 0x1000, 0x4
@@ -41,8 +45,17 @@ def _check(ret: int, what: str) -> int:
     return ret
 
 
-def _userns_fd(uid: int) -> int:
-    """A user namespace mapping 0 to `uid` (only its id maps matter; its one process exits at once)."""
+def id_maps(uid: int) -> tuple[str, str]:
+    """The uid_map and gid_map of a view: on-disk 0 is `uid` (the sandbox's root), on-disk 1..COUNT the
+    sandbox's subordinate range, as bwrap's launcher maps inside ids (idmap.py)."""
+    sub = idmap.sub_ids()
+    if sub is None:
+        return f"0 {uid} 1\n", f"0 {uid} 1\n"
+    return (f"0 {uid} 1\n1 {sub.uid_start} {sub.count}\n", f"0 {uid} 1\n1 {sub.gid_start} {sub.count}\n")
+
+
+def _userns_fd(maps: tuple[str, str]) -> int:
+    """A user namespace with these id maps (only they matter; its one process exits at once)."""
     proc = subprocess.Popen(["unshare", "--user", "--", "sh", "-c", "read _"], stdin=subprocess.PIPE)
     try:
         mine = os.readlink("/proc/self/ns/user")
@@ -51,15 +64,21 @@ def _userns_fd(uid: int) -> int:
             if time.monotonic() > deadline:
                 raise OSError(f"unshare --user did not start a user namespace (pid {proc.pid})")
             time.sleep(0.002)
-        for kind in ("uid", "gid"):
-            Path(f"/proc/{proc.pid}/{kind}_map").write_text(f"0 {uid} 1\n")
+        for kind, text in zip(("uid", "gid"), maps):
+            Path(f"/proc/{proc.pid}/{kind}_map").write_text(text)
         return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         proc.stdin.close()
         proc.wait()
 
 
-def mount_point(layer: Path) -> Path:
+def mount_point(layer: Path, uid: int) -> Path:
+    """Where the view of `layer` with `uid`'s id maps is attached."""
+    return layer_mounts_dir() / hashlib.sha256("\0".join([str(layer), *id_maps(uid)]).encode()).hexdigest()[:20]
+
+
+def _legacy_mount_point(layer: Path) -> Path:
+    """Where views mapping only uid 0 were attached (before owners were kept): detached once replaced."""
     return layer_mounts_dir() / hashlib.sha256(str(layer).encode()).hexdigest()[:20]
 
 
@@ -80,8 +99,8 @@ def _detach(target: Path, stacked: int) -> None:
 
 
 def readonly_view(layer: Path, uid: int) -> Path:
-    """The layer as seen through a read-only mount that shows on-disk uid/gid 0 as `uid` (root only)."""
-    target = mount_point(layer)
+    """The layer as seen through a read-only mount with id_maps(uid): the sandbox's ids (root only)."""
+    target = mount_point(layer, uid)
     if _current(target, layer):
         return target
     target.mkdir(parents=True, exist_ok=True)
@@ -105,11 +124,15 @@ def _current(target: Path, layer: Path) -> bool:
 
 
 def _attach(layer: Path, uid: int, target: Path) -> None:
-    _detach(target, len(_views().get(str(target), [])))  # a layer rebuilt at the same path: the old tree
+    views = _views()
+    _detach(target, len(views.get(str(target), [])))  # a layer rebuilt at the same path: the old tree
+    # the view an earlier version attached with its one-id map (lazily: running sandboxes keep it)
+    if (legacy := _legacy_mount_point(layer)) != target and str(legacy) in views:
+        _detach(legacy, len(views[str(legacy)]))
     tree = _check(_libc.syscall(_SYS_OPEN_TREE, -100, str(layer).encode(),
                                 _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE), f"open_tree {layer}")
     try:
-        ns = _userns_fd(uid)
+        ns = _userns_fd(id_maps(uid))
         try:
             attr = _MountAttr(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_IDMAP, 0, 0, ns)
             _check(_libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr),

@@ -3,8 +3,14 @@
 Python's `tarfile` extraction filters reject absolute symlinks, which a real rootfs is full of
 (/etc/localtime -> /usr/share/zoneinfo/...), so this writes each member itself: a symlink is created
 as it is and never followed; every parent of a member must be a real directory inside the root;
-`..` is refused; device nodes are skipped (bwrap gives every sandbox its own /dev); files belong to
-this process's uid. OCI whiteouts (`.wh.NAME`, `.wh..wh..opq`) delete what lower layers put there.
+`..` is refused; device nodes are skipped (bwrap gives every sandbox its own /dev). OCI whiteouts
+(`.wh.NAME`, `.wh..wh..opq`) delete what lower layers put there.
+
+Owners: as root, a member keeps its uid/gid on disk when the sandbox can show it (0..idmap.COUNT: the
+store's id-mapped view maps on-disk ids as the sandbox maps inside ids, so a Dockerfile's `chown worker`
+survives); an id beyond that becomes 0, root's, as every file was before. As an ordinary user every file
+is the user's own (the sandbox's root): giving them the user's subordinate ids would need the unpack to
+run inside the user's namespace (newuidmap), so ownership is kept only as root.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+from furlong.sandbox.idmap import COUNT
+
 WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
 
 
@@ -23,11 +31,17 @@ class UnpackError(ValueError):
     """A layer member that would escape the image root, or that cannot be unpacked."""
 
 
+def inside_id(on_disk: int) -> int:
+    """The id a file keeps in the store: itself where a sandbox maps it (0..COUNT), else root's."""
+    return on_disk if 0 <= on_disk <= COUNT else 0
+
+
 class LayerWriter:
     """Applies layers, in order, to one root directory; `finish` once after the last."""
 
-    def __init__(self, root: Path, label: str):
+    def __init__(self, root: Path, label: str, owners: bool | None = None):
         self.root, self.label = root, label
+        self.owners = os.geteuid() == 0 if owners is None else owners  # keep the members' uid/gid
         self.skipped = 0  # device nodes left out
         self._dirs: dict[str, tuple[int, float]] = {}  # modes are set last, so read-only dirs can be filled
 
@@ -117,6 +131,7 @@ class LayerWriter:
             if not (dst.is_dir() and not dst.is_symlink()):
                 self._remove(dst)
                 os.mkdir(dst, 0o700)
+            self._own(dst, member)
             self._dirs["/".join(parts)] = (member.mode, member.mtime)
             return
         self._remove(dst)
@@ -132,9 +147,14 @@ class LayerWriter:
             os.mkfifo(dst)
         else:
             raise UnpackError(f"{self.label}: member {member.name!r} has an unsupported type {member.type!r}")
+        self._own(dst, member)  # before chmod: chown clears set-id bits, chmod puts them back
         if not member.issym():
             os.chmod(dst, member.mode & 0o7777)
         os.utime(dst, (member.mtime, member.mtime), follow_symlinks=False)
+
+    def _own(self, dst: Path, member: tarfile.TarInfo) -> None:
+        if self.owners:
+            os.lchown(dst, inside_id(member.uid), inside_id(member.gid))
 
     def _link_source(self, member: tarfile.TarInfo) -> Path:
         *dirs, base = self._parts(member.linkname) or [""]
