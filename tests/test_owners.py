@@ -48,6 +48,7 @@ def test_layertar_keeps_owners_the_sandbox_maps_and_gives_others_to_root(tmp_pat
         tar.addfile(_member("data/f", 1000, 1001), io.BytesIO(b""))
         tar.addfile(_member("top", 65535, 65535), io.BytesIO(b""))
         tar.addfile(_member("far", 70000, 2_000_000), io.BytesIO(b""))  # beyond what a sandbox maps
+        tar.addfile(_member("mine", 65533, 65532), io.BytesIO(b""))  # the verifier's and the init's: root's
         tar.addfile(_member("su", 1000, 5, mode=0o4755), io.BytesIO(b""))  # chown clears set-id: put back
         link = _member("link", 7, 8, tarfile.SYMTYPE)
         link.linkname = "data/f"
@@ -59,8 +60,8 @@ def test_layertar_keeps_owners_the_sandbox_maps_and_gives_others_to_root(tmp_pat
         writer.apply(tar, whiteouts=False)
     writer.finish()
     root = tmp_path / "root"
-    assert _owners(root, "data", "data/f", "top", "far", "su", "link") == [
-        "1000:1000", "1000:1001", "65535:65535", "0:0", "1000:5", "7:8"]
+    assert _owners(root, "data", "data/f", "top", "far", "mine", "su", "link") == [
+        "1000:1000", "1000:1001", "65535:65535", "0:0", "0:0", "1000:5", "7:8"]
     assert os.stat(root / "su").st_mode & 0o7777 == 0o4755
 
 

@@ -22,7 +22,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from furlong.sandbox.idmap import COUNT
+from furlong.sandbox.idmap import COUNT, RESERVED_UIDS
 
 WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
 
@@ -32,8 +32,9 @@ class UnpackError(ValueError):
 
 
 def inside_id(on_disk: int) -> int:
-    """The id a file keeps in the store: itself where a sandbox maps it (0..COUNT), else root's."""
-    return on_disk if 0 <= on_disk <= COUNT else 0
+    """The id a file keeps in the store: itself where a sandbox maps it (0..COUNT), else root's; the ids
+    furlong's init and verifier run as are root's too, so no image file is theirs."""
+    return on_disk if 0 <= on_disk <= COUNT and on_disk not in RESERVED_UIDS else 0
 
 
 class LayerWriter:
