@@ -292,6 +292,9 @@ static int become(int role) {
     if (setns(verifier_ns, CLONE_NEWUSER) < 0) return -1;
     uid = 0, gid = 0, keep = VERIFIER_CAPS;
   }
+  /* The kernel lets the host's fd move a process whose uid is the opener's (an ordinary user's furlong):
+   * the sandbox's root, not the init's uid. This child is the agent's command already, so it is the agent's. */
+  if (!verifier && init_uid >= 0 && n_agent_procs && setresuid(0, 0, 0) < 0) return -1;
   if (!verifier)
     for (int i = 0; i < n_agent_procs; i++)
       if (write(agent_procs[i], "0", 1) != 1) return -1;  /* fail closed: never outside the agent's limits */
