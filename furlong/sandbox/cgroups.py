@@ -206,7 +206,8 @@ def _limit_v1(dirs: list[Path], limits: Limits) -> Cgroup:
 
 def _agent_cgroup(d: Path, limits: Limits) -> Path:
     d.mkdir(exist_ok=True)
-    if not _write(d / "pids.max", str(limits.pids)):
+    # one more than the task's limit: the init keeps one agent child waiting for the next command (init.c)
+    if not _write(d / "pids.max", str(limits.pids + 1)):
         raise OSError(f"cannot set {d}/pids.max (the agent's cgroup)")
     return d
 

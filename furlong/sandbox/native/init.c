@@ -327,7 +327,8 @@ static void fs_restore(void) {
   if (set_caps(own_caps, own_caps, 0) < 0) die("capset");
 }
 
-static void child_exec(const char *script, char **env, int out, int err, int role) {
+/* A command's child: its own session, stdio on its pipes, the role's identity (or exit 126 saying why). */
+static void child_prepare(int out, int err, int role) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, NULL);
@@ -335,17 +336,85 @@ static void child_exec(const char *script, char **env, int out, int err, int rol
   setsid();  /* its own process group: a timeout kills the whole group */
   int fd = open("/proc/self/oom_score_adj", O_WRONLY);
   if (fd >= 0) { write_all(fd, "1000", 4); close(fd); }  /* the OOM killer picks agents, never init */
+  int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (null < 0 || dup2(null, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0) _exit(126);
   if (become(role) < 0) {
     char msg[160];
     int n = snprintf(msg, sizeof msg, "furlong-init: cannot take the command's identity: %s\n", strerror(errno));
-    if (n > 0 && write(err, msg, (size_t)n) < 0) { /* nothing more to say */ }
+    if (n > 0 && write(2, msg, (size_t)n) < 0) { /* nothing more to say */ }
     _exit(126);
   }
-  int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  if (null < 0 || dup2(null, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0) _exit(126);
+}
+
+static void child_exec(const char *script, char **env, int out, int err, int role) {
+  child_prepare(out, err, role);
   char *argv[] = {"bash", "-c", (char *)script, NULL};
   execve("/bin/bash", argv, env);
   _exit(127);
+}
+
+/* ---- the waiting agent child ------------------------------------------------------------------
+ * An agent command moves into the agent's cgroup, and on cgroup v1 the first move after a quiet spell
+ * waits out an RCU grace period (about 7 ms, on the command's path). So one agent child is forked ahead,
+ * moved and given the agent's identity while nothing waits for it (the first with the init's own start,
+ * right after the launcher's moves, when a move is cheap), and it waits on a pipe for its command. */
+typedef struct { pid_t pid; int out, err, ctl; } zygote_t;
+static zygote_t zygote = {-1, -1, -1, -1};
+#define ZYGOTE_REQUEST_MAX 65536u  /* a request that fits the pipe at once: the init never blocks on it */
+
+static void zygote_main(int out, int err, int ctl) {
+  child_prepare(out, err, ROLE_AGENT);
+  if (dup2(ctl, 3) < 0 || close_range(4, ~0u, 0) < 0) _exit(126);  /* nothing of the init's stays open */
+  buf_t b = {0};
+  unsigned char chunk[4096];
+  ssize_t r;
+  while ((r = read(3, chunk, sizeof chunk)) > 0 || (r < 0 && errno == EINTR))
+    if (r > 0) buf_put(&b, chunk, (size_t)r);
+  uint32_t n;
+  if (b.len < 4 || (memcpy(&n, b.p, 4), n > b.len - 4)) _exit(0);  /* the init never sent a command */
+  char *script = cstr(b.p + 4, n);
+  char **env = make_env(b.p + 4 + n, (uint32_t)(b.len - 4 - n));
+  if (!script) _exit(126);
+  close(3);
+  char *argv[] = {"bash", "-c", script, NULL};
+  execve("/bin/bash", argv, env);
+  _exit(127);
+}
+
+static void zygote_start(void) {
+  if (!n_agent_procs || zygote.pid > 0) return;
+  int out[2], err[2], ctl[2];
+  if (pipe2(out, O_CLOEXEC) < 0) return;
+  if (pipe2(err, O_CLOEXEC) < 0) { close(out[0]), close(out[1]); return; }
+  if (pipe2(ctl, O_CLOEXEC) < 0) { close(out[0]), close(out[1]), close(err[0]), close(err[1]); return; }
+  pid_t pid = fork();
+  if (pid == 0) zygote_main(out[1], err[1], ctl[0]);
+  close(out[1]), close(err[1]), close(ctl[0]);
+  if (pid < 0) { close(out[0]), close(err[0]), close(ctl[1]); return; }
+  fcntl(ctl[1], F_SETFL, O_NONBLOCK);
+  zygote = (zygote_t){pid, out[0], err[0], ctl[1]};
+}
+
+/* Hands the request to the waiting child: its pid (its pipes in out/err), or -1 to fork one as before. */
+static pid_t zygote_take(const char *script, uint32_t nscript, const unsigned char *env, uint32_t nenv,
+                         int *out, int *err) {
+  if (zygote.pid <= 0 || 4ull + nscript + nenv > ZYGOTE_REQUEST_MAX) return -1;
+  buf_t b = {0};
+  buf_u32(&b, nscript);
+  buf_put(&b, script, nscript);
+  buf_put(&b, env, nenv);
+  ssize_t w = write(zygote.ctl, b.p, b.len);  /* one write into an empty pipe: all of it, or it is gone */
+  free(b.p);
+  pid_t pid = zygote.pid;
+  close(zygote.ctl);
+  *out = zygote.out, *err = zygote.err;
+  zygote = (zygote_t){-1, -1, -1, -1};
+  if (w != (ssize_t)(4 + nscript + nenv)) {  /* it died (the agent killed it): its end is a failed run */
+    kill(pid, SIGKILL);
+    close(*out), close(*err);
+    return -1;
+  }
+  return pid;
 }
 
 static void watch(int fd, uint64_t tag) {
@@ -368,13 +437,18 @@ static void op_exec(const unsigned char *id, cursor_t *c, int role) {
   while (slot < MAX_JOBS && jobs[slot]) slot++;
   int out[2], err[2];
   if (slot == MAX_JOBS) { errno = EAGAIN; reply_error(id, "exec: too many running commands", errno); free(script); return; }
-  if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) { reply_error(id, "exec: pipe", errno); free(script); return; }
-  char **env = make_env(env_raw, nenv);
-  pid_t pid = fork();
-  if (pid == 0) child_exec(script, env, out[1], err[1], role);
-  int fork_errno = errno;
-  free(env), free(script), close(out[1]), close(err[1]);
-  if (pid < 0) { close(out[0]), close(err[0]); reply_error(id, "exec: fork", fork_errno); return; }
+  pid_t pid = is_verifier(role) ? -1 : zygote_take(script, nscript, env_raw, nenv, &out[0], &err[0]);
+  if (pid < 0) {
+    if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) { reply_error(id, "exec: pipe", errno); free(script); return; }
+    char **env = make_env(env_raw, nenv);
+    pid = fork();
+    if (pid == 0) child_exec(script, env, out[1], err[1], role);
+    int fork_errno = errno;
+    free(env), close(out[1]), close(err[1]);
+    if (pid < 0) { close(out[0]), close(err[0]); free(script); reply_error(id, "exec: fork", fork_errno); return; }
+  }
+  free(script);
+  if (!is_verifier(role)) zygote_start();  /* the next agent command's child */
   job_t *j = calloc(1, sizeof *j);
   if (!j) die("calloc");
   memcpy(j->id, id, ID_LEN);
@@ -538,9 +612,15 @@ static void finish(int slot) {
 static void reap(void) {
   int status;
   pid_t pid;
-  while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    if (pid == zygote.pid) {  /* killed while it waited: the next agent command forks as before */
+      close(zygote.out), close(zygote.err), close(zygote.ctl);
+      zygote = (zygote_t){-1, -1, -1, -1};
+      continue;
+    }
     for (int i = 0; i < MAX_JOBS; i++)
       if (jobs[i] && jobs[i]->pid == pid) { jobs[i]->status = status; jobs[i]->exited = 1; break; }
+  }
   for (int i = 0; i < MAX_JOBS; i++)
     if (jobs[i] && jobs[i]->exited) finish(i);
 }
@@ -713,6 +793,7 @@ int main(int argc, char **argv) {
     own("/logs/agent", 0755, agent_uid, agent_gid);
   }
   if (init_uid >= 0 && own_caps) leave_uid_0();
+  zygote_start();
   for (;;) {
     struct epoll_event evs[64];
     int n = epoll_wait(epfd, evs, 64, next_timeout_ms());
