@@ -237,7 +237,8 @@ async def main_async(args) -> dict:
     at_cores = next((r for r in sweep_rows if r["sandboxes"] >= cores), sweep_rows[-1])
     overhead_ms = 1000 * (pct(inside, 0.5) - pct(host, 0.5))
     return {
-        "machine": {"cores": cores, "load_avg_at_end": os.getloadavg()},
+        "machine": {"cores": cores, "load_avg_at_end": os.getloadavg(),  # cgroup moves: install.sh, docs/sandboxes.md
+                    "cgroup_favordynmods": "favordynmods" in Path("/proc/mounts").read_text()},
         "start": {"raw_bwrap_true": stats_ms(raw), "raw_bwrap_python3_daemon_imports": stats_ms(python_daemon),
                   "python3_daemon_vs_raw_p50": pct(python_daemon, 0.5) / pct(raw, 0.5),
                   "cold_sandbox_first_command": stats_ms(cold),
