@@ -31,7 +31,7 @@ from furlong.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
-from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, _remove_tree
+from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
 from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class BwrapBackend:
         try:
             box = await self._start(spec, layer, work)
         except BaseException:
-            _remove_tree(work)
+            remove_tree(work)
             raise
         box.scratch = work
         return box

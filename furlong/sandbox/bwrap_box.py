@@ -255,7 +255,7 @@ class BwrapSandbox:
         except asyncio.TimeoutError:
             log.warning("sandbox %s: bwrap did not exit within 5 s of SIGKILL", self.name)
         if self.scratch is not None:
-            await asyncio.to_thread(_remove_tree, self.scratch)
+            await asyncio.to_thread(remove_tree, self.scratch)
 
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None
@@ -275,7 +275,7 @@ async def _read_exact_or_eof(stream: asyncio.StreamReader, n: int) -> bytes:
         return b""
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """Removes an overlay work directory, also as an ordinary user: the kernel leaves its work/work mode 000."""
     if os.geteuid() != 0:
         for dirpath, dirnames, _ in os.walk(path):

@@ -95,8 +95,8 @@ static int drains[DRAIN_MAX];
 static int epfd, sigfd;
 static char **base_env;
 static long agent_uid = 0, agent_gid = 0, verifier_uid = -1, init_uid = -1;
-static uid_t init_fsuid = 0;
-static int parent_fd = -1;  /* the read end of bwrap's status pipe, which only bwrap's monitor keeps open */  /* the init's file uid between ops done as a role */
+static uid_t init_fsuid = 0;  /* the init's file uid between ops done as a role */
+static int parent_fd = -1;  /* the read end of bwrap's status pipe, which only bwrap's monitor keeps open */
 static int agent_procs[MAX_AGENT_PROCS], n_agent_procs, verifier_ns = -1, seccomp_fd = -1;
 static struct sock_fprog seccomp_prog;
 static uint64_t own_caps;  /* the init's permitted set, restored after an op done as a role */
