@@ -17,6 +17,7 @@ import pytest
 
 from conftest import run
 from furlong.sandbox import dockerfile as df
+from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 from furlong.sandbox.imports import import_image
@@ -223,6 +224,25 @@ def test_from_an_image_with_a_user_inherits_it(user_import: ImageStore, tmp_path
     meta = json.loads((user_import.root / built.digest / "meta.json").read_text())
     assert meta["builder"] == "buildah" and built.user == "worker"
     assert (user_import.root / built.layers[0].path / "tmp/uid").read_text() == "1000\n"
+
+
+def test_the_agent_runs_as_the_user_with_its_supplementary_groups(user_import: ImageStore, tmp_path: Path):
+    """As Docker runs USER worker: uid and gid 1000 and the groups /etc/group lists worker in (staff, 50)."""
+    backend = BwrapBackend(layers=user_import)
+    if backend.subids is None:
+        pytest.skip("sandboxes here have one uid: a USER other than root cannot run")
+    image = run(user_import.image(_dockerfile(tmp_path / "g", "FROM t/user:1\nENV A=1\n"), backend))
+
+    async def go():
+        box = await backend.create(SandboxSpec(image=image))
+        try:
+            return await box.exec('echo $UID; while read -r k v; do case $k in Gid:|Groups:) echo "$k $v";; esac; '
+                                  "done < /proc/self/status")
+        finally:
+            await box.close()
+
+    res = run(go())
+    assert res.ok and res.stdout.split("\n")[:3] == ["1000", "Gid: 1000\t1000\t1000\t1000", "Groups: 50"], res
 
 
 @needs_buildah

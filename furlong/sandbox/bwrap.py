@@ -251,7 +251,7 @@ class BwrapBackend:
         parent_pipe = list(os.pipe()) if verifier else []
         rw_fds += parent_pipe
         init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd, (agent.uid, agent.gid),
-                               parent_pipe[0] if parent_pipe else None)
+                               parent_pipe[0] if parent_pipe else None, agent.groups if self.subids else ())
         args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home)
         if parent_pipe:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
@@ -284,8 +284,11 @@ def _agent_procs(cgroup: cgroups.Cgroup | None) -> list[Path]:
 
 
 def _init_args(agent_fds: list[int], verifier_uid: int | None, verifier_ns_fd: int | None,
-               agent: tuple[int, int] = (0, 0), parent_fd: int | None = None) -> tuple[str, ...]:
+               agent: tuple[int, int] = (0, 0), parent_fd: int | None = None,
+               groups: tuple[int, ...] = ()) -> tuple[str, ...]:
     args = ["--agent", f"{agent[0]}:{agent[1]}"]
+    for gid in groups[:64]:  # the image USER's supplementary groups (init.c MAX_AGENT_GROUPS)
+        args += ["--agent-group", str(gid)]
     if verifier_uid is not None:
         args += ["--verifier", str(verifier_uid)]
     if parent_fd is not None:  # the init leaves uid 0 and watches for bwrap's end on this pipe

@@ -98,6 +98,9 @@ static long agent_uid = 0, agent_gid = 0, verifier_uid = -1, init_uid = -1;
 static uid_t init_fsuid = 0;  /* the init's file uid between ops done as a role */
 static int parent_fd = -1;  /* the read end of bwrap's status pipe, which only bwrap's monitor keeps open */
 static int agent_procs[MAX_AGENT_PROCS], n_agent_procs, verifier_ns = -1, seccomp_fd = -1;
+#define MAX_AGENT_GROUPS 64
+static gid_t agent_groups[MAX_AGENT_GROUPS];  /* the image USER's supplementary groups */
+static int n_agent_groups;
 static struct sock_fprog seccomp_prog;
 static uint64_t own_caps;  /* the init's permitted set, restored after an op done as a role */
 
@@ -303,7 +306,9 @@ static int become(int role) {
     if (!(keep & CAPBIT(cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL) return -1;
   if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0) return -1;
   if (prctl(PR_SET_KEEPCAPS, keep != 0, 0, 0, 0) < 0) return -1;
-  if (setgroups(0, NULL) < 0 || setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0) return -1;
+  int ngroups = verifier ? 0 : n_agent_groups;
+  if (setgroups((size_t)ngroups, agent_groups) < 0 || setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0)
+    return -1;
   if (set_caps(keep, keep, keep) < 0) return -1;
   for (int cap = 0; cap < 64; cap++)
     if (uid != 0 && (keep & CAPBIT(cap)) && prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) < 0) return -1;
@@ -701,6 +706,10 @@ static void parse_args(int argc, char **argv) {
     if (!strcmp(opt, "--parent-fd") && sscanf(val, "%d", &parent_fd) == 1) continue;
     if (!strcmp(opt, "--verifier-ns") && sscanf(val, "%d", &verifier_ns) == 1) continue;
     if (!strcmp(opt, "--seccomp") && sscanf(val, "%d", &seccomp_fd) == 1) continue;
+    if (!strcmp(opt, "--agent-group") && n_agent_groups < MAX_AGENT_GROUPS) {
+      agent_groups[n_agent_groups++] = (gid_t)atol(val);
+      continue;
+    }
     if (!strcmp(opt, "--agent-procs") && n_agent_procs < MAX_AGENT_PROCS) {
       agent_procs[n_agent_procs++] = atoi(val);
       continue;
