@@ -227,10 +227,13 @@ sys.exit(0 if body.strip() == "55" else f"served {body!r}")
 """
 UPDATER = HONEST + background("while :; do date +%s%N > /app/b.tmp && mv /app/b.tmp /app/beat; sleep 0.02; done") \
     + "until [ -e /app/beat ]; do sleep 0.02; done\n"
+# waits for one change (a loaded machine can hold the updater's next write back a while), never for ever
 UPDATER_CHECK = """import pathlib, sys, time
 beat = pathlib.Path("/app/beat")
 first = beat.read_text()
-time.sleep(0.3)
+deadline = time.monotonic() + 10
+while beat.read_text() == first and time.monotonic() < deadline:
+    time.sleep(0.05)
 sys.exit(0 if beat.read_text() != first else "the file stopped changing")
 """
 
