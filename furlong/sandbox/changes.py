@@ -216,17 +216,22 @@ class _Walk:
                 if i == len(parts) or not stat.S_ISDIR(st.st_mode) or old is None or not _is_dir(old):
                     self.entry(rel, entry, st)
                     return
-                try:
-                    child = entry.open_dir()
-                except PermissionError:
-                    self.add(rel, "unreadable", st.st_uid, "dir")
+                if (child := self.open_dir(rel, entry, st)) is None:
                     return
-                except OSError:
-                    return  # swapped mid-walk: the next scan sees what it became
                 os.close(fd)
                 fd, parent_opaque, parent_uid = child, _opaque_fd(child), st.st_uid
         finally:
             os.close(fd)
+
+    def open_dir(self, rel: str, entry: _Upper, st: os.stat_result) -> int | None:
+        """The upper directory's fd; None (recorded as "unreadable" when the host may not list it) if not."""
+        try:
+            return entry.open_dir()
+        except PermissionError:
+            self.add(rel, "unreadable", st.st_uid, "dir")
+        except OSError:
+            pass  # swapped mid-walk: the next scan sees what it became
+        return None
 
     def entry(self, rel: str, entry: _Upper, st: os.stat_result) -> None:
         """Compares one upper entry with what the image holds at its path, then its children."""
@@ -241,13 +246,8 @@ class _Walk:
             self.add(rel, "modified", st.st_uid, entry_type(st))
         if not stat.S_ISDIR(st.st_mode):
             return
-        try:
-            fd = entry.open_dir()
-        except PermissionError:
-            self.add(rel, "unreadable", st.st_uid, "dir")
+        if (fd := self.open_dir(rel, entry, st)) is None:
             return
-        except OSError:
-            return  # swapped mid-walk: the next scan sees what it became
         try:
             self.children(rel, fd, st.st_uid, opaque_over=old is not None and _is_dir(old) and _opaque_fd(fd))
         finally:

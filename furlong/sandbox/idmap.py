@@ -37,8 +37,8 @@ class SubIds:
         return ["--subids", str(self.uid_start), str(self.gid_start), str(self.count)]
 
 
-def _range(path: Path, names: tuple[str, ...]) -> int | None:
-    """The start of the first range of at least COUNT ids for one of `names` in /etc/subuid or /etc/subgid."""
+def sub_range(path: Path, names: tuple[str, ...], at_least: int = COUNT) -> int | None:
+    """The start of the first range of at least `at_least` ids for one of `names` in /etc/subuid or /etc/subgid."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
@@ -46,7 +46,7 @@ def _range(path: Path, names: tuple[str, ...]) -> int | None:
     for line in lines:
         fields = line.strip().split(":")
         if len(fields) == 3 and fields[0] in names and fields[1].isdigit() and fields[2].isdigit():
-            if int(fields[2]) >= COUNT:
+            if int(fields[2]) >= at_least:
                 return int(fields[1])
     return None
 
@@ -63,7 +63,7 @@ def _lookup() -> tuple[SubIds | None, str]:
         name = str(uid)
     if not (shutil.which("newuidmap") and shutil.which("newgidmap")):
         return None, "newuidmap/newgidmap are missing (an administrator runs `apt-get install uidmap`)"
-    starts = [_range(Path(f"/etc/sub{kind}"), (name, str(uid))) for kind in ("uid", "gid")]
+    starts = [sub_range(Path(f"/etc/sub{kind}"), (name, str(uid))) for kind in ("uid", "gid")]
     if None in starts:
         return None, (f"{name} has no range of {COUNT} ids in /etc/subuid and /etc/subgid (an administrator runs "
                       f"`usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {name}`)")

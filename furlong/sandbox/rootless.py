@@ -13,19 +13,13 @@ import pwd
 import shutil
 from pathlib import Path
 
+from furlong.sandbox import idmap
+
 ADMIN_PACKAGES = "mmdebstrap uidmap"  # the one-time Debian packages an administrator installs
 
 
 def _has_range(path: Path, user: str, uid: int) -> bool:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        fields = line.strip().split(":")
-        if len(fields) == 3 and fields[0] in (user, str(uid)) and fields[2].isdigit() and int(fields[2]) > 0:
-            return True
-    return False
+    return idmap.sub_range(path, (user, str(uid)), at_least=1) is not None
 
 
 def _userns_problem() -> str | None:
