@@ -35,7 +35,7 @@ from furlong.train.grpo import (
 from furlong.train.atomic import fsync_dir, replace_dir, write_synced
 from furlong.train.export import is_peft, write_hf
 from furlong.train.logprobs import token_logprobs
-from furlong.train.sft import Demo, demo_nll
+from furlong.train.sft import Demo, demo_nll, demo_tokens
 from furlong.train.stats import TrainStats
 
 if TYPE_CHECKING:
@@ -166,6 +166,8 @@ class LocalTrainer:
         self.generator = torch.Generator().manual_seed(config.seed)
         self._opt_steps = 0
         self.version = 0
+        # This process's share of every pass (a sharded subclass sets them; here: all of it, alone).
+        self.rank, self.world_size = 0, 1
         self.last_minibatches: tuple[LossMetrics, ...] = ()  # per optimizer step of the last train_step
 
     @property
@@ -242,16 +244,20 @@ class LocalTrainer:
         AdamW step."""
         cfg = self.config
         indices = sorted(indices, key=lambda i: len(episodes[i].tokens))  # similar lengths pad less
+        # Every rank sees every episode: the denominator is the whole minibatch's, whatever its share.
         denominator = float(sum(episodes[i].response_len for i in indices))
         parts: list[LossMetrics] = []
         entropy = 0.0
         self.optimizer.zero_grad(set_to_none=True)
-        for chunk in _chunks(indices, cfg.micro_batch_size):
+        for chunk in self._micro_batches(indices):
+            if not chunk:
+                self._idle(self.model, grad=True)
+                continue
             mb = collate([episodes[i] for i in chunk], advantages[chunk], self.device,
                          _pick(old, chunk), _pick(ref, chunk))
             with self._autocast():
-                logp, ent = token_logprobs(self.model, mb.tokens, mb.attention_mask, cfg.temperature,
-                                           with_entropy=True, positions=mb.loss_mask)
+                logp, ent = self._forward(self.model, token_logprobs, mb.tokens, mb.attention_mask,
+                                          cfg.temperature, True, mb.loss_mask)
             loss, metrics = policy_loss(
                 logp, logp.detach() if mb.old_logprobs is None else mb.old_logprobs, mb.rollout_logprobs,
                 mb.advantages, mb.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap,
@@ -260,18 +266,45 @@ class LocalTrainer:
             parts.append(metrics)
             entropy += float((ent * mb.loss_mask).sum())
         update = self._step(self._anchor if self.demos else None)
-        return replace(update, metrics=merge_metrics(parts), entropy=entropy)
+        gathered = self._all_gather((parts, entropy))
+        return replace(update, metrics=merge_metrics([m for ms, _ in gathered for m in ms]),
+                       entropy=sum(e for _, e in gathered))
+
+    def _micro_batches(self, indices: list[int]) -> list[list[int]]:
+        """This rank's micro-batches of a pass over `indices` (sorted by length), padded with empty ones to
+        the most any rank has: a sharded model's forwards are collectives, so every rank runs as many."""
+        mine = list(_chunks(indices[self.rank::self.world_size], self.config.micro_batch_size))
+        most = math.ceil(math.ceil(len(indices) / self.world_size) / self.config.micro_batch_size)
+        return mine + [[] for _ in range(most - len(mine))]
+
+    def _forward(self, model: PreTrainedModel, fn: Callable, *args):
+        """`fn(model, *args)`: a sharded subclass runs it inside its root module's forward."""
+        return fn(model, *args)
+
+    def _all_gather(self, obj: object) -> list:
+        """`obj` of every rank, in rank order."""
+        return [obj]
+
+    def _idle(self, model: PreTrainedModel, grad: bool) -> None:
+        """A rank without a share of this pass runs a zero-weighted one-token forward (and backward) so its
+        collectives match its peers'."""
+        tokens = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        with torch.set_grad_enabled(grad), self._autocast():
+            logp = self._forward(model, token_logprobs, tokens, torch.ones_like(tokens), 1.0, False,
+                                 torch.ones_like(tokens, dtype=torch.float32))
+        if grad:
+            (logp.sum() * 0).backward()
 
     def _step(self, anchor: Callable[[], float] | None) -> _Update:
         """Adds the anchor's gradient (if any) to the accumulated one, clips, and takes one AdamW step."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm_rl, nll = None, 0.0
         if anchor is not None:  # the policy loss's own norm is measured before the anchor's gradient joins it
-            norm_rl = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None] or
-                                                          [torch.zeros(1)]))
+            norm_rl = _scalar(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None] or
+                                                            [torch.zeros(1)]))
             nll = anchor()
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip if self.config.grad_clip > 0
-                                                    else float("inf")))
+        norm = _scalar(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip if self.config.grad_clip > 0
+                                                      else float("inf")))
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.config, self._opt_steps)
         self.optimizer.step()
@@ -283,25 +316,36 @@ class LocalTrainer:
         """PPO-ptx (Ouyang et al. 2022): add sft_coef times the NLL of a random batch of demonstrations to the
         gradient. A group whose samples all fail has no reward variance, so GRPO never pulls a forgotten
         demonstrated skill back; this term does, and it costs almost nothing while the skill is kept."""
-        pick = torch.randint(len(self.demos), (self.config.sft_batch,), generator=self.generator).tolist()
-        with self._autocast():
-            nll = demo_nll(self.model, [self.demos[i] for i in pick])
+        picked = [self.demos[i] for i in
+                  torch.randint(len(self.demos), (self.config.sft_batch,), generator=self.generator).tolist()]
+        mine = picked[self.rank::self.world_size]
+        if not mine:
+            self._idle(self.model, grad=True)
+            return sum(self._all_gather(0.0))
+        with self._autocast():  # this rank's part of the mean over every picked demonstration's tokens
+            nll = self._forward(self.model, demo_nll, mine, 0, demo_tokens(picked) if self.world_size > 1 else None)
         (self.config.sft_coef * nll).backward()
-        return float(nll.detach())
+        return sum(self._all_gather(float(nll.detach())))
 
     @torch.no_grad()
     def _logprobs(self, model: PreTrainedModel, episodes: list[Episode]) -> list[torch.Tensor]:
         """Per-episode [len(tokens)] logprobs under `model`'s current weights."""
-        out: list[torch.Tensor] = [torch.empty(0)] * len(episodes)
+        mine: dict[int, torch.Tensor] = {}
         order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].tokens))
-        for chunk in _chunks(order, self.config.micro_batch_size):
+        for chunk in self._micro_batches(order):
+            if not chunk:
+                self._idle(model, grad=False)
+                continue
             mb = collate([episodes[i] for i in chunk], torch.zeros(len(chunk)), self.device)
             with self._autocast():
-                logp = token_logprobs(model, mb.tokens, mb.attention_mask, self.config.temperature,
-                                      positions=mb.loss_mask)
+                logp = self._forward(model, token_logprobs, mb.tokens, mb.attention_mask, self.config.temperature,
+                                     False, mb.loss_mask)
             for row, i in enumerate(chunk):
-                out[i] = logp[row, :len(episodes[i].tokens)]
-        return out
+                mine[i] = logp[row, :len(episodes[i].tokens)]
+        if self.world_size > 1:  # every rank's share, so any rank can train on any episode
+            mine = {i: t.to(self.device) for part in self._all_gather({i: t.cpu() for i, t in mine.items()})
+                    for i, t in part.items()}
+        return [mine[i] for i in range(len(episodes))]
 
     def save(self, path: Path | str) -> None:
         """Write model, optimizer, version and RNG state to directory `path`: built in a temp dir beside it,
@@ -340,6 +384,11 @@ class _Update:
     norm_rl: float  # pre-clip, the policy loss alone
     sft_nll: float
     entropy: float  # summed over masked tokens
+
+
+def _scalar(norm: torch.Tensor) -> float:
+    full = getattr(norm, "full_tensor", None)  # a DTensor (sharded parameters): its global value
+    return float(full() if full is not None else norm)
 
 
 def _pick(rows: list[torch.Tensor] | None, indices: list[int]) -> list[torch.Tensor] | None:

@@ -1,0 +1,222 @@
+"""GRPO over FSDP2 ranks (`train.trainer: fsdp2`): the local trainer's step, its model sharded with
+torch.distributed.fsdp.fully_shard (each decoder layer, then the root), one rank per process.
+
+Every rank receives every episode and draws the same shuffles, so each computes the same minibatches and the
+same token-level denominator (the whole minibatch's); it trains on its strided share of each one. FSDP's
+reduce-scatter would average the ranks' gradients: its divide factor is 1, so they sum, and the sum of the
+shares' losses (each over the global denominator) is the local trainer's loss. The anchor splits its picked
+demonstrations the same way (furlong.train.sft.demo_nll's `tokens`).
+
+`FSDP2Spec` is what a rank process needs to build its `FSDP2Worker` (furlong.train.ranks: LocalRanks here,
+or another RankGroup); `FSDP2Trainer` is the facade in the driver process (furlong.train.protocol.Trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from furlong.agent.episode import Episode
+from furlong.model.loading import load_model
+from furlong.model.lora import LoraSpec, wrap_lora
+from furlong.train.atomic import fsync_dir, replace_dir, write_synced
+from furlong.train.export import is_peft, write_hf
+from furlong.train.ranks import RankGroup
+from furlong.train.sft import Demo
+from furlong.train.stats import TrainStats
+from furlong.train.trainer import GRPOConfig, LocalTrainer, _rng_state, _set_rng_state
+
+SHARDS_DIR = "shards"  # torch.distributed.checkpoint's files: loadable at any world size
+STATE_FILE = "trainer-state.pt"  # version, optimizer step count, RNG (the same on every rank)
+
+
+@dataclass(frozen=True)
+class FSDP2Spec:
+    """One rank's trainer, as plain values (it is pickled to each rank process). `model_dir`: the policy's
+    starting checkpoint, also the KL reference when config.kl_coef > 0; `lora`: wrap it with fresh adapters
+    drawn under `lora_seed`."""
+
+    model_dir: Path
+    config: GRPOConfig
+    lora: LoraSpec | None = None
+    lora_seed: int | None = 0
+    demos: tuple[Demo, ...] = ()
+    device: str = "cpu"  # cuda: one GPU per rank, nccl, bf16 compute over fp32 masters
+    threads: int = 1  # torch threads per rank
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    def policy(self) -> torch.nn.Module:
+        model = load_model(self.model_dir)
+        return model if self.lora is None else wrap_lora(model, self.lora, seed=self.lora_seed)
+
+    def make(self, rank: int, world_size: int) -> FSDP2Worker:
+        torch.set_num_threads(self.threads)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
+        ref = load_model(self.model_dir).requires_grad_(False).to(device) if self.config.kl_coef > 0 else None
+        mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if self.device == "cuda" else None)
+        return FSDP2Worker(self, self.policy().to(device), ref, rank, world_size, mixed)
+
+
+class Entry(torch.nn.Module):
+    """The root FSDP module: `entry(fn, *args)` runs `fn(model, *args)` inside its forward, so the root's
+    parameters (embeddings, final norm, a tied head) are gathered even when `fn` calls the decoder and the
+    head separately (furlong.train.logprobs does)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, fn: Callable, *args):
+        return fn(self.inner, *args)
+
+
+def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None) -> Entry:
+    """fully_shard each decoder layer, then the root; gradients summed over ranks, not averaged."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the LM
+    kwargs = {} if mixed is None else {"mp_policy": mixed}
+    for layer in getattr(inner, inner.base_model_prefix).layers:
+        fully_shard(layer, **kwargs)
+    entry = Entry(model)
+    fully_shard(entry, **kwargs)
+    for module in entry.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return entry
+
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class FSDP2Worker(LocalTrainer):
+    """One rank: LocalTrainer's step over its share of every pass, through the sharded root."""
+
+    def __init__(self, spec: FSDP2Spec, model: torch.nn.Module, ref_model: torch.nn.Module | None, rank: int,
+                 world_size: int, mixed: MixedPrecisionPolicy | None) -> None:
+        entries = {id(model): shard(model, mixed)}
+        if ref_model is not None:
+            entries[id(ref_model)] = shard(ref_model, mixed)
+        super().__init__(model, spec.config, ref_model=ref_model, demos=spec.demos)  # type: ignore[arg-type]
+        self.spec, self._entries = spec, entries
+        self.rank, self.world_size = rank, world_size
+
+    def _forward(self, model, fn: Callable, *args):
+        return self._entries[id(model)](fn, *args)
+
+    def _all_gather(self, obj: object) -> list:
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """Every rank gathers; rank 0 gets the full CPU tensors (LoRA: the adapters only), the others None."""
+        full = get_model_state_dict(self.model, options=FULL)
+        if self.rank != 0:
+            return None
+        if is_peft(self.model):
+            from peft import get_peft_model_state_dict
+
+            return dict(get_peft_model_state_dict(self.model, state_dict=full))
+        return full
+
+    def export(self, out: Path, tokenizer, base_model: Path | None) -> Path | None:
+        """The local trainer's export of an unsharded copy (rank 0 writes it)."""
+        full = get_model_state_dict(self.model, options=FULL)
+        if self.rank != 0:
+            return None
+        copy = self.spec.policy()
+        copy.load_state_dict(full)
+        return write_hf(copy, tokenizer, out, base_model=base_model)
+
+    def save_shards(self, directory: Path) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / SHARDS_DIR)
+        if self.rank == 0:
+            state = {"version": self.version, "opt_steps": self._opt_steps, "rng": _rng_state(self.generator)}
+            write_synced(directory / STATE_FILE, lambda f: torch.save(state, f))
+        dist.barrier()
+
+    def load_shards(self, directory: Path) -> int:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=directory / SHARDS_DIR)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+        self.version, self._opt_steps = int(extra["version"]), int(extra["opt_steps"])
+        _set_rng_state(self.generator, extra["rng"])
+        return self.version
+
+
+class FSDP2Trainer:
+    """The Trainer facade over a RankGroup of FSDP2Workers: rank 0's answers (its TrainStats are the group's:
+    every metric is gathered over ranks in the step itself)."""
+
+    def __init__(self, ranks: RankGroup, spec: FSDP2Spec) -> None:
+        self.ranks, self.spec = ranks, spec
+        self.version = 0
+        self._weights: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # what the facade hands out (weights, stats) lives here
+
+    def train_step(self, episodes: Sequence[Episode]) -> TrainStats:
+        stats = self.ranks.call("train_step", list(episodes))[0]
+        self.version = stats.version
+        return stats
+
+    def engine_weights(self) -> Mapping[str, torch.Tensor]:
+        """Gathered once per version (a push and a checkpoint of one step share it)."""
+        if self._weights is None or self._weights[0] != self.version:
+            self._weights = (self.version, self.ranks.call("full_weights")[0])
+        return self._weights[1]
+
+    def export_hf(self, out: Path, tokenizer, base_model: Path | None = None) -> Path:
+        return self.ranks.call("export", Path(out), tokenizer, base_model)[0]
+
+    def save(self, path: Path | str) -> None:
+        """Sharded (every rank writes its part) into a temp directory beside `path`, renamed into place."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            self.ranks.call("save_shards", tmp)
+            meta = json.dumps({"version": self.version, "trainer": "fsdp2", "world_size": self.ranks.world_size,
+                               "config": asdict(self.spec.config)}, indent=1)
+            write_synced(tmp / "meta.json", lambda f: f.write(meta.encode()))
+            for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+                fsync_dir(d)
+            replace_dir(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load(self, path: Path | str) -> None:
+        path = Path(path)
+        if not (path / SHARDS_DIR).is_dir():
+            raise ValueError(f"{path}: not an fsdp2 checkpoint (no {SHARDS_DIR}/; a train.trainer=local run "
+                             "writes another layout)")
+        self.version = self.ranks.call("load_shards", path)[0]
+        self._weights = None
+
+    def close(self) -> None:
+        self.ranks.close()
