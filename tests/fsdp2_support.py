@@ -22,7 +22,7 @@ def fixed_episodes(groups: int = 3, group_size: int = 3, vocab: int = 500, seed:
                                tokens=prompt + sampled, loss_mask=(0,) * len(prompt) + (1,) * n,
                                rollout_logprobs=(0.0,) * len(prompt) + tuple(-6.2 + rng.random() * 0.2
                                                                              for _ in range(n)),
-                               token_weight_versions=(-1,) * len(prompt) + (0,) * n, reward=float(s % 2 + s == 2),
+                               token_weight_versions=(-1,) * len(prompt) + (0,) * n, reward=float(s == 1),
                                status="ok", timing=EpisodeTiming(), turns=1))
     return out
 

@@ -1,0 +1,145 @@
+"""The FSDP2 trainer (furlong.train.fsdp2) at world size 2 on gloo, real rank processes, against LocalTrainer on
+the same fixed batch: two minibatches (so two optimizer steps, and the no-grad "old" pass), micro-batches of
+2 (so ranks hold different numbers of them and run idle passes).
+
+Tolerance: the ranks sum the same per-token terms in another order (and the anchor splits its demonstrations),
+so results agree to float32 rounding: stats to a relative 1e-4, weights after the step to an absolute 1e-5
+(lr 1e-3 moves them by ~1e-3)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from furlong.model.loading import load_model, load_tokenizer
+from furlong.model.lora import LoraSpec, wrap_lora
+from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
+from furlong.train.protocol import Trainer
+from furlong.train.ranks import LocalRanks, RankFailed
+from furlong.train.trainer import LocalTrainer
+from fsdp2_support import fixed_demos, fixed_episodes
+from tests_support import grpo
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+WEIGHT_TOL = 1e-5
+STAT_TOL = 1e-4
+LORA = LoraSpec(rank=4, alpha=8)
+CASES = {"plain": {}, "kl": {"kl_coef": 0.1}, "anchor": {"sft_coef": 0.5, "sft_batch": 3}}
+
+
+def _spec(model_dir: Path, lora: LoraSpec | None = None, **rl) -> FSDP2Spec:
+    config = grpo(lr=1e-3, micro_batch_size=2, minibatches=2, **rl)
+    return FSDP2Spec(model_dir, config, lora=lora, demos=fixed_demos() if config.sft_coef > 0 else ())
+
+
+def _local(spec: FSDP2Spec) -> LocalTrainer:
+    model = load_model(spec.model_dir)
+    if spec.lora is not None:
+        model = wrap_lora(model, spec.lora, seed=spec.lora_seed)
+    ref = load_model(spec.model_dir).requires_grad_(False) if spec.config.kl_coef > 0 else None
+    return LocalTrainer(model, spec.config, ref_model=ref, demos=spec.demos)
+
+
+def _fsdp2(spec: FSDP2Spec, world_size: int = 2) -> FSDP2Trainer:
+    return FSDP2Trainer(LocalRanks(spec, world_size, timeout_s=120, call_timeout_s=300), spec)
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float) -> None:
+    assert sorted(a) == sorted(b)
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= tol, f"weights differ by {worst}"
+
+
+def _assert_same_step(local: LocalTrainer, fsdp: FSDP2Trainer) -> None:
+    episodes = fixed_episodes()
+    before = {k: v.clone() for k, v in local.engine_weights().items()}
+    want, got = local.train_step(episodes), fsdp.train_step(episodes)
+    assert got.version == fsdp.version == want.version == 1
+    for name in ("loss", "grad_norm", "grad_norm_rl", "entropy", "sft_nll", "ref_kl", "ppo_kl", "clip_frac"):
+        assert getattr(got, name) == pytest.approx(getattr(want, name), rel=STAT_TOL, abs=1e-7), name
+    assert (got.tokens, got.loss_tokens, got.groups_used) == (want.tokens, want.loss_tokens, want.groups_used)
+    moved = max(float((local.engine_weights()[k] - before[k]).abs().max()) for k in before)
+    assert moved > 50 * WEIGHT_TOL  # the step moved the weights well beyond the tolerance
+    _assert_same_weights(dict(fsdp.engine_weights()), local.engine_weights(), WEIGHT_TOL)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_step_matches_local_trainer(small_dir: Path, case: str) -> None:
+    spec = _spec(small_dir, **CASES[case])
+    fsdp = _fsdp2(spec)
+    try:
+        assert isinstance(fsdp, Trainer)
+        _assert_same_step(_local(spec), fsdp)
+        if case == "anchor":
+            assert fsdp.train_step(fixed_episodes()).sft_nll > 0
+    finally:
+        fsdp.close()
+
+
+@pytest.fixture(scope="module")
+def lora_pair(small_dir: Path):
+    """A LoRA policy, one step taken by the local trainer and by FSDP2 at world size 2."""
+    spec = _spec(small_dir, lora=LORA, kl_coef=0.1)
+    local, fsdp = _local(spec), _fsdp2(spec)
+    try:
+        _assert_same_step(local, fsdp)
+        yield spec, local, fsdp
+    finally:
+        fsdp.close()
+
+
+def test_lora_engine_weights_are_the_adapters(lora_pair) -> None:
+    _, local, fsdp = lora_pair
+    weights = fsdp.engine_weights()
+    assert weights and all("lora_" in k for k in weights)
+    assert fsdp.engine_weights() is weights  # gathered once per version
+
+
+def test_export_hf_equals_the_local_export(lora_pair, small_dir: Path, tmp_path: Path) -> None:
+    _, local, fsdp = lora_pair
+    tokenizer = load_tokenizer(small_dir)
+    ours = fsdp.export_hf(tmp_path / "fsdp2", tokenizer, base_model=small_dir)
+    theirs = local.export_hf(tmp_path / "local", tokenizer, base_model=small_dir)
+    assert (ours / "adapter" / "adapter_config.json").is_file()
+    a = AutoModelForCausalLM.from_pretrained(ours).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(theirs).state_dict()
+    _assert_same_weights(a, b, WEIGHT_TOL)
+
+
+def test_save_at_two_ranks_loads_at_one(lora_pair, tmp_path: Path) -> None:
+    """The whole training state: after the load, one more step on each gives the same weights."""
+    spec, _, fsdp = lora_pair
+    fsdp.save(tmp_path / "ckpt")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp directory left
+    single = _fsdp2(spec, world_size=1)
+    try:
+        single.load(tmp_path / "ckpt")
+        assert single.version == fsdp.version
+        _assert_same_weights(dict(single.engine_weights()), dict(fsdp.engine_weights()), 0.0)
+        single.train_step(fixed_episodes(seed=3))
+        fsdp.train_step(fixed_episodes(seed=3))
+        _assert_same_weights(dict(single.engine_weights()), dict(fsdp.engine_weights()), WEIGHT_TOL)
+    finally:
+        single.close()
+
+
+def test_load_refuses_a_local_checkpoint(lora_pair, tmp_path: Path) -> None:
+    _, local, fsdp = lora_pair
+    local.save(tmp_path / "local")
+    with pytest.raises(ValueError, match="not an fsdp2 checkpoint"):
+        fsdp.load(tmp_path / "local")
+
+
+def test_a_killed_rank_fails_the_next_step(small_dir: Path) -> None:
+    fsdp = _fsdp2(_spec(small_dir))
+    try:
+        os.kill(fsdp.ranks.pids[1], signal.SIGKILL)  # type: ignore[attr-defined]
+        with pytest.raises(RankFailed, match=r"^rank 1 died: killed by SIGKILL$"):
+            fsdp.train_step(fixed_episodes())
+    finally:
+        fsdp.close()
