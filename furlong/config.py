@@ -191,6 +191,15 @@ class LoraConfig(_Node):
                                      "that get adapters")
 
 
+class FSDP2Config(_Node):
+    """`train.trainer: fsdp2`: the policy sharded over rank processes (furlong.train.fsdp2; docs/training.md,
+    "FSDP2")."""
+
+    world_size: int = Field(2, ge=1, description="rank processes (train.device=cuda: one GPU each)")
+    timeout_s: float = Field(600.0, gt=0, description="a rank's start, and a collective whose peer is gone, "
+                             "fail after this long")
+
+
 class SyncConfig(_Node):
     """How each RL step's weights reach the rollout engine (furlong.sync; docs/weight-sync.md)."""
 
@@ -264,6 +273,9 @@ class TrainConfig(_Node):
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "
                                            "(and its KL reference)")
+    trainer: Literal["local", "fsdp2"] = Field("local", description="local: the policy in this process; fsdp2: "
+                                               "sharded over train.fsdp2.world_size rank processes")
+    fsdp2: FSDP2Config = Field(FSDP2Config(), description="train.trainer=fsdp2: its ranks")
     model: ModelConfig = Field(ModelConfig(), description="the starting checkpoint")
     agent: AgentConfig = Field(AgentConfig(), description="the agent loop's limits and prompt")
     sft: SFTConfig = Field(SFTConfig(), description="the SFT warm-start")

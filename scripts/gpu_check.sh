@@ -6,6 +6,7 @@
 # For each engine: a virtualenv (WORK/venv-ENGINE) with the engine and furlong (the engine's own torch,
 # not furlong's CPU pin), then `python -m scripts.engine_check`: start, generate, logprobs vs the trainer,
 # weight update (and its measured pause), LoRA load, 2 RL steps through `furlong train train.engine=ENGINE`.
+# Then `python -m scripts.fsdp2_check`: 2 FSDP2 trainer steps on one GPU (nccl, bf16 over fp32 masters).
 # One PASS/FAIL line per check; exit 1 if any failed. The public checkpoint (Qwen/Qwen3-0.6B) is downloaded
 # once into WORK/model unless --model names a local one. Sandboxes need install.sh's Debian packages: it
 # runs first (as root it installs them; as a user it says what is missing).
@@ -92,6 +93,7 @@ dry_run() {
       *) fail "$engine" "unknown engine (expected sglang or vllm)" ;;
     esac
   done
+  python3 -m scripts.fsdp2_check --model "$MODEL" --device cpu || FAILED=1
 }
 
 gpu_run() {
@@ -101,15 +103,20 @@ gpu_run() {
   fi
   say "GPU: $(nvidia-smi -L | head -n 1)"
   bash "$ROOT/install.sh" >&2 || { fail "install.sh" "sandbox prerequisites missing (see above)"; return; }
+  local python="" torch_python=""
   for engine in $ENGINES; do
     if ! make_venv "$engine" >&2; then fail "$engine install" "see the pip output above"; continue; fi
-    local python="$WORK/venv-$engine/bin/python"
+    python="$WORK/venv-$engine/bin/python"
+    torch_python="$python"  # a CUDA torch (the engine's) for the FSDP2 check
     [ -n "$MODEL" ] || download_model "$python" || { fail "$engine download" "$CHECKPOINT"; continue; }
     # bf16/fp32 both fit; fp32 keeps the logprob comparison with the fp32 trainer meaningful.
     local extra=(--torch-threads 8)
     [ "$engine" = sglang ] && extra+=(--sglang-python "$python" --sglang-arg=--mem-fraction-static --sglang-arg=0.6)
     run_checks "$engine" "$python" "${MODEL:-$WORK/model}" "${extra[@]}"
   done
+  if [ -z "$torch_python" ]; then fail "fsdp2" "no engine virtualenv with a CUDA torch was built"; return; fi
+  "$torch_python" -m scripts.fsdp2_check --model "${MODEL:-$WORK/model}" --device cuda \
+    2> >(tee "$WORK/fsdp2.stderr.log" | tail -n 5 >&2) || FAILED=1
 }
 
 if [ "$DRY" = 1 ]; then dry_run; else gpu_run; fi

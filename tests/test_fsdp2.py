@@ -8,8 +8,12 @@ so results agree to float32 rounding: stats to a relative 1e-4, weights after th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,7 @@ from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.lora import LoraSpec, wrap_lora
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.protocol import Trainer
-from furlong.train.ranks import LocalRanks, RankFailed
+from furlong.train.ranks import LocalRanks
 from furlong.train.trainer import LocalTrainer
 from fsdp2_support import fixed_demos, fixed_episodes
 from tests_support import grpo
@@ -135,11 +139,36 @@ def test_load_refuses_a_local_checkpoint(lora_pair, tmp_path: Path) -> None:
         fsdp.load(tmp_path / "local")
 
 
-def test_a_killed_rank_fails_the_next_step(small_dir: Path) -> None:
-    fsdp = _fsdp2(_spec(small_dir))
-    try:
-        os.kill(fsdp.ranks.pids[1], signal.SIGKILL)  # type: ignore[attr-defined]
-        with pytest.raises(RankFailed, match=r"^rank 1 died: killed by SIGKILL$"):
-            fsdp.train_step(fixed_episodes())
-    finally:
-        fsdp.close()
+def _rank_pids(driver: int) -> list[int]:
+    """The driver's spawned rank processes, oldest (rank 0) first."""
+    children = Path(f"/proc/{driver}/task/{driver}/children").read_text().split()
+    ranks = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sorted(ranks, key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]))
+
+
+def test_train_run_survives_a_killed_rank_with_resume(tmp_path: Path) -> None:
+    """`furlong train train.trainer=fsdp2`: SIGKILL of a rank mid-RL ends the run with RankFailed (bounded);
+    `--resume` finishes it from the last checkpoint, every step logged and every episode recorded once."""
+    from test_train_run import SMALL, _rl_rows, _train
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "train", f"train.run_dir={run}", *SMALL,
+                             "train.trainer=fsdp2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not any(r["step"] >= 1 for r in _rl_rows(run)) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
+        time.sleep(0.2)
+    ranks = _rank_pids(proc.pid)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "RankFailed: rank 1 died: killed by SIGKILL" in err, err[-3000:]
+    done = len(_rl_rows(run))
+    res = _train("--resume", str(run), wait=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rl_rows(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and done < 4
+    assert (run / "checkpoints" / "rl-3" / "shards").is_dir() and (run / "checkpoints" / "rl-3" / "hf").is_dir()
+    records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    keys = [(r["phase"], r["step"], r["group"], r["sample"]) for r in records]
+    assert len(keys) == len(set(keys)) == 4 * 2 * 2 + 2 * 4

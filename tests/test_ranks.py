@@ -11,15 +11,11 @@ from furlong.train.ranks import LocalRanks, RankFailed, RankGroup
 from tests.ranks_support import SumSpec
 
 
-def test_call_runs_every_rank_in_order_and_collectives_work():
-    with LocalRanks(SumSpec(offset=1.0), 2) as group:
-        assert isinstance(group, RankGroup)
-        assert group.call("all_sum", 2.0) == [(0, 6.0), (1, 6.0)]  # (1 + 2) * 2 on each rank
-        assert group.call("pid") == group.pids
-
-
-def test_a_rank_that_raises_closes_the_group_with_its_reason():
-    group = LocalRanks(SumSpec(), 2)
+def test_calls_run_every_rank_in_order_and_a_rank_that_raises_closes_the_group():
+    group = LocalRanks(SumSpec(offset=1.0), 2)
+    assert isinstance(group, RankGroup)
+    assert group.call("all_sum", 2.0) == [(0, 6.0), (1, 6.0)]  # (1 + 2) * 2 on each rank
+    assert group.call("pid") == group.pids
     with pytest.raises(RankFailed) as info:
         group.call("explode", 1)
     assert info.value.rank == 1 and str(info.value) == "rank 1 raised KeyError: 'boom'"

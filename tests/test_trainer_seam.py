@@ -57,6 +57,9 @@ class SealedTrainer:
     def engine_weights(self):
         return self._call("engine_weights")
 
+    def close(self) -> None:
+        self._call("close")
+
     def save(self, path: Path) -> None:
         self._call("save", path)
 
@@ -106,7 +109,7 @@ def test_the_rl_loop_runs_a_second_trainer_through_the_protocol_alone(tiny_dir, 
 
 def test_the_driver_never_reaches_into_a_trainer_beyond_the_protocol():
     """Every attribute the run package reads off a variable named `trainer` is a protocol member."""
-    allowed = {"version", "device", "train_step", "engine_weights", "save", "load", "export_hf"}
+    allowed = {"version", "device", "train_step", "engine_weights", "save", "load", "export_hf", "close"}
     used = set()
     for path in (Path(__file__).parent.parent / "furlong" / "run").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

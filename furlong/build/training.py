@@ -31,6 +31,7 @@ from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
 from furlong.tasks.family import load_family
 from furlong.tasks.model import Task
+from furlong.train.protocol import Trainer
 from furlong.train.trainer import GRPOConfig, LocalTrainer
 from furlong.train.weights import Borrowed, DirectLink, PublishedLink, WeightLink, local_pull, start_engines
 
@@ -87,14 +88,33 @@ def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
     return wrap_lora(model, LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, targets=t.lora.targets), seed=seed)
 
 
-def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True) -> LocalTrainer:
-    """The policy trainer on train.device; the KL reference is the SFT model itself (with LoRA too: fresh
-    adapters start as the identity). `anchor` False: a finished RL phase, which trains no more."""
+def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True) -> Trainer:
+    """The policy trainer (train.trainer) on train.device; the KL reference is the SFT model itself (with LoRA
+    too: fresh adapters start as the identity). `anchor` False: a finished RL phase, which trains no more."""
     config = grpo_config(t) if anchor else replace(grpo_config(t), sft_coef=0.0)
+    if t.trainer == "fsdp2":
+        return fsdp2_trainer(t, sft_dir, config, demos if anchor else [])
     device = torch.device(t.device)
     policy = policy_model(t, sft_dir, seed=t.seed).to(device)
     ref = load_model(sft_dir).to(device).requires_grad_(False) if t.rl.kl_coef > 0 else None
     return LocalTrainer(policy, config, ref_model=ref, demos=demos if anchor else [])
+
+
+def fsdp2_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list) -> Trainer:
+    """train.fsdp2.world_size rank processes on this host, each building the policy from `sft_dir`."""
+    from furlong.model.lora import LoraSpec
+    from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
+    from furlong.train.ranks import LocalRanks
+
+    ws = t.fsdp2.world_size
+    if t.device == "cuda" and ws > torch.cuda.device_count():
+        raise ConfigError(f"train.fsdp2.world_size: {ws} ranks need {ws} GPUs (one each); "
+                          f"{torch.cuda.device_count()} visible")
+    lo = t.lora
+    lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets) if lo.enabled else None
+    spec = FSDP2Spec(sft_dir, config, lora=lora, lora_seed=t.seed, demos=tuple(demos), device=t.device,
+                     threads=t.torch_threads)
+    return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)
 
 
 def lora_spec(t: TrainConfig) -> dict | None:

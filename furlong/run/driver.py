@@ -45,9 +45,12 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     try:
         before = await eval_phase("eval_before", sft_dir, cfg, p, run, console, shared)
         trainer = await rl_phase(cfg, p, run, console, sft_dir, shared)
-        final = final_model(trainer, p, run)
-        if shared is not None:  # RL pushed its last weights there, but a resumed run may have skipped RL
-            await shared.update_weights(trainer.engine_weights(), trainer.version)
+        try:
+            final = final_model(trainer, p, run)
+            if shared is not None:  # RL pushed its last weights there, but a resumed run may have skipped RL
+                await shared.update_weights(trainer.engine_weights(), trainer.version)
+        finally:
+            trainer.close()
         after = await eval_phase("eval_after", final, cfg, p, run, console, shared)
     finally:
         if shared is not None:
@@ -61,6 +64,15 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
     # a finished RL phase trains no more, so it needs no anchor: a run from before demos.jsonl still resumes
     done = bool(run.phase("rl"))
     trainer = build.trainer(cfg.train, sft_dir, [] if done else anchor_demos(cfg, run), anchor=not done)
+    try:
+        return await _rl_run(cfg, p, run, console, sft_dir, shared, trainer, done)
+    except BaseException:
+        trainer.close()
+        raise
+
+
+async def _rl_run(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path, shared, trainer: Trainer,
+                  done: bool) -> Trainer:
     start = resume(trainer, run)
     if done:
         return trainer

@@ -37,3 +37,5 @@ class Trainer(Protocol):
     def export_hf(self, out: Path, tokenizer, base_model: Path | None = None) -> Path:
         """The policy as a Hugging Face directory (LoRA: merged, plus adapter/ over `base_model`)."""
         ...
+
+    def close(self) -> None: ...  # processes it started (a distributed trainer's ranks) stop

@@ -182,7 +182,7 @@ class LocalRanks:
                     except (EOFError, OSError):
                         self._fail(rank, _death(self._exitcode(rank)))
                     if status == "err":
-                        self._fail(rank, f"raised {value}", detail)
+                        self._fail_raised(rank, value, detail)
                     results[rank] = value
             for obj in ready:  # a process that exited: its last reply (if any) was read above
                 if not isinstance(obj, Connection) and by_sentinel[obj] not in results:
@@ -190,6 +190,14 @@ class LocalRanks:
                     if not self._conns[rank].poll():
                         self._fail(rank, _death(self._exitcode(rank)))
         return [results[r] for r in range(self.world_size)]
+
+    def _fail_raised(self, rank: int, error: str, detail: str) -> None:
+        """A rank's error, unless a peer died: then the peer is the cause (a collective with it failed)."""
+        time.sleep(0.1)  # a dead peer's exit is reaped within moments of the error it caused
+        dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+        if dead:
+            self._fail(dead[0], _death(self._procs[dead[0]].exitcode), f"rank {rank} then raised {error}:\n{detail}")
+        self._fail(rank, f"raised {error}", detail)
 
     def _fail(self, rank: int, reason: str, detail: str = "") -> None:
         self._kill()

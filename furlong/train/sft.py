@@ -123,7 +123,7 @@ def _batch(demos: list[Demo], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, 
 
 def demo_nll(model, demos: list[Demo], pad_id: int = 0, tokens: int | None = None) -> torch.Tensor:
     """Mean cross-entropy over the demonstrations' assistant tokens (their loss mask). `tokens`: divide the
-    sum by this instead (a rank's part of a mean over more demonstrations: `demo_tokens` of them all)."""
+    sum by this instead (a rank's part of a mean over more demonstrations: `nll_tokens` of them all)."""
     device = next(model.parameters()).device
     ids, attn, labels = (t.to(device) for t in _batch(demos, pad_id))
     if tokens is None:
@@ -131,7 +131,7 @@ def demo_nll(model, demos: list[Demo], pad_id: int = 0, tokens: int | None = Non
     return model(input_ids=ids, attention_mask=attn, labels=labels, num_items_in_batch=tokens).loss
 
 
-def demo_tokens(demos: list[Demo]) -> int:
+def nll_tokens(demos: list[Demo]) -> int:
     """The tokens demo_nll averages over: masked ones with a token before them (labels shift by one)."""
     return sum(sum(d.loss_mask[1:]) for d in demos)
 

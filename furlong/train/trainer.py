@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 import uuid
@@ -35,7 +34,7 @@ from furlong.train.grpo import (
 from furlong.train.atomic import fsync_dir, replace_dir, write_synced
 from furlong.train.export import is_peft, write_hf
 from furlong.train.logprobs import token_logprobs
-from furlong.train.sft import Demo, demo_nll, demo_tokens
+from furlong.train.sft import Demo, demo_nll, nll_tokens
 from furlong.train.stats import TrainStats
 
 if TYPE_CHECKING:
@@ -186,6 +185,9 @@ class LocalTrainer:
     def export_hf(self, out: Path, tokenizer, base_model: Path | None = None) -> Path:
         return write_hf(self.model, tokenizer, out, base_model=base_model)
 
+    def close(self) -> None:
+        pass  # nothing of its own runs
+
     def _autocast(self) -> AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16_autocast)
 
@@ -323,7 +325,7 @@ class LocalTrainer:
             self._idle(self.model, grad=True)
             return sum(self._all_gather(0.0))
         with self._autocast():  # this rank's part of the mean over every picked demonstration's tokens
-            nll = self._forward(self.model, demo_nll, mine, 0, demo_tokens(picked) if self.world_size > 1 else None)
+            nll = self._forward(self.model, demo_nll, mine, 0, nll_tokens(picked) if self.world_size > 1 else None)
         (self.config.sft_coef * nll).backward()
         return sum(self._all_gather(float(nll.detach())))
 
