@@ -38,3 +38,6 @@ class SumWorker:
     def explode(self, rank: int) -> None:
         if dist.get_rank() == rank:
             raise KeyError("boom")
+
+    def unpicklable(self) -> object:
+        return lambda: None

@@ -31,7 +31,9 @@ from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
 from furlong.tasks.family import load_family
 from furlong.tasks.model import Task
+from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.protocol import Trainer
+from furlong.train.ranks import LocalRanks
 from furlong.train.trainer import GRPOConfig, LocalTrainer
 from furlong.train.weights import Borrowed, DirectLink, PublishedLink, WeightLink, local_pull, start_engines
 
@@ -102,9 +104,7 @@ def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True) -> 
 
 def fsdp2_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list) -> Trainer:
     """train.fsdp2.world_size rank processes on this host, each building the policy from `sft_dir`."""
-    from furlong.model.lora import LoraSpec
-    from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
-    from furlong.train.ranks import LocalRanks
+    from furlong.model.lora import LoraSpec  # peft loads slowly: only LoRA runs need it
 
     ws = t.fsdp2.world_size
     if t.device == "cuda" and ws > torch.cuda.device_count():

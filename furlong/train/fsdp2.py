@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,13 +34,15 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from furlong.agent.episode import Episode
 from furlong.model.loading import load_model
-from furlong.model.lora import LoraSpec, wrap_lora
 from furlong.train.atomic import fsync_dir, replace_dir, write_synced
 from furlong.train.export import is_peft, write_hf
 from furlong.train.ranks import RankGroup
 from furlong.train.sft import Demo
 from furlong.train.stats import TrainStats
 from furlong.train.trainer import GRPOConfig, LocalTrainer, _rng_state, _set_rng_state
+
+if TYPE_CHECKING:
+    from furlong.model.lora import LoraSpec
 
 SHARDS_DIR = "shards"  # torch.distributed.checkpoint's files: loadable at any world size
 STATE_FILE = "trainer-state.pt"  # version, optimizer step count, RNG (the same on every rank)
@@ -65,7 +68,11 @@ class FSDP2Spec:
 
     def policy(self) -> torch.nn.Module:
         model = load_model(self.model_dir)
-        return model if self.lora is None else wrap_lora(model, self.lora, seed=self.lora_seed)
+        if self.lora is None:
+            return model
+        from furlong.model.lora import wrap_lora  # peft loads slowly: only LoRA runs need it
+
+        return wrap_lora(model, self.lora, seed=self.lora_seed)
 
     def make(self, rank: int, world_size: int) -> FSDP2Worker:
         torch.set_num_threads(self.threads)

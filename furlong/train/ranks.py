@@ -96,10 +96,10 @@ def _serve(spec: WorkerSpec, rank: int, world_size: int, addr: str, port: int, t
             break
         method, args = request
         try:
-            reply = ("ok", getattr(worker, method)(*args), "")
+            reply = pickle.dumps(("ok", getattr(worker, method)(*args), ""))  # an unpicklable result is an error
         except BaseException as exc:  # noqa: BLE001
-            reply = ("err", _one_line(exc), traceback.format_exc())
-        conn.send_bytes(pickle.dumps(reply))
+            reply = pickle.dumps(("err", _one_line(exc), traceback.format_exc()))
+        conn.send_bytes(reply)
     if dist.is_initialized():
         dist.destroy_process_group()
 
