@@ -146,11 +146,16 @@ def _rank_pids(driver: int) -> list[int]:
     return sorted(ranks, key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]))
 
 
+@pytest.mark.slow  # three `furlong train` runs (~60-90 s on a loaded 2-core box)
 def test_train_run_survives_a_killed_rank_with_resume(tmp_path: Path) -> None:
     """`furlong train train.trainer=fsdp2`: SIGKILL of a rank mid-RL ends the run with RankFailed (bounded);
-    `--resume` finishes it from the last checkpoint, every step logged and every episode recorded once."""
+    `--resume` finishes it from the last checkpoint with the samples of a run never killed, every step logged
+    and every episode recorded once."""
     from test_train_run import SMALL, _rl_rows, _train
 
+    whole = tmp_path / "whole"
+    res = _train(f"train.run_dir={whole}", *SMALL, "train.trainer=fsdp2")
+    assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "train", f"train.run_dir={run}", *SMALL,
                              "train.trainer=fsdp2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -168,6 +173,7 @@ def test_train_run_survives_a_killed_rank_with_resume(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rl_rows(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and done < 4
+    assert [r["samples_sha"] for r in rows] == [r["samples_sha"] for r in _rl_rows(whole)]
     assert (run / "checkpoints" / "rl-3" / "shards").is_dir() and (run / "checkpoints" / "rl-3" / "hf").is_dir()
     records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
     keys = [(r["phase"], r["step"], r["group"], r["sample"]) for r in records]
