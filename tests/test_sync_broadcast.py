@@ -141,15 +141,21 @@ def test_unauthenticated_and_malformed_requests_are_refused_and_change_nothing(e
     asyncio.run(main())
 
 
-def test_furlong_train_with_the_broadcast_transport(tmp_path: Path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_furlong_train_with_the_broadcast_transport(tmp_path: Path, tiny_dir: Path, lora: bool):
     from test_train_run import _rl_rows, _train
     from test_train_sync import _processes_mentioning
 
     run = tmp_path / "bcast"
     res = _train("--config", "recipes/smoke.yaml", f"train.run_dir={run}", "train.rl.steps=2",
-                 "train.sync.transport=broadcast", "train.sync.engine=server", "train.sync.servers=2")
+                 "train.sync.transport=broadcast", "train.sync.engine=server", "train.sync.servers=2",
+                 f"train.lora.enabled={str(lora).lower()}")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rl_rows(run)
-    assert [r["step"] for r in rows] == [0, 1] and all(r["sync_payload_bytes"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [0, 1]
+    model_bytes = sum(t.numel() * t.element_size() for t in distinct(load_model(tiny_dir).state_dict()).values())
+    # the whole model each push; with LoRA only the adapters (a few percent of it)
+    assert all((r["sync_payload_bytes"] < 0.1 * model_bytes) if lora else (r["sync_payload_bytes"] == model_bytes)
+               for r in rows), [r["sync_payload_bytes"] for r in rows]
     assert (run / "engine-server-0.log").exists() and not (run / "weights").exists()
     assert not _processes_mentioning(str(run)), "an engine server outlived the run"
