@@ -14,7 +14,7 @@ from furlong.engine.base import SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.model.loading import load_model
-from furlong.sync.broadcast import FLAT, GROUP_NAME, Manifest, distinct
+from furlong.sync.broadcast import FLAT, GROUP_NAME, GroupSpec, Manifest, WeightGroup, buckets, distinct, host_store
 from furlong.train.weights import BroadcastLink, start_engines
 
 PROMPT = [5, 17, 300, 42, 1000, 7]
@@ -60,6 +60,32 @@ async def _open(engines: list[EngineProcess], **kw) -> tuple[BroadcastLink, list
 
     link = await BroadcastLink.open(members[0], members, cleanup=close_clients, timeout_s=60, **kw)
     return link, members
+
+
+@pytest.mark.parametrize("load_format", [None, FLAT], ids=["per-tensor", "flattened"])
+def test_both_layouts_carry_mixed_dtypes_bit_for_bit(load_format: str | None):
+    """Rank 0 and rank 1 of one gloo group (two threads here); a bf16 tensor of odd size puts the next one off
+    its alignment in the flat layout."""
+    g = torch.Generator().manual_seed(0)
+    sent = {"a": torch.randn(3, generator=g).to(torch.bfloat16), "b": torch.randn(2, 5, generator=g),
+            "c": torch.randn(7, generator=g).to(torch.float16), "d": torch.randn(4, 4, generator=g)}
+    manifest = Manifest.of(sent, load_format=load_format)
+    store = host_store("127.0.0.1", 2, 30)
+    spec = GroupSpec("127.0.0.1", store.port, 1, 2)
+
+    async def main() -> dict[str, torch.Tensor]:
+        joined = await asyncio.gather(asyncio.to_thread(WeightGroup, spec, 0, 30, store),
+                                      asyncio.to_thread(WeightGroup, spec, 1, 30))
+        _, got = await asyncio.gather(asyncio.to_thread(joined[0].send, manifest, list(sent.values())),
+                                      asyncio.to_thread(joined[1].receive, manifest))
+        return got
+
+    got = asyncio.run(main())
+    assert list(got) == list(sent) and manifest.nbytes == 3 * 2 + 10 * 4 + 7 * 2 + 16 * 4
+    for name, t in sent.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t)
+    parts = buckets(sent, 50)  # 6 + 40 bytes, then 14, then 64: a tensor over the limit goes alone
+    assert [list(b) for b in parts] == [["a", "b"], ["c"], ["d"]]
 
 
 def test_two_engine_servers_receive_a_broadcast_and_generate_with_it(engines, tiny_dir: Path):
