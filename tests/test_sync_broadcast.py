@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from furlong.engine.base import SamplingParams
+from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.model.loading import load_model
@@ -163,6 +163,23 @@ def test_unauthenticated_and_malformed_requests_are_refused_and_change_nothing(e
                 assert (await members[0].health())["weight_version"] == 5
             finally:
                 await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_member_that_refuses_fails_the_push_at_once_and_the_link_stays_failed(engines, tiny_dir: Path):
+    async def main() -> None:
+        link, members = await _open(engines[:1])
+        try:
+            await link.push(_moved(tiny_dir, 2e-2, 5), 8)
+            await members[0].destroy_weights_update_group(GROUP_NAME)  # the engine leaves behind the trainer's back
+            with pytest.raises(EngineError, match="no group"):  # at once, not after the group's 60 s timeout
+                await asyncio.wait_for(link.push(_moved(tiny_dir, 2e-2, 6), 9), 30)
+            with pytest.raises(RuntimeError, match="failed earlier"):
+                await link.push(_moved(tiny_dir, 2e-2, 7), 10)
+            assert (await members[0].health())["weight_version"] == 8  # the refused version was never loaded
+        finally:
+            await link.close()
 
     asyncio.run(main())
 

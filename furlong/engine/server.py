@@ -141,7 +141,8 @@ def serve(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     relay = Relay(open_transport(args.updates), engine) if args.updates else None
     sock = bound_socket(args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, relay, os.environ.get(ENGINE_TOKEN_ENV) or None), log_level="warning", lifespan="on",
+    app = build_app(engine, relay, os.environ.get(ENGINE_TOKEN_ENV) or None)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                             timeout_keep_alive=SERVER_KEEPALIVE_S))
 
     async def run() -> None:

@@ -165,7 +165,7 @@ async def _all_or_first_error(calls: Sequence[Awaitable[Any]]) -> list[Any]:
     """Every call's result in order, or the first failure at once: a member that refused an update never
     receives its broadcast, so waiting for the others would wait for the group's timeout."""
     tasks = [asyncio.ensure_future(c) for c in calls]
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
     if failed:
         for t in pending:
