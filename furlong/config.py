@@ -203,9 +203,10 @@ class FSDP2Config(_Node):
 class SyncConfig(_Node):
     """How each RL step's weights reach the rollout engine (furlong.sync; docs/weight-sync.md)."""
 
-    transport: Literal["direct", "inprocess", "directory", "http"] = Field(
-        "direct", description="direct: copy into the in-process engine; otherwise publish full/delta updates "
-                              "that a relay verifies and loads")
+    transport: Literal["direct", "inprocess", "directory", "http", "broadcast"] = Field(
+        "direct", description="direct: copy into the in-process engine; broadcast (engine=server): send every "
+                              "tensor over a torch.distributed group with the engine servers; otherwise publish "
+                              "full/delta updates that a relay verifies and loads")
     engine: Literal["inprocess", "server"] = Field(
         "inprocess", description="server: the RL rollout engine runs in its own process with its relay beside it")
     servers: int = Field(1, ge=1, description="engine=server: this many engine processes behind one router "
@@ -218,12 +219,20 @@ class SyncConfig(_Node):
     keep: int = Field(2, ge=0, description="updates kept before the newest full snapshot when pruning")
     momentum: bool = Field(True, description="predict dense deltas from the previous one: smaller payloads, for up "
                                              "to 2 bytes of state per word of dense tensors at each end")
+    backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="transport=broadcast: the torch.distributed backend (nccl needs a GPU at every rank)")
+    master_address: str = Field("127.0.0.1", description="transport=broadcast: the trainer's address that the "
+                                                           "engines join its group at (loopback or a private network)")
+    bucket_mb: float = Field(256, gt=0, description="transport=broadcast: tensors go in flat buckets of at most "
+                                                    "this many MiB, one broadcast each")
 
     @model_validator(mode="after")
     def _server_needs_files(self) -> SyncConfig:
-        if self.engine == "server" and self.transport not in ("directory", "http"):
-            raise ValueError(f"engine=server pulls updates from files or HTTP: set transport to directory or http "
-                             f"(got {self.transport!r})")
+        if self.engine == "server" and self.transport not in ("directory", "http", "broadcast"):
+            raise ValueError(f"engine=server takes updates from files, HTTP or a broadcast: set transport to "
+                             f"directory, http or broadcast (got {self.transport!r})")
+        if self.transport == "broadcast" and self.engine != "server":
+            raise ValueError("transport=broadcast sends weights to engine server processes: set engine to server")
         if self.servers > 1 and self.engine != "server":
             raise ValueError(f"servers={self.servers} runs engine processes: set engine to server "
                              f"(got {self.engine!r})")

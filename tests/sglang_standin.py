@@ -9,7 +9,10 @@ hf engine, so tokens and logprobs are real. It answers like a server started wit
   GET  /health, /get_model_info
   POST /generate              single `input_ids`, `sampling_params`, `return_logprob`, `lora_path` (a name)
   POST /update_weights_from_disk, /update_weights_from_tensor, /load_lora_adapter, /unload_lora_adapter,
-       /pause_generation {"mode"}, /continue_generation, /flush_cache
+       /pause_generation {"mode"}, /continue_generation, /flush_cache,
+       /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+       (tp_size 1: the server is rank `rank_offset`; received over furlong.sync.broadcast's group, either
+       layout, each request loaded at once as SGLang does)
 
 Each loaded adapter is served by its own copy of the model with the adapter merged in. Pause modes: "abort"
 ends running requests (finish_reason abort); "in_place" and "retract" both hold them in the hf engine.
@@ -20,6 +23,7 @@ Run: python -m tests.sglang_standin --model-path DIR --host 127.0.0.1 --port N [
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import copy
 import pickle
@@ -36,6 +40,7 @@ from safetensors.torch import load_file
 from furlong.engine.base import EngineError, Generation, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model.loading import load_model
+from furlong.sync.broadcast import GroupSpec, Manifest, WeightGroup
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -71,6 +76,7 @@ class SGLangStandIn:
         self.adapters: dict[str, str] = {}
         self.weight_version = weight_version
         self.in_flight = 0
+        self.groups: dict[str, WeightGroup] = {}
 
     async def generate(self, body: dict) -> dict | JSONResponse:
         ids = body.get("input_ids")
@@ -119,6 +125,30 @@ class SGLangStandIn:
         named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
         result = await self.load_weights(dict(named), body.get("weight_version"))
         return {k: v for k, v in result.items() if k != "num_paused_requests"} if isinstance(result, dict) else result
+
+    async def init_group(self, body: dict) -> dict | JSONResponse:
+        try:
+            spec = GroupSpec(**{k: body[k] for k in ("master_address", "master_port", "rank_offset", "world_size")},
+                             group_name=body.get("group_name", "weight_update_group"),
+                             backend=body.get("backend", "nccl"))
+        except (KeyError, TypeError, ValueError) as e:
+            return JSONResponse({"success": False, "message": f"bad request: {e!r}"}, status_code=400)
+        self.groups[spec.group_name] = await asyncio.to_thread(WeightGroup, spec, spec.rank_offset, 60.0)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    async def load_from_distributed(self, body: dict) -> dict | JSONResponse:
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            return JSONResponse({"success": False, "message": "Please call `init_weights_update_group` first."},
+                                status_code=400)
+        manifest = Manifest(names=tuple(body["names"]), dtypes=tuple(body["dtypes"]),
+                            shapes=tuple(tuple(s) for s in body["shapes"]), load_format=body.get("load_format"))
+        tensors = await asyncio.to_thread(group.receive, manifest)
+        return await self.load_weights(tensors, body.get("weight_version"))
+
+    async def destroy_group(self, body: dict) -> dict:
+        self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     async def load_lora(self, name: str, path: str) -> dict | JSONResponse:
         from peft import PeftModel
@@ -170,6 +200,18 @@ def build_app(state: SGLangStandIn) -> FastAPI:
     async def update_weights_from_tensor(request: Request):
         return await state.load_from_tensors(await request.json())
 
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        return await state.init_group(await request.json())
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        return await state.load_from_distributed(await request.json())
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        return await state.destroy_group(await request.json())
+
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         body = await request.json()
@@ -215,8 +257,6 @@ def main(argv: list[str] | None = None) -> None:
     args, _ignored = parser.parse_known_args(argv)  # --dtype, --enable-lora, --max-lora-rank, ...: not needed
     torch.set_num_threads(1)
     state = SGLangStandIn(args.model_path, weight_version=args.weight_version, seed=args.random_seed)
-    import asyncio
-
     for item in args.lora_paths:
         name, _, path = item.partition("=")
         asyncio.run(state.load_lora(name, path))

@@ -232,3 +232,28 @@ def test_gpu_check_script_parses_and_refuses_without_a_gpu(tmp_path):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     done = subprocess.run(["bash", str(script), "--work", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout.startswith("FAIL gpu: no NVIDIA GPU")
+
+
+def test_update_from_distributed_receives_the_trainers_broadcast(server, tiny_dir, tmp_path):
+    """SGLang's /init_weights_update_group + /update_weights_from_distributed, driven by furlong's BroadcastLink
+    (the trainer is rank 0 of a real gloo group; the stand-in is rank 1)."""
+    from furlong.train.weights import BroadcastLink
+
+    model = load_model(tiny_dir)
+
+    async def go():
+        engine = engine_for(server, tmp_path, tiny_dir)
+        link = await BroadcastLink.open(engine, [engine], backend="gloo", cleanup=engine.close, timeout_s=60)
+        try:
+            new = perturbed(model, seed=3)
+            synced = await link.push(new, 3)
+            assert synced["sync_payload_bytes"] == sum(t.numel() * 4 for t in new.values()) and engine.weight_version == 3
+            model.load_state_dict(new, strict=False)
+            gen = await engine.generate(PROMPT, SamplingParams(temperature=0.8, max_new_tokens=8, seed=1))
+            assert gen.weight_version == 3
+            assert_trainer_match(model, gen, 0.8)
+            assert (await engine.model_info())["weight_version"] == "3"
+        finally:
+            await link.close()
+
+    run(go())

@@ -16,7 +16,7 @@ from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
-from furlong.engine.remote import RemoteEngine
+from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router
 from furlong.envs.harbor import HarborSource
 from furlong.model.loading import load_model, load_tokenizer
@@ -35,7 +35,15 @@ from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.protocol import Trainer
 from furlong.train.ranks import LocalRanks
 from furlong.train.trainer import GRPOConfig, LocalTrainer
-from furlong.train.weights import Borrowed, DirectLink, PublishedLink, WeightLink, local_pull, start_engines
+from furlong.train.weights import (
+    BroadcastLink,
+    Borrowed,
+    DirectLink,
+    PublishedLink,
+    WeightLink,
+    local_pull,
+    start_engines,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -180,21 +188,46 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None) -
                 served.close()
 
         return PublishedLink(engine, publisher(transport), lambda: local_pull(relay), cleanup_local)
+    if s.transport == "broadcast":
+        return await _broadcast_link(cfg, run_path, sft_dir)
     directory = _fresh_dir(t, run_path)
     token = secrets.token_urlsafe(24)
     server = UpdateServer(directory, token=token) if s.transport == "http" else None
     processes = await start_engines(s.servers, sft_dir, server.url if server else str(directory.root), run_path,
-                                    t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb, token if server else None)
-    # One process is served directly; several sit behind a router.
-    remote = RemoteEngine(processes[0].url) if len(processes) == 1 else Router([RemoteEngine(p.url) for p in processes])
+                                    t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb, token if server else None,
+                                    engine_token=token)
+    remote, members = _remote_engines(processes, token)
 
     async def cleanup_remote() -> None:
-        await remote.close()
-        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in processes))
+        await _stop_engines(remote, processes)
         if server:
             server.close()
 
     return PublishedLink(remote, publisher(directory), remote.sync, cleanup_remote)
+
+
+def _remote_engines(processes: list[EngineProcess], token: str) -> tuple[RemoteEngine | Router, list[RemoteEngine]]:
+    """Clients of the engine processes: one is served directly, several sit behind a router."""
+    members = [RemoteEngine(p.url, token=token) for p in processes]
+    return (members[0] if len(members) == 1 else Router(members)), members
+
+
+async def _stop_engines(remote: RemoteEngine | Router, processes: list[EngineProcess]) -> None:
+    await remote.close()
+    await asyncio.gather(*(asyncio.to_thread(p.stop) for p in processes))
+
+
+async def _broadcast_link(cfg: Config, run_path: Path, sft_dir: Path) -> BroadcastLink:
+    """train.sync.transport=broadcast: engine servers without a relay, joined to the trainer's group."""
+    t, s = cfg.train, cfg.train.sync
+    token = secrets.token_urlsafe(24)  # the engines answer only this run
+    processes = await start_engines(s.servers, sft_dir, None, run_path, t.torch_threads, lora_spec(t),
+                                    t.hf.prefix_cache_mb, engine_token=token)
+    remote, members = _remote_engines(processes, token)
+    return await BroadcastLink.open(remote, members, address=s.master_address, backend=s.backend,
+                                    dtype=DTYPES[s.engine_dtype],
+                                    bucket_bytes=int(s.bucket_mb * 2**20),
+                                    cleanup=lambda: _stop_engines(remote, processes))
 
 
 async def _sglang_link(cfg: Config, run_path: Path, sft_dir: Path) -> DirectLink:

@@ -173,17 +173,26 @@ class HFEngine:
             r.kv_epoch = self._epoch  # its KV is the current weights' alone again: cacheable when it retires
         self.stats.recomputed_tokens += sum(len(row.tokens) for row in todo)
 
-    def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def check_weights(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """EngineError unless update_weights would take tensors of these names and shapes (changes nothing)."""
+        self._checked_targets(shapes)
+
+    def _checked_targets(self, shapes: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         # keep_vars: the live tensors, including tied aliases such as lm_head.weight.
         targets = self.model.state_dict(keep_vars=True)
-        state_dict = _adapter_names(self.model, state_dict, targets)
-        unknown = sorted(set(state_dict) - set(targets))
+        shapes = _adapter_names(self.model, shapes, targets)
+        unknown = sorted(set(shapes) - set(targets))
         if unknown:
             raise EngineError(f"update_weights: unknown tensors {unknown[:5]} (of {len(unknown)})")
-        for name, tensor in state_dict.items():  # check everything before touching anything
-            if tuple(tensor.shape) != tuple(targets[name].shape):
-                raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, model expects "
+        for name, shape in shapes.items():
+            shape = tuple(shape.shape if isinstance(shape, torch.Tensor) else shape)
+            if shape != tuple(targets[name].shape):
+                raise EngineError(f"update_weights: {name} has shape {shape}, model expects "
                                   f"{tuple(targets[name].shape)}")
+        return dict(shapes), targets
+
+    def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        state_dict, targets = self._checked_targets(state_dict)  # everything checked before anything is touched
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 targets[name].copy_(tensor)
@@ -391,8 +400,7 @@ def _default_eos(model: PreTrainedModel) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def _adapter_names(model: Any, state_dict: Mapping[str, torch.Tensor],
-                   targets: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+def _adapter_names(model: Any, state_dict: Mapping[str, Any], targets: Mapping[str, torch.Tensor]) -> Mapping[str, Any]:
     """A PEFT model's live adapter tensors are `...lora_A.<adapter>.weight`; PEFT saves (and furlong publishes)
     `...lora_A.weight`. Map saved names onto the active adapter's live ones; other models are unaffected."""
     adapter = getattr(model, "active_adapter", None)

@@ -1,7 +1,8 @@
 """Client side of furlong.engine.server: the Engine protocol over HTTP, and a launcher for the process.
 
 Weights never travel through this client: a remote engine gets them from its own relay, which
-`sync()` asks to pull the newest published version (see furlong.engine.server).
+`sync()` asks to pull the newest published version, or over a torch.distributed group that this client
+only announces (init_weights_update_group, update_weights_from_distributed; see furlong.engine.server).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import httpx
 
 from furlong.engine.base import EngineError, EngineUnavailable, Generation, SamplingParams
-from furlong.engine.server import READY_PREFIX
+from furlong.engine.server import ENGINE_TOKEN_ENV, READY_PREFIX
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
 from furlong.sync.transport import UPDATES_TOKEN_ENV
 
@@ -26,10 +27,12 @@ from furlong.sync.transport import UPDATES_TOKEN_ENV
 class RemoteEngine:
     """An engine served by `python -m furlong.engine.server` at `url`."""
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 600.0, token: str | None = None) -> None:
+        """`token`: the server's FURLONG_ENGINE_TOKEN, sent as a bearer token with every request."""
         self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         # Many episodes generate at once; the server batches them, so do not cap connections below that.
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, trust_env=False,
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, trust_env=False, headers=headers,
                                          limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
                                                              keepalive_expiry=CLIENT_KEEPALIVE_S))
         self._version = 0
@@ -67,6 +70,20 @@ class RemoteEngine:
         self._version = int(report["engine_version"])
         return report
 
+    async def init_weights_update_group(self, body: dict) -> dict:
+        """POST /init_weights_update_group (furlong.sync.broadcast.GroupSpec.body()); returns once joined."""
+        return await self._post("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(self, body: dict) -> dict:
+        """POST /update_weights_from_distributed (a Manifest's body) while rank 0 broadcasts its tensors."""
+        out = await self._post("/update_weights_from_distributed", body)
+        if "weight_version" in out:
+            self._version = int(out["weight_version"])
+        return out
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict:
+        return await self._post("/destroy_weights_update_group", {"group_name": group_name})
+
     async def health(self, timeout_s: float | None = None) -> dict:
         """GET /health (within `timeout_s` when given, else the client's timeout)."""
         try:
@@ -97,7 +114,8 @@ class EngineProcess:
 
     def __init__(self, model: Path, *, updates: str | None, log: Path, threads: int = 1,
                  lora: dict | None = None, start_timeout_s: float = 120.0, prefix_cache_mb: float = 256,
-                 updates_token: str | None = None) -> None:
+                 updates_token: str | None = None, engine_token: str | None = None) -> None:
+        """`engine_token`: the bearer token the server then asks of every request (FURLONG_ENGINE_TOKEN)."""
         cmd = [sys.executable, "-m", "furlong.engine.server", "--model", str(model), "--threads", str(threads),
                "--prefix-cache-mb", str(prefix_cache_mb)]
         if updates:
@@ -110,6 +128,8 @@ class EngineProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if updates_token:  # in the environment, not argv: other users can read a process's command line
             env[UPDATES_TOKEN_ENV] = updates_token
+        if engine_token:
+            env[ENGINE_TOKEN_ENV] = engine_token
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, env=env)
         self.url = self._wait_ready(start_timeout_s)
 

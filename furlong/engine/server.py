@@ -11,11 +11,16 @@ rebuilt tensors in. Routes (JSON):
 * POST /generate  {"input_ids": [...], "sampling": {...}} -> a Generation (token ids in and out)
 * POST /sync      pull the newest published version into the engine -> a SyncReport;
                   409 with the faults when nothing newer could be verified (engine untouched)
-* POST /pause, POST /resume, GET /health -> {"weight_version", "paused", "relay", "prefix_cache"}
+* POST /pause, POST /resume, GET /health -> {"weight_version", "paused", "relay", "prefix_cache",
+                  "weight_groups"}
+* POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group:
+  weights broadcast by the trainer over a torch.distributed group, in SGLang's shapes
+  (furlong.engine.distributed)
 
 When the socket is listening the process prints one line, `furlong-engine listening on URL`,
-so a parent that asked for port 0 learns the port. No authentication: bind to loopback or a
-private network only.
+so a parent that asked for port 0 learns the port. With FURLONG_ENGINE_TOKEN set in its environment
+every route needs `Authorization: Bearer <token>` (else 401, nothing changed); without it, bind to
+loopback or a private network only. A malformed body gets 400.
 """
 
 from __future__ import annotations
@@ -33,14 +38,16 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from furlong.engine.base import EngineError, SamplingParams
+from furlong.engine.distributed import DistributedReceiver, add_distributed_routes
 from furlong.engine.hf import HFEngine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.model.loading import load_model
 from furlong.sync.relay import Relay, SyncFailed
-from furlong.sync.serving import SERVER_KEEPALIVE_S, bound_socket
+from furlong.sync.serving import SERVER_KEEPALIVE_S, bound_socket, guarded_app
 from furlong.sync.transport import UPDATES_TOKEN_ENV, DirectoryTransport, HttpTransport, Transport
 
 READY_PREFIX = "furlong-engine listening on "
+ENGINE_TOKEN_ENV = "FURLONG_ENGINE_TOKEN"  # the bearer token every route then requires
 
 
 class SamplingBody(BaseModel):
@@ -64,20 +71,23 @@ def open_transport(spec: str) -> Transport:
     return DirectoryTransport(spec)
 
 
-def build_app(engine: HFEngine, relay: Relay | None) -> FastAPI:
+def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -> FastAPI:
+    receiver = DistributedReceiver(engine)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await engine.close()
 
-    app = FastAPI(title="furlong hf engine", lifespan=lifespan)
+    app = guarded_app("furlong hf engine", token, lifespan=lifespan)
 
     @app.get("/health")
     async def health() -> dict:
         s = engine.stats
         return {"weight_version": engine.weight_version, "paused": engine.paused, "relay": relay is not None,
                 "prefix_cache": {"prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
-                                 "hit_rate": s.prefix_hit_rate, "bytes": engine.prefix_cache.nbytes}}
+                                 "hit_rate": s.prefix_hit_rate, "bytes": engine.prefix_cache.nbytes},
+                "weight_groups": sorted(receiver.groups)}
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> dict:
@@ -108,6 +118,7 @@ def build_app(engine: HFEngine, relay: Relay | None) -> FastAPI:
         await engine.resume()
         return await health()
 
+    add_distributed_routes(app, receiver)
     return app
 
 
@@ -130,7 +141,8 @@ def serve(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     relay = Relay(open_transport(args.updates), engine) if args.updates else None
     sock = bound_socket(args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, relay), log_level="warning", lifespan="on",
+    app = build_app(engine, relay, os.environ.get(ENGINE_TOKEN_ENV) or None)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                             timeout_keep_alive=SERVER_KEEPALIVE_S))
 
     async def run() -> None:

@@ -202,12 +202,36 @@ class SGLangEngine:
 
     async def _timed_update(self, route: str, body: dict, version: int) -> dict:
         start = time.perf_counter()
-        out = await self._post_json(route, body)
-        if not out.get("success", False):
-            raise EngineError(f"SGLang at {self.url}{route}: {out.get('message')}")
+        out = await self._succeeded(route, body)
         self._version = version
         # The server stops scheduling for the load, so the call's duration bounds the generation pause.
         self.last_update = {"sync_pause_s": time.perf_counter() - start}
+        return out
+
+    async def init_weights_update_group(self, body: dict) -> dict:
+        """POST /init_weights_update_group (InitWeightsUpdateGroupReqInput; furlong.sync.broadcast.GroupSpec's
+        body): the server joins the trainer's group from rank `rank_offset` on (one rank per tensor-parallel
+        worker; furlong's BroadcastLink gives each member one rank, so tp_size 1). Returns once joined."""
+        return await self._succeeded("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(self, body: dict) -> dict:
+        """POST /update_weights_from_distributed (UpdateWeightsFromDistributedReqInput; a Manifest's body) while
+        rank 0 broadcasts the tensors; a body with weight_version labels later tokens with it."""
+        start = time.perf_counter()
+        out = await self._succeeded("/update_weights_from_distributed", body)
+        if body.get("weight_version") is not None:
+            self._version = parse_version(body["weight_version"])
+        self.last_update = {"sync_pause_s": time.perf_counter() - start}  # the server stops scheduling to load
+        return out
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict:
+        """POST /destroy_weights_update_group (DestroyWeightsUpdateGroupReqInput)."""
+        return await self._succeeded("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def _succeeded(self, route: str, body: dict) -> dict:
+        out = await self._post_json(route, body)
+        if not out.get("success", False):
+            raise EngineError(f"SGLang at {self.url}{route}: {out.get('message')}")
         return out
 
     def _stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:

@@ -6,9 +6,13 @@ furlong.engine.remote, furlong.engine.sglang).
 
 from __future__ import annotations
 
+import hmac
 import socket
 import threading
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 # HTTP keep-alive: a client must drop an idle pooled connection before the server closes it, or a request
 # sent on it just as the server closes it fails with ReadError (an infra_error in RL). Our servers keep idle
@@ -60,3 +64,28 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def guarded_app(title: str, token: str | None, lifespan: Any = None) -> FastAPI:
+    """A FastAPI app whose every route needs `Authorization: Bearer <token>` when `token` is set (else 401,
+    nothing changed), and whose malformed bodies get 400 naming the first bad field (not FastAPI's 422)."""
+    from fastapi import Depends, FastAPI, Header, HTTPException, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    expected = f"Bearer {token}".encode()
+
+    def authorized(authorization: str = Header(default="")) -> None:
+        if token is not None and not hmac.compare_digest(authorization.encode(), expected):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(title=title, dependencies=[Depends(authorized)], lifespan=lifespan, openapi_url=None,
+                  docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return JSONResponse({"detail": f"{where}: {first['msg']}"}, status_code=400)
+
+    return app

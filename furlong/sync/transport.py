@@ -21,7 +21,6 @@ the publisher's next `take_full_request()` sees (and clears) it and publishes a 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import os
 import re
@@ -36,7 +35,7 @@ import httpx
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from furlong.sync.errors import SyncError
-from furlong.sync.serving import CLIENT_KEEPALIVE_S, BackgroundServer
+from furlong.sync.serving import CLIENT_KEEPALIVE_S, BackgroundServer, guarded_app
 from furlong.sync.update import KINDS
 
 UPDATES_TOKEN_ENV = "FURLONG_UPDATES_TOKEN"  # an engine server's bearer token for its --updates URL
@@ -270,24 +269,10 @@ class UpdateServer:
 
 def update_app(directory: DirectoryTransport, token: str | None = None) -> FastAPI:
     """The UpdateServer's routes over `directory` (see UpdateServer)."""
-    from fastapi import Depends, FastAPI, Header, HTTPException, Request
-    from fastapi.exceptions import RequestValidationError
+    from fastapi import Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    expected = f"Bearer {token}".encode()
-
-    def authorized(authorization: str = Header(default="")) -> None:
-        if token is not None and not hmac.compare_digest(authorization.encode(), expected):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-    app = FastAPI(title="furlong weight updates", dependencies=[Depends(authorized)],
-                  openapi_url=None, docs_url=None, redoc_url=None)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        return JSONResponse({"detail": f"{where}: {first['msg']}"}, status_code=400)
+    app = guarded_app("furlong weight updates", token)
 
     @app.exception_handler(TransportError)
     async def transport_failed(request: Request, exc: TransportError) -> JSONResponse:

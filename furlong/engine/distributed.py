@@ -1,0 +1,153 @@
+"""The engine server's end of a weight broadcast (furlong.sync.broadcast), in SGLang's routes and shapes:
+
+* POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}
+  joins the trainer's group as rank `rank_offset` (returns once every member has joined).
+* POST /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version, load_format, ...}
+  receives the announced tensors while the engine keeps generating, then loads them at `weight_version`
+  (the engine pauses only for the copy). A request without weight_version stages its tensors for the next
+  one that has it, so a model sent in several buckets switches version at once.
+* POST /destroy_weights_update_group {group_name}
+
+Replies are SGLang's {"success", "message"}; a bad body (unknown group or tensor, wrong shape or dtype, a
+version that is not an integer) gets 400 before anything is received, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from furlong.engine.base import EngineError
+from furlong.engine.hf import HFEngine
+from furlong.sync.broadcast import GROUP_NAME, GroupSpec, Manifest, WeightGroup
+
+GROUP_TIMEOUT_S = 300.0  # joining, and each receive: how long a member waits for the others
+
+
+class InitGroupBody(BaseModel):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = GROUP_NAME
+    backend: str = "gloo"
+
+
+class UpdateBody(BaseModel):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = GROUP_NAME
+    flush_cache: bool = True  # the hf engine always empties its prefix cache on an update
+    abort_all_requests: bool = False  # running requests continue on recomputed KV instead
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyGroupBody(BaseModel):
+    group_name: str = GROUP_NAME
+
+
+class Refused(Exception):
+    """A request that changes nothing: its status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class DistributedReceiver:
+    """The groups this engine belongs to, and tensors staged for the next versioned update."""
+
+    def __init__(self, engine: HFEngine, timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        self.engine, self.timeout_s = engine, timeout_s
+        self.groups: dict[str, WeightGroup] = {}
+        self._staged: dict = {}
+        self._lock = asyncio.Lock()  # one update at a time: broadcasts arrive in announcement order
+
+    async def init_group(self, body: InitGroupBody) -> dict:
+        try:
+            spec = GroupSpec(**body.model_dump())
+        except ValueError as e:
+            raise Refused(400, str(e)) from None
+        if spec.rank_offset == 0:
+            raise Refused(400, "rank_offset must be >= 1: rank 0 is the trainer that broadcasts")
+        if spec.group_name in self.groups:
+            raise Refused(400, f"group {spec.group_name!r} exists; destroy it first")
+        try:
+            self.groups[spec.group_name] = await asyncio.to_thread(WeightGroup, spec, spec.rank_offset,
+                                                                   self.timeout_s)
+        except RuntimeError as e:  # the rendezvous failed or timed out
+            raise Refused(500, f"could not join group {spec.group_name!r}: {e}") from None
+        return {"success": True, "message": f"joined {spec.group_name!r} as rank {spec.rank_offset} "
+                                            f"of {spec.world_size}"}
+
+    def _check(self, body: UpdateBody) -> tuple[WeightGroup, Manifest, int | None]:
+        group = self.groups.get(body.group_name)
+        if group is None:
+            raise Refused(400, f"group_name: no group {body.group_name!r} (POST /init_weights_update_group first)")
+        try:
+            manifest = Manifest(names=tuple(body.names), dtypes=tuple(body.dtypes),
+                                shapes=tuple(tuple(s) for s in body.shapes), group_name=body.group_name,
+                                weight_version=body.weight_version, load_format=body.load_format)
+            version = None if body.weight_version is None else int(body.weight_version)
+        except ValueError as e:
+            raise Refused(400, str(e)) from None
+        if version is not None and version < 0:
+            raise Refused(400, f"weight_version must be a non-negative integer, got {body.weight_version!r}")
+        try:
+            self.engine.check_weights(dict(zip(manifest.names, manifest.shapes)))
+        except EngineError as e:
+            raise Refused(400, str(e)) from None
+        return group, manifest, version
+
+    async def update(self, body: UpdateBody) -> dict:
+        group, manifest, version = self._check(body)
+        async with self._lock:
+            start = time.perf_counter()
+            try:
+                tensors = await asyncio.to_thread(group.receive, manifest)
+            except RuntimeError as e:  # a member died or timed out: the group's broadcasts are out of step
+                self.groups.pop(body.group_name, None)
+                self._staged.clear()
+                raise Refused(500, f"receive failed, group {body.group_name!r} dropped: {e}") from None
+            received = time.perf_counter()
+            self._staged.update(tensors)
+            if version is None:
+                return {"success": True, "message": f"staged {len(tensors)} tensors", "receive_s": received - start}
+            staged, self._staged = self._staged, {}
+            await self.engine.update_weights(staged, version)
+        return {"success": True, "message": f"loaded {len(staged)} tensors at version {version}",
+                "weight_version": str(version), "receive_s": received - start,
+                "load_s": time.perf_counter() - received}
+
+    async def destroy(self, body: DestroyGroupBody) -> dict:
+        group = self.groups.pop(body.group_name, None)
+        if group is None:
+            raise Refused(400, f"group_name: no group {body.group_name!r}")
+        group.close()
+        return {"success": True, "message": f"left {body.group_name!r}"}
+
+
+def add_distributed_routes(app: FastAPI, receiver: DistributedReceiver) -> None:
+    async def answer(call) -> dict | JSONResponse:
+        try:
+            return await call
+        except Refused as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=e.status)
+
+    @app.post("/init_weights_update_group", response_model=None)
+    async def init_group(body: InitGroupBody) -> dict | JSONResponse:
+        return await answer(receiver.init_group(body))
+
+    @app.post("/update_weights_from_distributed", response_model=None)
+    async def update(body: UpdateBody) -> dict | JSONResponse:
+        return await answer(receiver.update(body))
+
+    @app.post("/destroy_weights_update_group", response_model=None)
+    async def destroy(body: DestroyGroupBody) -> dict | JSONResponse:
+        return await answer(receiver.destroy(body))
