@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,23 @@ def test_bad_yaml_names_the_field(tmp_path: Path, text: str, field: str):
     (tmp_path / "c.yaml").write_text(text)
     with pytest.raises(ValueError, match=field):
         load_spec(tmp_path / "c.yaml")
+
+
+def test_hf_config_path_is_read_and_a_missing_key_named(tmp_path: Path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m/config.json").write_text('{"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 8, '
+                                            '"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10}')
+    raw = {"nodes": [{"name": "n", "count": 1, "gpus": 1, "gpu_memory_gib": 1, "cpus": 1, "memory_gib": 1}],
+           "model": {"hf_config": "m"}, "trainer": {"gpus": 1, "seq_len": 4}, "rollout": {"gpus": 1}, "colocate": True}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="model.hf_config has no 'intermediate_size'"):
+        load_spec(tmp_path / "c.yaml")
+    config = json.loads((tmp_path / "m/config.json").read_text())
+    (tmp_path / "m/config.json").write_text(json.dumps({**config, "intermediate_size": 16}))
+    raw["model"]["layers"] = 1  # a key beside hf_config overrides the file's
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    model = load_spec(tmp_path / "c.yaml").model
+    assert (model.layers, model.ffn, model.kv, model.attention.qkv_bias) == (1, 16, 1, True)
 
 
 def test_impossible_placement_says_what_is_short():

@@ -147,6 +147,13 @@ class ClusterSpec(_Strict):
 def hf_model(path: Path) -> dict:
     """A ModelSpec's fields from a Hugging Face config.json (Llama/Qwen2/Qwen3 and their MoE, DeepSeek/GLM-5)."""
     c = json.loads(Path(path).read_text())
+    try:
+        return _hf_fields(c)
+    except KeyError as exc:
+        raise ValueError(f"{path}: model.hf_config has no {exc.args[0]!r}, which a decoder config needs") from None
+
+
+def _hf_fields(c: dict) -> dict:
     spec: dict = {"name": c.get("_name_or_path") or c.get("model_type", "model"), "layers": c["num_hidden_layers"],
                   "hidden": c["hidden_size"], "heads": c["num_attention_heads"], "vocab": c["vocab_size"],
                   "kv_heads": c.get("num_key_value_heads") or 0, "ffn": c["intermediate_size"],
@@ -160,7 +167,8 @@ def hf_model(path: Path) -> dict:
                              "index_heads": c.get("index_n_heads", 0), "index_head_dim": c.get("index_head_dim", 0)}
     else:
         spec["head_dim"] = c.get("head_dim") or 0
-        spec["attention"] = {"qkv_bias": bool(c.get("attention_bias", mt == "qwen2")), "qk_norm": mt.startswith("qwen3")}
+        spec["attention"] = {"qkv_bias": bool(c.get("attention_bias", mt == "qwen2")),  # Qwen2's are implicit
+                             "qk_norm": mt.startswith("qwen3")}
     experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
     if experts:
         shared = c.get("shared_expert_intermediate_size") or c.get("n_shared_experts", 0) * c["moe_intermediate_size"]
