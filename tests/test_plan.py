@@ -164,6 +164,8 @@ def test_cli_prints_both_worked_examples_and_starts_nothing():
         for text in expect + ["placement", "memory per trainer rank", "memory per engine GPU", "nothing started"]:
             assert text in out.stdout, text
         assert "LOADED []" in out.stdout
+        printed = "\n".join(line.rstrip() for line in out.stdout.splitlines() if not line.startswith("LOADED"))
+        assert printed in (ROOT / "docs/plan.md").read_text(), f"docs/plan.md shows an old output of {path.name}"
     cli = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--plan", str(DENSE)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "each weight update (lora)" in cli.stdout, cli.stderr
