@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="the whole loop: tiny model, SFT, GRPO in sandboxes, held-out eval")
     tr.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a killed run from its last checkpoint")
+    tr.add_argument("--plan", type=Path, metavar="CLUSTER.yaml",
+                    help="dry run: print where each role would run, memory per rank, bytes per update; start nothing")
     _common(tr)
     sft = sub.add_parser("sft", help="only the warm-start: SFT on oracle demonstrations of the train tasks")
     _common(sft)
@@ -266,6 +268,8 @@ def _tidy() -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.plan:
+        return _plan(args.plan)
     from furlong.run.driver import train
 
     _warn_limits()
@@ -278,6 +282,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each, "
                   f"temperature {summary['eval_temperature']})")
     print(json.dumps(summary))
+    return 0
+
+
+def _plan(path: Path) -> int:
+    from furlong.cluster.plan import make_plan
+    from furlong.cluster.show import print_plan
+    from furlong.cluster.spec import load_spec
+
+    print_plan(make_plan(load_spec(path)), Console(width=132))
     return 0
 
 

@@ -1,0 +1,1 @@
+"""Cluster mode: placement of rollout engines, trainer ranks, weight relays and sandbox hosts."""
