@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import shutil
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -168,9 +169,19 @@ class BwrapBackend:
                 *([] if spec.network else ["--unshare-net"])]
 
     def _build_caps(self, upper: Path | None) -> bool:
-        """Whether a build sandbox's steps get BUILD_CAPS: as root, with many uids. (As an ordinary user a
-        stored layer must hold only the user's own files, which it can remove: `chown` there stays refused.)"""
-        return upper is not None and self.subids is not None and os.geteuid() == 0
+        """Whether a build sandbox's steps get BUILD_CAPS: with many uids (as a user, see _own_layer)."""
+        return upper is not None and self.subids is not None
+
+    def _own_layer(self, layer: Path) -> None:
+        """As an ordinary user, gives the user (the sandbox's root) every file a build left to another of its
+        uids (host subordinate ids): a stored layer holds only the user's own files, which the user can
+        read and remove, as a buildah build's export does. Done in the sandbox's own id mapping."""
+        find = shutil.which("find") or "/usr/bin/find"
+        proc = subprocess.run([self._launch, *self.subids.launcher_args(), "--", find, str(layer), "(", "!", "-user",
+                               "0", "-o", "!", "-group", "0", ")", "-exec", "chown", "-h", "0:0", "{}", "+"],
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise SandboxError(f"build layer {layer}: giving its files to this user failed: {proc.stderr.strip()[-300:]}")
 
     def _identity(self, spec: SandboxSpec, lowers: tuple[Path, ...]) -> users.Identity:
         """Who the image's USER is (ids inside the sandbox); one line when this host cannot run it."""
@@ -228,6 +239,8 @@ class BwrapBackend:
             remove_tree(work)
             raise
         box.scratch = work
+        if self._build_caps(layer) and os.geteuid() != 0:
+            box.finish = lambda: self._own_layer(layer)
         return box
 
     def run_python(self, spec: PythonSpec) -> hostpython.HostPythonRun:

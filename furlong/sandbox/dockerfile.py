@@ -1,6 +1,6 @@
 """The documented Dockerfile subset furlong builds itself: FROM (one resolvable base), RUN, COPY, WORKDIR, ENV,
-and USER root. Build steps always run as the build sandbox's root (as root, with the capabilities to
-`useradd`, `chown` and switch uids inside it), so a Dockerfile that names another USER (its RUN steps would
+and USER root. Build steps always run as the build sandbox's root (with many uids, with the capabilities
+to `useradd`, `chown` and switch uids inside it), so a Dockerfile that names another USER (its RUN steps would
 run as it) is built by buildah, and so is one whose RUN or WORKDIR would run as the USER its FROM image
 sets (`step_as_user`).
 
