@@ -205,7 +205,8 @@ def test_native_build_runs_useradd_and_chown_and_the_owners_survive(store, backe
     path = _task(tmp_path, f"FROM debian:bookworm\nRUN echo {uuid.uuid4().hex} > /nonce && "
                            "useradd -m --uid 1000 worker && mkdir /data && chown worker:worker /data && "
                            "chmod 2775 /data && touch /data/f && chown 1234:4321 /data/f && "
-                           "setpriv --reuid=1000 --regid=1000 --clear-groups touch /data/by-worker\n")
+                           "setpriv --reuid=1000 --regid=1000 --clear-groups touch /data/by-worker && "
+                           "adduser --disabled-password --gecos '' --uid 1001 helper\n")
 
     async def go():
         image = await store.image(path, backend)
@@ -221,5 +222,5 @@ def test_native_build_runs_useradd_and_chown_and_the_owners_survive(store, backe
     assert res.stdout.splitlines() == ["/data 1000:1000 worker 2775", "/data/f 1234:4321 UNKNOWN 644",
                                        "/data/by-worker 1000:1000 worker 644", "/home/worker 1000:1000 worker 755",
                                        "/etc 0:0 root 755", "agent-refused"]  # the agent, root without caps
-    assert _owners(store.root / image.layers[0].path, "data", "data/f", "home/worker") == [
-        "1000:1000", "1234:4321", "1000:1000"]  # on disk: the ids inside
+    assert _owners(store.root / image.layers[0].path, "data", "data/f", "home/worker", "home/helper") == [
+        "1000:1000", "1234:4321", "1000:1000", "1001:1001"]  # on disk: the ids inside
