@@ -249,3 +249,40 @@ def test_a_build_killed_mid_run_leaves_no_mount_on_the_host(tmp_path: Path):
         assert len(json.loads(bh.run("containers", "--json"))) == 1  # the proof that it died mid-build
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+@needs_buildah
+def test_a_final_stage_ending_in_workdir_makes_its_directory(store: ImageStore, backend, tmp_path: Path):
+    """Docker's WORKDIR creates its directory; buildah only does when a later RUN uses it. Through a
+    symlink the image's own tree is followed (/work -> /srv), never the host's."""
+    stages = "FROM furlong/base AS build\nRUN echo built > /out.txt\n\nFROM furlong/base\nCOPY --from=build /out.txt /out.txt\n"
+    plain = run(store.image(_task(tmp_path / "plain", stages + "WORKDIR /app\n"), backend))
+    linked = run(store.image(_task(tmp_path / "linked", stages + "RUN ln -s /srv /work\nWORKDIR /work/sub\n"), backend))
+    assert json.loads((store.root / plain.digest / "meta.json").read_text())["builder"] == "buildah"
+    assert (plain.workdir, linked.workdir) == ("/app", "/work/sub")
+
+    async def go(ref):
+        box = await backend.create(spec(ref))
+        try:
+            return await box.exec("pwd -P; cat /out.txt; stat -c '%U %a' .", cwd=ref.workdir)
+        finally:
+            await box.close()
+
+    for ref, where in ((plain, "/app"), (linked, "/srv/sub")):
+        res = run(go(ref))
+        assert res.ok, res.stderr
+        assert res.stdout.splitlines() == [where, "built", "root 755"]
+
+
+def test_a_native_build_ending_in_workdir_makes_its_directory(store: ImageStore, backend, tmp_path: Path):
+    ref = run(store.image(_task(tmp_path, "FROM furlong/base\nRUN true\nWORKDIR /app/deep\n"), backend))
+    assert json.loads((store.root / ref.digest / "meta.json").read_text())["builder"] == "furlong"
+
+    async def go():
+        box = await backend.create(spec(ref))
+        try:
+            return await box.exec("pwd", cwd=ref.workdir)
+        finally:
+            await box.close()
+
+    assert run(go()).stdout.strip() == "/app/deep"

@@ -226,3 +226,34 @@ def test_lookups_at_once_share_one_and_new_layers_add_no_mount(store, backend, t
     assert [r.digest for r in refs] == [r.digest for r in refs[::8] for _ in range(8)] and len({r.digest for r in refs}) == 3
     assert out.startswith("2 ")
     assert _views() == before  # three new layers, no new mount
+
+
+def test_native_useradd_and_chown_build_and_the_layer_stays_removable(store, backend, tmp_path: Path):
+    """Native RUN steps have the capabilities to `useradd` and `chown` (init.c BUILD_CAPS). As root the
+    owners survive (tests/test_owners.py); as an ordinary user every stored file is the user's own, so
+    the sandbox shows root's and the user can remove the layer (a 0700 home of another uid included)."""
+    from furlong.sandbox import idmap
+    from furlong.sandbox.builds import _rmtree
+
+    if idmap.sub_ids() is None:
+        pytest.skip(f"sandboxes here have one uid: {idmap.problem()}")
+    path = _dockerfile(tmp_path, f"FROM debian:bookworm\nRUN echo {time.time_ns()} > /nonce && useradd -m --uid 1000 "
+                                 "worker && chmod 700 /home/worker && touch /home/worker/f && chown 1000:1000 "
+                                 "/home/worker/f && setpriv --reuid=1000 --regid=1000 --clear-groups id -u\n")
+
+    async def go():
+        image = await store.image(path, backend)
+        box = await backend.create(spec(image))
+        try:
+            return image, (await box.exec("stat -c %u:%g:%a /home/worker; stat -c %u:%g /home/worker/f 2>/dev/null "
+                                          "|| echo closed-to-the-agent")).stdout.split()
+        finally:
+            await box.close()
+
+    image, owners = run(go())
+    assert owners == (["1000:1000:700", "closed-to-the-agent"] if os.geteuid() == 0 else ["0:0:700", "0:0"])
+    layer = store.root / image.layers[0].path
+    copy = layer.parent.with_name(layer.parent.name + ".removal-check")
+    os.rename(layer.parent, copy)  # the cached image goes, as a store's clean-up takes it
+    _rmtree(copy)
+    assert not copy.exists()

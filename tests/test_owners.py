@@ -194,3 +194,33 @@ def test_a_parent_flattened_for_buildah_keeps_its_owners(store, tmp_path: Path):
     finally:
         bh.run("rmi", name)
     assert _owners(tmp_path / "out", "data", "data/f", "etc") == ["1000:1000", "1000:1001", "0:0"]
+
+
+def test_native_build_runs_useradd_and_chown_and_the_owners_survive(store, backend, tmp_path: Path):
+    """A native RUN has Docker's build capabilities in its user namespace (init.c BUILD_CAPS): useradd
+    makes a home of its user's, chown gives files to other uids, a step acts as one; the stored layer and
+    the sandbox show those owners. (With a USER other than root the Dockerfile still goes to buildah.)"""
+    if idmap.sub_ids() is None:
+        pytest.skip(f"sandboxes here have one uid: {idmap.problem()}")
+    path = _task(tmp_path, f"FROM debian:bookworm\nRUN echo {uuid.uuid4().hex} > /nonce && "
+                           "useradd -m --uid 1000 worker && mkdir /data && chown worker:worker /data && "
+                           "chmod 2775 /data && touch /data/f && chown 1234:4321 /data/f && "
+                           "setpriv --reuid=1000 --regid=1000 --clear-groups touch /data/by-worker && "
+                           "adduser --disabled-password --gecos '' --uid 1001 helper\n")
+
+    async def go():
+        image = await store.image(path, backend)
+        box = await backend.create(spec(image))
+        try:
+            return image, await box.exec("stat -c '%n %u:%g %U %a' /data /data/f /data/by-worker /home/worker /etc; "
+                                         "touch /data/by-root 2>/dev/null || echo agent-refused")
+        finally:
+            await box.close()
+
+    image, res = run(go())
+    assert res.ok, res.stderr
+    assert res.stdout.splitlines() == ["/data 1000:1000 worker 2775", "/data/f 1234:4321 UNKNOWN 644",
+                                       "/data/by-worker 1000:1000 worker 644", "/home/worker 1000:1000 worker 755",
+                                       "/etc 0:0 root 755", "agent-refused"]  # the agent, root without caps
+    assert _owners(store.root / image.layers[0].path, "data", "data/f", "home/worker", "home/helper") == [
+        "1000:1000", "1234:4321", "1000:1000", "1001:1001"]  # on disk: the ids inside

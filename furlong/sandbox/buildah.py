@@ -40,13 +40,13 @@ from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef, SandboxError
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.dockerfile import DockerfileError
 from furlong.sandbox.flatten import flatten_to_tar
-from furlong.sandbox.layertar import LayerWriter, UnpackError, apply_tar_output
+from furlong.sandbox.layertar import LayerWriter, UnpackError, apply_tar_output, make_dir_in_root
 from furlong.sandbox.registry import RegistryError
 
 if TYPE_CHECKING:
     from furlong.sandbox.images import ImageStore  # it calls image() below for Dockerfiles it cannot build
 
-FORMAT = "3"  # bump when the export, the key or the meta changes (3: owners kept as root)
+FORMAT = "4"  # bump when the export, the key or the meta changes (3: owners kept as root; 4: WORKDIR made)
 _STEP = re.compile(r"^(?:\[(\d+)/\d+\] )?STEP (\d+)/\d+: (\S+)")
 _ARG_REF = re.compile(r"\$(?:\{(\w+)(?::-([^}]*))?\}|(\w+))")
 _NOISE = ("Close_Fd sealing memfd copy",)  # buildah 1.28 prints this on every RUN; it means nothing
@@ -360,6 +360,10 @@ def _store(bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path, pr
         raise ImageBuildError(f"{dockerfile}: the built image has no /bin/bash, which furlong's sandbox runs "
                               f"commands with")
     config = bh.config(f"localhost/furlong/{key}")
+    try:  # a final stage ending in WORKDIR: buildah made no directory (no RUN used it), Docker does
+        make_dir_in_root(tmp / "rootfs", config.get("WorkingDir") or "/")
+    except (UnpackError, OSError) as exc:
+        raise ImageBuildError(f"{dockerfile}: WORKDIR {config.get('WorkingDir')}: {exc}") from None
     meta = {"dockerfile": str(dockerfile), "builder": "buildah", "key": key,
             "env": [e.split("=", 1) for e in config.get("Env") or [] if "=" in e],
             "workdir": config.get("WorkingDir") or "/", "user": str(config.get("User") or ""),

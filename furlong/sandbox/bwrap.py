@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import shutil
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -167,6 +168,21 @@ class BwrapBackend:
         return ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
                 *([] if spec.network else ["--unshare-net"])]
 
+    def _build_caps(self, upper: Path | None) -> bool:
+        """Whether a build sandbox's steps get BUILD_CAPS: with many uids (as a user, see _own_layer)."""
+        return upper is not None and self.subids is not None
+
+    def _own_layer(self, layer: Path) -> None:
+        """As an ordinary user, gives the user (the sandbox's root) every file a build left to another of its
+        uids (host subordinate ids): a stored layer holds only the user's own files, which the user can
+        read and remove, as a buildah build's export does. Done in the sandbox's own id mapping."""
+        find = shutil.which("find") or "/usr/bin/find"
+        proc = subprocess.run([self._launch, *self.subids.launcher_args(), "--", find, str(layer), "(", "!", "-user",
+                               "0", "-o", "!", "-group", "0", ")", "-exec", "chown", "-h", "0:0", "{}", "+"],
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise SandboxError(f"build layer {layer}: giving its files to this user failed: {proc.stderr.strip()[-300:]}")
+
     def _identity(self, spec: SandboxSpec, lowers: tuple[Path, ...]) -> users.Identity:
         """Who the image's USER is (ids inside the sandbox); one line when this host cannot run it."""
         if (known := self._identities.get(spec.image.digest)) is None:
@@ -223,6 +239,8 @@ class BwrapBackend:
             remove_tree(work)
             raise
         box.scratch = work
+        if self._build_caps(layer) and os.geteuid() != 0:
+            box.finish = lambda: self._own_layer(layer)
         return box
 
     def run_python(self, spec: PythonSpec) -> hostpython.HostPythonRun:
@@ -251,7 +269,8 @@ class BwrapBackend:
         parent_pipe = list(os.pipe()) if verifier else []
         rw_fds += parent_pipe
         init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd, (agent.uid, agent.gid),
-                               parent_pipe[0] if parent_pipe else None, agent.groups if self.subids else ())
+                               parent_pipe[0] if parent_pipe else None, agent.groups if self.subids else (),
+                               build=self._build_caps(upper))
         args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home)
         if parent_pipe:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
@@ -285,8 +304,10 @@ def _agent_procs(cgroup: cgroups.Cgroup | None) -> list[Path]:
 
 def _init_args(agent_fds: list[int], verifier_uid: int | None, verifier_ns_fd: int | None,
                agent: tuple[int, int] = (0, 0), parent_fd: int | None = None,
-               groups: tuple[int, ...] = ()) -> tuple[str, ...]:
+               groups: tuple[int, ...] = (), build: bool = False) -> tuple[str, ...]:
     args = ["--agent", f"{agent[0]}:{agent[1]}"]
+    if build:  # RUN steps chown to the image's other uids and act as them, as in Docker (init.c BUILD_CAPS)
+        args += ["--build-caps", "1"]
     for gid in groups[:64]:  # the image USER's supplementary groups (init.c MAX_AGENT_GROUPS)
         args += ["--agent-group", str(gid)]
     if verifier_uid is not None:

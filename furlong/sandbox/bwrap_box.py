@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +109,7 @@ class BwrapSandbox:
         self._closed = False
         self._death: str | None = None
         self.scratch: Path | None = None  # a build's overlay work directory, removed at close
+        self.finish: Callable[[], None] | None = None  # a build's last step on its layer, once bwrap is gone
         self.verifier_uid: int | None = None  # the uid `as_verifier` calls run as (inside); None: the agent's
         self.agent_uid = 0  # the uid agent calls run as (inside): the image's USER
         self.writes: WritableLayer | None = None  # None: its writes cannot be read on the host (a build)
@@ -256,6 +257,9 @@ class BwrapSandbox:
             log.warning("sandbox %s: bwrap did not exit within 5 s of SIGKILL", self.name)
         if self.scratch is not None:
             await asyncio.to_thread(remove_tree, self.scratch)
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            await asyncio.to_thread(finish)
 
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None

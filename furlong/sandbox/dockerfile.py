@@ -1,7 +1,8 @@
 """The documented Dockerfile subset furlong builds itself: FROM (one resolvable base), RUN, COPY, WORKDIR, ENV,
-and USER root. The build sandbox maps one uid, its root, so a Dockerfile that names another USER (its RUN
-steps would `chown` to that user, or run as it) is built by buildah, and so is one whose RUN or WORKDIR
-would run as the USER its FROM image sets (`step_as_user`).
+and USER root. Build steps always run as the build sandbox's root (with many uids, with the capabilities
+to `useradd`, `chown` and switch uids inside it), so a Dockerfile that names another USER (its RUN steps would
+run as it) is built by buildah, and so is one whose RUN or WORKDIR would run as the USER its FROM image
+sets (`step_as_user`).
 
 A Dockerfile using anything else (`outside_subset` says what) is built by buildah instead (buildah.py);
 within the subset, a malformed instruction is an error naming the file and line.

@@ -30,8 +30,8 @@ from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef,
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.tarball import tar_dir
 
-# bump when the layout or the base recipe changes, so old caches are not reused. (Not bumped when owners
-# were kept: a native RUN has no capability to chown, so every layer built before holds what it would now.)
+# bump when the layout or the base recipe changes, so old caches are not reused. (Not bumped when native RUN
+# steps got their build capabilities: a step that needed one failed before, so no layer was stored from it.)
 FORMAT = "4"
 BASE_PACKAGES = ("python3", "git", "procps", "ca-certificates")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"

@@ -179,3 +179,35 @@ def apply_tar_output(cmd: list[str], writer: LayerWriter, env: dict[str, str] | 
         err = proc.stderr.read().decode(errors="replace")
         proc.wait()
     return proc.returncode, err
+
+
+def make_dir_in_root(root: Path, path: str, hops: int = 40) -> None:
+    """`mkdir -p path` as the image would see it, chrooted at `root`: symlinks on the way are followed
+    inside the image (an absolute target from `root`, `..` stops at it), never out to the host's tree.
+    Docker's WORKDIR creates its directory so; buildah only does when a later RUN uses it."""
+    pending = [p for p in path.split("/") if p not in ("", ".")]
+    done: list[str] = []
+    while pending:
+        part = pending.pop(0)
+        if part == "..":
+            done = done[:-1]
+            continue
+        here = root.joinpath(*done, part)
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            os.mkdir(here)
+            os.chmod(here, 0o755)  # root's, as Docker's WORKDIR makes it (this process is the image's root)
+            done.append(part)
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            hops -= 1
+            if hops < 0:
+                raise UnpackError(f"{path}: too many symlinks in the image")
+            target = os.readlink(here)
+            pending = [p for p in target.split("/") if p not in ("", ".")] + pending
+            done = [] if target.startswith("/") else done
+        elif stat.S_ISDIR(st.st_mode):
+            done.append(part)
+        else:
+            raise UnpackError(f"{path}: /{'/'.join([*done, part])} in the image is not a directory")

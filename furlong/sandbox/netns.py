@@ -25,6 +25,7 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -130,8 +131,30 @@ def joined(uid: int, timeout_s: float = 10.0) -> Iterator[list[str]]:
         pid = _sleeper(holder, timeout_s)
         yield ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
     finally:
+        _end(holder)
+
+
+def _end(holder: subprocess.Popen) -> None:
+    """Kills pasta's child before pasta: killed first, pasta would leave it running, reparented to init
+    (a `sleep infinity` per build). pasta, still its parent, has not reaped it, so its pid is still it;
+    pasta then exits on its own once its child is gone."""
+    for child in _children(holder.pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        holder.wait(timeout=5)
+    except subprocess.TimeoutExpired:
         holder.kill()
         holder.wait()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def _sleeper(holder: subprocess.Popen, timeout_s: float) -> int:
@@ -141,11 +164,11 @@ def _sleeper(holder: subprocess.Popen, timeout_s: float) -> int:
         if holder.poll() is not None:
             err = holder.stderr.read().decode(errors="replace").strip()[-300:] if holder.stderr else ""
             raise SandboxError(f"pasta exited before its network namespace was ready: {err}")
-        try:
-            for child in Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text().split():
+        for child in _children(holder.pid):
+            try:
                 if Path(f"/proc/{child}/comm").read_text().strip() == "sleep":
-                    return int(child)
-        except OSError:
-            pass
+                    return child
+            except OSError:
+                pass
         time.sleep(0.005)
     raise SandboxError(f"pasta's network namespace was not ready within {timeout_s:g}s")

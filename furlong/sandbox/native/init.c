@@ -8,7 +8,8 @@
  * /proc/1/fd or /proc/1/mem.
  *
  * Identities (argv, from the host): `--agent UID:GID` runs agent commands as that uid with no
- * capabilities at all (bounding set emptied, no_new_privs), and moves each into the agent cgroup
+ * capabilities at all (bounding set emptied, no_new_privs), or, with `--build-caps 1` (a build's RUN
+ * steps, never an agent's), with BUILD_CAPS in the sandbox's user namespace, and moves each into the agent cgroup
  * (`--agent-procs FD`, repeatable: cgroup.procs files the host opened) whose pids limit leaves the init
  * and the verifier room; `--verifier UID` hands that uid the /tests and /logs mounts the host made, and
  * runs verifier commands as it: inside the namespace at `--verifier-ns FD` (furlong-launch made it: there
@@ -69,6 +70,10 @@ enum { ROLE_AGENT = 0, ROLE_VERIFIER = 1 };
 #define VERIFIER_CAPS (CAPBIT(CAP_CHOWN) | CAPBIT(CAP_DAC_OVERRIDE) | CAPBIT(CAP_DAC_READ_SEARCH) | \
   CAPBIT(CAP_FOWNER) | CAPBIT(CAP_FSETID) | CAPBIT(CAP_KILL) | CAPBIT(CAP_SETGID) | CAPBIT(CAP_SETUID) | \
   CAPBIT(CAP_NET_BIND_SERVICE))
+/* A build's RUN steps, as Docker's RUN has them: useradd, chown to the image's other uids, files of theirs.
+ * Only ever capabilities over the sandbox's own user namespace, whose ids are the subordinate range. */
+#define BUILD_CAPS (CAPBIT(CAP_CHOWN) | CAPBIT(CAP_DAC_OVERRIDE) | CAPBIT(CAP_FOWNER) | CAPBIT(CAP_FSETID) | \
+  CAPBIT(CAP_SETGID) | CAPBIT(CAP_SETUID))
 #define MAX_AGENT_PROCS 8
 
 typedef struct { unsigned char *p; size_t len, cap; } buf_t;
@@ -95,6 +100,7 @@ static int drains[DRAIN_MAX];
 static int epfd, sigfd;
 static char **base_env;
 static long agent_uid = 0, agent_gid = 0, verifier_uid = -1, init_uid = -1;
+static int build_caps = 0;  /* --build-caps 1: agent commands are a build's RUN steps (BUILD_CAPS) */
 static uid_t init_fsuid = 0;  /* the init's file uid between ops done as a role */
 static int parent_fd = -1;  /* the read end of bwrap's status pipe, which only bwrap's monitor keeps open */
 static int agent_procs[MAX_AGENT_PROCS], n_agent_procs, verifier_ns = -1, seccomp_fd = -1;
@@ -288,7 +294,7 @@ static void load_seccomp(void) {  /* the whole program, read once: an array of s
 /* In a command's child, before exec: who it runs as, with which capabilities, in which cgroup. */
 static int become(int role) {
   int verifier = is_verifier(role);
-  uint64_t keep = verifier ? VERIFIER_CAPS & own_caps : 0;
+  uint64_t keep = verifier ? VERIFIER_CAPS & own_caps : build_caps ? BUILD_CAPS & own_caps : 0;
   uid_t uid = verifier ? (uid_t)verifier_uid : (uid_t)agent_uid;
   gid_t gid = verifier ? (gid_t)verifier_uid : (gid_t)agent_gid;
   if (verifier && verifier_ns >= 0) {  /* root there (full capabilities in it), trimmed to `keep` below */
@@ -706,6 +712,7 @@ static void parse_args(int argc, char **argv) {
     if (!strcmp(opt, "--parent-fd") && sscanf(val, "%d", &parent_fd) == 1) continue;
     if (!strcmp(opt, "--verifier-ns") && sscanf(val, "%d", &verifier_ns) == 1) continue;
     if (!strcmp(opt, "--seccomp") && sscanf(val, "%d", &seccomp_fd) == 1) continue;
+    if (!strcmp(opt, "--build-caps") && sscanf(val, "%d", &build_caps) == 1) continue;
     if (!strcmp(opt, "--agent-group") && n_agent_groups < MAX_AGENT_GROUPS) {
       agent_groups[n_agent_groups++] = (gid_t)atol(val);
       continue;

@@ -1,0 +1,25 @@
+"""Nothing left behind: a buildah build (as root its RUN steps in a pasta network namespace), a networked
+sandbox and a short `furlong eval --agent oracle` on a bundled task leave no process, namespace, mount
+or cgroup on the host. Counted by tests/leftovers_probe.py, a child subreaper (its docstring says why)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah (install.sh installs it)")
+def test_build_networked_sandbox_and_eval_leave_nothing_on_the_host(tmp_path: Path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/leftovers_probe.py"), str(ROOT), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["before"]["mounts"] > 0  # the counts read something
+    assert report["left"] == {"processes": [], "namespaces": [], "mounts": [], "cgroups": []}, report
