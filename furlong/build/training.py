@@ -7,12 +7,15 @@ import asyncio
 import secrets
 import shutil
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from furlong.agent.episode import AgentParams
+from furlong.build import cluster as ray_build
 from furlong.build.sandbox import image_store, sandbox_backend
+from furlong.cluster.session import RaySession
 from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
@@ -49,6 +52,12 @@ class Pieces:
     eval_tasks: list[Task]
     params: AgentParams
     base_model: Path
+    cluster: RaySession | None = None  # train.cluster=ray: the run's Ray cluster and placement groups
+
+    def close(self) -> None:
+        """What the pieces hold beyond the run's phases: the Ray session (its actors go with it)."""
+        if self.cluster is not None:
+            self.cluster.close()
 
 
 def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource:
@@ -70,7 +79,7 @@ def pieces(cfg: Config) -> Pieces:
     source = env_source(t, backend)
     return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
-                  params=AgentParams.of(t.agent), base_model=Path(base))
+                  params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_build.session(t))
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:
@@ -87,9 +96,16 @@ def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
     return wrap_lora(model, LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, targets=t.lora.targets), seed=seed)
 
 
-def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True) -> LocalTrainer:
-    """The policy trainer on train.device; the KL reference is the SFT model itself (with LoRA too: fresh
-    adapters start as the identity). `anchor` False: a finished RL phase, which trains no more."""
+def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True, cluster: RaySession | None = None):
+    """The policy trainer on train.device, in this process or (train.cluster=ray) in the session's trainer
+    actor; the KL reference is the SFT model itself (with LoRA too: fresh adapters start as the identity).
+    `anchor` False: a finished RL phase, which trains no more."""
+    if cluster is not None:
+        return ray_build.trainer(cluster, partial(local_trainer, t, sft_dir, demos, anchor), t)
+    return local_trainer(t, sft_dir, demos, anchor)
+
+
+def local_trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool) -> LocalTrainer:
     config = grpo_config(t) if anchor else replace(grpo_config(t), sft_coef=0.0)
     device = torch.device(t.device)
     policy = policy_model(t, sft_dir, seed=t.seed).to(device)
@@ -136,17 +152,21 @@ def _fresh_dir(t: TrainConfig, run_path: Path) -> DirectoryTransport:
     return DirectoryTransport(root, keep=t.sync.keep)
 
 
-async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None) -> WeightLink:
-    """RL's rollout engine and the link that keeps its weights current (train.engine, train.sync)."""
+async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
+                      cluster: RaySession | None = None) -> WeightLink:
+    """RL's rollout engine and the link that keeps its weights current (train.engine, train.sync; with
+    train.cluster=ray, engine actors)."""
     t, s = cfg.train, cfg.train.sync
     if t.engine == "sglang":
         return await _sglang_link(cfg, run_path, sft_dir)
+    publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
+                                            engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
+    if cluster is not None:
+        return await ray_build.engine_link(cfg, cluster, sft_dir, _fresh_dir(t, run_path), publisher, lora_spec(t))
     local = (lambda: Borrowed(shared)) if shared is not None else (
         lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb))
     if s.transport == "direct":
         return DirectLink(local())
-    publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
-                                            engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
     if s.engine == "inprocess":
         engine = local()
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(t, run_path)

@@ -111,7 +111,8 @@ def build_app(engine: HFEngine, relay: Relay | None) -> FastAPI:
     return app
 
 
-def _load_engine(args: argparse.Namespace) -> HFEngine:
+def load_engine(args: argparse.Namespace) -> HFEngine:
+    """The hf engine of the server flags in `args` (furlong.engine.serve_args)."""
     model = load_model(args.model)
     if args.lora:
         from furlong.model.lora import LoraSpec, wrap_lora
@@ -127,7 +128,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     torch.set_num_threads(args.threads)
-    engine = _load_engine(args)
+    engine = load_engine(args)
     relay = Relay(open_transport(args.updates), engine) if args.updates else None
     sock = bound_socket(args.host, args.port)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, relay), log_level="warning", lifespan="on",
