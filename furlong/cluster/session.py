@@ -51,6 +51,19 @@ class Roles:
         raise ValueError(f"train.ray.placement: expected colocated or disaggregated, got {self.placement!r}")
 
 
+def place(roles: Roles, prefix: str, timeout_s: float) -> dict[str, PlacementGroup]:
+    """The roles' placement groups on the connected cluster, each ready (else TimeoutError, all removed)."""
+    groups = {name: placement_group(bundles, strategy=strategy, name=f"{prefix}-{name}")
+              for name, (bundles, strategy) in roles.groups().items()}
+    for name, group in groups.items():
+        if not group.wait(timeout_s):
+            for g in groups.values():
+                remove_placement_group(g)
+            raise TimeoutError(f"placement group {name!r} ({roles.groups()[name][0]}) not ready within "
+                               f"{timeout_s:g} s: the cluster has {ray.cluster_resources()}")
+    return groups
+
+
 class RaySession:
     """Ray started or joined, the placement groups ready; `slot(role, i)` schedules an actor in its bundle."""
 
@@ -64,19 +77,16 @@ class RaySession:
             if self.local:
                 os.environ[TAG_ENV] = self.tag  # inherited by every Ray process started now, and only those
                 try:
-                    ray.init(num_cpus=num_cpus or roles.cpus, include_dashboard=False, log_to_driver=False,
+                    # "local": a new cluster even where another run's (or `ray start`'s) is up
+                    ray.init(address="local", num_cpus=num_cpus or roles.cpus, include_dashboard=False,
+                             log_to_driver=False,
                              namespace=self.tag, runtime_env={"env_vars": env})
                 finally:
                     os.environ.pop(TAG_ENV, None)
             else:
                 ray.init(address=address, namespace=self.tag, log_to_driver=False, runtime_env={"env_vars": env})
             self.groups: dict[str, PlacementGroup] = {}
-            for name, (bundles, strategy) in roles.groups().items():
-                self.groups[name] = placement_group(bundles, strategy=strategy, name=f"{self.tag}-{name}")
-            for name, group in self.groups.items():
-                if not group.wait(timeout_s):
-                    raise TimeoutError(f"placement group {name!r} ({roles.groups()[name][0]}) not ready within "
-                                       f"{timeout_s:g} s: the cluster has {ray.cluster_resources()}")
+            self.groups = place(roles, self.tag, timeout_s)
         except BaseException:
             self.close()
             raise
