@@ -137,26 +137,30 @@ def test_a_killed_engine_actor_is_restarted_and_rejoins_at_the_live_version(sess
     asyncio.run(main())
 
 
-def _host_processes() -> set[int]:
-    """Ray's processes (head, agents, workers), furlong's reapers and sandboxes (bwrap) on this host."""
-    marks = (b"ray::", b"raylet", b"gcs_server", b"furlong.cluster.reaper", b"bwrap", b"ray/dashboard",
-             b"ray/_private", b"ray/autoscaler")
-    found = set()
+MARK = "FURLONG_TEST_RUN"
+
+
+def _left(mark: str) -> dict[int, str]:
+    """The processes (pid -> command) on this host that inherited the run's mark: its Ray head, agents and
+    workers, its reaper, its sandboxes; other users of the host are not counted."""
+    want, found = f"{MARK}={mark}".encode(), {}
     for entry in Path("/proc").iterdir():
         try:
-            cmd = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+            if entry.name.isdigit() and want in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()
         except OSError:
             continue
-        if any(m in cmd for m in marks):
-            found.add(int(entry.name))
     return found
 
 
-def _train(*args: str, wait: bool = True):
-    cmd = [sys.executable, "-m", "furlong.cli", "train", "--config", str(RECIPES / "smoke.yaml"), *args]
+def _train(*args: str, mark: str = "", wait: bool = True):
+    config = [] if args[0] == "--resume" else ["--config", str(RECIPES / "smoke.yaml")]
+    cmd = [sys.executable, "-m", "furlong.cli", "train", *config, *args]
+    env = {**os.environ, MARK: mark}
     if wait:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
 
 
 def _rl_rows(run: Path) -> list[dict]:
@@ -170,22 +174,26 @@ def _files(run: Path) -> set[str]:
 
 
 def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(tmp_path: Path):
-    before = _host_processes()
     killed = tmp_path / "ray"
-    proc = _train("train.cluster=ray", f"train.run_dir={killed}", wait=False)
+    proc = _train("train.cluster=ray", f"train.run_dir={killed}", mark="killed", wait=False)
     try:
         _until(lambda: any(r["step"] >= 1 for r in _rl_rows(killed)) or proc.poll() is not None, "RL step 1", 300)
         assert proc.poll() is None, "the run ended before it could be killed"
+        running = _left("killed")
+        assert len(running) > 3, f"the run's processes were not found, so the count below proves nothing: {running}"
         os.kill(proc.pid, signal.SIGKILL)  # the driver alone: what it started must go without it
         proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
-    _until(lambda: _host_processes() <= before, "the killed run's Ray processes and sandboxes to be gone", 60)
+    deadline = time.monotonic() + 60
+    while left := _left("killed"):
+        assert time.monotonic() < deadline, f"left behind by the killed driver: {left}"
+        time.sleep(0.2)
     assert not (killed / "summary.json").exists()
-    res = _train("--resume", str(killed))
+    res = _train("--resume", str(killed), mark="resumed")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert _host_processes() <= before
+    assert not _left("resumed")
     local = tmp_path / "local"
     res = _train(f"train.run_dir={local}")
     assert res.returncode == 0, res.stderr[-3000:]
