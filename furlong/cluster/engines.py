@@ -16,6 +16,8 @@ import torch
 
 from furlong.cluster.session import RaySession
 from furlong.engine.serve_args import add_serve_arguments
+from furlong.engine.server import build_app, load_engine, open_transport
+from furlong.sync.relay import Relay
 from furlong.sync.serving import BackgroundServer
 from furlong.sync.transport import UPDATES_TOKEN_ENV
 
@@ -41,9 +43,6 @@ class EngineHost:
     """The actor: the engine server on a thread of its own, until the actor dies."""
 
     def __init__(self, spec: EngineSpec, port: int, loopback: bool) -> None:
-        from furlong.engine.server import build_app, load_engine, open_transport
-        from furlong.sync.relay import Relay
-
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         ap = argparse.ArgumentParser()
         add_serve_arguments(ap)
