@@ -85,8 +85,7 @@ class RaySession:
                     os.environ.pop(TAG_ENV, None)
             else:
                 ray.init(address=address, namespace=self.tag, log_to_driver=False, runtime_env={"env_vars": env})
-            self.groups: dict[str, PlacementGroup] = {}
-            self.groups = place(roles, self.tag, timeout_s)
+            self.groups: dict[str, PlacementGroup] = place(roles, self.tag, timeout_s)
         except BaseException:
             self.close()
             raise

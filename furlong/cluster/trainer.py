@@ -44,7 +44,7 @@ class RayTrainer:
         self.version = 0
 
     def _call(self, method: str, *args):
-        result, self.version = ray.get(getattr(self._actor, "call").remote(method, *args))
+        result, self.version = ray.get(self._actor.call.remote(method, *args))
         return result
 
     @property
