@@ -284,7 +284,8 @@ class TrainConfig(_Node):
     sglang: SGLangConfig = Field(SGLangConfig(), description="train.engine=sglang: the server")
     cluster: Literal["local", "ray"] = Field(
         "local", description="local: every role in this process (or engine processes, train.sync.engine); "
-                             "ray: the RL trainer and engines as Ray actors (train.ray)")
+                             "ray: the RL trainer and engines as Ray actors (train.ray; their count is "
+                             "train.ray.engines, train.sync.engine and servers are not used)")
     ray: RayConfig = Field(RayConfig(), description="train.cluster=ray: the cluster, its placement and resources")
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "

@@ -34,6 +34,7 @@ from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
 from furlong.tasks.family import load_family
 from furlong.tasks.model import Task
+from furlong.train.protocol import Trainer
 from furlong.train.trainer import GRPOConfig, LocalTrainer
 from furlong.train.weights import Borrowed, DirectLink, PublishedLink, WeightLink, local_pull, start_engines
 
@@ -96,7 +97,8 @@ def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
     return wrap_lora(model, LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, targets=t.lora.targets), seed=seed)
 
 
-def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True, cluster: RaySession | None = None):
+def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True,
+            cluster: RaySession | None = None) -> Trainer:
     """The policy trainer on train.device, in this process or (train.cluster=ray) in the session's trainer
     actor; the KL reference is the SFT model itself (with LoRA too: fresh adapters start as the identity).
     `anchor` False: a finished RL phase, which trains no more."""
