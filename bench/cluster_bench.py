@@ -24,6 +24,7 @@ from provenance import finish, provenance
 from runs import ROOT, summary
 
 MARK = "FURLONG_BENCH_RUN"
+RAY = (b"ray::", b"/ray/", b"furlong.cluster.reaper")  # Ray's binaries and scripts, its workers, the reaper
 WORKERS = (b"ray::EngineHost", b"ray::TrainerHost", b"ray::RankHost")  # the actors: the run's own work
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -42,8 +43,8 @@ def _marked(mark: str, driver: int) -> dict[int, tuple[float, int]]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if b"bwrap" in cmd or any(cmd.startswith(w) for w in WORKERS) or b"furlong.cli" in cmd:
-            continue  # sandboxes and the work itself
+        if not any(m in cmd for m in RAY) or any(cmd.startswith(w) for w in WORKERS):
+            continue  # sandboxes, the driver's helpers, and the actors doing the work
         out[int(entry.name)] = ((int(fields[11]) + int(fields[12])) / TICK, int(fields[21]) * PAGE)
     return out
 
