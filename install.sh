@@ -58,6 +58,7 @@ fi
 pip_quiet=(--quiet --disable-pip-version-check --root-user-action=ignore)
 python3 -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null \
   || python3 -m pip install "${pip_quiet[@]}" torch==2.13.0
+# furlong and its dependencies, Ray (train.cluster=ray) among them, all under constraints.txt
 python3 -m pip install "${pip_quiet[@]}" -c constraints.txt -e '.[test]'
 python3 -m furlong.sandbox.native >/dev/null  # the static init and launcher, compiled once
 

@@ -300,7 +300,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     _warn_limits()
     cfg, run = _run_dir(_config(args, {}), args)
-    out = asyncio.run(sft_phase(cfg, build.pieces(cfg), run, console))
+    pieces = build.pieces(cfg)
+    try:
+        out = asyncio.run(sft_phase(cfg, pieces, run, console))
+    finally:
+        pieces.close()
     console.print(f"SFT model: {out}")
     print(json.dumps(run.phase("sft")))
     return 0

@@ -261,6 +261,27 @@ class HFEngineConfig(_Node):
                                "prefix (LRU within this many MiB); 0 disables the prefix cache")
 
 
+class RayConfig(_Node):
+    """`train.cluster: ray`: the rollout engines and the RL trainer run as Ray actors (furlong.cluster;
+    docs/cluster.md). Resources are Ray's logical CPUs, reserved in placement groups, one bundle per actor."""
+
+    address: str | None = Field(None, description="null: start a local Ray cluster for the run (stopped at its "
+                                                   "end); an address (`auto`, HOST:PORT) joins a running one")
+    num_cpus: float | None = Field(None, gt=0, description="a local cluster's logical CPUs; null: what the "
+                                                           "bundles reserve")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: one placement group packs the trainer and the engines on one node; "
+                                 "disaggregated: a trainer group and an engine group spread over the nodes")
+    engines: int = Field(1, ge=1, description="engine actors (each an engine server with its relay) behind "
+                                              "furlong.engine.router when more than one")
+    engine_cpus: float = Field(1.0, gt=0, description="logical CPUs each engine actor's bundle reserves")
+    trainer_cpus: float = Field(1.0, gt=0, description="logical CPUs the trainer actor's bundle reserves")
+    max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead engine actor (same address; "
+                                                   "the router readmits it at the live weight version)")
+    start_timeout_s: float = Field(180.0, gt=0, description="how long placement groups and actors may take to "
+                                                            "become ready")
+
+
 class TrainEvalConfig(_Node):
     heldout_per_family: int = Field(64, ge=1, description="held-out instances of each family, one episode each "
                                                            "(the bundled families have 128)")
@@ -279,6 +300,11 @@ class TrainConfig(_Node):
         "hf", description="hf (in-process); vllm: rollouts and evals (the vllm extra; furlong.engine.vllm); "
                           "sglang: RL rollouts on an SGLang server, evals stay on hf (train.sglang)")
     sglang: SGLangConfig = Field(SGLangConfig(), description="train.engine=sglang: the server")
+    cluster: Literal["local", "ray"] = Field(
+        "local", description="local: every role in this process (or engine processes, train.sync.engine); "
+                             "ray: the RL trainer and engines as Ray actors (train.ray; their count is "
+                             "train.ray.engines, train.sync.engine and servers are not used)")
+    ray: RayConfig = Field(RayConfig(), description="train.cluster=ray: the cluster, its placement and resources")
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "
                                            "(and its KL reference)")
@@ -299,6 +325,18 @@ class TrainConfig(_Node):
         if self.engine == "vllm" and self.sync.engine == "server":
             raise ValueError("train.engine=vllm runs vLLM's own engine process: set train.sync.engine=inprocess "
                              "(sync.engine=server is the hf engine server)")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_cluster_supports(self) -> TrainConfig:
+        if self.cluster == "ray" and self.engine != "hf":
+            raise ValueError(f"train.cluster=ray runs the hf engine server in Ray actors: set train.engine=hf "
+                             f"(got {self.engine!r})")
+        if self.cluster == "ray" and self.device != "cpu":
+            raise ValueError("train.cluster=ray: the trainer actor reserves CPUs only; set train.device=cpu")
+        if self.cluster == "ray" and self.sync.transport == "broadcast":
+            raise ValueError("train.cluster=ray: engine actors take updates from files or HTTP (train.sync.transport"
+                             "=directory or http); the broadcast transport is for train.sync.engine=server")
         return self
 
     @model_validator(mode="after")

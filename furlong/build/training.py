@@ -7,12 +7,15 @@ import asyncio
 import secrets
 import shutil
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from furlong.agent.episode import AgentParams
+from furlong.build import cluster as ray_build
 from furlong.build.sandbox import image_store, sandbox_backend
+from furlong.cluster.session import RaySession
 from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
@@ -33,7 +36,7 @@ from furlong.tasks.family import load_family
 from furlong.tasks.model import Task
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.protocol import Trainer
-from furlong.train.ranks import LocalRanks
+from furlong.train.ranks import LocalRanks, RankGroup
 from furlong.train.trainer import GRPOConfig, LocalTrainer
 from furlong.train.weights import (
     BroadcastLink,
@@ -60,6 +63,12 @@ class Pieces:
     eval_tasks: list[Task]
     params: AgentParams
     base_model: Path
+    cluster: RaySession | None = None  # train.cluster=ray: the run's Ray cluster and placement groups
+
+    def close(self) -> None:
+        """What the pieces hold beyond the run's phases: the Ray session (its actors go with it)."""
+        if self.cluster is not None:
+            self.cluster.close()
 
 
 def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource:
@@ -81,7 +90,7 @@ def pieces(cfg: Config) -> Pieces:
     source = env_source(t, backend)
     return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
-                  params=AgentParams.of(t.agent), base_model=Path(base))
+                  params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_build.session(t))
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:
@@ -98,20 +107,31 @@ def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
     return wrap_lora(model, LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, targets=t.lora.targets), seed=seed)
 
 
-def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True) -> Trainer:
-    """The policy trainer (train.trainer) on train.device; the KL reference is the SFT model itself (with LoRA
-    too: fresh adapters start as the identity). `anchor` False: a finished RL phase, which trains no more."""
+def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True,
+            cluster: RaySession | None = None) -> Trainer:
+    """The policy trainer (train.trainer) on train.device, in this process or (train.cluster=ray) in the
+    session's actors; the KL reference is the SFT model itself (with LoRA too: fresh adapters start as the
+    identity). `anchor` False: a finished RL phase, which trains no more."""
     config = grpo_config(t) if anchor else replace(grpo_config(t), sft_coef=0.0)
+    demos = demos if anchor else []
     if t.trainer == "fsdp2":
-        return fsdp2_trainer(t, sft_dir, config, demos if anchor else [])
+        return fsdp2_trainer(t, sft_dir, config, demos, cluster)
+    if cluster is not None:
+        return ray_build.trainer(cluster, partial(local_trainer, t, sft_dir, config, demos), t)
+    return local_trainer(t, sft_dir, config, demos)
+
+
+def local_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list) -> LocalTrainer:
     device = torch.device(t.device)
     policy = policy_model(t, sft_dir, seed=t.seed).to(device)
     ref = load_model(sft_dir).to(device).requires_grad_(False) if t.rl.kl_coef > 0 else None
-    return LocalTrainer(policy, config, ref_model=ref, demos=demos if anchor else [])
+    return LocalTrainer(policy, config, ref_model=ref, demos=demos)
 
 
-def fsdp2_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list) -> Trainer:
-    """train.fsdp2.world_size rank processes on this host, each building the policy from `sft_dir`."""
+def fsdp2_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list,
+                  cluster: RaySession | None = None) -> Trainer:
+    """train.fsdp2.world_size ranks, each building the policy from `sft_dir`: processes on this host, or
+    (train.cluster=ray) Ray actors placed in the run's cluster."""
     from furlong.model.lora import LoraSpec  # peft loads slowly: only LoRA runs need it
 
     ws = t.fsdp2.world_size
@@ -122,7 +142,9 @@ def fsdp2_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list
     lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets) if lo.enabled else None
     spec = FSDP2Spec(sft_dir, config, lora=lora, lora_seed=t.seed, demos=tuple(demos), device=t.device,
                      threads=t.torch_threads)
-    return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)
+    ranks: RankGroup = (LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s) if cluster is None
+                        else ray_build.ranks(cluster, spec, t))
+    return FSDP2Trainer(ranks, spec)
 
 
 def lora_spec(t: TrainConfig) -> dict | None:
@@ -164,17 +186,21 @@ def _fresh_dir(t: TrainConfig, run_path: Path) -> DirectoryTransport:
     return DirectoryTransport(root, keep=t.sync.keep)
 
 
-async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None) -> WeightLink:
-    """RL's rollout engine and the link that keeps its weights current (train.engine, train.sync)."""
+async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
+                      cluster: RaySession | None = None) -> WeightLink:
+    """RL's rollout engine and the link that keeps its weights current (train.engine, train.sync; with
+    train.cluster=ray, engine actors)."""
     t, s = cfg.train, cfg.train.sync
     if t.engine == "sglang":
         return await _sglang_link(cfg, run_path, sft_dir)
+    publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
+                                            engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
+    if cluster is not None:
+        return await ray_build.engine_link(cfg, cluster, sft_dir, _fresh_dir(t, run_path), publisher, lora_spec(t))
     local = (lambda: Borrowed(shared)) if shared is not None else (
         lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb))
     if s.transport == "direct":
         return DirectLink(local())
-    publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
-                                            engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
     if s.engine == "inprocess":
         engine = local()
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(t, run_path)

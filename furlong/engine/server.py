@@ -122,7 +122,8 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
     return app
 
 
-def _load_engine(args: argparse.Namespace) -> HFEngine:
+def load_engine(args: argparse.Namespace) -> HFEngine:
+    """The hf engine of the server flags in `args` (furlong.engine.serve_args)."""
     model = load_model(args.model)
     if args.lora:
         from furlong.model.lora import LoraSpec, wrap_lora
@@ -138,7 +139,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     torch.set_num_threads(args.threads)
-    engine = _load_engine(args)
+    engine = load_engine(args)
     relay = Relay(open_transport(args.updates), engine) if args.updates else None
     sock = bound_socket(args.host, args.port)
     app = build_app(engine, relay, os.environ.get(ENGINE_TOKEN_ENV) or None)

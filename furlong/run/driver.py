@@ -40,9 +40,10 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     began = time.perf_counter()
     torch.set_num_threads(cfg.train.torch_threads)
     p = await asyncio.to_thread(build.pieces, cfg)
-    sft_dir = await sft_phase(cfg, p, run, console)
-    shared = build.shared_engine(cfg, sft_dir, run.path)  # vllm: one engine for the whole run, else None
+    shared = None
     try:
+        sft_dir = await sft_phase(cfg, p, run, console)
+        shared = build.shared_engine(cfg, sft_dir, run.path)  # vllm: one engine for the whole run, else None
         before = await eval_phase("eval_before", sft_dir, cfg, p, run, console, shared)
         trainer = await rl_phase(cfg, p, run, console, sft_dir, shared)
         try:
@@ -55,6 +56,7 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     finally:
         if shared is not None:
             await shared.close()
+        p.close()  # train.cluster=ray: the run's actors and a cluster it started
     summary = run_summary(cfg, run, before, after, time.perf_counter() - began, final)
     atomic_write(run.path / "summary.json", json.dumps(summary, indent=1))
     return summary
@@ -63,7 +65,8 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
 async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path, shared=None) -> Trainer:
     # a finished RL phase trains no more, so it needs no anchor: a run from before demos.jsonl still resumes
     done = bool(run.phase("rl"))
-    trainer = build.trainer(cfg.train, sft_dir, [] if done else anchor_demos(cfg, run), anchor=not done)
+    trainer = build.trainer(cfg.train, sft_dir, [] if done else anchor_demos(cfg, run), anchor=not done,
+                            cluster=p.cluster)
     try:
         return await _rl_run(cfg, p, run, console, sft_dir, shared, trainer, done)
     except BaseException:
@@ -77,7 +80,7 @@ async def _rl_run(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir
     if done:
         return trainer
     drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
-    link = await build.weight_link(cfg, run.path, sft_dir, shared)
+    link = await build.weight_link(cfg, run.path, sft_dir, shared, p.cluster)
     try:
         async with WarmPools(p.backend, p.images) as pools:
             rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, pools, p.params, cfg.train.rl.concurrency)

@@ -1,0 +1,81 @@
+"""Builders for `train.cluster: ray` (furlong.cluster): the run's Ray session, the RL trainer in its actor, and
+RL's engine actors behind the same router and weight link as local mode's engine processes."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+from furlong.cluster.engines import EngineActors, EngineSpec
+from furlong.cluster.ranks import RayRanks
+from furlong.cluster.session import RaySession, Roles
+from furlong.cluster.trainer import RayTrainer
+from furlong.config import Config, TrainConfig
+from furlong.engine.remote import RemoteEngine
+from furlong.engine.router import Router
+from furlong.sync.publish import Publisher
+from furlong.sync.transport import DirectoryTransport, UpdateServer
+from furlong.train.protocol import Trainer
+from furlong.train.ranks import WorkerSpec
+from furlong.train.weights import PublishedLink
+
+
+def session(t: TrainConfig) -> RaySession | None:
+    """train.cluster=ray: Ray started (or joined) and the run's placement groups ready; else None."""
+    if t.cluster != "ray":
+        return None
+    r = t.ray
+    ranks = t.fsdp2.world_size if t.trainer == "fsdp2" else 1
+    roles = Roles(engines=r.engines, engine_cpus=r.engine_cpus, trainer_cpus=r.trainer_cpus, placement=r.placement,
+                  trainer_ranks=ranks)
+    return RaySession(roles, address=r.address, num_cpus=r.num_cpus, timeout_s=r.start_timeout_s)
+
+
+def trainer(cluster: RaySession, make: Callable[[], Trainer], t: TrainConfig) -> RayTrainer:
+    return RayTrainer(cluster, make, threads=t.torch_threads)
+
+
+def ranks(cluster: RaySession, spec: WorkerSpec, t: TrainConfig) -> RayRanks:
+    """train.trainer=fsdp2 on Ray: a rank actor in each of the session's trainer bundles."""
+    slots = [cluster.slot("trainer", rank) for rank in range(t.fsdp2.world_size)]
+    return RayRanks(spec, t.fsdp2.world_size, cpus=t.ray.trainer_cpus, timeout_s=t.fsdp2.timeout_s, slots=slots)
+
+
+async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory: DirectoryTransport,
+                      publisher: Callable[[DirectoryTransport], Publisher], lora: dict | None) -> PublishedLink:
+    """RL's engine actors, pulling from `directory` (train.sync.transport=directory: every node must see it)
+    or, for any other transport, from an UpdateServer over it; one is served directly, several via a Router."""
+    t = cfg.train
+    token = secrets.token_urlsafe(24)
+    server = None if t.sync.transport == "directory" else UpdateServer(directory, host=cluster.serve_host,
+                                                                       token=token)
+    spec = EngineSpec(sft_dir, server.url if server else str(directory.root), threads=t.torch_threads,
+                      prefix_cache_mb=t.hf.prefix_cache_mb, lora=lora, updates_token=token if server else None,
+                      engine_token=token)
+    try:
+        actors = await asyncio.to_thread(EngineActors, cluster, spec, t.ray.engines, cpus=t.ray.engine_cpus,
+                                         max_restarts=t.ray.max_restarts)
+    except BaseException:
+        if server:
+            server.close()
+        raise
+    engines = [RemoteEngine(u, token=token) for u in actors.urls]
+    remote = engines[0] if len(engines) == 1 else Router(engines)
+
+    async def cleanup() -> None:
+        await remote.close()
+        await asyncio.to_thread(actors.stop)
+        if server:
+            server.close()
+
+    return ActorLink(remote, publisher(directory), remote.sync, cleanup, actors)
+
+
+class ActorLink(PublishedLink):
+    """A published link whose engines are Ray actors (`actors`: their handles and processes)."""
+
+    def __init__(self, engine, publisher: Publisher, pull, cleanup, actors: EngineActors) -> None:
+        super().__init__(engine, publisher, pull, cleanup)
+        self.actors = actors

@@ -1,0 +1,122 @@
+"""The run's Ray cluster and its placement groups.
+
+A local cluster (`train.ray.address: null`) is started for the run and stopped at its end; its processes
+carry a tag in their environment and a watchdog (furlong.cluster.reaper) stops them if the driver dies.
+An address joins a running cluster: the run's actors belong to its job, and Ray stops them when the
+driver goes. Either way every actor lives in a bundle of one of the run's placement groups:
+
+* colocated: one group, STRICT_PACK: [trainer, engine 0, ..., engine N-1] on one node, so weights and
+  requests stay on the host;
+* disaggregated: a trainer group and an engine group (SPREAD: engines on different nodes where there are).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from furlong.cluster.reaper import TAG_ENV, Watchdog
+
+# The furlong the driver imported, on every worker's path: a checkout run with PYTHONPATH, not an install.
+FURLONG_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What the run places: `trainer_ranks` trainer actors (one for the local trainer, world_size for
+    fsdp2) and `engines` engine actors, with their logical CPUs each."""
+
+    engines: int
+    engine_cpus: float
+    trainer_cpus: float
+    placement: str  # colocated | disaggregated
+    trainer_ranks: int = 1
+
+    @property
+    def cpus(self) -> float:
+        return self.trainer_ranks * self.trainer_cpus + self.engines * self.engine_cpus
+
+    def groups(self) -> dict[str, tuple[list[dict[str, float]], str]]:
+        """Placement group name -> (bundles, strategy); trainer bundles first in a shared group."""
+        trainer = [{"CPU": self.trainer_cpus}] * self.trainer_ranks
+        engines = [{"CPU": self.engine_cpus}] * self.engines
+        if self.placement == "colocated":
+            return {"run": (trainer + engines, "STRICT_PACK")}
+        if self.placement == "disaggregated":
+            return {"trainer": (trainer, "STRICT_PACK"), "engines": (engines, "SPREAD")}
+        raise ValueError(f"train.ray.placement: expected colocated or disaggregated, got {self.placement!r}")
+
+
+def place(roles: Roles, prefix: str, timeout_s: float) -> dict[str, PlacementGroup]:
+    """The roles' placement groups on the connected cluster, each ready (else TimeoutError, all removed)."""
+    groups = {name: placement_group(bundles, strategy=strategy, name=f"{prefix}-{name}")
+              for name, (bundles, strategy) in roles.groups().items()}
+    for name, group in groups.items():
+        if not group.wait(timeout_s):
+            for g in groups.values():
+                remove_placement_group(g)
+            raise TimeoutError(f"placement group {name!r} ({roles.groups()[name][0]}) not ready within "
+                               f"{timeout_s:g} s: the cluster has {ray.cluster_resources()}")
+    return groups
+
+
+class RaySession:
+    """Ray started or joined, the placement groups ready; `slot(role, i)` schedules an actor in its bundle."""
+
+    def __init__(self, roles: Roles, *, address: str | None = None, num_cpus: float | None = None,
+                 timeout_s: float = 180.0) -> None:
+        self.roles, self.timeout_s, self.local = roles, timeout_s, address is None
+        self.tag = f"furlong-{os.getpid()}-{secrets.token_hex(4)}"
+        self._watchdog = Watchdog(self.tag) if self.local else None
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (FURLONG_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        try:
+            if self.local:
+                os.environ[TAG_ENV] = self.tag  # inherited by every Ray process started now, and only those
+                try:
+                    # "local": a new cluster even where another run's (or `ray start`'s) is up
+                    ray.init(address="local", num_cpus=num_cpus or roles.cpus, include_dashboard=False,
+                             log_to_driver=False,
+                             namespace=self.tag, runtime_env={"env_vars": env})
+                finally:
+                    os.environ.pop(TAG_ENV, None)
+            else:
+                ray.init(address=address, namespace=self.tag, log_to_driver=False, runtime_env={"env_vars": env})
+            self.groups: dict[str, PlacementGroup] = place(roles, self.tag, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def serve_host(self) -> str:
+        """Where the driver serves what actors fetch (updates): loopback locally, else this node's address."""
+        return "127.0.0.1" if self.local else ray.util.get_node_ip_address()
+
+    def slot(self, role: str, index: int = 0) -> PlacementGroupSchedulingStrategy:
+        """The scheduling strategy of `role`'s `index`-th actor (role: trainer | engine)."""
+        if role not in ("trainer", "engine"):
+            raise ValueError(f"role: expected trainer or engine, got {role!r}")
+        if self.roles.placement == "colocated":
+            group, bundle = self.groups["run"], index if role == "trainer" else self.roles.trainer_ranks + index
+        else:
+            group, bundle = self.groups["trainer" if role == "trainer" else "engines"], index
+        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+
+    def close(self) -> None:
+        """Remove the placement groups (their actors die with them), then stop a local cluster."""
+        for group in getattr(self, "groups", {}).values():
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001  # the cluster is going anyway
+                pass
+        self.groups = {}
+        if ray.is_initialized():
+            ray.shutdown()
+        if self._watchdog is not None:
+            self._watchdog.close()  # sweeps what ray.shutdown left (its agents)
+            self._watchdog = None

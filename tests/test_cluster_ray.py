@@ -1,0 +1,210 @@
+"""`train.cluster: ray` on a real local Ray cluster: placement groups, rank actors in a torch.distributed group,
+engine actors behind the router (an actor SIGKILLed: its requests finish elsewhere, Ray restarts it, it
+rejoins at the live weight version), and `furlong train` on Ray killed, resumed and compared with local mode,
+with no Ray process or sandbox left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ray.util.placement_group import placement_group_table, remove_placement_group
+
+from furlong.build.training import weight_link
+from furlong.cluster.ranks import RayRanks
+from furlong.cluster.session import RaySession, Roles, place
+from furlong.config import RECIPES, load_config
+from furlong.engine.base import SamplingParams
+from furlong.engine.router import Router
+from furlong.model.loading import load_model
+from furlong.train.ranks import RankFailed, RankGroup
+from tests.ranks_support import SumSpec
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ROLES = Roles(engines=2, engine_cpus=0.5, trainer_cpus=0.5, placement="colocated")
+
+
+@pytest.fixture(scope="module")
+def session():
+    s = RaySession(ROLES, num_cpus=4, timeout_s=120)  # room beside the bundles for the rank actors
+    yield s
+    s.close()
+
+
+def _until(check, what: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return got
+
+
+def test_both_placements_build_their_placement_groups(session: RaySession):
+    table = {g["name"]: g for g in placement_group_table().values()}
+    run = table[f"{session.tag}-run"]
+    assert run["strategy"] == "STRICT_PACK" and run["state"] == "CREATED"
+    assert [b["CPU"] for b in run["bundles"].values()] == [0.5, 0.5, 0.5]  # trainer, engine 0, engine 1
+    apart = Roles(engines=2, engine_cpus=0.25, trainer_cpus=0.25, placement="disaggregated")
+    groups = place(apart, f"{session.tag}-apart", timeout_s=60)
+    try:
+        table = {g["name"]: g for g in placement_group_table().values()}
+        trainer, engines = table[f"{session.tag}-apart-trainer"], table[f"{session.tag}-apart-engines"]
+        assert (trainer["strategy"], len(trainer["bundles"])) == ("STRICT_PACK", 1)
+        assert (engines["strategy"], len(engines["bundles"])) == ("SPREAD", 2)
+        assert trainer["state"] == engines["state"] == "CREATED"
+    finally:
+        for g in groups.values():
+            remove_placement_group(g)
+    with pytest.raises(ValueError, match="train.ray.placement"):
+        Roles(engines=1, engine_cpus=1, trainer_cpus=1, placement="sideways").groups()
+
+
+def test_ray_ranks_form_one_process_group_and_report_a_dead_rank(session: RaySession):
+    ranks = RayRanks(SumSpec(offset=1.0), 2, cpus=0.25, timeout_s=60)
+    try:
+        assert isinstance(ranks, RankGroup)
+        assert ranks.call("all_sum", 2.0) == [(0, 6.0), (1, 6.0)]  # (1 + 2) * 2 over both ranks
+        with pytest.raises(RankFailed, match="rank 1 raised KeyError") as failed:
+            ranks.call("explode", 1)
+        assert "boom" in failed.value.detail
+        with pytest.raises(RuntimeError, match="closed"):
+            ranks.call("pid")
+    finally:
+        ranks.close()
+    ranks = RayRanks(SumSpec(), 2, cpus=0.25, timeout_s=60)
+    try:
+        pids = ranks.call("pid")
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(RankFailed, match="rank 1 died"):
+            ranks.call("all_sum", 1.0)
+    finally:
+        ranks.close()
+
+
+def _sampling(n: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_new_tokens=200, seed=n)
+
+
+def test_a_killed_engine_actor_is_restarted_and_rejoins_at_the_live_version(session: RaySession, tiny_dir: Path,
+                                                                             tmp_path: Path):
+    cfg = load_config(None, ["train.cluster=ray", "train.ray.engines=2", "train.ray.engine_cpus=0.5",
+                             "train.sync.transport=http"])
+    weights = load_model(tiny_dir).state_dict()
+
+    async def main() -> None:
+        link = await weight_link(cfg, tmp_path, tiny_dir, cluster=session)
+        router = link.engine
+        try:
+            assert isinstance(router, Router)
+            await link.push(weights, 0)
+            await link.push({k: v + 1e-3 for k, v in weights.items()}, 1)
+            pids = await asyncio.to_thread(link.actors.pids)
+            assert len(set(pids)) == 2 and os.getpid() not in pids
+            tasks = [asyncio.create_task(router.generate([5, 17, 300 + n], _sampling(n))) for n in range(6)]
+            deadline = time.monotonic() + 60
+            while not all(i.in_flight == 3 for i in router.instances):
+                assert time.monotonic() < deadline, "the requests never spread over both engines"
+                await asyncio.sleep(0.02)
+            os.kill(pids[0], signal.SIGKILL)
+            gens = await asyncio.gather(*tasks)
+            dead, alive = router.instances
+            assert all(len(g.output_ids) == 200 and set(g.token_weight_versions) == {1} for g in gens)
+            assert not dead.live and dead.failures == 3 and alive.retries == 3
+            # an update while it is out reaches the survivor; the restarted actor catches up when put back
+            await link.push({k: v + 2e-3 for k, v in weights.items()}, 2)
+            assert router.weight_version == 2
+            deadline = time.monotonic() + 120
+            while not dead.live:
+                assert time.monotonic() < deadline, "Ray did not restart the engine actor, or it was not put back"
+                await asyncio.sleep(0.2)
+            assert dead.readmitted == 1 and (await dead.engine.health())["weight_version"] == 2
+            restarted = await asyncio.to_thread(link.actors.pids)
+            assert restarted[0] != pids[0] and restarted[1] == pids[1]
+            gen = await dead.engine.generate([5, 17, 300], _sampling(0))
+            assert gen.weight_version == 2
+        finally:
+            await link.close()
+
+    asyncio.run(main())
+
+
+MARK = "FURLONG_TEST_RUN"
+
+
+def _left(mark: str) -> dict[int, str]:
+    """The processes (pid -> command) on this host that inherited the run's mark: its Ray head, agents and
+    workers, its reaper, its sandboxes; other users of the host are not counted."""
+    want, found = f"{MARK}={mark}".encode(), {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and want in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()
+        except OSError:
+            continue
+    return found
+
+
+def _train(*args: str, mark: str = "", wait: bool = True):
+    config = [] if args[0] == "--resume" else ["--config", str(RECIPES / "smoke.yaml")]
+    cmd = [sys.executable, "-m", "furlong.cli", "train", *config, *args]
+    env = {**os.environ, MARK: mark}
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
+
+
+def _rl_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if r["phase"] == "rl"]
+
+
+def _files(run: Path) -> set[str]:
+    return {p.name for p in run.iterdir()}
+
+
+def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(tmp_path: Path):
+    killed = tmp_path / "ray"
+    proc = _train("train.cluster=ray", f"train.run_dir={killed}", mark="killed", wait=False)
+    try:
+        _until(lambda: any(r["step"] >= 1 for r in _rl_rows(killed)) or proc.poll() is not None, "RL step 1", 300)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        running = _left("killed")
+        assert len(running) > 3, f"the run's processes were not found, so the count below proves nothing: {running}"
+        os.kill(proc.pid, signal.SIGKILL)  # the driver alone: what it started must go without it
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 60
+    while left := _left("killed"):
+        assert time.monotonic() < deadline, f"left behind by the killed driver: {left}"
+        time.sleep(0.2)
+    assert not (killed / "summary.json").exists()
+    res = _train("--resume", str(killed), mark="resumed")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not _left("resumed")
+    local = tmp_path / "local"
+    res = _train(f"train.run_dir={local}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows, want = _rl_rows(killed), _rl_rows(local)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # nothing logged twice
+    assert [r["samples_sha"] for r in rows] == [r["samples_sha"] for r in want]  # local mode's samples exactly
+    records = [json.loads(line) for line in (killed / "episodes.jsonl").read_text().splitlines()]
+    keys = [(r["phase"], r["step"], r["group"], r["sample"]) for r in records]
+    assert len(keys) == len(set(keys)) == 4 * 2 * 2 + 2 * 4  # every RL and held-out episode, once
+    assert _files(killed) - {"weights"} == _files(local)  # weights/: the published updates the engines pull
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["rl_steps"] == 4 and summary["eval_episodes"] == 4
+    ours, theirs = (load_model(run / "checkpoints" / "rl-3" / "hf").state_dict() for run in (killed, local))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # the trainer actor trained as local mode's
