@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from ray.util.placement_group import placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from furlong.build.training import weight_link
 from furlong.cluster.ranks import RayRanks
@@ -25,8 +26,12 @@ from furlong.config import RECIPES, load_config
 from furlong.engine.base import SamplingParams
 from furlong.engine.router import Router
 from furlong.model.loading import load_model
+from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.ranks import RankFailed, RankGroup
+from furlong.train.trainer import LocalTrainer
+from fsdp2_support import fixed_episodes
 from tests.ranks_support import SumSpec
+from tests_support import grpo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROLES = Roles(engines=2, engine_cpus=0.5, trainer_cpus=0.5, placement="colocated")
@@ -88,6 +93,30 @@ def test_ray_ranks_form_one_process_group_and_report_a_dead_rank(session: RaySes
             ranks.call("all_sum", 1.0)
     finally:
         ranks.close()
+
+
+def test_fsdp2_ranks_on_ray_in_the_runs_trainer_bundles_match_the_local_trainer(session: RaySession,
+                                                                                 small_dir: Path):
+    """train.trainer=fsdp2 with train.cluster=ray: RayRanks in the bundles a RaySession reserves for
+    trainer_ranks=2 (the slots the builder passes), one step equal to LocalTrainer's (test_fsdp2's tolerance)."""
+    roles = Roles(engines=1, engine_cpus=0.25, trainer_cpus=0.25, placement="colocated", trainer_ranks=2)
+    assert roles.cpus == 0.75 and [len(b) for b, _ in roles.groups().values()] == [3]
+    groups = place(roles, f"{session.tag}-fsdp2", timeout_s=60)
+    slots = [PlacementGroupSchedulingStrategy(placement_group=groups["run"], placement_group_bundle_index=r)
+             for r in range(2)]
+    spec = FSDP2Spec(small_dir, grpo(lr=1e-3, micro_batch_size=2, minibatches=2))
+    local = LocalTrainer(load_model(small_dir), spec.config)
+    fsdp = FSDP2Trainer(RayRanks(spec, 2, cpus=0.25, timeout_s=120, slots=slots), spec)
+    try:
+        want, got = local.train_step(fixed_episodes()), fsdp.train_step(fixed_episodes())
+        assert got.loss == pytest.approx(want.loss, rel=1e-4) and got.version == 1
+        weights = dict(fsdp.engine_weights())
+        worst = max(float((weights[k] - v).abs().max()) for k, v in local.engine_weights().items())
+        assert worst <= 1e-5, f"weights differ by {worst}"
+    finally:
+        fsdp.close()
+        for g in groups.values():
+            remove_placement_group(g)
 
 
 def _sampling(n: int) -> SamplingParams:
