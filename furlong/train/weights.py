@@ -161,12 +161,17 @@ class BroadcastLink:
         self._group.close()
 
 
-async def _all_or_first_error(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+async def _all_or_first_error(calls: Sequence[Awaitable[Any]], *, grace_s: float = 5.0) -> list[Any]:
     """Every call's result in order, or the first failure at once: a member that refused an update never
-    receives its broadcast, so waiting for the others would wait for the group's timeout."""
+    receives its broadcast, so waiting for the others would wait for the group's timeout. When the first
+    call (the trainer's own collective) fails first, the members get `grace_s` to answer: a member's refusal
+    names the cause, where the collective only sees its peer hang up."""
     tasks = [asyncio.ensure_future(c) for c in calls]
     _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+    if failed == [tasks[0]] and pending:
+        done, pending = await asyncio.wait(pending, timeout=grace_s, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks[1:] if t in done and not t.cancelled() and t.exception() is not None] or failed
     if failed:
         for t in pending:
             t.cancel()
