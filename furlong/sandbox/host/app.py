@@ -1,0 +1,218 @@
+"""furlong's sandbox host API (/v1): a FastAPI app over one local SandboxBackend.
+
+Every route but /v1/health needs the host's bearer token; a sandbox's routes also need the token its
+create returned (X-Sandbox-Token), so one client cannot drive another's sandbox. A refused request
+changes nothing: auth, size and path checks all run before any sandbox is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import hmac
+import posixpath
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from furlong.sandbox.base import ChangeTracking, ImageRef, Limits, SandboxBackend, SandboxError, SandboxSpec
+from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
+
+MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _inside_path(v: str) -> str:
+    """An absolute path inside the sandbox with no '..' part: the file API never names a host path, and
+    refusing '..' keeps a path's meaning plain to anyone who reads a request log."""
+    if not v.startswith("/") or "\0" in v or ".." in v.split("/"):
+        raise ValueError(f"path {v!r}: expected an absolute path inside the sandbox, without '..' or NUL")
+    return posixpath.normpath(v)
+
+
+class CreateBody(_Body):
+    image: str = Field("base", description="'base': the host's base image")
+    network: bool = False
+    cpus: float = Field(1.0, gt=0, le=64)
+    memory_mb: int = Field(2048, ge=64, le=1 << 20)
+    pids: int = Field(512, ge=16, le=1 << 16)
+    disk_mb: int = Field(1024, ge=16, le=1 << 20)
+
+
+class ExecBody(_Body):
+    cmd: str
+    timeout_s: float = Field(60.0, gt=0, le=86400)
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    as_verifier: bool = False
+
+
+class PathBody(_Body):
+    path: str
+    as_verifier: bool = False
+    _check = field_validator("path")(classmethod(lambda cls, v: _inside_path(v)))
+
+
+class WriteBody(PathBody):
+    data_b64: str
+    mode: int = Field(0o644, ge=0, le=0o7777)
+
+
+class RootsBody(_Body):
+    paths: list[str] = Field(max_length=10_000)
+    _check = field_validator("paths")(classmethod(lambda cls, v: [_inside_path(p) for p in v]))
+
+
+def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float) -> SandboxSpec:
+    if body.image not in images:
+        raise HTTPException(400, f"image: unknown image {body.image!r}; this host serves {sorted(images)}")
+    limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb,
+                    lifetime_s=lifetime_s)
+    return SandboxSpec(images[body.image], network=body.network, limits=limits)
+
+
+def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
+             capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
+             max_body: int = MAX_BODY, allow_network: bool = False) -> FastAPI:
+    """`images` resolves (building or pulling, then caching) the images this host serves, by name."""
+    reg = Registry(capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
+    resolved: dict[str, ImageRef] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        resolved.update(await images())
+        reaper = asyncio.create_task(reg.reap_forever(reap_every_s))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            await reg.close_all()
+
+    app = FastAPI(title="furlong sandbox host", lifespan=lifespan)
+    app.state.registry = reg
+
+    @app.middleware("http")
+    async def size_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            return JSONResponse({"detail": f"request body over {max_body} bytes"}, status_code=413)
+        if length is None and request.method in ("POST", "PUT"):
+            return JSONResponse({"detail": "Content-Length required"}, status_code=411)
+        return await call_next(request)
+
+    def host_auth(authorization: str = Header("")) -> None:
+        given = authorization.removeprefix("Bearer ").encode()
+        if not authorization.startswith("Bearer ") or not hmac.compare_digest(given, token.encode()):
+            raise HTTPException(401, "Authorization: expected 'Bearer <host token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    def sandbox(sid: str, x_sandbox_token: str = Header(""), _: None = Depends(host_auth)) -> Entry:
+        entry = reg.lookup(sid, x_sandbox_token)
+        if entry is None:
+            raise HTTPException(404, f"no sandbox {sid!r} on this host")
+        if entry is False:
+            raise HTTPException(403, "X-Sandbox-Token: not this sandbox's token")
+        return entry
+
+    async def guarded(entry: Entry, call: Awaitable):
+        entry.busy += 1
+        try:
+            return await call
+        except SandboxError as e:
+            raise HTTPException(409 if entry.box.alive else 410, f"{type(e).__name__}: {e}") from e
+        finally:
+            entry.busy -= 1
+            entry.last_used = time.monotonic()
+
+    @app.get("/v1/health")
+    async def health() -> dict:
+        return {"ok": True}
+
+    @app.get("/v1/metrics", dependencies=[Depends(host_auth)])
+    async def metrics() -> dict:
+        return reg.metrics()
+
+    @app.get("/v1/sandboxes", dependencies=[Depends(host_auth)])
+    async def listing() -> dict:
+        return {"sandboxes": [{"id": e.id, "age_s": time.monotonic() - e.created} for e in reg.entries.values()]}
+
+    @app.post("/v1/sandboxes", dependencies=[Depends(host_auth)])
+    async def create(body: CreateBody) -> dict:
+        if body.network and not allow_network:
+            raise HTTPException(400, "network: this host gives sandboxes no network (serve --allow-network)")
+        spec = _spec(body, resolved, lifetime_s)
+        try:
+            reg.reserve()
+        except AtCapacity as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from e
+        t = time.perf_counter()
+        try:
+            box = await backend.create(spec)
+        except BaseException:
+            reg.reserved -= 1
+            raise
+        entry = reg.add(box, time.perf_counter() - t)
+        return {"id": entry.id, "token": entry.token, "verifier_uid": box.verifier_uid,
+                "change_tracking": isinstance(box, ChangeTracking)}
+
+    @app.post("/v1/sandboxes/{sid}/exec")
+    async def exec_(body: ExecBody, entry: Entry = Depends(sandbox)) -> dict:
+        t = time.perf_counter()
+        r = await guarded(entry, entry.box.exec(body.cmd, timeout_s=body.timeout_s, cwd=body.cwd, env=body.env,
+                                                as_verifier=body.as_verifier))
+        reg.execs.append(time.perf_counter() - t)
+        return dataclasses.asdict(r)
+
+    @app.post("/v1/sandboxes/{sid}/files/read")
+    async def read(body: PathBody, entry: Entry = Depends(sandbox)) -> dict:
+        data = await guarded(entry, entry.box.read_file(body.path, as_verifier=body.as_verifier))
+        return {"data_b64": base64.b64encode(data).decode()}
+
+    @app.post("/v1/sandboxes/{sid}/files/write")
+    async def write(body: WriteBody, entry: Entry = Depends(sandbox)) -> dict:
+        try:
+            data = base64.b64decode(body.data_b64, validate=True)
+        except ValueError as e:
+            raise HTTPException(400, f"data_b64: expected base64 ({e})") from e
+        await guarded(entry, entry.box.write_file(body.path, data, mode=body.mode, as_verifier=body.as_verifier))
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sid}/put_tar")
+    async def put_tar(request: Request, dest: str, as_verifier: bool = False,
+                      entry: Entry = Depends(sandbox)) -> dict:
+        try:
+            dest = _inside_path(dest)
+        except ValueError as e:
+            raise HTTPException(400, f"dest: {e}") from e
+        data = await request.body()
+        await guarded(entry, entry.box.put_tar(data, dest, as_verifier=as_verifier))
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sid}/changes")
+    async def changes(body: RootsBody, entry: Entry = Depends(sandbox)) -> dict:
+        if not isinstance(entry.box, ChangeTracking):
+            return {"changes": None}
+        found = await guarded(entry, entry.box.changes(body.paths))
+        return {"changes": None if found is None else [dataclasses.asdict(c) for c in found]}
+
+    @app.post("/v1/sandboxes/{sid}/image_has")
+    async def image_has(body: RootsBody, entry: Entry = Depends(sandbox)) -> dict:
+        if not isinstance(entry.box, ChangeTracking):
+            return {"paths": None}
+        found = await guarded(entry, entry.box.image_has(body.paths))
+        return {"paths": None if found is None else sorted(found)}
+
+    @app.delete("/v1/sandboxes/{sid}")
+    async def close(entry: Entry = Depends(sandbox)) -> dict:
+        await reg.remove(entry.id)
+        return {"ok": True}
+
+    return app

@@ -1,0 +1,100 @@
+"""The host's live sandboxes: capacity, per-sandbox tokens, idle and lifetime reaping, timing metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from furlong.sandbox.base import Sandbox
+
+
+class AtCapacity(Exception):
+    """The host already runs its maximum number of sandboxes."""
+
+
+@dataclass
+class Entry:
+    id: str
+    token: str
+    box: Sandbox
+    created: float
+    last_used: float
+    busy: int = 0  # requests in flight: a sandbox running a command is never idle
+
+
+def _pct(samples: deque[float], q: float) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Registry:
+    capacity: int
+    idle_s: float
+    lifetime_s: float
+    entries: dict[str, Entry] = field(default_factory=dict)
+    reserved: int = 0  # creates under way: they count against capacity before their sandbox exists
+    starts: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    execs: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    reaped: int = 0
+
+    def reserve(self) -> None:
+        if len(self.entries) + self.reserved >= self.capacity:
+            raise AtCapacity(f"host at capacity: {self.capacity} sandboxes")
+        self.reserved += 1
+
+    def add(self, box: Sandbox, start_s: float) -> Entry:
+        self.reserved -= 1
+        now = time.monotonic()
+        entry = Entry(secrets.token_hex(8), secrets.token_urlsafe(32), box, now, now)
+        self.entries[entry.id] = entry
+        self.starts.append(start_s)
+        return entry
+
+    def lookup(self, sid: str, token: str) -> Entry | None | bool:
+        """The entry; None where no such sandbox; False where the token is not its own."""
+        entry = self.entries.get(sid)
+        if entry is None:
+            return None
+        if not hmac.compare_digest(entry.token.encode(), token.encode()):
+            return False
+        entry.last_used = time.monotonic()
+        return entry
+
+    async def remove(self, sid: str) -> bool:
+        entry = self.entries.pop(sid, None)
+        if entry is None:
+            return False
+        await entry.box.close()
+        return True
+
+    def expired(self, now: float) -> list[str]:
+        return [e.id for e in self.entries.values()
+                if now - e.created > self.lifetime_s or (not e.busy and now - e.last_used > self.idle_s)]
+
+    async def reap(self) -> int:
+        gone = self.expired(time.monotonic())
+        for sid in gone:
+            await self.remove(sid)
+        self.reaped += len(gone)
+        return len(gone)
+
+    async def reap_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            await self.reap()
+
+    async def close_all(self) -> None:
+        for sid in list(self.entries):
+            await self.remove(sid)
+
+    def metrics(self) -> dict:
+        return {"active": len(self.entries), "capacity": self.capacity, "reaped": self.reaped,
+                "start_s": {"p50": _pct(self.starts, 0.5), "p95": _pct(self.starts, 0.95)},
+                "exec_s": {"p50": _pct(self.execs, 0.5), "p95": _pct(self.execs, 0.95)}}

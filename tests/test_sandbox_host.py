@@ -1,0 +1,129 @@
+"""The sandbox host (furlong/sandbox/host): a real uvicorn server on loopback over real bwrap sandboxes.
+Every refusal is checked to have changed nothing on the host."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import tarfile
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from furlong.sandbox.host.app import make_app
+
+TOKEN = "host-secret-token"
+
+
+class Host:
+    def __init__(self, backend, base_image, **kw):
+        async def images():
+            return {"base": base_image}
+
+        self.app = make_app(backend, images, TOKEN, **kw)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.c = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+
+    @property
+    def reg(self):
+        return self.app.state.registry
+
+    def create(self) -> tuple[str, dict]:
+        r = self.c.post("/v1/sandboxes", json={})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["id"], {"X-Sandbox-Token": body["token"]}
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture
+def host(backend, base_image):
+    h = Host(backend, base_image, capacity=2, max_body=1 << 20)
+    yield h
+    h.stop()
+    assert not h.reg.entries, "shutdown leaves no sandbox"
+
+
+def test_exec_files_tar_verifier_and_close(host):
+    sid, tok = host.create()
+    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo hi; echo err >&2; exit 3"}, headers=tok)
+    assert r.json()["exit_code"] == 3 and r.json()["stdout"] == "hi\n" and r.json()["stderr"] == "err\n"
+    data = base64.b64encode(b"\x00bin").decode()
+    assert host.c.post(f"/v1/sandboxes/{sid}/files/write", json={"path": "/work/x", "data_b64": data},
+                       headers=tok).status_code == 200
+    r = host.c.post(f"/v1/sandboxes/{sid}/files/read", json={"path": "/work/x"}, headers=tok)
+    assert base64.b64decode(r.json()["data_b64"]) == b"\x00bin"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        info = tarfile.TarInfo("d/f.txt")
+        info.size = 3
+        t.addfile(info, io.BytesIO(b"tar"))
+    r = host.c.post(f"/v1/sandboxes/{sid}/put_tar", params={"dest": "/data"}, content=buf.getvalue(), headers=tok)
+    assert r.status_code == 200, r.text
+    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "cat /data/d/f.txt; id -u", "as_verifier": True},
+                    headers=tok)
+    assert r.json()["stdout"].startswith("tar")
+    agent = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "id -u"}, headers=tok).json()["stdout"]
+    assert r.json()["stdout"].split()[1] != agent.strip(), "as_verifier runs as the verifier's own uid"
+    changes = host.c.post(f"/v1/sandboxes/{sid}/changes", json={"paths": ["/work"]}, headers=tok).json()["changes"]
+    assert any(c["path"] == "/work/x" and c["kind"] == "added" for c in changes)
+    has = host.c.post(f"/v1/sandboxes/{sid}/image_has", json={"paths": ["/etc/passwd", "/work/x"]}, headers=tok)
+    assert has.json()["paths"] == ["/etc/passwd"]
+    m = host.c.get("/v1/metrics").json()
+    assert m["active"] == 1 and m["exec_s"]["p50"] > 0 and m["start_s"]["p95"] > 0
+    assert host.c.delete(f"/v1/sandboxes/{sid}", headers=tok).status_code == 200
+    assert host.c.get("/v1/sandboxes").json() == {"sandboxes": []}
+
+
+def test_refusals_change_nothing(host):
+    sid, tok = host.create()
+    probe = {"cmd": "touch /work/pwned"}
+    assert httpx.post(f"{host.url}/v1/sandboxes", json={}).status_code == 401
+    assert httpx.post(f"{host.url}/v1/sandboxes", json={}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert len(host.reg.entries) == 1
+    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json=probe, headers={"X-Sandbox-Token": "wrong"})
+    assert r.status_code == 403
+    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": 5, "bogus": 1}, headers=tok)
+    assert r.status_code == 422 and "bogus" in r.text
+    for bad in ("../etc/passwd", "/work/../../etc/x", "relative"):
+        r = host.c.post(f"/v1/sandboxes/{sid}/files/write", json={"path": bad, "data_b64": "eA=="}, headers=tok)
+        assert r.status_code == 422 and "absolute path inside the sandbox" in r.text, bad
+    r = host.c.post(f"/v1/sandboxes/{sid}/put_tar", params={"dest": "/x/../.."}, content=b"x", headers=tok)
+    assert r.status_code == 400
+    big = base64.b64encode(b"x" * (1 << 20)).decode()
+    r = host.c.post(f"/v1/sandboxes/{sid}/files/write", json={"path": "/work/big", "data_b64": big}, headers=tok)
+    assert r.status_code == 413
+    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "ls -A /work"}, headers=tok)
+    assert r.json()["stdout"] == "", "no refused request wrote anything"
+    assert len(host.reg.entries) == 1
+
+
+def test_capacity_429_and_idle_reaping(backend, base_image):
+    h = Host(backend, base_image, capacity=1, idle_s=1.0, reap_every_s=0.2)
+    try:
+        sid, tok = h.create()
+        r = h.c.post("/v1/sandboxes", json={})
+        assert r.status_code == 429 and "capacity" in r.text and len(h.reg.entries) == 1
+        deadline = time.monotonic() + 10
+        while h.reg.entries and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not h.reg.entries and h.reg.reaped == 1
+        assert h.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true"}, headers=tok).status_code == 404
+        h.create()  # capacity is free again
+    finally:
+        h.stop()
+    assert not h.reg.entries
