@@ -74,7 +74,7 @@ def test_exec_files_tar_verifier_and_close(host):
         t.addfile(info, io.BytesIO(b"tar"))
     r = host.c.post(f"/v1/sandboxes/{sid}/put_tar", params={"dest": "/data"}, content=buf.getvalue(), headers=tok)
     assert r.status_code == 200, r.text
-    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "cat /data/d/f.txt; id -u", "as_verifier": True},
+    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "cat /data/d/f.txt; echo; id -u", "as_verifier": True},
                     headers=tok)
     assert r.json()["stdout"].startswith("tar")
     agent = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "id -u"}, headers=tok).json()["stdout"]
