@@ -109,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
     dg.add_argument("--user", required=True, help="the user who will run furlong")
     sb_sub.add_parser("tidy", help="as root: detach the image-layer views earlier versions left mounted "
                                    "(they slow every sandbox start), keeping the image store's own")
+    sv = sb_sub.add_parser("serve", help="serve sandboxes over HTTP (/v1) to other machines (docs/sandbox-hosts.md)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8790, help="port (default 8790)")
+    sv.add_argument("--token-file", type=Path, help="file holding the bearer token (needed off loopback)")
+    sv.add_argument("--capacity", type=int, default=8, help="most sandboxes at once; past it, 429 (default 8)")
+    sv.add_argument("--idle-s", type=float, default=600.0, help="reap a sandbox unused this long (default 600)")
+    sv.add_argument("--lifetime-s", type=float, default=3600.0, help="reap a sandbox this old (default 3600)")
     return parser
 
 
@@ -246,9 +253,24 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
     if args.sandbox_command == "tidy":
         return _tidy()
+    if args.sandbox_command == "serve":
+        return _serve(args)
     for d in delegate(args.user):
         print(d)
     console.print(f"{args.user} now gets per-sandbox cgroup limits when running furlong")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from furlong.paths import cache_dir
+    from furlong.sandbox.host.serve import host_token, serve
+
+    if args.capacity < 1:
+        raise SandboxError(f"--capacity: expected at least 1, got {args.capacity}")
+    token = host_token(args.token_file, args.host, cache_dir() / "host-token", console.print)
+    backend, store = _sandbox_pieces(load_config())
+    serve(backend, store, token, host=args.host, port=args.port, capacity=args.capacity, idle_s=args.idle_s,
+          lifetime_s=args.lifetime_s, say=console.print)
     return 0
 
 

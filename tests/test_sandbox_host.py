@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import signal
 import socket
+import subprocess
+import sys
 import tarfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -130,3 +135,61 @@ def test_capacity_429_and_idle_reaping(backend, base_image):
     finally:
         h.stop()
     assert not h.reg.entries
+
+
+def _pids_below(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for child in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = {int(k) for k in child.read_text().split()}
+            except OSError:
+                continue
+            todo += list(kids - found)
+            found |= kids
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (the container's init may reap orphans late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_serve_cli_token_rule_and_clean_shutdown(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cli = [sys.executable, "-m", "furlong.cli", "sandbox", "serve"]
+    r = subprocess.run([*cli, "--host", "0.0.0.0"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--token-file" in r.stdout + r.stderr
+    (tmp_path / "tok").write_text(TOKEN + "\n")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([*cli, "--port", str(port), "--token-file", str(tmp_path / "tok"), "--capacity", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if c.get("/v1/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = c.post("/v1/sandboxes", json={}).json()
+        r = c.post(f"/v1/sandboxes/{body['id']}/exec", json={"cmd": "echo up"}, headers={"X-Sandbox-Token": body["token"]})
+        assert r.json()["stdout"] == "up\n"
+        sandbox_pids = _pids_below(proc.pid)
+        assert sandbox_pids, "the sandbox runs below the host"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert "sandbox host on http://127.0.0.1" in out
+        time.sleep(0.5)  # a process killed at shutdown may still be exiting
+        alive = {p for p in sandbox_pids if _running(p)}
+        assert not alive, f"shutdown left sandbox processes {alive}"
+    finally:
+        proc.kill()
+        proc.wait()

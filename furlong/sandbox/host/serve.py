@@ -1,0 +1,59 @@
+"""`furlong sandbox serve`: the host API on uvicorn, with its token rule and start-up lines."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+from furlong.sandbox.base import SandboxBackend, SandboxError
+from furlong.sandbox.host.app import make_app
+from furlong.sandbox.images import ImageStore
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_token(token_file: Path | None, host: str, generated: Path, say: Callable[[str], None]) -> str:
+    """The bearer token: read from token_file; without one, only a loopback host may start, with a fresh
+    token written (mode 0600) to `generated`, so nobody reachable over a network meets an open host."""
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            raise SandboxError(f"--token-file {token_file}: {e.strerror}") from None
+        if len(token) < 16:
+            raise SandboxError(f"--token-file {token_file}: expected a token of at least 16 characters")
+        return token
+    if not _loopback(host):
+        raise SandboxError(f"--host {host} is not loopback: give --token-file (a file holding the bearer token)")
+    token = secrets.token_urlsafe(32)
+    generated.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(generated, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    say(f"no --token-file: generated a token in {generated} (clients: sandbox.host_token_file)")
+    return token
+
+
+def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, port: int, capacity: int,
+          idle_s: float, lifetime_s: float, say: Callable[[str], None]) -> None:
+    import uvicorn
+
+    async def images():
+        say("resolving the base image (built on first use, then cached)")
+        return {"base": await asyncio.to_thread(store.base)}
+
+    app = make_app(backend, images, token, capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
+    say(f"sandbox host on http://{host}:{port}/v1 ({backend.name}, capacity {capacity}, idle {idle_s:g} s, "
+        f"lifetime {lifetime_s:g} s)")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
