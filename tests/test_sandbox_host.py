@@ -161,7 +161,7 @@ def _running(pid: int) -> bool:
 def test_serve_cli_token_rule_and_clean_shutdown(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     cli = [sys.executable, "-m", "furlong.cli", "sandbox", "serve"]
-    r = subprocess.run([*cli, "--host", "0.0.0.0"], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*cli, "--host", "0.0.0.0"], check=False, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--token-file" in r.stdout + r.stderr
     (tmp_path / "tok").write_text(TOKEN + "\n")
     sock = socket.socket()

@@ -5,8 +5,8 @@ create returned (X-Sandbox-Token), so one client cannot drive another's sandbox.
 changes nothing: auth, size and path checks all run before any sandbox is touched.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: FastAPI reads the routes' Annotated dependencies, which name
+# closures of make_app, at definition time
 import asyncio
 import base64
 import dataclasses
@@ -15,12 +15,20 @@ import posixpath
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from furlong.sandbox.base import ChangeTracking, ImageRef, Limits, SandboxBackend, SandboxError, SandboxSpec
+from furlong.sandbox.base import (
+    ChangeTracking,
+    ImageRef,
+    Limits,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+)
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
@@ -108,13 +116,13 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
             return JSONResponse({"detail": "Content-Length required"}, status_code=411)
         return await call_next(request)
 
-    def host_auth(authorization: str = Header("")) -> None:
+    def host_auth(authorization: Annotated[str, Header()] = "") -> None:
         given = authorization.removeprefix("Bearer ").encode()
         if not authorization.startswith("Bearer ") or not hmac.compare_digest(given, token.encode()):
             raise HTTPException(401, "Authorization: expected 'Bearer <host token>'",
                                 headers={"WWW-Authenticate": "Bearer"})
 
-    def sandbox(sid: str, x_sandbox_token: str = Header(""), _: None = Depends(host_auth)) -> Entry:
+    def sandbox(sid: str, _: Annotated[None, Depends(host_auth)], x_sandbox_token: Annotated[str, Header()] = "") -> Entry:
         entry = reg.lookup(sid, x_sandbox_token)
         if entry is None:
             raise HTTPException(404, f"no sandbox {sid!r} on this host")
@@ -164,7 +172,7 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
                 "change_tracking": isinstance(box, ChangeTracking)}
 
     @app.post("/v1/sandboxes/{sid}/exec")
-    async def exec_(body: ExecBody, entry: Entry = Depends(sandbox)) -> dict:
+    async def exec_(body: ExecBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         t = time.perf_counter()
         r = await guarded(entry, entry.box.exec(body.cmd, timeout_s=body.timeout_s, cwd=body.cwd, env=body.env,
                                                 as_verifier=body.as_verifier))
@@ -172,12 +180,12 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
         return dataclasses.asdict(r)
 
     @app.post("/v1/sandboxes/{sid}/files/read")
-    async def read(body: PathBody, entry: Entry = Depends(sandbox)) -> dict:
+    async def read(body: PathBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         data = await guarded(entry, entry.box.read_file(body.path, as_verifier=body.as_verifier))
         return {"data_b64": base64.b64encode(data).decode()}
 
     @app.post("/v1/sandboxes/{sid}/files/write")
-    async def write(body: WriteBody, entry: Entry = Depends(sandbox)) -> dict:
+    async def write(body: WriteBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         try:
             data = base64.b64decode(body.data_b64, validate=True)
         except ValueError as e:
@@ -186,8 +194,8 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
         return {"ok": True}
 
     @app.post("/v1/sandboxes/{sid}/put_tar")
-    async def put_tar(request: Request, dest: str, as_verifier: bool = False,
-                      entry: Entry = Depends(sandbox)) -> dict:
+    async def put_tar(request: Request, dest: str, entry: Annotated[Entry, Depends(sandbox)],
+                      as_verifier: bool = False) -> dict:
         try:
             dest = _inside_path(dest)
         except ValueError as e:
@@ -197,21 +205,21 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
         return {"ok": True}
 
     @app.post("/v1/sandboxes/{sid}/changes")
-    async def changes(body: RootsBody, entry: Entry = Depends(sandbox)) -> dict:
+    async def changes(body: RootsBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         if not isinstance(entry.box, ChangeTracking):
             return {"changes": None}
         found = await guarded(entry, entry.box.changes(body.paths))
         return {"changes": None if found is None else [dataclasses.asdict(c) for c in found]}
 
     @app.post("/v1/sandboxes/{sid}/image_has")
-    async def image_has(body: RootsBody, entry: Entry = Depends(sandbox)) -> dict:
+    async def image_has(body: RootsBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         if not isinstance(entry.box, ChangeTracking):
             return {"paths": None}
         found = await guarded(entry, entry.box.image_has(body.paths))
         return {"paths": None if found is None else sorted(found)}
 
     @app.delete("/v1/sandboxes/{sid}")
-    async def close(entry: Entry = Depends(sandbox)) -> dict:
+    async def close(entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         await reg.remove(entry.id)
         return {"ok": True}
 
