@@ -87,35 +87,20 @@ def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float) -> S
     return SandboxSpec(images[body.image], network=body.network, limits=limits)
 
 
-def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
-             capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
-             max_body: int = MAX_BODY, allow_network: bool = False) -> FastAPI:
-    """`images` resolves (building or pulling, then caching) the images this host serves, by name."""
-    reg = Registry(capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
-    resolved: dict[str, ImageRef] = {}
+async def guarded(entry: Entry, call: Awaitable):
+    """Awaits a sandbox call, keeping the sandbox from being reaped meanwhile; its errors as HTTP ones."""
+    entry.busy += 1
+    try:
+        return await call
+    except SandboxError as e:
+        raise HTTPException(409 if entry.box.alive else 410, f"{type(e).__name__}: {e}") from e
+    finally:
+        entry.busy -= 1
+        entry.last_used = time.monotonic()
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        resolved.update(await images())
-        reaper = asyncio.create_task(reg.reap_forever(reap_every_s))
-        try:
-            yield
-        finally:
-            reaper.cancel()
-            await reg.close_all()
 
-    app = FastAPI(title="furlong sandbox host", lifespan=lifespan)
-    app.state.registry = reg
-
-    @app.middleware("http")
-    async def size_limit(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body):
-            return JSONResponse({"detail": f"request body over {max_body} bytes"}, status_code=413)
-        if length is None and request.method in ("POST", "PUT"):
-            return JSONResponse({"detail": "Content-Length required"}, status_code=411)
-        return await call_next(request)
-
+def _auth(token: str, reg: Registry) -> tuple[Callable, Callable]:
+    """The host-token check, and the dependency that finds a sandbox by id and its own token."""
     def host_auth(authorization: Annotated[str, Header()] = "") -> None:
         given = authorization.removeprefix("Bearer ").encode()
         if not authorization.startswith("Bearer ") or not hmac.compare_digest(given, token.encode()):
@@ -130,47 +115,10 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
             raise HTTPException(403, "X-Sandbox-Token: not this sandbox's token")
         return entry
 
-    async def guarded(entry: Entry, call: Awaitable):
-        entry.busy += 1
-        try:
-            return await call
-        except SandboxError as e:
-            raise HTTPException(409 if entry.box.alive else 410, f"{type(e).__name__}: {e}") from e
-        finally:
-            entry.busy -= 1
-            entry.last_used = time.monotonic()
+    return host_auth, sandbox
 
-    @app.get("/v1/health")
-    async def health() -> dict:
-        return {"ok": True}
 
-    @app.get("/v1/metrics", dependencies=[Depends(host_auth)])
-    async def metrics() -> dict:
-        return reg.metrics()
-
-    @app.get("/v1/sandboxes", dependencies=[Depends(host_auth)])
-    async def listing() -> dict:
-        return {"sandboxes": [{"id": e.id, "age_s": time.monotonic() - e.created} for e in reg.entries.values()]}
-
-    @app.post("/v1/sandboxes", dependencies=[Depends(host_auth)])
-    async def create(body: CreateBody) -> dict:
-        if body.network and not allow_network:
-            raise HTTPException(400, "network: this host gives sandboxes no network (serve --allow-network)")
-        spec = _spec(body, resolved, lifetime_s)
-        try:
-            reg.reserve()
-        except AtCapacity as e:
-            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from e
-        t = time.perf_counter()
-        try:
-            box = await backend.create(spec)
-        except BaseException:
-            reg.reserved -= 1
-            raise
-        entry = reg.add(box, time.perf_counter() - t)
-        return {"id": entry.id, "token": entry.token, "verifier_uid": box.verifier_uid,
-                "change_tracking": isinstance(box, ChangeTracking)}
-
+def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
     @app.post("/v1/sandboxes/{sid}/exec")
     async def exec_(body: ExecBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         t = time.perf_counter()
@@ -223,4 +171,68 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
         await reg.remove(entry.id)
         return {"ok": True}
 
+
+def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
+             capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
+             max_body: int = MAX_BODY, allow_network: bool = False) -> FastAPI:
+    """`images` resolves (building or pulling, then caching) the images this host serves, by name."""
+    reg = Registry(capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
+    resolved: dict[str, ImageRef] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        resolved.update(await images())
+        reaper = asyncio.create_task(reg.reap_forever(reap_every_s))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            await reg.close_all()
+
+    app = FastAPI(title="furlong sandbox host", lifespan=lifespan)
+    app.state.registry = reg
+
+    @app.middleware("http")
+    async def size_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            return JSONResponse({"detail": f"request body over {max_body} bytes"}, status_code=413)
+        if length is None and request.method in ("POST", "PUT"):
+            return JSONResponse({"detail": "Content-Length required"}, status_code=411)
+        return await call_next(request)
+
+    host_auth, sandbox = _auth(token, reg)
+
+    @app.get("/v1/health")
+    async def health() -> dict:
+        return {"ok": True}
+
+    @app.get("/v1/metrics", dependencies=[Depends(host_auth)])
+    async def metrics() -> dict:
+        return reg.metrics()
+
+    @app.get("/v1/sandboxes", dependencies=[Depends(host_auth)])
+    async def listing() -> dict:
+        return {"sandboxes": [{"id": e.id, "age_s": time.monotonic() - e.created} for e in reg.entries.values()]}
+
+    @app.post("/v1/sandboxes", dependencies=[Depends(host_auth)])
+    async def create(body: CreateBody) -> dict:
+        if body.network and not allow_network:
+            raise HTTPException(400, "network: this host gives sandboxes no network (serve --allow-network)")
+        spec = _spec(body, resolved, lifetime_s)
+        try:
+            reg.reserve()
+        except AtCapacity as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from e
+        t = time.perf_counter()
+        try:
+            box = await backend.create(spec)
+        except BaseException:
+            reg.reserved -= 1
+            raise
+        entry = reg.add(box, time.perf_counter() - t)
+        return {"id": entry.id, "token": entry.token, "verifier_uid": box.verifier_uid,
+                "change_tracking": isinstance(box, ChangeTracking)}
+
+    _sandbox_routes(app, reg, sandbox)
     return app
