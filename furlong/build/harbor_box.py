@@ -19,17 +19,16 @@ import os
 import shlex
 import tarfile
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
 
+from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.config import load_config
 from furlong.sandbox.base import Sandbox, SandboxBackend
 from furlong.sandbox.pool import StoreImages, sandbox_spec, start_sandbox
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import Task
-
-from furlong.build.sandbox import image_store, sandbox_backend
 
 log = logging.getLogger(__name__)
 
