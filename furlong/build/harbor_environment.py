@@ -1,0 +1,67 @@
+"""`harbor run --environment-import-path furlong.build.harbor_environment:FurlongEnvironment`: harbor's
+trials in furlong sandboxes, no Docker (docs/harbor.md). Needs the `harbor` package (0.25.0, Python 3.12+).
+
+A thin adapter: the decisions live in furlong.build.harbor_box.HarborBox. Options come as harbor's
+`--ek key=value`: `recipe` (a furlong recipe) and `overrides` (comma-separated `key=value`, e.g.
+`sandbox.seccomp=true`), so the backend is the one `sandbox.backend` names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import EnvironmentCapabilities
+from harbor.models.task.config import NetworkMode
+
+from furlong.build.harbor_box import harbor_box, task_dir_of
+
+TYPE = "furlong"
+
+
+class FurlongEnvironment(BaseEnvironment):
+    def __init__(self, *args, recipe: str | None = None, overrides: str = "", **kwargs):
+        self._recipe = recipe
+        self._overrides = tuple(o for o in overrides.split(",") if o)
+        super().__init__(*args, **kwargs)  # validates the definition and the network policy
+        public = self._network_policy.network_mode == NetworkMode.PUBLIC
+        self._box = harbor_box(self.environment_dir, network=public, recipe=recipe, overrides=self._overrides)
+
+    @staticmethod
+    def type() -> str:
+        return TYPE
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        # no allowlists (furlong's network is all or nothing), no GPUs, no host mounts
+        return EnvironmentCapabilities(disable_internet=True)
+
+    def _validate_definition(self):
+        task_dir_of(self.environment_dir)
+        if (self.environment_dir / "docker-compose.yaml").exists():
+            raise ValueError(f"{self.environment_dir}: docker-compose tasks are not supported by furlong "
+                             "(one sandbox per trial); expected environment/Dockerfile or none")
+
+    async def start(self, force_build: bool) -> None:
+        await self._box.start()
+
+    async def stop(self, delete: bool):
+        await self._box.stop()
+
+    async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
+                   timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
+        res = await self._box.exec(command, cwd=cwd, env=self._merge_env(env), timeout_sec=timeout_sec,
+                                   user=self._resolve_user(user))
+        return ExecResult(stdout=res.stdout, stderr=res.stderr, return_code=res.return_code)
+
+    async def upload_file(self, source_path: Path | str, target_path: str):
+        await self._box.upload_file(source_path, target_path)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str):
+        await self._box.upload_dir(source_dir, target_dir)
+
+    async def download_file(self, source_path: str, target_path: Path | str):
+        await self._box.download_file(source_path, target_path)
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str):
+        await self._box.download_dir(source_dir, target_dir)
