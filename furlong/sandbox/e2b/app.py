@@ -158,6 +158,7 @@ def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandbo
         return JSONResponse(written)
 
     routes = [Route("/sandboxes", create, methods=["POST"]), Route("/v2/sandboxes", listing, methods=["GET"]),
+              Route("/v2/sandboxes", create, methods=["POST"]),  # the SDK 2.x creates here
               Route("/sandboxes/{sid}", one, methods=["GET", "DELETE"]),
               Route("/sandboxes/{sid}/timeout", set_timeout, methods=["POST"]),
               Route("/health", health, methods=["GET"]), Route("/files", files, methods=["GET", "POST"])]
