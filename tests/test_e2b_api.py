@@ -9,8 +9,8 @@ import pytest
 
 e2b = pytest.importorskip("e2b")
 
-from furlong.sandbox.e2b import e2b_app  # noqa: E402
-from furlong.sandbox.e2b.serve import on_loopback  # noqa: E402
+from furlong.sandbox.e2b import e2b_app
+from furlong.sandbox.e2b.serve import on_loopback
 
 KEY = "e2b_test_key"
 TEMPLATE = "furlong-base"
@@ -37,7 +37,7 @@ def monkeypatch_module():
 
 
 def test_lifecycle_files_timeout_list_kill(server):
-    url, app = server
+    _url, app = server
     sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
     try:
         assert sbx.sandbox_id in {s.sandbox_id for s in e2b.Sandbox.list().next_items()}
@@ -62,7 +62,7 @@ def test_wrong_api_key_and_unknown_template(server):
 
 
 def test_data_plane_refuses_wrong_token_and_changes_nothing(server):
-    url, app = server
+    url, _app = server
     sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
     try:
         sbx.files.write("/tmp/keep.txt", "original")
@@ -81,7 +81,7 @@ def test_data_plane_refuses_wrong_token_and_changes_nothing(server):
 
 
 def test_past_its_timeout_the_sandbox_is_gone(server):
-    url, app = server
+    _url, app = server
     sbx = e2b.Sandbox.create(TEMPLATE, timeout=1)
     time.sleep(1.5)
     with pytest.raises(e2b.NotFoundException):

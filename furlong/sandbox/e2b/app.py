@@ -8,14 +8,20 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from furlong.sandbox.base import ImageRef, Sandbox, SandboxBackend, SandboxSpec
+from furlong.sandbox.base import (
+    ImageRef,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+)
 
 ENVD_VERSION = "0.2.0"  # below 0.5.7 the SDK uploads multipart, the one upload form served here
 Resolver = Callable[[str], Awaitable[ImageRef | None]]
@@ -36,7 +42,7 @@ def _err(code: int, message: str) -> JSONResponse:
 
 
 def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat()
+    return datetime.fromtimestamp(t, UTC).isoformat()
 
 
 class Registry:
@@ -145,7 +151,7 @@ def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandbo
         if request.method == "GET":
             try:
                 return Response(await live.box.read_file(path), media_type="application/octet-stream")
-            except Exception as e:  # the backend's error for a missing file
+            except (OSError, SandboxError) as e:  # a missing or unreadable file
                 return _err(404, f"path: {path!r} could not be read: {e}")
         form = await request.form()
         written = []
