@@ -1,0 +1,101 @@
+"""The real e2b SDK against furlong's E2B-compatible app on loopback, over real bwrap sandboxes."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+e2b = pytest.importorskip("e2b")
+
+from furlong.sandbox.e2b import e2b_app
+from furlong.sandbox.e2b.serve import on_loopback
+
+KEY = "e2b_test_key"
+TEMPLATE = "furlong-base"
+
+
+@pytest.fixture(scope="module")
+def server(backend, base_image, monkeypatch_module):
+    async def resolve(template: str):
+        return base_image if template == TEMPLATE else None
+
+    app = e2b_app(backend, resolve, api_key=KEY, max_sandboxes=3)
+    with on_loopback(app) as url:
+        monkeypatch_module.setenv("E2B_API_URL", url)
+        monkeypatch_module.setenv("E2B_SANDBOX_URL", url)
+        monkeypatch_module.setenv("E2B_API_KEY", KEY)
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_lifecycle_files_timeout_list_kill(server):
+    _url, app = server
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        assert sbx.sandbox_id in {s.sandbox_id for s in e2b.Sandbox.list().next_items()}
+        sbx.files.write("/tmp/hello.txt", "hi from the sdk")
+        assert sbx.files.read("/tmp/hello.txt") == "hi from the sdk"
+        before = app.state.registry.live[sbx.sandbox_id].end
+        sbx.set_timeout(600)
+        assert app.state.registry.live[sbx.sandbox_id].end > before + 400
+        assert sbx.get_info().template_id == TEMPLATE
+    finally:
+        sbx.kill()
+    assert sbx.sandbox_id not in app.state.registry.live
+    with pytest.raises(e2b.NotFoundException):
+        e2b.Sandbox.set_timeout(sbx.sandbox_id, 30)
+
+
+def test_wrong_api_key_and_unknown_template(server):
+    with pytest.raises(e2b.AuthenticationException):
+        e2b.Sandbox.create(TEMPLATE, api_key="wrong")
+    with pytest.raises(e2b.SandboxException, match="unknown template"):
+        e2b.Sandbox.create("no-such-template")
+
+
+def test_data_plane_refuses_wrong_token_and_changes_nothing(server):
+    url, _app = server
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        sbx.files.write("/tmp/keep.txt", "original")
+        for headers in ({"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "wrong"},
+                        {"E2b-Sandbox-Id": sbx.sandbox_id}):
+            r = httpx.post(f"{url}/files", params={"path": "/tmp/keep.txt"}, headers=headers,
+                           files={"file": ("keep.txt", b"overwritten")})
+            assert r.status_code == 401
+            assert httpx.get(f"{url}/files", params={"path": "/tmp/keep.txt"}, headers=headers).status_code == 401
+        assert sbx.files.read("/tmp/keep.txt") == "original"
+        r = httpx.get(f"{url}/files", params={"path": "/tmp/keep.txt"},
+                      headers={"E2b-Sandbox-Id": "nope", "X-Access-Token": "x"})
+        assert r.status_code == 404
+    finally:
+        sbx.kill()
+
+
+def test_past_its_timeout_the_sandbox_is_gone(server):
+    _url, app = server
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=1)
+    time.sleep(1.5)
+    with pytest.raises(e2b.NotFoundException):
+        e2b.Sandbox.get_info(sbx.sandbox_id)
+    assert sbx.sandbox_id not in app.state.registry.live
+
+
+def test_too_many_sandboxes_is_429(server):
+    url, app = server
+    r = [httpx.post(f"{url}/sandboxes", json={"templateID": TEMPLATE, "timeout": 30}, headers={"X-API-KEY": KEY})
+         for _ in range(4)]
+    try:
+        assert [x.status_code for x in r] == [201, 201, 201, 429]
+    finally:
+        for x in r[:3]:
+            httpx.delete(f"{url}/sandboxes/{x.json()['sandboxID']}", headers={"X-API-KEY": KEY})
+    assert not app.state.registry.live
