@@ -85,7 +85,12 @@ def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandbo
     async def create(request: Request) -> Response:
         if not authed(request):
             return _err(401, "invalid X-API-KEY")
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _err(400, "body: expected a JSON object")
+        if not isinstance(body, dict):
+            return _err(400, "body: expected a JSON object")
         template, timeout = body.get("templateID"), body.get("timeout", 300)
         if not isinstance(template, str) or not template:
             return _err(400, "templateID: expected a non-empty string")
