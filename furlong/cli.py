@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--capacity", type=int, default=8, help="most sandboxes at once; past it, 429 (default 8)")
     sv.add_argument("--idle-s", type=float, default=600.0, help="reap a sandbox unused this long (default 600)")
     sv.add_argument("--lifetime-s", type=float, default=3600.0, help="reap a sandbox this old (default 3600)")
+    sv.add_argument("--e2b-key-file", type=Path,
+                    help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file")
     return parser
 
 
@@ -263,14 +265,15 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from furlong.paths import cache_dir
-    from furlong.sandbox.host.serve import host_token, serve
+    from furlong.sandbox.host.serve import e2b_key, host_token, serve
 
     if args.capacity < 1:
         raise SandboxError(f"--capacity: expected at least 1, got {args.capacity}")
     token = host_token(args.token_file, args.host, cache_dir() / "host-token", console.print)
+    key = None if args.e2b_key_file is None else e2b_key(args.e2b_key_file)
     backend, store = _sandbox_pieces(load_config())
     serve(backend, store, token, host=args.host, port=args.port, capacity=args.capacity, idle_s=args.idle_s,
-          lifetime_s=args.lifetime_s, say=console.print)
+          lifetime_s=args.lifetime_s, say=console.print, e2b_api_key=key)
     return 0
 
 

@@ -61,7 +61,7 @@ def test_wrong_api_key_and_unknown_template(server):
 
 
 def test_malformed_create_bodies_are_400_and_start_nothing(server):
-    url, app = server
+    url, _app = server
     before = httpx.get(f"{url}/v2/sandboxes", headers={"X-API-KEY": KEY}).json()
     for body in (b"{not json", b"[1, 2]", b'{"templateID": 7}', b'{"templateID": "furlong-base", "timeout": -1}'):
         r = httpx.post(f"{url}/sandboxes", content=body, headers={"X-API-KEY": KEY, "Content-Type": "application/json"})

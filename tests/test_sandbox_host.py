@@ -22,6 +22,7 @@ import uvicorn
 from furlong.sandbox.host.app import make_app
 
 TOKEN = "host-secret-token"
+E2B_KEY = "e2b_" + "5e" * 16  # the shape the SDK expects of E2B_API_KEY
 
 
 class Host:
@@ -158,17 +159,21 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_serve_cli_token_rule_and_clean_shutdown(tmp_path):
+def test_serve_cli_token_rule_e2b_on_the_same_port_and_clean_shutdown(tmp_path, monkeypatch):
+    import e2b
+
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     cli = [sys.executable, "-m", "furlong.cli", "sandbox", "serve"]
     r = subprocess.run([*cli, "--host", "0.0.0.0"], check=False, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--token-file" in r.stdout + r.stderr
     (tmp_path / "tok").write_text(TOKEN + "\n")
+    (tmp_path / "e2b-key").write_text(E2B_KEY + "\n")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    proc = subprocess.Popen([*cli, "--port", str(port), "--token-file", str(tmp_path / "tok"), "--capacity", "1"],
+    proc = subprocess.Popen([*cli, "--port", str(port), "--token-file", str(tmp_path / "tok"), "--capacity", "1",
+                             "--e2b-key-file", str(tmp_path / "e2b-key")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -182,11 +187,18 @@ def test_serve_cli_token_rule_and_clean_shutdown(tmp_path):
         body = c.post("/v1/sandboxes", json={}).json()
         r = c.post(f"/v1/sandboxes/{body['id']}/exec", json={"cmd": "echo up"}, headers={"X-Sandbox-Token": body["token"]})
         assert r.json()["stdout"] == "up\n"
+        for var in ("E2B_API_URL", "E2B_SANDBOX_URL"):
+            monkeypatch.setenv(var, f"http://127.0.0.1:{port}")
+        sbx = e2b.Sandbox.create("base", api_key=E2B_KEY, timeout=60)  # the real SDK, through the same port
+        sbx.files.write("/tmp/hello.txt", "from e2b")
+        assert sbx.files.read("/tmp/hello.txt") == "from e2b"
+        with pytest.raises(e2b.AuthenticationException):
+            e2b.Sandbox.create("base", api_key="e2b_" + "0" * 32)
         sandbox_pids = _pids_below(proc.pid)
         assert sandbox_pids, "the sandbox runs below the host"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
-        assert "sandbox host on http://127.0.0.1" in out
+        assert "sandbox host on http://127.0.0.1" in out and "E2B-compatible API" in out
         time.sleep(0.5)  # a process killed at shutdown may still be exiting
         alive = {p for p in sandbox_pids if _running(p)}
         assert not alive, f"shutdown left sandbox processes {alive}"

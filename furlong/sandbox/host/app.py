@@ -14,7 +14,7 @@ import hmac
 import posixpath
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
@@ -29,6 +29,7 @@ from furlong.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from furlong.sandbox.e2b import e2b_app
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
@@ -174,17 +175,25 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
 
 def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
              capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
-             max_body: int = MAX_BODY, allow_network: bool = False) -> FastAPI:
-    """`images` resolves (building or pulling, then caching) the images this host serves, by name."""
+             max_body: int = MAX_BODY, allow_network: bool = False, e2b_api_key: str | None = None) -> FastAPI:
+    """`images` resolves (building or pulling, then caching) the images this host serves, by name. With
+    `e2b_api_key`, the E2B-compatible API (docs/e2b.md) is served on the same port, its templates being
+    these image names."""
     reg = Registry(capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
     resolved: dict[str, ImageRef] = {}
+
+    async def template(name: str) -> ImageRef | None:
+        return resolved.get(name)
+
+    e2b = None if e2b_api_key is None else e2b_app(backend, template, e2b_api_key, max_sandboxes=capacity)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         resolved.update(await images())
         reaper = asyncio.create_task(reg.reap_forever(reap_every_s))
         try:
-            yield
+            async with (e2b.router.lifespan_context(e2b) if e2b is not None else nullcontext()):
+                yield  # a mounted app's own lifespan is not run by Starlette: its sandboxes end here
         finally:
             reaper.cancel()
             await reg.close_all()
@@ -235,4 +244,6 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
                 "change_tracking": isinstance(box, ChangeTracking)}
 
     _sandbox_routes(app, reg, sandbox)
+    if e2b is not None:
+        app.mount("/", e2b)  # after every /v1 route, so those match first
     return app

@@ -46,14 +46,28 @@ def host_token(token_file: Path | None, host: str, generated: Path, say: Callabl
 
 
 def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, port: int, capacity: int,
-          idle_s: float, lifetime_s: float, say: Callable[[str], None]) -> None:
+          idle_s: float, lifetime_s: float, say: Callable[[str], None], e2b_api_key: str | None = None) -> None:
     import uvicorn
 
     async def images():
         say("resolving the base image (built on first use, then cached)")
         return {"base": await asyncio.to_thread(store.base)}
 
-    app = make_app(backend, images, token, capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
+    app = make_app(backend, images, token, capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s,
+                   e2b_api_key=e2b_api_key)
     say(f"sandbox host on http://{host}:{port}/v1 ({backend.name}, capacity {capacity}, idle {idle_s:g} s, "
         f"lifetime {lifetime_s:g} s)")
+    if e2b_api_key is not None:
+        say(f"E2B-compatible API on http://{host}:{port} (E2B_API_URL and E2B_SANDBOX_URL; template 'base')")
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def e2b_key(key_file: Path) -> str:
+    """The API key E2B clients send (X-API-KEY, the SDK's E2B_API_KEY), read from `key_file`."""
+    try:
+        key = key_file.read_text().strip()
+    except OSError as e:
+        raise SandboxError(f"--e2b-key-file {key_file}: {e.strerror}") from None
+    if len(key) < 16:
+        raise SandboxError(f"--e2b-key-file {key_file}: expected a key of at least 16 characters")
+    return key
