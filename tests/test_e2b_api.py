@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import e2b  # pinned in the test extra: CI runs these against the real SDK
@@ -51,6 +52,37 @@ def test_lifecycle_files_timeout_list_kill(server):
     assert sbx.sandbox_id not in app.state.registry.live
     with pytest.raises(e2b.NotFoundException):
         e2b.Sandbox.set_timeout(sbx.sandbox_id, 30)
+
+
+def test_commands_run_in_the_foreground_in_the_sandbox(server):
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        sbx.files.write("/tmp/in.txt", "from the sdk\n")
+        out = sbx.commands.run("cat /tmp/in.txt; echo oops >&2; echo $HOME_SET; pwd", envs={"HOME_SET": "yes"}, cwd="/tmp")
+        assert (out.exit_code, out.stdout, out.stderr) == (0, "from the sdk\nyes\n/tmp\n", "oops\n")
+        with pytest.raises(e2b.CommandExitException) as failed:  # the SDK raises on a non-zero exit
+            sbx.commands.run("echo partial; exit 3")
+        assert (failed.value.exit_code, failed.value.stdout) == (3, "partial\n")
+        assert sbx.commands.run("ls /tmp").stdout.split() == ["in.txt"]  # the command ran in this sandbox
+        with pytest.raises(e2b.SandboxException, match="not supported"):
+            sbx.commands.list()
+    finally:
+        sbx.kill()
+
+
+def test_commands_need_the_sandboxs_own_token(server):
+    url, _app = server
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        message = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-c", "touch /tmp/was-run"]}}).encode()
+        envelope = b"\x00" + len(message).to_bytes(4, "big") + message  # one Connect stream message
+        for token in ("wrong", ""):
+            r = httpx.post(f"{url}/process.Process/Start", content=envelope, headers={
+                "E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token, "Content-Type": "application/connect+json"})
+            assert b'"code":"unauthenticated"' in r.content.replace(b" ", b""), r.content
+        assert sbx.commands.run("ls -A /tmp").stdout == ""  # nothing ran
+    finally:
+        sbx.kill()
 
 
 def test_wrong_api_key_and_unknown_template(server):

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from furlong.sandbox.base import (
     ImageRef,
@@ -22,6 +22,7 @@ from furlong.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from furlong.sandbox.e2b.process import process_app
 
 ENVD_VERSION = "0.2.0"  # below 0.5.7 the SDK uploads multipart, the one upload form served here
 Resolver = Callable[[str], Awaitable[ImageRef | None]]
@@ -172,7 +173,8 @@ def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandbo
               Route("/v2/sandboxes", create, methods=["POST"]),  # the SDK 2.x creates here
               Route("/sandboxes/{sid}", one, methods=["GET", "DELETE"]),
               Route("/sandboxes/{sid}/timeout", set_timeout, methods=["POST"]),
-              Route("/health", health, methods=["GET"]), Route("/files", files, methods=["GET", "POST"])]
+              Route("/health", health, methods=["GET"]), Route("/files", files, methods=["GET", "POST"]),
+              Mount("/process.Process", app=process_app(reg.get))]
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
