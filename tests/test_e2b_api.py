@@ -70,6 +70,29 @@ def test_commands_run_in_the_foreground_in_the_sandbox(server):
         sbx.kill()
 
 
+def test_files_list_stat_make_dir_rename_remove(server):
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        assert sbx.files.make_dir("/tmp/d/e") is True
+        assert sbx.files.make_dir("/tmp/d/e") is False  # already there
+        sbx.files.write("/tmp/d/a.txt", "12345")
+        sbx.commands.run("ln -s a.txt /tmp/d/link")
+        entries = {e.name: e for e in sbx.files.list("/tmp/d")}
+        assert sorted(entries) == ["a.txt", "e", "link"]
+        assert (entries["a.txt"].type, entries["a.txt"].size, entries["a.txt"].path) == (
+            e2b.FileType.FILE, 5, "/tmp/d/a.txt")
+        assert entries["e"].type == e2b.FileType.DIR and entries["link"].symlink_target == "a.txt"
+        assert sbx.files.exists("/tmp/d/a.txt") and not sbx.files.exists("/tmp/d/none")
+        sbx.files.rename("/tmp/d/a.txt", "/tmp/d/e/b.txt")
+        assert sbx.commands.run("cat /tmp/d/e/b.txt").stdout == "12345"  # moved in the sandbox itself
+        sbx.files.remove("/tmp/d")
+        assert not sbx.files.exists("/tmp/d")
+        with pytest.raises(e2b.NotFoundException):
+            sbx.files.list("/tmp/no-such-dir")
+    finally:
+        sbx.kill()
+
+
 def test_commands_need_the_sandboxs_own_token(server):
     url, _app = server
     sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)

@@ -22,6 +22,7 @@ from furlong.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from furlong.sandbox.e2b.filesystem import filesystem_app
 from furlong.sandbox.e2b.process import process_app
 
 ENVD_VERSION = "0.2.0"  # below 0.5.7 the SDK uploads multipart, the one upload form served here
@@ -174,7 +175,8 @@ def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandbo
               Route("/sandboxes/{sid}", one, methods=["GET", "DELETE"]),
               Route("/sandboxes/{sid}/timeout", set_timeout, methods=["POST"]),
               Route("/health", health, methods=["GET"]), Route("/files", files, methods=["GET", "POST"]),
-              Mount("/process.Process", app=process_app(reg.get))]
+              Mount("/process.Process", app=process_app(reg.get)),
+              Mount("/filesystem.Filesystem", app=filesystem_app(reg.get))]
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

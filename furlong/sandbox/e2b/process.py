@@ -25,6 +25,17 @@ def _event(kind: str, value: Any) -> pb.StartResponse:
     return pb.StartResponse(event=pb.ProcessEvent(event=Oneof(kind, value)))
 
 
+async def sandbox_of(lookup: Lookup, ctx: Any) -> Sandbox:
+    """The sandbox an envd call is for (E2b-Sandbox-Id), once its X-Access-Token is checked."""
+    headers = ctx.request_headers
+    live = await lookup(headers.get("e2b-sandbox-id", ""))
+    if live is None:
+        raise ConnectError(Code.NOT_FOUND, "E2b-Sandbox-Id: no such sandbox")
+    if not hmac.compare_digest(headers.get("x-access-token", ""), live.token):
+        raise ConnectError(Code.UNAUTHENTICATED, "X-Access-Token: missing or wrong for this sandbox")
+    return live.box
+
+
 class Processes:
     """The service: each call is routed by E2b-Sandbox-Id and checked against that sandbox's X-Access-Token."""
 
@@ -32,17 +43,8 @@ class Processes:
         self._lookup = lookup
         self._pids = 0
 
-    async def _box(self, ctx: Any) -> Sandbox:
-        headers = ctx.request_headers
-        live = await self._lookup(headers.get("e2b-sandbox-id", ""))
-        if live is None:
-            raise ConnectError(Code.NOT_FOUND, "E2b-Sandbox-Id: no such sandbox")
-        if not hmac.compare_digest(headers.get("x-access-token", ""), live.token):
-            raise ConnectError(Code.UNAUTHENTICATED, "X-Access-Token: missing or wrong for this sandbox")
-        return live.box
-
     async def start(self, request: pb.StartRequest, ctx: Any) -> AsyncIterator[pb.StartResponse]:
-        box = await self._box(ctx)
+        box = await sandbox_of(self._lookup, ctx)
         cfg = request.process
         if request.stdin:
             raise ConnectError(Code.UNIMPLEMENTED, "stdin: commands with input are not supported")
