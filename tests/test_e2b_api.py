@@ -64,8 +64,26 @@ def test_commands_run_in_the_foreground_in_the_sandbox(server):
             sbx.commands.run("echo partial; exit 3")
         assert (failed.value.exit_code, failed.value.stdout) == (3, "partial\n")
         assert sbx.commands.run("ls /tmp").stdout.split() == ["in.txt"]  # the command ran in this sandbox
-        with pytest.raises(e2b.SandboxException, match="not supported"):
-            sbx.commands.list()
+        assert sbx.commands.list() == []
+    finally:
+        sbx.kill()
+
+
+def test_a_background_command_is_listed_and_killed_with_its_children(server):
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        handle = sbx.commands.run("sleep 300 & sleep 301; echo never", background=True)
+        assert [p.pid for p in sbx.commands.list()] == [handle.pid]
+        deadline = time.monotonic() + 10
+        while "sleep 301" not in sbx.commands.run("ps -eo args").stdout:
+            assert time.monotonic() < deadline, "the background command never started"
+            time.sleep(0.05)
+        assert sbx.commands.kill(handle.pid) is True
+        with pytest.raises(e2b.CommandExitException) as ended:
+            handle.wait()
+        assert ended.value.exit_code != 0 and "never" not in ended.value.stdout
+        assert "sleep 30" not in sbx.commands.run("ps -eo args").stdout  # the group went, the & child too
+        assert sbx.commands.list() == [] and sbx.commands.kill(handle.pid) is False
     finally:
         sbx.kill()
 
@@ -103,7 +121,7 @@ def test_commands_need_the_sandboxs_own_token(server):
             r = httpx.post(f"{url}/process.Process/Start", content=envelope, headers={
                 "E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token, "Content-Type": "application/connect+json"})
             assert b'"code":"unauthenticated"' in r.content.replace(b" ", b""), r.content
-        assert sbx.commands.run("ls -A /tmp").stdout == ""  # nothing ran
+        assert sbx.commands.run("test -e /tmp/was-run || echo absent").stdout == "absent\n"  # nothing ran
     finally:
         sbx.kill()
 

@@ -1,12 +1,15 @@
-"""envd's `process.Process` service (Connect-RPC, through the SDK's own generated server classes), enough
-for `commands.run` in the foreground: Start runs the command to its end in the sandbox, then streams its
-start, output and end events. Background commands, Connect, input and signals are refused as unimplemented."""
+"""envd's `process.Process` service (Connect-RPC, through the SDK's own generated server classes): Start
+streams a command's start event at once, then its output and end once it has ended (foreground and
+background `commands.run`); List names the running ones; SendSignal kills one's whole process group inside
+the sandbox. Connect, input and PTYs are refused as unimplemented."""
 
 from __future__ import annotations
 
 import hmac
+import itertools
 import shlex
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from connectrpc.code import Code
@@ -36,23 +39,39 @@ async def sandbox_of(lookup: Lookup, ctx: Any) -> Sandbox:
     return live.box
 
 
+@dataclass(frozen=True)
+class Running:
+    box: Sandbox
+    sandbox_id: str
+    config: pb.ProcessConfig
+    pidfile: str  # inside the sandbox: the pid of the command's session leader, so a signal reaches its group
+
+
 class Processes:
     """The service: each call is routed by E2b-Sandbox-Id and checked against that sandbox's X-Access-Token."""
 
     def __init__(self, lookup: Lookup) -> None:
         self._lookup = lookup
-        self._pids = 0
+        self._pids = itertools.count(1)
+        self._running: dict[int, Running] = {}
 
     async def start(self, request: pb.StartRequest, ctx: Any) -> AsyncIterator[pb.StartResponse]:
         box = await sandbox_of(self._lookup, ctx)
         cfg = request.process
-        if request.stdin:
-            raise ConnectError(Code.UNIMPLEMENTED, "stdin: commands with input are not supported")
+        if request.stdin or request.pty is not None:
+            raise ConnectError(Code.UNIMPLEMENTED, "stdin and pty: commands with input are not supported")
+        pid = next(self._pids)
+        pidfile = f"/tmp/.furlong-e2b-{pid}.pid"
+        inner = f"echo $$ > {pidfile}; {shlex.join([cfg.cmd, *cfg.args])}; rc=$?; rm -f {pidfile}; exit $rc"
         timeout_ms = ctx.timeout_ms
-        result = await box.exec(shlex.join([cfg.cmd, *cfg.args]), cwd=cfg.cwd or None, env=dict(cfg.envs) or None,
-                                timeout_s=timeout_ms / 1000 if timeout_ms else DEFAULT_TIMEOUT_S)
-        self._pids += 1
-        yield _event("start", pb.ProcessEvent.StartEvent(pid=self._pids))
+        self._running[pid] = Running(box, ctx.request_headers.get("e2b-sandbox-id", ""), cfg, pidfile)
+        try:
+            yield _event("start", pb.ProcessEvent.StartEvent(pid=pid))
+            result = await box.exec(f"setsid -w bash -c {shlex.quote(inner)}", cwd=cfg.cwd or None,
+                                    env=dict(cfg.envs) or None,
+                                    timeout_s=timeout_ms / 1000 if timeout_ms else DEFAULT_TIMEOUT_S)
+        finally:
+            self._running.pop(pid, None)
         for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
             if text:
                 yield _event("data", pb.ProcessEvent.DataEvent(output=Oneof(stream, text.encode())))
@@ -60,15 +79,31 @@ class Processes:
         yield _event("end", pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=not result.timed_out,
                                                      status=status))
 
-    def _unsupported(self, name: str) -> Callable[..., Any]:
+    async def list(self, request: pb.ListRequest, ctx: Any) -> pb.ListResponse:
+        await sandbox_of(self._lookup, ctx)
+        sid = ctx.request_headers.get("e2b-sandbox-id", "")
+        return pb.ListResponse(processes=[pb.ProcessInfo(config=r.config, pid=pid)
+                                          for pid, r in self._running.items() if r.sandbox_id == sid])
+
+    async def send_signal(self, request: pb.SendSignalRequest, ctx: Any) -> pb.SendSignalResponse:
+        await sandbox_of(self._lookup, ctx)
+        selector = request.process.selector if request.process is not None else None
+        running = self._running.get(selector.value) if selector is not None and selector.field == "pid" else None
+        if running is None or running.sandbox_id != ctx.request_headers.get("e2b-sandbox-id", ""):
+            raise ConnectError(Code.NOT_FOUND, "process: no such running command in this sandbox")
+        sig = "TERM" if request.signal == pb.Signal.SIGTERM else "KILL"
+        f = running.pidfile  # listed from the moment Start was called: its command may not have written it yet
+        await running.box.exec(f"for _ in $(seq 200); do test -s {f} && break; sleep 0.02; done; "
+                               f"kill -s {sig} -- -$(cat {f}); rm -f {f}", timeout_s=10)
+        return pb.SendSignalResponse()
+
+    def __getattr__(self, name: str) -> Any:  # connect, update, send_input, stream_input, close_stdin
+        if name.startswith("_"):
+            raise AttributeError(name)
+
         async def refuse(*_: Any) -> Any:
             raise ConnectError(Code.UNIMPLEMENTED, f"process.Process/{name} is not supported (docs/e2b.md)")
         return refuse
-
-    def __getattr__(self, name: str) -> Any:  # list, connect, update, send_input, send_signal, ...
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self._unsupported(name)
 
 
 def process_app(lookup: Lookup) -> ProcessASGIApplication:
