@@ -75,10 +75,21 @@ class Watchdog:
             self._proc.wait()
 
 
+def sweep_until_gone(tag: str, spare: tuple[int, ...] = (), timeout_s: float = 45.0) -> int:
+    """Sweeps again while tagged processes remain: a raylet being stopped can still start an agent after
+    the pids were read; how many are left at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while (left := sweep(tag, spare)) or tagged(tag, spare):
+        if time.monotonic() > deadline:
+            return left or len(tagged(tag, spare))
+        time.sleep(0.2)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     tag, driver = argv[0], int(argv[1])
     sys.stdin.buffer.read()  # returns at EOF: the driver closed the pipe or died
-    return 1 if sweep(tag, spare=(driver,)) else 0
+    return 1 if sweep_until_gone(tag, spare=(driver,)) else 0
 
 
 if __name__ == "__main__":
