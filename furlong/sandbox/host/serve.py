@@ -27,13 +27,7 @@ def host_token(token_file: Path | None, host: str, generated: Path, say: Callabl
     """The bearer token: read from token_file; without one, only a loopback host may start, with a fresh
     token written (mode 0600) to `generated`, so nobody reachable over a network meets an open host."""
     if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as e:
-            raise SandboxError(f"--token-file {token_file}: {e.strerror}") from None
-        if len(token) < 16:
-            raise SandboxError(f"--token-file {token_file}: expected a token of at least 16 characters")
-        return token
+        return read_secret(token_file, "--token-file", "token")
     if not _loopback(host):
         raise SandboxError(f"--host {host} is not loopback: give --token-file (a file holding the bearer token)")
     token = secrets.token_urlsafe(32)
@@ -64,10 +58,15 @@ def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, 
 
 def e2b_key(key_file: Path) -> str:
     """The API key E2B clients send (X-API-KEY, the SDK's E2B_API_KEY), read from `key_file`."""
+    return read_secret(key_file, "--e2b-key-file", "key")
+
+
+def read_secret(path: Path, flag: str, what: str) -> str:
+    """A secret of at least 16 characters from `path`, which the flag `flag` named."""
     try:
-        key = key_file.read_text().strip()
+        secret = path.read_text().strip()
     except OSError as e:
-        raise SandboxError(f"--e2b-key-file {key_file}: {e.strerror}") from None
-    if len(key) < 16:
-        raise SandboxError(f"--e2b-key-file {key_file}: expected a key of at least 16 characters")
-    return key
+        raise SandboxError(f"{flag} {path}: {e.strerror}") from None
+    if len(secret) < 16:
+        raise SandboxError(f"{flag} {path}: expected a {what} of at least 16 characters")
+    return secret
