@@ -140,6 +140,9 @@ def test_malformed_create_bodies_are_400_and_start_nothing(server):
         r = httpx.post(f"{url}/sandboxes", content=body, headers={"X-API-KEY": KEY, "Content-Type": "application/json"})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["message"].split(":")[0] in ("body", "templateID", "timeout")
+    r = httpx.post(f"{url}/sandboxes/any/timeout", content=b"{not json",
+                   headers={"X-API-KEY": KEY, "Content-Type": "application/json"})
+    assert (r.status_code, r.json()["message"]) == (400, "body: expected a JSON object")
     assert httpx.get(f"{url}/v2/sandboxes", headers={"X-API-KEY": KEY}).json() == before
 
 

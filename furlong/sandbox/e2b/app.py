@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
+from connectrpc.code import Code
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,6 +23,7 @@ from furlong.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from furlong.sandbox.e2b.envd import refusal
 from furlong.sandbox.e2b.filesystem import filesystem_app
 from furlong.sandbox.e2b.process import process_app
 
@@ -50,8 +52,8 @@ def _iso(t: float) -> str:
 class Registry:
     """The live sandboxes, each reaped at its end time."""
 
-    def __init__(self, backend: SandboxBackend, resolve: Resolver, max_sandboxes: int) -> None:
-        self.backend, self.resolve, self.max = backend, resolve, max_sandboxes
+    def __init__(self, max_sandboxes: int) -> None:
+        self.max = max_sandboxes
         self.live: dict[str, Live] = {}
 
     async def reap(self) -> None:
@@ -76,84 +78,91 @@ def _listed(live: Live) -> dict:
             "diskSizeMB": 1024, "state": "running", "envdVersion": ENVD_VERSION, "metadata": {}}
 
 
-def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandboxes: int = 16,
-            max_timeout_s: int = 3600) -> Starlette:
-    """The app: `resolve` maps a template id to a furlong image (None: unknown template)."""
-    reg = Registry(backend, resolve, max_sandboxes)
+async def _json_object(request: Request) -> dict | None:
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
 
-    def authed(request: Request) -> bool:
-        return hmac.compare_digest(request.headers.get("x-api-key", ""), api_key)
 
-    async def create(request: Request) -> Response:
-        if not authed(request):
+class _Routes:
+    """The REST handlers: the control plane (X-API-KEY) and envd's health and files."""
+
+    def __init__(self, reg: Registry, backend: SandboxBackend, resolve: Resolver, api_key: str,
+                 max_timeout_s: int) -> None:
+        self.reg, self.backend, self.resolve = reg, backend, resolve
+        self.api_key, self.max_timeout_s = api_key, max_timeout_s
+
+    def _authed(self, request: Request) -> bool:
+        return hmac.compare_digest(request.headers.get("x-api-key", ""), self.api_key)
+
+    def _bad_timeout(self, timeout: object) -> JSONResponse | None:
+        if isinstance(timeout, int) and 0 < timeout <= self.max_timeout_s:
+            return None
+        return _err(400, f"timeout: expected an integer of seconds in 1..{self.max_timeout_s}")
+
+    async def create(self, request: Request) -> Response:
+        if not self._authed(request):
             return _err(401, "invalid X-API-KEY")
-        try:
-            body = await request.json()
-        except ValueError:
-            return _err(400, "body: expected a JSON object")
-        if not isinstance(body, dict):
+        body = await _json_object(request)
+        if body is None:
             return _err(400, "body: expected a JSON object")
         template, timeout = body.get("templateID"), body.get("timeout", 300)
         if not isinstance(template, str) or not template:
             return _err(400, "templateID: expected a non-empty string")
-        if not isinstance(timeout, int) or not 0 < timeout <= max_timeout_s:
-            return _err(400, f"timeout: expected an integer of seconds in 1..{max_timeout_s}")
-        await reg.reap()
-        if len(reg.live) >= reg.max:
-            return _err(429, f"at most {reg.max} sandboxes at once")
-        image = await resolve(template)
+        if refused := self._bad_timeout(timeout):
+            return refused
+        await self.reg.reap()
+        if len(self.reg.live) >= self.reg.max:
+            return _err(429, f"at most {self.reg.max} sandboxes at once")
+        image = await self.resolve(template)
         if image is None:
             return _err(404, f"templateID: unknown template {template!r}")
-        box = await backend.create(SandboxSpec(image=image))
+        box = await self.backend.create(SandboxSpec(image=image))
         now = time.time()
         live = Live(secrets.token_hex(10), template, box, secrets.token_urlsafe(24), now, now + timeout)
-        reg.live[live.sandbox_id] = live
+        self.reg.live[live.sandbox_id] = live
         return JSONResponse({"templateID": template, "sandboxID": live.sandbox_id, "clientID": "furlong",
                              "envdVersion": ENVD_VERSION, "envdAccessToken": live.token}, status_code=201)
 
-    async def one(request: Request) -> Response:
-        if not authed(request):
+    async def one(self, request: Request) -> Response:
+        if not self._authed(request):
             return _err(401, "invalid X-API-KEY")
         sid = request.path_params["sid"]
         if request.method == "DELETE":
-            return Response(status_code=204) if await reg.remove(sid) else _err(404, f"sandbox {sid} not found")
-        live = await reg.get(sid)
+            return Response(status_code=204) if await self.reg.remove(sid) else _err(404, f"sandbox {sid} not found")
+        live = await self.reg.get(sid)
         return JSONResponse(_listed(live)) if live else _err(404, f"sandbox {sid} not found")
 
-    async def listing(request: Request) -> Response:
-        if not authed(request):
+    async def listing(self, request: Request) -> Response:
+        if not self._authed(request):
             return _err(401, "invalid X-API-KEY")
-        await reg.reap()
-        return JSONResponse([_listed(live) for live in reg.live.values()])
+        await self.reg.reap()
+        return JSONResponse([_listed(live) for live in self.reg.live.values()])
 
-    async def set_timeout(request: Request) -> Response:
-        if not authed(request):
+    async def set_timeout(self, request: Request) -> Response:
+        if not self._authed(request):
             return _err(401, "invalid X-API-KEY")
         sid = request.path_params["sid"]
-        timeout = (await request.json()).get("timeout")
-        if not isinstance(timeout, int) or not 0 < timeout <= max_timeout_s:
-            return _err(400, f"timeout: expected an integer of seconds in 1..{max_timeout_s}")
-        live = await reg.get(sid)
+        body = await _json_object(request)
+        if body is None:
+            return _err(400, "body: expected a JSON object")
+        if refused := self._bad_timeout(body.get("timeout")):
+            return refused
+        live = await self.reg.get(sid)
         if live is None:
             return _err(404, f"sandbox {sid} not found")
-        reg.live[sid] = replace(live, end=time.time() + timeout)
+        self.reg.live[sid] = replace(live, end=time.time() + body["timeout"])
         return Response(status_code=204)
 
-    async def envd(request: Request) -> Live | Response:
-        live = await reg.get(request.headers.get("e2b-sandbox-id", ""))
-        if live is None:
-            return _err(404, "E2b-Sandbox-Id: no such sandbox")
-        if not hmac.compare_digest(request.headers.get("x-access-token", ""), live.token):
-            return _err(401, "X-Access-Token: missing or wrong for this sandbox")
-        return live
-
-    async def health(request: Request) -> Response:
+    async def health(self, request: Request) -> Response:
         return Response(status_code=204)
 
-    async def files(request: Request) -> Response:
-        live = await envd(request)
-        if isinstance(live, Response):
-            return live
+    async def files(self, request: Request) -> Response:
+        live = await self.reg.get(request.headers.get("e2b-sandbox-id", ""))
+        if refused := refusal(live, request.headers.get("x-access-token", "")):
+            return _err(404 if refused[0] == Code.NOT_FOUND else 401, refused[1])
         path = request.query_params.get("path", "")
         if request.method == "GET":
             try:
@@ -170,11 +179,17 @@ def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandbo
             written.append({"name": target.rsplit("/", 1)[-1], "type": "file", "path": target})
         return JSONResponse(written)
 
-    routes = [Route("/sandboxes", create, methods=["POST"]), Route("/v2/sandboxes", listing, methods=["GET"]),
-              Route("/v2/sandboxes", create, methods=["POST"]),  # the SDK 2.x creates here
-              Route("/sandboxes/{sid}", one, methods=["GET", "DELETE"]),
-              Route("/sandboxes/{sid}/timeout", set_timeout, methods=["POST"]),
-              Route("/health", health, methods=["GET"]), Route("/files", files, methods=["GET", "POST"]),
+
+def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandboxes: int = 16,
+            max_timeout_s: int = 3600) -> Starlette:
+    """The app: `resolve` maps a template id to a furlong image (None: unknown template)."""
+    reg = Registry(max_sandboxes)
+    r = _Routes(reg, backend, resolve, api_key, max_timeout_s)
+    routes = [Route("/sandboxes", r.create, methods=["POST"]), Route("/v2/sandboxes", r.listing, methods=["GET"]),
+              Route("/v2/sandboxes", r.create, methods=["POST"]),  # the SDK 2.x creates here
+              Route("/sandboxes/{sid}", r.one, methods=["GET", "DELETE"]),
+              Route("/sandboxes/{sid}/timeout", r.set_timeout, methods=["POST"]),
+              Route("/health", r.health, methods=["GET"]), Route("/files", r.files, methods=["GET", "POST"]),
               Mount("/process.Process", app=process_app(reg.get)),
               Mount("/filesystem.Filesystem", app=filesystem_app(reg.get))]
 

@@ -14,7 +14,7 @@ from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from protobuf.wkt import Timestamp
 
 from furlong.sandbox.base import Sandbox
-from furlong.sandbox.e2b.process import Lookup, sandbox_of
+from furlong.sandbox.e2b.envd import Lookup, sandbox_of, unsupported
 
 FORMAT = r"%f\0%y\0%p\0%s\0%m\0%M\0%u\0%g\0%T@\0%l\0"  # find -printf: one entry, ten fields
 TYPES = {"f": pb.FileType.FILE, "d": pb.FileType.DIRECTORY, "l": pb.FileType.SYMLINK}
@@ -84,12 +84,7 @@ class Files:
         return pb.MoveResponse(entry=await _stat(box, dst))
 
     def __getattr__(self, name: str) -> Any:  # watch_dir, create_watcher, ...
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        async def refuse(*_: Any) -> Any:
-            raise ConnectError(Code.UNIMPLEMENTED, f"filesystem.Filesystem/{name} is not supported (docs/e2b.md)")
-        return refuse
+        return unsupported("filesystem.Filesystem", name)
 
 
 def filesystem_app(lookup: Lookup) -> FilesystemASGIApplication:

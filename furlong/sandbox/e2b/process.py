@@ -5,10 +5,9 @@ the sandbox. Connect, input and PTYs are refused as unimplemented."""
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import shlex
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,24 +18,13 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 from protobuf import Oneof
 
 from furlong.sandbox.base import Sandbox
+from furlong.sandbox.e2b.envd import Lookup, sandbox_of, unsupported
 
-Lookup = Callable[[str], Awaitable[Any]]  # sandbox id -> its live record (box, token) or None
 DEFAULT_TIMEOUT_S = 60.0
 
 
 def _event(kind: str, value: Any) -> pb.StartResponse:
     return pb.StartResponse(event=pb.ProcessEvent(event=Oneof(kind, value)))
-
-
-async def sandbox_of(lookup: Lookup, ctx: Any) -> Sandbox:
-    """The sandbox an envd call is for (E2b-Sandbox-Id), once its X-Access-Token is checked."""
-    headers = ctx.request_headers
-    live = await lookup(headers.get("e2b-sandbox-id", ""))
-    if live is None:
-        raise ConnectError(Code.NOT_FOUND, "E2b-Sandbox-Id: no such sandbox")
-    if not hmac.compare_digest(headers.get("x-access-token", ""), live.token):
-        raise ConnectError(Code.UNAUTHENTICATED, "X-Access-Token: missing or wrong for this sandbox")
-    return live.box
 
 
 @dataclass(frozen=True)
@@ -98,12 +86,7 @@ class Processes:
         return pb.SendSignalResponse()
 
     def __getattr__(self, name: str) -> Any:  # connect, update, send_input, stream_input, close_stdin
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        async def refuse(*_: Any) -> Any:
-            raise ConnectError(Code.UNIMPLEMENTED, f"process.Process/{name} is not supported (docs/e2b.md)")
-        return refuse
+        return unsupported("process.Process", name)
 
 
 def process_app(lookup: Lookup) -> ProcessASGIApplication:

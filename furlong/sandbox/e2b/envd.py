@@ -1,0 +1,43 @@
+"""What every envd call shares, over REST and Connect-RPC alike: which sandbox it is for (E2b-Sandbox-Id)
+and whether it carries that sandbox's own X-Access-Token; and the answer to a method not served."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+
+from furlong.sandbox.base import Sandbox
+
+Lookup = Callable[[str], Awaitable[Any]]  # sandbox id -> its live record (box, token) or None
+
+
+def refusal(live: Any, token: str) -> tuple[Code, str] | None:
+    """Why a call for `live` (None: no such sandbox) carrying `token` is refused; None where it is not."""
+    if live is None:
+        return Code.NOT_FOUND, "E2b-Sandbox-Id: no such sandbox"
+    if not hmac.compare_digest(token, live.token):
+        return Code.UNAUTHENTICATED, "X-Access-Token: missing or wrong for this sandbox"
+    return None
+
+
+async def sandbox_of(lookup: Lookup, ctx: Any) -> Sandbox:
+    """The sandbox a Connect-RPC call is for, once its token is checked."""
+    headers = ctx.request_headers
+    live = await lookup(headers.get("e2b-sandbox-id", ""))
+    if refused := refusal(live, headers.get("x-access-token", "")):
+        raise ConnectError(*refused)
+    return live.box
+
+
+def unsupported(service: str, name: str) -> Callable[..., Any]:
+    """A service's method that is not served (a class's __getattr__ hands it out for every such name)."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+
+    async def refuse(*_: Any) -> Any:
+        raise ConnectError(Code.UNIMPLEMENTED, f"{service}/{name} is not supported (docs/e2b.md)")
+    return refuse
