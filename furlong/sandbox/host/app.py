@@ -173,6 +173,32 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
         return {"ok": True}
 
 
+def _host_routes(app: FastAPI, reg: Registry, host_auth: Callable) -> None:
+    @app.get("/v1/health")
+    async def health() -> dict:
+        return {"ok": True}
+
+    @app.get("/v1/metrics", dependencies=[Depends(host_auth)])
+    async def metrics() -> dict:
+        return reg.metrics()
+
+    @app.get("/v1/sandboxes", dependencies=[Depends(host_auth)])
+    async def listing() -> dict:
+        return {"sandboxes": [{"id": e.id, "age_s": time.monotonic() - e.created} for e in reg.entries.values()]}
+
+
+def _limit_bodies(app: FastAPI, max_body: int) -> None:
+    """Refuses, before any route runs, a body over `max_body` bytes (413) or one of unstated length (411)."""
+    @app.middleware("http")
+    async def size_limit(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            return JSONResponse({"detail": f"request body over {max_body} bytes"}, status_code=413)
+        if length is None and request.method in ("POST", "PUT"):
+            return JSONResponse({"detail": "Content-Length required"}, status_code=411)
+        return await call_next(request)
+
+
 def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
              capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
              max_body: int = MAX_BODY, allow_network: bool = False, e2b_api_key: str | None = None) -> FastAPI:
@@ -201,28 +227,10 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
     app = FastAPI(title="furlong sandbox host", lifespan=lifespan)
     app.state.registry = reg
 
-    @app.middleware("http")
-    async def size_limit(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body):
-            return JSONResponse({"detail": f"request body over {max_body} bytes"}, status_code=413)
-        if length is None and request.method in ("POST", "PUT"):
-            return JSONResponse({"detail": "Content-Length required"}, status_code=411)
-        return await call_next(request)
-
+    _limit_bodies(app, max_body)
     host_auth, sandbox = _auth(token, reg)
 
-    @app.get("/v1/health")
-    async def health() -> dict:
-        return {"ok": True}
-
-    @app.get("/v1/metrics", dependencies=[Depends(host_auth)])
-    async def metrics() -> dict:
-        return reg.metrics()
-
-    @app.get("/v1/sandboxes", dependencies=[Depends(host_auth)])
-    async def listing() -> dict:
-        return {"sandboxes": [{"id": e.id, "age_s": time.monotonic() - e.created} for e in reg.entries.values()]}
+    _host_routes(app, reg, host_auth)
 
     @app.post("/v1/sandboxes", dependencies=[Depends(host_auth)])
     async def create(body: CreateBody) -> dict:
