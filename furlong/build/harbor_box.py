@@ -13,6 +13,7 @@ furlong's rule, and its test.sh must be able to write /logs/verifier.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -59,9 +60,7 @@ class HarborBox:
     async def start(self) -> None:
         image = await self._images(self.task)
         spec = sandbox_spec(self.task, image)
-        if spec.network != self.network:
-            spec = type(spec)(image=spec.image, network=self.network, limits=spec.limits, syscalls=spec.syscalls)
-        self.box = await start_sandbox(self.backend, spec)
+        self.box = await start_sandbox(self.backend, dataclasses.replace(spec, network=self.network))
 
     async def stop(self) -> None:
         if self.box is not None:
