@@ -13,8 +13,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import run, spec
+from tests_support import alive, subtree
+
 from furlong.sandbox import netns
 from furlong.sandbox.base import SandboxError
 
@@ -151,26 +152,8 @@ def test_an_image_build_installs_a_package_with_apt(store, backend, tmp_path: Pa
     assert r.stdout == "42\n", r
 
 
-def _subtree(pid: int) -> set[int]:
-    found, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            for child in (task / "children").read_text().split() if (task / "children").exists() else []:
-                found.add(int(child))
-                frontier.append(int(child))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _pastas(pids: set[int]) -> set[int]:
-    return {p for p in pids if _alive(p) and Path(f"/proc/{p}/comm").read_text().startswith("pass")}
+    return {p for p in pids if alive(p) and Path(f"/proc/{p}/comm").read_text().startswith("pass")}
 
 
 def test_pasta_lives_and_dies_with_its_sandbox(backend, base_image):
@@ -178,7 +161,7 @@ def test_pasta_lives_and_dies_with_its_sandbox(backend, base_image):
         boxes = [await backend.create(spec(base_image, network=True)) for _ in range(3)]
         for box in boxes:
             assert (await box.exec("echo up")).stdout == "up\n"
-        trees = [_subtree(box._proc.pid) for box in boxes]
+        trees = [subtree(box._proc.pid) for box in boxes]
         assert all(len(_pastas(tree)) == 1 for tree in trees), "one pasta per networked sandbox"
         for box in boxes:
             await box.close()
@@ -186,7 +169,7 @@ def test_pasta_lives_and_dies_with_its_sandbox(backend, base_image):
 
     processes = run(go())
     time.sleep(0.5)
-    assert not {p for p in processes if _alive(p)}, "a pasta or sandbox process outlived close()"
+    assert not {p for p in processes if alive(p)}, "a pasta or sandbox process outlived close()"
 
 
 def test_start_up_cost_of_the_network_is_small(backend, base_image):

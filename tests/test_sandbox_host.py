@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from tests_support import alive, subtree
 
 from furlong.sandbox.host.app import make_app
 
@@ -138,27 +139,6 @@ def test_capacity_429_and_idle_reaping(backend, base_image):
     assert not h.reg.entries
 
 
-def _pids_below(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        for child in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            try:
-                kids = {int(k) for k in child.read_text().split()}
-            except OSError:
-                continue
-            todo += list(kids - found)
-            found |= kids
-    return found
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (the container's init may reap orphans late)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_serve_cli_token_rule_e2b_on_the_same_port_and_clean_shutdown(tmp_path, monkeypatch):
     import e2b
 
@@ -194,14 +174,14 @@ def test_serve_cli_token_rule_e2b_on_the_same_port_and_clean_shutdown(tmp_path, 
         assert sbx.files.read("/tmp/hello.txt") == "from e2b"
         with pytest.raises(e2b.AuthenticationException):
             e2b.Sandbox.create("base", api_key="e2b_" + "0" * 32)
-        sandbox_pids = _pids_below(proc.pid)
+        sandbox_pids = subtree(proc.pid) - {proc.pid}
         assert sandbox_pids, "the sandbox runs below the host"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
         assert "sandbox host on http://127.0.0.1" in out and "E2B-compatible API" in out
         time.sleep(0.5)  # a process killed at shutdown may still be exiting
-        alive = {p for p in sandbox_pids if _running(p)}
-        assert not alive, f"shutdown left sandbox processes {alive}"
+        outlived = {p for p in sandbox_pids if alive(p)}
+        assert not outlived, f"shutdown left sandbox processes {outlived}"
     finally:
         proc.kill()
         proc.wait()

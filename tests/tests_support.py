@@ -43,3 +43,25 @@ def grpo(seed: int = 0, **rl) -> GRPOConfig:
 def agent_params(**agent) -> AgentParams:
     """The agent loop's settings from a train.agent node with `agent`'s keys set."""
     return AgentParams.of(AgentConfig(**agent))
+
+
+def subtree(pid: int) -> set[int]:
+    """`pid` and every process below it, now (one that exits meanwhile is skipped)."""
+    found, frontier = {pid}, [pid]
+    while frontier:
+        for children in Path(f"/proc/{frontier.pop()}/task").glob("*/children"):
+            try:
+                kids = {int(k) for k in children.read_text().split()}
+            except OSError:
+                continue
+            frontier += list(kids - found)
+            found |= kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie (the container's init may reap orphans late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
