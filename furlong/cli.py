@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--capacity", type=int, default=8, help="most sandboxes at once; past it, 429 (default 8)")
     sv.add_argument("--idle-s", type=float, default=600.0, help="reap a sandbox unused this long (default 600)")
     sv.add_argument("--lifetime-s", type=float, default=3600.0, help="reap a sandbox this old (default 3600)")
+    sv.add_argument("--allow-network", action="store_true",
+                    help="give network to the sandboxes of tasks that declare it (default: refuse them)")
     sv.add_argument("--e2b-key-file", type=Path,
                     help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file")
     return parser
@@ -273,7 +275,7 @@ def _serve(args: argparse.Namespace) -> int:
     key = None if args.e2b_key_file is None else e2b_key(args.e2b_key_file)
     backend, store = _sandbox_pieces(load_config())
     serve(backend, store, token, host=args.host, port=args.port, capacity=args.capacity, idle_s=args.idle_s,
-          lifetime_s=args.lifetime_s, say=console.print, e2b_api_key=key)
+          lifetime_s=args.lifetime_s, say=console.print, e2b_api_key=key, allow_network=args.allow_network)
     return 0
 
 

@@ -21,7 +21,14 @@ class _Node(BaseModel):
 
 
 class SandboxConfig(_Node):
-    backend: Literal["bwrap"] = Field("bwrap", description="the sandbox backend (bwrap: bubblewrap namespaces)")
+    backend: Literal["bwrap", "remote"] = Field(
+        "bwrap", description="the sandbox backend (bwrap: bubblewrap namespaces here; remote: on sandbox.hosts, "
+                             "`furlong sandbox serve` hosts, which also build the images)")
+    hosts: list[str] = Field([], description="backend=remote: the hosts' URLs (http://H:P); sandboxes go to the least "
+                                             "loaded one that answers")
+    host_token_file: Path | None = Field(None, description="backend=remote: the file holding the hosts' bearer "
+                                         "token; null: the one `furlong sandbox serve` generates on loopback "
+                                         "($FURLONG_CACHE/host-token)")
     host_uid: int = Field(61000, gt=0, description="unprivileged uid sandboxes run as when furlong runs as root")
     output_cap_bytes: int = Field(1 << 20, gt=0, description="stdout and stderr kept per command; the rest is "
                                   "cut, and the cut is marked")

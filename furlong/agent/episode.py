@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
+from furlong.agent.runner import AgentRun, SandboxSource, run_retrying
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
 from furlong.envs.base import EnvSpec, Environment, Toolbox
@@ -220,8 +220,8 @@ async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment
                       sample_id: int = 0) -> Episode:
     """One RL episode through the one episode runner (furlong.agent.runner.run_outcome); never raises
     for the model's, the task's or the sandbox's fault: failures become the status."""
-    agent = ModelAgent(engine, tokenizer, params, sampling, task.instruction)
-    outcome = await run_outcome(task, agent, env)
+    agent, outcome = await run_retrying(task, lambda: ModelAgent(engine, tokenizer, params, sampling, task.instruction),
+                                        env)
     t = agent.trace
     return Episode(task_id=task.id, group_id=group_id, step=step, attempt=attempt, sample_id=sample_id,
                    prompt_len=agent.prompt_len, tokens=tuple(t.tokens), loss_mask=tuple(t.mask),

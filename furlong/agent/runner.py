@@ -33,6 +33,11 @@ Statuses (`STATUSES`), and who is to blame:
 - `truncated`: the model agent hit its turn or context limit; the tests score it.
 - `ok`: everything else the tests scored.
 
+A sandbox host that dies or restarts mid-episode (HostLost, furlong.sandbox.remote) is the one failure
+an agent cannot cause from inside its sandbox: that episode is infra_error with `lost` set, and
+`run_retrying` runs it again from the start (a fresh agent, a fresh sandbox on a host that answers), so
+the episode is recorded once, as its last attempt ended.
+
 Those are the Harbor environment's terms; for any environment the same rules read: `open` failing is
 infra_error; an exception during the agent phase is agent_broke_sandbox if the environment caused it
 (`EpisodeEnv.caused`), infra_error if the agent's own code did; a `Score` without a reward is
@@ -43,19 +48,33 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from furlong.envs.base import EnvSpec, Environment, EnvUnavailable, EpisodeEnv, Score, Toolbox, describe
+from furlong.envs.base import (
+    Environment,
+    EnvSpec,
+    EnvUnavailable,
+    EpisodeEnv,
+    Score,
+    Toolbox,
+    describe,
+)
 from furlong.envs.harbor import GuardedSandbox, HarborEnv, SandboxSource, sandbox_spec
+from furlong.sandbox.base import HostLost
 from furlong.timing import Clock, EpisodeTiming
 
-__all__ = ["AGENT_GRACE_S", "STATUSES", "Agent", "AgentRun", "GuardedSandbox", "Outcome", "SandboxSource",
-           "describe", "environment", "run_outcome", "sandbox_spec"]
+log = logging.getLogger(__name__)
+
+__all__ = ["AGENT_GRACE_S", "LOST_RETRIES", "STATUSES", "Agent", "AgentRun", "GuardedSandbox", "Outcome",
+           "SandboxSource", "describe", "environment", "run_outcome", "run_retrying", "sandbox_spec"]
 
 STATUSES = ("ok", "truncated", "timeout", "agent_broke_sandbox", "reward_tampered", "infra_error")
 AGENT_GRACE_S = 5.0  # past the agent timeout, for a command that was given the whole timeout to report back
+LOST_RETRIES = 2  # more attempts at an episode whose sandbox host was lost
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,7 @@ class Outcome:
     agent_output: str | None = None
     image_note: str | None = None  # e.g. which stand-in served the task's FROM, and its real Python version
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (capped, sorted)
+    lost: bool = False  # infra_error because the sandbox's host was lost: the episode may be run again
 
 
 def environment(source: Environment | SandboxSource) -> Environment:
@@ -108,9 +128,9 @@ async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | Sandbox
     try:
         env = await environment(source).open(spec, clock)
     except EnvUnavailable as exc:
-        return _unscored(clock, str(exc))
+        return _unscored(clock, str(exc), lost=host_lost(exc))
     except Exception as exc:
-        return _unscored(clock, f"environment did not open: {describe(exc)}")
+        return _unscored(clock, f"environment did not open: {describe(exc)}", lost=host_lost(exc))
     try:
         outcome = await _phases(spec, agent, env, clock)
         return dataclasses.replace(outcome, image_note=env.note)
@@ -124,13 +144,19 @@ async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) ->
     finally:
         clock.spent["agent_commands"] = env.seconds
         clock.spent["model_wait"] = _engine_wait(agent)
+    if failure is not None and host_lost(failure):
+        return _unscored(clock, f"sandbox host lost during the agent phase: {describe(failure)}", run, lost=True)
     if failure is not None and env.caused(failure):
         return _broke(clock, f"sandbox broke during the agent phase: {describe(failure)}", run)
     if failure is not None:
         return _unscored(clock, f"agent failed: {describe(failure)}")
     t = time.perf_counter()
-    score = await env.score()
-    clock.add("verifier", t)
+    try:
+        score = await env.score()
+    except HostLost as exc:
+        return _unscored(clock, f"sandbox host lost while scoring: {describe(exc)}", run, lost=True)
+    finally:
+        clock.add("verifier", t)
     if score.agent_broke_env:
         return _broke(clock, score.error or "the agent left the environment unable to score it", run, score)
     if score.reward is None:
@@ -182,9 +208,36 @@ def _records(run: AgentRun | None, score: Score | None) -> dict[str, Any]:
             "tampered_paths": score.tampered_paths if score else ()}
 
 
-def _unscored(clock: Clock, error: str, run: AgentRun | None = None, score: Score | None = None) -> Outcome:
+def _unscored(clock: Clock, error: str, run: AgentRun | None = None, score: Score | None = None,
+              lost: bool = False) -> Outcome:
     return Outcome(reward=None, status="infra_error", timing=clock.timing(), error=error,
-                   agent_timed_out=bool(run and run.timed_out), **_records(run, score))
+                   agent_timed_out=bool(run and run.timed_out), lost=lost, **_records(run, score))
+
+
+def host_lost(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from or while handling, is a lost sandbox host."""
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen:
+        if isinstance(chain, HostLost):
+            return True
+        seen.add(id(chain))
+        chain = chain.__cause__ or chain.__context__
+    return False
+
+
+async def run_retrying(spec: EnvSpec, new_agent: Callable[[], Agent], source: Environment | SandboxSource,
+                       retries: int = LOST_RETRIES) -> tuple[Agent, Outcome]:
+    """`run_outcome` with a fresh agent, again while the episode's sandbox host was lost (at most `retries`
+    more times); the last attempt's agent and outcome."""
+    for attempt in range(retries + 1):
+        agent = new_agent()
+        outcome = await run_outcome(spec, agent, source)
+        if not outcome.lost or attempt == retries:
+            return agent, outcome
+        log.warning("episode %s: %s; running it again (attempt %d of %d)", spec.id, outcome.error, attempt + 2,
+                    retries + 1)
+    raise AssertionError("unreachable")
 
 
 def _broke(clock: Clock, error: str, run: AgentRun, score: Score | None = None) -> Outcome:

@@ -4,19 +4,32 @@ load a model (`furlong eval` with a scripted agent, `furlong image`)."""
 from __future__ import annotations
 
 from furlong.config import ImagesConfig, SandboxConfig
+from furlong.paths import cache_dir
 from furlong.sandbox.backends import make_backend
 from furlong.sandbox.base import SandboxBackend
+from furlong.sandbox.host_images import HostImages
+from furlong.sandbox.hosts import Hosts, read_secret
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.registry import Settings
 
 
-def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore:
+def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore | HostImages:
+    """This machine's image store; with sandbox.backend=remote, the hosts' (they build the images)."""
+    if s.backend == "remote":
+        return HostImages(hosts(s))
     pulls = Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
                               timeout_s=i.pull_timeout_s)
     return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls)
 
 
-def sandbox_backend(s: SandboxConfig, store: ImageStore) -> SandboxBackend:
-    """sandbox.backend over `store`, which resolves the images' layers."""
-    return make_backend(s.backend, layers=store, host_uid=s.host_uid, output_cap=s.output_cap_bytes,
-                        seccomp=s.seccomp)
+def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> SandboxBackend:
+    """sandbox.backend over `store`, which resolves the images' layers (remote: the hosts of `store`)."""
+    remote = isinstance(store, HostImages)
+    return make_backend(s.backend, layers=None if remote else store, host_uid=s.host_uid,
+                        output_cap=s.output_cap_bytes, seccomp=s.seccomp, images=store if remote else None)
+
+
+def hosts(s: SandboxConfig) -> Hosts:
+    """sandbox.hosts with the token sandbox.host_token_file holds (default: the loopback host's own)."""
+    token_file = s.host_token_file or cache_dir() / "host-token"
+    return Hosts(s.hosts, read_secret(token_file, "sandbox.host_token_file", "token"))

@@ -27,6 +27,7 @@ from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.base import SandboxBackend
+from furlong.sandbox.host_images import HostImages
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages
 from furlong.sync.publish import Publisher
@@ -57,7 +58,7 @@ class Pieces:
 
     tokenizer: object
     backend: SandboxBackend
-    store: ImageStore
+    store: ImageStore | HostImages
     images: StoreImages  # shared, so a Dockerfile that fails to build is tried once per run
     train_tasks: list[Task]
     eval_tasks: list[Task]

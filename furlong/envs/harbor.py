@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
 from furlong.timing import Clock
-from furlong.sandbox.base import BASE_ENV, ChangeTracking, ImageRef, Sandbox, SandboxSpec
+from furlong.sandbox.base import BASE_ENV, ChangeTracking, HostLost, ImageRef, Sandbox, SandboxSpec
 from furlong.sandbox.changes import Change
 from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
@@ -181,6 +181,8 @@ class HarborEpisode:
         """The task's tests alone, in a fresh sandbox no agent touched."""
         try:
             sandbox = await self.sandboxes.acquire(sandbox_spec(self.task, self.image))
+        except HostLost:
+            raise
         except Exception as exc:
             return None, f"sandbox did not start: {describe(exc)}"
         try:
@@ -233,6 +235,8 @@ async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef) -
     try:
         verdict = await verify(task, sandbox, image.workdir, verifier_uid=sandbox.verifier_uid,
                                search_path=dict(image.env).get("PATH", BASE_ENV["PATH"]))
+    except HostLost:
+        raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
     except Exception as exc:
         return None, describe(exc)
     if verdict.reward is None:

@@ -3,16 +3,17 @@ recorded as an EpisodeResult."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from furlong.agent.runner import STATUSES, Agent, Outcome, SandboxSource, run_outcome
+from furlong.agent.runner import STATUSES, Agent, Outcome, SandboxSource, run_retrying
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
 from furlong.tasks.model import Task
 from furlong.tasks.suite import BrokenTask
 from furlong.timing import EpisodeTiming
 
-__all__ = ["STATUSES", "EpisodeResult", "run_task_episode", "run_agent"]
+__all__ = ["STATUSES", "EpisodeResult", "run_agent", "run_task_episode"]
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,15 @@ class EpisodeResult:
         return out
 
 
-async def run_agent(task: Task, agent: Agent, sandboxes: SandboxSource, sample: int = 0) -> EpisodeResult:
-    """Never raises for an agent's, a task's or the sandbox's fault: a failure becomes the status."""
-    outcome = await run_outcome(task, agent, sandboxes)
+async def run_agent(task: Task, new_agent: Callable[[], Agent], sandboxes: SandboxSource,
+                    sample: int = 0) -> EpisodeResult:
+    """Never raises for an agent's, a task's or the sandbox's fault: a failure becomes the status. An
+    episode whose sandbox host was lost runs again with `new_agent()` (furlong.agent.runner.run_retrying)."""
+    agent, outcome = await run_retrying(task, new_agent, sandboxes)
     return EpisodeResult.of(task, agent.name, outcome, sample, getattr(agent, "turns", None),
                             getattr(agent, "response_len", None), getattr(agent, "response_sha", None))
 
 
 async def run_task_episode(task: Task, agent: Agent, backend, image: ImageRef) -> EpisodeResult:
     """One episode in a fresh sandbox of `image`."""
-    return await run_agent(task, agent, FreshSandboxes(backend, fixed_image(image)))
+    return await run_agent(task, lambda: agent, FreshSandboxes(backend, fixed_image(image)))

@@ -78,7 +78,7 @@ async def _episodes(jobs: list[tuple[Task, int]], agent: Agent | EpisodeAgents, 
 
     async def one(task: Task, sample: int) -> EpisodeResult:
         async with sem:
-            return await run_agent(task, agent_for(agent, task, sample), sandboxes, sample)
+            return await run_agent(task, lambda: agent_for(agent, task, sample), sandboxes, sample)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("pass {task.fields[passed]}"))

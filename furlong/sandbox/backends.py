@@ -1,21 +1,39 @@
 """The one place a sandbox backend is chosen by name (config `sandbox.backend`).
 
-A kind whose dependencies are optional (a remote host's client, a VM runner) is imported only when picked.
+A kind whose dependencies are optional (a VM runner) is imported only when picked.
 """
 
 from __future__ import annotations
 
-from furlong.sandbox.base import DEFAULT_HOST_UID, DEFAULT_OUTPUT_CAP, LayerSource, SandboxBackend, SandboxError
-from furlong.sandbox.bwrap import BwrapBackend
+from typing import TYPE_CHECKING
 
-KINDS = ("bwrap",)
+from furlong.sandbox.base import (
+    DEFAULT_HOST_UID,
+    DEFAULT_OUTPUT_CAP,
+    LayerSource,
+    SandboxBackend,
+    SandboxError,
+)
+from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.remote import RemoteBackend
+
+if TYPE_CHECKING:
+    from furlong.sandbox.host_images import HostImages
+
+KINDS = ("bwrap", "remote")
 
 
 def make_backend(kind: str, *, layers: LayerSource | None = None, host_uid: int | None = None,
-                 output_cap: int | None = None, seccomp: bool = True) -> SandboxBackend:
-    """A backend of `kind`, resolving image layers through `layers` (an ImageStore)."""
+                 output_cap: int | None = None, seccomp: bool = True, images: HostImages | None = None) -> SandboxBackend:
+    """A backend of `kind`, resolving image layers through `layers` (an ImageStore); `remote` sends its
+    sandboxes to the hosts of `images` (furlong.sandbox.host_images), which build what it lacks."""
+    local = BwrapBackend(host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
+                         output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,
+                         seccomp=seccomp, layers=layers)
     if kind == "bwrap":
-        return BwrapBackend(host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
-                            output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,
-                            seccomp=seccomp, layers=layers)
+        return local
+    if kind == "remote":
+        if images is None:
+            raise SandboxError("sandbox.backend=remote: no hosts given (sandbox.hosts)")
+        return RemoteBackend(images.hosts, images.provide, local=local)
     raise SandboxError(f"sandbox.backend: unknown backend {kind!r}; known: {', '.join(KINDS)}")

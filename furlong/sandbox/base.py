@@ -24,6 +24,11 @@ class SandboxError(RuntimeError):
     """The sandbox could not do what was asked (bad path, failed start)."""
 
 
+class HostLost(SandboxError):
+    """The machine serving the sandbox stopped answering or restarted (a sandbox host died): nothing an
+    agent does inside its sandbox can cause this, so its episode is never scored and is run again."""
+
+
 class SandboxDied(SandboxError):
     """The sandbox process is gone or broke its protocol. Before the agent phase this is an
     infrastructure failure; once the agent has run commands it may be the agent's doing, and the

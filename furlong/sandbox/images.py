@@ -26,6 +26,7 @@ from pathlib import Path
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import buildah, idmap, imports, layers, registry, rootless, standins, users
+from furlong.sandbox import toolchain as toolchains
 from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.tarball import tar_dir
@@ -293,6 +294,10 @@ class ImageStore:
         await asyncio.to_thread(self.check_user, ref, where)
         self._resolved[dockerfile] = ref
         return ref
+
+    async def toolchain(self, backend, progress: Progress | None = None) -> toolchains.Toolchain:
+        """The verifier toolchain layer (furlong.sandbox.toolchain), built once in this store."""
+        return await toolchains.build(self, backend, progress or (lambda _: None))
 
     async def _by_buildah(self, dockerfile: Path, backend, progress: Progress, why: str) -> ImageRef:
         self._resolved[dockerfile] = await buildah.image(self, dockerfile, backend, progress, why)

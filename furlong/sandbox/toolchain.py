@@ -190,7 +190,7 @@ class ToolchainImages:
         async with self._lock:
             if self._built is None:
                 try:
-                    self._built = await build(self.store, self.backend)
+                    self._built = await self.store.toolchain(self.backend)
                 except Exception as exc:
                     self._built = f"verifier toolchain unavailable: {exc}"
         if isinstance(self._built, str):

@@ -24,13 +24,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from furlong.sandbox.base import (
     ChangeTracking,
     ImageRef,
+    LayerRef,
     Limits,
     SandboxBackend,
     SandboxError,
     SandboxSpec,
+    SyscallPolicy,
 )
 from furlong.sandbox.e2b import e2b_app
+from furlong.sandbox.host.images import image_routes, resolve_layers
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
+from furlong.sandbox.images import ImageStore
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
 
@@ -47,13 +51,36 @@ def _inside_path(v: str) -> str:
     return posixpath.normpath(v)
 
 
+class LayerBody(_Body):
+    digest: str
+    path: str
+
+
+class ImageBody(_Body):
+    """An image by content, as POST /v1/images answered it (furlong.sandbox.base.ImageRef)."""
+
+    digest: str
+    layers: list[LayerBody] = Field(min_length=1, max_length=256)
+    env: list[tuple[str, str]] = []
+    workdir: str = "/"
+    user: str = ""
+    note: str = ""
+
+    def ref(self) -> ImageRef:
+        return ImageRef(digest=self.digest, layers=tuple(LayerRef(x.digest, x.path) for x in self.layers),
+                        env=tuple(self.env), workdir=self.workdir, user=self.user, note=self.note)
+
+
 class CreateBody(_Body):
-    image: str = Field("base", description="'base': the host's base image")
+    image: str | ImageBody = Field("base", description="a name this host serves ('base'), or an image by content")
     network: bool = False
     cpus: float = Field(1.0, gt=0, le=64)
     memory_mb: int = Field(2048, ge=64, le=1 << 20)
     pids: int = Field(512, ge=16, le=1 << 16)
     disk_mb: int = Field(1024, ge=16, le=1 << 20)
+    lifetime_s: float | None = Field(None, gt=0, description="at most the host's own --lifetime-s")
+    seccomp: bool = True
+    allow_syscalls: list[str] = Field([], max_length=512)
 
 
 class ExecBody(_Body):
@@ -80,12 +107,24 @@ class RootsBody(_Body):
     _check = field_validator("paths")(classmethod(lambda cls, v: [_inside_path(p) for p in v]))
 
 
-def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float) -> SandboxSpec:
-    if body.image not in images:
-        raise HTTPException(400, f"image: unknown image {body.image!r}; this host serves {sorted(images)}")
+def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, store: ImageStore | None) -> SandboxSpec:
+    """The sandbox `body` asks for; a named image this host does not serve is 400, an image by content
+    whose layers this host's store lacks is 409 naming them (a client builds them here, then retries)."""
+    if isinstance(body.image, str):
+        if body.image not in images:
+            raise HTTPException(400, f"image: unknown image {body.image!r}; this host serves {sorted(images)}")
+        image = images[body.image]
+    else:
+        if store is None:
+            raise HTTPException(400, "image: this host serves named images only")
+        image = body.image.ref()
+        if missing := resolve_layers(store, image):
+            raise HTTPException(409, {"message": f"image {image.digest}: this host lacks {len(missing)} layer(s); "
+                                                 f"build them with POST /v1/images", "missing_layers": missing})
     limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb,
-                    lifetime_s=lifetime_s)
-    return SandboxSpec(images[body.image], network=body.network, limits=limits)
+                    lifetime_s=min(lifetime_s, body.lifetime_s or lifetime_s))
+    return SandboxSpec(image, network=body.network, limits=limits,
+                       syscalls=SyscallPolicy(enabled=body.seccomp, allow=tuple(body.allow_syscalls)))
 
 
 async def guarded(entry: Entry, call: Awaitable):
@@ -176,7 +215,7 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
 def _host_routes(app: FastAPI, reg: Registry, host_auth: Callable) -> None:
     @app.get("/v1/health")
     async def health() -> dict:
-        return {"ok": True}
+        return {"ok": True, "boot": reg.boot}
 
     @app.get("/v1/metrics", dependencies=[Depends(host_auth)])
     async def metrics() -> dict:
@@ -201,10 +240,12 @@ def _limit_bodies(app: FastAPI, max_body: int) -> None:
 
 def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
              capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
-             max_body: int = MAX_BODY, allow_network: bool = False, e2b_api_key: str | None = None) -> FastAPI:
+             max_body: int = MAX_BODY, allow_network: bool = False, e2b_api_key: str | None = None,
+             store: ImageStore | None = None) -> FastAPI:
     """`images` resolves (building or pulling, then caching) the images this host serves, by name. With
     `e2b_api_key`, the E2B-compatible API (docs/e2b.md) is served on the same port, its templates being
-    these image names."""
+    these image names. With `store`, clients may also name images by content (its layers), and build them
+here first (POST /v1/images, furlong.sandbox.host.images)."""
     reg = Registry(capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
     resolved: dict[str, ImageRef] = {}
 
@@ -236,7 +277,7 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
     async def create(body: CreateBody) -> dict:
         if body.network and not allow_network:
             raise HTTPException(400, "network: this host gives sandboxes no network (serve --allow-network)")
-        spec = _spec(body, resolved, lifetime_s)
+        spec = _spec(body, resolved, lifetime_s, store)
         try:
             reg.reserve()
         except AtCapacity as e:
@@ -248,10 +289,12 @@ def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, I
             reg.reserved -= 1
             raise
         entry = reg.add(box, time.perf_counter() - t)
-        return {"id": entry.id, "token": entry.token, "verifier_uid": box.verifier_uid,
-                "change_tracking": isinstance(box, ChangeTracking)}
+        return {"id": entry.id, "token": entry.token, "boot": reg.boot, "verifier_uid": box.verifier_uid,
+                "agent_uid": getattr(box, "agent_uid", 0), "change_tracking": isinstance(box, ChangeTracking)}
 
     _sandbox_routes(app, reg, sandbox)
+    if store is not None:
+        image_routes(app, store, backend, host_auth)
     if e2b is not None:
         app.mount("/", e2b)  # after every /v1 route, so those match first
     return app

@@ -43,6 +43,7 @@ class Registry:
     starts: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     execs: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     reaped: int = 0
+    boot: str = field(default_factory=lambda: secrets.token_hex(8))  # tells clients a restarted host apart
 
     def reserve(self) -> None:
         if len(self.entries) + self.reserved >= self.capacity:

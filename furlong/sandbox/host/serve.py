@@ -11,6 +11,7 @@ from pathlib import Path
 
 from furlong.sandbox.base import SandboxBackend, SandboxError
 from furlong.sandbox.host.app import make_app
+from furlong.sandbox.hosts import read_secret
 from furlong.sandbox.images import ImageStore
 
 
@@ -40,7 +41,8 @@ def host_token(token_file: Path | None, host: str, generated: Path, say: Callabl
 
 
 def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, port: int, capacity: int,
-          idle_s: float, lifetime_s: float, say: Callable[[str], None], e2b_api_key: str | None = None) -> None:
+          idle_s: float, lifetime_s: float, say: Callable[[str], None], e2b_api_key: str | None = None,
+          allow_network: bool = False) -> None:
     import uvicorn
 
     async def images():
@@ -48,9 +50,9 @@ def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, 
         return {"base": await asyncio.to_thread(store.base)}
 
     app = make_app(backend, images, token, capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s,
-                   e2b_api_key=e2b_api_key)
+                   e2b_api_key=e2b_api_key, store=store, allow_network=allow_network)
     say(f"sandbox host on http://{host}:{port}/v1 ({backend.name}, capacity {capacity}, idle {idle_s:g} s, "
-        f"lifetime {lifetime_s:g} s)")
+        f"lifetime {lifetime_s:g} s, network {'for tasks that declare it' if allow_network else 'never'})")
     if e2b_api_key is not None:
         say(f"E2B-compatible API on http://{host}:{port} (E2B_API_URL and E2B_SANDBOX_URL; template 'base')")
     uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -59,14 +61,3 @@ def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, 
 def e2b_key(key_file: Path) -> str:
     """The API key E2B clients send (X-API-KEY, the SDK's E2B_API_KEY), read from `key_file`."""
     return read_secret(key_file, "--e2b-key-file", "key")
-
-
-def read_secret(path: Path, flag: str, what: str) -> str:
-    """A secret of at least 16 characters from `path`, which the flag `flag` named."""
-    try:
-        secret = path.read_text().strip()
-    except OSError as e:
-        raise SandboxError(f"{flag} {path}: {e.strerror}") from None
-    if len(secret) < 16:
-        raise SandboxError(f"{flag} {path}: expected a {what} of at least 16 characters")
-    return secret

@@ -1,0 +1,105 @@
+"""The host's image routes: build (or pull) what a remote client's tasks need, in the host's own store.
+
+`POST /v1/images?kind=dockerfile` takes a tar of a Dockerfile's build context. It is unpacked once per
+content (the store keys layers by what they were built from, so the same context never builds twice)
+under the host's cache, and built by the store exactly as a local `furlong eval` would build it: same
+builders, stand-ins, pulls and build sandboxes. `kind=toolchain` builds the verifier toolchain layer and
+`kind=base` the base image. The answer is the ImageRef (or Toolchain) as JSON; a create then names it
+by content (app.py resolves its layers in this store, or answers 409 with the ones it lacks).
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the route's Annotated dependencies at definition time
+import asyncio
+import dataclasses
+import hashlib
+import io
+import logging
+import os
+import shutil
+import tarfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+
+from furlong.sandbox.base import ImageRef, SandboxBackend, SandboxError
+from furlong.sandbox.images import ImageStore
+from furlong.sandbox.toolchain import Toolchain
+
+log = logging.getLogger(__name__)
+
+
+def _unpack(data: bytes, root: Path) -> Path:
+    """The context's directory under `root`, unpacked once per content; members that would land outside
+    it (absolute, `..`, links out) are refused by tarfile's data filter."""
+    final = root / hashlib.sha256(data).hexdigest()[:32]
+    if final.is_dir():
+        return final
+    tmp = root / f".{final.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tmp, filter="data")
+        tmp.rename(final)
+    except FileExistsError:  # another request unpacked the same context meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _dockerfile(context: Path, name: str) -> Path:
+    path = (context / name).resolve()
+    if not path.is_relative_to(context.resolve()) or not path.is_file():
+        raise HTTPException(400, f"dockerfile: {name!r} is not a file of the build context")
+    return path
+
+
+def resolve_layers(store: ImageStore, image: ImageRef) -> list[str]:
+    """The digests of the image's layers this host's store lacks."""
+    missing = []
+    for layer in image.layers:
+        try:
+            store.layer_dir(layer)
+        except SandboxError:
+            missing.append(layer.digest)
+    return missing
+
+
+def image_routes(app: FastAPI, store: ImageStore, backend: SandboxBackend, host_auth: Callable) -> None:
+    contexts = store.root.parent / "host-contexts"
+
+    @app.post("/v1/images", dependencies=[Depends(host_auth)])
+    async def build(request: Request, kind: Literal["dockerfile", "toolchain", "base"] = "dockerfile",
+                    dockerfile: str = "Dockerfile", label: str = "") -> dict:
+        if kind == "base":
+            return await _built(asyncio.to_thread(store.base, _say))
+        if kind == "toolchain":
+            return await _built(store.toolchain(backend, _say))
+        data = await request.body()
+        try:
+            context = await asyncio.to_thread(_unpack, data, contexts)
+        except (tarfile.TarError, OSError) as e:
+            raise HTTPException(400, f"body: expected a tar of the build context ({e})") from e
+        path = _dockerfile(context, dockerfile)
+        # the client's own path in messages (a failing step names file:line), not this host's copy
+        return await _built(store.image(path, backend, _say), {str(path): label, str(context): "<context>"})
+
+
+async def _built(build: Awaitable[ImageRef | Toolchain], names: dict[str, str] | None = None) -> dict:
+    """The build's result as JSON; its failure (a RUN step, an unknown FROM) as a 400 the client shows."""
+    try:
+        return dataclasses.asdict(await build)
+    except Exception as e:
+        text = str(e)
+        for here, there in (names or {}).items():
+            text = text.replace(here, there or here)
+        log.warning("image build failed: %s", text)
+        raise HTTPException(400, f"image build failed: {type(e).__name__}: {text}") from e
+
+
+def _say(msg: str) -> None:
+    log.info("image: %s", msg)

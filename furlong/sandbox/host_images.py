@@ -1,0 +1,115 @@
+"""Images for the `remote` backend, built on the sandbox hosts (POST /v1/images) instead of here.
+
+A task's Dockerfile context goes to the least loaded host, which builds (or pulls) it in its own image
+store and answers with the ImageRef. Every layer remembers the request that made it, so a host that a
+create finds without some layer (another host built it, or the host's store is new) is sent that same
+request first (RemoteBackend's `provide`). The same methods as furlong.sandbox.images.ImageStore, so
+eval, training and the pools use either one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from furlong.sandbox.base import ImageRef, LayerRef, SandboxError
+from furlong.sandbox.hosts import Host, Hosts, check
+from furlong.sandbox.tarball import tar_dir
+from furlong.sandbox.toolchain import Toolchain
+
+BUILD_TIMEOUT_S = 3600.0  # one build on a host, a registry pull included
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One build request, as sent: `kind` (dockerfile, toolchain, base) and, for a Dockerfile, its context."""
+
+    kind: str
+    context: bytes = b""
+    dockerfile: str = "Dockerfile"
+    label: str = ""  # the Dockerfile's path here, for the host's error messages
+
+
+def image_ref(data: dict[str, Any]) -> ImageRef:
+    return ImageRef(digest=data["digest"], layers=tuple(LayerRef(**layer) for layer in data["layers"]),
+                    env=tuple(tuple(pair) for pair in data["env"]), workdir=data["workdir"],
+                    user=data["user"], note=data["note"])
+
+
+class HostImages:
+    def __init__(self, hosts: Hosts):
+        self.hosts = hosts
+        self._made_by: dict[str, Recipe] = {}  # layer digest -> the request that built it
+        self._resolved: dict[Path | None, ImageRef] = {}
+        self._locks: dict[Path | None, asyncio.Lock] = {}
+        self._toolchain: Toolchain | None = None
+
+    async def _build(self, host: Host, recipe: Recipe) -> dict[str, Any]:
+        params = {"kind": recipe.kind, "dockerfile": recipe.dockerfile, "label": recipe.label}
+        try:
+            r = await host.client().post("/v1/images", params=params, content=recipe.context,
+                                         timeout=BUILD_TIMEOUT_S)
+        except httpx.TransportError as exc:
+            host.mark_down()
+            raise SandboxError(f"image build on {host.url}: {type(exc).__name__}: {exc}") from exc
+        check(r, f"image build on {host.url}")
+        return r.json()
+
+    async def _first_host(self, recipe: Recipe, progress: Progress) -> dict[str, Any]:
+        """The recipe built on the least loaded host that answers."""
+        errors = []
+        for host in self.hosts.ranked():
+            progress(f"building on {host.url}")
+            try:
+                return await self._build(host, recipe)
+            except SandboxError as exc:
+                if "image build failed" in str(exc):  # the Dockerfile's own failure: no other host will do better
+                    raise
+                errors.append(str(exc))
+        raise SandboxError("no sandbox host could build the image: " + "; ".join(errors))
+
+    async def image(self, dockerfile: Path | None, backend: Any = None, progress: Progress | None = None) -> ImageRef:
+        """The task's image (the host's base for None), built once per Dockerfile."""
+        progress = progress or (lambda _: None)
+        async with self._locks.setdefault(dockerfile, asyncio.Lock()):
+            if dockerfile not in self._resolved:
+                recipe = Recipe("base") if dockerfile is None else await asyncio.to_thread(_recipe, dockerfile)
+                ref = image_ref(await self._first_host(recipe, progress))
+                for layer in ref.layers:
+                    self._made_by.setdefault(layer.digest, recipe)
+                self._resolved[dockerfile] = ref
+        return self._resolved[dockerfile]
+
+    async def toolchain(self, backend: Any = None, progress: Progress | None = None) -> Toolchain:
+        if self._toolchain is None:
+            recipe = Recipe("toolchain")
+            data = await self._first_host(recipe, progress or (lambda _: None))
+            self._toolchain = Toolchain(data["key"], LayerRef(**data["layer"]), data["provides"])
+            self._made_by[self._toolchain.layer.digest] = recipe
+        return self._toolchain
+
+    def base(self, progress: Progress | None = None) -> ImageRef:
+        """The base image, built on a host if it has none yet (a blocking call, as ImageStore.base is)."""
+        return asyncio.run(self.image(None, None, progress))
+
+    async def provide(self, host: Host, missing: list[str]) -> None:
+        """Builds on `host` what made the layers it lacks; a layer this process never built is an error."""
+        unknown = [d for d in missing if d not in self._made_by]
+        if unknown:
+            raise SandboxError(f"{host.url} lacks layers {unknown} that no image build of this run made")
+        for recipe in dict.fromkeys(self._made_by[d] for d in missing):
+            await self._build(host, recipe)
+
+
+def _recipe(dockerfile: Path) -> Recipe:
+    context = dockerfile.parent
+    return Recipe("dockerfile", tar_dir(context), dockerfile.name, str(dockerfile))
+
+

@@ -1,0 +1,100 @@
+"""Sandbox hosts for tests: the real host app on a real uvicorn, in a thread (`ThreadHost`) or as the
+`furlong sandbox serve` command in a process of its own (`ProcessHost`, which a test may SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from furlong.sandbox.host.app import make_app
+from furlong.sandbox.host_images import HostImages
+from furlong.sandbox.hosts import Hosts
+from furlong.sandbox.remote import RemoteBackend
+
+TOKEN = "host-secret-token"
+REPO = Path(__file__).parent.parent
+
+
+def free_port() -> tuple[socket.socket, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock, sock.getsockname()[1]
+
+
+class ThreadHost:
+    """make_app over `backend` and `store`, served from a thread of this process."""
+
+    def __init__(self, backend, store, base_image, **kw):
+        async def images():
+            return {"base": base_image}
+
+        self.app = make_app(backend, images, TOKEN, store=store, **kw)
+        sock, port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.c = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+
+    @property
+    def reg(self):
+        return self.app.state.registry
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+class ProcessHost:
+    """`furlong sandbox serve` on a free loopback port, in its own process."""
+
+    def __init__(self, tmp: Path, capacity: int = 4):
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "tok").write_text(TOKEN + "\n")
+        sock, port = free_port()
+        sock.close()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "sandbox", "serve", "--port", str(port),
+                                      "--token-file", str(tmp / "tok"), "--capacity", str(capacity)],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.c = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if self.c.get("/v1/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"host did not start: {self.proc.stdout.read()}")
+
+    def metrics(self) -> dict:
+        return self.c.get("/v1/metrics").json()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+
+
+def remote(urls: list[str], local=None) -> tuple[RemoteBackend, HostImages]:
+    """The remote backend over `urls` and the image lookup that builds on those hosts."""
+    images = HostImages(Hosts(urls, TOKEN))
+    return RemoteBackend(images.hosts, images.provide, local=local), images

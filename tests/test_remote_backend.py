@@ -1,0 +1,250 @@
+"""The `remote` sandbox backend over real hosts (furlong sandbox serve's app on uvicorn, over real bwrap
+sandboxes): the Sandbox protocol through a host, images built on the hosts, eval and training unchanged,
+and a host SIGKILLed mid-run whose episodes are run again on another host, each recorded once."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from rich.console import Console
+
+from conftest import run, spec
+from furlong.config import BUNDLED_TASKS
+from furlong.eval.agents import NoopAgent, OracleAgent
+from furlong.eval.run import run_eval
+from furlong.sandbox.base import HostLost, SandboxDied, SandboxError
+from furlong.sandbox.host_images import HostImages
+from furlong.sandbox.hosts import Hosts
+from furlong.sandbox.remote import RemoteBackend
+from furlong.tasks.loader import load_task
+from host_support import REPO, TOKEN, ProcessHost, ThreadHost, remote
+from tests_support import make_task
+
+QUIET = Console(file=open(os.devnull, "w"))
+
+
+@pytest.fixture(scope="module")
+def hosts(backend, store, base_image):
+    pair = [ThreadHost(backend, store, base_image, capacity=3) for _ in range(2)]
+    yield pair
+    for h in pair:
+        h.stop()
+        assert not h.reg.entries, "a host's shutdown leaves no sandbox"
+
+
+def test_the_sandbox_protocol_through_a_host(hosts, base_image, tmp_path: Path):
+    rb, _ = remote([hosts[0].url])
+
+    async def go():
+        box = await rb.create(spec(base_image))
+        r = await box.exec("echo hi; echo err >&2; exit 3", cwd="/tmp", env={"X": "1"})
+        assert (r.exit_code, r.stdout, r.stderr) == (3, "hi\n", "err\n")
+        assert (await box.exec("sleep 5", timeout_s=0.5)).timed_out
+        await box.write_file("/work/x", b"\x00bin", mode=0o600)
+        assert await box.read_file("/work/x") == b"\x00bin"
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "f.txt").write_text("dir")
+        await box.put_dir(tmp_path / "d", "/data")
+        assert await box.read_file("/data/f.txt") == b"dir"
+        assert box.verifier_uid is not None, "the host's sandboxes have a verifier identity"
+        assert (await box.exec("touch /tests/v", as_verifier=True)).exit_code == 0
+        assert (await box.exec("touch /tests/a")).exit_code != 0, "the agent cannot write the verifier's /tests"
+        changed = await box.changes(["/work"])
+        assert any(c.path == "/work/x" and c.kind == "added" for c in changed)
+        assert await box.image_has(["/etc/passwd", "/work/x"]) == frozenset({"/etc/passwd"})
+        with pytest.raises(SandboxError):
+            await box.read_file("/no/such/file")
+        assert box.alive
+        await box.close()
+        with pytest.raises(SandboxError):
+            await box.exec("true")
+
+    run(go())
+    assert not hosts[0].reg.entries and rb.hosts.hosts[0].active == 0
+
+
+def test_a_sandbox_reaped_on_a_live_host_is_died_not_lost(hosts, base_image):
+    """The distinction the runner scores by: this sandbox alone gone is SandboxDied; only a host that stops
+    answering (or restarts) is HostLost."""
+    rb, _ = remote([hosts[0].url])
+
+    async def go():
+        box = await rb.create(spec(base_image))
+        run_on_host = hosts[0].reg
+        sid = next(iter(run_on_host.entries))
+        hosts[0].c.delete(f"/v1/sandboxes/{sid}", headers={"X-Sandbox-Token": run_on_host.entries[sid].token})
+        with pytest.raises(SandboxDied) as err:
+            await box.exec("true")
+        assert not isinstance(err.value, HostLost) and not box.alive
+        await box.close()
+
+    run(go())
+
+
+def test_eval_through_two_hosts_builds_images_there_and_scores_as_locally(hosts):
+    """Tasks with and without a Dockerfile: the hosts build them (POST /v1/images), sandboxes spread over
+    both hosts, the oracle passes and a do-nothing agent fails, exactly as with the local backend."""
+    tasks = [load_task(BUNDLED_TASKS / n) for n in ("csv-report", "crlf-cleanup", "fix-median", "json-to-csv")]
+    rb, images = remote([h.url for h in hosts])
+    before = [len(h.reg.starts) for h in hosts]
+    oracle = run(run_eval(tasks, OracleAgent(), rb, images, 4, None, QUIET))
+    noop = run(run_eval(tasks, NoopAgent(), rb, images, 4, None, QUIET))
+    assert [(r.reward, r.status) for r in oracle] == [(1.0, "ok")] * 4, [r.error for r in oracle]
+    assert [r.reward for r in noop] == [0.0] * 4, [r.error for r in noop]
+    started = [len(h.reg.starts) - b for h, b in zip(hosts, before)]
+    assert all(n > 0 for n in started), f"sandboxes went to one host only: {started}"
+    assert all(not h.reg.entries for h in hosts)
+
+
+def test_a_host_without_an_images_layers_is_sent_the_build_first(hosts, tmp_path: Path):
+    """A create naming layers the host lacks is 409 with their digests and starts nothing; the client then
+    sends the request that built them and creates again."""
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text("FROM furlong/base\nRUN echo made-on-the-host > /made\n")
+    _, images = remote([hosts[0].url])
+    image = run(images.image(context / "Dockerfile"))
+    forged = {"digest": "nope", "layers": [{"digest": "layer-nope", "path": "layer-nope/upper"}]}
+    r = hosts[0].c.post("/v1/sandboxes", json={"image": forged})
+    assert r.status_code == 409 and r.json()["detail"]["missing_layers"] == ["layer-nope"]
+    assert not hosts[0].reg.entries and hosts[0].reg.reserved == 0
+
+    calls = []
+    real = images.provide
+
+    async def counting(host, missing):
+        calls.append(missing)
+        await real(host, missing)
+
+    rb = RemoteBackend(images.hosts, counting)
+    gone = image.layers[0]
+    moved = type(gone)(gone.digest, gone.path + "-elsewhere")  # as if another host had stored it elsewhere
+    with pytest.raises(SandboxError, match="no sandbox host could start"):
+        run(rb.create(spec(type(image)(image.digest, (moved, *image.layers[1:])))))
+    assert calls == [[gone.digest]], "the host was sent the build that made the layer it lacked"
+
+    async def made():
+        box = await rb.create(spec(image))
+        try:
+            return (await box.exec("cat /made")).stdout
+        finally:
+            await box.close()
+
+    assert run(made()) == "made-on-the-host\n"
+
+
+def test_bad_image_requests_are_refused_and_change_nothing(hosts, store, tmp_path: Path):
+    c = hosts[0].c
+    contexts = store.root.parent / "host-contexts"
+    assert c.post("/v1/images", content=b"not a tar").status_code == 400
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        info = tarfile.TarInfo("../escape")
+        info.size = 1
+        t.addfile(info, io.BytesIO(b"x"))
+    r = c.post("/v1/images", content=buf.getvalue())
+    assert r.status_code == 400 and "tar" in r.text
+    assert not (contexts / "escape").exists() and not list(contexts.glob(".*.tmp"))
+    r = httpx.post(f"{hosts[0].url}/v1/images", content=b"", params={"kind": "base"})
+    assert r.status_code == 401
+    assert c.post("/v1/images", params={"kind": "nonsense"}).status_code == 422
+    bad = tmp_path / "env"
+    bad.mkdir()
+    (bad / "Dockerfile").write_text("FROM furlong/base\nRUN exit 7\n")
+    _, images = remote([hosts[0].url])
+    with pytest.raises(SandboxError, match="image build failed") as err:
+        run(images.image(bad / "Dockerfile"))
+    assert str(bad / "Dockerfile") in str(err.value), "the failing step is named by the client's own path"
+
+
+def test_a_wrong_token_is_one_clear_line(hosts, base_image):
+    rb = RemoteBackend(Hosts([hosts[0].url], "not-the-token-at-all"))
+    with pytest.raises(SandboxError, match="host_token_file"):
+        run(rb.create(spec(base_image)))
+    assert not hosts[0].reg.entries
+
+
+def _slow_tasks(root: Path, n: int) -> list:
+    test = 'test "$(cat /tmp/done)" = ok && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt'
+    return [make_task(root, f"slow-{i}", "wait", test, solve="sleep 4; echo ok > /tmp/done") for i in range(n)]
+
+
+def test_a_host_killed_mid_episode_is_run_again_on_another(tmp_path: Path, caplog):
+    """SIGKILL one of two hosts while its episodes run: those episodes end HostLost, run again on the other
+    host, and every episode is recorded once, scored by its tests."""
+    a, b = ProcessHost(tmp_path / "a", capacity=4), ProcessHost(tmp_path / "b", capacity=4)
+    try:
+        tasks = _slow_tasks(tmp_path / "tasks", 4)
+        rb, images = remote([a.url, b.url])
+        killed = threading.Event()
+
+        def kill_a_once_busy():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if a.metrics()["active"] >= 1:
+                    time.sleep(1.0)  # into the agent's `sleep 4`
+                    a.kill()
+                    killed.set()
+                    return
+                time.sleep(0.1)
+
+        killer = threading.Thread(target=kill_a_once_busy)
+        killer.start()
+        out = tmp_path / "episodes.jsonl"
+        results = run(run_eval(tasks, OracleAgent(), rb, images, 4, out, QUIET))
+        killer.join()
+        assert killed.is_set(), "host a never ran an episode"
+        again = [r.message for r in caplog.records if "running it again" in r.message]
+        assert again and all("sandbox host" in m and "lost" in m for m in again), again
+        assert [(r.reward, r.status) for r in results] == [(1.0, "ok")] * 4, [r.error for r in results]
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert sorted(x["task"] for x in lines) == sorted(t.id for t in tasks), "each episode recorded once"
+        assert b.metrics()["active"] == 0
+    finally:
+        a.kill()
+        b.stop()
+
+
+def test_train_runs_unchanged_through_a_host(tmp_path: Path):
+    """The smoke recipe's whole loop (SFT demos, held-out evals, GRPO episodes) on sandbox.backend=remote."""
+    host = ProcessHost(tmp_path / "host", capacity=4)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, "-m", "furlong.cli", "train", "--config", str(REPO / "recipes/smoke.yaml"),
+               "sandbox.backend=remote", f"sandbox.hosts=[{host.url}]",
+               f"sandbox.host_token_file={tmp_path / 'host' / 'tok'}", f"train.run_dir={tmp_path / 'run'}"]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        episodes = [json.loads(x) for x in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+        assert episodes and all(e["status"] != "infra_error" for e in episodes), \
+            {e["error"] for e in episodes if e["status"] == "infra_error"}
+        assert host.metrics()["active"] == 0 and len(host.metrics()) > 0
+    finally:
+        host.stop()
+
+
+def test_write_is_sent_as_base64(hosts, base_image):
+    """The host's write route takes base64 (JSON-safe for any bytes): the client's bytes arrive exact."""
+    rb, _ = remote([hosts[0].url])
+    data = bytes(range(256)) * 4
+
+    async def go():
+        box = await rb.create(spec(base_image))
+        try:
+            await box.write_file("/tmp/all-bytes", data)
+            return (await box.exec("base64 -w0 /tmp/all-bytes")).stdout
+        finally:
+            await box.close()
+
+    assert base64.b64decode(run(go())) == data
