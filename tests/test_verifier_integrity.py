@@ -21,6 +21,7 @@ from furlong.config import BUNDLED_TASKS
 from furlong.eval.agents import NoopAgent
 from furlong.eval.run import run_eval
 from furlong.tasks.loader import load_task
+from host_support import ThreadHost, remote
 from integrity_support import (HONEST, SERVER, SERVER_CHECK, UPDATER, UPDATER_CHECK, WRONG, Case, forgeries, make,
                                reaches, through_eval, through_runner)
 
@@ -49,9 +50,14 @@ def _cases() -> list[Case]:
             *(Case(n, solve, check) for n, (solve, check) in HONEST_BACKGROUND.items())]
 
 
-@pytest.fixture(scope="module")
-def episodes(backend, store, tmp_path_factory) -> dict[str, dict[str, tuple[float | None, str, str | None]]]:
-    """case -> path ("eval" or "runner") -> (reward, status, error): every case run once each way."""
+@pytest.fixture(scope="module", params=["bwrap", "remote"])
+def episodes(request, backend, store, base_image, tmp_path_factory) -> dict[str, dict[str, tuple[float | None, str, str | None]]]:
+    """case -> path ("eval" or "runner") -> (reward, status, error): every case run once each way, on the
+    local backend and through a sandbox host (sandbox.backend=remote: the same rules must hold there)."""
+    if request.param == "remote":
+        host = ThreadHost(backend, store, base_image, capacity=8)
+        request.addfinalizer(host.stop)
+        backend, store = remote([host.url])
     root = tmp_path_factory.mktemp("integrity")
     tasks = [make(root, case) for case in _cases()]
     started = time.monotonic()
