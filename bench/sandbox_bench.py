@@ -2,6 +2,7 @@
 size of the host's mount table, each beside its baseline.
 
     python bench/sandbox_bench.py [--samples 40] [--out bench/results/sandbox.json]
+    python bench/sandbox_bench.py --remote [--out bench/results/sandbox_remote.json]   (bench/remote_sandbox.py)
 
 Everything is measured in this one run (this machine is noisy: only same-run ratios mean much). The mount
 measurements (root only) each run in a private mount namespace, so the host's own table is untouched:
@@ -313,7 +314,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5, help="commands per sandbox at each sweep load")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sandbox.json")
+    ap.add_argument("--out", type=Path, help="default: bench/results/sandbox.json (sandbox_remote.json with --remote)")
+    ap.add_argument("--remote", action="store_true", help="through a sandbox host beside the local backend")
     ap.add_argument("--mounts-child", nargs=2, metavar=("MODE", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -322,6 +324,18 @@ def main() -> None:
         print(json.dumps(asyncio.run(mounts_child(mode, int(n), args.samples, args.work))))
         return
     prov = provenance()
+    results = Path(__file__).parent / "results"
+    if args.remote:
+        import remote_sandbox
+
+        args.out = args.out or results / "sandbox_remote.json"
+        res = {"provenance": None, **remote_sandbox.run(sys.modules[__name__], args)}
+        res["provenance"] = finish(prov)
+        args.out.write_text(json.dumps(res, indent=2))
+        remote_sandbox.report(res, Console())
+        print(f"wrote {args.out}")
+        return
+    args.out = args.out or results / "sandbox.json"
     host_before = _mount_count()
     res = asyncio.run(main_async(args))
     if os.geteuid() == 0:  # as a user, layers are not mounted and bind mounts need a namespace of one's own

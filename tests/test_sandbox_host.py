@@ -172,6 +172,8 @@ def test_serve_cli_token_rule_e2b_on_the_same_port_and_clean_shutdown(tmp_path, 
         sbx = e2b.Sandbox.create("base", api_key=E2B_KEY, timeout=60)  # the real SDK, through the same port
         sbx.files.write("/tmp/hello.txt", "from e2b")
         assert sbx.files.read("/tmp/hello.txt") == "from e2b"
+        # Connect-RPC streams its request body (no Content-Length) through the host's body limit
+        assert sbx.commands.run("cat /tmp/hello.txt").stdout == "from e2b"
         with pytest.raises(e2b.AuthenticationException):
             e2b.Sandbox.create("base", api_key="e2b_" + "0" * 32)
         sandbox_pids = subtree(proc.pid) - {proc.pid}
@@ -185,3 +187,22 @@ def test_serve_cli_token_rule_e2b_on_the_same_port_and_clean_shutdown(tmp_path, 
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_chunked_body_is_counted_as_it_arrives(host):
+    """A body of no stated length (the e2b SDK streams its Connect-RPC requests so) is let through while
+    small and refused with 413 once over the limit, having written nothing."""
+    sid, tok = host.create()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        info = tarfile.TarInfo("small.txt")
+        info.size = 2
+        t.addfile(info, io.BytesIO(b"ok"))
+    small = buf.getvalue()
+    r = host.c.post(f"/v1/sandboxes/{sid}/put_tar", params={"dest": "/work"}, content=iter([small]), headers=tok)
+    assert r.status_code == 200, r.text
+    big = (b"x" * (1 << 16) for _ in range(40))  # 2.5 MiB against the fixture's 1 MiB
+    r = host.c.post(f"/v1/sandboxes/{sid}/put_tar", params={"dest": "/big"}, content=big, headers=tok)
+    assert r.status_code == 413
+    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "ls -A /work; ls /big 2>&1"}, headers=tok)
+    assert r.json()["stdout"].startswith("small.txt\n") and "No such file" in r.json()["stdout"]

@@ -226,16 +226,48 @@ def _host_routes(app: FastAPI, reg: Registry, host_auth: Callable) -> None:
         return {"sandboxes": [{"id": e.id, "age_s": time.monotonic() - e.created} for e in reg.entries.values()]}
 
 
-def _limit_bodies(app: FastAPI, max_body: int) -> None:
-    """Refuses, before any route runs, a body over `max_body` bytes (413) or one of unstated length (411)."""
-    @app.middleware("http")
-    async def size_limit(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body):
-            return JSONResponse({"detail": f"request body over {max_body} bytes"}, status_code=413)
-        if length is None and request.method in ("POST", "PUT"):
-            return JSONResponse({"detail": "Content-Length required"}, status_code=411)
-        return await call_next(request)
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Refuses a body over `max_body` bytes with 413 before any route sees it: by its Content-Length when it
+    states one, else (a chunked upload: the e2b SDK's Connect-RPC streams) by counting while it arrives."""
+
+    def __init__(self, app, max_body: int):
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await self._refuse(send)
+        seen, started = 0, False
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                raise _TooLarge
+            return message
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if started:
+                raise
+            await self._refuse(send)
+
+    async def _refuse(self, send) -> None:
+        await JSONResponse({"detail": f"request body over {self.max_body} bytes"}, status_code=413)(
+            {"type": "http"}, None, send)
 
 
 def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
@@ -268,7 +300,7 @@ here first (POST /v1/images, furlong.sandbox.host.images)."""
     app = FastAPI(title="furlong sandbox host", lifespan=lifespan)
     app.state.registry = reg
 
-    _limit_bodies(app, max_body)
+    app.add_middleware(BodyLimit, max_body=max_body)
     host_auth, sandbox = _auth(token, reg)
 
     _host_routes(app, reg, host_auth)
