@@ -152,7 +152,7 @@ def test_serve_cli_token_rule_e2b_on_the_same_port_and_clean_shutdown(tmp_path, 
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    proc = subprocess.Popen([*cli, "--port", str(port), "--token-file", str(tmp_path / "tok"), "--capacity", "1",
+    proc = subprocess.Popen([*cli, "--port", str(port), "--token-file", str(tmp_path / "tok"), "--capacity", "2",
                              "--e2b-key-file", str(tmp_path / "e2b-key")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -206,3 +206,22 @@ def test_a_chunked_body_is_counted_as_it_arrives(host):
     assert r.status_code == 413
     r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "ls -A /work; ls /big 2>&1"}, headers=tok)
     assert r.json()["stdout"].startswith("small.txt\n") and "No such file" in r.json()["stdout"]
+
+
+def test_the_e2b_api_and_v1_share_one_capacity(backend, base_image):
+    """A host's capacity counts the sandboxes of both its APIs: neither can start one past it."""
+    h = Host(backend, base_image, capacity=1, e2b_api_key=E2B_KEY)
+    e2b_create = {"templateID": "base", "timeout": 30}
+    try:
+        sid, tok = h.create()
+        r = httpx.post(f"{h.url}/sandboxes", json=e2b_create, headers={"X-API-KEY": E2B_KEY})
+        assert r.status_code == 429 and h.c.get("/v1/metrics").json()["active"] == 1
+        h.c.delete(f"/v1/sandboxes/{sid}", headers=tok)
+        r = httpx.post(f"{h.url}/sandboxes", json=e2b_create, headers={"X-API-KEY": E2B_KEY})
+        assert r.status_code == 201, r.text
+        assert h.c.post("/v1/sandboxes", json={}).status_code == 429
+        assert h.c.get("/v1/metrics").json()["active"] == 1
+        httpx.delete(f"{h.url}/sandboxes/{r.json()['sandboxID']}", headers={"X-API-KEY": E2B_KEY})
+        h.create()
+    finally:
+        h.stop()

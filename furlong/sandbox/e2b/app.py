@@ -52,9 +52,14 @@ def _iso(t: float) -> str:
 class Registry:
     """The live sandboxes, each reaped at its end time."""
 
-    def __init__(self, max_sandboxes: int) -> None:
+    def __init__(self, max_sandboxes: int, others: Callable[[], int] = lambda: 0) -> None:
         self.max = max_sandboxes
         self.live: dict[str, Live] = {}
+        self.starting = 0  # creates under way: they hold a seat before their sandbox exists
+        self.others = others  # seats the host's own API holds: one capacity for both
+
+    def held(self) -> int:
+        return len(self.live) + self.starting
 
     async def reap(self) -> None:
         now = time.time()
@@ -114,12 +119,16 @@ class _Routes:
         if refused := self._bad_timeout(timeout):
             return refused
         await self.reg.reap()
-        if len(self.reg.live) >= self.reg.max:
+        if self.reg.held() + self.reg.others() >= self.reg.max:
             return _err(429, f"at most {self.reg.max} sandboxes at once")
         image = await self.resolve(template)
         if image is None:
             return _err(404, f"templateID: unknown template {template!r}")
-        box = await self.backend.create(SandboxSpec(image=image))
+        self.reg.starting += 1
+        try:
+            box = await self.backend.create(SandboxSpec(image=image))
+        finally:
+            self.reg.starting -= 1
         now = time.time()
         live = Live(secrets.token_hex(10), template, box, secrets.token_urlsafe(24), now, now + timeout)
         self.reg.live[live.sandbox_id] = live
@@ -181,9 +190,10 @@ class _Routes:
 
 
 def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandboxes: int = 16,
-            max_timeout_s: int = 3600) -> Starlette:
-    """The app: `resolve` maps a template id to a furlong image (None: unknown template)."""
-    reg = Registry(max_sandboxes)
+            max_timeout_s: int = 3600, others: Callable[[], int] = lambda: 0) -> Starlette:
+    """The app: `resolve` maps a template id to a furlong image (None: unknown template); `others` counts the
+    seats of `max_sandboxes` that something else on the same host holds."""
+    reg = Registry(max_sandboxes, others)
     r = _Routes(reg, backend, resolve, api_key, max_timeout_s)
     routes = [Route("/sandboxes", r.create, methods=["POST"]), Route("/v2/sandboxes", r.listing, methods=["GET"]),
               Route("/v2/sandboxes", r.create, methods=["POST"]),  # the SDK 2.x creates here

@@ -284,7 +284,10 @@ here first (POST /v1/images, furlong.sandbox.host.images)."""
     async def template(name: str) -> ImageRef | None:
         return resolved.get(name)
 
-    e2b = None if e2b_api_key is None else e2b_app(backend, template, e2b_api_key, max_sandboxes=capacity)
+    e2b = None if e2b_api_key is None else e2b_app(backend, template, e2b_api_key, max_sandboxes=capacity,
+                                                   others=lambda: len(reg.entries) + reg.reserved)
+    if e2b is not None:  # one capacity for both APIs
+        reg.others = e2b.state.registry.held
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

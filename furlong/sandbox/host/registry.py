@@ -7,6 +7,7 @@ import hmac
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from furlong.sandbox.base import Sandbox
@@ -44,11 +45,16 @@ class Registry:
     execs: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     reaped: int = 0
     boot: str = field(default_factory=lambda: secrets.token_hex(8))  # tells clients a restarted host apart
+    others: Callable[[], int] = lambda: 0  # sandboxes the host runs outside this registry (its E2B API's)
 
     def reserve(self) -> None:
-        if len(self.entries) + self.reserved >= self.capacity:
+        if self.held() >= self.capacity:
             raise AtCapacity(f"host at capacity: {self.capacity} sandboxes")
         self.reserved += 1
+
+    def held(self) -> int:
+        """Seats taken on this host: live and starting sandboxes, those of the E2B API included."""
+        return len(self.entries) + self.reserved + self.others()
 
     def add(self, box: Sandbox, start_s: float) -> Entry:
         self.reserved -= 1
@@ -96,6 +102,6 @@ class Registry:
             await self.remove(sid)
 
     def metrics(self) -> dict:
-        return {"active": len(self.entries), "capacity": self.capacity, "reaped": self.reaped,
+        return {"active": len(self.entries) + self.others(), "capacity": self.capacity, "reaped": self.reaped,
                 "start_s": {"p50": _pct(self.starts, 0.5), "p95": _pct(self.starts, 0.95)},
                 "exec_s": {"p50": _pct(self.execs, 0.5), "p95": _pct(self.execs, 0.95)}}
