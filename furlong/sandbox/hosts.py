@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,14 +30,16 @@ class Host:
     active: int = 0  # sandboxes this process runs there
     capacity: int | None = None  # the host's own, read at first use
     down_until: float = 0.0
-    _clients: dict[int, httpx.AsyncClient] = field(default_factory=dict)
+    # by loop, weakly: an AsyncClient's connections belong to the loop that opened them, and a finished
+    # asyncio.run's loop must not hand its client to a later loop that happens to reuse its id
+    _clients: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     def client(self) -> httpx.AsyncClient:
-        """This loop's client (an AsyncClient's connections belong to the loop that opened them)."""
+        """This loop's client."""
         loop = asyncio.get_running_loop()
-        c = self._clients.get(id(loop))
+        c = self._clients.get(loop)
         if c is None or c.is_closed:
-            c = self._clients[id(loop)] = httpx.AsyncClient(
+            c = self._clients[loop] = httpx.AsyncClient(
                 base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
                 timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S))
         return c
