@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run, spec
+from furlong.envs.harbor import GuardedSandbox
 from furlong.sandbox.base import SandboxDied, SandboxError
 from furlong.sandbox.bwrap import BwrapBackend
 
@@ -136,6 +137,27 @@ def test_streamed_output_arrives_while_the_command_runs(backend, base_image):
             with pytest.raises(ValueError, match="caller's bug"):
                 await box.exec("echo once; echo twice", on_output=fail)
             assert (await box.exec("echo still")).stdout == "still\n", "a failing callback is not the sandbox's death"
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_an_episodes_guarded_sandbox_streams_and_leaves_a_failing_callback_to_its_caller(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        guarded = GuardedSandbox(box)
+        try:
+            seen: list[tuple[str, bytes]] = []
+            r = await guarded.exec("echo hi", on_output=lambda stream, data: seen.append((stream, data)))
+            assert seen == [("stdout", b"hi\n")] and r.stdout == "hi\n"
+
+            def fail(stream: str, data: bytes) -> None:
+                raise ValueError("the agent's own bug")
+            with pytest.raises(ValueError) as failed:
+                await guarded.exec("echo hi", on_output=fail)
+            assert not guarded.caused(failed.value), "the sandbox is not blamed for its caller's callback"
+            assert guarded.commands == 2 and box.alive
         finally:
             await box.close()
 
