@@ -600,7 +600,7 @@ static void add_drain(int fd) {  /* background processes still hold the pipe: re
   close(fd);  /* table full: the writers get SIGPIPE, as they would with a closed terminal */
 }
 
-static void take(job_t *j, int s, const unsigned char *data, size_t n) {
+static void job_output(job_t *j, int s, const unsigned char *data, size_t n) {
   capped_add(&j->out[s], data, n);
   if (!j->stream || j->streamed[s] >= j->cap) return;  /* a flood streams no more than the reply would carry */
   size_t send = n < j->cap - j->streamed[s] ? n : j->cap - j->streamed[s];
@@ -612,7 +612,7 @@ static int pump(job_t *j, int s, int until_empty) {  /* 0 at EOF */
   unsigned char chunk[65536];
   for (int rounds = 0; rounds < 64; rounds++) {
     ssize_t r = read(j->fds[s], chunk, sizeof chunk);
-    if (r > 0) { take(j, s, chunk, (size_t)r); if (!until_empty) return 1; continue; }
+    if (r > 0) { job_output(j, s, chunk, (size_t)r); if (!until_empty) return 1; continue; }
     if (r == 0) return 0;
     return 1;  /* EAGAIN (or EINTR): nothing more for now */
   }
