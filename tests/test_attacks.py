@@ -99,12 +99,60 @@ def test_forged_replies_are_refused_and_end_the_sandbox(backend, base_image):
     run(go())
 
 
+async def _start(box, stream: bool) -> tuple[asyncio.Task, bytes]:
+    """A command that runs on, writing nothing, until the sandbox ends; and its request id."""
+    before = set(box._pending)
+    task = asyncio.create_task(box.exec("sleep 60", on_output=(lambda *_: None) if stream else None))
+    while not set(box._pending) - before:
+        await asyncio.sleep(0.01)
+    return task, (set(box._pending) - before).pop()
+
+
+async def _finished_stream(box) -> bytes:
+    """The request id of a streaming exec that has had its final reply."""
+    seen: list[bytes] = []
+    await box.exec("echo done", on_output=lambda *_: seen.extend(box._listeners))
+    return seen[0]
+
+
+@pytest.mark.parametrize(("case", "why"), [
+    ("unknown id", "no running streaming exec"), ("not streaming", "no running streaming exec"),
+    ("after its reply", "no running streaming exec"), ("stream 2", "stream 2"), ("no data", "chunk of 1 bytes"),
+    ("over the cap", "past the output cap"),
+])
+def test_forged_or_oversized_chunks_end_the_sandbox(backend, base_image, case, why):
+    """A chunk must name a streaming exec still running and stdout or stderr, carry data, and keep its stream
+    within the output cap the final reply has: else it is a protocol violation, like a forged reply. The
+    forgeries carry the sandbox's secret, as if the init itself had sent them."""
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            ended = await _finished_stream(box)
+            running = [await _start(box, stream=True), await _start(box, stream=False)]
+            rid = {"unknown id": proto.new_id(), "not streaming": running[1][1], "after its reply": ended}.get(
+                case, running[0][1])
+            body = {"stream 2": b"\2x", "no data": b"\0", "over the cap": b"\1" + b"x" * (box._cap + 1)}.get(
+                case, b"\0forged")
+            box._proc.stdout.feed_data(proto.frame(box._secret + rid + bytes([proto.CHUNK]) + body))
+            for task, _ in running:
+                with pytest.raises(SandboxDied, match=f"protocol: .*{why}"):
+                    await task
+            with pytest.raises(SandboxDied):
+                await box.exec("true")
+        finally:
+            await box.close()
+
+    run(go())
+
+
 def test_reply_bodies_are_validated_field_by_field():
     secret = proto.new_secret()
     rid = proto.new_id()
     good = secret + rid + b"\0" + b"body"
     assert proto.parse_reply(good, secret).body == b"body"
-    for bad in (proto.new_secret() + rid + b"\0", secret + rid + b"\2", secret[:10]):
+    assert proto.parse_reply(secret + rid + b"\2\1err", secret) == proto.Chunk(rid, "stderr", b"err")
+    for bad in (proto.new_secret() + rid + b"\0", secret + rid + b"\2", secret + rid + b"\2\0",
+                secret + rid + b"\2\2x", secret + rid + b"\3x", secret[:10]):
         with pytest.raises(proto.ProtocolError):
             proto.parse_reply(bad, secret)
     fixed = (0).to_bytes(4, "little") + b"\0\0" + (5).to_bytes(8, "little")

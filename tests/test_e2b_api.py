@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import e2b  # pinned in the test extra: CI runs these against the real SDK
@@ -65,6 +66,25 @@ def test_commands_run_in_the_foreground_in_the_sandbox(server):
         assert (failed.value.exit_code, failed.value.stdout) == (3, "partial\n")
         assert sbx.commands.run("ls /tmp").stdout.split() == ["in.txt"]  # the command ran in this sandbox
         assert sbx.commands.list() == []
+    finally:
+        sbx.kill()
+
+
+def test_commands_run_calls_on_stdout_while_the_command_runs(server):
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        seen: list[tuple[str, float]] = []
+        out = sbx.commands.run("echo a; sleep 2; echo b", on_stdout=lambda text: seen.append((text, time.monotonic())))
+        end = time.monotonic()
+        assert seen[0][0] == "a\n" and seen[0][1] < end - 1, "the first line came before the sleep ended"
+        assert "".join(text for text, _ in seen) == out.stdout == "a\nb\n"
+        # past the output cap (1 MiB a stream) the streamed first MiB is followed by what the capped result adds
+        out = sbx.commands.run("head -c 1200000 /dev/zero | tr '\\0' a; printf END")
+        assert out.stdout == "a" * 1200000 + "END", "nothing is lost or repeated where the cap dropped nothing"
+        out = sbx.commands.run("head -c 3000000 /dev/zero | tr '\\0' a; printf END")
+        marker = re.search(r"\n\[\.\.\. furlong: (\d+) bytes truncated \.\.\.\]\n", out.stdout)
+        shown = len(out.stdout) - len(marker.group(0))
+        assert out.stdout.endswith("END") and shown + int(marker.group(1)) == 3000003, "shown + dropped = all"
     finally:
         sbx.kill()
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run, spec
+from furlong.envs.harbor import GuardedSandbox
 from furlong.sandbox.base import SandboxDied, SandboxError
+from furlong.sandbox.bwrap import BwrapBackend
 
 
 def test_exec_files_and_shell_state(backend, base_image, tmp_path: Path):
@@ -110,6 +112,80 @@ def test_concurrent_commands_in_one_sandbox(backend, base_image):
             fast = await box.exec("echo fast")
             assert fast.stdout == "fast\n" and time.perf_counter() - t < 0.9
             assert (await slow).stdout == "slow\n"
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_streamed_output_arrives_while_the_command_runs(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            chunks: list[tuple[str, bytes, float]] = []
+            r = await box.exec("echo a; echo e >&2; sleep 2; echo b",
+                               on_output=lambda stream, data: chunks.append((stream, data, time.monotonic())))
+            end = time.monotonic()
+            stdout = [(data, at) for stream, data, at in chunks if stream == "stdout"]
+            assert stdout[0][0] == b"a\n" and stdout[0][1] < end - 1, "the first line came before the sleep ended"
+            assert b"".join(data for data, _ in stdout).decode() == r.stdout == "a\nb\n"
+            assert b"".join(data for stream, data, _ in chunks if stream == "stderr").decode() == r.stderr == "e\n"
+            assert (await box.exec("echo plain")).stdout == "plain\n"  # without on_output, as before
+
+            def fail(stream: str, data: bytes) -> None:
+                raise ValueError(f"caller's bug on {data!r}")
+            with pytest.raises(ValueError, match="caller's bug"):
+                await box.exec("echo once; echo twice", on_output=fail)
+            assert (await box.exec("echo still")).stdout == "still\n", "a failing callback is not the sandbox's death"
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_an_episodes_guarded_sandbox_streams_and_leaves_a_failing_callback_to_its_caller(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        guarded = GuardedSandbox(box)
+        try:
+            seen: list[tuple[str, bytes]] = []
+            r = await guarded.exec("echo hi", on_output=lambda stream, data: seen.append((stream, data)))
+            assert seen == [("stdout", b"hi\n")] and r.stdout == "hi\n"
+
+            def fail(stream: str, data: bytes) -> None:
+                raise ValueError("the agent's own bug")
+            with pytest.raises(ValueError) as failed:
+                await guarded.exec("echo hi", on_output=fail)
+            assert not guarded.caused(failed.value), "the sandbox is not blamed for its caller's callback"
+            assert guarded.commands == 2 and box.alive
+        finally:
+            await box.close()
+
+    run(go())
+
+
+def test_a_streamed_flood_stops_at_the_output_cap(store, base_image):
+    cap = 64 << 10
+    capped = BwrapBackend(layers=store, output_cap=cap)
+
+    async def go():
+        box = await capped.create(spec(base_image))
+        try:
+            sent = {"stdout": 0, "stderr": 0}
+
+            def count(stream: str, data: bytes) -> None:
+                sent[stream] += len(data)
+            r = await box.exec("yes | head -c 50M; yes | head -c 50M >&2", on_output=count, timeout_s=60)
+            assert r.truncated and sent == {"stdout": cap, "stderr": cap}
+            assert len(r.stdout.encode()) < cap + 200  # the result is capped as without streaming
+            # a background flood keeps the command's pipes past its end: capped too, and nothing follows the reply
+            sent = {"stdout": 0, "stderr": 0}
+            r = await box.exec("(touch /tmp/flooding; exec yes flood) & "
+                               "until [ -e /tmp/flooding ]; do sleep 0.05; done; sleep 1", on_output=count, timeout_s=10)
+            assert r.exit_code == 0 and r.truncated and sent == {"stdout": cap, "stderr": 0}
+            await asyncio.sleep(0.5)
+            assert (await box.exec("echo quiet", on_output=count)).stdout == "quiet\n" and box.alive
+            assert sent == {"stdout": cap + len("quiet\n"), "stderr": 0}
         finally:
             await box.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import signal
 import socket
@@ -120,6 +121,53 @@ def test_refusals_change_nothing(host):
     r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "ls -A /work"}, headers=tok)
     assert r.json()["stdout"] == "", "no refused request wrote anything"
     assert len(host.reg.entries) == 1
+
+
+def _stream_exec(host, sid: str, tok: dict, cmd: str) -> list[tuple[dict, float]]:
+    """The NDJSON lines of a streamed exec, each with the time it arrived."""
+    with host.c.stream("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd, "stream": True}, headers=tok) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+        return [(json.loads(line), time.monotonic()) for line in r.iter_lines()]
+
+
+def _joined(lines: list[tuple[dict, float]], stream: str) -> bytes:
+    return b"".join(base64.b64decode(line[stream]) for line, _ in lines if stream in line)
+
+
+def test_streamed_exec_lines_arrive_while_the_command_runs(host):
+    sid, tok = host.create()
+    lines = _stream_exec(host, sid, tok, "echo a; echo e >&2; sleep 2; echo b")
+    end = time.monotonic()
+    first_out = next((line, at) for line, at in lines if "stdout" in line)
+    assert first_out[0] == {"stdout": base64.b64encode(b"a\n").decode()} and first_out[1] < end - 1
+    result = lines[-1][0]["result"]
+    assert (result["exit_code"], result["stdout"], result["stderr"]) == (0, "a\nb\n", "e\n")
+    assert (_joined(lines, "stdout"), _joined(lines, "stderr")) == (b"a\nb\n", b"e\n")
+    assert host.reg.execs, "a streamed exec is timed like any other"
+    # the sandbox's own token is checked before anything runs, streamed or not
+    r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "touch /work/pwned", "stream": True},
+                    headers={"X-Sandbox-Token": "wrong"})
+    assert r.status_code == 403
+    assert host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "ls -A /work"}, headers=tok).json()["stdout"] == ""
+    # a sandbox that ends while its command streams: the last line is the error the plain exec would have been
+    with host.c.stream("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo a; sleep 30", "stream": True},
+                       headers=tok) as r:
+        lines = r.iter_lines()
+        assert "stdout" in json.loads(next(lines))
+        assert host.c.delete(f"/v1/sandboxes/{sid}", headers=tok).status_code == 200
+        last = json.loads(next(lines))
+    assert last["error"]["status"] == 410 and "SandboxDied" in last["error"]["detail"]
+
+
+def test_a_streaming_exec_keeps_its_sandbox_from_idle_reaping(backend, base_image):
+    h = Host(backend, base_image, idle_s=0.5, reap_every_s=0.1)
+    try:
+        sid, tok = h.create()
+        lines = [line for line, _ in _stream_exec(h, sid, tok, "sleep 2; echo done")]
+        assert len(lines) == 2 and lines[0] == {"stdout": base64.b64encode(b"done\n").decode()}
+        assert lines[1]["result"]["stdout"] == "done\n" and h.reg.reaped == 0
+    finally:
+        h.stop()
 
 
 def test_capacity_429_and_idle_reaping(backend, base_image):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
@@ -90,8 +90,21 @@ class GuardedSandbox:
         return getattr(self.inner, "agent_uid", 0)
 
     async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None,
-                   as_verifier: bool = False):
-        return await self._call("exec", cmd, timeout_s, cwd, env, as_verifier=as_verifier)
+                   as_verifier: bool = False, on_output: Callable[[str, bytes], None] | None = None):
+        if on_output is None:
+            return await self._call("exec", cmd, timeout_s, cwd, env, as_verifier=as_verifier)
+        failed: list[Exception] = []
+
+        def relay(stream: str, data: bytes) -> None:
+            if not failed:
+                try:
+                    on_output(stream, data)
+                except Exception as exc:  # noqa: BLE001 -- raised below, outside _call: the caller's, not the sandbox's
+                    failed.append(exc)
+        result = await self._call("exec", cmd, timeout_s, cwd, env, as_verifier=as_verifier, on_output=relay)
+        if failed:
+            raise failed[0]
+        return result
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644, as_verifier: bool = False) -> None:
         await self._call("write_file", path, data, mode, as_verifier=as_verifier)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
@@ -156,7 +156,11 @@ class Sandbox(Protocol):
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         as_verifier: bool = False,
-    ) -> ExecResult: ...
+        on_output: Callable[[str, bytes], None] | None = None,
+    ) -> ExecResult:
+        """Runs `cmd` in bash. With `on_output`, also calls it with ("stdout" | "stderr", bytes) as the command
+        writes, in order and before exec returns, up to the output cap per stream (the result's own output
+        is capped as without it); None streams nothing."""
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644, as_verifier: bool = False) -> None: ...
 

@@ -9,12 +9,12 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from furlong.sandbox import protocol as proto
-from furlong.sandbox.changes import Change, image_entry, overlay_changes
 from furlong.sandbox.base import ExecResult, SandboxDied, SandboxError
+from furlong.sandbox.changes import Change, image_entry, overlay_changes
 from furlong.sandbox.shell import wrap
 from furlong.sandbox.tarball import tar_dir
 
@@ -97,6 +97,15 @@ def _inside(uid: int, uids: list[tuple[int, int, int]]) -> int:
     return OVERFLOW_UID
 
 
+@dataclass
+class _Listener:
+    """A streaming exec's caller: its callback, and the bytes each stream sent so far (checked against the cap)."""
+
+    on_output: Callable[[str, bytes], None]
+    sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(proto.STREAMS, 0))
+    error: Exception | None = None  # what the callback raised: exec raises it once the command has ended
+
+
 class BwrapSandbox:
     def __init__(self, proc, cgroup, output_cap: int, lifetime_s: float, name: str, secret: bytes):
         self.name = name
@@ -105,6 +114,7 @@ class BwrapSandbox:
         self._cap = output_cap
         self._secret = secret
         self._pending: dict[bytes, asyncio.Future] = {}
+        self._listeners: dict[bytes, _Listener] = {}  # the streaming ones among the pending, until their reply
         self._stderr_tail = b""
         self._closed = False
         self._death: str | None = None
@@ -134,6 +144,10 @@ class BwrapSandbox:
                 if n > proto.max_reply(self._cap):
                     raise proto.ProtocolError(f"reply frame of {n} bytes")
                 reply = proto.parse_reply(await out.readexactly(n), self._secret)
+                if isinstance(reply, proto.Chunk):
+                    self._deliver(reply)
+                    continue
+                self._listeners.pop(reply.id, None)  # a chunk after its final reply is a violation
                 fut = self._pending.pop(reply.id, None)
                 if fut is None:
                     raise proto.ProtocolError("reply to no pending request")
@@ -151,23 +165,43 @@ class BwrapSandbox:
             if not fut.done():
                 fut.set_exception(SandboxDied(self._death))
         self._pending.clear()
+        self._listeners.clear()
 
-    async def _call(self, request, op: str, wait_s: float) -> proto.Reply:
+    def _deliver(self, chunk: proto.Chunk) -> None:
+        """Hands a chunk to its exec's callback, in the reader: so every chunk comes before its final reply."""
+        listener, fut = self._listeners.get(chunk.id), self._pending.get(chunk.id)
+        if listener is None or fut is None:
+            raise proto.ProtocolError("chunk for no running streaming exec")
+        listener.sent[chunk.stream] += len(chunk.data)
+        if listener.sent[chunk.stream] > self._cap:
+            raise proto.ProtocolError(f"{chunk.stream} chunks past the output cap of {self._cap} bytes")
+        if fut.done() or listener.error is not None:
+            return  # its caller stopped waiting, or its callback failed: checked, no longer delivered
+        try:
+            listener.on_output(chunk.stream, chunk.data)
+        except Exception as exc:  # noqa: BLE001 -- the caller's fault, not the sandbox's: the reader goes on
+            listener.error = exc
+
+    async def _call(self, request, op: str, wait_s: float, listener: _Listener | None = None) -> proto.Reply:
         if self._death or self._closed:
             raise SandboxDied(self._death or "sandbox is closed")
         rid = proto.new_id()
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        if listener is not None:
+            self._listeners[rid] = listener
         try:
             self._proc.stdin.write(request(rid))
             await self._proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError) as exc:
             self._pending.pop(rid, None)
+            self._listeners.pop(rid, None)
             raise SandboxDied(f"sandbox stdin closed: {exc}") from exc
         try:
             reply = await asyncio.wait_for(fut, wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._pending.pop(rid, None)
+            self._listeners.pop(rid, None)
             await self.close()
             raise SandboxDied(f"sandbox init did not answer {op!r} within {wait_s:.0f}s") from None
         if not reply.ok:
@@ -180,17 +214,24 @@ class BwrapSandbox:
         return SandboxDied(self._death)
 
     async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
-                   env: dict[str, str] | None = None, as_verifier: bool = False) -> ExecResult:
+                   env: dict[str, str] | None = None, as_verifier: bool = False,
+                   on_output: Callable[[str, bytes], None] | None = None) -> ExecResult:
+        """`on_output`: called with ("stdout" | "stderr", bytes) as the command writes, up to the output cap
+        per stream; an exception it raises ends its calls and is raised here once the command has ended."""
         env = env or {}
         # the verifier never sources or saves the agent's shell state (its PATH, its cwd)
         script = wrap(cmd, "/" if as_verifier and cwd is None else cwd, env)
         role = _role(as_verifier)
-        reply = await self._call(lambda rid: proto.exec_request(rid, script, env, timeout_s, self._cap, role),
-                                 "exec", timeout_s + REPLY_GRACE_S)
+        listener = None if on_output is None else _Listener(on_output)
+        reply = await self._call(
+            lambda rid: proto.exec_request(rid, script, env, timeout_s, self._cap, role, stream=listener is not None),
+            "exec", timeout_s + REPLY_GRACE_S, listener)
         try:
             r = proto.parse_exec(reply.body, self._cap)
         except proto.ProtocolError as exc:
             raise self._violation(exc) from None
+        if listener is not None and listener.error is not None:
+            raise listener.error
         return ExecResult(exit_code=r.exit_code, stdout=r.stdout.decode(errors="replace"),
                           stderr=r.stderr.decode(errors="replace"), duration_s=r.duration_s,
                           timed_out=r.timed_out, truncated=r.truncated)
@@ -253,7 +294,7 @@ class BwrapSandbox:
         try:  # the readers end at EOF, which the init's death brings; bounded all the same
             await asyncio.wait_for(asyncio.gather(self._proc.wait(), self._reader, self._err_reader,
                                                   return_exceptions=True), 5.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("sandbox %s: bwrap did not exit within 5 s of SIGKILL", self.name)
         if self.scratch is not None:
             await asyncio.to_thread(remove_tree, self.scratch)

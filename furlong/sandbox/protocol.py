@@ -3,7 +3,9 @@
 Every reply must carry the per-sandbox secret and a pending request's random id, and its body must parse
 exactly for that request's op: anything else is a protocol violation, which the sandbox treats as death.
 Only the init ever saw the secret (it came over the init's stdin, which no agent process can open), so a
-reply that passes is the init's.
+reply that passes is the init's. A streaming exec (OP_EXEC_STREAM) also gets chunk replies (status CHUNK)
+before its final one; the sandbox checks they belong to a streaming request still running and stay under
+its output cap.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import tarfile
 from dataclasses import dataclass
 
 SECRET_LEN, ID_LEN = 32, 16
-OP_EXEC, OP_READ, OP_PUT, OP_PING = 1, 2, 3, 4
+OP_EXEC, OP_READ, OP_PUT, OP_PING, OP_EXEC_STREAM = 1, 2, 3, 4, 5
+OK, ERROR, CHUNK = 0, 1, 2  # reply statuses
+STREAMS = ("stdout", "stderr")  # a chunk's stream byte indexes this
 AGENT, VERIFIER = 0, 1  # the role a request runs as (init.c: identities)
 HEADER = SECRET_LEN + ID_LEN + 1
 READ_MAX = 256 << 20  # the init refuses larger files
@@ -31,6 +35,15 @@ class Reply:
     id: bytes
     ok: bool
     body: bytes
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Output a streaming exec's command wrote while it ran (never empty)."""
+
+    id: bytes
+    stream: str  # "stdout" | "stderr"
+    data: bytes
 
 
 def new_secret() -> bytes:
@@ -54,11 +67,12 @@ def _head(rid: bytes, op: int, role: int) -> bytes:
 
 
 def exec_request(rid: bytes, script: str, env: dict[str, str], timeout_s: float, cap: int,
-                 role: int = AGENT) -> bytes:
+                 role: int = AGENT, stream: bool = False) -> bytes:
+    """`stream`: OP_EXEC_STREAM, whose chunks come before the final reply; else OP_EXEC, the same body."""
     blob = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
     timeout_ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF))
     body = struct.pack("<II", timeout_ms, cap) + _str(script.encode()) + _str(blob)
-    return frame(_head(rid, OP_EXEC, role) + body)
+    return frame(_head(rid, OP_EXEC_STREAM if stream else OP_EXEC, role) + body)
 
 
 def read_request(rid: bytes, path: str, role: int = AGENT) -> bytes:
@@ -102,15 +116,25 @@ def tar_entries(data: bytes, dest: str) -> list[tuple[int, int, str, bytes]]:
     return out
 
 
-def parse_reply(payload: bytes, secret: bytes) -> Reply:
+def parse_reply(payload: bytes, secret: bytes) -> Reply | Chunk:
     if len(payload) < HEADER:
         raise ProtocolError(f"reply of {len(payload)} bytes is shorter than its header")
     if not hmac.compare_digest(payload[:SECRET_LEN], secret):
         raise ProtocolError("reply without the sandbox's secret")
-    status = payload[SECRET_LEN + ID_LEN]
-    if status not in (0, 1):
-        raise ProtocolError(f"reply status {status} is neither 0 nor 1")
-    return Reply(id=payload[SECRET_LEN:SECRET_LEN + ID_LEN], ok=status == 0, body=payload[HEADER:])
+    rid, status, body = payload[SECRET_LEN:SECRET_LEN + ID_LEN], payload[SECRET_LEN + ID_LEN], payload[HEADER:]
+    if status == CHUNK:
+        return _chunk(rid, body)
+    if status not in (OK, ERROR):
+        raise ProtocolError(f"reply status {status} is none of 0 (ok), 1 (error), 2 (chunk)")
+    return Reply(id=rid, ok=status == OK, body=body)
+
+
+def _chunk(rid: bytes, body: bytes) -> Chunk:
+    if len(body) < 2:
+        raise ProtocolError(f"chunk of {len(body)} bytes: expected a stream byte and data")
+    if body[0] >= len(STREAMS):
+        raise ProtocolError(f"chunk for stream {body[0]}, expected 0 (stdout) or 1 (stderr)")
+    return Chunk(id=rid, stream=STREAMS[body[0]], data=body[1:])
 
 
 def max_reply(cap: int) -> int:

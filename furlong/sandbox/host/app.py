@@ -11,14 +11,15 @@ import asyncio
 import base64
 import dataclasses
 import hmac
+import json
 import posixpath
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from furlong.sandbox.base import (
@@ -89,6 +90,7 @@ class ExecBody(_Body):
     cwd: str | None = None
     env: dict[str, str] | None = None
     as_verifier: bool = False
+    stream: bool = Field(False, description="answer with NDJSON lines as the command writes (docs/sandbox-hosts.md)")
 
 
 class PathBody(_Body):
@@ -139,6 +141,47 @@ async def guarded(entry: Entry, call: Awaitable):
         entry.last_used = time.monotonic()
 
 
+def _exec(entry: Entry, body: ExecBody, on_output: Callable[[str, bytes], None] | None = None) -> Awaitable:
+    return entry.box.exec(body.cmd, timeout_s=body.timeout_s, cwd=body.cwd, env=body.env,
+                          as_verifier=body.as_verifier, on_output=on_output)
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+def _streamed_exec(entry: Entry, body: ExecBody, reg: Registry, running: set[asyncio.Task]) -> StreamingResponse:
+    """The exec as NDJSON lines: {"stdout"|"stderr": base64} as the command writes, then {"result": {...}} or
+    {"error": {"status", "detail"}}. The command runs in a task of its own, so it ends as it would have
+    whether or not the client stays to read; the lines waiting are bounded by the sandbox's output cap."""
+    lines: asyncio.Queue[dict | None] = asyncio.Queue()
+    entry.busy += 1  # now, not once the answer starts: the reaper never sees the sandbox idle in between
+
+    async def run() -> dict:
+        t = time.perf_counter()
+        try:
+            r = await guarded(entry, _exec(entry, body, lambda stream, data: lines.put_nowait(
+                {stream: base64.b64encode(data).decode()})))
+            reg.execs.append(time.perf_counter() - t)
+            return {"result": dataclasses.asdict(r)}
+        except HTTPException as e:
+            return {"error": {"status": e.status_code, "detail": e.detail}}
+        finally:
+            entry.busy -= 1
+            lines.put_nowait(None)
+
+    task = asyncio.create_task(run())
+    running.add(task)  # the loop keeps only a weak reference to a task
+    task.add_done_callback(running.discard)
+
+    async def answer() -> AsyncIterator[bytes]:
+        while (line := await lines.get()) is not None:
+            yield _line(line)
+        yield _line(await task)
+
+    return StreamingResponse(answer(), media_type="application/x-ndjson")
+
+
 def _auth(token: str, reg: Registry) -> tuple[Callable, Callable]:
     """The host-token check, and the dependency that finds a sandbox by id and its own token."""
     def host_auth(authorization: Annotated[str, Header()] = "") -> None:
@@ -159,11 +202,14 @@ def _auth(token: str, reg: Registry) -> tuple[Callable, Callable]:
 
 
 def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
-    @app.post("/v1/sandboxes/{sid}/exec")
-    async def exec_(body: ExecBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
+    running: set[asyncio.Task] = set()  # streamed execs
+
+    @app.post("/v1/sandboxes/{sid}/exec", response_model=None)
+    async def exec_(body: ExecBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict | StreamingResponse:
+        if body.stream:
+            return _streamed_exec(entry, body, reg, running)
         t = time.perf_counter()
-        r = await guarded(entry, entry.box.exec(body.cmd, timeout_s=body.timeout_s, cwd=body.cwd, env=body.env,
-                                                as_verifier=body.as_verifier))
+        r = await guarded(entry, _exec(entry, body))
         reg.execs.append(time.perf_counter() - t)
         return dataclasses.asdict(r)
 

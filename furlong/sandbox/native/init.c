@@ -22,10 +22,13 @@
  * Protocol (stdin: requests, stdout: replies), every frame is u32 little-endian length + payload.
  *   handshake: the host's first 32 bytes on stdin are the per-sandbox secret.
  *   request:   id[16] op[1] role[1] body   (role 0: as the agent, 1: as the verifier)
- *   reply:     secret[32] id[16] status[1] (0 ok, 1 error: body is the message) body
+ *   reply:     secret[32] id[16] status[1] (0 ok, 1 error: body is the message, 2 chunk) body
  * Ops (body layouts; "str" is u32 length + bytes):
  *   EXEC  u32 timeout_ms, u32 cap, str script, str env ("K=V\0K=V\0..." overriding the init's env)
  *         -> i32 exit_code, u8 timed_out, u8 truncated, u64 duration_ns, str stdout, str stderr
+ *   EXEC_STREAM  as EXEC, and while the command runs, chunk replies (status 2) come before its final one:
+ *         u8 stream (0 stdout, 1 stderr), then at least one byte, as one read() returned them; at most `cap`
+ *         bytes per stream in all (the final reply still carries the capped output), none after the final
  *   READ  str path -> the file's bytes (regular files only, at most READ_MAX)
  *   PUT   entries of: u8 kind (0 dir, 1 file, 2 symlink), u32 mode, str path, str data-or-target
  *   PING  -> u32 pid
@@ -63,7 +66,8 @@
 #define DRAIN_MAX 4096
 #define MARKER "\n[... furlong: %llu bytes truncated ...]\n"
 
-enum { OP_EXEC = 1, OP_READ = 2, OP_PUT = 3, OP_PING = 4 };
+enum { OP_EXEC = 1, OP_READ = 2, OP_PUT = 3, OP_PING = 4, OP_EXEC_STREAM = 5 };
+enum { STATUS_OK = 0, STATUS_ERROR = 1, STATUS_CHUNK = 2 };
 enum { ROLE_AGENT = 0, ROLE_VERIFIER = 1 };
 #define CAPBIT(c) (1ull << (c))
 /* What the tests get, as root would have them for installing and checking: never ptrace, mounts, admin. */
@@ -90,6 +94,8 @@ typedef struct {
   pid_t pid;
   int fds[2];
   capped_t out[2];
+  int stream;  /* EXEC_STREAM: send chunks while it runs, until `cap` bytes of a stream were sent */
+  size_t cap, streamed[2];
   uint64_t start_ns, deadline_ns;
   int timed_out, exited, status;
 } job_t;
@@ -143,7 +149,7 @@ static void write_all(int fd, const void *data, size_t n) {
   }
 }
 
-static void reply(const unsigned char *id, int status, const void *body, size_t n) {
+static void reply_head(const unsigned char *id, int status, size_t n) {  /* n: the body's length */
   uint32_t len = (uint32_t)(SECRET_LEN + ID_LEN + 1 + n);
   unsigned char hdr[4 + SECRET_LEN + ID_LEN + 1];
   memcpy(hdr, &len, 4);
@@ -151,13 +157,24 @@ static void reply(const unsigned char *id, int status, const void *body, size_t 
   memcpy(hdr + 4 + SECRET_LEN, id, ID_LEN);
   hdr[4 + SECRET_LEN + ID_LEN] = (unsigned char)status;
   write_all(1, hdr, sizeof hdr);
+}
+
+static void reply(const unsigned char *id, int status, const void *body, size_t n) {
+  reply_head(id, status, n);
   if (n) write_all(1, body, n);
+}
+
+static void reply_chunk(const unsigned char *id, int stream, const void *data, size_t n) {
+  unsigned char s = (unsigned char)stream;
+  reply_head(id, STATUS_CHUNK, 1 + n);
+  write_all(1, &s, 1);
+  write_all(1, data, n);
 }
 
 static void reply_error(const unsigned char *id, const char *what, int err) {
   char msg[512];
   int n = snprintf(msg, sizeof msg, "%s: %s", what, strerror(err));
-  reply(id, 1, msg, (size_t)(n < 0 ? 0 : n >= (int)sizeof msg ? (int)sizeof msg - 1 : n));
+  reply(id, STATUS_ERROR, msg, (size_t)(n < 0 ? 0 : n >= (int)sizeof msg ? (int)sizeof msg - 1 : n));
 }
 
 /* ---- capped buffers --------------------------------------------------------------------------- */
@@ -439,7 +456,7 @@ static void watch(int fd, uint64_t tag) {
 #define TAG_JOB(slot, stream) ((3ull << 32) | ((uint64_t)(slot) << 1) | (stream))
 #define TAG_DRAIN(fd) ((4ull << 32) | (uint64_t)(fd))
 
-static void op_exec(const unsigned char *id, cursor_t *c, int role) {
+static void op_exec(const unsigned char *id, cursor_t *c, int role, int stream) {
   uint32_t timeout_ms = take_u32(c), cap = take_u32(c), nscript, nenv;
   const unsigned char *script_raw = take_str(c, &nscript), *env_raw = take_str(c, &nenv);
   char *script = c->bad || c->left ? NULL : cstr(script_raw, nscript);
@@ -464,6 +481,7 @@ static void op_exec(const unsigned char *id, cursor_t *c, int role) {
   if (!j) die("calloc");
   memcpy(j->id, id, ID_LEN);
   j->pid = pid, j->fds[0] = out[0], j->fds[1] = err[0];
+  j->stream = stream, j->cap = cap;
   j->start_ns = now_ns(), j->deadline_ns = j->start_ns + (uint64_t)timeout_ms * 1000000ull;
   for (int s = 0; s < 2; s++) {
     capped_init(&j->out[s], cap);
@@ -492,7 +510,7 @@ static void op_read(const unsigned char *id, cursor_t *c) {  /* as a role: see d
   ssize_t r;
   while ((r = read(fd, chunk, sizeof chunk)) > 0 && b.len + (size_t)r <= READ_MAX) buf_put(&b, chunk, (size_t)r);
   if (r < 0) reply_error(id, path, errno);
-  else reply(id, 0, b.p, b.len);
+  else reply(id, STATUS_OK, b.p, b.len);
   free(b.p), free(path), close(fd);
 }
 
@@ -549,7 +567,7 @@ static void op_put(const unsigned char *id, cursor_t *c) {
     if (r < 0) { reply_error(id, path, errno); free(path); return; }
     free(path);
   }
-  reply(id, 0, NULL, 0);
+  reply(id, STATUS_OK, NULL, 0);
 }
 
 static void dispatch(const unsigned char *frame, uint32_t n) {
@@ -560,10 +578,11 @@ static void dispatch(const unsigned char *frame, uint32_t n) {
   if (role != ROLE_AGENT && role != ROLE_VERIFIER) { reply_error(id, "unknown role", EINVAL); return; }
   cursor_t c = {frame + ID_LEN + 2, n - ID_LEN - 2, 0};
   switch (frame[ID_LEN]) {
-    case OP_EXEC: op_exec(id, &c, role); break;
+    case OP_EXEC: op_exec(id, &c, role, 0); break;
+    case OP_EXEC_STREAM: op_exec(id, &c, role, 1); break;
     case OP_READ: fs_as(role); op_read(id, &c); fs_restore(); break;
     case OP_PUT: fs_as(role); op_put(id, &c); fs_restore(); break;
-    case OP_PING: { uint32_t pid = (uint32_t)getpid(); reply(id, 0, &pid, 4); break; }
+    case OP_PING: { uint32_t pid = (uint32_t)getpid(); reply(id, STATUS_OK, &pid, 4); break; }
     default: reply_error(id, "unknown op", EINVAL);
   }
 }
@@ -581,11 +600,19 @@ static void add_drain(int fd) {  /* background processes still hold the pipe: re
   close(fd);  /* table full: the writers get SIGPIPE, as they would with a closed terminal */
 }
 
+static void job_output(job_t *j, int s, const unsigned char *data, size_t n) {
+  capped_add(&j->out[s], data, n);
+  if (!j->stream || j->streamed[s] >= j->cap) return;  /* a flood streams no more than the reply would carry */
+  size_t send = n < j->cap - j->streamed[s] ? n : j->cap - j->streamed[s];
+  reply_chunk(j->id, s, data, send);
+  j->streamed[s] += send;
+}
+
 static int pump(job_t *j, int s, int until_empty) {  /* 0 at EOF */
   unsigned char chunk[65536];
   for (int rounds = 0; rounds < 64; rounds++) {
     ssize_t r = read(j->fds[s], chunk, sizeof chunk);
-    if (r > 0) { capped_add(&j->out[s], chunk, (size_t)r); if (!until_empty) return 1; continue; }
+    if (r > 0) { job_output(j, s, chunk, (size_t)r); if (!until_empty) return 1; continue; }
     if (r == 0) return 0;
     return 1;  /* EAGAIN (or EINTR): nothing more for now */
   }
@@ -613,7 +640,7 @@ static void finish(int slot) {
   buf_put(&b, &dur, 8);
   for (int s = 0; s < 2; s++) truncated |= capped_emit(&j->out[s], &b);
   b.p[flag_at] = (unsigned char)truncated;
-  reply(j->id, 0, b.p, b.len);
+  reply(j->id, STATUS_OK, b.p, b.len);
   free(b.p);
   capped_free(&j->out[0]), capped_free(&j->out[1]);
   free(j);
