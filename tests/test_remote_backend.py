@@ -248,3 +248,25 @@ def test_write_is_sent_as_base64(hosts, base_image):
             await box.close()
 
     assert base64.b64decode(run(go())) == data
+
+
+def test_streamed_output_through_a_host(hosts, base_image):
+    """exec(on_output=...) through the host's NDJSON stream: the first piece arrives while the command
+    still runs, and the pieces add up to the result's output."""
+    rb, _ = remote([hosts[0].url])
+    seen: list[tuple[float, str, bytes]] = []
+
+    async def go():
+        box = await rb.create(spec(base_image))
+        try:
+            t0 = time.monotonic()
+            r = await box.exec("echo a; sleep 2; echo b; echo e >&2",
+                               on_output=lambda s, d: seen.append((time.monotonic() - t0, s, d)))
+            return r, time.monotonic() - t0
+        finally:
+            await box.close()
+
+    r, took = run(go())
+    assert r.stdout == "a\nb\n" and r.stderr == "e\n"
+    assert b"".join(d for _, s, d in seen if s == "stdout") == b"a\nb\n"
+    assert seen[0][1:] == ("stdout", b"a\n") and seen[0][0] < took - 1.0, seen
