@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from furlong.build.harbor_box import HarborBox, task_dir_of
+from furlong.build.harbor_box import HarborBox, split_overrides, task_dir_of
+from furlong.config import load_config
 from furlong.sandbox.pool import StoreImages
 from furlong.tasks.loader import load_task
 
@@ -70,6 +71,16 @@ def test_agent_cannot_touch_the_verifiers_files(make_box):
     agent_code, tamper_code, root_uid = asyncio.run(go())
     assert agent_code != 0 and tamper_code != 0
     assert root_uid != "" and int(root_uid) >= 0  # harbor's "root" is the sandbox's verifier, not host root
+
+
+def test_overrides_split_at_commas_outside_lists():
+    """harbor's `--ek overrides=...` is one string; a YAML list in it keeps its commas."""
+    text = "sandbox.hosts=[http://a:1, http://b:2],sandbox.seccomp=true, images.x={a: 1, b: '2,3'},"
+    assert split_overrides(text) == ("sandbox.hosts=[http://a:1, http://b:2]", "sandbox.seccomp=true",
+                                     "images.x={a: 1, b: '2,3'}")
+    assert split_overrides("") == ()
+    cfg = load_config(None, list(split_overrides("sandbox.backend=remote,sandbox.hosts=[http://a:1,http://b:2]")))
+    assert cfg.sandbox.hosts == ["http://a:1", "http://b:2"]
 
 
 def test_network_only_where_the_task_declares_it(make_box):
