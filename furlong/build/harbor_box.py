@@ -144,6 +144,26 @@ def task_dir_of(environment_dir: Path) -> Path:
     return environment_dir.parent
 
 
+def split_overrides(text: str) -> tuple[str, ...]:
+    """`a=1,sandbox.hosts=[http://h:1,http://h:2]` -> its `key=value` items: harbor's `--ek` gives one
+    string, so items are split at commas outside brackets, braces and quotes (a YAML list keeps its own)."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return tuple(item.strip() for item in items if item.strip())
+
+
 def harbor_box(environment_dir: Path, network: bool, recipe: str | None = None,
                overrides: tuple[str, ...] = ()) -> HarborBox:
     """A HarborBox for the task around `environment_dir`, on the backend config `sandbox.backend` names

@@ -3,7 +3,7 @@ trials in furlong sandboxes, no Docker (docs/harbor.md). Needs the `harbor` pack
 
 A thin adapter: the decisions live in furlong.build.harbor_box.HarborBox. Options come as harbor's
 `--ek key=value`: `recipe` (a furlong recipe) and `overrides` (comma-separated `key=value`, e.g.
-`sandbox.seccomp=true`), so the backend is the one `sandbox.backend` names.
+`sandbox.seccomp=true`; a YAML list keeps its commas), so the backend is the one `sandbox.backend` names.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 from harbor.models.task.config import NetworkMode
 
-from furlong.build.harbor_box import harbor_box, task_dir_of
+from furlong.build.harbor_box import harbor_box, split_overrides, task_dir_of
 
 TYPE = "furlong"
 
@@ -22,7 +22,7 @@ TYPE = "furlong"
 class FurlongEnvironment(BaseEnvironment):
     def __init__(self, *args, recipe: str | None = None, overrides: str = "", **kwargs):
         self._recipe = recipe
-        self._overrides = tuple(o for o in overrides.split(",") if o)
+        self._overrides = split_overrides(overrides)
         super().__init__(*args, **kwargs)  # validates the definition and the network policy
         public = self._network_policy.network_mode == NetworkMode.PUBLIC
         self._box = harbor_box(self.environment_dir, network=public, recipe=recipe, overrides=self._overrides)

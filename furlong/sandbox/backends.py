@@ -5,6 +5,7 @@ A kind whose dependencies are optional (a VM runner) is imported only when picke
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from furlong.sandbox.base import (
@@ -27,13 +28,14 @@ def make_backend(kind: str, *, layers: LayerSource | None = None, host_uid: int 
                  output_cap: int | None = None, seccomp: bool = True, images: HostImages | None = None) -> SandboxBackend:
     """A backend of `kind`, resolving image layers through `layers` (an ImageStore); `remote` sends its
     sandboxes to the hosts of `images` (furlong.sandbox.host_images), which build what it lacks."""
-    local = BwrapBackend(host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
-                         output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,
-                         seccomp=seccomp, layers=layers)
+    local = functools.partial(BwrapBackend, host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
+                              output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,
+                              seccomp=seccomp, layers=layers)
     if kind == "bwrap":
-        return local
+        return local()
     if kind == "remote":
         if images is None:
             raise SandboxError("sandbox.backend=remote: no hosts given (sandbox.hosts)")
+        # made on first run_python only: a remote client (harbor in a chroot) may have no bwrap or compiler
         return RemoteBackend(images.hosts, images.provide, local=local)
     raise SandboxError(f"sandbox.backend: unknown backend {kind!r}; known: {', '.join(KINDS)}")

@@ -192,13 +192,14 @@ def create_body(spec: SandboxSpec) -> dict[str, Any]:
 class RemoteBackend:
     """Sandboxes on the least loaded host that answers. A host that lacks an image's layers gets them
     built by `provide` (furlong.sandbox.host_images) and the create is tried once more there. Family
-    generators (`run_python`) run on `local`, this machine's own backend."""
+    generators (`run_python`) run on the backend `local` makes (this machine's own), made on first use."""
 
     name = "remote"
 
     def __init__(self, hosts: Hosts, provide: Callable[[Host, list[str]], Any] | None = None,
-                 local: SandboxBackend | None = None):
-        self.hosts, self._provide, self._local = hosts, provide, local
+                 local: Callable[[], SandboxBackend] | None = None):
+        self.hosts, self._provide, self._make_local = hosts, provide, local
+        self._local: SandboxBackend | None = None
 
     async def create(self, spec: SandboxSpec) -> RemoteSandbox:
         body = create_body(spec)
@@ -244,7 +245,9 @@ class RemoteBackend:
         raise SandboxError("the remote backend builds no layers here: its hosts build images (POST /v1/images)")
 
     def run_python(self, spec: PythonSpec) -> PythonRun:
-        if self._local is None:
+        if self._make_local is None:
             raise SandboxError("the remote backend runs family generators on this machine's bwrap backend, "
                                "which is not available here")
+        if self._local is None:
+            self._local = self._make_local()
         return self._local.run_python(spec)
