@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import hmac
 import posixpath
+import tarfile
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
@@ -150,7 +151,10 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
         except ValueError as e:
             raise HTTPException(400, f"dest: {e}") from e
         data = await request.body()
-        await guarded(entry, entry.box.put_tar(data, dest, as_verifier=as_verifier))
+        try:
+            await guarded(entry, entry.box.put_tar(data, dest, as_verifier=as_verifier))
+        except (tarfile.TarError, ValueError) as e:  # read whole before the sandbox is sent any of it: nothing changed
+            raise HTTPException(400, f"body: not a tar of files, directories and symlinks inside dest ({e})") from e
         return {"ok": True}
 
     @app.post("/v1/sandboxes/{sid}/changes")
