@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -34,6 +34,9 @@ from furlong.sandbox.e2b import e2b_app
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
+# put_tar reads its body itself, so the schema says what it takes (clients and schemathesis read it)
+TAR_BODY = {"requestBody": {"required": True, "description": "a tar archive (plain, gzip, bzip2 or xz)",
+                            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
 class _Body(BaseModel):
@@ -65,8 +68,13 @@ class ExecBody(_Body):
     as_verifier: bool = False
 
 
+# The schema's share of _inside_path (not enforced by it: the validator's message names the rule), so
+# a client, or a fuzzer, reading the schema sends absolute paths
+ABSOLUTE = {"pattern": "^/"}
+
+
 class PathBody(_Body):
-    path: str
+    path: str = Field(json_schema_extra=ABSOLUTE)
     as_verifier: bool = False
     _check = field_validator("path")(classmethod(lambda cls, v: _inside_path(v)))
 
@@ -77,7 +85,7 @@ class WriteBody(PathBody):
 
 
 class RootsBody(_Body):
-    paths: list[str] = Field(max_length=10_000)
+    paths: list[Annotated[str, Field(json_schema_extra=ABSOLUTE)]] = Field(max_length=10_000)
     _check = field_validator("paths")(classmethod(lambda cls, v: [_inside_path(p) for p in v]))
 
 
@@ -143,8 +151,9 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
         await guarded(entry, entry.box.write_file(body.path, data, mode=body.mode, as_verifier=body.as_verifier))
         return {"ok": True}
 
-    @app.post("/v1/sandboxes/{sid}/put_tar")
-    async def put_tar(request: Request, dest: str, entry: Annotated[Entry, Depends(sandbox)],
+    @app.post("/v1/sandboxes/{sid}/put_tar", openapi_extra=TAR_BODY)
+    async def put_tar(request: Request, dest: Annotated[str, Query(json_schema_extra=ABSOLUTE)],
+                      entry: Annotated[Entry, Depends(sandbox)],
                       as_verifier: bool = False) -> dict:
         try:
             dest = _inside_path(dest)
