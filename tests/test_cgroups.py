@@ -273,7 +273,7 @@ def test_sweep_kills_and_removes_a_dead_owners_cgroups_and_spares_a_live_or_unkn
         for p in sleepers.values():
             p.kill()
             p.wait()
-        for d in (*(x for d in dirs.values() for x in (d / "agent", d)), parent):
-            _rmdir(d)
+        for leftover in (*(x for d in dirs.values() for x in (d / "agent", d)), parent):
+            _rmdir(leftover)
         cg.remove()
     assert not any(d.exists() for d in cg.dirs)
