@@ -250,8 +250,9 @@ def test_sweep_kills_and_removes_a_dead_owners_cgroups_and_spares_a_live_or_unkn
     if cg is None:
         pytest.skip("this process may not make cgroups here")
     assert cgroups.owner_pid(cg.dirs[0].name) == os.getpid()
-    gone_owner = subprocess.Popen(["true"])
+    gone_owner = subprocess.Popen(["sleep", "60"])
     tag = cgroups.owner_tag(gone_owner.pid)  # read while it lives: a later process with its pid differs
+    gone_owner.kill()
     gone_owner.wait()
     ns, pid, start = tag.split(".")
     parent = cg.dirs[0] / "sweep"

@@ -138,10 +138,15 @@ STALE_AFTER_S = 60.0
 _swept: set[Path] = set()
 
 
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the command: [0] the state, [19] the start time (ticks since boot)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _start_time(pid: int | str) -> str | None:
-    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), or None if it is gone."""
+    """The start time of a running process, or None if it is gone (a zombie is gone: its fds are closed)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = _stat(pid)
     except OSError:
         return None
     return None if fields[0] in ("Z", "X") else fields[19]
@@ -150,7 +155,7 @@ def _start_time(pid: int | str) -> str | None:
 def owner_tag(pid: int | None = None) -> str:
     """`<pid namespace>.<pid>.<start time>` of this process (or `pid`): the suffix of its cgroups' names."""
     pid = os.getpid() if pid is None else pid
-    return f"{os.stat(f'/proc/{pid}/ns/pid').st_ino}.{pid}.{_start_time(pid)}"
+    return f"{os.stat(f'/proc/{pid}/ns/pid').st_ino}.{pid}.{_stat(pid)[19]}"
 
 
 def owner_pid(name: str) -> int | None:
