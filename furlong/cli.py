@@ -107,8 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     sb_sub = sb.add_subparsers(dest="sandbox_command", required=True)
     dg = sb_sub.add_parser("delegate", help="as root, once: give USER cgroups for per-sandbox limits")
     dg.add_argument("--user", required=True, help="the user who will run furlong")
-    sb_sub.add_parser("tidy", help="as root: detach the image-layer views earlier versions left mounted "
-                                   "(they slow every sandbox start), keeping the image store's own")
+    sb_sub.add_parser("tidy", help="remove the sandbox cgroups dead furlong processes left; as root, also detach "
+                                   "the image-layer views earlier versions left mounted (they slow every sandbox "
+                                   "start), keeping the image store's own")
     sv = sb_sub.add_parser("serve", help="serve sandboxes over HTTP (/v1) to other machines (docs/sandbox-hosts.md)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8790, help="port (default 8790)")
@@ -281,12 +282,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _tidy() -> int:
     from furlong.paths import cache_dir
-    from furlong.sandbox import layers
+    from furlong.sandbox import cgroups, layers
     from furlong.sandbox.base import DEFAULT_HOST_UID
 
-    if not layers.supported():
-        raise PermissionError("`furlong sandbox tidy` detaches root's image-layer views: run it as root "
-                              "(an ordinary user's sandboxes use the layers directly, no views to tidy)")
+    console.print(f"removed {cgroups.sweep_dead()} sandbox cgroups that dead furlong processes left")
+    if not layers.supported():  # an ordinary user's sandboxes use the layers directly
+        console.print("no image-layer views to detach: only root's sandboxes use them")
+        return 0
     keep = layers.mount_point(cache_dir() / "images", DEFAULT_HOST_UID)  # the view sandboxes use by default
     with console.status("detaching image-layer views"):
         n = layers.detach_all_but(keep)

@@ -1,6 +1,8 @@
 """Run as a script by test_leftovers.py: builds an image through buildah, runs a networked sandbox and a
 short `furlong eval --agent oracle`, twice (the first warms caches and the store's one id-mapped view),
 and prints, as JSON, what the second round left on the host: processes, namespaces, mounts, cgroups.
+With `--killed-host` it instead SIGKILLs a `furlong sandbox serve` whose sandboxes run background
+commands, starts a new host, and prints what the killed one left, before and once the new one answers.
 
 This process makes itself a child subreaper, so a process any of them leaves behind (a daemon, pasta's
 child once pasta died) is reparented here, not to the host's init: it is told apart from other work on a
@@ -13,10 +15,13 @@ import asyncio
 import ctypes
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import httpx
 
 PR_SET_CHILD_SUBREAPER = 36
 NS_KINDS = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
@@ -122,21 +127,117 @@ async def one_round(root: Path, work: Path, nonce: str) -> None:
     assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])["pass_rate"] == 1.0, out.stderr[-2000:]
 
 
+HOST_TOKEN = "killed-host-probe-token"
+
+
+def start_host(root: Path, work: Path, name: str) -> tuple[subprocess.Popen, httpx.Client]:
+    """A `furlong sandbox serve` (capacity 4) on a free loopback port, once it answers /v1/health."""
+    (work / "token").write_text(HOST_TOKEN)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(work / f"{name}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "sandbox", "serve", "--port", str(port),
+                                 "--token-file", str(work / "token"), "--capacity", "4"],
+                                cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(root)})
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {HOST_TOKEN}"},
+                          timeout=60)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if client.get("/v1/health").status_code == 200:
+                return proc, client
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise RuntimeError(f"host {name} did not answer: {(work / f'{name}.log').read_text()[-2000:]}")
+
+
+def busy_sandboxes(client: httpx.Client, n: int) -> None:
+    """`n` sandboxes, each left running commands in the background (one in a session of its own)."""
+    for _ in range(n):
+        r = client.post("/v1/sandboxes", json={})
+        assert r.status_code == 200, r.text
+        sid, token = r.json()["id"], r.json()["token"]
+        r = client.post(f"/v1/sandboxes/{sid}/exec", headers={"X-Sandbox-Token": token},
+                        json={"cmd": "sleep 1000 & setsid sleep 1001 >/dev/null 2>&1 & echo started"})
+        assert r.json()["stdout"] == "started\n", r.text
+
+
+def furlong_files() -> list[str]:
+    """What is in furlong's own places for host files: /run/furlong, the cache's native directory (where
+    each launcher mounts its sandbox's writable layer, in its own mount namespace), /tmp's furlong* entries."""
+    from furlong.paths import cache_dir
+
+    places = [*Path("/run/furlong").glob("*"), *(cache_dir() / "native").glob("*"),
+              *(cache_dir() / "native" / "upper").glob("*"), *Path("/tmp").glob("furlong*")]
+    return sorted(str(p) for p in places)
+
+
+def owned_cgroups(pid: int) -> list[str]:
+    """The sandbox cgroup directories whose name says process `pid` made them (furlong.sandbox.cgroups)."""
+    from furlong.sandbox.cgroups import owner_pid
+
+    return sorted(d for d, _, _ in os.walk("/sys/fs/cgroup") if owner_pid(Path(d).name) == pid)
+
+
+def killed_host(root: Path, work: Path) -> dict:
+    """SIGKILLs a host with 3 busy sandboxes; what it left once its processes are gone, and once a new
+    host answers (not counting the new host's own process), against a snapshot taken before it started."""
+    def take(spare: int = 0) -> dict[str, list[str]]:
+        snap = snapshot()
+        snap["processes"] = [p for p in snap["processes"] if not p.startswith(f"{spare} ")]
+        return {**snap, "files": furlong_files()}
+
+    warm, client = start_host(root, work, "warm")  # the base image's view, bwrap's copy: made once, kept
+    busy_sandboxes(client, 1)
+    warm.terminate()
+    warm.wait(60)
+    before = take()
+    host, client = start_host(root, work, "killed")
+    busy_sandboxes(client, 3)
+    live = {"processes": len(descendants(host.pid)), "cgroups": len(owned_cgroups(host.pid))}
+    host.kill()
+    host.wait()
+    deadline = time.monotonic() + 10
+    while descendants(os.getpid()) and time.monotonic() < deadline:  # its sandboxes end with their inits
+        reap()
+        time.sleep(0.05)
+    killed = {k: sorted(set(v) - set(before[k])) for k, v in take().items()}
+    new, client = start_host(root, work, "new")
+    try:
+        left = left_since(before, lambda: take(spare=new.pid))
+        dead_cgroups = owned_cgroups(host.pid)
+    finally:
+        new.terminate()
+        new.wait(60)
+    return {"before": {k: len(v) for k, v in before.items()}, "live": live, "killed_left": killed, "left": left,
+            "dead_host_cgroups": dead_cgroups, "new_host_log": (work / "new.log").read_text()}
+
+
+def left_since(before: dict[str, list[str]], take, wait_s: float = 15.0) -> dict[str, list[str]]:
+    """What `take()` finds that `before` did not, once that is nothing or `wait_s` passed (a killed process
+    may take a moment to be gone)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        after = take()
+        left = {k: sorted(set(after[k]) - set(before[k])) for k in after}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def main() -> None:
     root, work = Path(sys.argv[1]), Path(sys.argv[2])
     sys.path.insert(0, str(root))  # this checkout's furlong, not an installed one
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    if "--killed-host" in sys.argv:
+        print(json.dumps(killed_host(root, work)))
+        return
     asyncio.run(one_round(root, work, f"warm{time.time_ns()}"))
     before = snapshot()
     asyncio.run(one_round(root, work, f"check{time.time_ns()}"))
-    deadline = time.monotonic() + 15  # a killed process may take a moment to be gone
-    while True:
-        after = snapshot()
-        left = {k: sorted(set(after[k]) - set(before[k])) for k in after}
-        if not any(left.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    left = left_since(before, snapshot)
     print(json.dumps({"before": {k: len(v) for k, v in before.items()}, "left": left}))
 
 

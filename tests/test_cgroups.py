@@ -240,3 +240,41 @@ def test_sweep_removes_empty_stale_cgroups_and_spares_busy_and_new_ones():
             _rmdir(d)
         cg.remove()
     assert not any(d.exists() for d in cg.dirs)
+
+
+def test_sweep_kills_and_removes_a_dead_owners_cgroups_and_spares_a_live_or_unknown_owners():
+    """A sandbox cgroup's name ends with its owner's pid namespace, pid and start time: once that process is
+    dead, a sweep kills what still runs there and removes it, however new; a live owner's, or one another
+    pid namespace's process made (which cannot be checked from here), is left alone, processes and all."""
+    cg = cgroups.create(f"sweeptest-{uuid.uuid4().hex[:8]}", Limits())
+    if cg is None:
+        pytest.skip("this process may not make cgroups here")
+    assert cgroups.owner_pid(cg.dirs[0].name) == os.getpid()
+    gone_owner = subprocess.Popen(["sleep", "60"])
+    tag = cgroups.owner_tag(gone_owner.pid)  # read while it lives: a later process with its pid differs
+    gone_owner.kill()
+    gone_owner.wait()
+    ns, pid, start = tag.split(".")
+    parent = cg.dirs[0] / "sweep"
+    owners = {"dead": tag, "live": cgroups.owner_tag(), "elsewhere": f"{int(ns) + 1}.{pid}.{start}",
+              "reused": f"{ns}.{os.getpid()}.{start}"}  # this process's pid, another start time: dead
+    dirs = {k: parent / f"box@{v}" for k, v in owners.items()}
+    sleepers = {k: subprocess.Popen(["sleep", "120"]) for k in dirs}
+    try:
+        parent.mkdir()
+        for k, d in dirs.items():
+            (d / "agent").mkdir(parents=True)
+            (d / "agent" / "cgroup.procs").write_text(str(sleepers[k].pid))
+        assert cgroups.sweep(parent) == 2
+        assert not dirs["dead"].exists() and not dirs["reused"].exists()
+        assert sleepers["dead"].wait(5) == -9 and sleepers["reused"].wait(5) == -9
+        assert dirs["live"].is_dir() and dirs["elsewhere"].is_dir()
+        assert sleepers["live"].poll() is None and sleepers["elsewhere"].poll() is None
+    finally:
+        for p in sleepers.values():
+            p.kill()
+            p.wait()
+        for leftover in (*(x for d in dirs.values() for x in (d / "agent", d)), parent):
+            _rmdir(leftover)
+        cg.remove()
+    assert not any(d.exists() for d in cg.dirs)

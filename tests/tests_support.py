@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
+
+from leftovers_probe import mounts
 
 from furlong.agent.episode import AgentParams
 from furlong.config import AgentConfig, RLConfig
 from furlong.model import TinySpec
+from furlong.sandbox.cgroups import owner_pid
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import Task
 from furlong.train.trainer import GRPOConfig
@@ -65,3 +70,22 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def census() -> dict[str, set]:
+    """What this process holds on the host, to compare before and after a test: its child processes, its
+    fds, the sandbox cgroups it made (named for it: furlong.sandbox.cgroups.owner_tag), the mount table."""
+    me = os.getpid()
+    return {"processes": subtree(me) - {me}, "fds": set(os.listdir("/proc/self/fd")), "mounts": mounts(),
+            "cgroups": {d for d, _, _ in os.walk("/sys/fs/cgroup") if owner_pid(Path(d).name) == me}}
+
+
+def grown(before: dict[str, set], wait_s: float = 10.0) -> dict[str, set]:
+    """What `census()` holds that `before` did not, once that is nothing or `wait_s` passed (a closed
+    sandbox's processes and a closed connection's socket take a moment to go)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        new = {k: v - before[k] for k, v in census().items()}
+        if not any(new.values()) or time.monotonic() > deadline:
+            return {k: v for k, v in new.items() if v}
+        time.sleep(0.1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -81,29 +82,41 @@ class Cgroup:
 
     def kill_all(self, wait_s: float = 2.0) -> None:
         """Kills every process in the cgroup (the fork-bomb-proof way where the kernel offers one)."""
-        if self.v2 and (self.dirs[0] / "cgroup.kill").exists():
-            _write(self.dirs[0] / "cgroup.kill", "1")
-        # Without cgroup.kill (v1), pids.max bounds a fork bomb, so a kill loop converges.
-        deadline = time.monotonic() + wait_s
-        while (pids := self.pids()) and time.monotonic() < deadline:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.005)
+        _kill_tree(self._tree(), wait_s)
 
     def remove(self) -> None:
         self.kill_all()
-        for d in self._tree():  # a cgroup with children cannot be removed: they go first
-            for _ in range(50):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.01)
+        _remove_tree(self._tree())
+
+
+def _kill_tree(tree: list[Path], wait_s: float = 2.0) -> None:
+    """Kills every process in the cgroup directories `tree` (a sandbox's, children first)."""
+    if (tree[-1] / "cgroup.kill").exists():  # v2
+        _write(tree[-1] / "cgroup.kill", "1")
+    # Without cgroup.kill (v1), pids.max bounds a fork bomb, so a kill loop converges.
+    deadline = time.monotonic() + wait_s
+    while (pids := _procs([d / "cgroup.procs" for d in tree])) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+
+
+def _remove_tree(tree: list[Path]) -> bool:
+    """Removes the cgroup directories `tree`, children first (a cgroup with children cannot be removed);
+    whether all went. A process just killed leaves its cgroup a moment later, hence the retries."""
+    for d in tree:
+        for _ in range(50):
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
+    return not any(d.exists() for d in tree)
 
 
 def _procs(files: list[Path]) -> set[int]:
@@ -116,16 +129,55 @@ def _procs(files: list[Path]) -> set[int]:
     return found
 
 
-# A sandbox's launcher enters its cgroup milliseconds after making it; an empty one this old was left by a
-# furlong process that was killed before it could remove it.
+# A cgroup's name ends with its owner (`owner_tag`): the furlong process that made it, whose pid namespace,
+# pid and start time tell a dead owner from a live one, or from a later process that got its pid.
+_OWNER = re.compile(r".+@(\d+)\.(\d+)\.(\d+)")
+# An untagged cgroup (from an earlier version) is removed only once empty and this old: its launcher enters
+# it milliseconds after making it, so an empty one this old was left by a killed run.
 STALE_AFTER_S = 60.0
 _swept: set[Path] = set()
 
 
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the command: [0] the state, [19] the start time (ticks since boot)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _start_time(pid: int | str) -> str | None:
+    """The start time of a running process, or None if it is gone (a zombie is gone: its fds are closed)."""
+    try:
+        fields = _stat(pid)
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """`<pid namespace>.<pid>.<start time>` of this process (or `pid`): the suffix of its cgroups' names."""
+    pid = os.getpid() if pid is None else pid
+    return f"{os.stat(f'/proc/{pid}/ns/pid').st_ino}.{pid}.{_stat(pid)[19]}"
+
+
+def owner_pid(name: str) -> int | None:
+    """The pid of the process a sandbox cgroup's name says made it (None for an untagged one)."""
+    m = _OWNER.fullmatch(name)
+    return int(m.group(2)) if m else None
+
+
+def _owner_dead(name: str) -> bool:
+    """Whether the cgroup's owner is surely dead: its pid in this pid namespace names no process, or a
+    later one. Another pid namespace's owner cannot be checked from here, so it counts as alive."""
+    m = _OWNER.fullmatch(name)
+    if m is None or int(m.group(1)) != os.stat("/proc/self/ns/pid").st_ino:
+        return False
+    return _start_time(m.group(2)) != m.group(3)
+
+
 def sweep(parent: Path, older_than_s: float = STALE_AFTER_S) -> int:
-    """Removes the empty sandbox cgroups under `parent` that killed runs left behind; returns how many.
-    The kernel refuses to remove a cgroup with processes, and the age check spares one another run has
-    just made and not yet entered."""
+    """Removes the sandbox cgroups under `parent` that dead furlong processes left; returns how many.
+    A tagged one goes once its owner is dead, its processes killed first (a live owner's, another host's
+    or a training run's, are never touched); an untagged one only once empty and `older_than_s` old (the
+    kernel refuses to remove a cgroup with processes)."""
     removed, now = 0, time.time()
     try:
         children = [d for d in parent.iterdir() if d.is_dir()]
@@ -133,24 +185,28 @@ def sweep(parent: Path, older_than_s: float = STALE_AFTER_S) -> int:
         return 0
     for d in children:
         try:
-            if now - d.stat().st_mtime < older_than_s:
-                continue
             tree = [*(c for c in d.iterdir() if c.is_dir()), d]  # a sandbox's init and agent cgroups first
-            if any((c / "cgroup.procs").read_text().strip() for c in tree):
-                continue
-            for c in tree:
-                c.rmdir()
-            removed += 1
+            if _owner_dead(d.name):
+                _kill_tree(tree)
+                removed += _remove_tree(tree)
+            elif owner_pid(d.name) is None and now - d.stat().st_mtime >= older_than_s \
+                    and not any((c / "cgroup.procs").read_text().strip() for c in tree):
+                removed += _remove_tree(tree)
         except OSError:  # entered, or removed by another run, since the check
             continue
     return removed
+
+
+def sweep_dead() -> int:
+    """Sweeps every directory this process makes sandbox cgroups in (see `sweep`); how many went."""
+    return sum(sweep(parent) for parent in sandbox_parents())
 
 
 def _sweep_once(parent: Path) -> None:
     if parent not in _swept:
         _swept.add(parent)
         if removed := sweep(parent):
-            log.info("removed %d empty sandbox cgroups left in %s by killed runs", removed, parent)
+            log.info("removed %d sandbox cgroups left in %s by dead runs", removed, parent)
 
 
 def _write(path: Path, value: str) -> bool:
@@ -170,6 +226,7 @@ def create(name: str, limits: Limits) -> Cgroup | None:
     (`delegated_base()`); the launcher then writes its pid into `procs_files`, which a user may do
     for its own processes once it owns the target (v2 also wants the common ancestor owned: it is).
     """
+    name = f"{name}@{owner_tag()}"  # a later sweep removes it once this process is dead
     try:
         if os.geteuid() != 0:
             return _create_delegated(name, limits)
@@ -182,8 +239,17 @@ def create(name: str, limits: Limits) -> Cgroup | None:
         return None
 
 
+def sandbox_parents() -> list[Path]:
+    """The directories this process makes sandbox cgroups in (each may not exist yet)."""
+    if os.geteuid() != 0:
+        return delegated_base() or []
+    if _v2_mount() == ROOT:
+        return [_v2_base(ROOT)]
+    return [ROOT / c / _own_path(c).lstrip("/") / "furlong" for c in V1_CONTROLLERS]
+
+
 def _create_v1(name: str, limits: Limits) -> Cgroup:
-    return _limit_v1([ROOT / c / _own_path(c).lstrip("/") / "furlong" / name for c in V1_CONTROLLERS], limits)
+    return _limit_v1([parent / name for parent in sandbox_parents()], limits)
 
 
 def _limit_v1(dirs: list[Path], limits: Limits) -> Cgroup:
@@ -213,14 +279,18 @@ def _agent_cgroup(d: Path, limits: Limits) -> Path:
 
 
 def _create_v2(mount: Path, name: str, limits: Limits) -> Cgroup:
-    # Controllers can only be enabled for children of a cgroup that has no processes of its own,
-    # so sandboxes live under a sibling `furlong` cgroup, not under ours.
-    parent = mount / _own_path(None).lstrip("/")
-    base = (parent.parent if parent != mount else mount) / "furlong"
+    base = _v2_base(mount)
     base.mkdir(exist_ok=True)
     for level in (base.parent, base):
         _write(level / "cgroup.subtree_control", "+memory +pids +cpu")
     return _limit_v2(base / name, limits)
+
+
+def _v2_base(mount: Path) -> Path:
+    # Controllers can only be enabled for children of a cgroup that has no processes of its own,
+    # so sandboxes live under a sibling `furlong` cgroup, not under ours.
+    parent = mount / _own_path(None).lstrip("/")
+    return (parent.parent if parent != mount else mount) / "furlong"
 
 
 def _limit_v2(d: Path, limits: Limits) -> Cgroup:

@@ -92,12 +92,13 @@ def put_request(rid: bytes, entries: list[tuple[int, int, str, bytes]], role: in
 
 
 def tar_entries(data: bytes, dest: str) -> list[tuple[int, int, str, bytes]]:
-    """A tar's members as put entries under dest; members that would land outside dest are refused."""
+    """An uncompressed tar's members as put entries under dest; members that would land outside dest are
+    refused. A compressed tar is refused too: its body's size would not bound what it expands to."""
     import io
 
     out = []
     root = "/" + dest.strip("/") if dest.strip("/") else ""
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         for m in tar.getmembers():
             name = os.path.normpath(m.name).lstrip("/")
             if name in (".", ""):

@@ -13,12 +13,13 @@ import dataclasses
 import hmac
 import json
 import posixpath
+import tarfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -38,6 +39,9 @@ from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
 from furlong.sandbox.images import ImageStore
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
+# put_tar reads its body itself, so the schema says what it takes (clients and schemathesis read it)
+TAR_BODY = {"requestBody": {"required": True, "description": "a tar archive (plain, gzip, bzip2 or xz)",
+                            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
 class _Body(BaseModel):
@@ -93,8 +97,13 @@ class ExecBody(_Body):
     stream: bool = Field(False, description="answer with NDJSON lines as the command writes (docs/sandbox-hosts.md)")
 
 
+# The schema's share of _inside_path (not enforced by it: the validator's message names the rule), so
+# a client, or a fuzzer, reading the schema sends absolute paths
+ABSOLUTE = {"pattern": "^/"}
+
+
 class PathBody(_Body):
-    path: str
+    path: str = Field(json_schema_extra=ABSOLUTE)
     as_verifier: bool = False
     _check = field_validator("path")(classmethod(lambda cls, v: _inside_path(v)))
 
@@ -105,7 +114,7 @@ class WriteBody(PathBody):
 
 
 class RootsBody(_Body):
-    paths: list[str] = Field(max_length=10_000)
+    paths: list[Annotated[str, Field(json_schema_extra=ABSOLUTE)]] = Field(max_length=10_000)
     _check = field_validator("paths")(classmethod(lambda cls, v: [_inside_path(p) for p in v]))
 
 
@@ -227,15 +236,19 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
         await guarded(entry, entry.box.write_file(body.path, data, mode=body.mode, as_verifier=body.as_verifier))
         return {"ok": True}
 
-    @app.post("/v1/sandboxes/{sid}/put_tar")
-    async def put_tar(request: Request, dest: str, entry: Annotated[Entry, Depends(sandbox)],
+    @app.post("/v1/sandboxes/{sid}/put_tar", openapi_extra=TAR_BODY)
+    async def put_tar(request: Request, dest: Annotated[str, Query(json_schema_extra=ABSOLUTE)],
+                      entry: Annotated[Entry, Depends(sandbox)],
                       as_verifier: bool = False) -> dict:
         try:
             dest = _inside_path(dest)
         except ValueError as e:
             raise HTTPException(400, f"dest: {e}") from e
         data = await request.body()
-        await guarded(entry, entry.box.put_tar(data, dest, as_verifier=as_verifier))
+        try:
+            await guarded(entry, entry.box.put_tar(data, dest, as_verifier=as_verifier))
+        except (tarfile.TarError, ValueError) as e:  # read whole before the sandbox is sent any of it: nothing changed
+            raise HTTPException(400, f"body: not a tar of files, directories and symlinks inside dest ({e})") from e
         return {"ok": True}
 
     @app.post("/v1/sandboxes/{sid}/changes")

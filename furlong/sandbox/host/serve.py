@@ -9,6 +9,7 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+from furlong.sandbox import cgroups
 from furlong.sandbox.base import SandboxBackend, SandboxError
 from furlong.sandbox.host.app import make_app
 from furlong.sandbox.hosts import read_secret
@@ -49,6 +50,10 @@ def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, 
         say("resolving the base image (built on first use, then cached)")
         return {"base": await asyncio.to_thread(store.base)}
 
+    # A host killed before it could close its sandboxes leaves their cgroups (their processes end with
+    # their init, which exits when the host's end of its channel closes): removed before any new sandbox.
+    if removed := cgroups.sweep_dead():
+        say(f"removed {removed} sandbox cgroups that dead furlong processes left")
     app = make_app(backend, images, token, capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s,
                    e2b_api_key=e2b_api_key, store=store, allow_network=allow_network)
     say(f"sandbox host on http://{host}:{port}/v1 ({backend.name}, capacity {capacity}, idle {idle_s:g} s, "
