@@ -270,3 +270,10 @@ def test_streamed_output_through_a_host(hosts, base_image):
     assert r.stdout == "a\nb\n" and r.stderr == "e\n"
     assert b"".join(d for _, s, d in seen if s == "stdout") == b"a\nb\n"
     assert seen[0][1:] == ("stdout", b"a\n") and seen[0][0] < took - 1.0, seen
+
+
+def test_a_create_naming_an_unknown_syscall_is_refused(hosts):
+    """Found by the schema fuzz (tests/test_host_fuzz.py): it was a 500 from the backend's seccomp build."""
+    r = hosts[0].c.post("/v1/sandboxes", json={"allow_syscalls": ["", "no_such_call"]})
+    assert r.status_code == 400 and "unknown syscall name" in r.text
+    assert not hosts[0].reg.entries and hosts[0].reg.reserved == 0

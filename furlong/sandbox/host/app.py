@@ -33,6 +33,7 @@ from furlong.sandbox.base import (
     SandboxSpec,
     SyscallPolicy,
 )
+from furlong.sandbox import seccomp
 from furlong.sandbox.e2b import e2b_app
 from furlong.sandbox.host.images import image_routes, resolve_layers
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
@@ -132,6 +133,11 @@ def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, stor
         if missing := resolve_layers(store, image):
             raise HTTPException(409, {"message": f"image {image.digest}: this host lacks {len(missing)} layer(s); "
                                                  f"build them with POST /v1/images", "missing_layers": missing})
+    if body.seccomp:
+        try:
+            seccomp.check(body.allow_syscalls)
+        except seccomp.SeccompError as e:
+            raise HTTPException(400, f"allow_syscalls: {e}") from e
     limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb,
                     lifetime_s=min(lifetime_s, body.lifetime_s or lifetime_s))
     return SandboxSpec(image, network=body.network, limits=limits,
