@@ -57,6 +57,10 @@ def test_the_sandbox_protocol_through_a_host(hosts, base_image, tmp_path: Path):
         (tmp_path / "d" / "f.txt").write_text("dir")
         await box.put_dir(tmp_path / "d", "/data")
         assert await box.read_file("/data/f.txt") == b"dir"
+        listed = {e.name: e for e in await box.list_dir("/data")}
+        assert listed["f.txt"].type == "file" and listed["f.txt"].size == 3 and listed["f.txt"].path == "/data/f.txt"
+        with pytest.raises(SandboxError, match="No such file"):
+            await box.list_dir("/nowhere")
         assert box.verifier_uid is not None, "the host's sandboxes have a verifier identity"
         assert (await box.exec("touch /tests/v", as_verifier=True)).exit_code == 0
         assert (await box.exec("touch /tests/a")).exit_code != 0, "the agent cannot write the verifier's /tests"

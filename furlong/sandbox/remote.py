@@ -32,6 +32,7 @@ from furlong.sandbox.base import (
 )
 from furlong.sandbox.changes import Change
 from furlong.sandbox.hosts import Host, Hosts, check
+from furlong.sandbox.listing import Entry
 from furlong.sandbox.tarball import tar_dir
 
 HTTP_SLACK_S = 30.0  # past a command's own timeout, for the host to answer
@@ -126,6 +127,12 @@ class RemoteSandbox:
         r = await self._send("POST", "/files/read", "read_file", FILE_TIMEOUT_S,
                              json={"path": path, "as_verifier": as_verifier})
         return base64.b64decode(r.json()["data_b64"])
+
+    async def list_dir(self, path: str, depth: int = 1, as_verifier: bool = False) -> list[Entry]:
+        """The entries under `path` (to `depth` levels), as that identity sees them (furlong.sandbox.listing)."""
+        r = await self._send("POST", "/files/list", "list_dir", FILE_TIMEOUT_S,
+                             json={"path": path, "depth": depth, "as_verifier": as_verifier})
+        return [Entry(**e) for e in r.json()["entries"]]
 
     async def put_dir(self, src: Path, dest: str, as_verifier: bool = False) -> None:
         await self.put_tar(await asyncio.to_thread(tar_dir, Path(src)), dest, as_verifier)

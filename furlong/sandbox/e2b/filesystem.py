@@ -13,24 +13,23 @@ from e2b.envd.filesystem import filesystem_pb as pb
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from protobuf.wkt import Timestamp
 
-from furlong.sandbox.base import Sandbox
+from furlong.sandbox import listing
+from furlong.sandbox.base import Sandbox, SandboxError
 from furlong.sandbox.e2b.envd import Lookup, sandbox_of, unsupported
 
-FORMAT = r"%f\0%y\0%p\0%s\0%m\0%M\0%u\0%g\0%T@\0%l\0"  # find -printf: one entry, ten fields
-TYPES = {"f": pb.FileType.FILE, "d": pb.FileType.DIRECTORY, "l": pb.FileType.SYMLINK}
+TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY, "symlink": pb.FileType.SYMLINK}
 
 
-def _entries(out: str) -> list[pb.EntryInfo]:
-    fields = out.split("\0")[:-1]
-    entries = []
-    for i in range(0, len(fields) - 9, 10):
-        name, kind, path, size, mode, perms, owner, group, mtime, target = fields[i:i + 10]
-        entries.append(pb.EntryInfo(
-            name=name, type=TYPES.get(kind, pb.FileType.UNSPECIFIED), path=path, size=int(size),
-            mode=int(mode, 8), permissions=perms, owner=owner, group=group,
-            modified_time=Timestamp.from_nanos(int(float(mtime) * 1e9)),
-            symlink_target=target or None, is_symlink=kind == "l"))
-    return entries
+def _info(e: listing.Entry) -> pb.EntryInfo:
+    return pb.EntryInfo(name=e.name, type=TYPES.get(e.type, pb.FileType.UNSPECIFIED), path=e.path, size=e.size,
+                        mode=e.mode, permissions=e.permissions, owner=e.owner, group=e.group,
+                        modified_time=Timestamp.from_nanos(int(e.mtime * 1e9)), symlink_target=e.target,
+                        is_symlink=e.type == "symlink")
+
+
+def _code(err: str) -> Code:
+    return (Code.NOT_FOUND if "No such file" in err else Code.ALREADY_EXISTS if "File exists" in err
+            else Code.PERMISSION_DENIED if "Permission denied" in err else Code.INVALID_ARGUMENT)
 
 
 async def _run(box: Sandbox, cmd: str, path: str) -> str:
@@ -38,16 +37,14 @@ async def _run(box: Sandbox, cmd: str, path: str) -> str:
     if res.exit_code == 0:
         return res.stdout
     err = res.stderr.strip()
-    code = (Code.NOT_FOUND if "No such file" in err else Code.ALREADY_EXISTS if "File exists" in err
-            else Code.PERMISSION_DENIED if "Permission denied" in err else Code.INVALID_ARGUMENT)
-    raise ConnectError(code, f"{path}: {err or 'failed'}")
+    raise ConnectError(_code(err), f"{path}: {err or 'failed'}")
 
 
 async def _stat(box: Sandbox, path: str) -> pb.EntryInfo:
-    found = _entries(await _run(box, f"find {shlex.quote(path)} -maxdepth 0 -printf '{FORMAT}'", path))
-    if not found:
-        raise ConnectError(Code.NOT_FOUND, f"{path}: no such file or directory")
-    return found[0]
+    try:
+        return _info(await listing.stat(box, path))
+    except SandboxError as e:
+        raise ConnectError(_code(str(e)), str(e)) from None
 
 
 class Files:
@@ -59,10 +56,11 @@ class Files:
 
     async def list_dir(self, request: pb.ListDirRequest, ctx: Any) -> pb.ListDirResponse:
         box, path = await sandbox_of(self._lookup, ctx), request.path
-        if (await _stat(box, path)).type != pb.FileType.DIRECTORY:
-            raise ConnectError(Code.INVALID_ARGUMENT, f"{path}: not a directory")
-        cmd = f"find {shlex.quote(path)} -mindepth 1 -maxdepth {max(1, request.depth)} -printf '{FORMAT}'"
-        return pb.ListDirResponse(entries=_entries(await _run(box, cmd, path)))
+        try:
+            found = await listing.list_dir(box, path, request.depth)
+        except SandboxError as e:
+            raise ConnectError(_code(str(e)), str(e)) from None
+        return pb.ListDirResponse(entries=[_info(e) for e in found])
 
     async def make_dir(self, request: pb.MakeDirRequest, ctx: Any) -> pb.MakeDirResponse:
         box, path = await sandbox_of(self._lookup, ctx), request.path

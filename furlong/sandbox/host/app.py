@@ -33,7 +33,7 @@ from furlong.sandbox.base import (
     SandboxSpec,
     SyscallPolicy,
 )
-from furlong.sandbox import seccomp
+from furlong.sandbox import listing, seccomp
 from furlong.sandbox.e2b import e2b_app
 from furlong.sandbox.host.images import image_routes, resolve_layers
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
@@ -107,6 +107,10 @@ class PathBody(_Body):
     path: str = Field(json_schema_extra=ABSOLUTE)
     as_verifier: bool = False
     _check = field_validator("path")(classmethod(lambda cls, v: _inside_path(v)))
+
+
+class ListBody(PathBody):
+    depth: int = Field(1, ge=1, le=16)
 
 
 class WriteBody(PathBody):
@@ -232,6 +236,11 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
     async def read(body: PathBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         data = await guarded(entry, entry.box.read_file(body.path, as_verifier=body.as_verifier))
         return {"data_b64": base64.b64encode(data).decode()}
+
+    @app.post("/v1/sandboxes/{sid}/files/list")
+    async def list_files(body: ListBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
+        found = await guarded(entry, listing.list_dir(entry.box, body.path, body.depth, body.as_verifier))
+        return {"entries": [dataclasses.asdict(e) for e in found]}
 
     @app.post("/v1/sandboxes/{sid}/files/write")
     async def write(body: WriteBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
