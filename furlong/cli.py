@@ -103,6 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--project-inference-speedup", metavar="K,K", default="",
                      help="projected episode and step time if inference were k times faster, e.g. 8,32")
 
+    _sandbox_parser(sub)
+    return parser
+
+
+def _sandbox_parser(sub) -> None:
     sb = sub.add_parser("sandbox", help="sandbox host set-up")
     sb_sub = sb.add_subparsers(dest="sandbox_command", required=True)
     dg = sb_sub.add_parser("delegate", help="as root, once: give USER cgroups for per-sandbox limits")
@@ -121,7 +126,6 @@ def _parser() -> argparse.ArgumentParser:
                     help="give network to the sandboxes of tasks that declare it (default: refuse them)")
     sv.add_argument("--e2b-key-file", type=Path,
                     help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file")
-    return parser
 
 
 def _config(args: argparse.Namespace, flags: dict[str, str]) -> Config:

@@ -31,9 +31,10 @@ def free_port() -> tuple[socket.socket, int]:
 
 
 class ThreadHost:
-    """make_app over `backend` and `store`, served from a thread of this process."""
+    """make_app over `backend` (and, given one, the image `store` remote clients build in), served from a
+    thread of this process."""
 
-    def __init__(self, backend, store, base_image, **kw):
+    def __init__(self, backend, base_image, store=None, **kw):
         async def images():
             return {"base": base_image}
 
@@ -50,6 +51,13 @@ class ThreadHost:
     @property
     def reg(self):
         return self.app.state.registry
+
+    def create(self) -> tuple[str, dict]:
+        """A base sandbox through /v1: its id and the header with its token."""
+        r = self.c.post("/v1/sandboxes", json={})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["id"], {"X-Sandbox-Token": body["token"]}
 
     def stop(self) -> None:
         self.server.should_exit = True

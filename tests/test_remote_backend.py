@@ -36,7 +36,7 @@ QUIET = Console(file=open(os.devnull, "w"))
 
 @pytest.fixture(scope="module")
 def hosts(backend, store, base_image):
-    pair = [ThreadHost(backend, store, base_image, capacity=3) for _ in range(2)]
+    pair = [ThreadHost(backend, base_image, store, capacity=3) for _ in range(2)]
     yield pair
     for h in pair:
         h.stop()

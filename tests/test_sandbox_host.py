@@ -12,50 +12,17 @@ import socket
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from host_support import TOKEN, ThreadHost
 from tests_support import alive, subtree
 
-from furlong.sandbox.host.app import make_app
 
-TOKEN = "host-secret-token"
 E2B_KEY = "e2b_" + "5e" * 16  # the shape the SDK expects of E2B_API_KEY
-
-
-class Host:
-    def __init__(self, backend, base_image, **kw):
-        async def images():
-            return {"base": base_image}
-
-        self.app = make_app(backend, images, TOKEN, **kw)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.c = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
-
-    @property
-    def reg(self):
-        return self.app.state.registry
-
-    def create(self) -> tuple[str, dict]:
-        r = self.c.post("/v1/sandboxes", json={})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        return body["id"], {"X-Sandbox-Token": body["token"]}
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
+Host = ThreadHost
 
 
 @pytest.fixture

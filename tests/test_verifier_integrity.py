@@ -55,7 +55,7 @@ def episodes(request, backend, store, base_image, tmp_path_factory) -> dict[str,
     """case -> path ("eval" or "runner") -> (reward, status, error): every case run once each way, on the
     local backend and through a sandbox host (sandbox.backend=remote: the same rules must hold there)."""
     if request.param == "remote":
-        host = ThreadHost(backend, store, base_image, capacity=8)
+        host = ThreadHost(backend, base_image, store, capacity=8)
         request.addfinalizer(host.stop)
         backend, store = remote([host.url])
     root = tmp_path_factory.mktemp("integrity")

@@ -123,9 +123,12 @@ class RootsBody(_Body):
     _check = field_validator("paths")(classmethod(lambda cls, v: [_inside_path(p) for p in v]))
 
 
-def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, store: ImageStore | None) -> SandboxSpec:
+def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, store: ImageStore | None,
+          allow_network: bool) -> SandboxSpec:
     """The sandbox `body` asks for; a named image this host does not serve is 400, an image by content
     whose layers this host's store lacks is 409 naming them (a client builds them here, then retries)."""
+    if body.network and not allow_network:
+        raise HTTPException(400, "network: this host gives sandboxes no network (serve --allow-network)")
     if isinstance(body.image, str):
         if body.image not in images:
             raise HTTPException(400, f"image: unknown image {body.image!r}; this host serves {sorted(images)}")
@@ -232,6 +235,27 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
         reg.execs.append(time.perf_counter() - t)
         return dataclasses.asdict(r)
 
+    @app.post("/v1/sandboxes/{sid}/changes")
+    async def changes(body: RootsBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
+        if not isinstance(entry.box, ChangeTracking):
+            return {"changes": None}
+        found = await guarded(entry, entry.box.changes(body.paths))
+        return {"changes": None if found is None else [dataclasses.asdict(c) for c in found]}
+
+    @app.post("/v1/sandboxes/{sid}/image_has")
+    async def image_has(body: RootsBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
+        if not isinstance(entry.box, ChangeTracking):
+            return {"paths": None}
+        found = await guarded(entry, entry.box.image_has(body.paths))
+        return {"paths": None if found is None else sorted(found)}
+
+    @app.delete("/v1/sandboxes/{sid}")
+    async def close(entry: Annotated[Entry, Depends(sandbox)]) -> dict:
+        await reg.remove(entry.id)
+        return {"ok": True}
+
+
+def _file_routes(app: FastAPI, sandbox: Callable) -> None:
     @app.post("/v1/sandboxes/{sid}/files/read")
     async def read(body: PathBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
         data = await guarded(entry, entry.box.read_file(body.path, as_verifier=body.as_verifier))
@@ -266,25 +290,6 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
             raise HTTPException(400, f"body: not a tar of files, directories and symlinks inside dest ({e})") from e
         return {"ok": True}
 
-    @app.post("/v1/sandboxes/{sid}/changes")
-    async def changes(body: RootsBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
-        if not isinstance(entry.box, ChangeTracking):
-            return {"changes": None}
-        found = await guarded(entry, entry.box.changes(body.paths))
-        return {"changes": None if found is None else [dataclasses.asdict(c) for c in found]}
-
-    @app.post("/v1/sandboxes/{sid}/image_has")
-    async def image_has(body: RootsBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
-        if not isinstance(entry.box, ChangeTracking):
-            return {"paths": None}
-        found = await guarded(entry, entry.box.image_has(body.paths))
-        return {"paths": None if found is None else sorted(found)}
-
-    @app.delete("/v1/sandboxes/{sid}")
-    async def close(entry: Annotated[Entry, Depends(sandbox)]) -> dict:
-        await reg.remove(entry.id)
-        return {"ok": True}
-
 
 def _host_routes(app: FastAPI, reg: Registry, host_auth: Callable) -> None:
     @app.get("/v1/health")
@@ -296,7 +301,7 @@ def _host_routes(app: FastAPI, reg: Registry, host_auth: Callable) -> None:
         return reg.metrics()
 
     @app.get("/v1/sandboxes", dependencies=[Depends(host_auth)])
-    async def listing() -> dict:
+    async def sandboxes() -> dict:
         return {"sandboxes": [{"id": e.id, "age_s": time.monotonic() - e.created} for e in reg.entries.values()]}
 
 
@@ -344,6 +349,26 @@ class BodyLimit:
             {"type": "http"}, None, send)
 
 
+def _create_route(app: FastAPI, reg: Registry, backend: SandboxBackend, host_auth: Callable,
+                  spec_of: Callable[[CreateBody], SandboxSpec]) -> None:
+    @app.post("/v1/sandboxes", dependencies=[Depends(host_auth)])
+    async def create(body: CreateBody) -> dict:
+        spec = spec_of(body)
+        try:
+            reg.reserve()
+        except AtCapacity as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from e
+        t = time.perf_counter()
+        try:
+            box = await backend.create(spec)
+        except BaseException:
+            reg.reserved -= 1
+            raise
+        entry = reg.add(box, time.perf_counter() - t)
+        return {"id": entry.id, "token": entry.token, "boot": reg.boot, "verifier_uid": box.verifier_uid,
+                "agent_uid": getattr(box, "agent_uid", 0), "change_tracking": isinstance(box, ChangeTracking)}
+
+
 def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
              capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
              max_body: int = MAX_BODY, allow_network: bool = False, e2b_api_key: str | None = None,
@@ -382,26 +407,9 @@ here first (POST /v1/images, furlong.sandbox.host.images)."""
 
     _host_routes(app, reg, host_auth)
 
-    @app.post("/v1/sandboxes", dependencies=[Depends(host_auth)])
-    async def create(body: CreateBody) -> dict:
-        if body.network and not allow_network:
-            raise HTTPException(400, "network: this host gives sandboxes no network (serve --allow-network)")
-        spec = _spec(body, resolved, lifetime_s, store)
-        try:
-            reg.reserve()
-        except AtCapacity as e:
-            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from e
-        t = time.perf_counter()
-        try:
-            box = await backend.create(spec)
-        except BaseException:
-            reg.reserved -= 1
-            raise
-        entry = reg.add(box, time.perf_counter() - t)
-        return {"id": entry.id, "token": entry.token, "boot": reg.boot, "verifier_uid": box.verifier_uid,
-                "agent_uid": getattr(box, "agent_uid", 0), "change_tracking": isinstance(box, ChangeTracking)}
-
+    _create_route(app, reg, backend, host_auth, lambda body: _spec(body, resolved, lifetime_s, store, allow_network))
     _sandbox_routes(app, reg, sandbox)
+    _file_routes(app, sandbox)
     if store is not None:
         image_routes(app, store, backend, host_auth)
     if e2b is not None:
