@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from furlong.sandbox.base import ImageRef, LayerRef, SandboxError
+from furlong.sandbox.builds import ImageBuildError
 from furlong.sandbox.hosts import Host, Hosts, check
 from furlong.sandbox.tarball import tar_dir
 from furlong.sandbox.toolchain import Toolchain
@@ -59,6 +60,8 @@ class HostImages:
         except httpx.TransportError as exc:
             host.mark_down()
             raise SandboxError(f"image build on {host.url}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code == 400:  # the Dockerfile's own failure (furlong.sandbox.host.images): no host does better
+            raise ImageBuildError(f"{host.url}: {r.json().get('detail', r.text)}")
         check(r, f"image build on {host.url}")
         return r.json()
 
@@ -69,9 +72,9 @@ class HostImages:
             progress(f"building on {host.url}")
             try:
                 return await self._build(host, recipe)
+            except ImageBuildError:
+                raise
             except SandboxError as exc:
-                if "image build failed" in str(exc):  # the Dockerfile's own failure: no other host will do better
-                    raise
                 errors.append(str(exc))
         raise SandboxError("no sandbox host could build the image: " + "; ".join(errors))
 
