@@ -288,6 +288,15 @@ def _run_dir(cfg: Config, args: argparse.Namespace):
     return cfg, RunDir.create(path, cfg.model_dump(mode="json"))
 
 
+def _open_run(cfg: Config, args: argparse.Namespace):
+    """The run directory, with the loggers train.log turns on (W&B)."""
+    from furlong.build.training import attach_loggers
+
+    cfg, run = _run_dir(cfg, args)
+    attach_loggers(cfg.train, run)
+    return cfg, run
+
+
 def cmd_sandbox(args: argparse.Namespace) -> int:
     from furlong.sandbox.cgroups import delegate
 
@@ -336,10 +345,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from furlong.run.driver import train
 
     _warn_limits()
-    cfg, run = _run_dir(_config(args, {}), args)
+    cfg, run = _open_run(_config(args, {}), args)
     console.print(f"run directory: {run.path}")
-    summary = asyncio.run(train(cfg, run, console))
-    run.close()
+    try:
+        summary = asyncio.run(train(cfg, run, console))
+    finally:
+        run.close()
     console.print(f"held-out pass@1: {summary['heldout_pass_at_1_before_rl']:.3f} after SFT -> "
                   f"{summary['heldout_pass_at_1_after_rl']:.3f} after RL "
                   f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each, "
@@ -362,12 +373,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from furlong.run.phases import sft_phase
 
     _warn_limits()
-    cfg, run = _run_dir(_config(args, {}), args)
+    cfg, run = _open_run(_config(args, {}), args)
     pieces = build.pieces(cfg)
     try:
         out = asyncio.run(sft_phase(cfg, pieces, run, console))
     finally:
         pieces.close()
+        run.close()
     console.print(f"SFT model: {out}")
     print(json.dumps(run.phase("sft")))
     return 0

@@ -347,6 +347,23 @@ class EnvConfig(_Node):
         return None if self.python is None else self.python.rpartition(":")[2]
 
 
+class WandbConfig(_Node):
+    """Weights & Biases, beside metrics.jsonl and TensorBoard: the same rows, each key as `<phase>/<key>`."""
+
+    enabled: bool = Field(False, description="log to W&B too (the wandb package: pip install wandb); off, wandb "
+                          "is never imported")
+    project: str = Field("furlong", description="the W&B project")
+    mode: Literal["offline", "online"] = Field("offline", description="offline: files only (upload later with "
+                                               "`wandb sync`); online: to the W&B server (needs a login)")
+    dir: Path | None = Field(None, description="where wandb writes its files; null: the run directory")
+
+
+class LogConfig(_Node):
+    """Where a run's metrics go beside RUN_DIR/metrics.jsonl and TensorBoard's RUN_DIR/tb."""
+
+    wandb: WandbConfig = Field(WandbConfig(), description="Weights & Biases")
+
+
 class TrainConfig(_Node):
     tasks: Path = Field(BUNDLED_TASKS, description="the directory that holds train.families")
     families: tuple[str, ...] = Field(DEFAULT_FAMILIES, description="task families (directories under "
@@ -377,6 +394,7 @@ class TrainConfig(_Node):
     hf: HFEngineConfig = Field(HFEngineConfig(), description="the in-process hf engine")
     eval: TrainEvalConfig = Field(TrainEvalConfig(), description="the held-out evals before and after RL")
     env: EnvConfig = Field(EnvConfig(), description="your own environment, tools and reward functions")
+    log: LogConfig = Field(LogConfig(), description="metrics beside metrics.jsonl and TensorBoard")
 
     @model_validator(mode="after")
     def _vllm_engine_supports(self) -> TrainConfig:

@@ -23,6 +23,8 @@ from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router
 from furlong.envs.user import Instance
+from furlong.metrics.run import RunDir
+from furlong.metrics.wandb_log import WandbLog
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts
@@ -83,6 +85,13 @@ def pieces(cfg: Config) -> Pieces:
     return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, env=run_env(t.env, backend, images),
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
                   params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_build.session(t))
+
+
+def attach_loggers(t: TrainConfig, run: RunDir) -> None:
+    """train.log: W&B beside the metrics.jsonl and TensorBoard events every run directory gets."""
+    w = t.log.wandb
+    if w.enabled:
+        run.sinks.append(WandbLog(run.path, w.project, w.mode, w.dir, config=run.config()))
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:
