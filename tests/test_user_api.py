@@ -4,8 +4,12 @@ one episode runner, with the worked examples under examples/. Harbor episodes ru
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +27,8 @@ from furlong.envs.user import Action, PythonEnv, PythonSource
 from furlong.model.chat import Message, ToolCall, assistant_ids
 from furlong.model.loading import load_tokenizer
 from tests_support import agent_params
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _source(factory=GuessNumber, n: int = 3, tools=(CALCULATOR,)) -> PythonSource:
@@ -226,3 +232,47 @@ def test_a_python_environment_has_no_sandbox_for_command_tools_or_rewards():
     clash = Tool("guess", "a second guess tool", python=lambda arguments, sandbox: "no")
     with pytest.raises(ValueError, match=re.escape("tools named twice: ['guess']")):
         _source(tools=(CALCULATOR, clash)).instances("train")
+
+
+def test_the_config_names_the_users_code_and_checks_it_before_the_run():
+    from furlong.build.environment import run_env, scorer
+    from furlong.config import ConfigError, load_config
+
+    cfg = load_config(ROOT / "examples" / "guess_number.yaml")
+    t = cfg.train  # one key makes a Python environment the run's one family, with no SFT demonstrations
+    assert (t.families, t.sft.families, t.rl.families, t.rl.sft_coef) == (("GuessNumber",), (), None, 0.0)
+    env = run_env(t.env, backend=None, images=None)
+    assert env.factory is GuessNumber and env.tools == (CALCULATOR,)
+    assert [(f.name, f.weight, f.python) for f in env.scorer.fns] == [("few_guesses", 0.2, few_guesses)]
+    for overrides, says in [
+        (["train.env.python=examples.guess_number:GuessNumber", "train.rl.sft_coef=1"], "train.rl.sft_coef"),
+        (["train.env.rewards.tests.python=examples.rewards:few_guesses"], "reserved"),
+        (["train.env.rewards.both.python=a:b", "train.env.rewards.both.command=ls"], "exactly one of"),
+        (["train.env.python=examples"], 'expected "module:factory"'),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, overrides)
+    python_cmd = load_config(None, ["train.env.python=examples.guess_number:GuessNumber",
+                                    'train.env.rewards.c.command="echo 1"'])
+    with pytest.raises(ConfigError, match=r"\['c'\] are commands, which run in a sandbox"):
+        scorer(python_cmd.train.env)
+    for key, value, says in [("tools", "[examples.tools:nothing]", "has no 'nothing'"),
+                             ("tools", "[examples.rewards:few_guesses]", "is not a furlong.envs.toolset.Tool"),
+                             ("python", "examples.missing:Env", "cannot import 'examples.missing'")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            bad = load_config(None, [f"train.env.{key}={value}"])
+            run_env(bad.train.env, backend=None, images=None)
+
+
+def test_furlong_eval_runs_a_python_environments_instances():
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--agent", "noop", "--split", "all",
+                          "--per-family", "2", "train.env.python=examples.guess_number:GuessNumber"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.splitlines()[-1])
+    assert summary["episodes"] == summary["scored"] == 4 and summary["mean_reward"] == 0.0
+    assert sorted(summary["per_task"]) == [f"GuessNumber/{s}-{i}" for s in ("heldout", "train") for i in (0, 1)]
+    oracle = subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--agent", "oracle",
+                             "train.env.python=examples.guess_number:GuessNumber"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert oracle.returncode == 2 and "has no oracle solution" in oracle.stderr

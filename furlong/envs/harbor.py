@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
-from furlong.envs.rewards import EpisodeView, RewardFn, RewardRun, Scorer, VerifierSandbox
+from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer, VerifierSandbox
 from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
 from furlong.timing import Clock
 from furlong.sandbox.base import BASE_ENV, ChangeTracking, HostLost, ImageRef, Sandbox, SandboxSpec
@@ -149,7 +149,7 @@ class HarborEpisode:
     """One task's opened sandbox (furlong.envs.base.EpisodeEnv)."""
 
     def __init__(self, task: Task, sandbox: Sandbox, image: ImageRef, sandboxes: SandboxSource,
-                 tools: Sequence[Tool] = (), scorer: Scorer = Scorer()):
+                 tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY):
         self.task, self.image, self.sandboxes, self.scorer = task, image, sandboxes, scorer
         self.guard = GuardedSandbox(sandbox)
         self.tools = ToolSet(BashTools(self.guard), tools, self.guard)
@@ -233,7 +233,7 @@ class HarborEnv:
     """Harbor tasks, each episode in a sandbox from `sandboxes` (furlong.envs.base.Environment), with the
     user's extra `tools` beside bash and `scorer`'s reward functions beside the tests."""
 
-    def __init__(self, sandboxes: SandboxSource, tools: Sequence[Tool] = (), scorer: Scorer = Scorer()):
+    def __init__(self, sandboxes: SandboxSource, tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY):
         self.sandboxes, self.tools, self.scorer = sandboxes, tuple(tools), scorer
         check_tools(BASH_TOOL_SCHEMAS, self.tools, has_sandbox=True)  # a clash fails here, not in every episode
 

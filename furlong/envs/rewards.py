@@ -199,3 +199,7 @@ class Scorer:
                                              f"agent touched:\n{detail}")
         return dataclasses.replace(score, reward=None, error=f"reward function {names} failed, and failed with no "
                                                              f"agent too (a bug in it; never a reward):\n{detail}")
+
+
+TESTS_ONLY = Scorer()  # no reward functions: a Harbor episode's reward is its tests'
+STEPS_ONLY = Scorer(own="steps")  # a Python environment's is its steps'

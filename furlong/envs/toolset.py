@@ -40,7 +40,7 @@ async def call_user(fn: Callable, *args: Any, timeout_s: float) -> Any:
     runs in a thread so that a slow one does not stall every other episode; one that never returns keeps
     its thread (Python cannot stop a thread), the episode goes on."""
     async def go() -> Any:
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):  # a def or an object
             return await fn(*args)
         result = await asyncio.to_thread(fn, *args)
         return await result if inspect.isawaitable(result) else result

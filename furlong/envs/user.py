@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from furlong.envs.base import EnvUnavailable, Score, ToolError, describe
-from furlong.envs.rewards import EpisodeView, RewardFn, RewardRun, Scorer
+from furlong.envs.rewards import STEPS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer
 from furlong.envs.toolset import (
     Tool,
     ToolSet,
@@ -120,7 +120,7 @@ class PythonEnv:
     """Opens each episode of a Python environment: a new object from `factory`, reset to the instance
     (furlong.envs.base.Environment). `timeout_s`: the most `reset` may take."""
 
-    def __init__(self, factory: Callable[[], Any], tools: Sequence[Tool] = (), scorer: Scorer = Scorer(own="steps"),
+    def __init__(self, factory: Callable[[], Any], tools: Sequence[Tool] = (), scorer: Scorer = STEPS_ONLY,
                  timeout_s: float = 60.0):
         self.factory, self.tools, self.scorer, self.timeout_s = factory, tuple(tools), scorer, timeout_s
 

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from furlong.envs.base import Environment
 from furlong.envs.harbor import HarborEnv
-from furlong.envs.rewards import Scorer
+from furlong.envs.rewards import TESTS_ONLY, Scorer
 from furlong.envs.toolset import Tool
 from furlong.envs.user import Instance
 from furlong.eval.agents import Agent, EpisodeAgents, agent_for
@@ -50,7 +50,7 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
 
 async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent | EpisodeAgents, backend,
                    store: ImageStore, concurrency: int, out: Path | None, console: Console, samples: int = 1,
-                   tools: Sequence[Tool] = (), scorer: Scorer = Scorer(),
+                   tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY,
                    env: Environment | None = None) -> list[EpisodeResult]:
     """`samples` episodes of every task, in `entries`' order. A BrokenTask (one that did not load) is an
     infra_error line of its own, written first; the others' lines are written as each episode ends.
