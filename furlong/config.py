@@ -434,20 +434,21 @@ class TrainConfig(_Node):
         return self
 
     def _python_env_families(self, own: bool) -> None:
-        """A Python environment is the run's one family, and has no oracle to demonstrate it: SFT shows
-        nothing (train.sft.families is empty), and RL's demonstration anchor is off (train.rl.sft_coef 0)."""
+        """A Python environment is the run's one family, and has no oracle to demonstrate it: no SFT
+        (train.sft.families empty, train.sft.epochs 0) and no demonstration anchor (train.rl.sft_coef 0)."""
         family = self.env.family()
         if own and self.families != (family,):
             raise ValueError(f"train.families: with train.env.python the run's one family is {family!r} (the "
                              f"factory's name); drop train.families")
-        if "families" in self.sft.model_fields_set and self.sft.families:
-            raise ValueError("train.sft.families: a Python environment has no oracle demonstrations; drop it")
+        for key, value in (("families", self.sft.families), ("epochs", self.sft.epochs)):
+            if key in self.sft.model_fields_set and value:
+                raise ValueError(f"train.sft.{key}: a Python environment has no oracle demonstrations; drop it")
         if "sft_coef" in self.rl.model_fields_set and self.rl.sft_coef > 0:
             raise ValueError("train.rl.sft_coef: a Python environment has no oracle demonstrations for RL's "
                              "anchor; drop it (it is 0 with train.env.python)")
         object.__setattr__(self, "families", (family,))
         object.__setattr__(self, "rl", self.rl.model_copy(update={"sft_coef": 0.0}))
-        object.__setattr__(self, "sft", self.sft.model_copy(update={"families": ()}))
+        object.__setattr__(self, "sft", self.sft.model_copy(update={"families": (), "epochs": 0}))
 
     def demonstrated(self) -> tuple[str, ...]:
         """The families SFT shows demonstrations of."""

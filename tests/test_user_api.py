@@ -240,12 +240,14 @@ def test_the_config_names_the_users_code_and_checks_it_before_the_run():
 
     cfg = load_config(ROOT / "examples" / "guess_number.yaml")
     t = cfg.train  # one key makes a Python environment the run's one family, with no SFT demonstrations
-    assert (t.families, t.sft.families, t.rl.families, t.rl.sft_coef) == (("GuessNumber",), (), None, 0.0)
+    assert (t.families, t.sft.families, t.sft.epochs, t.rl.families, t.rl.sft_coef) == (("GuessNumber",), (), 0,
+                                                                                         None, 0.0)
     env = run_env(t.env, backend=None, images=None)
     assert env.factory is GuessNumber and env.tools == (CALCULATOR,)
     assert [(f.name, f.weight, f.python) for f in env.scorer.fns] == [("few_guesses", 0.2, few_guesses)]
     for overrides, says in [
         (["train.env.python=examples.guess_number:GuessNumber", "train.rl.sft_coef=1"], "train.rl.sft_coef"),
+        (["train.env.python=examples.guess_number:GuessNumber", "train.sft.epochs=2"], "train.sft.epochs"),
         (["train.env.rewards.tests.python=examples.rewards:few_guesses"], "reserved"),
         (["train.env.rewards.both.python=a:b", "train.env.rewards.both.command=ls"], "exactly one of"),
         (["train.env.python=examples"], 'expected "module:factory"'),
