@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +16,15 @@ from furlong.config import TrainConfig
 from furlong.metrics.run import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
+# no network: wandb's reader would otherwise send its own telemetry (the runs here are offline anyway)
+OFFLINE = {**os.environ, "WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}
 
 
 def wandb_records(run_path: Path) -> list[dict]:
     """Every record of the run's offline `.wandb` file, as wandb's reader prints them."""
     [log] = run_path.glob("wandb/offline-run-*/run-*.wandb")
     res = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=OFFLINE)
     assert res.returncode == 0, res.stderr
     return [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
 
@@ -41,7 +44,8 @@ def assert_same_as_metrics_jsonl(run_path: Path, records: list[dict]) -> None:
             assert logged == value or (math.isnan(value) and str(logged).lower() == "nan"), (phase, key)
 
 
-def test_wandb_logs_the_rows_of_metrics_jsonl_each_phase_on_its_own_step_axis(tmp_path):
+def test_wandb_logs_the_rows_of_metrics_jsonl_each_phase_on_its_own_step_axis(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
     t = TrainConfig(log={"wandb": {"enabled": True, "mode": "offline", "project": "furlong-test"}})
     run = RunDir.create(tmp_path / "run", {"train": {"seed": 3}})
     attach_loggers(t, run)
@@ -70,7 +74,7 @@ def test_the_example_environment_trains_and_its_metrics_reach_wandb(tmp_path):
     run = tmp_path / "guess"
     res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "examples/guess_number.yaml",
                           f"train.run_dir={run}", "train.log.wandb.enabled=true"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=OFFLINE)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.splitlines()[-1])
     assert summary["families"] == ["GuessNumber"] and summary["rl_steps"] == 2 and summary["eval_episodes"] == 2
