@@ -171,6 +171,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          "samples": "eval.samples", "temperature": "eval.temperature", "seed": "eval.seed"})
     e = cfg.eval
     check_model_flags(e)
+    if cfg.train.env.python is not None:
+        return _python_env_eval(cfg)
     backend, store = _sandbox_pieces(cfg)  # family generators run on the configured backend too
     suite = load_suite(e.tasks, split=e.split, per_family=e.per_family, backend=backend)
     agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
@@ -189,6 +191,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _python_env_eval(cfg: Config) -> int:
+    """`furlong eval` of a Python environment (train.env.python): eval.per_family instances of eval.split."""
+    from furlong.build.environment import python_source, run_env
+    from furlong.eval.agents import make_agent
+    from furlong.eval.run import print_table, run_eval, summarize
+
+    e, t = cfg.eval, cfg.train
+    if e.agent == "oracle":
+        raise ConfigError("--agent oracle: a Python environment has no oracle solution; use --agent noop or model")
+    splits = ("train", "heldout") if e.split == "all" else (e.split,)
+    every = {"train": t.env.train_instances, "heldout": t.eval.heldout_per_family}
+    source = python_source(t.env, {s: e.per_family or every[s] for s in splits})
+    instances = [i for s in splits for i in source.instances(s)]
+    agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
+    env = run_env(t.env, backend=None, images=None)  # type: ignore[arg-type]  # a Python environment has no sandbox
+    console.print(f"{len(instances)} instances of {t.env.python}, agent {e.agent}, {e.samples} sample(s) each")
+
+    async def episodes():
+        async with env.open() as opened:
+            try:
+                return await run_eval(instances, agent, None, None, e.concurrency, e.out, console, e.samples,
+                                      env=opened)
+            finally:
+                if close := getattr(agent, "close", None):
+                    await close()
+
+    results = asyncio.run(episodes())
+    print_table(results, console)
+    print(json.dumps(summarize(results)))
+    return 0
+
+
 def _model_agents(cfg: Config):
     """--agent model: the engine over the checkpoint, built before any image so a bad one fails fast."""
     from furlong.build.evaluation import model_agents
@@ -199,11 +233,13 @@ def _model_agents(cfg: Config):
 
 async def _eval_episodes(cfg: Config, entries, agent, backend, store):
     """The eval's episodes; a model agent's engine is closed after them."""
+    from furlong.build.environment import extra_tools, scorer
     from furlong.eval.run import run_eval
 
     e = cfg.eval
     try:
-        return await run_eval(entries, agent, backend, store, e.concurrency, e.out, console, e.samples)
+        return await run_eval(entries, agent, backend, store, e.concurrency, e.out, console, e.samples,
+                              extra_tools(cfg.train.env), scorer(cfg.train.env))
     finally:
         if close := getattr(agent, "close", None):  # only the model agents hold an engine
             await close()
@@ -257,6 +293,15 @@ def _run_dir(cfg: Config, args: argparse.Namespace):
     return cfg, RunDir.create(path, cfg.model_dump(mode="json"))
 
 
+def _open_run(cfg: Config, args: argparse.Namespace):
+    """The run directory, with the loggers train.log turns on (W&B)."""
+    from furlong.build.training import attach_loggers
+
+    cfg, run = _run_dir(cfg, args)
+    attach_loggers(cfg.train, run)
+    return cfg, run
+
+
 def cmd_sandbox(args: argparse.Namespace) -> int:
     from furlong.sandbox.cgroups import delegate
 
@@ -306,10 +351,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from furlong.run.driver import train
 
     _warn_limits()
-    cfg, run = _run_dir(_config(args, {}), args)
+    cfg, run = _open_run(_config(args, {}), args)
     console.print(f"run directory: {run.path}")
-    summary = asyncio.run(train(cfg, run, console))
-    run.close()
+    try:
+        summary = asyncio.run(train(cfg, run, console))
+    finally:
+        run.close()
     console.print(f"held-out pass@1: {summary['heldout_pass_at_1_before_rl']:.3f} after SFT -> "
                   f"{summary['heldout_pass_at_1_after_rl']:.3f} after RL "
                   f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each, "
@@ -332,12 +379,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from furlong.run.phases import sft_phase
 
     _warn_limits()
-    cfg, run = _run_dir(_config(args, {}), args)
+    cfg, run = _open_run(_config(args, {}), args)
     pieces = build.pieces(cfg)
     try:
         out = asyncio.run(sft_phase(cfg, pieces, run, console))
     finally:
         pieces.close()
+        run.close()
     console.print(f"SFT model: {out}")
     print(json.dumps(run.phase("sft")))
     return 0

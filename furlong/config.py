@@ -297,6 +297,73 @@ class TrainEvalConfig(_Node):
     concurrency: int = Field(16, ge=1, description="held-out episodes (sandboxes) at once")
 
 
+class RewardConfig(_Node):
+    """One reward function of `train.env.rewards` (furlong.envs.rewards): a Python callable or a command,
+    weighed into the episode's reward."""
+
+    python: str | None = Field(None, description='"module:function" on the Python path, called with the finished '
+                               "episode (furlong.envs.rewards.EpisodeView), sync or async; returns a number")
+    command: str | None = Field(None, description="run in the episode's sandbox as the verifier, after the tests "
+                                "(Harbor tasks only); the last line of its output is the value")
+    weight: float = Field(1.0, description="its weight in the episode's reward")
+    timeout_s: float = Field(60.0, gt=0, description="past this it has failed (the failure rule: "
+                             "docs/environments.md)")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardConfig:
+        if (self.python is None) == (self.command is None):
+            raise ValueError("give exactly one of python and command")
+        return self
+
+
+class EnvConfig(_Node):
+    """Your own environment, tools and reward functions, for training, its held-out evals and `furlong eval`
+    (docs/environments.md)."""
+
+    python: str | None = Field(None, description='"module:factory" on the Python path: a Python environment '
+                               "(reset/step) instead of Harbor tasks; its family is the factory's name. null: the "
+                               "Harbor tasks of train.tasks and train.families")
+    train_instances: int = Field(128, ge=1, description="python: train instances (seeds 0..N-1 of split train); "
+                                 "held-out ones: train.eval.heldout_per_family")
+    agent_timeout_s: float = Field(600.0, gt=0, description="python: an episode's time limit for the agent "
+                                   "(a Harbor task's is in its task.toml)")
+    tools: tuple[str, ...] = Field((), description='"module:attribute" of each furlong.envs.toolset.Tool (or a list '
+                                   "of them): tools beside bash (Harbor) or the environment's own (python)")
+    rewards: dict[str, RewardConfig] = Field({}, description="reward functions by name (their keys in the episode's "
+                                             "rewards), each as in train.env.rewards.<name>")
+    tests_weight: float = Field(1.0, description="weight of the environment's own reward beside train.env.rewards "
+                                "(Harbor: the tests'; python: its steps' rewards summed)")
+
+    @model_validator(mode="after")
+    def _names(self) -> EnvConfig:
+        if reserved := sorted(set(self.rewards) & {"reward", "tests", "steps"}):
+            raise ValueError(f"rewards: the names {reserved} are reserved for the episode's own rewards")
+        if self.python is not None and ":" not in self.python:
+            raise ValueError(f'python: expected "module:factory", got {self.python!r}')
+        return self
+
+    def family(self) -> str | None:
+        """The family of a Python environment's instances: its factory's name."""
+        return None if self.python is None else self.python.rpartition(":")[2]
+
+
+class WandbConfig(_Node):
+    """Weights & Biases, beside metrics.jsonl and TensorBoard: the same rows, each key as `<phase>/<key>`."""
+
+    enabled: bool = Field(False, description="log to W&B too (the wandb package: pip install wandb); off, wandb "
+                          "is never imported")
+    project: str = Field("furlong", description="the W&B project")
+    mode: Literal["offline", "online"] = Field("offline", description="offline: files only (upload later with "
+                                               "`wandb sync`); online: to the W&B server (needs a login)")
+    dir: Path | None = Field(None, description="where wandb writes its files; null: the run directory")
+
+
+class LogConfig(_Node):
+    """Where a run's metrics go beside RUN_DIR/metrics.jsonl and TensorBoard's RUN_DIR/tb."""
+
+    wandb: WandbConfig = Field(WandbConfig(), description="Weights & Biases")
+
+
 class TrainConfig(_Node):
     tasks: Path = Field(BUNDLED_TASKS, description="the directory that holds train.families")
     families: tuple[str, ...] = Field(DEFAULT_FAMILIES, description="task families (directories under "
@@ -326,6 +393,8 @@ class TrainConfig(_Node):
     sync: SyncConfig = Field(SyncConfig(), description="weight sync to the rollout engine")
     hf: HFEngineConfig = Field(HFEngineConfig(), description="the in-process hf engine")
     eval: TrainEvalConfig = Field(TrainEvalConfig(), description="the held-out evals before and after RL")
+    env: EnvConfig = Field(EnvConfig(), description="your own environment, tools and reward functions")
+    log: LogConfig = Field(LogConfig(), description="metrics beside metrics.jsonl and TensorBoard")
 
     @model_validator(mode="after")
     def _vllm_engine_supports(self) -> TrainConfig:
@@ -351,6 +420,9 @@ class TrainConfig(_Node):
         # the default's demonstrated/reward-only split is about the default's families: a recipe that picks
         # its own families demonstrates them all, and RL draws from them all, unless it says otherwise
         own = "families" in self.model_fields_set
+        if self.env.python is not None:
+            self._python_env_families(own)
+            own = True
         if own and "families" not in self.sft.model_fields_set:
             object.__setattr__(self, "sft", self.sft.model_copy(update={"families": None}))
         if (own or "families" in self.sft.model_fields_set) and "families" not in self.rl.model_fields_set:
@@ -360,6 +432,23 @@ class TrainConfig(_Node):
             if unknown:
                 raise ValueError(f"train.{key}.families: {unknown} not in train.families {list(self.families)}")
         return self
+
+    def _python_env_families(self, own: bool) -> None:
+        """A Python environment is the run's one family, and has no oracle to demonstrate it: no SFT
+        (train.sft.families empty, train.sft.epochs 0) and no demonstration anchor (train.rl.sft_coef 0)."""
+        family = self.env.family()
+        if own and self.families != (family,):
+            raise ValueError(f"train.families: with train.env.python the run's one family is {family!r} (the "
+                             f"factory's name); drop train.families")
+        for key, value in (("families", self.sft.families), ("epochs", self.sft.epochs)):
+            if key in self.sft.model_fields_set and value:
+                raise ValueError(f"train.sft.{key}: a Python environment has no oracle demonstrations; drop it")
+        if "sft_coef" in self.rl.model_fields_set and self.rl.sft_coef > 0:
+            raise ValueError("train.rl.sft_coef: a Python environment has no oracle demonstrations for RL's "
+                             "anchor; drop it (it is 0 with train.env.python)")
+        object.__setattr__(self, "families", (family,))
+        object.__setattr__(self, "rl", self.rl.model_copy(update={"sft_coef": 0.0}))
+        object.__setattr__(self, "sft", self.sft.model_copy(update={"families": (), "epochs": 0}))
 
     def demonstrated(self) -> tuple[str, ...]:
         """The families SFT shows demonstrations of."""

@@ -96,12 +96,25 @@ def _section_class(info: FieldInfo) -> type[BaseModel] | None:
     return annotation if inspect.isclass(annotation) and issubclass(annotation, BaseModel) else None
 
 
+def _mapped_class(info: FieldInfo) -> type[BaseModel] | None:
+    """The section class of a mapping of names to sections (`train.env.rewards.NAME`), else None."""
+    args = typing.get_args(info.annotation)
+    if typing.get_origin(info.annotation) is dict and len(args) == 2 and inspect.isclass(args[1]) \
+            and issubclass(args[1], BaseModel):
+        return args[1]
+    return None
+
+
 def _sections(model: type[BaseModel], prefix: str) -> list[tuple[str, type[BaseModel]]]:
-    """The model itself and every nested section under it, depth first, in declaration order."""
+    """The model itself and every nested section under it, depth first, in declaration order (a mapping of
+    names to sections as one section, `KEY.<name>`)."""
     found = [(prefix, model)]
     for name, info in model.model_fields.items():
+        key = f"{prefix}.{name}" if prefix else name
         if (child := _section_class(info)) is not None:
-            found += _sections(child, f"{prefix}.{name}" if prefix else name)
+            found += _sections(child, key)
+        elif (child := _mapped_class(info)) is not None:
+            found += _sections(child, f"{key}.<name>")
     return found
 
 

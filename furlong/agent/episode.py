@@ -66,6 +66,7 @@ class Episode:
     tool_errors: int = 0
     family: str | None = None
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
+    rewards: dict[str, float] = field(default_factory=dict)  # the reward's parts (tests, reward functions)
 
     @property
     def response_len(self) -> int:
@@ -203,15 +204,23 @@ class ModelAgent:
                 return "truncated"  # cut off mid-turn: no well-formed turn to answer
             calls = parse_tool_calls(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False))
             if not isinstance(calls, ToolCallError) and not calls:
-                return "ok"  # the model answered without a tool call: it is done
-            if isinstance(calls, ToolCallError):
+                # an answer without a tool call: done, unless the environment answers it (a Python one)
+                follow = await runner.reply(self.tokenizer.decode(gen.output_ids, skip_special_tokens=True))
+                if follow is None:
+                    return "ok"
+                observations = [Message("user", follow)]
+            elif isinstance(calls, ToolCallError):
                 observations = [Message("tool", runner.error_text(calls))]
             else:
                 observations = []
                 for call in calls:
                     self.tool_calls += 1
                     observations.append(Message("tool", await runner.run(call)))
+                    if runner.finished:
+                        break  # the environment ended the episode: later calls of the turn do not run
             trace.add_context(continuation_ids(self.tokenizer, observations))
+            if runner.finished:
+                return "ok"
         return "truncated"
 
 
@@ -228,4 +237,4 @@ async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment
                    rollout_logprobs=tuple(t.logprobs), token_weight_versions=tuple(t.versions),
                    reward=outcome.reward, status=outcome.status, timing=outcome.timing, turns=agent.turns,
                    error=outcome.error, tool_errors=agent.tool_errors, family=task.family,
-                   tampered_paths=outcome.tampered_paths)
+                   tampered_paths=outcome.tampered_paths, rewards=outcome.rewards)

@@ -41,7 +41,9 @@ the episode is recorded once, as its last attempt ended.
 Those are the Harbor environment's terms; for any environment the same rules read: `open` failing is
 infra_error; an exception during the agent phase is agent_broke_sandbox if the environment caused it
 (`EpisodeEnv.caused`), infra_error if the agent's own code did; a `Score` without a reward is
-agent_broke_sandbox when it blames the agent (`agent_broke_env`), infra_error otherwise.
+agent_broke_sandbox when it blames the agent (`agent_broke_env`), infra_error otherwise. The user's reward
+functions (furlong.envs.rewards) follow the tests' rule: one that fails is infra_error only if it fails on an
+episode no agent touched too, else the agent's doing (agent_broke_sandbox); its traceback is the error.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class AgentRun:
 
 
 class Agent(Protocol):
-    """The agent phase: it acts through the episode's `tools` (a Harbor episode's BashTools also hold
+    """The agent phase: it acts through the episode's `tools` (a Harbor episode's ToolSet also holds
     its sandbox, for scripted agents). An agent that waits on a shared engine may also define
     `engine_wait_s() -> float`: the seconds it has waited so far, a wait in progress included. The
     episode's `model_wait` time is that figure, and the runner's hard limit on the phase does not

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from furlong.envs.base import Toolbox, ToolArgumentError
+from furlong.envs.base import ToolError, Toolbox
 from furlong.envs.harbor import BASH_TOOL
 from furlong.model.chat import ToolCall, ToolCallError
 
@@ -44,9 +44,27 @@ class ToolRunner:
         t = time.perf_counter()
         try:
             observation = await self.tools.call(call.name, call.arguments, self.timeout_s)
-        except ToolArgumentError as exc:
+        except ToolError as exc:
             self.errors += 1
             return f"error: {exc}"
         finally:
             self.seconds += time.perf_counter() - t
         return clip(observation, self.limit)
+
+    async def reply(self, text: str) -> str | None:
+        """The model's turn without a tool call, given to the toolbox's optional `reply`
+        (furlong.envs.base.Toolbox): the next user message, or None when the conversation ends."""
+        reply = getattr(self.tools, "reply", None)
+        if reply is None:
+            return None
+        try:
+            follow = await reply(text, self.timeout_s)
+        except ToolError as exc:
+            self.errors += 1
+            return f"error: {exc}"
+        return None if follow is None else clip(follow, self.limit)
+
+    @property
+    def finished(self) -> bool:
+        """The toolbox's optional `finished`: the environment ended the episode."""
+        return bool(getattr(self.tools, "finished", False))

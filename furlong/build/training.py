@@ -14,6 +14,7 @@ import torch
 
 from furlong.agent.episode import AgentParams
 from furlong.build import cluster as ray_build
+from furlong.build.environment import RunEnv, env_source, run_env
 from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.cluster.session import RaySession
 from furlong.config import Config, ConfigError, TrainConfig
@@ -21,7 +22,9 @@ from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router
-from furlong.envs.harbor import HarborSource
+from furlong.envs.user import Instance
+from furlong.metrics.run import RunDir
+from furlong.metrics.wandb_log import WandbLog
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts
@@ -33,7 +36,6 @@ from furlong.sandbox.pool import StoreImages
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
-from furlong.tasks.family import load_family
 from furlong.tasks.model import Task
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.protocol import Trainer
@@ -59,9 +61,10 @@ class Pieces:
     tokenizer: object
     backend: SandboxBackend
     store: ImageStore | HostImages
-    images: StoreImages  # shared, so a Dockerfile that fails to build is tried once per run
-    train_tasks: list[Task]
-    eval_tasks: list[Task]
+    env: RunEnv  # what each phase opens its episodes in; its image lookup is shared, so a Dockerfile that
+    # fails to build is tried once per run
+    train_tasks: list[Task | Instance]
+    eval_tasks: list[Task | Instance]
     params: AgentParams
     base_model: Path
     cluster: RaySession | None = None  # train.cluster=ray: the run's Ray cluster and placement groups
@@ -72,26 +75,23 @@ class Pieces:
             self.cluster.close()
 
 
-def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource:
-    """The run's task families (their generators run on `backend`): all their train instances, and
-    train.eval.heldout_per_family held-out ones each."""
-    families = [load_family(t.tasks / name, backend) for name in t.families]
-    for f in families:
-        if len(f.seeds["heldout"]) < t.eval.heldout_per_family:
-            raise ConfigError(f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
-                              f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
-    return HarborSource(families, {"heldout": t.eval.heldout_per_family})
-
-
 def pieces(cfg: Config) -> Pieces:
     t = cfg.train
     base = t.model.path or init_tiny(seed=t.model.seed)
     store = image_store(cfg.sandbox, cfg.images)
     backend = sandbox_backend(cfg.sandbox, store)
+    images = StoreImages(store, backend)
     source = env_source(t, backend)
-    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
+    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, env=run_env(t.env, backend, images),
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
                   params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_build.session(t))
+
+
+def attach_loggers(t: TrainConfig, run: RunDir) -> None:
+    """train.log: W&B beside the metrics.jsonl and TensorBoard events every run directory gets."""
+    w = t.log.wandb
+    if w.enabled:
+        run.sinks.append(WandbLog(run.path, w.project, w.mode, w.dir, config=run.config()))
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:

@@ -29,12 +29,22 @@ class EnvSource(Protocol):
     def instances(self, split: str) -> list[Any]: ...  # the split's EnvSpecs, in a fixed order
 
 
-class ToolArgumentError(ValueError):
+class ToolError(ValueError):
+    """A tool call that failed in a way the model should see (the message), not the runner: the episode
+    goes on. A failure of the environment itself (a dead sandbox) is raised as it is instead."""
+
+
+class ToolArgumentError(ToolError):
     """A tool call the tool cannot run (missing or ill-typed arguments): the model sees the message."""
 
 
 class Toolbox(Protocol):
-    """The tools an agent may call in an episode, each with a JSON schema (OpenAI function format)."""
+    """The tools an agent may call in an episode, each with a JSON schema (OpenAI function format).
+
+    A toolbox may also define `reply(text, timeout_s) -> str | None` (awaited): the model's turn without
+    a tool call, answered with the next user message, or None to end the conversation (no `reply`: every
+    such turn ends it); and `finished: bool`, true once the environment says the episode is over (a Python
+    environment's step returned done). The model agent (furlong.agent.episode) honours both."""
 
     schemas: Sequence[dict]
 

@@ -1,19 +1,22 @@
 """A Harbor task in a sandbox: the first `Environment` (furlong.envs.base).
 
-The episode's sandbox comes from a `SandboxSource` (fresh sandboxes, or a warm pool), its one tool is
-bash, and its score is the task's tests (furlong.tasks.verifier) run in the agent's sandbox. When those
-leave no reward, a control run of the tests in a fresh sandbox no agent touched says whose fault that is
-(the rules: furlong.agent.runner's docstring).
+The episode's sandbox comes from a `SandboxSource` (fresh sandboxes, or a warm pool), its tool is bash
+(and the user's extra tools, furlong.envs.toolset), and its score is the task's tests (furlong.tasks.verifier)
+run in the agent's sandbox, with the user's reward functions (furlong.envs.rewards) weighed in. When those
+leave no reward, a control run in a fresh sandbox no agent touched says whose fault that is (the rules:
+furlong.agent.runner's docstring, and furlong.envs.rewards' for reward functions).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
+from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer, VerifierSandbox
+from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
 from furlong.timing import Clock
 from furlong.sandbox.base import BASE_ENV, ChangeTracking, HostLost, ImageRef, Sandbox, SandboxSpec
 from furlong.sandbox.changes import Change
@@ -36,6 +39,9 @@ BASH_TOOL = {
         },
     },
 }
+
+
+BASH_TOOL_SCHEMAS = (BASH_TOOL,)
 
 
 class SandboxSource(Protocol):
@@ -140,7 +146,7 @@ class GuardedSandbox:
 class BashTools:
     """The Harbor episode's toolbox: bash in the sandbox. Scripted agents (the oracle) use `sandbox` itself."""
 
-    schemas = (BASH_TOOL,)
+    schemas = BASH_TOOL_SCHEMAS
 
     def __init__(self, sandbox: GuardedSandbox):
         self.sandbox = sandbox
@@ -149,19 +155,17 @@ class BashTools:
         command = arguments.get("command")
         if not isinstance(command, str) or not command.strip():
             raise ToolArgumentError('bash needs {"command": "<a non-empty string>"}')
-        res = await self.sandbox.exec(command, timeout_s=timeout_s)
-        head = f"exit code {res.exit_code}" + (f" (timed out after {timeout_s:g}s)" if res.timed_out else "")
-        body = res.stdout + (res.stderr if not res.stdout else ("\n" + res.stderr if res.stderr else ""))
-        return f"{head}\n{body}".rstrip("\n")
+        return exec_observation(await self.sandbox.exec(command, timeout_s=timeout_s), timeout_s)
 
 
 class HarborEpisode:
     """One task's opened sandbox (furlong.envs.base.EpisodeEnv)."""
 
-    def __init__(self, task: Task, sandbox: Sandbox, image: ImageRef, sandboxes: SandboxSource):
-        self.task, self.image, self.sandboxes = task, image, sandboxes
+    def __init__(self, task: Task, sandbox: Sandbox, image: ImageRef, sandboxes: SandboxSource,
+                 tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY):
+        self.task, self.image, self.sandboxes, self.scorer = task, image, sandboxes, scorer
         self.guard = GuardedSandbox(sandbox)
-        self.tools = BashTools(self.guard)
+        self.tools = ToolSet(BashTools(self.guard), tools, self.guard)
         self.note = image.note or None
 
     @property
@@ -176,32 +180,52 @@ class HarborEpisode:
         return self.guard.caused(exc)
 
     async def score(self) -> Score:
-        verdict, problem = await verifier_phase(self.task, GuardedSandbox(self.guard.inner), self.image)
-        if not problem:
-            assert verdict is not None  # no problem means the tests left a reward
-            return Score(reward=verdict.reward, rewards=verdict.rewards, timed_out=verdict.timed_out,
-                         error=verdict.problem, tampered=verdict.tampered, **_record(verdict))
-        # no reward in the agent's sandbox: a clean run of the tests says whose fault
+        guard, rewards = GuardedSandbox(self.guard.inner), self.scorer.start()
+        view = EpisodeView(self.task, tuple(self.tools.steps), tuple(self.tools.answers),
+                           VerifierSandbox(guard, self.image.workdir))
+        verdict, problem = await verifier_phase(self.task, guard, self.image, rewards.run, view)
+        if problem:
+            return await self._no_reward(verdict, problem)
+        assert verdict is not None  # no problem means the tests left a reward
+        score = Score(reward=verdict.reward, rewards=verdict.rewards, timed_out=verdict.timed_out,
+                      error=verdict.problem, tampered=verdict.tampered, **_record(verdict))
+        if not self.scorer.active or verdict.tampered:
+            return score  # tampered: 0 whatever the reward functions say
+        return await self.scorer.settle(score, rewards, self._reward_control)
+
+    async def _no_reward(self, verdict: Verdict | None, problem: str) -> Score:
+        """No reward in the agent's sandbox: a clean run of the tests says whose fault."""
         await self.close()  # done with it (closing twice is a no-op); free it before taking another
-        _, control_problem = await self._control_run()
+        try:
+            _, control_problem = await self._control_run()
+        except HostLost:
+            raise
+        except Exception as exc:
+            control_problem = f"sandbox did not start: {describe(exc)}"
         if control_problem:
             return Score(reward=None, error=f"task bug: {problem}; with no agent either: {control_problem}",
                          **_record(verdict))
         return Score(reward=None, agent_broke_env=True, **_record(verdict),
                      error=f"verifier failed in the agent's sandbox ({problem}) but not in a fresh one")
 
-    async def _control_run(self) -> tuple[Verdict | None, str]:
-        """The task's tests alone, in a fresh sandbox no agent touched."""
+    async def _control_run(self, fns: Sequence[RewardFn] = ()) -> tuple[RewardRun, str]:
+        """The task's tests (then `fns`, on an episode without tool calls or answers) in a fresh sandbox no
+        agent touched: their values, and what went wrong when the tests left no reward. Raises what the
+        sandbox's start raised."""
+        rewards = RewardRun(fns)
+        sandbox = await self.sandboxes.acquire(sandbox_spec(self.task, self.image))
         try:
-            sandbox = await self.sandboxes.acquire(sandbox_spec(self.task, self.image))
-        except HostLost:
-            raise
-        except Exception as exc:
-            return None, f"sandbox did not start: {describe(exc)}"
-        try:
-            return await verifier_phase(self.task, GuardedSandbox(sandbox), self.image)
+            guard = GuardedSandbox(sandbox)
+            view = EpisodeView(self.task, sandbox=VerifierSandbox(guard, self.image.workdir))
+            _, problem = await verifier_phase(self.task, guard, self.image, rewards.run if fns else None, view)
+            return rewards, problem
         finally:
             await close_quietly(sandbox)
+
+    async def _reward_control(self, fns: Sequence[RewardFn]) -> RewardRun:
+        await self.close()
+        rewards, _ = await self._control_run(fns)
+        return rewards
 
     async def close(self) -> None:
         await close_quietly(self.guard.inner)
@@ -219,10 +243,12 @@ class HarborSource:
 
 
 class HarborEnv:
-    """Harbor tasks, each episode in a sandbox from `sandboxes` (furlong.envs.base.Environment)."""
+    """Harbor tasks, each episode in a sandbox from `sandboxes` (furlong.envs.base.Environment), with the
+    user's extra `tools` beside bash and `scorer`'s reward functions beside the tests."""
 
-    def __init__(self, sandboxes: SandboxSource):
-        self.sandboxes = sandboxes
+    def __init__(self, sandboxes: SandboxSource, tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY):
+        self.sandboxes, self.tools, self.scorer = sandboxes, tuple(tools), scorer
+        check_tools(BASH_TOOL_SCHEMAS, self.tools, has_sandbox=True)  # a clash fails here, not in every episode
 
     def reserve(self, task: Task) -> None:
         self.sandboxes.reserve(task)
@@ -239,15 +265,18 @@ class HarborEnv:
             raise EnvUnavailable(f"sandbox did not start: {describe(exc)}") from exc
         finally:
             clock.add("sandbox_start", t)
-        return HarborEpisode(task, sandbox, image, self.sandboxes)
+        return HarborEpisode(task, sandbox, image, self.sandboxes, self.tools, self.scorer)
 
 
-async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef) -> tuple[Verdict | None, str]:
+async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
+                         rewards: Callable[..., Awaitable[None]] | None = None,
+                         view: EpisodeView | None = None) -> tuple[Verdict | None, str]:
     """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
-    ("" when they did)."""
+    ("" when they did). `rewards(view, verifier_env)` runs right after the tests, inside their integrity check."""
+    after = (lambda: rewards(view, dict(task.verifier_env))) if rewards is not None else None
     try:
         verdict = await verify(task, sandbox, image.workdir, verifier_uid=sandbox.verifier_uid,
-                               search_path=dict(image.env).get("PATH", BASE_ENV["PATH"]))
+                               search_path=dict(image.env).get("PATH", BASE_ENV["PATH"]), after_tests=after)
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
     except Exception as exc:

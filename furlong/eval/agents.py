@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from furlong.agent.runner import Agent, AgentRun
-from furlong.envs.harbor import BashTools
+from furlong.envs.toolset import ToolSet
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import output_tail
 
@@ -36,7 +36,7 @@ def agent_for(agents: Agent | EpisodeAgents, task: Task, sample: int) -> Agent:
 class NoopAgent:
     name = "noop"
 
-    async def run(self, task: Task, tools: BashTools, timeout_s: float) -> AgentRun:
+    async def run(self, task: Task, tools: ToolSet, timeout_s: float) -> AgentRun:
         return AgentRun()
 
 
@@ -45,7 +45,7 @@ class OracleAgent:
 
     name = "oracle"
 
-    async def run(self, task: Task, tools: BashTools, timeout_s: float) -> AgentRun:
+    async def run(self, task: Task, tools: ToolSet, timeout_s: float) -> AgentRun:
         sandbox = tools.sandbox
         if task.solution is None:
             raise ValueError(f"task {task.id!r} has no solution for the oracle agent")

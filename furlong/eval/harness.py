@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from furlong.agent.runner import STATUSES, Agent, Outcome, SandboxSource, run_retrying
+from furlong.envs.base import Environment
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
 from furlong.tasks.model import Task
@@ -65,7 +66,7 @@ class EpisodeResult:
         return out
 
 
-async def run_agent(task: Task, new_agent: Callable[[], Agent], sandboxes: SandboxSource,
+async def run_agent(task: Task, new_agent: Callable[[], Agent], sandboxes: Environment | SandboxSource,
                     sample: int = 0) -> EpisodeResult:
     """Never raises for an agent's, a task's or the sandbox's fault: a failure becomes the status. An
     episode whose sandbox host was lost runs again with `new_agent()` (furlong.agent.runner.run_retrying)."""

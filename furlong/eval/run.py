@@ -12,6 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from furlong.envs.base import Environment
+from furlong.envs.harbor import HarborEnv
+from furlong.envs.rewards import TESTS_ONLY, Scorer
+from furlong.envs.toolset import Tool
+from furlong.envs.user import Instance
 from furlong.eval.agents import Agent, EpisodeAgents, agent_for
 from furlong.eval.harness import EpisodeResult, run_agent
 from furlong.eval.passk import pass_at_k_summary
@@ -43,11 +48,16 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
     return images
 
 
-async def run_eval(entries: Sequence[Task | BrokenTask], agent: Agent | EpisodeAgents, backend, store: ImageStore,
-                   concurrency: int, out: Path | None, console: Console, samples: int = 1) -> list[EpisodeResult]:
+async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent | EpisodeAgents, backend,
+                   store: ImageStore, concurrency: int, out: Path | None, console: Console, samples: int = 1,
+                   tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY,
+                   env: Environment | None = None) -> list[EpisodeResult]:
     """`samples` episodes of every task, in `entries`' order. A BrokenTask (one that did not load) is an
-    infra_error line of its own, written first; the others' lines are written as each episode ends."""
-    tasks = [e for e in entries if isinstance(e, Task)]
+    infra_error line of its own, written first; the others' lines are written as each episode ends.
+    `tools` and `scorer`: the user's extra tools and reward functions (train.env), as in training. `env`:
+    the episodes' environment (a Python one, whose instances `entries` are); None: Harbor tasks in fresh
+    sandboxes, their images built first."""
+    tasks = [e for e in entries if not isinstance(e, BrokenTask)]
     results = [EpisodeResult.unloadable(e, agent.name) for e in entries if isinstance(e, BrokenTask)]
     sink = open(out, "w") if out else None
 
@@ -59,10 +69,11 @@ async def run_eval(entries: Sequence[Task | BrokenTask], agent: Agent | EpisodeA
     try:
         for res in results:
             record(res)
-        images = await prepare_images(tasks, store, backend, console) if tasks else {}
-        sandboxes = FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend))
+        if env is None:
+            images = await prepare_images(tasks, store, backend, console) if tasks else {}
+            env = HarborEnv(FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)), tools, scorer)
         jobs = [(task, k) for task in tasks for k in range(samples)]
-        results += await _episodes(jobs, agent, sandboxes, concurrency, record, console, len(results) + len(jobs))
+        results += await _episodes(jobs, agent, env, concurrency, record, console, len(results) + len(jobs))
     finally:
         if sink:
             sink.close()
@@ -70,7 +81,7 @@ async def run_eval(entries: Sequence[Task | BrokenTask], agent: Agent | EpisodeA
     return sorted(results, key=lambda r: (order[r.task], r.sample))
 
 
-async def _episodes(jobs: list[tuple[Task, int]], agent: Agent | EpisodeAgents, sandboxes: FreshSandboxes,
+async def _episodes(jobs: list[tuple[Task | Instance, int]], agent: Agent | EpisodeAgents, sandboxes: Environment,
                     concurrency: int, record: Callable[[EpisodeResult], None], console: Console,
                     total: int) -> list[EpisodeResult]:
     sem = asyncio.Semaphore(concurrency)

@@ -1,4 +1,5 @@
-"""A run directory: config, metrics JSONL, TensorBoard events, checkpoints and the phase record.
+"""A run directory: config, metrics JSONL, TensorBoard events (W&B too: furlong.metrics.wandb_log),
+checkpoints and the phase record.
 
 Everything a killed run needs to continue is here: `state.json` says which phases finished (with
 their results) and which checkpoint is the last complete one. Files are replaced atomically.
@@ -11,7 +12,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -23,6 +24,12 @@ def atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class MetricsSink(Protocol):
+    def log(self, phase: str, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def metrics_row(*parts: dict) -> dict:
@@ -42,6 +49,7 @@ class RunDir:
         self.path = Path(path)
         self.ckpt_root = self.path / "checkpoints"
         self._tb = None
+        self.sinks: list[MetricsSink] = []  # more places each metrics row goes (W&B)
 
     @classmethod
     def create(cls, path: Path, config: dict) -> RunDir:
@@ -87,6 +95,8 @@ class RunDir:
                 if isinstance(value, (int, float)):
                     tb.add_scalar(f"{phase}/{key}", value, step)
             tb.flush()
+        for sink in self.sinks:
+            sink.log(phase, step, metrics)
 
     def _writer(self):
         if self._tb is None:
@@ -128,3 +138,5 @@ class RunDir:
     def close(self) -> None:
         if self._tb:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 from furlong.agent.episode import AgentParams, Episode, run_episode
 from furlong.agent.runner import SandboxSource
 from furlong.engine.base import Engine, SamplingParams
+from furlong.envs.base import Environment
 from furlong.metrics.outcomes import Scored, rates
 from furlong.seeding import eval_seed, mix_seed
 from furlong.tasks.model import Task
@@ -78,8 +79,8 @@ class Rollouts:
     no more than `concurrency` sandboxes wait idle for their episodes.
     """
 
-    def __init__(self, engine: Engine, tokenizer, sandboxes: SandboxSource, params: AgentParams, concurrency: int,
-                 on_episode: Callable[[Episode], None] = lambda e: None):
+    def __init__(self, engine: Engine, tokenizer, sandboxes: Environment | SandboxSource, params: AgentParams,
+                 concurrency: int, on_episode: Callable[[Episode], None] = lambda e: None):
         self.engine, self.tokenizer, self.sandboxes = engine, tokenizer, sandboxes
         self.params, self.concurrency = params, concurrency
         self.on_episode = on_episode  # called as each episode finishes (the run's episode records)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import shlex
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from furlong.sandbox.base import BASE_ENV, ChangeTracking, Sandbox, SandboxDied, SandboxError
@@ -57,14 +58,16 @@ class Verdict:
 
 
 async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int | None = None,
-                 search_path: str = BASE_ENV["PATH"]) -> Verdict:
+                 search_path: str = BASE_ENV["PATH"],
+                 after_tests: Callable[[], Awaitable[None]] | None = None) -> Verdict:
     """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
 
     What the tests execute is checked (furlong.tasks.integrity) before they run, and again after: the
     agent's background processes run on meanwhile, and anything they changed counts; what the verifier's
     own uid made does not (`verifier_uid`, as seen inside; None: the agent's uid, so every change counts).
     A tampered episode's tests still run, for the record, but it scores 0 unless the task trusts the
-    agent's tools. `search_path` is the tests' PATH (the image's).
+    agent's tools. `search_path` is the tests' PATH (the image's). `after_tests` (the user's reward
+    functions, furlong.envs.rewards) runs once the tests have, inside the same check.
 
     Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
     agent's processes, still running, can neither write nor replace (furlong.sandbox.bwrap). With one uid
@@ -72,6 +75,8 @@ async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int |
     search = integrity.path_dirs(dict(task.verifier_env).get("PATH", search_path))
     before = await _tampering(sandbox, search, None)
     verdict = await _run_tests(task, sandbox, workdir)
+    if after_tests is not None:
+        await after_tests()
     after = await _tampering(sandbox, search, verifier_uid)
     if before is None or after is None:
         return verdict

@@ -13,14 +13,14 @@ import logging
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from furlong.agent.episode import AgentParams
 from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
-from furlong.envs.base import Toolbox
+from furlong.envs.base import Environment, Toolbox
 from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
 from furlong.tasks.model import Task
 
@@ -43,9 +43,11 @@ def solution_command(task: Task) -> str:
     return "\n".join(keep)
 
 
-def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: AgentParams) -> Demo:
+def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: AgentParams,
+                schemas: Sequence[dict] = (BASH_TOOL,)) -> Demo:
+    """`schemas`: the episode's tools (bash and the run's extra tools), shown as an RL episode shows them."""
     prompt = render_prompt_ids(tokenizer, [Message("system", params.system_prompt), Message("user", task.instruction)],
-                               [BASH_TOOL] if params.tool_schema_in_prompt else None)
+                               list(schemas) if params.tool_schema_in_prompt else None)
     call = assistant_ids(tokenizer, Message("assistant", "", (ToolCall("bash", {"command": command}),)))
     result = continuation_ids(tokenizer, [Message("tool", observation)])
     final = assistant_ids(tokenizer, Message("assistant", FINAL_ANSWER))
@@ -69,15 +71,16 @@ class DemoAgent:
         self.params = params
         self.command: str | None = None
         self.observation: str | None = None
+        self.schemas: tuple[dict, ...] = (BASH_TOOL,)
 
     async def run(self, task: Task, tools: Toolbox, timeout_s: float) -> AgentRun:
-        self.command = solution_command(task)
+        self.command, self.schemas = solution_command(task), tuple(tools.schemas)
         runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
         self.observation = await runner.run(ToolCall("bash", {"command": self.command}))
         return AgentRun(commands=1)
 
 
-async def oracle_demo(task: Task, tokenizer, sandboxes: SandboxSource, params: AgentParams) -> Demo | None:
+async def oracle_demo(task: Task, tokenizer, sandboxes: Environment | SandboxSource, params: AgentParams) -> Demo | None:
     """The solution replayed as an episode of the one runner (furlong.agent.runner). None when it does
     not pass (such a demo would teach a wrong answer), or when the sandbox failed every attempt: one
     lost demonstration must not end the run."""
@@ -89,12 +92,13 @@ async def oracle_demo(task: Task, tokenizer, sandboxes: SandboxSource, params: A
         if attempt == DEMO_ATTEMPTS - 1:
             log.warning("sft: no demonstration of %s: %s %d times (%s)", task.id, outcome.status, DEMO_ATTEMPTS,
                         outcome.error)
-    if outcome.reward != 1.0 or agent.command is None or agent.observation is None:
+    # the task's tests passed (with reward functions weighed in, `rewards` holds the tests' own reward)
+    if outcome.rewards.get("tests", outcome.reward) != 1.0 or agent.command is None or agent.observation is None:
         return None
-    return demo_tokens(tokenizer, task, agent.command, agent.observation, params)
+    return demo_tokens(tokenizer, task, agent.command, agent.observation, params, agent.schemas)
 
 
-async def oracle_demos(tasks: list[Task], tokenizer, sandboxes: SandboxSource, params: AgentParams,
+async def oracle_demos(tasks: list[Task], tokenizer, sandboxes: Environment | SandboxSource, params: AgentParams,
                        concurrency: int, on_done: Callable[[], None] = lambda: None) -> list[Demo]:
     slots = asyncio.Semaphore(concurrency)
 
