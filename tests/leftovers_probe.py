@@ -4,7 +4,8 @@ and prints, as JSON, what the second round left on the host: processes, namespac
 
 This process makes itself a child subreaper, so a process any of them leaves behind (a daemon, pasta's
 child once pasta died) is reparented here, not to the host's init: it is told apart from other work on a
-shared machine, and still counted as alive. The checkout's root is the first argument.
+shared machine, and still counted as alive. The checkout's root is the first argument, a work directory
+the second; a CA bundle, third and optional, lends the build and the sandbox the host's CAs and mirrors.
 """
 
 from __future__ import annotations
@@ -97,13 +98,15 @@ def snapshot() -> dict[str, list[str]]:
             "mounts": sorted(mounts()), "cgroups": sorted(cgroups(set(procs)))}
 
 
-async def one_round(root: Path, work: Path, nonce: str) -> None:
+async def one_round(root: Path, work: Path, nonce: str, ca_bundle: Path | None) -> None:
     from furlong.sandbox.base import Limits, SandboxSpec
     from furlong.sandbox.bwrap import BwrapBackend
+    from furlong.sandbox.egress import host_egress
     from furlong.sandbox.images import ImageStore
 
-    store = ImageStore()
-    backend = BwrapBackend(layers=store)
+    lent = host_egress(True, ca_bundle, "host") if ca_bundle else None  # the host's CAs bound into both
+    store = ImageStore(egress=lent)
+    backend = BwrapBackend(layers=store, egress=lent)
     env = work / nonce / "environment"
     env.mkdir(parents=True)
     (env / "Dockerfile").write_text(  # a second stage: buildah builds it, its RUNs in a network namespace
@@ -124,12 +127,13 @@ async def one_round(root: Path, work: Path, nonce: str) -> None:
 
 def main() -> None:
     root, work = Path(sys.argv[1]), Path(sys.argv[2])
+    ca_bundle = Path(sys.argv[3]) if len(sys.argv) > 3 else None
     sys.path.insert(0, str(root))  # this checkout's furlong, not an installed one
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
-    asyncio.run(one_round(root, work, f"warm{time.time_ns()}"))
+    asyncio.run(one_round(root, work, f"warm{time.time_ns()}", ca_bundle))
     before = snapshot()
-    asyncio.run(one_round(root, work, f"check{time.time_ns()}"))
+    asyncio.run(one_round(root, work, f"check{time.time_ns()}", ca_bundle))
     deadline = time.monotonic() + 15  # a killed process may take a moment to be gone
     while True:
         after = snapshot()
