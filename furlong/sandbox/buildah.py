@@ -122,11 +122,12 @@ class Buildah:
 
     def import_ref(self, ref: ImageRef, layer_dirs: tuple[Path, ...], egress: Egress | None = None) -> str:
         """`localhost/furlong/<digest>`: the resolved image (its layers' directories, top first) as a
-        buildah image, made once per digest. With `egress`, `<digest>-egress-<key>`, whose ENV also names
-        the host's CA bundle and mirrors (where the image sets none of them itself): RUN steps see them,
-        and buildah's own step cache, which ignores --volume and --env, never mixes steps run with them
-        and without (its chain starts from another image)."""
-        name = f"localhost/furlong/{ref.digest}" + (f"-egress-{egress.key}" if egress else "")
+        buildah image, made once per digest. With `egress`, `<digest>-egress-<hash of its ENV>`, whose ENV
+        also names the host's CA bundle and mirrors (where the image sets none of them itself): RUN steps
+        see them, and buildah's own step cache, which ignores --volume and --env, never mixes steps run
+        with them and without (its chain starts from another image)."""
+        lent = _sha(*(f"{k}={v}" for k, v in egress.env)) if egress else ""
+        name = f"localhost/furlong/{ref.digest}" + (f"-egress-{lent}" if egress else "")
         if self._imported(name, ref.user):
             return name
         with _locked(self.home / f".import-{ref.digest}.lock"):
