@@ -47,9 +47,15 @@ def trusting(tls) -> tuple[ImageStore, BwrapBackend]:
 
 
 def fetches(url: str) -> str:
-    """curl and Python's urllib fetching `url`, each with its own certificate checks, into /fetched."""
-    return (f"curl -fsS {url}/hello.txt > /fetched-curl && python3 -c \"import urllib.request; "
+    """curl, wget and Python's urllib fetching `url`, each with its own certificate checks, into /fetched-*."""
+    return (f"curl -fsS {url}/hello.txt > /fetched-curl && wget -q -O /fetched-wget {url}/hello.txt && "
+            f"python3 -c \"import urllib.request; "
             f"open('/fetched-py', 'wb').write(urllib.request.urlopen('{url}/hello.txt', timeout=20).read())\"")
+
+
+def download(url: str) -> str:
+    """pip downloading the probe wheel from `url`'s index into /wheels (no retries: a refusal is final)."""
+    return f"pip download --retries 0 --no-deps -d /wheels --index-url {url}/simple/ furlong-probe"
 
 
 async def _in_sandbox(backend, image, cmd: str, network: bool = True):
@@ -68,8 +74,9 @@ def _image(store, backend, name: str):
 def test_a_networked_sandbox_trusts_the_host_ca_only_when_asked(tls, store, backend, trusting, tmp_path: Path):
     image = _image(store, backend, CURL_IMAGE)
     curl = f"curl -fsS {tls.url}/hello.txt"
+    wget = f"wget -q -O - {tls.url}/hello.txt || wget -O /dev/null {tls.url}/hello.txt"  # quiet, else why it failed
     py = f"python3 -c \"import urllib.request; print(urllib.request.urlopen('{tls.url}/hello.txt').read().decode())\""
-    for cmd in (curl, py):
+    for cmd in (curl, wget, py):
         refused = run(_in_sandbox(backend, image, cmd))
         assert refused.exit_code != 0 and "certificate" in (refused.stdout + refused.stderr).lower(), refused
         served = run(_in_sandbox(trusting[1], image, cmd))
@@ -93,8 +100,7 @@ def _dockerfile(tmp_path: Path, text: str) -> Path:
 def test_native_build_steps_trust_the_host_ca_only_when_asked(tls, store, backend, trusting, tmp_path: Path):
     nonce = uuid.uuid4().hex  # a fresh layer, so the steps really run
     curl = _dockerfile(tmp_path, f"FROM {CURL_IMAGE}\nENV NONCE={nonce}\nRUN {fetches(tls.url)}\n")
-    pip = _dockerfile(tmp_path, f"FROM {PIP_IMAGE}\nENV NONCE={nonce}\n"
-                                f"RUN pip download --retries 0 --no-deps -d /wheels --index-url {tls.url}/simple/ furlong-probe\n")
+    pip = _dockerfile(tmp_path, f"FROM {PIP_IMAGE}\nENV NONCE={nonce}\nRUN {download(tls.url)}\n")
     for dockerfile, why in ((curl, "SSL certificate problem"), (pip, "CERTIFICATE_VERIFY_FAILED")):
         with pytest.raises(ImageBuildError, match=why):
             run(store.image(dockerfile, backend))
@@ -102,8 +108,8 @@ def test_native_build_steps_trust_the_host_ca_only_when_asked(tls, store, backen
     built = run(trusted_store.image(curl, trusted_backend))
     wheels = run(trusted_store.image(pip, trusted_backend))
     assert built.digest != store.layer_key(curl, _steps(curl), _image(store, backend, CURL_IMAGE).digest)
-    seen = run(_in_sandbox(backend, built, "cat /fetched-curl /fetched-py; env", network=False))
-    assert seen.stdout.startswith("hello over TLS\nhello over TLS\n") and "SSL_CERT_FILE" not in seen.stdout, seen
+    seen = run(_in_sandbox(backend, built, "cat /fetched-curl /fetched-wget /fetched-py; env", network=False))
+    assert seen.stdout.startswith("hello over TLS\n" * 3) and "SSL_CERT_FILE" not in seen.stdout, seen
     listed = run(_in_sandbox(backend, wheels, "ls /wheels", network=False))
     assert listed.stdout == "furlong_probe-1.0-py3-none-any.whl\n", listed
     for image in (built, wheels):  # the bind's mount point is not part of the layer
@@ -122,14 +128,15 @@ def test_buildah_steps_trust_the_host_ca_only_when_asked(tls, store, backend, tr
     nonce = uuid.uuid4().hex
     dockerfile = _dockerfile(tmp_path, (  # two stages: buildah builds it
         f"FROM {CURL_IMAGE} AS fetch\nARG NONCE={nonce}\nRUN {fetches(tls.url)}\n"
-        f"FROM {PIP_IMAGE}\nRUN pip download --retries 0 --no-deps -d /wheels --index-url {tls.url}/simple/ furlong-probe\n"
-        "COPY --from=fetch /fetched-curl /fetched-py /\n"))
+        f"FROM {PIP_IMAGE}\nRUN {download(tls.url)}\n"
+        "COPY --from=fetch /fetched-curl /fetched-wget /fetched-py /\n"))
     with pytest.raises(ImageBuildError, match=r"Dockerfile:3: RUN exited 60:[\s\S]*SSL certificate problem"):
         run(store.image(dockerfile, backend))
     trusted_store, trusted_backend = trusting
     image = run(trusted_store.image(dockerfile, trusted_backend))
-    seen = run(_in_sandbox(backend, image, "cat /fetched-curl /fetched-py; ls /wheels; env", network=False))
-    assert seen.stdout.startswith("hello over TLS\nhello over TLS\nfurlong_probe-1.0-py3-none-any.whl\n"), seen
+    seen = run(_in_sandbox(backend, image, "cat /fetched-curl /fetched-wget /fetched-py; ls /wheels; env",
+                           network=False))
+    assert seen.stdout.startswith("hello over TLS\n" * 3 + "furlong_probe-1.0-py3-none-any.whl\n"), seen
     assert "SSL_CERT_FILE" not in seen.stdout and "APT_CONFIG" not in seen.stdout, "the ENV lent is not kept"
     assert not (trusted_store.root / image.layers[0].path / egress.MOUNT.lstrip("/")).exists()
 

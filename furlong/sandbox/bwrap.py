@@ -158,7 +158,8 @@ class BwrapBackend:
             for path in (TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR):
                 args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
         if spec.network:
-            args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf", *(egress.bwrap_args() if egress else [])]
+            args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
+            args += egress.bwrap_args() if egress else []
         if seccomp_fd is not None:  # the init applies it to every command, once it has taken its identity
             init_args = (*init_args, "--seccomp", str(seccomp_fd))
             fds.append(seccomp_fd)

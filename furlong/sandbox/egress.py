@@ -31,7 +31,7 @@ from furlong.sandbox.base import SandboxError
 
 log = logging.getLogger(__name__)
 MOUNT = "/run/furlong-host"  # inside: the host's pieces, read-only
-CA_FILE, APT_FILE = "ca-certificates.crt", "apt.conf"
+CA_FILE, APT_FILE, WGETRC_FILE = "ca-certificates.crt", "apt.conf", "wgetrc"
 # The clients that read a CA bundle from the environment: OpenSSL's users (Python's ssl, curl, wget built
 # with OpenSSL, uv, Go), pip (else certifi), requests, the curl command, Node (added to its own roots), git.
 CA_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
@@ -77,6 +77,10 @@ def host_egress(trust_host_ca: bool, ca_bundle: Path | None, package_mirrors: st
     if trust_host_ca:
         files[CA_FILE] = _read_bundle(ca_bundle or default_ca_bundle())
         env += [(name, f"{MOUNT}/{CA_FILE}") for name in CA_VARIABLES]
+        # Debian's wget is GnuTLS's, which reads no variable: a startup file names the bundle (/etc/wgetrc
+        # is still read)
+        files[WGETRC_FILE] = f"ca_certificate = {MOUNT}/{CA_FILE}\n".encode()
+        env.append(("WGETRC", f"{MOUNT}/{WGETRC_FILE}"))
         apt.append(f'Acquire::https::CaInfo "{MOUNT}/{CA_FILE}";')
     if package_mirrors == "host":
         pip_env, notes = mirror_env(pip_settings(), os.environ)
