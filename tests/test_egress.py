@@ -6,6 +6,7 @@ tls_support.py says how a sandbox reaches the server with the default fence in p
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -112,8 +113,9 @@ def test_native_build_steps_trust_the_host_ca_only_when_asked(tls, store, backen
     assert seen.stdout.startswith("hello over TLS\n" * 3) and "SSL_CERT_FILE" not in seen.stdout, seen
     listed = run(_in_sandbox(backend, wheels, "ls /wheels", network=False))
     assert listed.stdout == "furlong_probe-1.0-py3-none-any.whl\n", listed
-    for image in (built, wheels):  # the bind's mount point is not part of the layer
+    for image in (built, wheels):  # the bind's mount point is not part of the layer; its meta says what was lent
         assert not (trusted_store.root / image.layers[0].path / egress.MOUNT.lstrip("/")).exists()
+        assert json.loads((trusted_store.root / image.digest / "meta.json").read_text())["egress"] == "trust_host_ca"
 
 
 def _steps(dockerfile: Path):
@@ -139,6 +141,7 @@ def test_buildah_steps_trust_the_host_ca_only_when_asked(tls, store, backend, tr
     assert seen.stdout.startswith("hello over TLS\n" * 3 + "furlong_probe-1.0-py3-none-any.whl\n"), seen
     assert "SSL_CERT_FILE" not in seen.stdout and "APT_CONFIG" not in seen.stdout, "the ENV lent is not kept"
     assert not (trusted_store.root / image.layers[0].path / egress.MOUNT.lstrip("/")).exists()
+    assert json.loads((trusted_store.root / image.digest / "meta.json").read_text())["egress"] == "trust_host_ca"
 
 
 @needs_root

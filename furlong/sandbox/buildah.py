@@ -383,7 +383,8 @@ def _store(bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path, pr
                     if "=" in e and tuple(e.split("=", 1)) not in (egress.env if egress else ())],
             "workdir": config.get("WorkingDir") or "/", "user": str(config.get("User") or ""),
             "labels": config.get("Labels") or {}, "note": "; ".join(planned.notes), "skipped_devices": skipped,
-            "build_seconds": round(built, 2), "seconds": round(time.monotonic() - started, 1)}
+            "build_seconds": round(built, 2), "seconds": round(time.monotonic() - started, 1),
+            **({"egress": egress.settings} if egress else {})}
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 

@@ -46,11 +46,12 @@ LOOPBACK = ("localhost", "127.0.0.1", "::1")
 class Egress:
     """What a networked process gets: `directory` (a host directory, bound read-only at MOUNT; None: nothing
     to bind) and `env`, set before the image's own ENV (which wins, as it would in Docker). `key` is what
-    image keys record of it."""
+    image keys record of it, `settings` the same in words (a built image's meta.json has it)."""
 
     key: str
     env: tuple[tuple[str, str], ...] = ()
     directory: Path | None = None
+    settings: str = ""
 
     def bwrap_args(self) -> list[str]:
         return ["--ro-bind", str(self.directory), MOUNT] if self.directory else []
@@ -93,7 +94,8 @@ def host_egress(trust_host_ca: bool, ca_bundle: Path | None, package_mirrors: st
         files[APT_FILE] = ("\n".join(apt) + "\n").encode()
         env.append(("APT_CONFIG", f"{MOUNT}/{APT_FILE}"))  # read before apt.conf.d, which still applies
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
-    return Egress(key=digest, env=tuple(env), directory=_write_directory(files) if files else None)
+    return Egress(key=digest, env=tuple(env), directory=_write_directory(files) if files else None,
+                  settings=", ".join(key))
 
 
 def default_ca_bundle() -> Path:

@@ -336,6 +336,7 @@ class ImageStore:
             self.egress.remove_mount_point(tmp / "upper")
         await asyncio.to_thread(self._seal, tmp / "upper")
         meta = {"env": env, "workdir": workdir, "user": user, "dockerfile": str(dockerfile), **(extra or {}),
+                **({"egress": self.egress.settings} if self.egress else {}),
                 "seconds": round(time.monotonic() - started, 1)}
         (tmp / "meta.json").write_text(json.dumps({**meta, "provides": provides} if probe else meta))
         with _locked(self.root / f".{final.name}.lock"):
