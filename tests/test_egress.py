@@ -40,9 +40,26 @@ def tls(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def trusting(tls) -> tuple[ImageStore, BwrapBackend]:
+def lend():
+    """egress.host_egress; the directories it makes with trust_host_ca on hold this module's fresh CAs, so
+    no one else uses them: they go when the module ends."""
+    made = []
+
+    def make(trust_host_ca: bool, bundle: Path | None, package_mirrors: str) -> egress.Egress | None:
+        lent = egress.host_egress(trust_host_ca, bundle, package_mirrors)
+        if trust_host_ca:
+            made.append(lent.directory)
+        return lent
+
+    yield make
+    for directory in made:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def trusting(tls, lend) -> tuple[ImageStore, BwrapBackend]:
     """A store and backend whose builds and networked sandboxes trust the test CA's bundle."""
-    lent = egress.host_egress(True, tls.ca, "none")
+    lent = lend(True, tls.ca, "none")
     store = ImageStore(egress=lent)
     return store, BwrapBackend(layers=store, egress=lent)
 
@@ -72,7 +89,8 @@ def _image(store, backend, name: str):
 
 
 @needs_root
-def test_a_networked_sandbox_trusts_the_host_ca_only_when_asked(tls, store, backend, trusting, tmp_path: Path):
+def test_a_networked_sandbox_trusts_the_host_ca_only_when_asked(tls, store, backend, trusting, lend,
+                                                                tmp_path: Path):
     image = _image(store, backend, CURL_IMAGE)
     curl = f"curl -fsS {tls.url}/hello.txt"
     wget = f"wget -q -O - {tls.url}/hello.txt || wget -O /dev/null {tls.url}/hello.txt"  # quiet, else why it failed
@@ -83,7 +101,7 @@ def test_a_networked_sandbox_trusts_the_host_ca_only_when_asked(tls, store, back
         served = run(_in_sandbox(trusting[1], image, cmd))
         assert served.exit_code == 0 and served.stdout.strip() == "hello over TLS", served
     other, _, _ = make_ca_and_cert(tmp_path, "192.0.2.1")  # a bundle without the server's CA: still checked
-    stranger = BwrapBackend(layers=store, egress=egress.host_egress(True, other, "none"))
+    stranger = BwrapBackend(layers=store, egress=lend(True, other, "none"))
     refused = run(_in_sandbox(stranger, image, py))
     assert refused.exit_code != 0 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr, refused
     offline = run(_in_sandbox(trusting[1], image, f"ls {egress.MOUNT}; env | grep -c CA_BUNDLE", network=False))
@@ -145,12 +163,13 @@ def test_buildah_steps_trust_the_host_ca_only_when_asked(tls, store, backend, tr
 
 
 @needs_root
-def test_package_mirrors_host_lends_pips_index_and_apts_proxy(tls, store, backend, tmp_path: Path, monkeypatch):
+def test_package_mirrors_host_lends_pips_index_and_apts_proxy(tls, store, backend, lend, tmp_path: Path,
+                                                              monkeypatch):
     apt_conf = tmp_path / "apt.conf"
     apt_conf.write_text('Acquire::http::Proxy::proxied.example "http://proxy.example:3128";\n')  # not the mirror's
     monkeypatch.setenv("APT_CONFIG", str(apt_conf))  # what `apt-config dump` reads on the host
     monkeypatch.setenv("PIP_INDEX_URL", f"{tls.url}/simple/")
-    lent = egress.host_egress(True, tls.ca, "host")
+    lent = lend(True, tls.ca, "host")
     mirrored = ImageStore(egress=lent)
     mirrored_backend = BwrapBackend(layers=mirrored, egress=lent)
     image = _image(store, backend, PIP_IMAGE)
@@ -164,7 +183,7 @@ def test_package_mirrors_host_lends_pips_index_and_apts_proxy(tls, store, backen
     assert listed.stdout == "furlong_probe-1.0-py3-none-any.whl\n", listed
 
 
-def test_both_settings_are_off_by_default_and_keyed_apart_when_on(tmp_path: Path):
+def test_both_settings_are_off_by_default_and_keyed_apart_when_on(lend, tmp_path: Path):
     assert egress.host_egress(False, None, "none") is None
     bundle = tmp_path / "ca.pem"
     bundle.write_bytes(Path(make_ca_and_cert(tmp_path, "192.0.2.1")[0]).read_bytes())
@@ -172,8 +191,7 @@ def test_both_settings_are_off_by_default_and_keyed_apart_when_on(tmp_path: Path
     steps = _steps(dockerfile)
     plain = ImageStore()
     keys = {ImageStore(egress=e).layer_key(dockerfile, steps) for e in (
-        egress.host_egress(True, bundle, "none"), egress.host_egress(False, None, "host"),
-        egress.host_egress(True, bundle, "host"))}
+        lend(True, bundle, "none"), lend(False, None, "host"), lend(True, bundle, "host"))}
     assert len(keys) == 3 and plain.layer_key(dockerfile, steps) not in keys
     with pytest.raises(SandboxError, match="holds no PEM certificate"):
         egress.host_egress(True, dockerfile, "none")
@@ -194,7 +212,7 @@ def test_pip_settings_are_read_in_pips_order(tmp_path: Path):
 
 
 ROOTLESS = r"""
-import asyncio, sys
+import asyncio, shutil, sys
 from pathlib import Path
 from furlong.sandbox import egress
 from furlong.sandbox.base import SandboxSpec
@@ -218,6 +236,8 @@ async def main():
             except ImageBuildError:
                 built.append("failed")
         print(fetched.exit_code, fetched.stdout.strip().replace(" ", "_"), *built)
+        if lent:
+            shutil.rmtree(lent.directory)  # it holds the test's CA: no one else's
 
 asyncio.run(main())
 """
