@@ -39,13 +39,23 @@ class SandboxConfig(_Node):
 
 
 class ImagesConfig(_Node):
-    """Base images pulled from registries (furlong.sandbox.registry; docs/images.md, "Base images from registries")."""
+    """Base images pulled from registries (furlong.sandbox.registry; docs/images.md, "Base images from
+    registries"), and what builds and networked sandboxes borrow from the host (furlong.sandbox.egress)."""
 
     prefer_registry: bool = Field(False, description="pull the names furlong has stand-ins for (python:*, "
                                   "debian:bookworm...) from their registry too; env FURLONG_PREFER_REGISTRY=1")
     registry_auth_file: Path | None = Field(None, description="a containers-auth.json for private registries "
                                             "(skopeo --authfile); null: $REGISTRY_AUTH_FILE, else skopeo's defaults")
     pull_timeout_s: float = Field(1800.0, gt=0, description="one image pull")
+    trust_host_ca: bool = Field(False, description="build steps and networked sandboxes trust the host's CA "
+                                "certificates (host_ca_bundle, bound read-only; SSL_CERT_FILE, PIP_CERT... name it): "
+                                "for TLS-intercepting proxies and internal mirrors. They then trust whatever the "
+                                "host trusts, an interception CA included (docs/images.md)")
+    host_ca_bundle: Path | None = Field(None, description="trust_host_ca: the PEM bundle; null: the one the host's "
+                                        "pip and Python verify with (pip's cert, else SSL_CERT_FILE, else OpenSSL's)")
+    package_mirrors: Literal["none", "host"] = Field(
+        "none", description="host: build steps and networked sandboxes get the host pip's http(s) index settings "
+                            "(PIP_INDEX_URL, pip.conf), its proxy variables and apt's proxy settings")
 
 
 class EvalConfig(_Node):

@@ -6,7 +6,8 @@ commands, starts a new host, and prints what the killed one left, before and onc
 
 This process makes itself a child subreaper, so a process any of them leaves behind (a daemon, pasta's
 child once pasta died) is reparented here, not to the host's init: it is told apart from other work on a
-shared machine, and still counted as alive. The checkout's root is the first argument.
+shared machine, and still counted as alive. The checkout's root is the first argument, a work directory
+the second; a CA bundle, third and optional, lends the build and the sandbox the host's CAs and mirrors.
 """
 
 from __future__ import annotations
@@ -102,13 +103,15 @@ def snapshot() -> dict[str, list[str]]:
             "mounts": sorted(mounts()), "cgroups": sorted(cgroups(set(procs)))}
 
 
-async def one_round(root: Path, work: Path, nonce: str) -> None:
+async def one_round(root: Path, work: Path, nonce: str, ca_bundle: Path | None) -> None:
     from furlong.sandbox.base import Limits, SandboxSpec
     from furlong.sandbox.bwrap import BwrapBackend
+    from furlong.sandbox.egress import host_egress
     from furlong.sandbox.images import ImageStore
 
-    store = ImageStore()
-    backend = BwrapBackend(layers=store)
+    lent = host_egress(True, ca_bundle, "host") if ca_bundle else None  # the host's CAs bound into both
+    store = ImageStore(egress=lent)
+    backend = BwrapBackend(layers=store, egress=lent)
     env = work / nonce / "environment"
     env.mkdir(parents=True)
     (env / "Dockerfile").write_text(  # a second stage: buildah builds it, its RUNs in a network namespace
@@ -227,16 +230,18 @@ def left_since(before: dict[str, list[str]], take, wait_s: float = 15.0) -> dict
 
 
 def main() -> None:
-    root, work = Path(sys.argv[1]), Path(sys.argv[2])
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    root, work = Path(args[0]), Path(args[1])
+    ca_bundle = Path(args[2]) if len(args) > 2 else None
     sys.path.insert(0, str(root))  # this checkout's furlong, not an installed one
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     if "--killed-host" in sys.argv:
         print(json.dumps(killed_host(root, work)))
         return
-    asyncio.run(one_round(root, work, f"warm{time.time_ns()}"))
+    asyncio.run(one_round(root, work, f"warm{time.time_ns()}", ca_bundle))
     before = snapshot()
-    asyncio.run(one_round(root, work, f"check{time.time_ns()}"))
+    asyncio.run(one_round(root, work, f"check{time.time_ns()}", ca_bundle))
     left = left_since(before, snapshot)
     print(json.dumps({"before": {k: len(v) for k, v in before.items()}, "left": left}))
 

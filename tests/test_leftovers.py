@@ -1,7 +1,8 @@
 """Nothing left behind: a buildah build (as root its RUN steps in a pasta network namespace), a networked
 sandbox and a short `furlong eval --agent oracle` on a bundled task leave no process, namespace, mount
-or cgroup on the host; nor does a SIGKILLed sandbox host once a new one starts. Counted by
-tests/leftovers_probe.py, a child subreaper (its docstring says why)."""
+or cgroup on the host, also with the host's CA bundle bound into the build and the sandbox; nor does a
+SIGKILLed sandbox host once a new one starts. Counted by tests/leftovers_probe.py, a child subreaper (its
+docstring says why)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from furlong.sandbox.egress import default_ca_bundle
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah (install.sh installs it)")
-def test_build_networked_sandbox_and_eval_leave_nothing_on_the_host(tmp_path: Path):
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/leftovers_probe.py"), str(ROOT), str(tmp_path)],
+@pytest.mark.parametrize("host_ca", [False, True], ids=["plain", "trust_host_ca"])
+def test_build_networked_sandbox_and_eval_leave_nothing_on_the_host(tmp_path: Path, host_ca: bool):
+    # trust_host_ca: the build and the sandbox also bind the host's CA bundle and get its mirror settings
+    bundle = [str(default_ca_bundle())] if host_ca else []
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/leftovers_probe.py"), str(ROOT), str(tmp_path), *bundle],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.splitlines()[-1])

@@ -7,6 +7,7 @@ from furlong.config import ImagesConfig, SandboxConfig
 from furlong.paths import cache_dir
 from furlong.sandbox.backends import make_backend
 from furlong.sandbox.base import SandboxBackend
+from furlong.sandbox.egress import host_egress
 from furlong.sandbox.host_images import HostImages
 from furlong.sandbox.hosts import Hosts, read_secret
 from furlong.sandbox.images import ImageStore
@@ -19,14 +20,17 @@ def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore | HostImages:
         return HostImages(hosts(s))
     pulls = Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
                               timeout_s=i.pull_timeout_s)
-    return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls)
+    egress = host_egress(i.trust_host_ca, i.host_ca_bundle, i.package_mirrors)
+    return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls, egress=egress)
 
 
 def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> SandboxBackend:
-    """sandbox.backend over `store`, which resolves the images' layers (remote: the hosts of `store`)."""
+    """sandbox.backend over `store`, which resolves the images' layers (remote: the hosts of `store`); this
+    machine's networked sandboxes borrow from it what its builds do (the hosts' follow their own config)."""
     remote = isinstance(store, HostImages)
     return make_backend(s.backend, layers=None if remote else store, host_uid=s.host_uid,
-                        output_cap=s.output_cap_bytes, seccomp=s.seccomp, images=store if remote else None)
+                        output_cap=s.output_cap_bytes, seccomp=s.seccomp, images=store if remote else None,
+                        egress=None if remote else store.egress)
 
 
 def hosts(s: SandboxConfig) -> Hosts:

@@ -39,6 +39,7 @@ from furlong.sandbox import heredoc, netns
 from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef, SandboxError
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.dockerfile import DockerfileError
+from furlong.sandbox.egress import Egress
 from furlong.sandbox.flatten import flatten_to_tar
 from furlong.sandbox.layertar import LayerWriter, UnpackError, apply_tar_output, make_dir_in_root
 from furlong.sandbox.registry import RegistryError
@@ -119,10 +120,14 @@ class Buildah:
                 raise ImageBuildError(f"buildah cannot run without root here ({why}): it needs newuidmap "
                                       f"(apt-get install uidmap) and a subuid/subgid range for this user")
 
-    def import_ref(self, ref: ImageRef, layer_dirs: tuple[Path, ...]) -> str:
+    def import_ref(self, ref: ImageRef, layer_dirs: tuple[Path, ...], egress: Egress | None = None) -> str:
         """`localhost/furlong/<digest>`: the resolved image (its layers' directories, top first) as a
-        buildah image, made once per digest."""
-        name = f"localhost/furlong/{ref.digest}"
+        buildah image, made once per digest. With `egress`, `<digest>-egress-<hash of its ENV>`, whose ENV
+        also names the host's CA bundle and mirrors (where the image sets none of them itself): RUN steps
+        see them, and buildah's own step cache, which ignores --volume and --env, never mixes steps run
+        with them and without (its chain starts from another image)."""
+        lent = _sha(*(f"{k}={v}" for k, v in egress.env)) if egress else ""
+        name = f"localhost/furlong/{ref.digest}" + (f"-egress-{lent}" if egress else "")
         if self._imported(name, ref.user):
             return name
         with _locked(self.home / f".import-{ref.digest}.lock"):
@@ -134,7 +139,9 @@ class Buildah:
                 ctr = self.run("from", "scratch").strip()
                 try:
                     self.run("add", "--quiet", ctr, str(tar), "/")
-                    env = [a for k, v in ref.env for a in ("--env", f"{k}={v}")]
+                    own = dict(ref.env)
+                    added = [(k, v) for k, v in (egress.env if egress else ()) if k not in own]
+                    env = [a for k, v in [*ref.env, *added] for a in ("--env", f"{k}={v}")]
                     user = ["--user", ref.user] if ref.user else []  # RUN steps over it run as its USER
                     self.run("config", *env, *user, "--workingdir", ref.workdir or "/", ctr)
                     self.run("commit", "--quiet", ctr, name)
@@ -152,11 +159,13 @@ class Buildah:
             "User", "") == user
 
     def bud(self, dockerfile: Path, context: Path, tag: str, progress: Progress,
-            timeout_s: float) -> tuple[int, list[str]]:
-        """Runs the build; its exit status and the last lines of its output."""
+            timeout_s: float, egress: Egress | None = None) -> tuple[int, list[str]]:
+        """Runs the build; its exit status and the last lines of its output. `egress`'s directory is bound
+        read-only into every RUN step (its environment comes with the FROM images: import_ref)."""
         # --force-rm: a failed build leaves no working container (nor its overlay mount) behind
         cmd = self.argv("bud", "--pull=never", "--isolation", "chroot", "--layers", "--force-rm",
-                        *_dns(), "-f", str(dockerfile), "-t", tag, str(context))
+                        *_dns(), *(egress.buildah_args() if egress else []), "-f", str(dockerfile), "-t", tag,
+                        str(context))
         with _build_network() as prefix:
             return self._follow([*prefix, *cmd], progress, timeout_s)
 
@@ -182,15 +191,19 @@ class Buildah:
     def config(self, tag: str) -> dict:
         return json.loads(self.run("inspect", "--type", "image", tag)).get("OCIv1", {}).get("config") or {}
 
-    def export(self, tag: str, rootfs: Path, label: str) -> int:
-        """Unpacks the image's tree into `rootfs` (as this uid's files); the device nodes left out."""
+    def export(self, tag: str, rootfs: Path, label: str, egress: Egress | None = None) -> int:
+        """Unpacks the image's tree into `rootfs` (as this uid's files); the device nodes left out, and the
+        mount point buildah made in it for `egress`'s directory."""
         ctr = self.run("from", "--pull=never", "--quiet", tag).strip()
         try:  # mounted and read in one namespace: root's own (buildah unshare refuses root), else the user's
             script = 'set -e; m=$("$@" mount "$0"); exec tar -C "$m" --numeric-owner -cf - .'
             inside = _PRIVATE_MOUNTS if os.geteuid() == 0 else self._buildah("unshare")
-            return _untar([*inside, "sh", "-c", script, ctr, *self._buildah()], rootfs, label, self.env())
+            skipped = _untar([*inside, "sh", "-c", script, ctr, *self._buildah()], rootfs, label, self.env())
         finally:
             subprocess.run(self.argv("rm", ctr), capture_output=True, env=self.env())  # its mount went with sh
+        if egress:
+            egress.remove_mount_point(rootfs)
+        return skipped
 
 
 def _untar(source: list[str], rootfs: Path, label: str, env: dict[str, str]) -> int:
@@ -285,7 +298,7 @@ async def _local(store: ImageStore, bh: Buildah, dockerfile: Path, line: int, re
         out.notes.append(resolved.note)
     progress(f"{ref}: as buildah image localhost/furlong/{resolved.digest}")
     dirs = tuple(store.root / layer.path for layer in resolved.layers)
-    return await asyncio.to_thread(bh.import_ref, resolved, dirs)
+    return await asyncio.to_thread(bh.import_ref, resolved, dirs, store.egress)
 
 
 # -- building and storing --------------------------------------------------------------------------
@@ -311,7 +324,8 @@ async def image(store: ImageStore, dockerfile: Path, backend, progress: Progress
     await asyncio.to_thread(bh.check)
     progress(f"{why}: outside furlong's own subset, built by buildah")
     planned = await plan(store, bh, dockerfile, backend, progress)
-    key = "buildah-" + _sha(FORMAT, planned.text, await asyncio.to_thread(context_digest, dockerfile.parent))
+    key = "buildah-" + _sha(FORMAT, planned.text, await asyncio.to_thread(context_digest, dockerfile.parent),
+                            *store.egress_parts())
     final = store.root / key
     async with store._locks.setdefault(key, asyncio.Lock()):
         if not (final / "meta.json").exists():
@@ -333,7 +347,7 @@ def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key:
         temp.write_text(planned.text)
         try:
             status, tail = bh.bud(temp, dockerfile.parent, f"localhost/furlong/{key}", progress,
-                                  store.build_timeout_s)
+                                  store.build_timeout_s, store.egress)
         finally:
             temp.unlink(missing_ok=True)
         if status != 0:
@@ -343,7 +357,7 @@ def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key:
         _rmtree(tmp)
         (tmp / "rootfs").mkdir(parents=True)
         try:
-            _store(bh, dockerfile, planned, key, tmp, progress, built, started)
+            _store(bh, dockerfile, planned, key, tmp, progress, built, started, store.egress)
         except BaseException:
             _rmtree(tmp)  # a failed export leaves nothing behind
             raise
@@ -352,10 +366,10 @@ def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key:
 
 
 def _store(bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path, progress: Progress,
-           built: float, started: float) -> None:
-    """Exports the built image into tmp/rootfs and writes its meta."""
+           built: float, started: float, egress: Egress | None) -> None:
+    """Exports the built image into tmp/rootfs and writes its meta (without the ENV `egress` lent it)."""
     progress(f"{dockerfile}: unpacking the built image into the store")
-    skipped = bh.export(f"localhost/furlong/{key}", tmp / "rootfs", str(dockerfile))
+    skipped = bh.export(f"localhost/furlong/{key}", tmp / "rootfs", str(dockerfile), egress)
     if not any(os.path.lexists(tmp / "rootfs" / p) for p in ("bin/bash", "usr/bin/bash")):
         raise ImageBuildError(f"{dockerfile}: the built image has no /bin/bash, which furlong's sandbox runs "
                               f"commands with")
@@ -365,10 +379,12 @@ def _store(bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path, pr
     except (UnpackError, OSError) as exc:
         raise ImageBuildError(f"{dockerfile}: WORKDIR {config.get('WorkingDir')}: {exc}") from None
     meta = {"dockerfile": str(dockerfile), "builder": "buildah", "key": key,
-            "env": [e.split("=", 1) for e in config.get("Env") or [] if "=" in e],
+            "env": [e.split("=", 1) for e in config.get("Env") or []
+                    if "=" in e and tuple(e.split("=", 1)) not in (egress.env if egress else ())],
             "workdir": config.get("WorkingDir") or "/", "user": str(config.get("User") or ""),
             "labels": config.get("Labels") or {}, "note": "; ".join(planned.notes), "skipped_devices": skipped,
-            "build_seconds": round(built, 2), "seconds": round(time.monotonic() - started, 1)}
+            "build_seconds": round(built, 2), "seconds": round(time.monotonic() - started, 1),
+            **({"egress": egress.settings} if egress else {})}
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 

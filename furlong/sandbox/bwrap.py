@@ -33,6 +33,7 @@ from furlong.sandbox.base import (
     SandboxSpec,
 )
 from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
+from furlong.sandbox.egress import Egress
 from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,10 @@ class BwrapBackend:
     name = "bwrap"
 
     def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP,
-                 seccomp: bool = True, layers: LayerSource | None = None, many_uids: bool = True):
+                 seccomp: bool = True, layers: LayerSource | None = None, many_uids: bool = True,
+                 egress: Egress | None = None):
         self._layers = layers  # None: the default image store, made on first need
+        self.egress = egress  # the host's CAs and mirrors for networked sandboxes (builds included)
         self.seccomp = seccomp  # the global switch (config sandbox.seccomp); a spec may also turn it off
         self.host_uid = host_uid if os.geteuid() == 0 else os.geteuid()
         self.output_cap = output_cap
@@ -124,7 +127,7 @@ class BwrapBackend:
     @property
     def layers(self) -> LayerSource:
         if self._layers is None:
-            self._layers = ImageStore(host_uid=self.host_uid)
+            self._layers = ImageStore(host_uid=self.host_uid, egress=self.egress)
         return self._layers
 
     def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None, seccomp_fd: int | None = None,
@@ -140,7 +143,9 @@ class BwrapBackend:
         if self.subids is not None:
             for cap in INIT_CAPS:
                 args += ["--cap-add", cap]
-        for key, value in {**BASE_ENV, "HOME": home, **dict(spec.image.env)}.items():
+        egress = self.egress if spec.network else None
+        for key, value in {**BASE_ENV, "HOME": home, **dict(egress.env if egress else ()),
+                           **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
         for fd in reversed(layer_fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
             args += ["--overlay-src", f"/proc/self/fd/{fd}"]
@@ -154,6 +159,7 @@ class BwrapBackend:
                 args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
         if spec.network:
             args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
+            args += egress.bwrap_args() if egress else []
         if seccomp_fd is not None:  # the init applies it to every command, once it has taken its identity
             init_args = (*init_args, "--seccomp", str(seccomp_fd))
             fds.append(seccomp_fd)

@@ -26,6 +26,7 @@ from pathlib import Path
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import buildah, idmap, imports, layers, registry, rootless, standins, users
+from furlong.sandbox.egress import Egress
 from furlong.sandbox import toolchain as toolchains
 from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
@@ -51,12 +52,15 @@ def _inside_id(host: int, sub_start: int | None) -> int:
 class ImageStore:
     def __init__(self, root: Path | None = None, host_uid: int | None = None,
                  mirror: str | None = None, build_timeout_s: float = 1800.0,
-                 pulls: registry.Settings | None = None):
+                 pulls: registry.Settings | None = None, egress: Egress | None = None):
         self.root = root or cache_dir() / "images"
         # the sandbox uid, as the bwrap backend picks it: the given one as root, else this process's own
         self.host_uid = (DEFAULT_HOST_UID if host_uid is None else host_uid) if os.geteuid() == 0 else os.geteuid()
         self.mirror = mirror or os.environ.get("FURLONG_DEBIAN_MIRROR", DEFAULT_MIRROR)
         self.build_timeout_s = build_timeout_s
+        # what build steps borrow from the host (its CAs, its mirrors): the backend that runs them must be
+        # given the same (furlong.build.sandbox does); layers built with it are keyed apart
+        self.egress = egress
         self._locks: dict[str, asyncio.Lock] = {}
         self._resolved: dict[Path, ImageRef] = {}  # a task's files do not change within a run
         self._resolving: dict[Path, asyncio.Future] = {}
@@ -200,8 +204,13 @@ class ImageStore:
                         env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
                         user=meta.get("user", ""), note=f"{meta['ref']}: pulled, {meta['digest']}")
 
+    def egress_parts(self) -> list[str]:
+        """What a network-built layer's key records of the host's CAs and mirrors: nothing when both are off,
+        so the keys of layers built without them never change."""
+        return [f"egress {self.egress.key}"] if self.egress else []
+
     def standin_key(self, standin: standins.Standin) -> str:
-        return f"standin-{standin.name}-" + _sha(FORMAT, self.base_key(), standin.dockerfile())
+        return f"standin-{standin.name}-" + _sha(FORMAT, self.base_key(), standin.dockerfile(), *self.egress_parts())
 
     async def _standin(self, standin: standins.Standin, base: ImageRef, backend, progress: Progress) -> ImageRef:
         """The base plus the stand-in's layer (its note: what the probe printed, e.g. 3.11.2)."""
@@ -239,7 +248,7 @@ class ImageStore:
     def layer_key(self, dockerfile: Path, steps: list[df.Instruction], parent_key: str | None = None) -> str:
         """The parent's key (the base unless FROM named a stand-in or an import), the steps, and the
         content COPY brings in."""
-        parts: list[str | bytes] = [FORMAT, parent_key or self.base_key()]
+        parts: list[str | bytes] = [FORMAT, parent_key or self.base_key(), *self.egress_parts()]
         workdir = "/"
         for step in steps[1:]:
             parts.append(f"{step.op} {step.args}")
@@ -323,8 +332,11 @@ class ImageStore:
         except BaseException:
             _rmtree(tmp)  # a failed build leaves nothing behind
             raise
+        if self.egress:
+            self.egress.remove_mount_point(tmp / "upper")
         await asyncio.to_thread(self._seal, tmp / "upper")
         meta = {"env": env, "workdir": workdir, "user": user, "dockerfile": str(dockerfile), **(extra or {}),
+                **({"egress": self.egress.settings} if self.egress else {}),
                 "seconds": round(time.monotonic() - started, 1)}
         (tmp / "meta.json").write_text(json.dumps({**meta, "provides": provides} if probe else meta))
         with _locked(self.root / f".{final.name}.lock"):
