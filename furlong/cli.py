@@ -126,6 +126,7 @@ def _sandbox_parser(sub) -> None:
                     help="give network to the sandboxes of tasks that declare it (default: refuse them)")
     sv.add_argument("--e2b-key-file", type=Path,
                     help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file")
+    _common(sv)  # its sandboxes' and builds' settings: sandbox.*, images.* (e.g. images.trust_host_ca=true)
 
 
 def _config(args: argparse.Namespace, flags: dict[str, str]) -> Config:
@@ -323,7 +324,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise SandboxError(f"--capacity: expected at least 1, got {args.capacity}")
     token = host_token(args.token_file, args.host, cache_dir() / "host-token", console.print)
     key = None if args.e2b_key_file is None else e2b_key(args.e2b_key_file)
-    backend, store = _sandbox_pieces(load_config())
+    cfg = _config(args, {})
+    if cfg.sandbox.backend != "bwrap":
+        raise SandboxError(f"sandbox.backend={cfg.sandbox.backend}: a host serves its own (bwrap) sandboxes")
+    backend, store = _sandbox_pieces(cfg)
     serve(backend, store, token, host=args.host, port=args.port, capacity=args.capacity, idle_s=args.idle_s,
           lifetime_s=args.lifetime_s, say=console.print, e2b_api_key=key, allow_network=args.allow_network)
     return 0
