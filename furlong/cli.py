@@ -166,6 +166,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          "samples": "eval.samples", "temperature": "eval.temperature", "seed": "eval.seed"})
     e = cfg.eval
     check_model_flags(e)
+    if e.env == "openenv":
+        return _eval_openenv(cfg)
     backend, store = _sandbox_pieces(cfg)  # family generators run on the configured backend too
     suite = load_suite(e.tasks, split=e.split, per_family=e.per_family, backend=backend)
     agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
@@ -179,6 +181,39 @@ def cmd_eval(args: argparse.Namespace) -> int:
     console.print(f"{len(suite.tasks)} tasks ({len(suite.broken)} not loaded) from {e.tasks}, agent {e.agent}, "
                   f"{e.samples} sample(s) each, concurrency {e.concurrency}")
     results = asyncio.run(_eval_episodes(cfg, suite.entries, agent, backend, store))
+    print_table(results, console)
+    print(json.dumps(summarize(results)))
+    return 0
+
+
+def _eval_openenv(cfg: Config) -> int:
+    """eval.env=openenv: the server's instances of eval.split (eval.per_family of each family), one
+    session each."""
+    from furlong.build.openenv import openenv_environment, openenv_source
+    from furlong.eval.agents import make_agent
+    from furlong.eval.run import print_table, run_env_eval, summarize
+
+    e = cfg.eval
+    if e.agent == "oracle":
+        raise ValueError("eval.env=openenv: an OpenEnv server has no oracle solutions; use --agent model or noop")
+    specs, seen = [], {}
+    for spec in openenv_source(cfg.openenv).instances(e.split):
+        seen[spec.family] = seen.get(spec.family, 0) + 1
+        if e.per_family is None or seen[spec.family] <= e.per_family:
+            specs.append(spec)
+    agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
+    console.print(f"{len(specs)} instances from {cfg.openenv.url}, agent {e.agent}, {e.samples} sample(s) each, "
+                  f"concurrency {e.concurrency}")
+
+    async def episodes():
+        try:
+            async with openenv_environment(cfg.openenv)() as env:
+                return await run_env_eval(specs, agent, env, e.concurrency, e.out, console, e.samples)
+        finally:
+            if close := getattr(agent, "close", None):
+                await close()
+
+    results = asyncio.run(episodes())
     print_table(results, console)
     print(json.dumps(summarize(results)))
     return 0

@@ -48,7 +48,32 @@ class ImagesConfig(_Node):
     pull_timeout_s: float = Field(1800.0, gt=0, description="one image pull")
 
 
+class OpenEnvConfig(_Node):
+    """An OpenEnv environment server that episodes run on when train.env or eval.env is openenv
+    (furlong.envs.openenv; docs/openenv.md). One WebSocket session per episode."""
+
+    url: str | None = Field(None, description="the server's base URL (http://H:P or ws://H:P)")
+    token_file: Path | None = Field(None, description="a file holding the bearer token the server wants "
+                                    "(`furlong openenv serve`'s --token-file); null: send none")
+    instances: dict[str, int] = Field({"train": 64, "heldout": 16}, description="most instances per split: the "
+                                      "server's own tasks of that split where it lists them (its task API), else "
+                                      "resets with seeds 0.. (train) and after the train seeds (heldout)")
+    splits: dict[str, str] = Field({"train": "train", "heldout": "heldout"}, description="furlong's split -> "
+                                   "the server's split name in its task API")
+    instruction: str = Field("", description="the user message before the environment's first observation "
+                             "(a furlong server's observation carries the task's instruction itself)")
+    tool_name: str = Field("step", description="the one tool the model calls when the server lists no tools: "
+                           "its arguments are an action of the server's /schema")
+    agent_timeout_s: float = Field(600.0, gt=0, description="an episode's agent phase, where the server's "
+                                   "task API gives none")
+    connect_timeout_s: float = Field(30.0, gt=0, description="opening a session")
+    message_timeout_s: float = Field(900.0, gt=0, description="one reset or step, the tests a furlong server "
+                                     "runs at the end included; past it the session counts as lost")
+
+
 class EvalConfig(_Node):
+    env: Literal["harbor", "openenv"] = Field("harbor", description="harbor: tasks (eval.tasks) in sandboxes "
+                                              "here; openenv: the server of the `openenv` section")
     tasks: Path = Field(BUNDLED_TASKS, description="a task, a task family, or a directory of them")
     agent: Literal["oracle", "noop", "model"] = Field(
         "oracle", description="oracle: the task's solution; noop: does nothing; model: eval.model in the training "
@@ -298,6 +323,10 @@ class TrainEvalConfig(_Node):
 
 
 class TrainConfig(_Node):
+    env: Literal["harbor", "openenv"] = Field(
+        "harbor", description="where episodes run: harbor (train.families in sandboxes here) or openenv (the "
+                              "server of the `openenv` section; no oracle demonstrations: sft.epochs and "
+                              "rl.sft_coef must be 0)")
     tasks: Path = Field(BUNDLED_TASKS, description="the directory that holds train.families")
     families: tuple[str, ...] = Field(DEFAULT_FAMILIES, description="task families (directories under "
                                       "train.tasks) that SFT, RL and the held-out evals use")
@@ -361,6 +390,15 @@ class TrainConfig(_Node):
                 raise ValueError(f"train.{key}.families: {unknown} not in train.families {list(self.families)}")
         return self
 
+    @model_validator(mode="after")
+    def _openenv_has_no_demos(self) -> TrainConfig:
+        if self.env == "openenv" and (self.sft.epochs or self.rl.sft_coef):
+            raise ValueError("train.env=openenv: an OpenEnv server has no oracle solutions to demonstrate; set "
+                             "train.sft.epochs=0 and train.rl.sft_coef=0 (start from a trained train.model.path)")
+        if self.env == "openenv" and "families" not in self.rl.model_fields_set:  # the default's are Harbor's
+            object.__setattr__(self, "rl", self.rl.model_copy(update={"families": None}))
+        return self
+
     def demonstrated(self) -> tuple[str, ...]:
         """The families SFT shows demonstrations of."""
         return self.families if self.sft.families is None else self.sft.families
@@ -374,6 +412,8 @@ class Config(_Node):
     sandbox: SandboxConfig = Field(SandboxConfig(), description="sandboxes, for every command")
     images: ImagesConfig = Field(ImagesConfig(), description="base images from registries")
     eval: EvalConfig = Field(EvalConfig(), description="`furlong eval`")
+    openenv: OpenEnvConfig = Field(OpenEnvConfig(), description="the OpenEnv server of train.env=openenv "
+                                   "and eval.env=openenv")
     train: TrainConfig = Field(TrainConfig(), description="`furlong train` and `furlong sft`")
 
 

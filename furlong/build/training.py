@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import shutil
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch
 
 from furlong.agent.episode import AgentParams
 from furlong.build import cluster as ray_build
+from furlong.build.openenv import openenv_environment, openenv_source
 from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.cluster.session import RaySession
 from furlong.config import Config, ConfigError, TrainConfig
@@ -21,7 +24,8 @@ from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router
-from furlong.envs.harbor import HarborSource
+from furlong.envs.base import Environment
+from furlong.envs.harbor import HarborSource, SandboxSource
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.rollout.groups import Rollouts
@@ -29,7 +33,7 @@ from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.host_images import HostImages
 from furlong.sandbox.images import ImageStore
-from furlong.sandbox.pool import StoreImages
+from furlong.sandbox.pool import StoreImages, WarmPools
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
@@ -64,6 +68,8 @@ class Pieces:
     eval_tasks: list[Task]
     params: AgentParams
     base_model: Path
+    # a phase's episodes open in `async with environment() as env` (harbor: warm sandbox pools; openenv: sessions)
+    environment: Callable[[], AbstractAsyncContextManager[Environment | SandboxSource]]
     cluster: RaySession | None = None  # train.cluster=ray: the run's Ray cluster and placement groups
 
     def close(self) -> None:
@@ -88,10 +94,15 @@ def pieces(cfg: Config) -> Pieces:
     base = t.model.path or init_tiny(seed=t.model.seed)
     store = image_store(cfg.sandbox, cfg.images)
     backend = sandbox_backend(cfg.sandbox, store)
-    source = env_source(t, backend)
-    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, images=StoreImages(store, backend),
+    images = StoreImages(store, backend)
+    if t.env == "openenv":
+        source, environment = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
+    else:
+        source, environment = env_source(t, backend), partial(WarmPools, backend, images)
+    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, images=images,
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
-                  params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_build.session(t))
+                  params=AgentParams.of(t.agent), base_model=Path(base), environment=environment,
+                  cluster=ray_build.session(t))
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:

@@ -34,7 +34,10 @@ class ToolArgumentError(ValueError):
 
 
 class Toolbox(Protocol):
-    """The tools an agent may call in an episode, each with a JSON schema (OpenAI function format)."""
+    """The tools an agent may call in an episode, each with a JSON schema (OpenAI function format).
+
+    A toolbox may also have `opening: str`: what the environment shows the agent first (an OpenEnv
+    server's reset observation), which a model agent reads after the instruction."""
 
     schemas: Sequence[dict]
 

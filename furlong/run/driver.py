@@ -28,7 +28,6 @@ from furlong.rollout.records import batch_metrics, rollout_metrics, settled_reco
 from furlong.rollout.scheduler import Scheduler
 from furlong.run.phases import anchor_demos, eval_phase, sft_phase
 from furlong.run.summary import rl_totals, run_summary
-from furlong.sandbox.pool import WarmPools
 from furlong.train.export import HF_DIR
 from furlong.train.protocol import Trainer
 from furlong.train.weights import WeightLink
@@ -82,8 +81,8 @@ async def _rl_run(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir
     drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
     link = await build.weight_link(cfg, run.path, sft_dir, shared, p.cluster)
     try:
-        async with WarmPools(p.backend, p.images) as pools:
-            rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, pools, p.params, cfg.train.rl.concurrency)
+        async with p.environment() as env:
+            rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, env, p.params, cfg.train.rl.concurrency)
             await link.push(trainer.engine_weights(), trainer.version)
             await rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
     finally:

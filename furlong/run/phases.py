@@ -17,7 +17,6 @@ from furlong.metrics.run import RunDir
 from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model
 from furlong.rollout.groups import Rollouts
-from furlong.sandbox.pool import WarmPools
 from furlong.train.export import write_hf
 from furlong.train.sft import load_demos, oracle_demos, save_demos, sft_train
 
@@ -36,9 +35,9 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     # epochs 0 (a model already fine-tuned): demonstrations are needed only for RL's anchor
     wanted = s.epochs > 0 or cfg.train.rl.sft_coef > 0
     tasks = [t for fam in by_family.values() for t in fam[: s.instances_per_family]] if wanted else []
-    async with WarmPools(p.backend, p.images) as pools:  # the sandboxes RL's episodes get, through the same runner
+    async with p.environment() as env:  # what RL's episodes get (warm sandboxes), through the same runner
         with progress_bar(console, "sft: oracle demos", len(tasks)) as advance:
-            demos = await oracle_demos(tasks, p.tokenizer, pools, p.params, s.concurrency, advance)
+            demos = await oracle_demos(tasks, p.tokenizer, env, p.params, s.concurrency, advance)
     save_demos(run.path / DEMOS_FILE, demos)
     demo_seconds = time.perf_counter() - start
     model = load_model(p.base_model)
@@ -66,8 +65,8 @@ async def eval_phase(name: str, model_dir: Path, cfg: Config, p: Pieces, run: Ru
     start = time.perf_counter()
     drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
     engine = phase_engine(model_dir, shared, cfg.train.hf.prefix_cache_mb)
-    async with WarmPools(p.backend, p.images) as pools:
-        rollouts = Rollouts(engine, p.tokenizer, pools, p.params, cfg.train.eval.concurrency,
+    async with p.environment() as env:
+        rollouts = Rollouts(engine, p.tokenizer, env, p.params, cfg.train.eval.concurrency,
                             EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
             episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
