@@ -120,7 +120,27 @@ def _parser() -> argparse.ArgumentParser:
                     help="give network to the sandboxes of tasks that declare it (default: refuse them)")
     sv.add_argument("--e2b-key-file", type=Path,
                     help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file")
+    _openenv_parser(sub)
     return parser
+
+
+def _openenv_parser(sub) -> None:
+    oe = sub.add_parser("openenv", help="OpenEnv environments (docs/openenv.md)")
+    oe_sub = oe.add_subparsers(dest="openenv_command", required=True)
+    sv = oe_sub.add_parser("serve", help="serve furlong tasks as an OpenEnv environment: one sandbox per session, "
+                                         "scored by the task's tests")
+    sv.add_argument("--tasks", type=Path, required=True, help="a task, a task family, or a directory of them")
+    sv.add_argument("--split", choices=["train", "heldout", "all"], default="all",
+                    help="which instances of task families to serve (default all)")
+    sv.add_argument("--per-family", type=int, help="instances of each family and split (default: all)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--token-file", type=Path, help="file holding the bearer token (needed off loopback)")
+    sv.add_argument("--capacity", type=int, default=8, help="most sessions (sandboxes) at once (default 8)")
+    sv.add_argument("--idle-s", type=float, default=600.0, help="reap a session unused this long (default 600)")
+    sv.add_argument("--allow-network", action="store_true",
+                    help="serve tasks that declare network, with network (default: refuse them)")
+    _common(sv)
 
 
 def _config(args: argparse.Namespace, flags: dict[str, str]) -> Config:
@@ -329,6 +349,26 @@ def _tidy() -> int:
     return 0
 
 
+def cmd_openenv(args: argparse.Namespace) -> int:
+    from furlong.eval.openenv_app import serve
+    from furlong.paths import cache_dir
+    from furlong.sandbox.host.serve import host_token
+    from furlong.sandbox.pool import FreshSandboxes, StoreImages
+    from furlong.tasks.suite import load_suite
+
+    if args.capacity < 1:
+        raise ValueError(f"--capacity: expected at least 1, got {args.capacity}")
+    token = host_token(args.token_file, args.host, cache_dir() / "openenv-token", console.print)
+    backend, store = _sandbox_pieces(_config(args, {}))
+    suite = load_suite(args.tasks, split=args.split, per_family=args.per_family, backend=backend)
+    for broken in suite.broken:
+        console.print(f"[yellow]not served:[/yellow] {broken.error}", soft_wrap=True)
+    _base_image(store)
+    serve(suite.tasks, FreshSandboxes(backend, StoreImages(store, backend)), token, host=args.host, port=args.port,
+          capacity=args.capacity, idle_s=args.idle_s, allow_network=args.allow_network, say=console.print)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.plan:
         return _plan(args.plan)
@@ -410,7 +450,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model,
-                "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report}
+                "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report, "openenv": cmd_openenv}
     try:
         return handlers[args.command](args)
     except (ConfigError, EngineUnavailable, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:
