@@ -21,6 +21,7 @@ from typing import Any
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, EnvironmentMetadata, Observation, State
 from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from furlong.agent.runner import AgentRun, Outcome, SandboxSource, run_outcome
 from furlong.envs.base import Toolbox, ToolArgumentError
@@ -45,10 +46,12 @@ class TaskAction(Action):
 
     @model_validator(mode="after")
     def _one_thing(self) -> TaskAction:
+        # a PydanticCustomError, not a ValueError: the package's error frame carries the errors as JSON,
+        # and a ValueError in them cannot be serialized (the session would end instead)
         if self.command is not None and self.tool is not None:
-            raise ValueError("give a command or a tool call, not both")
+            raise PydanticCustomError("action", "give a command or a tool call, not both")
         if self.command is None and self.tool is None and not self.done:
-            raise ValueError("an action runs a command, calls a tool, or says done")
+            raise PydanticCustomError("action", "an action runs a command, calls a tool, or says done")
         return self
 
 
