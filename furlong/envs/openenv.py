@@ -168,6 +168,8 @@ class OpenEnvEnvironment:
                           message_timeout_s=self.server.message_timeout_s, headers=self.server.headers)
         try:
             first = await session.reset(**dict(spec.reset))
+            if first.done and first.reward is None:  # e.g. a furlong server whose sandbox did not start
+                raise EnvUnavailable(f"the server ended the episode at reset: {first.observation.get('error')}")
             schema = None if _lists_tools(first.observation) else await self._action_schema()
         except Exception as exc:
             await _close_quietly(session)
