@@ -5,6 +5,7 @@ never a reward."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def count_tasks():
 
 
 def test_furlong_tasks_through_openenv_serve_are_scored_by_their_tests(backend, store, base_image, count_tasks):
-    server = ThreadServer(count_tasks, FreshSandboxes(backend, StoreImages(store, backend)))
+    server = ThreadServer(count_tasks, FreshSandboxes(backend, StoreImages(store, backend)), capacity=1)
     try:
         remote = OpenEnvServer(server.url, token=TOKEN)
         specs = OpenEnvSource(remote, {"train": 2, "heldout": 2}, SPLITS).instances("train")
@@ -125,8 +126,10 @@ def test_furlong_tasks_through_openenv_serve_are_scored_by_their_tests(backend, 
         assert solver.opening == train[0].instruction  # the model's prompt: the task's own instruction
         assert solver.observations == ["exit code 0"]
         assert (solved.status, solved.reward) == ("ok", 1.0)
-        idle = run(run_outcome(specs[0], Scripted(), env))
-        assert (idle.status, idle.reward) == ("ok", 0.0)
+        # one seat: the second episode waits for the first's session to close, it is not refused
+        async def together():
+            return await asyncio.gather(*(run_outcome(spec, Scripted(), env) for spec in specs))
+        assert [(o.status, o.reward) for o in run(together())] == [("ok", 0.0), ("ok", 0.0)]
         # the server stops while the tests would run: lost, unscored
         lost = run(run_outcome(specs[1], Scripted(("bash", {"command": "true"})), _stopping_after_agent(env, server)))
         assert (lost.status, lost.reward, lost.lost) == ("infra_error", None, True), lost.error

@@ -164,19 +164,42 @@ class OpenEnvEnvironment:
 
     async def open(self, spec: OpenEnvSpec, clock: Clock) -> OpenEnvEpisode:
         t = time.perf_counter()
-        session = Session(base_url=self.server.url, connect_timeout_s=self.server.connect_timeout_s,
-                          message_timeout_s=self.server.message_timeout_s, headers=self.server.headers)
         try:
-            first = await session.reset(**dict(spec.reset))
+            session, first = await self._reset(spec)
+        except Exception as exc:
+            clock.add("sandbox_start", t)
+            raise EnvUnavailable(f"OpenEnv session did not open: {describe(exc)}") from exc
+        try:
             if first.done and first.reward is None:  # e.g. a furlong server whose sandbox did not start
                 raise EnvUnavailable(f"the server ended the episode at reset: {first.observation.get('error')}")
             schema = None if _lists_tools(first.observation) else await self._action_schema()
         except Exception as exc:
             await _close_quietly(session)
+            if isinstance(exc, EnvUnavailable):
+                raise
             raise EnvUnavailable(f"OpenEnv session did not open: {describe(exc)}") from exc
         finally:
             clock.add("sandbox_start", t)
         return OpenEnvEpisode(session, first.observation, schema, self.tool_name, first.reward, first.done)
+
+    async def _reset(self, spec: OpenEnvSpec):
+        """A new session and its reset; a server at capacity is asked again until connect_timeout_s (a
+        seat frees only once the server has closed an ended session, a moment after its client did)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.server.connect_timeout_s
+        while True:
+            session = Session(base_url=self.server.url, connect_timeout_s=self.server.connect_timeout_s,
+                              message_timeout_s=self.server.message_timeout_s, headers=self.server.headers)
+            try:
+                return session, await session.reset(**dict(spec.reset))
+            except ServerRefused as exc:
+                await _close_quietly(session)
+                if exc.code != "CAPACITY_REACHED" or loop.time() > deadline:
+                    raise
+            except BaseException:
+                await _close_quietly(session)
+                raise
+            await asyncio.sleep(0.2)
 
     async def _action_schema(self) -> dict:
         if self._schema is None:
