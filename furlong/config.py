@@ -400,11 +400,15 @@ class TrainConfig(_Node):
         return self
 
     def demonstrated(self) -> tuple[str, ...]:
-        """The families SFT shows demonstrations of."""
+        """The families SFT shows demonstrations of (none on an OpenEnv server)."""
+        if self.env == "openenv":
+            return ()
         return self.families if self.sft.families is None else self.sft.families
 
     def reward_only(self) -> tuple[str, ...]:
-        """The families RL learns from reward alone: no demonstration of them is ever shown."""
+        """The Harbor families RL learns from reward alone: no demonstration of them is ever shown."""
+        if self.env == "openenv":
+            return ()  # the server's families are known only once it answers
         return tuple(f for f in self.families if f not in self.demonstrated())
 
 
