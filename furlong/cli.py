@@ -104,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="projected episode and step time if inference were k times faster, e.g. 8,32")
 
     _sandbox_parser(sub)
+    _openenv_parser(sub)
     return parser
 
 
@@ -127,6 +128,25 @@ def _sandbox_parser(sub) -> None:
     sv.add_argument("--e2b-key-file", type=Path,
                     help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file")
     _common(sv)  # its sandboxes' and builds' settings: sandbox.*, images.* (e.g. images.trust_host_ca=true)
+
+
+def _openenv_parser(sub) -> None:
+    oe = sub.add_parser("openenv", help="OpenEnv environments (docs/openenv.md)")
+    oe_sub = oe.add_subparsers(dest="openenv_command", required=True)
+    sv = oe_sub.add_parser("serve", help="serve furlong tasks as an OpenEnv environment: one sandbox per session, "
+                                         "scored by the task's tests")
+    sv.add_argument("--tasks", type=Path, required=True, help="a task, a task family, or a directory of them")
+    sv.add_argument("--split", choices=["train", "heldout", "all"], default="all",
+                    help="which instances of task families to serve (default all)")
+    sv.add_argument("--per-family", type=int, help="instances of each family and split (default: all)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--token-file", type=Path, help="file holding the bearer token (needed off loopback)")
+    sv.add_argument("--capacity", type=int, default=8, help="most sessions (sandboxes) at once (default 8)")
+    sv.add_argument("--idle-s", type=float, default=600.0, help="reap a session unused this long (default 600)")
+    sv.add_argument("--allow-network", action="store_true",
+                    help="serve tasks that declare network, with network (default: refuse them)")
+    _common(sv)
 
 
 def _config(args: argparse.Namespace, flags: dict[str, str]) -> Config:
@@ -174,6 +194,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_model_flags(e)
     if cfg.train.env.python is not None:
         return _python_env_eval(cfg)
+    if e.env == "openenv":
+        return _eval_openenv(cfg)
     backend, store = _sandbox_pieces(cfg)  # family generators run on the configured backend too
     suite = load_suite(e.tasks, split=e.split, per_family=e.per_family, backend=backend)
     agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
@@ -217,6 +239,39 @@ def _python_env_eval(cfg: Config) -> int:
             finally:
                 if close := getattr(agent, "close", None):
                     await close()
+
+    results = asyncio.run(episodes())
+    print_table(results, console)
+    print(json.dumps(summarize(results)))
+    return 0
+
+
+def _eval_openenv(cfg: Config) -> int:
+    """eval.env=openenv: the server's instances of eval.split (eval.per_family of each family), one
+    session each."""
+    from furlong.build.openenv import openenv_environment, openenv_source
+    from furlong.eval.agents import make_agent
+    from furlong.eval.run import print_table, run_env_eval, summarize
+
+    e = cfg.eval
+    if e.agent == "oracle":
+        raise ValueError("eval.env=openenv: an OpenEnv server has no oracle solutions; use --agent model or noop")
+    specs, seen = [], {}
+    for spec in openenv_source(cfg.openenv).instances(e.split):
+        seen[spec.family] = seen.get(spec.family, 0) + 1
+        if e.per_family is None or seen[spec.family] <= e.per_family:
+            specs.append(spec)
+    agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
+    console.print(f"{len(specs)} instances from {cfg.openenv.url}, agent {e.agent}, {e.samples} sample(s) each, "
+                  f"concurrency {e.concurrency}")
+
+    async def episodes():
+        try:
+            async with openenv_environment(cfg.openenv)() as env:
+                return await run_env_eval(specs, agent, env, e.concurrency, e.out, console, e.samples)
+        finally:
+            if close := getattr(agent, "close", None):
+                await close()
 
     results = asyncio.run(episodes())
     print_table(results, console)
@@ -349,6 +404,26 @@ def _tidy() -> int:
     return 0
 
 
+def cmd_openenv(args: argparse.Namespace) -> int:
+    from furlong.eval.openenv_app import serve
+    from furlong.paths import cache_dir
+    from furlong.sandbox.host.serve import host_token
+    from furlong.sandbox.pool import FreshSandboxes, StoreImages
+    from furlong.tasks.suite import load_suite
+
+    if args.capacity < 1:
+        raise ValueError(f"--capacity: expected at least 1, got {args.capacity}")
+    token = host_token(args.token_file, args.host, cache_dir() / "openenv-token", console.print)
+    backend, store = _sandbox_pieces(_config(args, {}))
+    suite = load_suite(args.tasks, split=args.split, per_family=args.per_family, backend=backend)
+    for broken in suite.broken:
+        console.print(f"[yellow]not served:[/yellow] {broken.error}", soft_wrap=True)
+    _base_image(store)
+    serve(suite.tasks, FreshSandboxes(backend, StoreImages(store, backend)), token, host=args.host, port=args.port,
+          capacity=args.capacity, idle_s=args.idle_s, allow_network=args.allow_network, say=console.print)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.plan:
         return _plan(args.plan)
@@ -433,7 +508,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model,
-                "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report}
+                "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report, "openenv": cmd_openenv}
     try:
         return handlers[args.command](args)
     except (ConfigError, EngineUnavailable, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:

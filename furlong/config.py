@@ -58,7 +58,32 @@ class ImagesConfig(_Node):
                             "(PIP_INDEX_URL, pip.conf), its proxy variables and apt's proxy settings")
 
 
+class OpenEnvConfig(_Node):
+    """An OpenEnv environment server that episodes run on when train.env or eval.env is openenv
+    (furlong.envs.openenv; docs/openenv.md). One WebSocket session per episode."""
+
+    url: str | None = Field(None, description="the server's base URL (http://H:P or ws://H:P)")
+    token_file: Path | None = Field(None, description="a file holding the bearer token the server wants "
+                                    "(`furlong openenv serve`'s --token-file); null: send none")
+    instances: dict[str, int] = Field({"train": 64, "heldout": 16}, description="most instances per split: the "
+                                      "server's own tasks of that split where it lists them (its task API), else "
+                                      "resets with seeds 0.. (train) and after the train seeds (heldout)")
+    splits: dict[str, str] = Field({"train": "train", "heldout": "heldout"}, description="furlong's split -> "
+                                   "the server's split name in its task API")
+    instruction: str = Field("", description="the user message before the environment's first observation "
+                             "(a furlong server's observation carries the task's instruction itself)")
+    tool_name: str = Field("step", description="the one tool the model calls when the server lists no tools: "
+                           "its arguments are an action of the server's /schema")
+    agent_timeout_s: float = Field(600.0, gt=0, description="an episode's agent phase, where the server's "
+                                   "task API gives none")
+    connect_timeout_s: float = Field(30.0, gt=0, description="opening a session")
+    message_timeout_s: float = Field(900.0, gt=0, description="one reset or step, the tests a furlong server "
+                                     "runs at the end included; past it the session counts as lost")
+
+
 class EvalConfig(_Node):
+    env: Literal["harbor", "openenv"] = Field("harbor", description="harbor: tasks (eval.tasks) in sandboxes "
+                                              "here; openenv: the server of the `openenv` section")
     tasks: Path = Field(BUNDLED_TASKS, description="a task, a task family, or a directory of them")
     agent: Literal["oracle", "noop", "model"] = Field(
         "oracle", description="oracle: the task's solution; noop: does nothing; model: eval.model in the training "
@@ -333,6 +358,9 @@ class EnvConfig(_Node):
     python: str | None = Field(None, description='"module:factory" on the Python path: a Python environment '
                                "(reset/step) instead of Harbor tasks; its family is the factory's name. null: the "
                                "Harbor tasks of train.tasks and train.families")
+    openenv: bool = Field(False, description="episodes on the OpenEnv server of the `openenv` section instead of "
+                          "Harbor tasks (docs/openenv.md; no oracle demonstrations: train.sft.epochs and "
+                          "train.rl.sft_coef must be 0)")
     train_instances: int = Field(128, ge=1, description="python: train instances (seeds 0..N-1 of split train); "
                                  "held-out ones: train.eval.heldout_per_family")
     agent_timeout_s: float = Field(600.0, gt=0, description="python: an episode's time limit for the agent "
@@ -348,6 +376,8 @@ class EnvConfig(_Node):
     def _names(self) -> EnvConfig:
         if reserved := sorted(set(self.rewards) & {"reward", "tests", "steps"}):
             raise ValueError(f"rewards: the names {reserved} are reserved for the episode's own rewards")
+        if self.python is not None and self.openenv:
+            raise ValueError("python and openenv: one environment at a time")
         if self.python is not None and ":" not in self.python:
             raise ValueError(f'python: expected "module:factory", got {self.python!r}')
         return self
@@ -460,12 +490,25 @@ class TrainConfig(_Node):
         object.__setattr__(self, "rl", self.rl.model_copy(update={"sft_coef": 0.0}))
         object.__setattr__(self, "sft", self.sft.model_copy(update={"families": (), "epochs": 0}))
 
+    @model_validator(mode="after")
+    def _openenv_has_no_demos(self) -> TrainConfig:
+        if self.env.openenv and (self.sft.epochs or self.rl.sft_coef):
+            raise ValueError("train.env.openenv: an OpenEnv server has no oracle solutions to demonstrate; set "
+                             "train.sft.epochs=0 and train.rl.sft_coef=0 (start from a trained train.model.path)")
+        if self.env.openenv and "families" not in self.rl.model_fields_set:  # the default's are Harbor's
+            object.__setattr__(self, "rl", self.rl.model_copy(update={"families": None}))
+        return self
+
     def demonstrated(self) -> tuple[str, ...]:
-        """The families SFT shows demonstrations of."""
+        """The families SFT shows demonstrations of (none on an OpenEnv server)."""
+        if self.env.openenv:
+            return ()
         return self.families if self.sft.families is None else self.sft.families
 
     def reward_only(self) -> tuple[str, ...]:
-        """The families RL learns from reward alone: no demonstration of them is ever shown."""
+        """The Harbor families RL learns from reward alone: no demonstration of them is ever shown."""
+        if self.env.openenv:
+            return ()  # the server's families are known only once it answers
         return tuple(f for f in self.families if f not in self.demonstrated())
 
 
@@ -473,6 +516,8 @@ class Config(_Node):
     sandbox: SandboxConfig = Field(SandboxConfig(), description="sandboxes, for every command")
     images: ImagesConfig = Field(ImagesConfig(), description="base images from registries")
     eval: EvalConfig = Field(EvalConfig(), description="`furlong eval`")
+    openenv: OpenEnvConfig = Field(OpenEnvConfig(), description="the OpenEnv server of train.env.openenv "
+                                   "and eval.env=openenv")
     train: TrainConfig = Field(TrainConfig(), description="`furlong train` and `furlong sft`")
 
 

@@ -229,3 +229,20 @@ def test_the_model_sees_the_environments_own_tool_schemas(tokenizer):
     prompt = tokenizer.decode(list(episode.tokens[: episode.prompt_len]))
     assert '"name": "submit"' in prompt and '"name": "add"' in prompt and '"name": "bash"' not in prompt
     assert episode.reward is not None and episode.turns == 3
+
+
+def test_the_model_reads_the_environments_opening_after_the_instruction(tokenizer):
+    """An environment that shows the agent something first (an OpenEnv server's reset observation)."""
+    from furlong.agent.episode import run_episode
+
+    class Opening(SumEnv):
+        async def open(self, spec, clock):
+            episode = SumEpisode(spec)
+            episode.opening = "The numbers are small."
+            return episode
+
+    params = agent_params(max_turns=3, max_context_tokens=4096)
+    episode = run(run_episode(Sum("s", 2, 3), SumPolicy(tokenizer), tokenizer, Opening(), params, SamplingParams(seed=1)))
+    prompt = tokenizer.decode(list(episode.tokens[: episode.prompt_len]))
+    assert "What is 2 + 3? Call add, then submit the sum.\n\nThe numbers are small." in prompt
+    assert episode.reward == 1.0 and episode.turns == 3

@@ -129,6 +129,7 @@ class ModelAgent:
 
     def __init__(self, engine: Engine, tokenizer, params: AgentParams, sampling: SamplingParams, instruction: str):
         self.engine, self.tokenizer, self.params, self.sampling = engine, tokenizer, params, sampling
+        self.instruction = instruction
         self._messages = [Message("system", params.system_prompt), Message("user", instruction)]
         self._prompt((BASH_TOOL,))
         self.model_wait_s = 0.0  # finished engine waits; engine_wait_s() adds one in progress
@@ -160,8 +161,12 @@ class ModelAgent:
         return self.model_wait_s + (0.0 if since is None else time.perf_counter() - since)
 
     async def run(self, spec: EnvSpec, tools: Toolbox, timeout_s: float) -> AgentRun:
-        if self.params.tool_schema_in_prompt and tuple(tools.schemas) != self.schemas:
-            self._prompt(tools.schemas)  # the environment's own tools, before the first turn
+        opening = getattr(tools, "opening", None)  # optional (furlong.envs.base.Toolbox)
+        if opening:  # the environment's first observation follows the instruction
+            text = f"{self.instruction}\n\n{opening}" if self.instruction else opening
+            self._messages[1] = Message("user", text)
+        if opening or (self.params.tool_schema_in_prompt and tuple(tools.schemas) != self.schemas):
+            self._prompt(tools.schemas)  # the environment's own tools and opening, before the first turn
         runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
         try:
             async with asyncio.timeout(timeout_s) as deadline:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,10 +94,15 @@ class RunEnv:
     tools: tuple[Tool, ...] = ()
     scorer: Scorer = TESTS_ONLY
     factory: Any = None  # a Python environment's factory
+    sessions: Callable[[], AbstractAsyncContextManager[Environment]] | None = None  # an OpenEnv server's
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Environment]:
         """A phase's environment; its unclaimed sandboxes are closed when the phase ends."""
+        if self.sessions is not None:
+            async with self.sessions() as env:
+                yield env
+            return
         if self.factory is not None:
             yield PythonEnv(self.factory, self.tools, self.scorer)
             return
@@ -105,7 +110,15 @@ class RunEnv:
             yield HarborEnv(pools, self.tools, self.scorer)
 
 
-def run_env(env: EnvConfig, backend: SandboxBackend, images: ImageLookup) -> RunEnv:
+def run_env(env: EnvConfig, backend: SandboxBackend, images: ImageLookup,
+            sessions: Callable[[], AbstractAsyncContextManager[Environment]] | None = None) -> RunEnv:
+    """The run's environment; `sessions`: an OpenEnv server's (train.env.openenv), which brings its own
+    tools and rewards."""
+    if sessions is not None:
+        if env.tools or env.rewards:
+            raise ConfigError("train.env.tools and train.env.rewards: an OpenEnv server (train.env.openenv) "
+                              "brings its own tools and rewards")
+        return RunEnv(backend, images, sessions=sessions)
     tools, scoring = extra_tools(env), scorer(env)
     factory = load_object(env.python, "train.env.python") if env.python else None
     if factory is None:

@@ -15,6 +15,7 @@ import torch
 from furlong.agent.episode import AgentParams
 from furlong.build import cluster as ray_build
 from furlong.build.environment import RunEnv, env_source, run_env
+from furlong.build.openenv import openenv_environment, openenv_source
 from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.cluster.session import RaySession
 from furlong.config import Config, ConfigError, TrainConfig
@@ -81,8 +82,12 @@ def pieces(cfg: Config) -> Pieces:
     store = image_store(cfg.sandbox, cfg.images)
     backend = sandbox_backend(cfg.sandbox, store)
     images = StoreImages(store, backend)
-    source = env_source(t, backend)
-    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store, env=run_env(t.env, backend, images),
+    if t.env.openenv:
+        source, sessions = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
+    else:
+        source, sessions = env_source(t, backend), None
+    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store,
+                  env=run_env(t.env, backend, images, sessions),
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
                   params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_build.session(t))
 

@@ -44,7 +44,9 @@ class Toolbox(Protocol):
     A toolbox may also define `reply(text, timeout_s) -> str | None` (awaited): the model's turn without
     a tool call, answered with the next user message, or None to end the conversation (no `reply`: every
     such turn ends it); and `finished: bool`, true once the environment says the episode is over (a Python
-    environment's step returned done). The model agent (furlong.agent.episode) honours both."""
+    environment's step returned done). The model agent (furlong.agent.episode) honours both.
+    It may also have `opening: str`: what the environment shows the agent first (an OpenEnv
+    server's reset observation), which a model agent reads after the instruction."""
 
     schemas: Sequence[dict]
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -48,6 +49,23 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
     return images
 
 
+@contextlib.contextmanager
+def _lines(out: Path | None) -> Iterator[Callable[[EpisodeResult], None]]:
+    """Records one JSON line per episode in `out` (none: nothing), flushed per line, so a killed run loses
+    nothing finished."""
+    sink = open(out, "w") if out else None
+
+    def record(res: EpisodeResult) -> None:
+        if sink:
+            sink.write(json.dumps(res.to_json()) + "\n")
+            sink.flush()
+    try:
+        yield record
+    finally:
+        if sink:
+            sink.close()
+
+
 async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent | EpisodeAgents, backend,
                    store: ImageStore, concurrency: int, out: Path | None, console: Console, samples: int = 1,
                    tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY,
@@ -59,14 +77,7 @@ async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent
     sandboxes, their images built first."""
     tasks = [e for e in entries if not isinstance(e, BrokenTask)]
     results = [EpisodeResult.unloadable(e, agent.name) for e in entries if isinstance(e, BrokenTask)]
-    sink = open(out, "w") if out else None
-
-    def record(res: EpisodeResult) -> None:
-        if sink:  # flushed per line, so a killed run loses nothing finished
-            sink.write(json.dumps(res.to_json()) + "\n")
-            sink.flush()
-
-    try:
+    with _lines(out) as record:
         for res in results:
             record(res)
         if env is None:
@@ -74,10 +85,17 @@ async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent
             env = HarborEnv(FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)), tools, scorer)
         jobs = [(task, k) for task in tasks for k in range(samples)]
         results += await _episodes(jobs, agent, env, concurrency, record, console, len(results) + len(jobs))
-    finally:
-        if sink:
-            sink.close()
     order = {e.id: i for i, e in enumerate(entries)}
+    return sorted(results, key=lambda r: (order[r.task], r.sample))
+
+
+async def run_env_eval(specs: Sequence, agent: Agent | EpisodeAgents, env: Environment, concurrency: int,
+                       out: Path | None, console: Console, samples: int = 1) -> list[EpisodeResult]:
+    """`samples` episodes of each of an environment's own instances (an OpenEnv server's), in order."""
+    with _lines(out) as record:
+        jobs = [(spec, k) for spec in specs for k in range(samples)]
+        results = await _episodes(jobs, agent, env, concurrency, record, console, len(jobs))
+    order = {s.id: i for i, s in enumerate(specs)}
     return sorted(results, key=lambda r: (order[r.task], r.sample))
 
 
