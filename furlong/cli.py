@@ -303,6 +303,9 @@ async def _eval_episodes(cfg: Config, entries, agent, backend, store):
 
 def cmd_image(args: argparse.Namespace) -> int:
     cfg = _config(args, {})
+    if cfg.sandbox.backend == "remote":  # the hosts build with their own stores (docs/sandbox-hosts.md)
+        raise ConfigError("furlong image works on this machine's image store; with sandbox.backend=remote the "
+                          "hosts build and keep the images: run it on a host")
     backend, store = _sandbox_pieces(cfg)
     if args.image_command == "list":
         for directory, what in store.listing():

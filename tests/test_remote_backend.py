@@ -281,3 +281,10 @@ def test_a_create_naming_an_unknown_syscall_is_refused(hosts):
     r = hosts[0].c.post("/v1/sandboxes", json={"allow_syscalls": ["", "no_such_call"]})
     assert r.status_code == 400 and "unknown syscall name" in r.text
     assert not hosts[0].reg.entries and hosts[0].reg.reserved == 0
+
+
+def test_image_commands_refuse_the_remote_backend_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "furlong.cli", "image", "list", "sandbox.backend=remote"],
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "hosts build and keep the images" in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
