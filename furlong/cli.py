@@ -218,7 +218,7 @@ def _python_env_eval(cfg: Config) -> int:
     """`furlong eval` of a Python environment (train.env.python): eval.per_family instances of eval.split."""
     from furlong.build.environment import python_source, run_env
     from furlong.eval.agents import make_agent
-    from furlong.eval.run import print_table, run_eval, summarize
+    from furlong.eval.run import run_eval
 
     e, t = cfg.eval, cfg.train
     if e.agent == "oracle":
@@ -240,10 +240,7 @@ def _python_env_eval(cfg: Config) -> int:
                 if close := getattr(agent, "close", None):
                     await close()
 
-    results = asyncio.run(episodes())
-    print_table(results, console)
-    print(json.dumps(summarize(results)))
-    return 0
+    return _report(asyncio.run(episodes()))
 
 
 def _eval_openenv(cfg: Config) -> int:
@@ -251,7 +248,7 @@ def _eval_openenv(cfg: Config) -> int:
     session each."""
     from furlong.build.openenv import openenv_environment, openenv_source
     from furlong.eval.agents import make_agent
-    from furlong.eval.run import print_table, run_env_eval, summarize
+    from furlong.eval.run import run_env_eval
 
     e = cfg.eval
     if e.agent == "oracle":
@@ -273,7 +270,13 @@ def _eval_openenv(cfg: Config) -> int:
             if close := getattr(agent, "close", None):
                 await close()
 
-    results = asyncio.run(episodes())
+    return _report(asyncio.run(episodes()))
+
+
+def _report(results) -> int:
+    """An eval's table, then its JSON summary on stdout."""
+    from furlong.eval.run import print_table, summarize
+
     print_table(results, console)
     print(json.dumps(summarize(results)))
     return 0

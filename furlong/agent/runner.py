@@ -64,6 +64,7 @@ from furlong.envs.base import (
     Score,
     Toolbox,
     describe,
+    exception_chain,
 )
 from furlong.envs.harbor import GuardedSandbox, HarborEnv, SandboxSource, sandbox_spec
 from furlong.sandbox.base import HostLost
@@ -218,14 +219,7 @@ def _unscored(clock: Clock, error: str, run: AgentRun | None = None, score: Scor
 
 def host_lost(exc: BaseException) -> bool:
     """Whether `exc`, or an exception it was raised from or while handling, is a lost sandbox host."""
-    seen: set[int] = set()
-    chain: BaseException | None = exc
-    while chain is not None and id(chain) not in seen:
-        if isinstance(chain, HostLost):
-            return True
-        seen.add(id(chain))
-        chain = chain.__cause__ or chain.__context__
-    return False
+    return any(isinstance(c, HostLost) for c in exception_chain(exc))
 
 
 async def run_retrying(spec: EnvSpec, new_agent: Callable[[], Agent], source: Environment | SandboxSource,

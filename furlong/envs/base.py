@@ -9,7 +9,7 @@ implementation; anything with these few methods plugs into the same runner, Roll
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -97,6 +97,16 @@ class Environment(Protocol):
 
 class EnvUnavailable(Exception):
     """`Environment.open` failed before the agent could act; the message is the episode's error."""
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then each exception it was raised from or while handling, once each."""
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen:
+        yield chain
+        seen.add(id(chain))
+        chain = chain.__cause__ or chain.__context__
 
 
 def describe(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
+from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe, exception_chain
 from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer, VerifierSandbox
 from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
 from furlong.timing import Clock
@@ -67,14 +67,7 @@ class GuardedSandbox:
 
     def caused(self, exc: BaseException) -> bool:
         """Whether `exc`, or an exception it was raised from or while handling, came from a sandbox call."""
-        seen: set[int] = set()
-        chain: BaseException | None = exc
-        while chain is not None and id(chain) not in seen:
-            if any(chain is e for e in self.errors):
-                return True
-            seen.add(id(chain))
-            chain = chain.__cause__ or chain.__context__
-        return False
+        return any(c is e for c in exception_chain(exc) for e in self.errors)
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()

@@ -31,7 +31,7 @@ from openenv.core.generic_client import GenericEnvClient
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
+from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe, exception_chain
 from furlong.sandbox.base import HostLost
 from furlong.timing import Clock
 
@@ -251,14 +251,7 @@ class OpenEnvEpisode:
 
     def caused(self, exc: BaseException) -> bool:
         """Whether `exc`, or one it was raised from or while handling, is an error frame of a step."""
-        seen: set[int] = set()
-        chain: BaseException | None = exc
-        while chain is not None and id(chain) not in seen:
-            if any(chain is e for e in self.errors):
-                return True
-            seen.add(id(chain))
-            chain = chain.__cause__ or chain.__context__
-        return False
+        return any(c is e for c in exception_chain(exc) for e in self.errors)
 
     async def score(self) -> Score:
         if self.listed and not self.done:
