@@ -9,15 +9,13 @@ import shutil
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from furlong.agent.episode import AgentParams
-from furlong.build import cluster as ray_build
 from furlong.build.environment import RunEnv, env_source, run_env
-from furlong.build.openenv import openenv_environment, openenv_source
 from furlong.build.sandbox import image_store, sandbox_backend
-from furlong.cluster.session import RaySession
 from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
@@ -52,6 +50,9 @@ from furlong.train.weights import (
     start_engines,
 )
 
+if TYPE_CHECKING:  # Ray and openenv cost seconds to import; only runs that use them pay
+    from furlong.cluster.session import RaySession
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -83,13 +84,24 @@ def pieces(cfg: Config) -> Pieces:
     backend = sandbox_backend(cfg.sandbox, store)
     images = StoreImages(store, backend)
     if t.env.openenv:
+        from furlong.build.openenv import openenv_environment, openenv_source
+
         source, sessions = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
     else:
         source, sessions = env_source(t, backend), None
     return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store,
                   env=run_env(t.env, backend, images, sessions),
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
-                  params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_build.session(t))
+                  params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_session(t))
+
+
+def ray_session(t: TrainConfig) -> RaySession | None:
+    """train.cluster=ray: the run's Ray session (furlong.build.cluster); else None, without importing Ray."""
+    if t.cluster != "ray":
+        return None
+    import furlong.build.cluster as ray_build
+
+    return ray_build.session(t)
 
 
 def attach_loggers(t: TrainConfig, run: RunDir) -> None:
@@ -123,6 +135,8 @@ def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True,
     if t.trainer == "fsdp2":
         return fsdp2_trainer(t, sft_dir, config, demos, cluster)
     if cluster is not None:
+        import furlong.build.cluster as ray_build
+
         return ray_build.trainer(cluster, partial(local_trainer, t, sft_dir, config, demos), t)
     return local_trainer(t, sft_dir, config, demos)
 
@@ -148,8 +162,11 @@ def fsdp2_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list
     lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets) if lo.enabled else None
     spec = FSDP2Spec(sft_dir, config, lora=lora, lora_seed=t.seed, demos=tuple(demos), device=t.device,
                      threads=t.torch_threads)
-    ranks: RankGroup = (LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s) if cluster is None
-                        else ray_build.ranks(cluster, spec, t))
+    if cluster is None:
+        return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)
+    import furlong.build.cluster as ray_build
+
+    ranks: RankGroup = ray_build.ranks(cluster, spec, t)
     return FSDP2Trainer(ranks, spec)
 
 
@@ -202,6 +219,8 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
                                             engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
     if cluster is not None:
+        import furlong.build.cluster as ray_build
+
         return await ray_build.engine_link(cfg, cluster, sft_dir, _fresh_dir(t, run_path), publisher, lora_spec(t))
     local = (lambda: Borrowed(shared)) if shared is not None else (
         lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb))
