@@ -301,6 +301,9 @@ class HFEngineConfig(_Node):
     prefix_cache_mb: float = Field(
         256, ge=0, description="KV of finished turns kept for later turns and group members that share their "
                                "prefix (LRU within this many MiB); 0 disables the prefix cache")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the in-process engine's model runs (RL "
+                                           "rollouts and held-out evals; with train.device=cuda, weights are "
+                                           "copied GPU to GPU)")
 
 
 class RayConfig(_Node):
@@ -318,6 +321,10 @@ class RayConfig(_Node):
                                               "furlong.engine.router when more than one")
     engine_cpus: float = Field(1.0, gt=0, description="logical CPUs each engine actor's bundle reserves")
     trainer_cpus: float = Field(1.0, gt=0, description="logical CPUs the trainer actor's bundle reserves")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs each trainer actor's bundle reserves (train.device=cuda "
+                                                       "needs > 0); a fraction shares a GPU (colocated: 0.5 each)")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs each engine actor's bundle reserves; > 0: the engine "
+                                                      "runs on CUDA")
     max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead engine actor (same address; "
                                                    "the router readmits it at the live weight version)")
     start_timeout_s: float = Field(180.0, gt=0, description="how long placement groups and actors may take to "
@@ -448,8 +455,10 @@ class TrainConfig(_Node):
         if self.cluster == "ray" and self.engine != "hf":
             raise ValueError(f"train.cluster=ray runs the hf engine server in Ray actors: set train.engine=hf "
                              f"(got {self.engine!r})")
-        if self.cluster == "ray" and self.device != "cpu":
-            raise ValueError("train.cluster=ray: the trainer actor reserves CPUs only; set train.device=cpu")
+        if self.cluster == "ray" and (self.device == "cuda") != (self.ray.trainer_gpus > 0):
+            raise ValueError(f"train.cluster=ray: train.device={self.device} needs train.ray.trainer_gpus "
+                             f"{'> 0 (the trainer actor must hold a GPU)' if self.device == 'cuda' else '= 0'} "
+                             f"(got {self.ray.trainer_gpus:g})")
         if self.cluster == "ray" and self.sync.transport == "broadcast":
             raise ValueError("train.cluster=ray: engine actors take updates from files or HTTP (train.sync.transport"
                              "=directory or http); the broadcast transport is for train.sync.engine=server")

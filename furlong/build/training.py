@@ -77,8 +77,18 @@ class Pieces:
             self.cluster.close()
 
 
+def check_devices(t: TrainConfig) -> None:
+    """A CUDA device asked of this process (not of Ray actors, which get their own) must be here."""
+    asked = [f"{key}=cuda" for key, device in (("train.device", t.device if t.cluster == "local" else "cpu"),
+                                               ("train.hf.device", t.hf.device)) if device == "cuda"]
+    if asked and not torch.cuda.is_available():
+        raise ConfigError(f"{', '.join(asked)}: no CUDA device is visible to this process "
+                          f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
+
+
 def pieces(cfg: Config) -> Pieces:
     t = cfg.train
+    check_devices(t)
     base = t.model.path or init_tiny(seed=t.model.seed)
     store = image_store(cfg.sandbox, cfg.images)
     backend = sandbox_backend(cfg.sandbox, store)
@@ -189,16 +199,17 @@ def shared_engine(cfg: Config, sft_dir: Path, run_path: Path):
     return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
 
 
-def phase_engine(model_dir: Path, shared=None, prefix_cache_mb: float = 256):
+def phase_engine(model_dir: Path, shared=None, prefix_cache_mb: float = 256, device: str = "cpu"):
     """A phase's engine: the run's `shared` one (lent: closing it leaves it running), else a new hf engine over
     the model in `model_dir`."""
     if shared is not None:
         return Borrowed(shared)
-    return hf_engine(load_model(model_dir), prefix_cache_mb)
+    return hf_engine(load_model(model_dir), prefix_cache_mb, device)
 
 
-def hf_engine(model, prefix_cache_mb: float) -> HFEngine:
-    return HFEngine(model, eos_token_ids=(), prefix_cache_mb=prefix_cache_mb)  # episodes stop on end-of-turn
+def hf_engine(model, prefix_cache_mb: float, device: str = "cpu") -> HFEngine:
+    # eos_token_ids=(): episodes stop on end-of-turn
+    return HFEngine(model.to(device), eos_token_ids=(), prefix_cache_mb=prefix_cache_mb)
 
 
 def _fresh_dir(t: TrainConfig, run_path: Path) -> DirectoryTransport:
@@ -223,7 +234,7 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
 
         return await ray_build.engine_link(cfg, cluster, sft_dir, _fresh_dir(t, run_path), publisher, lora_spec(t))
     local = (lambda: Borrowed(shared)) if shared is not None else (
-        lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb))
+        lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb, t.hf.device))
     if s.transport == "direct":
         return DirectLink(local())
     if s.engine == "inprocess":
