@@ -210,7 +210,7 @@ FRAGMENTS = {
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@settings(max_examples=250, deadline=None, database=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(data=st.data())
 def test_parse_never_raises(name: str, data) -> None:
     pieces = st.one_of(st.sampled_from(FRAGMENTS[name]), st.text(max_size=4))
@@ -233,7 +233,7 @@ _KIND = {type(None): "null", bool: "boolean", int: "integer", float: "number", s
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@settings(max_examples=40, deadline=None, database=None)
+@settings(max_examples=30, deadline=None, database=None)
 @given(args=st.dictionaries(_KEYS, _JSON, max_size=4))
 def test_any_arguments_round_trip(tokenizers, name: str, args: dict) -> None:
     tok = tokenizers[name]
