@@ -136,6 +136,9 @@ class AgentConfig(_Node):
                                "SFT demonstration")
     tool_schema_in_prompt: bool = Field(False, description="render the environment's tool schemas (Harbor: bash) into the prompt "
                                         "(tiny models do better without it; chat models trained on tools, with it)")
+    tool_format: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "harmony"] = Field(
+        "auto", description="how the model writes tool calls and ends its turns (docs/models.md#tool-call-formats); "
+                            "auto: read from the tokenizer's chat template, an error when it cannot tell")
 
 
 class SFTConfig(_Node):

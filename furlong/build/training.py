@@ -26,6 +26,7 @@ from furlong.metrics.run import RunDir
 from furlong.metrics.wandb_log import WandbLog
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
+from furlong.model.toolcall import tool_format
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.base import SandboxBackend
@@ -99,7 +100,9 @@ def pieces(cfg: Config) -> Pieces:
         source, sessions = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
     else:
         source, sessions = env_source(t, backend), None
-    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store,
+    tokenizer = load_tokenizer(base)
+    tool_format(tokenizer, t.agent.tool_format)  # a format the template cannot use fails here, not per episode
+    return Pieces(tokenizer=tokenizer, backend=backend, store=store,
                   env=run_env(t.env, backend, images, sessions),
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
                   params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_session(t))

@@ -11,9 +11,9 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -21,7 +21,14 @@ from furlong.agent.episode import AgentParams
 from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.envs.base import Environment, Toolbox
-from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
+from furlong.model.chat import (
+    Message,
+    ToolCall,
+    assistant_ids,
+    continuation_ids,
+    render_prompt_ids,
+)
+from furlong.model.toolcall import tool_format
 from furlong.tasks.model import Task
 
 log = logging.getLogger(__name__)
@@ -46,11 +53,13 @@ def solution_command(task: Task) -> str:
 def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: AgentParams,
                 schemas: Sequence[dict] = (BASH_TOOL,)) -> Demo:
     """`schemas`: the episode's tools (bash and the run's extra tools), shown as an RL episode shows them."""
+    ends = tool_format(tokenizer, params.tool_format).turn_ends
     prompt = render_prompt_ids(tokenizer, [Message("system", params.system_prompt), Message("user", task.instruction)],
                                list(schemas) if params.tool_schema_in_prompt else None)
-    call = assistant_ids(tokenizer, Message("assistant", "", (ToolCall("bash", {"command": command}),)))
-    result = continuation_ids(tokenizer, [Message("tool", observation)])
-    final = assistant_ids(tokenizer, Message("assistant", FINAL_ANSWER))
+    calling = Message("assistant", "", (ToolCall("bash", {"command": command}),))
+    call = assistant_ids(tokenizer, calling, ends)
+    result = continuation_ids(tokenizer, [Message("tool", observation)], end_of_turn=ends, answered=calling)
+    final = assistant_ids(tokenizer, Message("assistant", FINAL_ANSWER), ends)
     parts = [(prompt, 0), (call, 1), (result, 0), (final, 1)]
     return Demo(task_id=task.id, tokens=tuple(t for ids, _ in parts for t in ids),
                 loss_mask=tuple(m for ids, m in parts for _ in ids))
