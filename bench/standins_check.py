@@ -1,5 +1,6 @@
 """Every versioned stand-in built cold, its real version probed, one command run in it without network; and
-Terminal-Bench 2's test forms offline on the python:3.13 stand-in with the verifier toolchain.
+Terminal-Bench 2's test forms offline on the python:3.13 stand-in with the verifier toolchain, in a sandbox
+and through `furlong eval` (oracle and no-op) of two tasks-tb2 tasks moved onto python:3.13 and python:3.12.
 
     python bench/standins_check.py [--only python,gcc] [--keep] [--out bench/results/standins.json]
 
@@ -14,12 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from provenance import finish, provenance
+from provenance import ROOT, finish, provenance
 
 from furlong.paths import cache_dir
 from furlong.sandbox import standins, toolchain
@@ -32,8 +36,9 @@ from furlong.sandbox.standin_recipes import FAMILIES
 # one command per family: compile or run something small, offline, and print the versions it sees
 COMMANDS = {
     "python": "python --version && pip --version | cut -d' ' -f1,2 && python -m venv /tmp/v && /tmp/v/bin/python -c 'print(1)'",
-    "gcc": "cd /tmp && printf '#include <stdio.h>\\nint main(void){printf(\"gcc %d\\\\n\", __GNUC__);}\\n' > h.c "
-           "&& gcc -O2 h.c -o h && ./h && g++ --version | head -1 && gfortran --version | head -1 && make --version | head -1",
+    "gcc": "cd /tmp && echo '#include <stdio.h>' > h.c && echo 'int main(void) { printf(\"gcc %d.%d\\n\", "
+           "__GNUC__, __GNUC_MINOR__); }' >> h.c && gcc -O2 h.c -o h && ./h && g++ --version | head -1 "
+           "&& gfortran --version | head -1 && make --version | head -1",
     "golang": "cd /tmp && mkdir m && cd m && go mod init example.com/m 2>/dev/null && printf 'package main\\nimport "
               "\"fmt\"\\nfunc main() { fmt.Println(\"hello from go\") }\\n' > main.go && go build -o m . && ./m "
               "&& head -3 go.mod | tail -1 && echo GOPATH=$GOPATH GOTOOLCHAIN=$GOTOOLCHAIN",
@@ -91,7 +96,30 @@ async def tb2(store, backend) -> list[dict]:
     return rows
 
 
-def refusals(root: Path) -> list[dict]:
+def eval_tb2(root: Path) -> dict:
+    """`furlong eval` (oracle, then no-op) of two tasks-tb2 tasks moved onto python:3.13 and python:3.12 with
+    TB2's `-p 3.13`: the verifier, as its own uid and without network, runs TB2's test forms."""
+    tasks = root / "tasks"
+    for name, tag in (("pytest-toolchain", "python:3.13-slim-bookworm"), ("uvx-ctrf", "python:3.12-slim")):
+        shutil.copytree(ROOT / "tasks-tb2" / name, tasks / name)
+        dockerfile = tasks / name / "environment/Dockerfile"
+        lines = dockerfile.read_text().splitlines(keepends=True)
+        dockerfile.write_text("".join(f"FROM {tag}\n" if line.startswith("FROM ") else line for line in lines))
+        test = tasks / name / "tests/test.sh"
+        test.write_text(test.read_text().replace("-p 3.11", "-p 3.13").replace("uv venv ", "uv venv -p 3.13 "))
+    out = {}
+    for agent in ("oracle", "noop"):
+        lines = root / f"{agent}.jsonl"
+        subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--tasks", str(tasks), "--agent", agent,
+                        "--out", str(lines)], cwd=ROOT, env={**os.environ, "FURLONG_CACHE": str(root)},
+                       capture_output=True, timeout=1800, check=False)
+        records = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
+        out[agent] = {r["task"]: {"reward": r["reward"], "status": r["status"], "error": r.get("error"),
+                                  "image_note": r.get("image_note")} for r in records}
+    return out
+
+
+def refusals() -> list[dict]:
     """What exact mode (and Go in any mode) says for versions Debian lacks: one line each."""
     out = []
     for mode, tag in (("exact", "python:3.12-slim"), ("exact", "node:22"), ("nearest", "golang:1.20")):
@@ -121,8 +149,11 @@ async def main(only: set[str], keep: bool) -> dict:
                 except (RegistryError, OSError, RuntimeError) as exc:
                     rows.append({"tag": f"{repo}:{offer.version}", "standin": offer.name, "error": str(exc)[-2000:]})
                 print(json.dumps(rows[-1])[:300], flush=True)
-        checks = await tb2(store, backend) if not only or "python" in only else []
-        return {"bases_s": bases, "standins": rows, "tb2_offline": checks, "refusals": refusals(root)}
+        python = not only or "python" in only
+        checks = await tb2(store, backend) if python else []
+        evals = await asyncio.to_thread(eval_tb2, root) if python else {}
+        return {"bases_s": bases, "standins": rows, "tb2_offline": checks, "tb2_eval": evals,
+                "refusals": refusals()}
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
