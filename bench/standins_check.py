@@ -35,7 +35,8 @@ from furlong.sandbox.standin_recipes import FAMILIES
 
 # one command per family: compile or run something small, offline, and print the versions it sees
 COMMANDS = {
-    "python": "python --version && pip --version | cut -d' ' -f1,2 && python -m venv /tmp/v && /tmp/v/bin/python -c 'print(1)'",
+    "python": "python --version && pip --version | cut -d' ' -f1,2 && python -m venv /tmp/v "
+              "&& /tmp/v/bin/python -c 'print(1)'",
     "gcc": "cd /tmp && echo '#include <stdio.h>' > h.c && echo 'int main(void) { printf(\"gcc %d.%d\\n\", "
            "__GNUC__, __GNUC_MINOR__); }' >> h.c && gcc -O2 h.c -o h && ./h && g++ --version | head -1 "
            "&& gfortran --version | head -1 && make --version | head -1",

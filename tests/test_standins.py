@@ -21,7 +21,8 @@ from furlong.sandbox.standin_recipes import FAMILIES
 
 @pytest.mark.parametrize("ref, name, suite, exact, words", [
     ("python:3.13-slim-bookworm", "python-3.13", "trixie", True, "Debian 13 (trixie), not Debian 12 (bookworm)"),
-    ("python:3.12-slim", "python-3.13", "trixie", False, "the tag asks for Python 3.12 (nearest: Debian trixie's 3.13)"),
+    ("python:3.12-slim", "python-3.13", "trixie", False,
+     "the tag asks for Python 3.12 (nearest: Debian trixie's 3.13)"),
     ("python:3.14", "python-3.13", "trixie", False, "asks for Python 3.14"),
     ("python:3", "python", "bookworm", True, "(Python 3.11.2, Debian bookworm's python3"),
     ("gcc:12.2.0-bookworm", "gcc-12", "bookworm", True, "(gcc 12.2.0, Debian bookworm's gcc"),
@@ -61,7 +62,7 @@ def test_nearest_takes_the_newer_of_two_as_near_and_exact_refuses_with_what_debi
 
 
 def test_trixie_names_and_recipes():
-    assert standins.resolve("debian:trixie-slim").suite == "trixie" and standins.resolve("debian:13.1").suite == "trixie"
+    assert [standins.resolve(ref).suite for ref in ("debian:trixie-slim", "debian:13.1")] == ["trixie", "trixie"]
     assert standins.resolve("furlong/base-trixie").standin is None
     go = standins.resolve("golang:1.22").standin.dockerfile()
     assert go.startswith("FROM furlong/base\n") and "bookworm-backports main" in go and "ENV GOTOOLCHAIN=local" in go
@@ -110,7 +111,8 @@ def _sh(shims: Path, script: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_offline_shims_answer_uvs_installer_and_apt_get_install_curl(shims: Path, tmp_path: Path):
     script = ("set -e\napt-get install -y --no-install-recommends curl coreutils\n"
               "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\nsource $HOME/.local/bin/env\n"
-              "readlink $HOME/.local/bin/uv; echo ${PATH%%:*}\ncurl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\n"  # again: no-op
+              "readlink $HOME/.local/bin/uv; echo ${PATH%%:*}\n"
+              "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\n"  # again: changes nothing
               "curl -LsSfo a.sh https://astral.sh/uv/install.sh; wget -q https://astral.sh/uv/install.sh\n"
               "curl -LO https://github.com/astral-sh/uv/releases/download/0.9.5/uv-installer.sh\n"
               "wget -qO- https://astral.sh/uv/install.sh | head -1\n")

@@ -104,8 +104,8 @@ class ImageStore:
         shutil.rmtree(rootfs / "var/cache/apt/archives", ignore_errors=True)
         (rootfs / "var/cache/apt/archives/partial").mkdir(parents=True)
         (rootfs / "logs").mkdir(exist_ok=True)
-        meta = {"key": final.name, "suite": suite, "packages": BASE_PACKAGES, "seconds": round(time.monotonic() - started, 1),
-                "builder": f"mmdebstrap {rootless.mmdebstrap_mode()}"}
+        meta = {"key": final.name, "suite": suite, "packages": BASE_PACKAGES,
+                "seconds": round(time.monotonic() - started, 1), "builder": f"mmdebstrap {rootless.mmdebstrap_mode()}"}
         (tmp / "meta.json").write_text(json.dumps(meta))
         tmp.rename(final)
 

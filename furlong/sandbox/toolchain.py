@@ -103,8 +103,8 @@ def _recipe(context: str) -> str:
 
 def key(store) -> str:
     parent = store.standin_key(standins.PYTHON)
-    return "toolchain-" + _sha(FORMAT, parent, _recipe("ctx"), *LOCK_ONLY, PYTEST_SCRIPT, ENV_SCRIPT, offline_shims.shim(),
-                               offline_shims.installer(UV_VERSION), platform.machine())
+    return "toolchain-" + _sha(FORMAT, parent, _recipe("ctx"), *LOCK_ONLY, PYTEST_SCRIPT, ENV_SCRIPT,
+                               offline_shims.shim(), offline_shims.installer(UV_VERSION), platform.machine())
 
 
 def _download(dest: Path) -> None:
