@@ -40,10 +40,15 @@ class SandboxConfig(_Node):
 
 class ImagesConfig(_Node):
     """Base images pulled from registries (furlong.sandbox.registry; docs/images.md, "Base images from
-    registries"), and what builds and networked sandboxes borrow from the host (furlong.sandbox.egress)."""
+    registries"), the Debian stand-ins for official images (furlong.sandbox.standins; docs/images.md,
+    "Stand-ins"), and what builds and networked sandboxes borrow from the host (furlong.sandbox.egress)."""
 
     prefer_registry: bool = Field(False, description="pull the names furlong has stand-ins for (python:*, "
                                   "debian:bookworm...) from their registry too; env FURLONG_PREFER_REGISTRY=1")
+    standins: Literal["nearest", "exact"] = Field(
+        "nearest", description="a tag whose version Debian does not ship (python:3.12, node:22): nearest: the "
+                               "stand-in with the nearest version, and its note says so; exact: a one-line error "
+                               "naming the versions Debian has (Go always needs its exact release)")
     registry_auth_file: Path | None = Field(None, description="a containers-auth.json for private registries "
                                             "(skopeo --authfile); null: $REGISTRY_AUTH_FILE, else skopeo's defaults")
     pull_timeout_s: float = Field(1800.0, gt=0, description="one image pull")
