@@ -37,18 +37,21 @@ COLLECTION = {"url": "https://github.com/purple29th/purple29th-tbench-2",
               "commit": "20b8213075732fabbc45b8cdfdcdd9da55a69b16"}
 OVERRIDES = ["eval.verifier_toolchain=true", "images.trust_host_ca=true"]
 
-# (cause, pattern over the episode's error + outputs); the issue's groups, most specific first
+# (cause, pattern over the episode's error + outputs), the issue's groups, most specific first
 CAUSES = [
     ("task's own bug", r"has no solution|outside the build context|not loaded|COPY failed|no such file.*COPY"),
-    ("no registry for the base", (r"no registry|registry.*(unreachable|refused|could not)|no stand-in|cannot pull|"
-                                 r"RegistryError|pull .* failed")),
-    ("https during build", (r"(?s)(image|build).*(CERTIFICATE_VERIFY_FAILED|Could not resolve host|"
-                           r"Failed to connect|curl: \(\d+\)|SSL|Temporary failure in name resolution|"
-                           r"HTTPSConnection|ConnectionError|403 Forbidden|404 Not Found)")),
+    ("no registry for the base", (r"no registry|registry.*(unreachable|refused|could not)|no stand-in|"
+                                  r"cannot pull|RegistryError|pull .* failed")),
+    ("https during build", (r"(?s)image unavailable.*(CERTIFICATE_VERIFY_FAILED|Could not resolve host|"
+                            r"Failed to connect|curl: \(\d+\)|SSL|Temporary failure in name resolution|"
+                            r"HTTPSConnection|ConnectionError|403 Forbidden|404 Not Found)")),
     ("tests need internet", (r"Could not resolve host|Temporary failure in name resolution|Failed to fetch|"
-                            r"astral\.sh|No interpreter found|failed to download|dns error|Network is unreachable")),
+                             r"astral\.sh|No interpreter found|failed to download|dns error|Network is unreachable")),
     ("timeout", r"timed out|timeout"),
 ]
+BUILD_FAILED = re.compile(r"image unavailable|image build failed")
+FAILED_AT = re.compile(r"Dockerfile:(\d+):")
+FETCH = re.compile(r"^\s*RUN\b.*\b(https?://|pip3? install|uv pip install|git clone)", re.IGNORECASE)
 
 
 def pick(root: Path, limit: int | None, seed: int | None, names: list[str]) -> list[Path]:
@@ -88,21 +91,25 @@ def run_eval(task: Path, agent: str, timeout_s: float) -> dict:
             "record": record, "log_tail": None if record else (log or "")[-2000:]}
 
 
-def _text(run: dict) -> str:
-    rec = run["record"]
-    return "\n".join(str(rec.get(k) or "") for k in ("error", "agent_output", "verifier_output")) + \
-        (run["log_tail"] or "")
-
-
-def cause_of(run: dict) -> str:
-    """The issue's group for an oracle run that did not score 1."""
-    if run["timed_out"]:
+def cause_of(task: Path, evidence: str, timed_out: bool) -> str:
+    """The issue's group for an oracle run that did not score 1, from what the episode said."""
+    if timed_out:
         return "timeout"
-    text = _text(run)
     for cause, pattern in CAUSES:
-        if re.search(pattern, text, re.IGNORECASE):
+        if re.search(pattern, evidence, re.IGNORECASE):
             return cause
+    if BUILD_FAILED.search(evidence) and _fetched_before_failure(task, evidence):
+        return "https during build"
     return "other"
+
+
+def _fetched_before_failure(task: Path, evidence: str) -> bool:
+    """A build step at or above the failed line fetches from the internet (`curl URL | sh` exits 0 on an
+    unreachable host, so the failure shows later, e.g. `cp: cannot stat '/root/.local/bin/uv'`)."""
+    failed = FAILED_AT.search(evidence)
+    lines = (task / "environment/Dockerfile").read_text(errors="replace").splitlines()
+    upto = int(failed.group(1)) if failed else len(lines)
+    return any(FETCH.search(line) for line in lines[:upto])
 
 
 def built(run: dict) -> bool:
@@ -122,11 +129,12 @@ def row(task: Path, oracle: dict, noop: dict | None) -> dict:
     out = {"task": task.name, "base": _base(task), "built": built(oracle), "oracle_pass": passed,
            "oracle_status": rec.get("status"), "oracle_reward": rec.get("reward"),
            "noop_pass": None if noop is None else noop["record"].get("reward") == 1,
-           "noop_status": None if noop is None else noop["record"].get("status"),
-           "cause": None if passed else cause_of(oracle), "image_note": rec.get("image_note"),
+           "noop_status": None if noop is None else noop["record"].get("status"), "cause": None,
+           "timed_out": oracle["timed_out"], "image_note": rec.get("image_note"),
            "seconds": {"oracle": oracle["seconds"], "noop": noop and noop["seconds"]}}
     if not passed:
         out["evidence"] = _evidence(oracle)
+        out["cause"] = cause_of(task, out["evidence"], oracle["timed_out"])
     return out
 
 
@@ -157,6 +165,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def reclassify(path: Path, root: Path, prov: dict) -> None:
+    """The causes of an earlier run's failures again, under the current CAUSES; the run's provenance kept."""
+    result = json.loads(path.read_text())
+    for r in result["rows"]:
+        if not r["oracle_pass"]:
+            r["cause"] = cause_of(root / r["task"], r["evidence"], r.get("timed_out", False))
+    result["reclassified"] = finish(prov)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result["rows"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tasks_dir", type=Path, help=f"a checkout of {COLLECTION['url']} at {COLLECTION['commit']}")
@@ -165,8 +184,12 @@ def main() -> None:
     parser.add_argument("--tasks", default="", help="comma-separated task names (overrides --limit)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="one task's eval, per agent")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/tb2.json")
+    parser.add_argument("--reclassify", action="store_true", help="rerun nothing: recompute --out's causes "
+                                                                  "from its evidence with this script's rules")
     args = parser.parse_args()
     prov = provenance()
+    if args.reclassify:
+        return reclassify(args.out, args.tasks_dir, prov)
     tasks = pick(args.tasks_dir, args.limit or None, None if args.seed < 0 else args.seed,
                  [n for n in args.tasks.split(",") if n])
     rows: list[dict] = []
