@@ -39,7 +39,8 @@ OVERRIDES = ["eval.verifier_toolchain=true", "images.trust_host_ca=true"]
 
 # (cause, pattern over the episode's error + outputs), the issue's groups, most specific first
 CAUSES = [
-    ("task's own bug", r"has no solution|outside the build context|not loaded|COPY failed|no such file.*COPY"),
+    ("task's own bug", (r"has no solution|outside the build context|not loaded|COPY failed|"
+                        r"COPY source .* not found")),
     ("no registry for the base", (r"no registry|registry.*(unreachable|refused|could not)|no stand-in|"
                                   r"cannot pull|RegistryError|pull .* failed")),
     ("https during build", (r"(?s)image unavailable.*(CERTIFICATE_VERIFY_FAILED|Could not resolve host|"
@@ -165,6 +166,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict]) -> str:
+    """The docs' tables: counts per cause, then one row per task."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["cause"] or "oracle passed"] = counts.get(r["cause"] or "oracle passed", 0) + 1
+    out = ["| outcome | tasks |", "|---|---|"]
+    out += [f"| {c} | {n} |" for c, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    out += ["", "| task | base | built | oracle | noop | cause |", "|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no", None: "-"}
+    out += [f"| {r['task']} | `{r['base']}` | {yes[r['built']]} | {yes[r['oracle_pass']]} | "
+            f"{yes[r['noop_pass']]} | {r['cause'] or ''} |" for r in rows]
+    return "\n".join(out)
+
+
 def reclassify(path: Path, root: Path, prov: dict) -> None:
     """The causes of an earlier run's failures again, under the current CAUSES; the run's provenance kept."""
     result = json.loads(path.read_text())
@@ -174,6 +189,7 @@ def reclassify(path: Path, root: Path, prov: dict) -> None:
     result["reclassified"] = finish(prov)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result["rows"]))
+    print(markdown(result["rows"]))
 
 
 def main() -> None:
