@@ -40,7 +40,7 @@ OVERRIDES = ["eval.verifier_toolchain=true", "images.trust_host_ca=true"]
 # (cause, pattern over the episode's error + outputs), the issue's groups, most specific first
 CAUSES = [
     ("task's own bug", (r"has no solution|outside the build context|not loaded|COPY failed|"
-                        r"COPY source .* not found")),
+                        r"COPY source .* not found|No such file or directory: '/tests/")),
     ("no registry for the base", (r"no registry|registry.*(unreachable|refused|could not)|no stand-in|"
                                   r"cannot pull|RegistryError|pull .* failed")),
     ("https during build", (r"(?s)image unavailable.*(CERTIFICATE_VERIFY_FAILED|Could not resolve host|"
@@ -150,8 +150,8 @@ def _evidence(run: dict) -> str:
     """The lines that decided the cause: the error, then the tail of the solution's and the tests' output."""
     rec = run["record"]
     parts = [rec.get("error") or "", (rec.get("agent_output") or "")[-600:],
-             (rec.get("verifier_output") or "")[-600:], run["log_tail"] or ""]
-    return "\n---\n".join(p for p in parts if p)[-1500:]
+             (rec.get("verifier_output") or "")[-1500:], run["log_tail"] or ""]
+    return "\n---\n".join(p for p in parts if p)[-2500:]
 
 
 def table(rows: list[dict]) -> str:
@@ -202,22 +202,33 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/tb2.json")
     parser.add_argument("--reclassify", action="store_true", help="rerun nothing: recompute --out's causes "
                                                                   "from its evidence with this script's rules")
+    parser.add_argument("--update", action="store_true", help="run only --tasks and replace their rows in --out "
+                                                              "(its run's provenance kept, this one's added)")
     args = parser.parse_args()
     prov = provenance()
     if args.reclassify:
         return reclassify(args.out, args.tasks_dir, prov)
     tasks = pick(args.tasks_dir, args.limit or None, None if args.seed < 0 else args.seed,
                  [n for n in args.tasks.split(",") if n])
-    rows: list[dict] = []
+    if args.update:
+        result = json.loads(args.out.read_text())
+        result.setdefault("updates", []).append({"tasks": [t.name for t in tasks]})
+    else:
+        result = {"provenance": None, "collection": COLLECTION, "overrides": OVERRIDES,
+                  "selected": [t.name for t in tasks], "rows": []}
     for task in tasks:
         oracle = run_eval(task, "oracle", args.timeout_s)
         noop = run_eval(task, "noop", args.timeout_s) if built(oracle) else None
-        rows.append(row(task, oracle, noop))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
-        result = {"provenance": finish(prov), "collection": COLLECTION, "overrides": OVERRIDES,
-                  "selected": [t.name for t in tasks], "rows": rows}
+        new = row(task, oracle, noop)
+        kept = [r for r in result["rows"] if r["task"] != task.name]
+        result["rows"] = sorted([*kept, new], key=lambda r: r["task"])
+        print(table([new]).splitlines()[-1], flush=True)
+        if args.update:
+            result["updates"][-1] = {"tasks": [t.name for t in tasks], **finish(prov)}
+        else:
+            result["provenance"] = finish(prov)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(rows))
+    print(table(result["rows"]))
 
 
 if __name__ == "__main__":
