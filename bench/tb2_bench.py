@@ -40,7 +40,7 @@ OVERRIDES = ["eval.verifier_toolchain=true", "images.trust_host_ca=true"]
 # (cause, pattern over the episode's error + outputs), the issue's groups, most specific first
 CAUSES = [
     ("task's own bug", (r"has no solution|outside the build context|not loaded|COPY failed|"
-                        r"COPY source .* not found|No such file or directory: '/tests/")),
+                        r"COPY source .* not found|No such file or directory: '/tests/|a Harbor task needs")),
     ("no registry for the base", (r"no registry|registry.*(unreachable|refused|could not)|no stand-in|"
                                   r"cannot pull|RegistryError|pull .* failed")),
     ("https during build", (r"(?s)image unavailable.*(CERTIFICATE_VERIFY_FAILED|Could not resolve host|"
