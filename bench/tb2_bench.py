@@ -8,7 +8,7 @@ TASKS_DIR is a checkout of the task collection below, never committed here:
     git clone https://github.com/purple29th/purple29th-tbench-2 tb2-tasks
     git -C tb2-tasks checkout 20b8213075732fabbc45b8cdfdcdd9da55a69b16
 
-(88 tasks in Harbor's TB2 format: task.toml, instruction.md, environment/Dockerfile, tests/test.sh,
+(87 tasks in Harbor's TB2 format: task.toml, instruction.md, environment/Dockerfile, tests/test.sh,
 solution/solve.sh; the official laude-institute/terminal-bench-2 was not reachable from here, docs/tb2.md.)
 Each task is one `furlong eval` subprocess per agent, in its own process group, killed past --timeout-s so
 one hung build cannot eat the run; the oracle's run builds the image, the no-op's reuses it. Both run with
