@@ -76,8 +76,9 @@ class PromptSource:
         self.family, self.limits = family, dict(limits or {})
         self.rows = {split: [prompt_row(r, fields, family, split, k, agent_timeout_s)
                              for k, r in enumerate(tables.get(split, ()))] for split in SPLITS}
-        if not self.rows["train"]:
-            raise DatasetError(f"prompt dataset {family!r}: no train rows")
+        for split in SPLITS:
+            if not self.rows[split]:
+                raise DatasetError(f"prompt dataset {family!r}: no {split} rows (check its split settings)")
         if fields.answer and not any(r.answer is not None for r in self.rows["train"]):
             raise DatasetError(f"prompt dataset {family!r}: no train row has the answer field {fields.answer!r}")
 
