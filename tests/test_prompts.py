@@ -73,8 +73,10 @@ def test_each_format_loads_the_same_rows_and_splits_them_by_a_column(tmp_path, f
     assert train[3].where == f"{write(tmp_path, fmt)} {'line' if fmt == 'jsonl' else 'row'} 4"
 
 
-def test_splits_from_a_fraction_a_dataset_dict_or_two_files(tmp_path):
+def test_splits_from_a_fraction_a_dataset_dict_a_folder_or_two_files(tmp_path, monkeypatch):
     import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")  # not the user's cache
 
     drawn = source(write(tmp_path, "jsonl"), heldout_fraction=0.5)
     assert len(drawn.instances("train")) == len(drawn.instances("heldout")) == 3
@@ -83,6 +85,11 @@ def test_splits_from_a_fraction_a_dataset_dict_or_two_files(tmp_path):
                                  "test": datasets.Dataset.from_list(ROWS[4:])})
     both.save_to_disk(str(tmp_path / "dict"))
     assert [r.values["a"] for r in source(tmp_path / "dict").instances("heldout")] == [4, 5]
+    (tmp_path / "hub").mkdir()  # a dataset as the Hub serves it: data files whose names give the splits
+    for name, part in (("train", ROWS[:4]), ("test", ROWS[4:])):
+        (tmp_path / "hub" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    held = source(tmp_path / "hub").instances("heldout")
+    assert [r.values["a"] for r in held] == [4, 5] and held[0].where == f"{tmp_path / 'hub'} split 'test' row 1"
     (tmp_path / "held.parquet").write_bytes(write(tmp_path, "parquet", ROWS[4:]).read_bytes())
     cfg = load_config(None, [f"train.env.prompts.train_path={tmp_path / 'rows.jsonl'}", "train.env.prompts.reward=m:f",
                              f"train.env.prompts.heldout_path={tmp_path / 'held.parquet'}"])
