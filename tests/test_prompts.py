@@ -19,6 +19,7 @@ from tests_support import agent_params
 from furlong.agent.episode import run_episode
 from furlong.agent.runner import run_outcome
 from furlong.build.environment import load_callable, prompt_source, run_env
+from furlong.cli import main
 from furlong.config import ConfigError, load_config
 from furlong.engine.base import Generation, SamplingParams
 from furlong.envs.prompt_data import DatasetError, read_dataset
@@ -228,22 +229,22 @@ def test_a_model_answers_once_under_the_rows_system_message_and_tool_syntax_is_j
     assert cut.status == "truncated" and cut.reward is not None and seen[-1] == tokenizer.decode(cut.tokens[-1:])
 
 
-def test_furlong_train_and_eval_run_on_the_bundled_example(tmp_path):
+def test_furlong_train_and_eval_run_on_the_bundled_example(tmp_path, monkeypatch):
     res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/prompts-arith.yaml",
-                          f"train.run_dir={tmp_path / 'run'}", "train.sft.epochs=1", "train.rl.steps=2",
-                          "train.rl.tasks_per_step=4", "train.rl.group_size=2", "train.eval.heldout_per_family=6"],
+                          f"train.run_dir={tmp_path / 'run'}", "train.sft.epochs=1", "train.sft.instances_per_family=16",
+                          "train.rl.steps=2", "train.rl.tasks_per_step=4", "train.rl.group_size=2",
+                          "train.eval.heldout_per_family=6"],
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     records = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
     assert summary["families"] == ["arith"] and summary["rl_episodes"]["started"] == 16
     assert len(records) == 6 + 16 + 6 and all(r["reward"] is not None and r["error"] is None for r in records)
-    assert json.loads((tmp_path / "run" / "state.json").read_text())["phases"]["sft"]["demos"] == 100
+    assert json.loads((tmp_path / "run" / "state.json").read_text())["phases"]["sft"]["demos"] == 16
     out = tmp_path / "oracle.jsonl"
-    oracle = subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--config", "recipes/prompts-arith.yaml",
-                             "--agent", "oracle", "--split", "train", "--per-family", "6", "--out", str(out)],
-                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert oracle.returncode == 0, oracle.stderr[-3000:]
+    monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository's root
+    assert main(["eval", "--config", "recipes/prompts-arith.yaml", "--agent", "oracle", "--split", "train",
+                 "--per-family", "6", "--out", str(out)]) == 0
     # the "a + b" rows have answers, which the reward scores 1; the "a plus b" ones have none to give
     results = [json.loads(line) for line in out.read_text().splitlines()]
     answered = [r for r in results if r["status"] == "ok"]
