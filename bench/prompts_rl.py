@@ -13,7 +13,7 @@ paired gains with 90% bootstrap intervals (RL minus control: what the reward its
 reward on the "plus" and "+" rows in its first and last quarter of steps, every status, wall seconds.
 Writes bench/results/prompts_rl.json.
 
-    python bench/prompts_rl.py                   # 3 seeds: about 25 min on 2 shared cores
+    python bench/prompts_rl.py                   # 3 seeds: about 21 min on 2 shared cores
     python bench/prompts_rl.py --seeds 0 --keep /tmp/prompts-rl train.rl.steps=2 train.sft.epochs=1  # a check
 """
 
