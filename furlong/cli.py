@@ -105,7 +105,24 @@ def _parser() -> argparse.ArgumentParser:
 
     _sandbox_parser(sub)
     _openenv_parser(sub)
+    _tasks_parser(sub)
     return parser
+
+
+def _tasks_parser(sub) -> None:
+    tk = sub.add_parser("tasks", help="task utilities")
+    tk_sub = tk.add_subparsers(dest="tasks_command", required=True)
+    swe = tk_sub.add_parser("import-swe", help="SWE-bench-style instances (JSONL) into Harbor task directories, "
+                                               "graded as SWE-bench grades them (docs/swe.md)")
+    swe.add_argument("instances", type=Path, metavar="INSTANCES.jsonl", help="one SWE-bench instance per line")
+    swe.add_argument("--repo-dir", type=Path, required=True,
+                     help="a local git repository holding every base_commit, or a directory of them as OWNER/NAME")
+    swe.add_argument("--out", type=Path, required=True, help="write one task directory per instance here")
+    swe.add_argument("--base-image", default=None,
+                     help="the images' FROM, with python3 and git (default debian:bookworm-slim: furlong's base)")
+    swe.add_argument("--test-cmd", default=None, help="the test command, before the test files "
+                                                      "(default: swebench's 'pytest --no-header -rA --tb=no -p "
+                                                      "no:cacheprovider')")
 
 
 def _sandbox_parser(sub) -> None:
@@ -512,6 +529,22 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tasks(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from furlong.tasks.swe import ImportOptions, import_instances
+
+    given = {"base_image": args.base_image, "test_cmd": args.test_cmd}
+    options = dataclasses.replace(ImportOptions(), **{k: v for k, v in given.items() if v is not None})
+    with console.status(f"importing {args.instances}"):
+        written = import_instances(args.instances, args.repo_dir, args.out, options)
+    for task in written:
+        print(task)
+    console.print(f"{len(written)} tasks in {args.out}; check them with `furlong eval --tasks {args.out}` "
+                  "(the oracle must resolve every one) and `--agent noop` (none)", soft_wrap=True)
+    return 0
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from furlong.engine.server import serve
 
@@ -521,7 +554,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model,
-                "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report, "openenv": cmd_openenv}
+                "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report, "openenv": cmd_openenv,
+                "tasks": cmd_tasks}
     try:
         return handlers[args.command](args)
     except (ConfigError, EngineUnavailable, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:

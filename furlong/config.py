@@ -40,10 +40,15 @@ class SandboxConfig(_Node):
 
 class ImagesConfig(_Node):
     """Base images pulled from registries (furlong.sandbox.registry; docs/images.md, "Base images from
-    registries"), and what builds and networked sandboxes borrow from the host (furlong.sandbox.egress)."""
+    registries"), the Debian stand-ins for official images (furlong.sandbox.standins; docs/images.md,
+    "Stand-ins"), and what builds and networked sandboxes borrow from the host (furlong.sandbox.egress)."""
 
     prefer_registry: bool = Field(False, description="pull the names furlong has stand-ins for (python:*, "
                                   "debian:bookworm...) from their registry too; env FURLONG_PREFER_REGISTRY=1")
+    standins: Literal["nearest", "exact"] = Field(
+        "nearest", description="a tag whose version Debian does not ship (python:3.12, node:22): nearest: the "
+                               "stand-in with the nearest version, and its note says so; exact: a one-line error "
+                               "naming the versions Debian has (Go always needs its exact release)")
     registry_auth_file: Path | None = Field(None, description="a containers-auth.json for private registries "
                                             "(skopeo --authfile); null: $REGISTRY_AUTH_FILE, else skopeo's defaults")
     pull_timeout_s: float = Field(1800.0, gt=0, description="one image pull")
@@ -136,6 +141,9 @@ class AgentConfig(_Node):
                                "SFT demonstration")
     tool_schema_in_prompt: bool = Field(False, description="render the environment's tool schemas (Harbor: bash) into the prompt "
                                         "(tiny models do better without it; chat models trained on tools, with it)")
+    tool_format: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "harmony"] = Field(
+        "auto", description="how the model writes tool calls and ends its turns (docs/models.md#tool-call-formats); "
+                            "auto: read from the tokenizer's chat template, an error when it cannot tell")
 
 
 class SFTConfig(_Node):
@@ -301,6 +309,9 @@ class HFEngineConfig(_Node):
     prefix_cache_mb: float = Field(
         256, ge=0, description="KV of finished turns kept for later turns and group members that share their "
                                "prefix (LRU within this many MiB); 0 disables the prefix cache")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the in-process engine's model runs (RL "
+                                           "rollouts and held-out evals; with train.device=cuda, weights are "
+                                           "copied GPU to GPU)")
 
 
 class RayConfig(_Node):
@@ -318,6 +329,10 @@ class RayConfig(_Node):
                                               "furlong.engine.router when more than one")
     engine_cpus: float = Field(1.0, gt=0, description="logical CPUs each engine actor's bundle reserves")
     trainer_cpus: float = Field(1.0, gt=0, description="logical CPUs the trainer actor's bundle reserves")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs each trainer actor's bundle reserves (train.device=cuda "
+                                                       "needs > 0); a fraction shares a GPU (colocated: 0.5 each)")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs each engine actor's bundle reserves; > 0: the engine "
+                                                      "runs on CUDA")
     max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead engine actor (same address; "
                                                    "the router readmits it at the live weight version)")
     start_timeout_s: float = Field(180.0, gt=0, description="how long placement groups and actors may take to "
@@ -523,8 +538,10 @@ class TrainConfig(_Node):
         if self.cluster == "ray" and self.engine != "hf":
             raise ValueError(f"train.cluster=ray runs the hf engine server in Ray actors: set train.engine=hf "
                              f"(got {self.engine!r})")
-        if self.cluster == "ray" and self.device != "cpu":
-            raise ValueError("train.cluster=ray: the trainer actor reserves CPUs only; set train.device=cpu")
+        if self.cluster == "ray" and (self.device == "cuda") != (self.ray.trainer_gpus > 0):
+            raise ValueError(f"train.cluster=ray: train.device={self.device} needs train.ray.trainer_gpus "
+                             f"{'> 0 (the trainer actor must hold a GPU)' if self.device == 'cuda' else '= 0'} "
+                             f"(got {self.ray.trainer_gpus:g})")
         if self.cluster == "ray" and self.sync.transport == "broadcast":
             raise ValueError("train.cluster=ray: engine actors take updates from files or HTTP (train.sync.transport"
                              "=directory or http); the broadcast transport is for train.sync.engine=server")

@@ -6,7 +6,9 @@
 # For each engine: a virtualenv (WORK/venv-ENGINE) with the engine and furlong (the engine's own torch,
 # not furlong's CPU pin), then `python -m scripts.engine_check`: start, generate, logprobs vs the trainer,
 # weight update (and its measured pause), LoRA load, 2 RL steps through `furlong train train.engine=ENGINE`.
-# Then `python -m scripts.fsdp2_check`: 2 FSDP2 trainer steps on one GPU (nccl, bf16 over fp32 masters).
+# Then `python -m scripts.fsdp2_check`: 2 FSDP2 trainer steps on one GPU (nccl, bf16 over fp32 masters),
+# and `python -m scripts.train_check`: `furlong train` with the trainer and engine on the GPU (direct and
+# delta weight sync), and a colocated Ray run (one trainer actor, one engine actor, sharing the GPU).
 # One PASS/FAIL line per check; exit 1 if any failed. The public checkpoint (Qwen/Qwen3-0.6B) is downloaded
 # once into WORK/model unless --model names a local one. Sandboxes need install.sh's Debian packages: it
 # runs first (as root it installs them; as a user it says what is missing).
@@ -17,6 +19,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
+export PYTHONPATH="$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"  # the checks reuse tests' fixtures (fsdp2_support)
 
 DRY=0
 ENGINES="sglang vllm"
@@ -94,6 +97,7 @@ dry_run() {
     esac
   done
   python3 -m scripts.fsdp2_check --model "$MODEL" --device cpu || FAILED=1
+  python3 -m scripts.train_check --model "$MODEL" --device cpu --work "$WORK/train-check" || FAILED=1
 }
 
 gpu_run() {
@@ -117,6 +121,8 @@ gpu_run() {
   if [ -z "$torch_python" ]; then fail "fsdp2" "no engine virtualenv with a CUDA torch was built"; return; fi
   "$torch_python" -m scripts.fsdp2_check --model "${MODEL:-$WORK/model}" --device cuda \
     2> >(tee "$WORK/fsdp2.stderr.log" | tail -n 5 >&2) || FAILED=1
+  "$torch_python" -m scripts.train_check --model "${MODEL:-$WORK/model}" --device cuda --work "$WORK/train-check" \
+    2> >(tee "$WORK/train.stderr.log" | tail -n 5 >&2) || FAILED=1
 }
 
 if [ "$DRY" = 1 ]; then dry_run; else gpu_run; fi

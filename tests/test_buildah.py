@@ -34,7 +34,7 @@ RUN <<EOF
 echo plain heredoc > /plain.txt
 EOF
 
-FROM python:3.12-slim AS final
+FROM python:3.11-slim AS final
 ARG LEVEL=3
 RUN echo "level $LEVEL" > /level-first.txt
 ARG LEVEL=4

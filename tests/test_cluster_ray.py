@@ -72,6 +72,20 @@ def test_both_placements_build_their_placement_groups(session: RaySession):
         Roles(engines=1, engine_cpus=1, trainer_cpus=1, placement="sideways").groups()
 
 
+def test_gpu_roles_reserve_gpus_and_a_cluster_without_them_is_refused_at_once(session: RaySession):
+    """One GPU shared colocated (0.5 each): each bundle holds its fraction. This cluster has no GPU, so placing
+    the roles fails before any placement group waits (scripts/gpu_check.sh places them on a real GPU)."""
+    shared = Roles(engines=1, engine_cpus=0.25, trainer_cpus=0.25, placement="colocated", trainer_gpus=0.5,
+                   engine_gpus=0.5)
+    assert shared.gpus == 1.0
+    assert shared.groups()["run"][0] == [{"CPU": 0.25, "GPU": 0.5}, {"CPU": 0.25, "GPU": 0.5}]
+    before = len(placement_group_table())
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"reserve 1 GPUs .* but the cluster has 0"):
+        place(shared, f"{session.tag}-gpu", timeout_s=60)
+    assert time.monotonic() - start < 10 and len(placement_group_table()) == before
+
+
 def test_ray_ranks_form_one_process_group_and_report_a_dead_rank(session: RaySession):
     ranks = RayRanks(SumSpec(offset=1.0), 2, cpus=0.25, timeout_s=60)
     try:

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from furlong.build.training import check_devices
 from furlong.config import ConfigError, load_config
 
 
@@ -29,6 +31,27 @@ def test_overrides_and_recipes_are_typed(tmp_path: Path):
 def test_bad_overrides_name_the_key(override: str, words: str):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.cluster=ray", "train.device=cuda"], "train.device=cuda needs train.ray.trainer_gpus > 0"),
+    (["train.cluster=ray", "train.ray.trainer_gpus=0.5"], "train.device=cpu needs train.ray.trainer_gpus = 0"),
+    (["train.ray.engine_gpus=-1"], "train.ray.engine_gpus: Input should be greater than or equal to 0"),
+])
+def test_gpu_settings_that_cannot_run_are_refused(overrides: list[str], words: str):
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, overrides)
+    cfg = load_config(None, ["train.cluster=ray", "train.device=cuda", "train.ray.trainer_gpus=0.5",
+                             "train.ray.engine_gpus=0.5"])
+    assert (cfg.train.ray.trainer_gpus, cfg.train.ray.engine_gpus) == (0.5, 0.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("override", ["train.device=cuda", "train.hf.device=cuda"])
+def test_a_cuda_device_this_machine_lacks_is_a_config_error_naming_the_key(override: str):
+    with pytest.raises(ConfigError, match=f"{override}: no CUDA device is visible"):
+        check_devices(load_config(None, [override]).train)
+    check_devices(load_config(None, ["train.cluster=ray", "train.device=cuda", "train.ray.trainer_gpus=1"]).train)
 
 
 def test_bad_recipe_names_the_file(tmp_path: Path):

@@ -107,11 +107,10 @@ def test_copy_outside_the_context_is_refused(store, backend, tmp_path: Path):
 
 
 @pytest.mark.parametrize("ref, standin, version, words", [
-    ("python:3.12-slim", "python", "3.12", "the tag asks for Python 3.12"),
-    ("python:3.13-slim-bookworm", "python", "3.13", "asks for Python 3.13"),
+    ("python:3.10-slim", "python", "3.10", "the tag asks for Python 3.10 (nearest: Debian bookworm's 3.11)"),
     ("public.ecr.aws/docker/library/python:3.11-slim", "python", "3.11", "python stand-in"),
     ("docker.io/library/python:3.10", "python", "3.10", "compilers are not included"),
-    ("python:3.11-bullseye", "python", "3.11", "not 11 (bullseye)"),
+    ("python:3.11-bullseye", "python", "3.11", "not Debian 11 (bullseye)"),
     ("python", "python", "", "python stand-in"),
     ("debian:bookworm-slim", None, "", ""),
     ("debian:12.5", None, "", ""),
@@ -126,7 +125,8 @@ def test_known_names_map_to_the_base_or_a_standin(ref: str, standin: str | None,
 
 
 @pytest.mark.parametrize("ref", ["ubuntu:24.04", "python:2.7", "python:3.12-alpine", "debian:bullseye",
-                                 "debian:latest", "gcc:13.3.0-bookworm", "buildpack-deps:jammy"])
+                                 "debian:latest", "gcc:13-alpine", "node:20-bookworm-nanoserver",
+                                 "buildpack-deps:jammy"])
 def test_names_without_an_honest_mapping_are_refused(ref: str):
     assert standins.resolve(ref) is None
 
@@ -155,7 +155,7 @@ def test_python_standin_behaves_like_the_official_image(store, backend, tmp_path
     """pip, pip3, python, python3 and venv work, and pip installs as root (a local project, offline)."""
     files = {"pkg/pyproject.toml": PYPROJECT, "pkg/tinypkg/__init__.py": "ANSWER = 42\n"}
     path = _dockerfile(tmp_path, (
-        "FROM python:3.12-slim\nCOPY pkg /src/pkg\n"
+        "FROM python:3.10-slim\nCOPY pkg /src/pkg\n"
         "RUN pip --version && pip3 --version && python --version && python3 --version\n"
         "RUN python -m venv /v && /v/bin/pip --version\n"
         "RUN pip install --no-build-isolation --no-deps /src/pkg\n"), files)
@@ -173,10 +173,10 @@ def test_python_standin_behaves_like_the_official_image(store, backend, tmp_path
 
     image, r, image311 = run(go())
     assert r.stdout.startswith("42 (3, 11)\nPython 3.11") and r.stdout.endswith("1\nC.UTF-8\n"), r
-    assert "python stand-in (Python 3.11" in image.note and "asks for Python 3.12" in image.note
+    assert "python stand-in (Python 3.11" in image.note and "asks for Python 3.10" in image.note
     assert "asks for" not in image311.note and image311.layers[1:] == image.layers[1:]  # one stand-in layer
     meta = json.loads((store.root / image.digest / "meta.json").read_text())
-    assert meta["base"] == "python:3.12-slim" and meta["note"] == image.note
+    assert meta["base"] == "python:3.10-slim" and meta["note"] == image.note
 
 
 def test_env_and_workdir_expand_variables_and_relative_workdirs_chain():

@@ -22,6 +22,8 @@ LAZY_ALLOWED = {
     "furlong.model.loading": "transformers (seconds): `furlong eval` with a scripted agent never loads a model",
     "furlong.engine.hf": "torch and transformers: engine.factory serves vllm and sglang without them",
     "furlong.engine.sglang_launch": "torch (through engine.sglang): only the sglang engine needs it",
+    "furlong.build.cluster": "ray (seconds): only train.cluster=ray needs it",
+    "furlong.build.openenv": "openenv and gradio (seconds): only train.env.openenv=true needs them",
 }
 
 

@@ -170,7 +170,7 @@ def test_parse_tool_calls_valid() -> None:
     ('<tool_call>{"name": "", "arguments": {}}</tool_call>', '"name"'),
     ('<tool_call>{"name": "bash"}</tool_call>', 'missing "arguments"'),
     ('<tool_call>{"name": "bash", "arguments": [1]}</tool_call>', "must be an object"),
-    ('<tool_call>{"name": "bash", "arguments": "{nope"}</tool_call>', "not valid JSON"),
+    ('<tool_call>{"name": "bash", "arguments": "{nope"}</tool_call>', '"arguments" (a string of JSON): invalid JSON'),
     ('<tool_call>{"name": "bash", "arguments": {}}', "unterminated"),
     ('ok</tool_call>', "without an opening"),
 ])

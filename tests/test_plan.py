@@ -12,7 +12,9 @@ import yaml
 
 from furlong.cluster.plan import make_plan
 from furlong.cluster.shapes import kv_bytes_per_token, lora_params, model_params
-from furlong.cluster.spec import ClusterSpec, ModelSpec, hf_model, load_spec
+from furlong.cluster.spec import ClusterSpec, Delta, ModelSpec, hf_model, load_spec
+from furlong.cluster.timing import attention_flops, decode_step
+from furlong.cluster.updates import delta_bytes, position_bits
 
 ROOT = Path(__file__).resolve().parent.parent
 MILES = ROOT / "recipes/cluster/miles-glm5.yaml"
@@ -90,6 +92,8 @@ def test_parameter_count_of_moe_and_mla_configs_matches_torch(tmp_path: Path, ki
     assert counted.total == sum(p.numel() for p in model.parameters())
     if kind != "qwen2":
         assert 0 < counted.active < counted.total
+    if kind == "glm_moe_dsa":  # DSA's top-k caps the keys attention reads
+        assert ModelSpec.model_validate(hf_model(tmp_path / "config.json")).attention.index_topk == 4
 
 
 def test_glm5_matches_its_published_size():
@@ -116,10 +120,10 @@ def test_a_spec_that_cannot_fit_names_the_role_and_the_numbers(tmp_path: Path):
     ("- a\n", "expected a mapping"),
     ("nodes: [{name: n, count: 1, gpus: 2, cpus: 4, memory_gib: 8}]\nmodel: {}\ntrainer: {}\nrollout: {}\n",
      "nodes.0: Value error, gpu_memory_gib is required"),
-    ("nodes: [{name: n, count: 1, cpus: 4, memory_gib: 8}]\nmodel: {layers: 1}\ntrainer: {gpus: 1, seq_len: 8,"
-     " tp: two}\nrollout: {gpus: 1, tpp: 2}\n", "trainer.tp: Input should be a valid integer"),
-    ("nodes: [{name: n, count: 1, cpus: 4, memory_gib: 8}]\nmodel: {layers: 1}\ntrainer: {gpus: 1, seq_len: 8}"
-     "\nrollout: {gpus: 1, tpp: 2}\n", "rollout.tpp: Extra inputs are not permitted"),
+    (("nodes: [{name: n, count: 1, cpus: 4, memory_gib: 8}]\nmodel: {layers: 1}\ntrainer: {gpus: 1, seq_len: 8,"
+     " tp: two}\nrollout: {gpus: 1, tpp: 2}\n"), "trainer.tp: Input should be a valid integer"),
+    (("nodes: [{name: n, count: 1, cpus: 4, memory_gib: 8}]\nmodel: {layers: 1}\ntrainer: {gpus: 1, seq_len: 8}"
+     "\nrollout: {gpus: 1, tpp: 2}\n"), "rollout.tpp: Extra inputs are not permitted"),
 ])
 def test_bad_yaml_names_the_field(tmp_path: Path, text: str, field: str):
     (tmp_path / "c.yaml").write_text(text)
@@ -156,9 +160,10 @@ def test_cli_prints_both_worked_examples_and_starts_nothing():
              "loaded = [m for m in ('ray', 'torch', 'transformers', 'vllm', 'sglang') if m in sys.modules]; "
              "print('LOADED', loaded); sys.exit(rc)")
     for path, expect in ((MILES, ["engine 7", "gb15:0-3", "gb0:0-3, gb1:0-3", "cpu0..cpu3 (4 nodes)",
-                                  "743,911,199,232 parameters", "trainer -> 8 relays"]),
-                         (DENSE, ["h200-0:0-3", "engine 1", "h200-0:6-7", "LoRA r64"])):
-        out = subprocess.run([sys.executable, "-c", probe, "train", "--plan", str(path)], cwd=ROOT,
+                                  "743,911,199,232 parameters", "trainer -> 8 relays", "per update: full",
+                                  "async: max(rollout, train + weight sync)"]),
+                         (DENSE, ["h200-0:0-3", "engine 1", "h200-0:6-7", "LoRA r64", "time per step"])):
+        out = subprocess.run([sys.executable, "-c", probe, "train", "--plan", str(path)], cwd=ROOT, check=False,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         for text in expect + ["placement", "memory per trainer rank", "memory per engine GPU", "nothing started"]:
@@ -166,6 +171,109 @@ def test_cli_prints_both_worked_examples_and_starts_nothing():
         assert "LOADED []" in out.stdout
         printed = "\n".join(line.rstrip() for line in out.stdout.splitlines() if not line.startswith("LOADED"))
         assert printed in (ROOT / "docs/plan.md").read_text(), f"docs/plan.md shows an old output of {path.name}"
-    cli = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--plan", str(DENSE)], cwd=ROOT,
+    cli = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--plan", str(DENSE)], cwd=ROOT, check=False,
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "each weight update (lora)" in cli.stdout, cli.stderr
+
+
+STEP = {"prompts": 2, "group_size": 2, "prompt_tokens": 3, "response_tokens": 5, "gpu_tflops": 1e-6,
+        "gpu_hbm_tbs": 1e-9, "mfu": 0.5, "mbu": 0.5}  # 1e6 FLOP/s and 1000 B/s a GPU, half of each reached
+
+
+def test_train_and_decode_terms_match_hand_computed_values():
+    spec = _spec(step=STEP)
+    p = model_params(spec.model)
+    terms = {t.name: t.seconds for t in make_plan(spec).step.terms}
+    # attention at 4 keys (a sample's 8 tokens / 2): 2 x 2 layers x 2 heads x (4 + 4) x 4 = 256 FLOPs a token;
+    # 3 passes (forward, backward x 2; no checkpointing) over 4 samples x 8 tokens
+    assert attention_flops(spec.model, 4) == 256
+    assert terms["train"] == pytest.approx(3 * 32 * (2 * 1352 + 256) / (1e6 * 0.5))
+    # decode step at batch 2, context 3 + 5/2: bf16 weights 2704 B + KV 2 x 5.5 tokens x 32 B, at 500 B/s
+    assert decode_step(spec, p, 2, 5.5)[0] == pytest.approx((2704 + 2 * 5.5 * 32) / 500)
+    assert "memory-bound" in decode_step(spec, p, 2, 5.5)[1]
+    # prefill: 3 tokens x (2 x 1352 + attention at 5.5 keys: 352) / (1 GPU x 1e6 x 0.5)
+    assert terms["prefill, per sample"] == pytest.approx(3 * (2704 + 352) / 5e5)
+    # with ample bandwidth the step is FLOP-bound: 2 tokens x (2 x 1352 + 352) at 5e5 FLOP/s
+    fast = _spec(step={**STEP, "gpu_hbm_tbs": 1e3})
+    seconds, detail = decode_step(fast, p, 2, 5.5)
+    assert seconds == pytest.approx(2 * 3056 / 5e5) and "compute-bound" in detail
+    # the batch an engine decodes is its in-flight samples' decoding share: 4 x decode / latency
+    latency = terms["prefill, per sample"] + terms["decode, per sample"]
+    batch = 4 * terms["decode, per sample"] / latency
+    assert terms["decode, per sample"] == pytest.approx(5 * decode_step(spec, p, batch, 5.5)[0], rel=1e-6)
+
+
+def test_moe_decode_reads_only_the_experts_its_tokens_route_to():
+    moe = {**SMALL, "moe": {"experts": 4, "active": 1, "ffn": 8}}
+    spec = _spec(model=moe, step={**STEP, "spec_accept": 2})
+    p = model_params(spec.model)
+    for batch in (1, 3):
+        touched = 1 - (1 - 1 / 4) ** (2 * batch)  # 2 tokens a sample a step with spec_accept 2
+        weights = (p.total - p.experts + p.experts * touched) * 2
+        kv = batch * 32 * 5.5
+        assert decode_step(spec, p, batch, 5.5)[0] == pytest.approx((weights + kv) / 500)
+
+
+def test_sync_adds_the_terms_and_async_overlaps_rollout_with_training():
+    for mode in ("sync", "async"):
+        step = make_plan(_spec(step={**STEP, "mode": mode, "concurrent": 3, "env_seconds": 7})).step
+        t = {x.name: x.seconds for x in step.terms}
+        latency = t["prefill, per sample"] + t["decode, per sample"] + t["environment, per sample"]
+        if mode == "sync":  # 4 samples, 3 at a time: two waves
+            assert t["rollout"] == pytest.approx(2 * latency)
+            assert step.seconds == pytest.approx(t["rollout"] + t["train"] + t["weight sync"])
+        else:  # steady state: 3 in flight finish 4 samples in 4/3 latencies
+            assert t["rollout"] == pytest.approx(4 * latency / 3)
+            assert step.seconds == pytest.approx(max(t["rollout"], t["train"] + t["weight sync"]))
+    with pytest.raises(ValueError, match="step.mode async needs the engines on their own GPUs"):
+        _spec(step={**STEP, "mode": "async"}, colocate=True)
+
+
+def test_a_batch_beyond_the_kv_cache_is_named_and_capped():
+    # each engine GPU: 1 GiB x 0.85 - 2704 B of weights, at 32 B a token; samples of 8 tokens
+    plan = make_plan(_spec(step={**STEP, "prompts": 10 ** 7, "group_size": 1}))
+    room = int((0.85 * 2 ** 30 - 2704) / 32 // 8)
+    assert plan.problems == ((f"does not fit: KV cache: {10 ** 7} samples of 8 tokens in flight but the engines "
+                             f"hold {room}; the step time assumes {room}"),)
+
+
+def test_delta_size_and_its_cpu_stages():
+    assert position_bits(0.5) == 1.0
+    assert delta_bytes(1352, Delta(changed_fraction=0.5, value_bits=3)) == 1352 * (1 + 0.5 * 3) / 8
+    # the defaults come from the GRPO steps at the recipe's lr in bench/results/weight_sync.json
+    row = next(r for r in json.loads((ROOT / "bench/results/weight_sync.json").read_text())["summary"]
+               if r["lr"] == 2e-4)
+    assert delta_bytes(row["full_bytes"] // 2, Delta()) == pytest.approx(row["furlong_bytes"], rel=0.01)
+    assert Delta().changed_fraction == pytest.approx(row["density"], abs=5e-4)
+    spec = _spec(sync="delta", delta={"changed_fraction": 0.5, "value_bits": 3, "encode_gbs": 1e-6,
+                                      "apply_gbs": 2e-6})
+    plan = make_plan(spec)
+    rows = {u.what.split(",")[0]: u for u in plan.updates}
+    assert rows["delta"].bytes == 1352 * 2.5 / 8
+    assert rows["encode on the trainer (1 core)"].seconds == pytest.approx(2704 / 1000)
+    assert rows["apply on each relay"].seconds == pytest.approx(2704 / 2000)
+    assert rows["relays -> 1 engines"].bytes == 2704  # the engine loads the whole tensors the relay rebuilt
+    paths = {x.kind: x for x in plan.paths}
+    assert paths["delta"].seconds == pytest.approx(2.704 + 1.352 + 2704 / 450e9)
+    assert paths["full"].sent == 2704 and paths["full"].seconds == pytest.approx(2704 / 450e9)
+
+
+def test_uneven_pipeline_split_puts_the_layers_where_it_says():
+    four = {**SMALL, "layers": 4}
+    spec = _spec(model=four, trainer={"gpus": 2, "pp": 2, "pp_layers": [1, 3]}, colocate=True)
+    # stage 1: 3 layers x 592 + final norm 8 + lm_head 80; fuller than stage 0 (embedding 80 + one layer)
+    assert {t.name: t.bytes for t in make_plan(spec).trainer.terms}["parameters"] == (3 * 592 + 88) * 2
+    assert "pp2 (layers 1/3)" in make_plan(spec).placement[0].detail
+    with pytest.raises(ValueError, match="trainer.pp_layers sums to 3 but the model has 4 layers"):
+        _spec(model=four, trainer={"gpus": 2, "pp": 2, "pp_layers": [1, 2]}, colocate=True)
+    with pytest.raises(ValueError, match=r"pp_layers needs pp \(2\) counts of at least 1"):
+        _spec(model=four, trainer={"gpus": 2, "pp": 2, "pp_layers": [4]}, colocate=True)
+
+
+@pytest.mark.parametrize("section, field", [("step", "tokens"), ("delta", "fraction")])
+def test_unknown_step_and_delta_keys_are_named(tmp_path: Path, section: str, field: str):
+    raw = yaml.safe_load(DENSE.read_text())
+    raw[section] = {**raw.get(section, {}), field: 1}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=f"{section}.{field}: Extra inputs are not permitted"):
+        load_spec(tmp_path / "c.yaml")

@@ -232,7 +232,7 @@ PYPROJECT = '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setupto
 def python_image(store, backend, tmp_path_factory):
     env = tmp_path_factory.mktemp("py") / "environment"
     env.mkdir()
-    (env / "Dockerfile").write_text("FROM python:3.12-slim\n")
+    (env / "Dockerfile").write_text("FROM python:3.11-slim\n")
     return run(store.image(env / "Dockerfile", backend))
 
 

@@ -34,8 +34,8 @@ def _check(tasks: Path, tmp_path: Path, expected: set[str]) -> None:
     oracle = _eval(tasks, "oracle", tmp_path / "oracle.jsonl")
     assert set(oracle) == expected
     assert {t: (r["reward"], r["status"]) for t, r in oracle.items()} == {t: (1.0, "ok") for t in expected}, oracle
-    note = oracle["pip-local-package"]["image_note"]  # python:3.12-slim: the record says what served it
-    assert "stand-in" in note and "Python 3.11" in note and "3.12" in note, note
+    note = oracle["pip-local-package"]["image_note"]  # python:3.10-slim: the record says what served it
+    assert "stand-in" in note and "Python 3.11" in note and "asks for Python 3.10" in note, note
     noop = _eval(tasks, "noop", tmp_path / "noop.jsonl")
     assert {t: (r["reward"], r["status"]) for t, r in noop.items()} == {t: (0.0, "ok") for t in expected}, noop
 

@@ -65,7 +65,7 @@ def test_toolchain_works_offline_and_keeps_pip(store, backend, tmp_path: Path):
            "deactivate; . $HOME/.local/bin/env; command -v uv\n"
            "pip install -q --root-user-action=ignore --no-build-isolation --no-deps /src && "
            "python3 -c 'import tinypkg; print(tinypkg.ANSWER)'")
-    tc, image, r = _in_sandbox(store, backend, "python:3.12-slim", False, cmd, tmp_path / "pkg")
+    tc, image, r = _in_sandbox(store, backend, "python:3.11-slim", False, cmd, tmp_path / "pkg")
     assert r.ok, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith(f"uv {toolchain.UV_VERSION} ") and lines[1].startswith(f"uvx {toolchain.UV_VERSION} ")
@@ -81,3 +81,27 @@ def test_toolchain_on_the_plain_debian_base(store, backend):
     _, image, r = _in_sandbox(store, backend, "debian:bookworm", True, "pytest --version; echo ${UV_OFFLINE:-online}")
     assert r.ok and r.stdout.split("\n")[:2] == ["pytest 8.4.1", "online"], r.stdout + r.stderr
     assert ("UV_FIND_LINKS", f"{toolchain.HOME}/wheels") in image.env
+
+
+# TB2's test prologue and its uvx and `uv init && uv add` forms (`uv venv` is the test above's), under `set -e`,
+# with `-p` naming the image's Python (3.11 here; TB2's `-p 3.13` on the python:3.13 stand-in is
+# bench/standins_check.py's). Its `apt-get update` is left out: offline it is apt's own 0, after seconds of DNS.
+TB2_TESTS = """set -e
+apt-get install -y curl 2>/dev/null
+curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
+source $HOME/.local/bin/env
+cd /tmp && printf 'import sys\\ndef test_v():\\n    assert sys.version_info[:2] == (3, 11)\\n' > test_outputs.py
+uvx -p 3.11 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /tmp/ctrf.json test_outputs.py -rA | tail -1
+mkdir proj && cd proj && uv init -q && uv add -q pytest==8.4.1 && uv run pytest -q /tmp/test_outputs.py | tail -1
+uvx -p 3.12 pytest --version 2>&1 | head -1
+"""
+
+
+def test_tb2_test_prologue_and_pytest_forms_work_offline(store, backend):
+    _, image, r = _in_sandbox(store, backend, "python:3.11-slim", False, TB2_TESTS)
+    assert r.ok, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"uv {toolchain.UV_VERSION} (furlong's verifier toolchain) is in /root/.local/bin")
+    assert "1 passed" in lines[1] and lines[2].startswith("1 passed"), r.stdout
+    assert lines[3].startswith("error: No interpreter found for Python 3.12"), r.stdout  # never a download
+    assert dict(image.env)["PATH"].startswith("/opt/furlong/toolchain/offline:")

@@ -18,8 +18,16 @@ from typing import TYPE_CHECKING
 from furlong.agent.runner import AgentRun, SandboxSource, run_retrying
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
-from furlong.envs.base import EnvSpec, Environment, Toolbox
-from furlong.model.chat import Message, ToolCallError, continuation_ids, end_of_turn_id, parse_tool_calls, render_prompt_ids
+from furlong.envs.base import Environment, EnvSpec, Toolbox
+from furlong.model.chat import (
+    Message,
+    ToolCall,
+    ToolCallError,
+    continuation_ids,
+    end_of_turn_id,
+    render_prompt_ids,
+)
+from furlong.model.toolcall import tool_format
 from furlong.seeding import mix_seed
 from furlong.timing import EpisodeTiming
 
@@ -38,6 +46,7 @@ class AgentParams:
     observation_chars: int  # a tool result beyond this is cut, keeping head and tail
     system_prompt: str
     tool_schema_in_prompt: bool
+    tool_format: str  # auto, or a name in furlong.model.toolcall.FORMATS
 
     @classmethod
     def of(cls, agent: AgentConfig) -> AgentParams:
@@ -129,6 +138,7 @@ class ModelAgent:
 
     def __init__(self, engine: Engine, tokenizer, params: AgentParams, sampling: SamplingParams, instruction: str):
         self.engine, self.tokenizer, self.params, self.sampling = engine, tokenizer, params, sampling
+        self.format = tool_format(tokenizer, params.tool_format)
         self.instruction = instruction
         self._messages = [Message("system", params.system_prompt), Message("user", instruction)]
         self._prompt((BASH_TOOL,))
@@ -190,7 +200,8 @@ class ModelAgent:
         policy's episode into a zero), and a turn's tokens are bounded by max_new_tokens anyway.
         `answers_only` (an environment without tools): every turn is an answer, whatever text it holds, and
         a turn cut off by max_new_tokens is still given to the environment as the answer it wrote."""
-        params, trace, eot = self.params, self.trace, end_of_turn_id(self.tokenizer)
+        params, trace = self.params, self.trace
+        stops = tuple(end_of_turn_id(self.tokenizer, marker) for marker in self.format.stops)
         for turn in range(1, params.max_turns + 1):
             budget = params.max_context_tokens - len(trace.tokens)
             if budget <= 0:
@@ -203,7 +214,7 @@ class ModelAgent:
             try:
                 gen = await self.engine.generate(list(trace.tokens), SamplingParams(
                     temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
-                    max_new_tokens=min(params.max_new_tokens, budget), stop_token_ids=(eot,),
+                    max_new_tokens=min(params.max_new_tokens, budget), stop_token_ids=stops,
                     seed=None if self.sampling.seed is None else mix_seed(self.sampling.seed, turn)))
             finally:
                 self.model_wait_s += time.perf_counter() - t
@@ -211,30 +222,49 @@ class ModelAgent:
             deadline.reschedule(loop.time() + left)
             trace.add_sampled(list(gen.output_ids), list(gen.logprobs), list(gen.token_weight_versions))
             if answers_only and gen.finish_reason != "stop":
-                await runner.reply(self.tokenizer.decode(gen.output_ids, skip_special_tokens=True))
+                await runner.reply(self.format.answer(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)))
             if gen.finish_reason != "stop":
                 return "truncated"  # cut off mid-turn: no well-formed turn to answer
-            calls = [] if answers_only else parse_tool_calls(self.tokenizer.decode(gen.output_ids,
-                                                                                   skip_special_tokens=False))
-            if not isinstance(calls, ToolCallError) and not calls:
-                # an answer without a tool call: done, unless the environment answers it (a Python one)
-                follow = await runner.reply(self.tokenizer.decode(gen.output_ids, skip_special_tokens=True))
-                if follow is None:
-                    return "ok"
-                observations = [Message("user", follow)]
-            elif isinstance(calls, ToolCallError):
-                observations = [Message("tool", runner.error_text(calls))]
-            else:
-                observations = []
-                for call in calls:
-                    self.tool_calls += 1
-                    observations.append(Message("tool", await runner.run(call)))
-                    if runner.finished:
-                        break  # the environment ended the episode: later calls of the turn do not run
-            trace.add_context(continuation_ids(self.tokenizer, observations))
+            answer = await self._answer(runner, self.tokenizer.decode(gen.output_ids, skip_special_tokens=False),
+                                        answers_only)
+            if answer is None:
+                return "ok"
+            answered, observations = answer
+            trace.add_context(continuation_ids(self.tokenizer, observations, end_of_turn=self.format.turn_ends,
+                                               answered=answered))
             if runner.finished:
                 return "ok"
         return "truncated"
+
+    async def _answer(self, runner: ToolRunner, text: str,
+                      answers_only: bool = False) -> tuple[Message, list[Message]] | None:
+        """The messages that answer a sampled turn, and the turn as the template sees it (a stub: only a
+        call's name can matter to what follows it); None when the conversation is over. `answers_only`:
+        the turn is an answer whatever it holds (an environment without tools)."""
+        calls = [] if answers_only else self.format.parse(text, tuple(runner.tools.schemas))
+        if isinstance(calls, ToolCallError):
+            error = runner.error_text(calls)
+            if calls.name is None and self.format.tool_results_need_call:
+                return _ANSWER, [Message("user", error)]
+            return _calling(calls.name or "unknown"), [Message("tool", error)]
+        if not calls:
+            # an answer without a tool call: done, unless the environment answers it (a Python one)
+            follow = await runner.reply(self.format.answer(text))
+            return None if follow is None else (_ANSWER, [Message("user", follow)])
+        observations = []
+        for call in calls:
+            self.tool_calls += 1
+            observations.append(Message("tool", await runner.run(call)))
+            if runner.finished:
+                break  # the environment ended the episode: later calls of the turn do not run
+        return _calling(calls[0].name), observations
+
+
+_ANSWER = Message("assistant", "answer")  # a turn without a call, as the template sees it
+
+
+def _calling(name: str) -> Message:
+    return Message("assistant", "", (ToolCall(name),))
 
 
 def system_prompt(spec: EnvSpec, params: AgentParams) -> str:

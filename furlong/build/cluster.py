@@ -29,7 +29,7 @@ def session(t: TrainConfig) -> RaySession | None:
     r = t.ray
     ranks = t.fsdp2.world_size if t.trainer == "fsdp2" else 1
     roles = Roles(engines=r.engines, engine_cpus=r.engine_cpus, trainer_cpus=r.trainer_cpus, placement=r.placement,
-                  trainer_ranks=ranks)
+                  trainer_ranks=ranks, trainer_gpus=r.trainer_gpus, engine_gpus=r.engine_gpus)
     return RaySession(roles, address=r.address, num_cpus=r.num_cpus, timeout_s=r.start_timeout_s)
 
 
@@ -40,7 +40,8 @@ def trainer(cluster: RaySession, make: Callable[[], Trainer], t: TrainConfig) ->
 def ranks(cluster: RaySession, spec: WorkerSpec, t: TrainConfig) -> RayRanks:
     """train.trainer=fsdp2 on Ray: a rank actor in each of the session's trainer bundles."""
     slots = [cluster.slot("trainer", rank) for rank in range(t.fsdp2.world_size)]
-    return RayRanks(spec, t.fsdp2.world_size, cpus=t.ray.trainer_cpus, timeout_s=t.fsdp2.timeout_s, slots=slots)
+    return RayRanks(spec, t.fsdp2.world_size, cpus=t.ray.trainer_cpus, gpus=t.ray.trainer_gpus,
+                    timeout_s=t.fsdp2.timeout_s, slots=slots)
 
 
 async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory: DirectoryTransport,
@@ -53,10 +54,10 @@ async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory
                                                                        token=token)
     spec = EngineSpec(sft_dir, server.url if server else str(directory.root), threads=t.torch_threads,
                       prefix_cache_mb=t.hf.prefix_cache_mb, lora=lora, updates_token=token if server else None,
-                      engine_token=token)
+                      engine_token=token, device="cuda" if t.ray.engine_gpus > 0 else "cpu")
     try:
         actors = await asyncio.to_thread(EngineActors, cluster, spec, t.ray.engines, cpus=t.ray.engine_cpus,
-                                         max_restarts=t.ray.max_restarts)
+                                         max_restarts=t.ray.max_restarts, gpus=t.ray.engine_gpus)
     except BaseException:
         if server:
             server.close()

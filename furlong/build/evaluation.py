@@ -7,6 +7,8 @@ from furlong.config import Config
 from furlong.engine.base import EngineUnavailable
 from furlong.engine.factory import make_engine
 from furlong.eval.model import ModelAgents
+from furlong.model.chat import ChatTemplateError
+from furlong.model.toolcall import tool_format
 
 
 def model_agents(cfg: Config) -> ModelAgents:
@@ -21,7 +23,8 @@ def model_agents(cfg: Config) -> ModelAgents:
     torch.set_num_threads(cfg.train.torch_threads)
     try:
         tokenizer = load_tokenizer(e.model)  # first: a checkpoint without a chat template fails before loading
+        tool_format(tokenizer, cfg.train.agent.tool_format)  # ... and so does one whose tool calls cannot be read
         engine = make_engine(e.engine, e.model, adapter=e.adapter, seed=e.seed)
-    except ModelLoadError as exc:  # the CLI prints EngineUnavailable as one line
+    except (ModelLoadError, ChatTemplateError) as exc:  # the CLI prints EngineUnavailable as one line
         raise EngineUnavailable(f"--model: {exc}") from None
     return ModelAgents(engine, tokenizer, AgentParams.of(cfg.train.agent), e.temperature, e.seed)

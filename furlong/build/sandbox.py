@@ -21,7 +21,8 @@ def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore | HostImages:
     pulls = Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
                               timeout_s=i.pull_timeout_s)
     egress = host_egress(i.trust_host_ca, i.host_ca_bundle, i.package_mirrors)
-    return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls, egress=egress)
+    return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls, egress=egress,
+                      standin_versions=i.standins)
 
 
 def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> SandboxBackend:

@@ -9,15 +9,13 @@ import shutil
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from furlong.agent.episode import AgentParams
-from furlong.build import cluster as ray_build
 from furlong.build.environment import RunEnv, env_source, run_env
-from furlong.build.openenv import openenv_environment, openenv_source
 from furlong.build.sandbox import image_store, sandbox_backend
-from furlong.cluster.session import RaySession
 from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
@@ -29,6 +27,7 @@ from furlong.metrics.run import RunDir
 from furlong.metrics.wandb_log import WandbLog
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
+from furlong.model.toolcall import tool_format
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.base import SandboxBackend
@@ -52,6 +51,9 @@ from furlong.train.weights import (
     local_pull,
     start_engines,
 )
+
+if TYPE_CHECKING:  # Ray and openenv cost seconds to import; only runs that use them pay
+    from furlong.cluster.session import RaySession
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,20 +79,43 @@ class Pieces:
             self.cluster.close()
 
 
+def check_devices(t: TrainConfig) -> None:
+    """A CUDA device asked of this process (not of Ray actors, which get their own) must be here."""
+    asked = [f"{key}=cuda" for key, device in (("train.device", t.device if t.cluster == "local" else "cpu"),
+                                               ("train.hf.device", t.hf.device)) if device == "cuda"]
+    if asked and not torch.cuda.is_available():
+        raise ConfigError(f"{', '.join(asked)}: no CUDA device is visible to this process "
+                          f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
+
+
 def pieces(cfg: Config) -> Pieces:
     t = cfg.train
+    check_devices(t)
     base = t.model.path or init_tiny(seed=t.model.seed)
     store = image_store(cfg.sandbox, cfg.images)
     backend = sandbox_backend(cfg.sandbox, store)
     images = StoreImages(store, backend)
     if t.env.openenv:
+        from furlong.build.openenv import openenv_environment, openenv_source
+
         source, sessions = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
     else:
         source, sessions = env_source(t, backend), None
-    return Pieces(tokenizer=load_tokenizer(base), backend=backend, store=store,
+    tokenizer = load_tokenizer(base)
+    tool_format(tokenizer, t.agent.tool_format)  # a format the template cannot use fails here, not per episode
+    return Pieces(tokenizer=tokenizer, backend=backend, store=store,
                   env=run_env(t.env, backend, images, sessions),
                   train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
-                  params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_build.session(t))
+                  params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_session(t))
+
+
+def ray_session(t: TrainConfig) -> RaySession | None:
+    """train.cluster=ray: the run's Ray session (furlong.build.cluster); else None, without importing Ray."""
+    if t.cluster != "ray":
+        return None
+    import furlong.build.cluster as ray_build
+
+    return ray_build.session(t)
 
 
 def attach_loggers(t: TrainConfig, run: RunDir) -> None:
@@ -124,6 +149,8 @@ def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True,
     if t.trainer == "fsdp2":
         return fsdp2_trainer(t, sft_dir, config, demos, cluster)
     if cluster is not None:
+        import furlong.build.cluster as ray_build
+
         return ray_build.trainer(cluster, partial(local_trainer, t, sft_dir, config, demos), t)
     return local_trainer(t, sft_dir, config, demos)
 
@@ -149,8 +176,11 @@ def fsdp2_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list
     lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets) if lo.enabled else None
     spec = FSDP2Spec(sft_dir, config, lora=lora, lora_seed=t.seed, demos=tuple(demos), device=t.device,
                      threads=t.torch_threads)
-    ranks: RankGroup = (LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s) if cluster is None
-                        else ray_build.ranks(cluster, spec, t))
+    if cluster is None:
+        return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)
+    import furlong.build.cluster as ray_build
+
+    ranks: RankGroup = ray_build.ranks(cluster, spec, t)
     return FSDP2Trainer(ranks, spec)
 
 
@@ -173,16 +203,17 @@ def shared_engine(cfg: Config, sft_dir: Path, run_path: Path):
     return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
 
 
-def phase_engine(model_dir: Path, shared=None, prefix_cache_mb: float = 256):
+def phase_engine(model_dir: Path, shared=None, prefix_cache_mb: float = 256, device: str = "cpu"):
     """A phase's engine: the run's `shared` one (lent: closing it leaves it running), else a new hf engine over
     the model in `model_dir`."""
     if shared is not None:
         return Borrowed(shared)
-    return hf_engine(load_model(model_dir), prefix_cache_mb)
+    return hf_engine(load_model(model_dir), prefix_cache_mb, device)
 
 
-def hf_engine(model, prefix_cache_mb: float) -> HFEngine:
-    return HFEngine(model, eos_token_ids=(), prefix_cache_mb=prefix_cache_mb)  # episodes stop on end-of-turn
+def hf_engine(model, prefix_cache_mb: float, device: str = "cpu") -> HFEngine:
+    # eos_token_ids=(): episodes stop on end-of-turn
+    return HFEngine(model.to(device), eos_token_ids=(), prefix_cache_mb=prefix_cache_mb)
 
 
 def _fresh_dir(t: TrainConfig, run_path: Path) -> DirectoryTransport:
@@ -203,9 +234,11 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
                                             engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
     if cluster is not None:
+        import furlong.build.cluster as ray_build
+
         return await ray_build.engine_link(cfg, cluster, sft_dir, _fresh_dir(t, run_path), publisher, lora_spec(t))
     local = (lambda: Borrowed(shared)) if shared is not None else (
-        lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb))
+        lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb, t.hf.device))
     if s.transport == "direct":
         return DirectLink(local())
     if s.engine == "inprocess":

@@ -33,10 +33,11 @@ class EngineSpec:
     lora: dict | None = None
     updates_token: str | None = None
     engine_token: str | None = None  # every route of the engine server then needs it (the router sends it)
+    device: str = "cpu"  # cuda: the actor's bundle holds a GPU (train.ray.engine_gpus)
 
     def argv(self, host: str, port: int) -> list[str]:
         out = ["--model", str(self.model), "--updates", self.updates, "--host", host, "--port", str(port),
-               "--threads", str(self.threads), "--prefix-cache-mb", str(self.prefix_cache_mb)]
+               "--threads", str(self.threads), "--prefix-cache-mb", str(self.prefix_cache_mb), "--device", self.device]
         return out + (["--lora", json.dumps(self.lora)] if self.lora else [])
 
 
@@ -74,9 +75,10 @@ def free_port() -> int:
 class EngineActors:
     """`count` engine actors in the session's engine bundles; `urls` once every one is serving."""
 
-    def __init__(self, session: RaySession, spec: EngineSpec, count: int, *, cpus: float, max_restarts: int) -> None:
+    def __init__(self, session: RaySession, spec: EngineSpec, count: int, *, cpus: float, max_restarts: int,
+                 gpus: float = 0.0) -> None:
         actor = ray.remote(EngineHost)
-        self.handles = [actor.options(num_cpus=cpus, max_restarts=max_restarts,
+        self.handles = [actor.options(num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts,
                                       scheduling_strategy=session.slot("engine", i)).remote(
                             spec, free_port(), session.local)
                         for i in range(count)]

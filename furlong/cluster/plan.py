@@ -8,10 +8,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from furlong.cluster.shapes import ModelParams, activation_elements, kv_bytes_per_token, lora_params, model_params
+from furlong.cluster.shapes import (
+    ModelParams,
+    activation_elements,
+    kv_bytes_per_token,
+    lora_params,
+    model_params,
+)
 from furlong.cluster.spec import DTYPE_BYTES, ClusterSpec, NodeGroup
-
-GIB = 1024 ** 3
+from furlong.cluster.timing import GIB, StepTime, step_time
+from furlong.cluster.updates import (
+    Relays,
+    SyncPath,
+    Transfer,
+    sync_paths,
+    weight_updates,
+)
 
 
 @dataclass(frozen=True)
@@ -50,14 +62,6 @@ class Memory:
 
 
 @dataclass(frozen=True)
-class Transfer:
-    what: str
-    bytes: float
-    link: str
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Plan:
     spec: ClusterSpec
     params: ModelParams
@@ -65,6 +69,8 @@ class Plan:
     trainer: Memory
     engine: Memory
     updates: tuple[Transfer, ...]
+    paths: tuple[SyncPath, ...]  # the chosen update path, and full vs delta to compare
+    step: StepTime | None  # with a `step:` section
     problems: tuple[str, ...]  # each a "does not fit" line naming the role and the numbers
 
 
@@ -128,7 +134,7 @@ def _engine_block(free: list[tuple[Node, int]], size: int) -> list[tuple[Node, i
         if len(group) >= size:
             return group[:size]
     whole = [s for group in by_node.values() if len(group) == group[0][0].group.gpus for s in group]
-    return whole[:size] if len(whole) >= size and size > max(len(g) for g in by_node.values()) else None
+    return whole[:size] if len(whole) >= size > max(len(g) for g in by_node.values()) else None
 
 
 def _trainer_layout(spec: ClusterSpec) -> str:
@@ -142,7 +148,8 @@ def _trainer_layout(spec: ClusterSpec) -> str:
         raise ValueError("trainer.ep > 1 needs a model with moe")
     per_node = max(g.gpus for g in spec.nodes)
     where = "inside a node" if t.tp <= per_node else "ACROSS nodes (slow)"
-    return (f"tp{t.tp} pp{t.pp} cp{t.cp} ep{t.ep} dp{dp}, shard={t.shard}; TP groups {where}, "
+    split = f" (layers {'/'.join(map(str, t.pp_layers))})" if t.pp_layers else ""
+    return (f"tp{t.tp} pp{t.pp}{split} cp{t.cp} ep{t.ep} dp{dp}, shard={t.shard}; TP groups {where}, "
             f"stage s on GPUs s*{t.gpus // t.pp}..")
 
 
@@ -165,10 +172,11 @@ def _sandboxes(spec: ClusterSpec, notes: list[str]) -> Assignment:
 
 
 def _stage_params(spec: ClusterSpec, p: ModelParams) -> list[tuple[int, int, int]]:
-    """Per pipeline stage: (non-expert params, expert params, layers). Layers split evenly, the first stages
-    taking the remainder; the embedding on the first stage, final norm and lm_head on the last."""
+    """Per pipeline stage: (non-expert params, expert params, layers). Layers as `pp_layers` says, else split
+    evenly with the first stages taking the remainder; the embedding on the first stage, final norm and lm_head
+    on the last."""
     pp, n = spec.trainer.pp, len(p.layers)
-    sizes = [n // pp + (1 if s < n % pp else 0) for s in range(pp)]
+    sizes = list(spec.trainer.pp_layers) or [n // pp + (1 if s < n % pp else 0) for s in range(pp)]
     out, start = [], 0
     for s, size in enumerate(sizes):
         layers = p.layers[start:start + size]
@@ -187,7 +195,7 @@ def trainer_memory(spec: ClusterSpec, p: ModelParams) -> Memory:
 
 
 def _trainer_gpu(spec: ClusterSpec) -> float:
-    return [g for g in spec.nodes if g.gpus][0].gpu_memory_gib - spec.trainer.reserved_gib
+    return next(g for g in spec.nodes if g.gpus).gpu_memory_gib - spec.trainer.reserved_gib
 
 
 def _rank_terms(spec: ClusterSpec, p: ModelParams, stage: int) -> list[Term]:
@@ -254,35 +262,6 @@ def engine_memory(spec: ClusterSpec, p: ModelParams) -> Memory:
     ), budget)
 
 
-def weight_updates(spec: ClusterSpec, p: ModelParams, engine_nodes: list[Node]) -> list[Transfer]:
-    """One update: the trainer sends it once to each engine node's relay over the network (colocated: no
-    network), and each relay loads every engine on its node over the GPU links."""
-    r = spec.rollout
-    engines = r.gpus // r.tp
-    if spec.sync == "lora":
-        t = spec.trainer
-        if not t.lora_rank:
-            raise ValueError("sync: lora needs trainer.lora_rank > 0")
-        one = lora_params(spec.model, t.lora_rank, t.lora_targets) * DTYPE_BYTES[t.param_dtype]
-        what = f"LoRA r{t.lora_rank} ({', '.join(t.lora_targets)}), {t.param_dtype}"
-    else:
-        one = p.total * DTYPE_BYTES[r.dtype]
-        what = f"full, {p.total:,} params x {DTYPE_BYTES[r.dtype]} B ({r.dtype})"
-    node = engine_nodes[0].group if engine_nodes else spec.nodes[0]
-    out = [Transfer(what, one, "one copy", 0.0)]
-    trainer_nodes = {n.name for n, _ in _trainer_slots(spec)}
-    remote = [n for n in engine_nodes if n.name not in trainer_nodes]
-    if len(remote) < len(engine_nodes):
-        out.append(Transfer(f"trainer -> {len(engine_nodes) - len(remote)} relays on its own nodes",
-                            one * (len(engine_nodes) - len(remote)), "host memory (same node)", 0.0))
-    if remote:
-        out.append(Transfer(f"trainer -> {len(remote)} relays", one * len(remote),
-                            f"network, {node.network_gbs:g} GB/s per node", one / (node.network_gbs * 1e9)))
-    out.append(Transfer(f"relays -> {engines} engines", one * engines,
-                        f"GPU links, {node.gpu_link_gbs:g} GB/s", one / r.tp / (node.gpu_link_gbs * 1e9)))
-    return out
-
-
 def make_plan(spec: ClusterSpec) -> Plan:
     p = model_params(spec.model)
     placement, engine_nodes, problems = place(spec)
@@ -294,5 +273,14 @@ def make_plan(spec: ClusterSpec) -> Plan:
     if weights > engine.capacity:
         problems.append(f"does not fit: engine GPU weights need {weights / GIB:,.1f} GiB but memory_fraction x GPU "
                         f"is {engine.capacity / GIB:,.1f} GiB")
-    return Plan(spec, p, tuple(placement), trainer, engine, tuple(weight_updates(spec, p, engine_nodes)),
+    trainer_nodes = {n.name for n, _ in _trainer_slots(spec)}
+    remote = sum(n.name not in trainer_nodes for n in engine_nodes)
+    relays = Relays(len(engine_nodes) - remote, remote, engine_nodes[0].group if engine_nodes else spec.nodes[0])
+    paths = sync_paths(spec, p, relays)
+    step = None
+    if spec.step:
+        kv_tokens = engine.terms[1].bytes / kv_bytes_per_token(spec.model, DTYPE_BYTES[spec.rollout.kv_dtype],
+                                                               spec.rollout.tp, spec.rollout.dp_attention)
+        step = step_time(spec, p, kv_tokens, next(x.seconds for x in paths if x.kind == spec.sync), problems)
+    return Plan(spec, p, tuple(placement), trainer, engine, tuple(weight_updates(spec, p, relays)), paths, step,
                 tuple(problems))

@@ -12,6 +12,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from furlong.cluster.session import bundle
 from furlong.train.ranks import RankFailed, WorkerSpec, free_port, join_group
 
 
@@ -53,8 +54,8 @@ class RayRanks:
     """`world_size` rank actors (`cpus` logical CPUs each) in a placement group of `strategy` (PACK: one
     node where it fits). `call_timeout_s` as LocalRanks: a call that takes longer fails the group."""
 
-    def __init__(self, spec: WorkerSpec, world_size: int, *, cpus: float = 1.0, strategy: str = "PACK",
-                 timeout_s: float = 300.0, call_timeout_s: float | None = None,
+    def __init__(self, spec: WorkerSpec, world_size: int, *, cpus: float = 1.0, gpus: float = 0.0,
+                 strategy: str = "PACK", timeout_s: float = 300.0, call_timeout_s: float | None = None,
                  slots: list[PlacementGroupSchedulingStrategy] | None = None) -> None:
         """`slots`: a bundle per rank in placement groups the caller owns (a run's RaySession); else the
         ranks get a group of their own, removed with them."""
@@ -63,7 +64,7 @@ class RayRanks:
         if slots is not None and len(slots) != world_size:
             raise ValueError(f"{len(slots)} slots for {world_size} ranks")
         self.world_size, self._call_timeout_s = world_size, call_timeout_s
-        self._group = None if slots else placement_group([{"CPU": cpus}] * world_size, strategy=strategy)
+        self._group = None if slots else placement_group([bundle(cpus, gpus)] * world_size, strategy=strategy)
         self._actors: list = []
         try:
             if self._group is not None:
@@ -74,8 +75,9 @@ class RayRanks:
                          for r in range(world_size)]
             host = ray.remote(RankHost)
             assert slots is not None
-            self._actors = [host.options(num_cpus=cpus, max_restarts=0, scheduling_strategy=slots[rank])
-                            .remote(spec, rank, world_size) for rank in range(world_size)]
+            self._actors = [host.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0,
+                                         scheduling_strategy=slots[rank]).remote(spec, rank, world_size)
+                            for rank in range(world_size)]
             addr, port = ray.get(self._actors[0].endpoint.remote(), timeout=timeout_s)
             self._gather([a.join.remote(addr, port, timeout_s) for a in self._actors], timeout_s)
         except BaseException:

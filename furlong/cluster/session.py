@@ -30,22 +30,29 @@ FURLONG_ROOT = str(Path(__file__).resolve().parents[2])
 @dataclass(frozen=True)
 class Roles:
     """What the run places: `trainer_ranks` trainer actors (one for the local trainer, world_size for
-    fsdp2) and `engines` engine actors, with their logical CPUs each."""
+    fsdp2) and `engines` engine actors, with their logical CPUs and GPUs each (a fraction of a GPU shares
+    it: colocated on one GPU, trainer and engine take 0.5 each)."""
 
     engines: int
     engine_cpus: float
     trainer_cpus: float
     placement: str  # colocated | disaggregated
     trainer_ranks: int = 1
+    trainer_gpus: float = 0.0
+    engine_gpus: float = 0.0
 
     @property
     def cpus(self) -> float:
         return self.trainer_ranks * self.trainer_cpus + self.engines * self.engine_cpus
 
+    @property
+    def gpus(self) -> float:
+        return self.trainer_ranks * self.trainer_gpus + self.engines * self.engine_gpus
+
     def groups(self) -> dict[str, tuple[list[dict[str, float]], str]]:
         """Placement group name -> (bundles, strategy); trainer bundles first in a shared group."""
-        trainer = [{"CPU": self.trainer_cpus}] * self.trainer_ranks
-        engines = [{"CPU": self.engine_cpus}] * self.engines
+        trainer = [bundle(self.trainer_cpus, self.trainer_gpus)] * self.trainer_ranks
+        engines = [bundle(self.engine_cpus, self.engine_gpus)] * self.engines
         if self.placement == "colocated":
             return {"run": (trainer + engines, "STRICT_PACK")}
         if self.placement == "disaggregated":
@@ -53,8 +60,16 @@ class Roles:
         raise ValueError(f"train.ray.placement: expected colocated or disaggregated, got {self.placement!r}")
 
 
+def bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, "GPU": gpus} if gpus > 0 else {"CPU": cpus}
+
+
 def place(roles: Roles, prefix: str, timeout_s: float) -> dict[str, PlacementGroup]:
     """The roles' placement groups on the connected cluster, each ready (else TimeoutError, all removed)."""
+    have = ray.cluster_resources().get("GPU", 0.0)
+    if roles.gpus > have:  # a placement group would wait out timeout_s for GPUs that never come
+        raise ValueError(f"train.ray: the roles reserve {roles.gpus:g} GPUs (trainer_gpus x ranks + engine_gpus x "
+                         f"engines) but the cluster has {have:g}")
     groups = {name: placement_group(bundles, strategy=strategy, name=f"{prefix}-{name}")
               for name, (bundles, strategy) in roles.groups().items()}
     for name, group in groups.items():

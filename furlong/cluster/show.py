@@ -7,6 +7,7 @@ from rich.table import Table
 
 from furlong.cluster.plan import GIB, Memory, Plan
 from furlong.cluster.shapes import mtp_params
+from furlong.cluster.timing import StepTime
 
 
 def _memory_table(mem: Memory) -> Table:
@@ -17,6 +18,16 @@ def _memory_table(mem: Memory) -> Table:
         table.add_row(t.name, f"{t.bytes / GIB:,.2f}", t.formula)
     verdict = "fits" if mem.fits else "DOES NOT FIT"
     table.add_row("total", f"{mem.total / GIB:,.2f}", f"of {mem.capacity / GIB:,.2f} GiB: {verdict}")
+    return table
+
+
+def _step_table(step: StepTime) -> Table:
+    table = Table(title="time per step", title_justify="left")
+    for col, justify in (("term", "left"), ("seconds", "right"), ("formula", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for t in step.terms:
+        table.add_row(t.name, f"{t.seconds:,.1f}", t.formula)
+    table.add_row("step", f"{step.seconds:,.1f}", f"{step.seconds / 60:,.2f} min; {step.formula}")
     return table
 
 
@@ -41,6 +52,11 @@ def print_plan(plan: Plan, console: Console) -> None:
     for u in plan.updates:
         updates.add_row(u.what, f"{u.bytes / GIB:,.2f}", u.link, f"{u.seconds:.2f}" if u.seconds else "")
     console.print(updates)
+    if len(plan.paths) > 1:
+        console.print("per update: " + "; ".join(f"{x.kind} {x.sent / GIB:,.2f} GiB to each relay, {x.seconds:,.1f} s"
+                                                 for x in plan.paths), soft_wrap=True)
+    if plan.step:
+        console.print(_step_table(plan.step))
     for line in plan.problems:
         console.print(f"[red]{line}[/red]", soft_wrap=True)
     console.print("nothing started (dry run)")

@@ -49,6 +49,7 @@ class Attention(_Strict):
     v_head_dim: int = Field(0, ge=0, description="mla: per-head v width")
     index_heads: int = Field(0, ge=0, description="mla with DSA: indexer heads (0: no indexer)")
     index_head_dim: int = Field(0, ge=0, description="mla with DSA: indexer head width")
+    index_topk: int = Field(0, ge=0, description="mla with DSA: keys each query attends to (0: all before it)")
 
     @model_validator(mode="after")
     def _mla(self) -> Attention:
@@ -100,6 +101,7 @@ class Trainer(_Strict):
     gpus: int = Field(ge=1, description="GPUs the trainer ranks use")
     tp: int = Field(1, ge=1, description="tensor parallel (with sequence parallel)")
     pp: int = Field(1, ge=1, description="pipeline stages")
+    pp_layers: tuple[int, ...] = Field((), description="decoder layers per stage, first to last (empty: even split)")
     cp: int = Field(1, ge=1, description="context parallel: each rank holds seq_len / cp tokens")
     ep: int = Field(1, ge=1, description="expert parallel: each rank holds experts / ep")
     shard: Literal["none", "optimizer", "full"] = Field(
@@ -115,6 +117,12 @@ class Trainer(_Strict):
     lora_rank: int = Field(0, ge=0, description="0: full fine-tuning; r: LoRA adapters, base frozen")
     lora_targets: tuple[Literal["attention", "mlp", "experts"], ...] = ("attention",)
     reserved_gib: float = Field(4, ge=0, description="per GPU, for the CUDA context, NCCL buffers and fragmentation")
+
+    @model_validator(mode="after")
+    def _stages(self) -> Trainer:
+        if self.pp_layers and (len(self.pp_layers) != self.pp or min(self.pp_layers) < 1):
+            raise ValueError(f"pp_layers needs pp ({self.pp}) counts of at least 1, got {list(self.pp_layers)}")
+        return self
 
 
 class Rollout(_Strict):
@@ -134,14 +142,56 @@ class Sandboxes(_Strict):
     memory_gib: float = Field(2, gt=0, description="memory per sandbox, GiB")
 
 
+class Delta(_Strict):
+    """What a delta update costs (furlong/sync: changed positions and values, zstd). Defaults: the GRPO steps of
+    bench/results/weight_sync.json at the recipe's lr (2e-4), 0.677 of values changed at 3.0 bits each."""
+
+    changed_fraction: float = Field(0.677, gt=0, le=1, description="share of engine-dtype values an update changes")
+    value_bits: float = Field(3.0, gt=0, description="bits per changed value after coding")
+    encode_gbs: float = Field(0.71, gt=0, description="engine-dtype GB one core encodes per second")
+    apply_gbs: float = Field(1.12, gt=0, description="engine-dtype GB one core applies per second")
+    encoders: int = Field(1, ge=1, description="cores encoding (and applying, per relay) in parallel")
+
+
+class Step(_Strict):
+    """One RL step, for the time estimate: every input is printed beside the term it feeds."""
+
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: rollout, then train, then weight sync; async: the next rollout overlaps them")
+    prompts: int = Field(ge=1, description="prompts per step")
+    group_size: int = Field(1, ge=1, description="samples per prompt")
+    prompt_tokens: int = Field(ge=0, description="mean prompt tokens per sample")
+    response_tokens: int = Field(ge=1, description="mean tokens the policy generates per sample, all turns")
+    observation_tokens: int = Field(0, ge=0, description="mean tokens the environment adds per sample (prefilled)")
+    env_seconds: float = Field(0, ge=0, description="mean seconds a sample waits on its environment, not generating")
+    concurrent: int = Field(0, ge=0, description="samples in flight at once (0: the whole step's)")
+    spec_accept: float = Field(1, ge=1, description="tokens a decode step yields per sample (speculative decoding)")
+    logprob_passes: int = Field(0, ge=0, description="forward-only passes before training (old-policy, reference)")
+    gpu_tflops: float = Field(989, gt=0, description="dense bf16 peak of one GPU, TFLOP/s (989: H100/H200)")
+    gpu_hbm_tbs: float = Field(4.8, gt=0, description="memory bandwidth of one GPU, TB/s (4.8: H200)")
+    mfu: float = Field(0.3, gt=0, le=1, description="share of peak FLOP/s that training, prefill and decode reach")
+    mbu: float = Field(0.6, gt=0, le=1, description="share of memory bandwidth that decode reaches")
+
+
 class ClusterSpec(_Strict):
     nodes: tuple[NodeGroup, ...] = Field(min_length=1)
     model: ModelSpec
     trainer: Trainer
     rollout: Rollout
     colocate: bool = Field(False, description="rollout engines share the trainer's GPUs")
-    sync: Literal["full", "lora"] = Field("full", description="what each update sends to the engines")
+    sync: Literal["full", "delta", "lora"] = Field("full", description="what each update sends to the engines")
+    delta: Delta = Delta()
     sandboxes: Sandboxes = Sandboxes(concurrent=0)
+    step: Step | None = Field(None, description="one step's batch and hardware rates: the time estimate")
+
+    @model_validator(mode="after")
+    def _layers(self) -> ClusterSpec:
+        split = self.trainer.pp_layers
+        if split and sum(split) != self.model.layers:
+            raise ValueError(f"trainer.pp_layers sums to {sum(split)} but the model has {self.model.layers} layers")
+        if self.step and self.step.mode == "async" and self.colocate:
+            raise ValueError("step.mode async needs the engines on their own GPUs (colocate: false)")
+        return self
 
 
 def hf_model(path: Path) -> dict:
@@ -164,7 +214,8 @@ def _hf_fields(c: dict) -> dict:
         spec["attention"] = {"kind": "mla", "q_lora_rank": c.get("q_lora_rank") or 0,
                              "kv_lora_rank": c["kv_lora_rank"], "qk_nope_head_dim": c["qk_nope_head_dim"],
                              "qk_rope_head_dim": c["qk_rope_head_dim"], "v_head_dim": c["v_head_dim"],
-                             "index_heads": c.get("index_n_heads", 0), "index_head_dim": c.get("index_head_dim", 0)}
+                             "index_heads": c.get("index_n_heads", 0), "index_head_dim": c.get("index_head_dim", 0),
+                             "index_topk": c.get("index_topk", 0) if c.get("index_n_heads") else 0}
     else:
         spec["head_dim"] = c.get("head_dim") or 0
         spec["attention"] = {"qkv_bias": bool(c.get("attention_bias", mt == "qwen2")),  # Qwen2's are implicit

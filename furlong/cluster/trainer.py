@@ -28,7 +28,8 @@ class TrainerHost:
 
     def engine_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         # copies: the live tensors move on with the next step, and the reply is pickled after this returns
-        return {k: v.detach().cpu().clone() for k, v in self._trainer.engine_weights().items()}, self._trainer.version
+        return ({k: v.detach().to("cpu", copy=True) for k, v in self._trainer.engine_weights().items()},
+                self._trainer.version)
 
     def device(self) -> str:
         return str(self._trainer.device)
@@ -38,7 +39,8 @@ class RayTrainer:
     """A Trainer whose state lives in a Ray actor in the session's trainer bundle."""
 
     def __init__(self, session: RaySession, make: Callable[[], Trainer], *, threads: int = 1) -> None:
-        self._actor = ray.remote(TrainerHost).options(num_cpus=session.roles.trainer_cpus, max_restarts=0,
+        self._actor = ray.remote(TrainerHost).options(num_cpus=session.roles.trainer_cpus,
+                                                      num_gpus=session.roles.trainer_gpus, max_restarts=0,
                                                       scheduling_strategy=session.slot("trainer")).remote(make, threads)
         self._device = torch.device(ray.get(self._actor.device.remote(), timeout=session.timeout_s))
         self.version = 0

@@ -16,6 +16,7 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: any free port (printed when ready)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--prefix-cache-mb", type=float, default=256, help="prefix cache KV budget (0: off)")
     ap.add_argument("--lora", help='JSON {"rank", "alpha", "targets"}: serve a LoRA-wrapped model')

@@ -124,12 +124,13 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
 
 def load_engine(args: argparse.Namespace) -> HFEngine:
     """The hf engine of the server flags in `args` (furlong.engine.serve_args)."""
-    model = load_model(args.model)
+    model = load_model(args.model).to(args.device)
     if args.lora:
         from furlong.model.lora import LoraSpec, wrap_lora
 
         spec = json.loads(args.lora)
-        model = wrap_lora(model, LoraSpec(rank=spec["rank"], alpha=spec["alpha"], targets=tuple(spec["targets"])))
+        model = wrap_lora(model, LoraSpec(rank=spec["rank"], alpha=spec["alpha"],
+                                          targets=tuple(spec["targets"]))).to(args.device)
     return HFEngine(model, eos_token_ids=(), max_batch_size=args.max_batch_size,
                     prefix_cache_mb=args.prefix_cache_mb)
 

@@ -62,7 +62,8 @@ class OracleAgent:
                                      as_verifier=as_root)
         else:
             await sandbox.put_dir(task.solution.parent, SOLUTION_DIR, as_verifier=as_root)
-        res = await sandbox.exec(f"bash {SOLUTION_DIR}/{task.solution.name}", timeout_s=timeout_s)
+        res = await sandbox.exec(f"bash {SOLUTION_DIR}/{task.solution.name}", timeout_s=timeout_s,
+                                 env=dict(task.solution_env) or None)
         # Recorded so a 0 reward can be traced to a solution that failed, not only to the tests.
         return AgentRun(commands=1, timed_out=res.timed_out, last_exit_code=res.exit_code,
                         last_output=output_tail(res.stdout, res.stderr))

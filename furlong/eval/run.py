@@ -46,6 +46,9 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
             except Exception as exc:  # one bad Dockerfile must not stop the others
                 images[dockerfile] = f"image build failed: {exc}"
                 console.print(f"[red]{images[dockerfile]}")
+    # a stand-in that is not the image the FROM names says so once (its note is also in every record)
+    for note in dict.fromkeys(i.note for i in images.values() if not isinstance(i, str) and i.note):
+        console.print(f"[yellow]image:[/yellow] {note}", soft_wrap=True, highlight=False)
     return images
 
 

@@ -1,4 +1,5 @@
-"""Models: load local Hugging Face checkpoints, build the tiny default model, render chats token-in/token-out.
+"""Models: load local Hugging Face checkpoints, build the tiny default model, render chats token-in/token-out,
+read tool calls in the chat template's format.
 
 Loading and the tiny-model factory import transformers (seconds); they load on first use, so code that only
 parses tool calls or renders chats stays light.
@@ -17,9 +18,13 @@ from furlong.model.chat import (
     assistant_ids,
     continuation_ids,
     end_of_turn_id,
+    render_prompt_ids,
+)
+from furlong.model.toolcall import (
+    ToolCallFormat,
     format_tool_call,
     parse_tool_calls,
-    render_prompt_ids,
+    tool_format,
 )
 
 if TYPE_CHECKING:
@@ -36,6 +41,7 @@ __all__ = [
     "TinySpec",
     "ToolCall",
     "ToolCallError",
+    "ToolCallFormat",
     "assistant_ids",
     "continuation_ids",
     "end_of_turn_id",
@@ -45,6 +51,7 @@ __all__ = [
     "load_tokenizer",
     "parse_tool_calls",
     "render_prompt_ids",
+    "tool_format",
 ]
 
 

@@ -52,7 +52,8 @@ def _inside_id(host: int, sub_start: int | None) -> int:
 class ImageStore:
     def __init__(self, root: Path | None = None, host_uid: int | None = None,
                  mirror: str | None = None, build_timeout_s: float = 1800.0,
-                 pulls: registry.Settings | None = None, egress: Egress | None = None):
+                 pulls: registry.Settings | None = None, egress: Egress | None = None,
+                 standin_versions: str = "nearest"):
         self.root = root or cache_dir() / "images"
         # the sandbox uid, as the bwrap backend picks it: the given one as root, else this process's own
         self.host_uid = (DEFAULT_HOST_UID if host_uid is None else host_uid) if os.geteuid() == 0 else os.geteuid()
@@ -61,6 +62,9 @@ class ImageStore:
         # what build steps borrow from the host (its CAs, its mirrors): the backend that runs them must be
         # given the same (furlong.build.sandbox does); layers built with it are keyed apart
         self.egress = egress
+        if standin_versions not in ("nearest", "exact"):
+            raise ValueError(f"images.standins: expected nearest or exact, got {standin_versions!r}")
+        self.standin_versions = standin_versions  # a tag's version Debian lacks: the nearest, or an error
         self._locks: dict[str, asyncio.Lock] = {}
         self._resolved: dict[Path, ImageRef] = {}  # a task's files do not change within a run
         self._resolving: dict[Path, asyncio.Future] = {}
@@ -71,20 +75,22 @@ class ImageStore:
             layers.sweep()
 
     # -- base ---------------------------------------------------------------------------------
-    def base_key(self) -> str:
-        return "base-" + _sha(FORMAT, "bookworm", "minbase", ",".join(BASE_PACKAGES), self.mirror)
+    def base_key(self, suite: str = "bookworm") -> str:
+        return "base-" + _sha(FORMAT, suite, "minbase", ",".join(BASE_PACKAGES), self.mirror)
 
-    def base(self, progress: Progress | None = None) -> ImageRef:
-        """The base image, bootstrapped the first time (about half a minute)."""
-        key = self.base_key()
+    def base(self, progress: Progress | None = None, suite: str = "bookworm") -> ImageRef:
+        """The base image of a Debian suite (standins.SUITES), bootstrapped the first time (about half a minute)."""
+        if suite not in standins.SUITES:
+            raise ImageBuildError(f"no furlong base for Debian {suite!r}; known: {', '.join(standins.SUITES)}")
+        key = self.base_key(suite)
         final = self.root / key
         if not (final / "meta.json").exists():
             with _locked(self.root / f".{key}.lock"):
                 if not (final / "meta.json").exists():
-                    self._bootstrap(final, progress or (lambda _: None))
+                    self._bootstrap(final, progress or (lambda _: None), suite)
         return ImageRef(digest=key, layers=(self.layer(key, final / "rootfs"),))
 
-    def _bootstrap(self, final: Path, progress: Progress) -> None:
+    def _bootstrap(self, final: Path, progress: Progress, suite: str) -> None:
         if problem := rootless.base_build_problem():
             raise ImageBuildError(problem)
         tmp = final.with_name(final.name + ".tmp")
@@ -92,22 +98,22 @@ class ImageStore:
         rootfs = tmp / "rootfs"
         rootfs.mkdir(parents=True)
         started = time.monotonic()
-        self._mmdebstrap_into(rootfs, progress)
+        self._mmdebstrap_into(rootfs, progress, suite)
         progress("finishing base rootfs")
         (rootfs / "etc/apt/apt.conf.d/99furlong").write_text(APT_CONF)
         shutil.rmtree(rootfs / "var/cache/apt/archives", ignore_errors=True)
         (rootfs / "var/cache/apt/archives/partial").mkdir(parents=True)
         (rootfs / "logs").mkdir(exist_ok=True)
-        meta = {"key": final.name, "packages": BASE_PACKAGES, "seconds": round(time.monotonic() - started, 1),
-                "builder": f"mmdebstrap {rootless.mmdebstrap_mode()}"}
+        meta = {"key": final.name, "suite": suite, "packages": BASE_PACKAGES,
+                "seconds": round(time.monotonic() - started, 1), "builder": f"mmdebstrap {rootless.mmdebstrap_mode()}"}
         (tmp / "meta.json").write_text(json.dumps(meta))
         tmp.rename(final)
 
-    def _mmdebstrap_into(self, rootfs: Path, progress: Progress) -> None:
+    def _mmdebstrap_into(self, rootfs: Path, progress: Progress, suite: str) -> None:
         """Bootstraps into a tar stream unpacked by this process, so every file belongs to this uid
         (root, or the user: the uid the sandbox maps to its root). /dev is left out: bwrap makes one."""
         cmd = ["mmdebstrap", rootless.mmdebstrap_mode(), "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-               "bookworm", "-", self.mirror]
+               suite, "-", self.mirror]
         untar = ["tar", "-x", "-p", "--no-same-owner", "--numeric-owner", "--exclude=./dev/*", "-C", str(rootfs)]
         boot = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         tar = subprocess.Popen(untar, stdin=boot.stdout, stderr=subprocess.PIPE, text=True)
@@ -175,22 +181,35 @@ class ImageStore:
     # -- what a FROM names ----------------------------------------------------------------------
     async def parent(self, ref: str, backend, progress: Progress) -> ImageRef:
         """The image a FROM names: an imported one (exact name first: the user brought it on purpose),
-        the base or the base plus a stand-in layer (built once) for the names furlong maps, unless
-        `prefer_registry`; else the image pulled from its registry (cached by digest)."""
+        a base or a base plus a stand-in layer (built once) for the names furlong maps, unless
+        `prefer_registry`; else the image pulled from its registry (cached by digest). The stand-ins of
+        toolchain images (gcc, node...) serve only where the registry cannot, and one whose version differs
+        from the tag's only in `nearest` mode (standins.py)."""
         if (meta := imports.find(self.root, ref)) is not None:
             return await asyncio.to_thread(self._imported, meta)
         choice = standins.resolve(ref)
-        if choice is None or (self.registry.settings.prefer_registry and ref != "furlong/base"):
-            pulled = await asyncio.to_thread(self.registry.image, ref, progress, fallback=choice is not None)
-            if pulled is not None:
-                return await asyncio.to_thread(self._pulled, pulled)
-        base = await asyncio.to_thread(self.base, progress)
+        usable = choice is not None and choice.allowed(self.standin_versions)
+        registry_first = choice is None or (ref != standins.base_name(choice.suite) and (
+            self.registry.settings.prefer_registry or choice.registry_first or not usable))
+        if registry_first and (pulled := await asyncio.to_thread(self._pull, ref, choice, usable, progress)):
+            return await asyncio.to_thread(self._pulled, pulled)
+        base = await asyncio.to_thread(self.base, progress, choice.suite)
         if choice.standin is None:
             return base
         standin = await self._standin(choice.standin, base, backend, progress)
         note = choice.note(standin.note)
         progress(note)
         return ImageRef(digest=standin.digest, layers=standin.layers, env=standin.env, workdir="/", note=note)
+
+    def _pull(self, ref: str, choice: standins.BaseChoice | None, usable: bool, progress: Progress) -> dict | None:
+        """The pulled image's meta, or None where the registry cannot serve it and the stand-in may; where
+        no stand-in may either (a version Debian lacks, in exact mode), the one line naming what Debian has."""
+        try:
+            return self.registry.image(ref, progress, fallback=usable)
+        except registry.RegistryError:
+            if choice is None or usable:
+                raise
+            raise registry.RegistryError(choice.refusal(self.standin_versions)) from None
 
     def _imported(self, meta: dict) -> ImageRef:
         rootfs = imports.directory(self.root, meta["name"]) / imports.rootfs_name(meta["id"])
@@ -210,7 +229,8 @@ class ImageStore:
         return [f"egress {self.egress.key}"] if self.egress else []
 
     def standin_key(self, standin: standins.Standin) -> str:
-        return f"standin-{standin.name}-" + _sha(FORMAT, self.base_key(), standin.dockerfile(), *self.egress_parts())
+        return (f"standin-{standin.name}-"
+                + _sha(FORMAT, self.base_key(standin.suite), standin.dockerfile(), *self.egress_parts()))
 
     async def _standin(self, standin: standins.Standin, base: ImageRef, backend, progress: Progress) -> ImageRef:
         """The base plus the stand-in's layer (its note: what the probe printed, e.g. 3.11.2)."""
@@ -240,7 +260,7 @@ class ImageStore:
             elif "dockerfile" in info:
                 what = info["dockerfile"] + (f"\t{info['note']}" if info.get("note") else "")
             else:
-                what = info.get("builder", "debootstrap") + " bookworm minbase"
+                what = f"{info.get('builder', 'debootstrap')} {info.get('suite', 'bookworm')} minbase"
             rows.append((meta_path.parent.name, what))
         return rows + self.registry.listing()
 

@@ -1,9 +1,13 @@
-"""Which base a Dockerfile's FROM gets where no registry can be reached: the bookworm base as is, or the
-base plus a stand-in layer that installs what the official image has (built once, like a task layer).
+"""Which base a Dockerfile's FROM gets where no registry serves it: furlong's Debian base as is, or the
+base plus a stand-in layer that installs what the official image has from Debian's packages (built once,
+like a task layer).
 
-Only names whose official image is Debian bookworm plus packages Debian also ships are mapped, so a
-task sees the same distribution and tools; `python:*` is the one approximation (Debian's Python 3.11
-stands in for any 3.x), and the note says so wherever the image is used.
+Two Debian releases are bootstrapped (SUITES), so a tag's version is met where either ships it: Python
+3.11 (bookworm) and 3.13 (trixie), gcc 12 / 14, Go 1.19, 1.21-1.23 (bookworm-backports) and 1.24, Node.js
+18 / 20, Rust 1.63 / 1.85, OpenJDK 17 / 21 (standin_recipes.py). A tag asking for another version gets the nearest
+with a note saying so (`images.standins: nearest`, the default) or a one-line error naming what Debian has
+(`exact`); Go always needs its exact release. Every note states the version the stand-in really has
+(probed when it is built), in the build log, the layer's meta.json and each eval record's `image_note`.
 """
 
 from __future__ import annotations
@@ -11,114 +15,143 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from furlong.sandbox.standin_recipes import (
+    BUILDPACK_DEPS,
+    FAMILIES,
+    PYTHON,
+    SUITES,
+    Family,
+    Standin,
+    base_name,
+)
+
+__all__ = ["PYTHON", "SUITES", "BaseChoice", "Standin", "pick", "resolve"]
+DISTROS = {"bookworm": "Debian 12 (bookworm)", "bullseye": "Debian 11 (bullseye)", "trixie": "Debian 13 (trixie)",
+           "focal": "Ubuntu 20.04 (focal)", "jammy": "Ubuntu 22.04 (jammy)", "noble": "Ubuntu 24.04 (noble)"}
+KNOWN = ("debian:bookworm|trixie[-slim]", "debian:12|13[.N][-slim]", "buildpack-deps:bookworm[-curl|-scm]",
+         "furlong/base[-trixie]",
+         *(f"{repo}:TAG ({fam.label} {', '.join(o.version for o in fam.offers)})" for repo, fam in FAMILIES.items()))
 # Official-image names are also written with their registry's path; the image is the same one.
 _PREFIXES = ("docker.io/library/", "public.ecr.aws/docker/library/", "library/")
-_CURL = ("ca-certificates", "curl", "gnupg", "netbase", "sq", "wget")
-_SCM = (*_CURL, "git", "mercurial", "openssh-client", "subversion", "procps")
-_BUILDPACK = (*_SCM, "autoconf", "automake", "bzip2", "default-libmysqlclient-dev", "dpkg-dev", "file", "g++",
-              "gcc", "imagemagick", "libbz2-dev", "libc6-dev", "libcurl4-openssl-dev", "libdb-dev", "libevent-dev",
-              "libffi-dev", "libgdbm-dev", "libglib2.0-dev", "libgmp-dev", "libjpeg-dev", "libkrb5-dev",
-              "liblzma-dev", "libmagickcore-dev", "libmagickwand-dev", "libmaxminddb-dev", "libncurses5-dev",
-              "libncursesw5-dev", "libpng-dev", "libpq-dev", "libreadline-dev", "libsqlite3-dev", "libssl-dev",
-              "libtool", "libwebp-dev", "libxml2-dev", "libxslt-dev", "libyaml-dev", "make", "patch", "unzip",
-              "xz-utils", "zlib1g-dev")
-
-
-@dataclass(frozen=True)
-class Standin:
-    name: str
-    packages: tuple[str, ...]
-    setup: str = ""  # shell run after the packages are installed
-    env: tuple[tuple[str, str], ...] = ()
-    probe: str = ""  # prints what the stand-in really provides (recorded in its meta)
-    what: str = ""  # what it is, for the note
-
-    def dockerfile(self) -> str:
-        """The stand-in as the Dockerfile it is built from (over furlong's base)."""
-        install = (f"apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
-                   f"{' '.join(self.packages)} && apt-get clean && rm -rf /var/lib/apt/lists/*")
-        lines = ["FROM furlong/base", *(f"ENV {k}={v}" for k, v in self.env), f"RUN {install}"]
-        return "\n".join(lines + ([f"RUN {self.setup}"] if self.setup else [])) + "\n"
-
-
-# The official python image: `python`/`pip` commands, venv, pip usable as root (Debian marks its
-# python EXTERNALLY-MANAGED; the official image has no such marker, so the stand-in removes it), and
-# the official image's /usr/local/bin/python path, which scripts' shebangs name.
-PYTHON = Standin(
-    "python", ("python3-pip", "python3-venv", "python3-dev", "python-is-python3"),
-    setup=("rm -f /usr/lib/python3*/EXTERNALLY-MANAGED && ln -s /usr/bin/python3 /usr/local/bin/python "
-           "&& ln -s /usr/bin/python3 /usr/local/bin/python3"),
-    env=(("LANG", "C.UTF-8"),),
-    probe="python3 -c 'import platform; print(platform.python_version())'",
-    what="Debian bookworm's python3 with pip, venv and headers; no compiler")
-STANDINS = {s.name: s for s in (
-    PYTHON,
-    Standin("buildpack-deps-curl", _CURL, what="Debian bookworm with buildpack-deps' packages"),
-    Standin("buildpack-deps-scm", _SCM, what="Debian bookworm with buildpack-deps' packages"),
-    Standin("buildpack-deps", _BUILDPACK, what="Debian bookworm with buildpack-deps' packages"),
-)}
-_DEBIAN_TAG = re.compile(r"(bookworm(-\d{8})?|12(\.\d+)?)(-slim)?")
-_PYTHON_VERSION = re.compile(r"3(\.\d+){0,2}|latest")
-KNOWN = ("debian:bookworm[-slim]", "debian:12[.N][-slim]", "python:3.X[.Y][-slim][-bookworm|-bullseye]",
-         "buildpack-deps:bookworm[-curl|-scm]", "furlong/base")
 
 
 @dataclass(frozen=True)
 class BaseChoice:
-    """What a FROM gets: the plain base (standin None) or the base plus a stand-in layer."""
+    """What a FROM gets: a plain furlong base (standin None) or a base plus a stand-in layer."""
 
     asked: str
     standin: Standin | None = None
-    asked_version: str = ""  # python: the version the tag names ("" for none)
+    asked_version: str = ""  # the version the tag names ("" for none)
     differences: tuple[str, ...] = ()  # how the tag differs from what it gets
+    suite: str = "bookworm"  # the Debian release of the base (the stand-in's, when there is one)
+    family: Family | None = None
+    exact: bool = True  # the stand-in has the release the tag asks for
+    registry_first: bool = False  # a reachable registry (or a cached pull) serves the tag before the stand-in
+
+    def allowed(self, mode: str) -> bool:
+        """Whether this stand-in may serve the tag in `mode` (images.standins)."""
+        return self.exact or (mode == "nearest" and not (self.family and self.family.exact_only))
+
+    def refusal(self, mode: str) -> str:
+        """The one line for a tag whose version no stand-in has, where it may not take the nearest."""
+        fam = self.family
+        have = ", ".join(f"{o.version} ({o.suite}{'-backports' if o.backports else ''})" for o in fam.offers)
+        why = ("Go stand-ins need the exact release" if fam.exact_only else
+               f"images.standins={mode}; nearest would take {self.standin.version} with a note")
+        lacks = f"Debian has no {fam.label} {self.asked_version}" if self.asked_version else \
+            f"the tag names no {fam.label} release"
+        return (f"{self.asked}: {lacks} (Debian has {have}; {why}); bring the "
+                f"image with `furlong image import {self.asked} OCI_ARCHIVE` or `furlong image pull` where its "
+                f"registry is reachable")
 
     def note(self, provides: str) -> str:
         """One line for the build log and the eval record; `provides` is the probe's output."""
         if self.standin is None:
             return ""
         extra = list(self.differences)
-        asked = self.asked_version.split(".")
-        if self.standin is PYTHON and self.asked_version and provides.split(".")[:len(asked)] != asked:
-            extra.insert(0, f"the tag asks for Python {self.asked_version}")
-        real = f"Python {provides}, " if self.standin is PYTHON else ""
+        asked = self.asked_version.replace("_", ".").split(".")
+        if self.standin.label and self.asked_version and provides.split(".")[:len(asked)] != asked:
+            nearest = "" if self.exact else f" (nearest: Debian {self.standin.suite}'s {self.standin.version})"
+            extra.insert(0, f"the tag asks for {self.standin.label} {self.asked_version}{nearest}")
+        real = f"{self.standin.label} {provides}, " if self.standin.label else ""
         tail = f"; {'; '.join(extra)}" if extra else ""
         return f"{self.asked}: furlong's {self.standin.name} stand-in ({real}{self.standin.what}){tail}"
 
 
-def resolve(ref: str) -> BaseChoice | None:
-    """The base an image reference maps onto, or None where there is no honest mapping."""
+def _repo_tag(ref: str) -> tuple[str, str, bool]:
     name, _, digest = ref.partition("@")
     for prefix in _PREFIXES:
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
     repo, _, tag = name.partition(":")
-    pinned = ("a digest pins one build; the stand-in ignores it",) if digest else ()
-    if ref == "furlong/base":
-        return BaseChoice(ref)
-    if repo == "debian" and _DEBIAN_TAG.fullmatch(tag):
-        return BaseChoice(ref)
+    return repo, tag, bool(digest)
+
+
+_DEBIAN_TAGS = {"bookworm": re.compile(r"(bookworm(-\d{8})?|12(\.\d+)?)(-slim)?"),
+                "trixie": re.compile(r"(trixie(-\d{8})?|13(\.\d+)?)(-slim)?")}
+
+
+def resolve(ref: str) -> BaseChoice | None:
+    """The base an image reference maps onto, or None where there is no honest mapping."""
+    repo, tag, pinned = _repo_tag(ref)
+    differences = ("a digest pins one build; the stand-in ignores it",) if pinned else ()
+    for suite in SUITES:
+        if ref == base_name(suite) or (repo == "debian" and _DEBIAN_TAGS[suite].fullmatch(tag)):
+            return BaseChoice(ref, suite=suite)
     if repo == "buildpack-deps" and tag in ("bookworm", "bookworm-curl", "bookworm-scm"):
-        suffix = tag.removeprefix("bookworm")
-        return BaseChoice(ref, STANDINS["buildpack-deps" + suffix], differences=pinned)
-    if repo == "python":
-        return _python(ref, tag, pinned)
-    return None
+        return BaseChoice(ref, BUILDPACK_DEPS["buildpack-deps" + tag.removeprefix("bookworm")],
+                          differences=differences)
+    family = FAMILIES.get(repo)
+    return _versioned(ref, tag, family, differences) if family else None
 
 
-def _python(ref: str, tag: str, pinned: tuple[str, ...]) -> BaseChoice | None:
-    """python:[3.X[.Y]][-slim][-bookworm|-bullseye] (the official image's Debian variants)."""
-    parts = tag.split("-") if tag else []
-    version = parts.pop(0) if parts and _PYTHON_VERSION.fullmatch(parts[0]) else ""
-    slim = bool(parts) and parts[0] == "slim"
-    if slim:
-        parts.pop(0)
-    distro = parts.pop(0) if parts and parts[0] in ("bookworm", "bullseye") else "bookworm"
-    if parts:
-        return None
-    differences = list(pinned)
-    if distro == "bullseye":
-        differences.append("Debian 12 (bookworm), not 11 (bullseye)")
-    if not slim:
-        differences.append("the full (non-slim) image's compilers are not included")
-    return BaseChoice(ref, PYTHON, "" if version == "latest" else version, tuple(differences))
+def _versioned(ref: str, tag: str, family: Family, differences: tuple[str, ...]) -> BaseChoice | None:
+    """REPO:[VERSION][-variant...][-distro] of a versioned family, or None for a variant it does not have
+    (alpine, windowsservercore...)."""
+    words = tag.split("-") if tag else []
+    version = words.pop(0) if words and family.version.fullmatch(words[0]) else ""
+    distro = ""
+    for word in words:
+        if word in DISTROS and not distro:
+            distro = word
+        elif word not in family.variants:
+            return None
+    version = "" if version == "latest" else version
+    standin, exact = pick(family, version)
+    exact = exact and bool(version or not family.exact_only)  # Go's "latest" is no release Debian names
+    notes = list(differences)
+    wanted = distro or family.home
+    if wanted and wanted != standin.suite:
+        notes.append(f"{DISTROS[standin.suite]}, not {DISTROS[wanted]}")
+    if family.full_note and "slim" not in words:
+        notes.append(family.full_note)
+    if "jre" in words:
+        notes.append("a JDK, where the tag asks for a JRE")
+    return BaseChoice(ref, standin, version, (*notes, *family.extra), standin.suite, family, exact,
+                      family.registry_first)
+
+
+def _numbers(version: str) -> list[int]:
+    return [int(p) for p in version.replace("_", ".").split(".")]
+
+
+def pick(family: Family, asked: str) -> tuple[Standin, bool]:
+    """The offer for `asked` and whether it is that release: the first that matches at the precision both
+    name (3 matches 3.11, 12.2.0 matches 12), else the nearest by version, the newer of two as near."""
+    if not asked:
+        return family.offers[0], True
+    want = _numbers(asked)
+    for offer in family.offers:
+        have = _numbers(offer.version)
+        n = min(len(want), len(have))
+        if want[:n] == have[:n]:
+            return offer, True
+
+    def distance(offer: Standin) -> tuple[int, int]:
+        have = _numbers(offer.version)
+        padded = (want + [0] * len(have))[:len(have)]
+        scale = [1000 ** (len(have) - 1 - i) for i in range(len(have))]
+        value = sum(a * s for a, s in zip(have, scale))
+        return abs(sum(a * s for a, s in zip(padded, scale)) - value), -value
+    return min(family.offers, key=distance), False

@@ -12,7 +12,10 @@ to one cached layer holding:
   installed itself still wins), plus a `pytest` command on PATH;
 - their wheels in `/opt/furlong/toolchain/wheels`, which `UV_FIND_LINKS` points uv at; a task without
   internet also gets `UV_OFFLINE=1`, so `uv pip install pytest`, `uvx pytest` and `uv run --with pytest`
-  resolve from those wheels instead of failing on the index.
+  resolve from those wheels instead of failing on the index, and `UV_PYTHON_DOWNLOADS=never`, so
+  `uvx -p 3.13` finds the image's python3.13 (the python:3.13 stand-in's) and never asks the internet;
+- for a task without internet, `/opt/furlong/toolchain/offline` first on PATH: `curl`/`wget` answering uv's
+  installer, `apt-get`/`apt` taking `install curl` as done (offline_shims.py).
 
 The wheels are fetched once on the host with pip (its ordinary client and configuration), then installed in
 a build sandbox over the python stand-in by furlong's own layer builder; the layer is cached like any other.
@@ -32,21 +35,25 @@ import sys
 from pathlib import Path
 
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import standins
-from furlong.sandbox.base import ImageRef, LayerRef, SandboxError
+from furlong.sandbox import offline_shims, standins
+from furlong.sandbox.base import BASE_ENV, ImageRef, LayerRef, SandboxError
 from furlong.sandbox.builds import _sha  # the store's own hash, so keys look alike
 
 UV_VERSION = "0.13.9"
 PYTEST_VERSION = "8.4.1"  # what TB2's tests pin
 CTRF_VERSION = "0.3.5"  # pytest-json-ctrf, which TB2's `uvx ... pytest --ctrf` uses
 REQUIREMENTS = (f"uv=={UV_VERSION}", f"pytest=={PYTEST_VERSION}", f"pytest-json-ctrf=={CTRF_VERSION}")
+# Windows-only dependency of pytest: never installed here, but `uv add pytest` (TB2's `uv init && uv add`)
+# locks for every platform, and offline it must find some colorama among the wheels
+LOCK_ONLY = ("colorama==0.4.6",)
 HOME = "/opt/furlong/toolchain"
 PARENT = "python:3.11-slim"  # the stand-in it is built over: the same bookworm python3 as every built image
-PTH_DIRS = ("/usr/local/lib/python3.11/dist-packages",  # Debian's python3 (all furlong-built images)
+PTH_DIRS = ("/usr/local/lib/python3.11/dist-packages",  # Debian's python3 (bookworm images)
+            "/usr/local/lib/python3.13/dist-packages",  # trixie's (the python:3.13 stand-in)
             *(f"/usr/local/lib/python3.{m}/site-packages" for m in (11, 12, 13)))  # the official images' layout
 ENV = (("UV_FIND_LINKS", f"{HOME}/wheels"),)
 OFFLINE_ENV = (("UV_OFFLINE", "1"), ("UV_PYTHON_DOWNLOADS", "never"))
-FORMAT = "1"  # bump when the recipe's files change
+FORMAT = "2"  # bump when the recipe's files change
 
 PYTEST_SCRIPT = f"""#!/usr/bin/env python3
 # furlong's verifier toolchain: the image's python3 runs the toolchain's pytest, unless it has its own.
@@ -89,12 +96,15 @@ def _recipe(context: str) -> str:
         f"&& rm -rf {HOME}/site/bin {HOME}/site/uv {HOME}/site/uv-*.dist-info {HOME}/wheels/uv-*.whl",
         "RUN ln -s pytest /usr/local/bin/py.test && ln -s /usr/local/bin/uv /usr/local/bin/uvx /root/.local/bin/",
         f"RUN for d in {pth}; do mkdir -p $d && echo {HOME}/site > $d/furlong-toolchain.pth; done",
+        f"COPY {context}/offline {offline_shims.DIR}",
+        f"RUN cd {offline_shims.DIR} && for c in {' '.join(offline_shims.COMMANDS)}; do ln -s shim $c; done",
     ]) + "\n"
 
 
 def key(store) -> str:
     parent = store.standin_key(standins.PYTHON)
-    return "toolchain-" + _sha(FORMAT, parent, _recipe("ctx"), PYTEST_SCRIPT, ENV_SCRIPT, platform.machine())
+    return "toolchain-" + _sha(FORMAT, parent, _recipe("ctx"), *LOCK_ONLY, PYTEST_SCRIPT, ENV_SCRIPT,
+                               offline_shims.shim(), offline_shims.installer(UV_VERSION), platform.machine())
 
 
 def _download(dest: Path) -> None:
@@ -102,11 +112,11 @@ def _download(dest: Path) -> None:
     arch = platform.machine()
     cmd = [sys.executable, "-m", "pip", "download", "--no-cache-dir", "--disable-pip-version-check",
            "--only-binary=:all:", "--python-version", "3.11", "--platform", f"manylinux_2_17_{arch}",
-           "--platform", "any", "-d", str(dest), *REQUIREMENTS]
+           "--platform", "any", "-d", str(dest), *REQUIREMENTS, *LOCK_ONLY]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         tail = (res.stdout + res.stderr).strip().splitlines()[-1:] or ["(no output)"]
-        raise ToolchainError(f"verifier toolchain: pip download {' '.join(REQUIREMENTS)} failed: {tail[0]}")
+        raise ToolchainError(f"verifier toolchain: pip download {' '.join(REQUIREMENTS + LOCK_ONLY)} failed: {tail[0]}")
 
 
 def _context(root: Path, name: str) -> Path:
@@ -115,7 +125,9 @@ def _context(root: Path, name: str) -> Path:
     shutil.rmtree(ctx, ignore_errors=True)
     (ctx / "wheels").mkdir(parents=True)
     _download(ctx / "wheels")
-    for fname, text in (("pytest", PYTEST_SCRIPT), ("env", ENV_SCRIPT)):
+    (ctx / "offline").mkdir()
+    for fname, text in (("pytest", PYTEST_SCRIPT), ("env", ENV_SCRIPT), ("offline/shim", offline_shims.shim()),
+                        ("offline/uv-installer.sh", offline_shims.installer(UV_VERSION))):
         (ctx / fname).write_text(text)
         os.chmod(ctx / fname, 0o755)
     return ctx
@@ -167,8 +179,11 @@ async def _build(store, backend, progress, name: str, final: Path) -> None:
 
 
 def stack(image: ImageRef, toolchain: Toolchain, network: bool) -> ImageRef:
-    """The task's image with the toolchain on top; without network, uv is told to stay offline."""
-    env = image.env + ENV + (() if network else OFFLINE_ENV)
+    """The task's image with the toolchain on top; without network, uv is told to stay offline and the
+    offline shims come first on PATH."""
+    path = dict(image.env).get("PATH", BASE_ENV["PATH"])
+    offline = (*OFFLINE_ENV, ("PATH", f"{offline_shims.DIR}:{path}"))
+    env = image.env + ENV + (() if network else offline)
     note = "; ".join(n for n in (image.note, f"verifier toolchain ({toolchain.provides})") if n)
     return ImageRef(digest=f"{image.digest}+{toolchain.key}", layers=(toolchain.layer, *image.layers), env=env,
                     workdir=image.workdir, user=image.user, note=note)

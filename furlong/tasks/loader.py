@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -22,9 +22,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+NetworkMode = Literal["no-network", "public", "allowlist"]
+
+
 class _Agent(_Section):
     timeout_sec: float = Field(600.0, gt=0)
     user: Any = None  # Harbor's; the agent runs as the sandbox's user
+    network_mode: NetworkMode | None = None  # Harbor's phase override: see _network
+    allowed_hosts: list[str] | None = None
 
 
 class _Verifier(_Section):
@@ -35,15 +40,20 @@ class _Verifier(_Section):
     trust_agent_tools: bool = False
     user: Any = None  # Harbor's keys for a separate verifier user or sandbox: furlong verifies in the agent's
     environment: Any = None
-    environment_mode: Any = None
+    environment_mode: Literal["shared", "separate"] | None = None
     collect: Any = None
+    network_mode: NetworkMode | None = None
+    allowed_hosts: list[str] | None = None
 
 
 class _Environment(_Section):
     cpus: float = Field(1.0, gt=0)
     memory_mb: int = Field(2048, gt=0)
+    network_mode: NetworkMode | None = None  # Harbor >= 0.2's; wins over the older allow_internet
+    allowed_hosts: list[str] | None = None
     allow_internet: bool = False
     network: bool = False
+    os: Literal["linux", "windows"] = "linux"
     seccomp: bool = True  # furlong's own keys: the syscall filter, and names taken off its deny list
     seccomp_allow: list[str] = []
     # Harbor's keys furlong does not act on: the image comes from environment/Dockerfile, and there are
@@ -94,19 +104,25 @@ class _Furlong(_Section):
     verifier_toolchain: bool = False  # furlong.sandbox.toolchain: uv, uvx and pytest for the tests, offline too
 
 
+class _Solution(_Section):
+    env: dict[str, str] = {}  # the oracle's solve.sh runs with these
+
+
 class _HarborToml(_Section):
     agent: _Agent = _Agent()
     verifier: _Verifier = _Verifier()
     environment: _Environment = _Environment()
+    solution: _Solution = _Solution()
     furlong: _Furlong = _Furlong()
     metadata: dict[str, Any] = {}  # free-form: author, difficulty, tags...
+    steps: list[Any] = []  # Harbor's multi-step tasks: refused in _unsupported
     # Harbor's top-level keys furlong does not read
     version: Any = None
     schema_version: Any = None
     task: Any = None
     source: Any = None
-    solution: Any = None
     artifacts: Any = None
+    multi_step_reward_strategy: Any = None
 
 
 class _TerminalBenchYaml(BaseModel):
@@ -152,6 +168,7 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
     except tomllib.TOMLDecodeError as exc:
         raise TaskError(tid, "task.toml", f"invalid TOML: {exc}") from None
     conf: _HarborToml = _validated(_HarborToml, raw, tid, "task.toml")
+    _unsupported(conf, tid)
     instruction = _read(path / "instruction.md", tid)
     test_script = path / "tests" / "test.sh"
     if not test_script.is_file():
@@ -165,11 +182,43 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         agent_timeout_s=conf.agent.timeout_sec, verifier_timeout_s=conf.verifier.timeout_sec,
         tests_dir=path / "tests", test_script=test_script,
         solution=solution if solution.is_file() else None,
-        network=env.allow_internet or env.network,
+        network=_network(conf, tid),
         limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid),
         verifier_env=tuple(sorted(conf.verifier.env.items())), format="harbor",
+        solution_env=tuple(sorted(conf.solution.env.items())),
         verifier_toolchain=conf.furlong.verifier_toolchain, trust_agent_tools=conf.verifier.trust_agent_tools,
     )
+
+
+def _unsupported(conf: _HarborToml, task: str) -> None:
+    """Harbor task shapes furlong cannot run as written: refused by name, never run differently."""
+    if conf.steps:
+        raise TaskError(task, "task.toml", "field 'steps': multi-step tasks are not supported (one instruction, "
+                                           "one tests/test.sh per task)")
+    if conf.environment.os != "linux":
+        raise TaskError(task, "task.toml", f"field 'environment.os': {conf.environment.os!r}: furlong's sandboxes "
+                                           "are Linux")
+    v = conf.verifier
+    if v.environment_mode == "separate" or (v.environment_mode is None and v.environment is not None):
+        raise TaskError(task, "task.toml", "field 'verifier.environment_mode': 'separate' is not supported: furlong "
+                                           "runs the tests in the agent's sandbox once the agent stops (set it "
+                                           "to 'shared' and drop tests/Dockerfile and [verifier.environment])")
+
+
+def _network(conf: _HarborToml, task: str) -> bool:
+    """Whether the task's sandbox has network. One sandbox serves the agent and then the tests, so a phase
+    override ([agent] or [verifier] network_mode) must agree with the environment's."""
+    env = conf.environment
+    mode = env.network_mode or ("public" if env.allow_internet or env.network else "no-network")
+    for field, phase in (("environment", env), ("agent", conf.agent), ("verifier", conf.verifier)):
+        if phase.network_mode == "allowlist" or phase.allowed_hosts:
+            raise TaskError(task, "task.toml", f"field '{field}.network_mode': 'allowlist' is not supported: a "
+                                               "sandbox has all of the network or none ('public' or 'no-network')")
+        if phase.network_mode not in (None, mode):
+            raise TaskError(task, "task.toml", f"field '{field}.network_mode': {phase.network_mode!r} differs from "
+                                               f"the environment's {mode!r}: the agent and the tests share one "
+                                               "sandbox and one network policy")
+    return mode == "public"
 
 
 def _syscalls(env: _Environment, task: str) -> SyscallPolicy:

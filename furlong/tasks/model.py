@@ -34,6 +34,7 @@ class Task:
     limits: Limits = field(default_factory=Limits)
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)  # task.toml [environment] seccomp*
     verifier_env: tuple[tuple[str, str], ...] = ()
+    solution_env: tuple[tuple[str, str], ...] = ()  # task.toml [solution] env: the oracle's solve.sh runs with it
     verifier_toolchain: bool = False  # task.toml [furlong] verifier_toolchain: uv/uvx/pytest stacked on the image
     trust_agent_tools: bool = False  # task.toml [verifier] trust_agent_tools: tampering is recorded, not scored 0
     format: str = "harbor"  # harbor | terminal-bench

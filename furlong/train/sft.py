@@ -25,6 +25,7 @@ from furlong.envs.base import Environment, Toolbox
 from furlong.envs.prompts import PromptRow
 from furlong.eval.agents import AnswerAgent
 from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
+from furlong.model.toolcall import tool_format
 from furlong.tasks.model import Task
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,13 @@ def solution_command(task: Task) -> str:
 def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: AgentParams,
                 schemas: Sequence[dict] = (BASH_TOOL,)) -> Demo:
     """`schemas`: the episode's tools (bash and the run's extra tools), shown as an RL episode shows them."""
+    ends = tool_format(tokenizer, params.tool_format).turn_ends
     prompt = render_prompt_ids(tokenizer, [Message("system", params.system_prompt), Message("user", task.instruction)],
                                list(schemas) if params.tool_schema_in_prompt else None)
-    call = assistant_ids(tokenizer, Message("assistant", "", (ToolCall("bash", {"command": command}),)))
-    result = continuation_ids(tokenizer, [Message("tool", observation)])
-    final = assistant_ids(tokenizer, Message("assistant", FINAL_ANSWER))
+    calling = Message("assistant", "", (ToolCall("bash", {"command": command}),))
+    call = assistant_ids(tokenizer, calling, ends)
+    result = continuation_ids(tokenizer, [Message("tool", observation)], end_of_turn=ends, answered=calling)
+    final = assistant_ids(tokenizer, Message("assistant", FINAL_ANSWER), ends)
     parts = [(prompt, 0), (call, 1), (result, 0), (final, 1)]
     return Demo(task_id=task.id, tokens=tuple(t for ids, _ in parts for t in ids),
                 loss_mask=tuple(m for ids, m in parts for _ in ids))
@@ -88,7 +91,7 @@ def answer_tokens(tokenizer, row: PromptRow, answer: str, params: AgentParams) -
     system message or the run's, no tools), then the answer."""
     prompt = render_prompt_ids(tokenizer, [Message("system", system_prompt(row, params)),
                                            Message("user", row.instruction)])
-    turn = assistant_ids(tokenizer, Message("assistant", answer))
+    turn = assistant_ids(tokenizer, Message("assistant", answer), tool_format(tokenizer, params.tool_format).turn_ends)
     return Demo(task_id=row.id, tokens=(*prompt, *turn), loss_mask=(0,) * len(prompt) + (1,) * len(turn))
 
 

@@ -1,10 +1,13 @@
 #!/bin/bash
-# Terminal-Bench 2's usual prologue. Offline, apt-get and curl fail (harmlessly: the pipe's status is
-# sh's), and furlong's verifier toolchain supplies uv and ~/.local/bin/env instead.
+# Terminal-Bench 2's usual prologue, under `set -e` as many TB2 tests write it. Offline, furlong's verifier
+# toolchain answers it: `apt-get install -y curl` succeeds without fetching, and `curl ... astral.sh ... | sh`
+# gets an installer that links the toolchain's uv into ~/.local/bin and writes its `env`.
+set -e
 apt-get update
 apt-get install -y curl
 curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
 source $HOME/.local/bin/env
+set +e
 
 if [ "$PWD" = "/" ]; then
     echo "Error: No working directory set. Please set a WORKDIR in your Dockerfile before running this script."

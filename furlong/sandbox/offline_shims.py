@@ -1,0 +1,102 @@
+"""The verifier toolchain's commands for tasks without network: first on PATH there, and only there.
+
+Terminal-Bench 2's tests begin with `apt-get install -y curl` and `curl -LsSf https://astral.sh/uv/X/install.sh
+| sh`, often under `set -e`. Offline both fail, so:
+
+- `curl`/`wget` asked for uv's installer (astral.sh/uv/[VERSION/]install.sh, or a release's
+  uv-installer.sh) hand out INSTALLER, which links the toolchain's uv where uv's installer would put it
+  and writes its `env` script; it never fetches. Any other call goes to the image's own curl/wget (the
+  next on PATH), or fails as a missing command (127) where the image has none.
+- `apt-get install`/`apt install` of packages that are all installed already, or curl, succeed without
+  fetching (curl is then the one above, for uv's installer only); any other call is the image's apt-get.
+"""
+
+from __future__ import annotations
+
+DIR = "/opt/furlong/toolchain/offline"
+COMMANDS = ("curl", "wget", "apt-get", "apt")
+
+SHIM = r"""#!/bin/sh
+# furlong's verifier toolchain, first on PATH only where the task has no network (furlong/sandbox/offline_shims.py)
+tool=${0##*/}
+shims=DIR
+
+image_own() {  # the image's own $tool: the next one on PATH after this directory
+    IFS=:
+    for dir in $PATH; do
+        if [ "$dir" != "$shims" ] && [ -x "$dir/$tool" ]; then unset IFS; exec "$dir/$tool" "$@"; fi
+    done
+    unset IFS
+    echo "$tool: not installed in this image (no network here: furlong's verifier toolchain answers only uv's installer)" >&2
+    exit 127
+}
+
+uv_installer() {  # the output curl or wget would write it to: curl's stdout, wget's remote name, or -o/-O FILE
+    dest=-; [ "$tool" = wget ] && dest=install.sh
+    url=; next=
+    for arg; do
+        if [ -n "$next" ]; then dest=$arg; next=; continue; fi
+        case "$tool $arg" in
+            "curl -o"|"curl --output"|"wget -O"|"wget --output-document") next=1 ;;
+            "curl -o"*) dest=${arg#-o} ;;
+            "wget -O"*) dest=${arg#-O} ;;
+            "curl --output="*|"wget --output-document="*) dest=${arg#*=} ;;
+            "curl -O"|"curl --remote-name") dest=install.sh ;;
+            "curl -"[!-]*o) next=1 ;;
+            "curl -"[!-]*O*) dest=install.sh ;;
+            "wget -"[!-]*O) next=1 ;;
+            "wget -"[!-]*O*) dest=${arg#*O} ;;
+            *astral.sh/uv/install.sh|*astral.sh/uv/*/install.sh|*/astral-sh/uv/releases/*/uv-installer.sh) url=$arg ;;
+        esac
+    done
+    [ -n "$url" ] || return 1
+    [ "$url" = "${url%uv-installer.sh}" ] || [ "$dest" != install.sh ] || dest=uv-installer.sh
+    if [ "$dest" = - ]; then cat "$shims/uv-installer.sh"; else cp "$shims/uv-installer.sh" "$dest"; fi
+    exit 0
+}
+
+apt_nothing_to_fetch() {  # `install` of packages all installed, or curl (this directory's)
+    command=; wanted=; skip=
+    for arg; do
+        if [ -n "$skip" ]; then skip=; continue; fi
+        case $arg in
+            -o|-c|-t|--option|--config-file|--target-release) skip=1 ;;
+            -*) ;;
+            *) if [ -z "$command" ]; then command=$arg
+               elif [ "$arg" != curl ] && ! dpkg-query -W -f='${Status}' "$arg" 2>/dev/null | grep -q 'ok installed'
+               then return 1
+               else wanted="$wanted $arg"; fi ;;
+        esac
+    done
+    [ "$command" = install ] && [ -n "$wanted" ] || return 1
+    echo "furlong verifier toolchain (no network):$wanted: installed already, or curl answering uv's installer only" >&2
+    exit 0
+}
+
+case $tool in
+    curl|wget) uv_installer "$@" ;;
+    apt-get|apt) apt_nothing_to_fetch "$@" ;;
+esac
+image_own "$@"
+"""
+
+INSTALLER = r"""#!/bin/sh
+# Handed out by furlong's verifier toolchain in place of uv's installer (the task has no network, so
+# astral.sh was not asked): uv VERSION is installed already; it is linked where the installer puts uv.
+dir=${UV_INSTALL_DIR:-${XDG_BIN_HOME:-${HOME:?}/.local/bin}}
+mkdir -p "$dir" || exit 1
+for name in uv uvx; do
+    [ "$(readlink "$dir/$name")" = "/usr/local/bin/$name" ] || ln -sf "/usr/local/bin/$name" "$dir/$name" || exit 1
+done
+[ -e "$dir/env" ] || printf '#!/bin/sh\ncase ":${PATH}:" in\n    *:"%s":*) ;;\n    *) export PATH="%s:$PATH" ;;\nesac\n' \
+    "$dir" "$dir" > "$dir/env" || exit 1
+echo "uv VERSION (furlong's verifier toolchain) is in $dir; no network here, so nothing was downloaded"
+"""
+
+
+def shim() -> str:
+    return SHIM.replace("shims=DIR", f"shims={DIR}")
+
+
+def installer(uv_version: str) -> str:
+    return INSTALLER.replace("VERSION", uv_version)

@@ -1,0 +1,135 @@
+"""Stand-ins for official images by version (python, gcc, golang, node, rust, openjdk, eclipse-temurin): which
+Debian release serves a tag, what its note says, the exact-mode refusal; and the offline shims of the verifier
+toolchain (uv's installer, apt-get install curl) run by a real sh. Building every stand-in is slow and downloads
+packages: bench/standins_check.py does that (bench/results/standins.json)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run
+
+from furlong.sandbox import offline_shims, standins
+from furlong.sandbox.builds import ImageBuildError
+from furlong.sandbox.images import ImageStore
+from furlong.sandbox.registry import RegistryError, Settings
+from furlong.sandbox.standin_recipes import FAMILIES
+
+
+@pytest.mark.parametrize("ref, name, suite, exact, words", [
+    ("python:3.13-slim-bookworm", "python-3.13", "trixie", True, "Debian 13 (trixie), not Debian 12 (bookworm)"),
+    ("python:3.12-slim", "python-3.13", "trixie", False,
+     "the tag asks for Python 3.12 (nearest: Debian trixie's 3.13)"),
+    ("python:3.14", "python-3.13", "trixie", False, "asks for Python 3.14"),
+    ("python:3", "python", "bookworm", True, "(Python 3.11.2, Debian bookworm's python3"),
+    ("gcc:12.2.0-bookworm", "gcc-12", "bookworm", True, "(gcc 12.2.0, Debian bookworm's gcc"),
+    ("gcc:13", "gcc-14", "trixie", False, "the tag asks for gcc 13 (nearest: Debian trixie's 14)"),
+    ("golang:1.22-bookworm", "golang-1.22", "bookworm", True, "bookworm-backports's golang-1.22-go"),
+    ("golang:1.24.4", "golang-1.24", "trixie", True, "Go 1.24.4"),
+    ("node:18-bookworm-slim", "node-18", "bookworm", True, "no yarn or corepack"),
+    ("node:22", "node-20", "trixie", False, "buildpack-deps packages are not included"),
+    ("rust:1.85-slim", "rust-1.85", "trixie", True, "no rustup"),
+    ("docker.io/library/rust:1.63", "rust-1.63", "bookworm", True, "rustc and cargo"),
+    ("eclipse-temurin:17-jdk-jammy", "jdk-17", "bookworm", True, "not Ubuntu 22.04 (jammy)"),
+    ("eclipse-temurin:21-jre", "jdk-21", "trixie", True, "a JDK, where the tag asks for a JRE"),
+    ("openjdk:17-jdk-slim", "jdk-17", "bookworm", True, "OpenJDK (default-jdk-headless)"),
+])
+def test_versioned_tags_map_to_the_release_debian_has(ref, name, suite, exact, words):
+    choice = standins.resolve(ref)
+    assert (choice.standin.name, choice.suite, choice.exact) == (name, suite, exact)
+    provides = {"python": "3.11.2", "gcc-12": "12.2.0", "golang-1.24": "1.24.4"}.get(name, choice.standin.version)
+    note = choice.note(provides)
+    assert note.startswith(f"{ref}: furlong's {name} stand-in (") and words in note, note
+    assert choice.registry_first == (not ref.startswith("python"))  # python stays stand-in first, as before
+
+
+def test_nearest_takes_the_newer_of_two_as_near_and_exact_refuses_with_what_debian_has():
+    family = FAMILIES["python"]
+    assert [(o.version, e) for o, e in (standins.pick(family, v) for v in ("3.12", "3.10", "3.13.5", "3"))] == [
+        ("3.13", False), ("3.11", False), ("3.13", True), ("3.11", True)]
+    choice = standins.resolve("node:22-slim")
+    assert choice.allowed("nearest") and not choice.allowed("exact")
+    line = choice.refusal("exact")
+    assert line.startswith("node:22-slim: Debian has no Node.js 22 (Debian has 18 (bookworm), 20 (trixie)") and \
+        "\n" not in line
+    for ref in ("golang:1.20", "golang:latest"):  # Go needs its release, whatever the mode
+        go = standins.resolve(ref)
+        assert not go.allowed("nearest") and "Go stand-ins need the exact release" in go.refusal("nearest")
+    assert "1.23 (bookworm-backports)" in standins.resolve("golang:1.20").refusal("nearest")
+
+
+def test_trixie_names_and_recipes():
+    assert [standins.resolve(ref).suite for ref in ("debian:trixie-slim", "debian:13.1")] == ["trixie", "trixie"]
+    assert standins.resolve("furlong/base-trixie").standin is None
+    go = standins.resolve("golang:1.22").standin.dockerfile()
+    assert go.startswith("FROM furlong/base\n") and "bookworm-backports main" in go and "ENV GOTOOLCHAIN=local" in go
+    assert standins.resolve("python:3.13").standin.dockerfile().startswith("FROM furlong/base-trixie\n")
+
+
+def test_exact_mode_is_one_line_naming_the_file_and_what_debian_has(store, backend, tmp_path: Path):
+    """No base is built: the registry is asked first (here one that never answers in time, whatever this
+    machine's network), then the refusal names the Dockerfile's line."""
+    never = Settings(inspect_timeout_s=0.001)
+    exact = ImageStore(root=store.root, pulls=never, standin_versions="exact")
+    with pytest.raises(RegistryError, match=r"^python:3\.12-slim: Debian has no Python 3\.12 \(Debian has 3\.11"):
+        run(exact.parent("python:3.12-slim", backend, lambda _: None))
+    path = tmp_path / "t" / "environment" / "Dockerfile"
+    path.parent.mkdir(parents=True)
+    path.write_text("# a Go task\nFROM golang:1.20-bookworm\nRUN go version\n")
+    nearest = ImageStore(root=store.root, pulls=never)
+    with pytest.raises(ImageBuildError) as err:
+        run(nearest.image(path, backend))
+    assert str(err.value).startswith(f"{path}:2: FROM golang:1.20-bookworm: Debian has no Go 1.20") and \
+        "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="images.standins"):
+        ImageStore(root=store.root, standin_versions="closest")
+
+
+@pytest.fixture
+def shims(tmp_path: Path) -> Path:
+    """The offline shims as the toolchain layer lays them out, under tmp_path."""
+    where = tmp_path / "offline"
+    where.mkdir()
+    (where / "shim").write_text(offline_shims.shim().replace(offline_shims.DIR, str(where)))
+    (where / "uv-installer.sh").write_text(offline_shims.installer("0.13.9"))
+    for name in ("shim", "uv-installer.sh"):
+        os.chmod(where / name, 0o755)
+    for command in offline_shims.COMMANDS:
+        (where / command).symlink_to("shim")
+    return where
+
+
+def _sh(shims: Path, script: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": f"{shims}:/usr/bin:/bin", "HOME": str(cwd / "home")}
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def test_offline_shims_answer_uvs_installer_and_apt_get_install_curl(shims: Path, tmp_path: Path):
+    script = ("set -e\napt-get install -y --no-install-recommends curl coreutils\n"
+              "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\nsource $HOME/.local/bin/env\n"
+              "readlink $HOME/.local/bin/uv; echo ${PATH%%:*}\n"
+              "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\n"  # again: changes nothing
+              "curl -LsSfo a.sh https://astral.sh/uv/install.sh; wget -q https://astral.sh/uv/install.sh\n"
+              "curl -LO https://github.com/astral-sh/uv/releases/download/0.9.5/uv-installer.sh\n"
+              "wget -qO- https://astral.sh/uv/install.sh | head -1\n")
+    res = _sh(shims, script, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    installed = f"uv 0.13.9 (furlong's verifier toolchain) is in {tmp_path}/home/.local/bin; no network here, so " \
+        "nothing was downloaded"
+    assert res.stdout.splitlines() == [installed, "/usr/local/bin/uv", f"{tmp_path}/home/.local/bin", installed,
+                                       "#!/bin/sh"], res.stdout
+    assert "curl coreutils: installed already, or curl answering uv's installer only" in res.stderr
+    assert all((tmp_path / f).read_text() == offline_shims.installer("0.13.9")
+               for f in ("a.sh", "install.sh", "uv-installer.sh"))
+
+
+def test_offline_shims_leave_everything_else_to_the_image(shims: Path, tmp_path: Path):
+    res = _sh(shims, "apt-get install -y no-such-package-furlong; echo rc=$?; apt-get --version | head -1; "
+                     "wget --version >/dev/null 2>&1; echo wget=$?", tmp_path)
+    assert "rc=100" in res.stdout and "\napt " in res.stdout, res.stdout + res.stderr
+    wget_here = any(Path(d, "wget").exists() for d in ("/usr/bin", "/bin"))
+    assert f"wget={0 if wget_here else 127}" in res.stdout
