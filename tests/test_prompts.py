@@ -134,7 +134,8 @@ def test_a_file_that_is_not_a_dataset_is_named(tmp_path):
 
 def test_the_config_checks_the_dataset_and_names_the_reward_function(tmp_path):
     reward_file = tmp_path / "score.py"
-    reward_file.write_text("def reward(completion, row):\n    return 1.0\n\ndef other(completion, row):\n    return 0.0\n")
+    reward_file.write_text("def reward(completion, row):\n    return 1.0\n\n"
+                           "def other(completion, row):\n    return 0.0\n")
     assert load_callable(str(reward_file), "k")("x", {}) == 1.0
     assert load_callable(f"{reward_file}:other", "k")("x", {}) == 0.0
     assert load_callable("test_prompts:sums", "k") is sums
@@ -231,9 +232,9 @@ def test_a_model_answers_once_under_the_rows_system_message_and_tool_syntax_is_j
 
 def test_furlong_train_and_eval_run_on_the_bundled_example(tmp_path, monkeypatch):
     res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/prompts-arith.yaml",
-                          f"train.run_dir={tmp_path / 'run'}", "train.sft.epochs=1", "train.sft.instances_per_family=16",
-                          "train.rl.steps=2", "train.rl.tasks_per_step=4", "train.rl.group_size=2",
-                          "train.eval.heldout_per_family=6"],
+                          f"train.run_dir={tmp_path / 'run'}", "train.sft.epochs=1",
+                          "train.sft.instances_per_family=16", "train.rl.steps=2", "train.rl.tasks_per_step=4",
+                          "train.rl.group_size=2", "train.eval.heldout_per_family=6"],
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

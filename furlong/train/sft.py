@@ -134,8 +134,8 @@ async def oracle_demo(task: Task | PromptRow, tokenizer, sandboxes: Environment 
     return demo_tokens(tokenizer, task, agent.command, agent.observation, params, agent.schemas)
 
 
-async def oracle_demos(tasks: list[Task | PromptRow], tokenizer, sandboxes: Environment | SandboxSource, params: AgentParams,
-                       concurrency: int, on_done: Callable[[], None] = lambda: None) -> list[Demo]:
+async def oracle_demos(tasks: list[Task | PromptRow], tokenizer, sandboxes: Environment | SandboxSource,
+                       params: AgentParams, concurrency: int, on_done: Callable[[], None] = lambda: None) -> list[Demo]:
     slots = asyncio.Semaphore(concurrency)
 
     async def one(task: Task | PromptRow) -> Demo | None:
