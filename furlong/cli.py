@@ -209,8 +209,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          "samples": "eval.samples", "temperature": "eval.temperature", "seed": "eval.seed"})
     e = cfg.eval
     check_model_flags(e)
-    if cfg.train.env.python is not None:
-        return _python_env_eval(cfg)
+    if cfg.train.env.python is not None or cfg.train.env.prompts.active:
+        return _own_env_eval(cfg)
     if e.env == "openenv":
         return _eval_openenv(cfg)
     backend, store = _sandbox_pieces(cfg)  # family generators run on the configured backend too
@@ -231,22 +231,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _python_env_eval(cfg: Config) -> int:
-    """`furlong eval` of a Python environment (train.env.python): eval.per_family instances of eval.split."""
-    from furlong.build.environment import python_source, run_env
-    from furlong.eval.agents import make_agent
+def _own_env_eval(cfg: Config) -> int:
+    """`furlong eval` of a Python environment (train.env.python) or a prompt dataset (train.env.prompts):
+    eval.per_family instances of each split of eval.split."""
+    from furlong.build.environment import prompt_source, python_source, run_env
+    from furlong.eval.agents import AnswerAgent, make_agent
     from furlong.eval.run import run_eval
 
     e, t = cfg.eval, cfg.train
-    if e.agent == "oracle":
-        raise ConfigError("--agent oracle: a Python environment has no oracle solution; use --agent noop or model")
     splits = ("train", "heldout") if e.split == "all" else (e.split,)
-    every = {"train": t.env.train_instances, "heldout": t.eval.heldout_per_family}
-    source = python_source(t.env, {s: e.per_family or every[s] for s in splits})
+    if t.env.prompts.active:
+        if e.agent == "oracle" and t.env.prompts.answer_field is None:
+            raise ConfigError("--agent oracle answers a prompt row's reference answer: set "
+                              "train.env.prompts.answer_field, or use --agent noop or model")
+        source, what = prompt_source(t.env, {s: e.per_family for s in splits if e.per_family}), t.env.prompts.family()
+    else:
+        if e.agent == "oracle":
+            raise ConfigError("--agent oracle: a Python environment has no oracle solution; use --agent noop or model")
+        every = {"train": t.env.train_instances, "heldout": t.eval.heldout_per_family}
+        source, what = python_source(t.env, {s: e.per_family or every[s] for s in splits}), t.env.python
     instances = [i for s in splits for i in source.instances(s)]
-    agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
-    env = run_env(t.env, backend=None, images=None)  # type: ignore[arg-type]  # a Python environment has no sandbox
-    console.print(f"{len(instances)} instances of {t.env.python}, agent {e.agent}, {e.samples} sample(s) each")
+    agent = AnswerAgent() if e.agent == "oracle" else make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
+    env = run_env(t.env, backend=None, images=None)  # type: ignore[arg-type]  # neither has a sandbox
+    console.print(f"{len(instances)} instances of {what}, agent {e.agent}, {e.samples} sample(s) each")
 
     async def episodes():
         async with env.open() as opened:

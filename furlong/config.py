@@ -366,6 +366,65 @@ class RewardConfig(_Node):
         return self
 
 
+class PromptsConfig(_Node):
+    """A prompt dataset for single-turn RL with a Python reward function, instead of Harbor tasks: each row a
+    prompt, the model answers once, `reward(completion, row)` scores it; no sandbox, no tools
+    (furlong.envs.prompts; docs/prompts.md). On when `path`, or `train_path` and `heldout_path`, are set."""
+
+    path: Path | None = Field(None, description="one dataset holding both splits: a JSONL or Parquet file, or a "
+                              "Hugging Face datasets directory (save_to_disk, or a folder of data files); its "
+                              "held-out rows by split_field, heldout_fraction, or a DatasetDict's own splits")
+    train_path: Path | None = Field(None, description="instead of path: the train rows (one table)")
+    heldout_path: Path | None = Field(None, description="with train_path: the held-out rows (one table)")
+    format: Literal["auto", "jsonl", "parquet", "hf"] = Field(
+        "auto", description="auto: by the suffix (.jsonl, .ndjson, .json: JSONL; .parquet), a directory is hf")
+    prompt_field: str = Field("prompt", description="the field holding the prompt (the user message, a string)")
+    system_field: str | None = Field("system", description="a row's own system message where it has this field "
+                                     "(a string), in place of train.agent.system_prompt; null: never")
+    answer_field: str | None = Field(None, description="a reference completion (a string or number): SFT "
+                                     "demonstrates it where the reward function gives it 1, `furlong eval --agent "
+                                     "oracle` answers it. null: no SFT (train.sft.epochs, train.rl.sft_coef 0)")
+    split_field: str | None = Field(None, description="path: the field naming each row's split (its values: "
+                                    "splits); rows of other values are left out")
+    splits: dict[str, str] = Field({"train": "train", "heldout": "test"}, description="furlong's split -> "
+                                   "the split_field value, or the DatasetDict split, that holds its rows")
+    heldout_fraction: float | None = Field(None, gt=0, lt=1, description="path, one table, no split_field: hold "
+                                           "out this fraction of the rows, drawn with a fixed seed")
+    reward: str | None = Field(None, description='the reward function: "module:function" on the Python path, or '
+                               '"FILE.py" / "FILE.py:function" (default name `reward`); reward(completion: str, '
+                               "row: dict) -> float, sync or async")
+    reward_timeout_s: float = Field(30.0, gt=0, description="one reward call; past it the episode is infra_error")
+    name: str | None = Field(None, description="the family of its instances (reports, summary.json); null: the "
+                             "dataset's file or directory name without its suffix")
+
+    @property
+    def active(self) -> bool:
+        return self.path is not None or self.train_path is not None or self.heldout_path is not None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptsConfig:
+        if not self.active:
+            return self
+        if self.path is not None and (self.train_path or self.heldout_path):
+            raise ValueError("give path, or train_path and heldout_path, not both")
+        if self.path is None and (self.train_path is None or self.heldout_path is None):
+            raise ValueError("train_path and heldout_path: give both (or path, for one dataset with both splits)")
+        if self.path is None and (self.split_field or self.heldout_fraction):
+            raise ValueError("split_field and heldout_fraction split path's rows; train_path and heldout_path "
+                             "are already split")
+        if self.split_field and self.heldout_fraction:
+            raise ValueError("split_field or heldout_fraction: one way to pick the held-out rows")
+        if set(self.splits) != {"train", "heldout"}:
+            raise ValueError(f"splits: expected the keys train and heldout, got {sorted(self.splits)}")
+        if self.reward is None:
+            raise ValueError('reward: the reward function is needed ("module:function" or "FILE.py")')
+        return self
+
+    def family(self) -> str:
+        source = self.path or self.train_path
+        return self.name or (source.stem if source is not None else "prompts")
+
+
 class EnvConfig(_Node):
     """Your own environment, tools and reward functions, for training, its held-out evals and `furlong eval`
     (docs/environments.md)."""
@@ -376,10 +435,12 @@ class EnvConfig(_Node):
     openenv: bool = Field(False, description="episodes on the OpenEnv server of the `openenv` section instead of "
                           "Harbor tasks (docs/openenv.md; no oracle demonstrations: train.sft.epochs and "
                           "train.rl.sft_coef must be 0)")
+    prompts: PromptsConfig = Field(PromptsConfig(), description="a prompt dataset and its reward function "
+                                   "instead of Harbor tasks (single-turn, no sandbox)")
     train_instances: int = Field(128, ge=1, description="python: train instances (seeds 0..N-1 of split train); "
                                  "held-out ones: train.eval.heldout_per_family")
-    agent_timeout_s: float = Field(600.0, gt=0, description="python: an episode's time limit for the agent "
-                                   "(a Harbor task's is in its task.toml)")
+    agent_timeout_s: float = Field(600.0, gt=0, description="python and prompts: an episode's time limit for the "
+                                   "agent (a Harbor task's is in its task.toml)")
     tools: tuple[str, ...] = Field((), description='"module:attribute" of each furlong.envs.toolset.Tool (or a list '
                                    "of them): tools beside bash (Harbor) or the environment's own (python)")
     rewards: dict[str, RewardConfig] = Field({}, description="reward functions by name (their keys in the episode's "
@@ -391,15 +452,29 @@ class EnvConfig(_Node):
     def _names(self) -> EnvConfig:
         if reserved := sorted(set(self.rewards) & {"reward", "tests", "steps"}):
             raise ValueError(f"rewards: the names {reserved} are reserved for the episode's own rewards")
-        if self.python is not None and self.openenv:
-            raise ValueError("python and openenv: one environment at a time")
+        chosen = [k for k, on in (("python", self.python is not None), ("openenv", self.openenv),
+                                  ("prompts", self.prompts.active)) if on]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(chosen)}: one environment at a time")
+        if self.prompts.active and (self.tools or self.rewards):
+            raise ValueError("tools and rewards: a prompt dataset has no tools, and its one reward is "
+                             "prompts.reward (weigh your terms inside it)")
         if self.python is not None and ":" not in self.python:
             raise ValueError(f'python: expected "module:factory", got {self.python!r}')
         return self
 
     def family(self) -> str | None:
-        """The family of a Python environment's instances: its factory's name."""
+        """The one family of a Python environment's instances (its factory's name) or a prompt dataset's."""
+        if self.prompts.active:
+            return self.prompts.family()
         return None if self.python is None else self.python.rpartition(":")[2]
+
+    def demonstrable(self) -> bool:
+        """Whether SFT has demonstrations in this environment: a prompt dataset's answers; a Python
+        environment has none; Harbor tasks' oracle solutions (an OpenEnv server's: TrainConfig's rule)."""
+        if self.prompts.active:
+            return self.prompts.answer_field is not None
+        return self.python is None
 
 
 class WandbConfig(_Node):
@@ -477,8 +552,8 @@ class TrainConfig(_Node):
         # the default's demonstrated/reward-only split is about the default's families: a recipe that picks
         # its own families demonstrates them all, and RL draws from them all, unless it says otherwise
         own = "families" in self.model_fields_set
-        if self.env.python is not None:
-            self._python_env_families(own)
+        if self.env.family() is not None:
+            self._own_env_families(own)
             own = True
         if own and "families" not in self.sft.model_fields_set:
             object.__setattr__(self, "sft", self.sft.model_copy(update={"families": None}))
@@ -490,20 +565,23 @@ class TrainConfig(_Node):
                 raise ValueError(f"train.{key}.families: {unknown} not in train.families {list(self.families)}")
         return self
 
-    def _python_env_families(self, own: bool) -> None:
-        """A Python environment is the run's one family, and has no oracle to demonstrate it: no SFT
-        (train.sft.families empty, train.sft.epochs 0) and no demonstration anchor (train.rl.sft_coef 0)."""
-        family = self.env.family()
+    def _own_env_families(self, own: bool) -> None:
+        """A Python environment or a prompt dataset is the run's one family. Without demonstrations (a Python
+        environment, a dataset without answer_field) there is no SFT (train.sft.families empty,
+        train.sft.epochs 0) and no demonstration anchor (train.rl.sft_coef 0)."""
+        family, key = self.env.family(), "train.env.python" if self.env.python else "train.env.prompts"
         if own and self.families != (family,):
-            raise ValueError(f"train.families: with train.env.python the run's one family is {family!r} (the "
-                             f"factory's name); drop train.families")
-        for key, value in (("families", self.sft.families), ("epochs", self.sft.epochs)):
-            if key in self.sft.model_fields_set and value:
-                raise ValueError(f"train.sft.{key}: a Python environment has no oracle demonstrations; drop it")
-        if "sft_coef" in self.rl.model_fields_set and self.rl.sft_coef > 0:
-            raise ValueError("train.rl.sft_coef: a Python environment has no oracle demonstrations for RL's "
-                             "anchor; drop it (it is 0 with train.env.python)")
+            raise ValueError(f"train.families: with {key} the run's one family is {family!r}; drop train.families")
         object.__setattr__(self, "families", (family,))
+        if self.env.demonstrable():
+            return
+        what = ("a Python environment has no oracle demonstrations" if self.env.python else
+                "the prompt dataset has no answers to demonstrate (train.env.prompts.answer_field)")
+        for name, value in (("families", self.sft.families), ("epochs", self.sft.epochs)):
+            if name in self.sft.model_fields_set and value:
+                raise ValueError(f"train.sft.{name}: {what}; drop it")
+        if "sft_coef" in self.rl.model_fields_set and self.rl.sft_coef > 0:
+            raise ValueError(f"train.rl.sft_coef: {what} for RL's anchor; drop it (it is 0 here)")
         object.__setattr__(self, "rl", self.rl.model_copy(update={"sft_coef": 0.0}))
         object.__setattr__(self, "sft", self.sft.model_copy(update={"families": (), "epochs": 0}))
 

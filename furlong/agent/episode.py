@@ -175,12 +175,15 @@ class ModelAgent:
         if opening:  # the environment's first observation follows the instruction
             text = f"{self.instruction}\n\n{opening}" if self.instruction else opening
             self._messages[1] = Message("user", text)
-        if opening or (self.params.tool_schema_in_prompt and tuple(tools.schemas) != self.schemas):
+        own_system = system_prompt(spec, self.params) != self._messages[0].content
+        if own_system:  # the instance's own system message (a prompt dataset's row may have one)
+            self._messages[0] = Message("system", system_prompt(spec, self.params))
+        if opening or own_system or (self.params.tool_schema_in_prompt and tuple(tools.schemas) != self.schemas):
             self._prompt(tools.schemas)  # the environment's own tools and opening, before the first turn
         runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
         try:
             async with asyncio.timeout(timeout_s) as deadline:
-                status = await self._converse(runner, deadline)
+                status = await self._converse(runner, deadline, answers_only=not tools.schemas)
         except TimeoutError:
             if not deadline.expired():
                 raise  # not our deadline: a sandbox call's own timeout, for the runner to judge
@@ -189,12 +192,14 @@ class ModelAgent:
             self.tool_errors = runner.errors
         return AgentRun(commands=self.tool_calls, truncated=status == "truncated")
 
-    async def _converse(self, runner: ToolRunner, deadline: asyncio.Timeout) -> str:
+    async def _converse(self, runner: ToolRunner, deadline: asyncio.Timeout, answers_only: bool = False) -> str:
         """Model turn, tool calls, observations... until a turn without a tool call or a limit.
 
         The task's agent timeout counts the agent's work in the sandbox, not the time spent waiting on
         the shared engine: that depends on the load others put on it (a busy engine must not turn a
-        policy's episode into a zero), and a turn's tokens are bounded by max_new_tokens anyway."""
+        policy's episode into a zero), and a turn's tokens are bounded by max_new_tokens anyway.
+        `answers_only` (an environment without tools): every turn is an answer, whatever text it holds, and
+        a turn cut off by max_new_tokens is still given to the environment as the answer it wrote."""
         params, trace = self.params, self.trace
         stops = tuple(end_of_turn_id(self.tokenizer, marker) for marker in self.format.stops)
         for turn in range(1, params.max_turns + 1):
@@ -216,9 +221,12 @@ class ModelAgent:
                 self._waiting_since = None
             deadline.reschedule(loop.time() + left)
             trace.add_sampled(list(gen.output_ids), list(gen.logprobs), list(gen.token_weight_versions))
+            if answers_only and gen.finish_reason != "stop":
+                await runner.reply(self.format.answer(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)))
             if gen.finish_reason != "stop":
                 return "truncated"  # cut off mid-turn: no well-formed turn to answer
-            answer = await self._answer(runner, self.tokenizer.decode(gen.output_ids, skip_special_tokens=False))
+            answer = await self._answer(runner, self.tokenizer.decode(gen.output_ids, skip_special_tokens=False),
+                                        answers_only)
             if answer is None:
                 return "ok"
             answered, observations = answer
@@ -228,10 +236,12 @@ class ModelAgent:
                 return "ok"
         return "truncated"
 
-    async def _answer(self, runner: ToolRunner, text: str) -> tuple[Message, list[Message]] | None:
+    async def _answer(self, runner: ToolRunner, text: str,
+                      answers_only: bool = False) -> tuple[Message, list[Message]] | None:
         """The messages that answer a sampled turn, and the turn as the template sees it (a stub: only a
-        call's name can matter to what follows it); None when the conversation is over."""
-        calls = self.format.parse(text, tuple(runner.tools.schemas))
+        call's name can matter to what follows it); None when the conversation is over. `answers_only`:
+        the turn is an answer whatever it holds (an environment without tools)."""
+        calls = [] if answers_only else self.format.parse(text, tuple(runner.tools.schemas))
         if isinstance(calls, ToolCallError):
             error = runner.error_text(calls)
             if calls.name is None and self.format.tool_results_need_call:
@@ -255,6 +265,12 @@ _ANSWER = Message("assistant", "answer")  # a turn without a call, as the templa
 
 def _calling(name: str) -> Message:
     return Message("assistant", "", (ToolCall(name),))
+
+
+def system_prompt(spec: EnvSpec, params: AgentParams) -> str:
+    """An episode's system message: its instance's own (an EnvSpec may have `system_prompt`, e.g. a prompt
+    dataset's row), else train.agent.system_prompt."""
+    return getattr(spec, "system_prompt", None) or params.system_prompt
 
 
 async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment | SandboxSource, params: AgentParams,

@@ -1,10 +1,13 @@
-"""Builders for the run's environment (`train.env`): Harbor tasks or the user's Python environment, the
-user's extra tools and reward functions, each named "module:attribute" and imported here, the one
-place furlong imports user code (docs/environments.md)."""
+"""Builders for the run's environment (`train.env`): Harbor tasks, the user's Python environment or a prompt
+dataset, the user's extra tools and reward functions, each named "module:attribute" (a prompt dataset's
+reward also as a file) and imported here, the one place furlong imports user code (docs/environments.md,
+docs/prompts.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +18,8 @@ from typing import Any
 from furlong.config import ConfigError, EnvConfig, TrainConfig
 from furlong.envs.base import Environment
 from furlong.envs.harbor import HarborEnv, HarborSource
+from furlong.envs.prompt_data import dataset_splits, file_splits
+from furlong.envs.prompts import Fields, PromptEnv, PromptSource
 from furlong.envs.rewards import TESTS_ONLY, RewardFn, Scorer
 from furlong.envs.toolset import Tool
 from furlong.envs.user import PythonEnv, PythonSource
@@ -42,6 +47,44 @@ def load_object(spec: str, key: str) -> Any:
     return obj
 
 
+def load_callable(spec: str, key: str) -> Callable:
+    """The function "module:function" names, or "FILE.py[:function]" (default name `reward`) defines;
+    ConfigError naming `key` when it is not there or not callable."""
+    target, sep, name = spec.rpartition(":")
+    if spec.endswith(".py") or target.endswith(".py"):
+        path, name = (spec, "reward") if spec.endswith(".py") else (target, name)
+        fn = getattr(_file_module(path, key), name, None)
+        if fn is None:
+            raise ConfigError(f"{key}: {path} defines no {name!r}")
+    elif not sep:
+        raise ConfigError(f'{key}: expected "module:function" or a FILE.py, got {spec!r}')
+    else:
+        fn = load_object(spec, key)
+    if not callable(fn):
+        raise ConfigError(f"{key}: {spec!r} is {type(fn).__name__}, not a function")
+    return fn
+
+
+def _file_module(path: str, key: str) -> Any:
+    """The module the Python file at `path` (relative: to the directory furlong runs in) defines, run once."""
+    file = os.path.abspath(path)
+    if not os.path.isfile(file):
+        raise ConfigError(f"{key}: no such file {path!r}")
+    name = f"furlong_user_{hashlib.sha256(file.encode()).hexdigest()[:12]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses and pickling look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 -- user code: whatever it raises, the config names it
+        del sys.modules[name]
+        raise ConfigError(f"{key}: importing {path} failed: {type(exc).__name__}: {exc}") from None
+    return module
+
+
 def extra_tools(env: EnvConfig) -> tuple[Tool, ...]:
     tools: list[Tool] = []
     for spec in env.tools:
@@ -64,12 +107,14 @@ def scorer(env: EnvConfig) -> Scorer:
     return Scorer(fns, own_weight=env.tests_weight, own="steps" if env.python else "tests")
 
 
-def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource | PythonSource:
-    """The run's instances: a Python environment's (train.env.python), or the task families' (their
-    generators run on `backend`): all their train instances, and train.eval.heldout_per_family held-out
-    ones each."""
+def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource | PythonSource | PromptSource:
+    """The run's instances: a Python environment's (train.env.python), a prompt dataset's rows
+    (train.env.prompts), or the task families' (their generators run on `backend`): all their train
+    instances, and train.eval.heldout_per_family held-out ones each."""
     if t.env.python is not None:
         return python_source(t.env, {"train": t.env.train_instances, "heldout": t.eval.heldout_per_family})
+    if t.env.prompts.active:
+        return prompt_source(t.env, {"heldout": t.eval.heldout_per_family})
     families = [load_family(t.tasks / name, backend) for name in t.families]
     for f in families:
         if len(f.seeds["heldout"]) < t.eval.heldout_per_family:
@@ -84,6 +129,18 @@ def python_source(env: EnvConfig, counts: dict[str, int]) -> PythonSource:
     return PythonSource(factory, env.family() or "", counts, env.agent_timeout_s, extra_tools(env))
 
 
+def prompt_source(env: EnvConfig, limits: dict[str, int]) -> PromptSource:
+    """A prompt dataset's rows of each split, checked now (a bad row is an error before the run starts)."""
+    p = env.prompts
+    if p.path is not None:
+        tables = dataset_splits(p.path, p.format, p.split_field, p.splits, p.heldout_fraction)
+    else:
+        assert p.train_path is not None and p.heldout_path is not None  # PromptsConfig checked it
+        tables = file_splits(p.train_path, p.heldout_path, p.format)
+    return PromptSource(tables, Fields(p.prompt_field, p.system_field, p.answer_field), p.family(),
+                        env.agent_timeout_s, limits)
+
+
 @dataclass(frozen=True)
 class RunEnv:
     """The environment every phase of a run opens its episodes in: Harbor tasks in warm-pooled sandboxes
@@ -94,6 +151,7 @@ class RunEnv:
     tools: tuple[Tool, ...] = ()
     scorer: Scorer = TESTS_ONLY
     factory: Any = None  # a Python environment's factory
+    prompts: PromptEnv | None = None  # a prompt dataset's: nothing to start or close per phase
     sessions: Callable[[], AbstractAsyncContextManager[Environment]] | None = None  # an OpenEnv server's
 
     @asynccontextmanager
@@ -105,6 +163,9 @@ class RunEnv:
             return
         if self.factory is not None:
             yield PythonEnv(self.factory, self.tools, self.scorer)
+            return
+        if self.prompts is not None:
+            yield self.prompts
             return
         async with WarmPools(self.backend, self.images) as pools:
             yield HarborEnv(pools, self.tools, self.scorer)
@@ -119,6 +180,9 @@ def run_env(env: EnvConfig, backend: SandboxBackend, images: ImageLookup,
             raise ConfigError("train.env.tools and train.env.rewards: an OpenEnv server (train.env.openenv) "
                               "brings its own tools and rewards")
         return RunEnv(backend, images, sessions=sessions)
+    if env.prompts.active:
+        reward = load_callable(env.prompts.reward or "", "train.env.prompts.reward")
+        return RunEnv(backend, images, prompts=PromptEnv(reward, env.prompts.reward_timeout_s))
     tools, scoring = extra_tools(env), scorer(env)
     factory = load_object(env.python, "train.env.python") if env.python else None
     if factory is None:

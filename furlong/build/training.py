@@ -21,6 +21,7 @@ from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router
+from furlong.envs.prompts import PromptRow
 from furlong.envs.user import Instance
 from furlong.metrics.run import RunDir
 from furlong.metrics.wandb_log import WandbLog
@@ -66,8 +67,8 @@ class Pieces:
     store: ImageStore | HostImages
     env: RunEnv  # what each phase opens its episodes in; its image lookup is shared, so a Dockerfile that
     # fails to build is tried once per run
-    train_tasks: list[Task | Instance]
-    eval_tasks: list[Task | Instance]
+    train_tasks: list[Task | Instance | PromptRow]
+    eval_tasks: list[Task | Instance | PromptRow]
     params: AgentParams
     base_model: Path
     cluster: RaySession | None = None  # train.cluster=ray: the run's Ray cluster and placement groups

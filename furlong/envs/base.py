@@ -17,7 +17,8 @@ from furlong.timing import Clock
 
 
 class EnvSpec(Protocol):
-    """One instance an episode is run on (furlong.tasks.model.Task is one)."""
+    """One instance an episode is run on (furlong.tasks.model.Task is one). It may also have
+    `system_prompt: str | None`: its episodes' system message in place of the run's (a prompt dataset's row)."""
 
     id: str
     instruction: str
@@ -44,7 +45,9 @@ class Toolbox(Protocol):
     A toolbox may also define `reply(text, timeout_s) -> str | None` (awaited): the model's turn without
     a tool call, answered with the next user message, or None to end the conversation (no `reply`: every
     such turn ends it); and `finished: bool`, true once the environment says the episode is over (a Python
-    environment's step returned done). The model agent (furlong.agent.episode) honours both.
+    environment's step returned done). The model agent (furlong.agent.episode) honours both. With no
+    `schemas` at all, every turn of the model is an answer given to `reply` (a turn cut off by the token
+    limit too), whatever its text looks like.
     It may also have `opening: str`: what the environment shows the agent first (an OpenEnv
     server's reset observation), which a model agent reads after the instruction."""
 

@@ -95,7 +95,8 @@ def failure_text(exc: BaseException) -> str:
     return text if len(text) <= FAILURE_CHARS else "[...]\n" + text[-FAILURE_CHARS:]
 
 
-def _number(value: Any, what: str) -> float:
+def finite_number(value: Any, what: str) -> float:
+    """`value` as a float; RewardFailed naming `what` when it is not a finite number (a bool is not one)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RewardFailed(f"{what} gave {value!r}, not a finite number")
     return float(value)
@@ -105,7 +106,7 @@ async def value_of(fn: RewardFn, view: EpisodeView, verifier_env: Mapping[str, s
     """`fn`'s value for the episode; RewardFailed when it gives none. A lost sandbox host is raised as it is."""
     if fn.python is not None:
         try:
-            return _number(await call_user(fn.python, view, timeout_s=fn.timeout_s), f"reward function {fn.name!r}")
+            return finite_number(await call_user(fn.python, view, timeout_s=fn.timeout_s), f"reward function {fn.name!r}")
         except (HostLost, RewardFailed):
             raise
         except TimeoutError:
@@ -127,7 +128,7 @@ async def value_of(fn: RewardFn, view: EpisodeView, verifier_env: Mapping[str, s
         raise RewardFailed(f"reward command {fn.name!r} exited {res.exit_code}; output:\n{tail}")
     lines = [ln.strip() for ln in res.stdout.splitlines() if ln.strip()]
     try:
-        return _number(float(lines[-1]), f"reward command {fn.name!r}")
+        return finite_number(float(lines[-1]), f"reward command {fn.name!r}")
     except (IndexError, ValueError):
         raise RewardFailed(f"reward command {fn.name!r}: its last line of output is not a number; "
                            f"output:\n{tail}") from None

@@ -14,6 +14,7 @@ timeout. Only a failure of the sandbox itself goes up, for the runner to score a
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import inspect
 import json
@@ -21,6 +22,7 @@ import logging
 import re
 import shlex
 import string
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,10 +44,40 @@ async def call_user(fn: Callable, *args: Any, timeout_s: float) -> Any:
     async def go() -> Any:
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):  # a def or an object
             return await fn(*args)
-        result = await asyncio.to_thread(fn, *args)
+        result = await _in_daemon_thread(fn, *args)
         return await result if inspect.isawaitable(result) else result
 
     return await asyncio.wait_for(go(), timeout_s)
+
+
+def _in_daemon_thread(fn: Callable, *args: Any) -> asyncio.Future:
+    """`fn(*args)` in a daemon thread of its own. Not the loop's default executor: `asyncio.run` joins that
+    one's threads when it ends, and the interpreter joins non-daemon threads at exit, so a user function
+    that never returns would hang the run after its episode was already recorded."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile (the call timed out)
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def work() -> None:
+        try:
+            result, exc = context.run(fn, *args), None
+        except BaseException as error:  # noqa: BLE001 -- handed to the caller, as asyncio.to_thread would
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the loop has closed: nobody waits for this result any more
+
+    threading.Thread(target=work, name=f"user-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
 
 
 def schema_of(tool: Mapping) -> dict:

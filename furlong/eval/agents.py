@@ -1,4 +1,5 @@
-"""Scripted agents for `furlong eval`: the oracle (the task's own solution) and a do-nothing agent.
+"""Scripted agents for `furlong eval`: the oracle (the task's own solution, a prompt row's answer) and a
+do-nothing agent.
 
 A model-driven agent implements the same `Agent` protocol (furlong.agent.runner); the runner times
 the agent's sandbox calls and decides the outcome.
@@ -9,11 +10,14 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from furlong.agent.runner import Agent, AgentRun
+from furlong.agent.tools import ToolRunner
+from furlong.envs.base import Toolbox
+from furlong.envs.prompts import PromptRow
 from furlong.envs.toolset import ToolSet
 from furlong.tasks.model import Task
 from furlong.tasks.verifier import output_tail
 
-__all__ = ["Agent", "AgentRun", "EpisodeAgents", "NoopAgent", "OracleAgent", "agent_for", "make_agent"]
+__all__ = ["Agent", "AgentRun", "AnswerAgent", "EpisodeAgents", "NoopAgent", "OracleAgent", "agent_for", "make_agent"]
 
 SOLUTION_DIR = "/solution"
 
@@ -63,6 +67,18 @@ class OracleAgent:
         # Recorded so a 0 reward can be traced to a solution that failed, not only to the tests.
         return AgentRun(commands=1, timed_out=res.timed_out, last_exit_code=res.exit_code,
                         last_output=output_tail(res.stdout, res.stderr))
+
+
+class AnswerAgent:
+    """A prompt dataset's oracle: the row's reference answer as the model's one turn."""
+
+    name = "oracle"
+
+    async def run(self, row: PromptRow, tools: Toolbox, timeout_s: float) -> AgentRun:
+        if row.answer is None:
+            raise ValueError(f"{row.where} has no answer for the oracle agent (train.env.prompts.answer_field)")
+        await ToolRunner(tools, timeout_s, observation_chars=4000).reply(row.answer)  # as a model turn goes
+        return AgentRun()
 
 
 AGENTS = {"oracle": OracleAgent, "noop": NoopAgent}

@@ -18,7 +18,7 @@ from furlong.metrics.ui import progress_bar
 from furlong.model.loading import load_model
 from furlong.rollout.groups import Rollouts
 from furlong.train.export import write_hf
-from furlong.train.sft import load_demos, oracle_demos, save_demos, sft_train
+from furlong.train.sft import demonstrable, load_demos, oracle_demos, save_demos, sft_train
 
 DEMOS_FILE = "demos.jsonl"  # in the run dir: SFT's demonstrations, which RL's anchor (rl.sft_coef) reuses
 
@@ -30,7 +30,7 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     run.drop_metrics_after("sft", -1)  # a killed SFT restarts from scratch: its partial rows go too
     by_family: dict[str, list] = {}
     for task in p.train_tasks:  # reward-only families' demonstrations are never shown
-        if task.family in cfg.train.demonstrated():
+        if task.family in cfg.train.demonstrated() and demonstrable(task):
             by_family.setdefault(task.family, []).append(task)
     # epochs 0 (a model already fine-tuned): demonstrations are needed only for RL's anchor
     wanted = s.epochs > 0 or cfg.train.rl.sft_coef > 0

@@ -2,7 +2,8 @@
 
 A demonstration is a task's own solution replayed through the agent format, in a real sandbox so the
 tool result is the real one: prompt, an assistant turn calling bash with the solution, the tool
-result, and a closing assistant turn. Its token layout is exactly what the RL loop produces.
+result, and a closing assistant turn. Its token layout is exactly what the RL loop produces. A prompt
+dataset's demonstration is a row's reference answer as the one assistant turn.
 """
 
 from __future__ import annotations
@@ -17,17 +18,13 @@ from pathlib import Path
 
 import torch
 
-from furlong.agent.episode import AgentParams
-from furlong.agent.runner import AgentRun, SandboxSource, run_outcome
+from furlong.agent.episode import AgentParams, system_prompt
+from furlong.agent.runner import AgentRun, SandboxSource, environment, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.envs.base import Environment, Toolbox
-from furlong.model.chat import (
-    Message,
-    ToolCall,
-    assistant_ids,
-    continuation_ids,
-    render_prompt_ids,
-)
+from furlong.envs.prompts import PromptRow
+from furlong.eval.agents import AnswerAgent
+from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
 from furlong.model.toolcall import tool_format
 from furlong.tasks.model import Task
 
@@ -89,10 +86,40 @@ class DemoAgent:
         return AgentRun(commands=1)
 
 
-async def oracle_demo(task: Task, tokenizer, sandboxes: Environment | SandboxSource, params: AgentParams) -> Demo | None:
+def answer_tokens(tokenizer, row: PromptRow, answer: str, params: AgentParams) -> Demo:
+    """A prompt row's answer as the model's one turn, laid out as an episode of it: the prompt (the row's
+    system message or the run's, no tools), then the answer."""
+    prompt = render_prompt_ids(tokenizer, [Message("system", system_prompt(row, params)),
+                                           Message("user", row.instruction)])
+    turn = assistant_ids(tokenizer, Message("assistant", answer), tool_format(tokenizer, params.tool_format).turn_ends)
+    return Demo(task_id=row.id, tokens=(*prompt, *turn), loss_mask=(0,) * len(prompt) + (1,) * len(turn))
+
+
+def demonstrable(task: Task | PromptRow) -> bool:
+    """Whether SFT can have a demonstration of `task`: a prompt row only when it has an answer."""
+    return not isinstance(task, PromptRow) or task.answer is not None
+
+
+async def answer_demo(row: PromptRow, tokenizer, env: Environment, params: AgentParams) -> Demo | None:
+    """The row's reference answer, scored by the reward function through the one runner; None unless it
+    scores 1 (a demonstration must not teach an answer the reward disowns) or when the row has none."""
+    if row.answer is None:
+        return None
+    outcome = await run_outcome(row, AnswerAgent(), env)
+    if outcome.reward is None or outcome.reward < 1.0:
+        log.warning("sft: the answer of %s is not demonstrated: %s, reward %s%s", row.where, outcome.status,
+                    outcome.reward, f" ({outcome.error})" if outcome.error else "")
+        return None
+    return answer_tokens(tokenizer, row, row.answer, params)
+
+
+async def oracle_demo(task: Task | PromptRow, tokenizer, sandboxes: Environment | SandboxSource,
+                      params: AgentParams) -> Demo | None:
     """The solution replayed as an episode of the one runner (furlong.agent.runner). None when it does
     not pass (such a demo would teach a wrong answer), or when the sandbox failed every attempt: one
-    lost demonstration must not end the run."""
+    lost demonstration must not end the run. A prompt dataset's row: its answer (answer_demo)."""
+    if isinstance(task, PromptRow):
+        return await answer_demo(task, tokenizer, environment(sandboxes), params)
     for attempt in range(DEMO_ATTEMPTS):
         agent = DemoAgent(params)
         outcome = await run_outcome(task, agent, sandboxes)
@@ -107,11 +134,11 @@ async def oracle_demo(task: Task, tokenizer, sandboxes: Environment | SandboxSou
     return demo_tokens(tokenizer, task, agent.command, agent.observation, params, agent.schemas)
 
 
-async def oracle_demos(tasks: list[Task], tokenizer, sandboxes: Environment | SandboxSource, params: AgentParams,
-                       concurrency: int, on_done: Callable[[], None] = lambda: None) -> list[Demo]:
+async def oracle_demos(tasks: list[Task | PromptRow], tokenizer, sandboxes: Environment | SandboxSource,
+                       params: AgentParams, concurrency: int, on_done: Callable[[], None] = lambda: None) -> list[Demo]:
     slots = asyncio.Semaphore(concurrency)
 
-    async def one(task: Task) -> Demo | None:
+    async def one(task: Task | PromptRow) -> Demo | None:
         async with slots:
             demo = await oracle_demo(task, tokenizer, sandboxes, params)
         on_done()
