@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import secrets
 import time
 from collections import deque
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from furlong.sandbox.base import Sandbox
+
+log = logging.getLogger(__name__)
 
 
 class AtCapacity(Exception):
@@ -86,16 +89,24 @@ class Registry:
                 if now - e.created > self.lifetime_s or (not e.busy and now - e.last_used > self.idle_s)]
 
     async def reap(self) -> int:
-        gone = self.expired(time.monotonic())
-        for sid in gone:
-            await self.remove(sid)
-        self.reaped += len(gone)
-        return len(gone)
+        count = 0
+        for sid in self.expired(time.monotonic()):
+            entry = self.entries.pop(sid, None)
+            if entry is None:  # killed meanwhile
+                continue
+            # counted as it leaves the registry, not after its close: a caller seeing it gone sees it counted
+            self.reaped += 1
+            count += 1
+            await entry.box.close()
+        return count
 
     async def reap_forever(self, every_s: float) -> None:
         while True:
             await asyncio.sleep(every_s)
-            await self.reap()
+            try:
+                await self.reap()
+            except Exception:  # one sandbox failing to close must not end reaping for the host's lifetime
+                log.exception("reaping idle sandboxes failed; retrying in %.1fs", every_s)
 
     async def close_all(self) -> None:
         for sid in list(self.entries):
