@@ -32,11 +32,11 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
 
 
 def _names_read() -> set[str]:
-    """Attribute names loaded anywhere in the package outside config.py, and getattr's literal names.
+    """Attribute names loaded anywhere in the package outside furlong/config/, and getattr's literal names.
     Generic copies by field name (GRPOConfig.of, AgentParams.of) count through the target's own reads."""
     names: set[str] = set()
     for path in PACKAGE.rglob("*.py"):
-        if path == PACKAGE / "config.py":
+        if PACKAGE / "config" in path.parents:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):

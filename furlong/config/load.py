@@ -1,0 +1,75 @@
+"""The root node, and loading it: defaults, then a YAML recipe, then `key=value` overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from furlong.config.base import _Node
+from furlong.config.sandbox import (
+    EvalConfig,
+    ImagesConfig,
+    OpenEnvConfig,
+    SandboxConfig,
+)
+from furlong.config.train import TrainConfig
+
+
+class Config(_Node):
+    sandbox: SandboxConfig = Field(SandboxConfig(), description="sandboxes, for every command")
+    images: ImagesConfig = Field(ImagesConfig(), description="base images from registries")
+    eval: EvalConfig = Field(EvalConfig(), description="`furlong eval`")
+    openenv: OpenEnvConfig = Field(OpenEnvConfig(), description="the OpenEnv server of train.env.openenv "
+                                   "and eval.env=openenv")
+    train: TrainConfig = Field(TrainConfig(), description="`furlong train` and `furlong sft`")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+    node[leaf] = value
+
+
+def _value(key: str, raw: str) -> Any:
+    """An override's value, read as YAML (4, true, [a, b], null); empty is null."""
+    if not raw.strip():
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise ConfigError(f"override {key}={raw}: {problem} (values are YAML: 4, true, [a, b], null)") from None
+
+
+def load_config(recipe: Path | None = None, overrides: list[str] = ()) -> Config:
+    tree: dict = {}
+    if recipe is not None:
+        try:
+            tree = yaml.safe_load(Path(recipe).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"recipe {recipe}: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"recipe {recipe}: expected a mapping at the top level")
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. eval.concurrency=4")
+        _set(tree, key.strip(), _value(key.strip(), raw))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()]
+        where = f" in {recipe}" if recipe else ""
+        sep = " " if len(problems) == 1 else "\n  "  # one problem, one line
+        raise ConfigError(f"invalid config{where}:{sep}" + "\n  ".join(problems)) from None

@@ -1,0 +1,138 @@
+"""`train`: the run's roles, families and the checks that span its nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from furlong.config.base import BUNDLED_TASKS, _Node
+from furlong.config.engines import HFEngineConfig, RayConfig, SGLangConfig, SyncConfig
+from furlong.config.env import (
+    EnvConfig,
+    LogConfig,
+    TrainEvalConfig,
+)
+from furlong.config.policy import (
+    DEFAULT_FAMILIES,
+    AgentConfig,
+    FSDP2Config,
+    LoraConfig,
+    ModelConfig,
+    RLConfig,
+    SFTConfig,
+)
+
+
+class TrainConfig(_Node):
+    tasks: Path = Field(BUNDLED_TASKS, description="the directory that holds train.families")
+    families: tuple[str, ...] = Field(DEFAULT_FAMILIES, description="task families (directories under "
+                                      "train.tasks) that SFT, RL and the held-out evals use")
+    run_dir: Path | None = Field(None, description="null: runs/<date-time>")
+    seed: int = Field(0, description="the run's seed: group order, minibatch shuffles, SFT order, LoRA init")
+    engine: Literal["hf", "vllm", "sglang"] = Field(
+        "hf", description="hf (in-process); vllm: rollouts and evals (the vllm extra; furlong.engine.vllm); "
+                          "sglang: RL rollouts on an SGLang server, evals stay on hf (train.sglang)")
+    sglang: SGLangConfig = Field(SGLangConfig(), description="train.engine=sglang: the server")
+    cluster: Literal["local", "ray"] = Field(
+        "local", description="local: every role in this process (or engine processes, train.sync.engine); "
+                             "ray: the RL trainer and engines as Ray actors (train.ray; their count is "
+                             "train.ray.engines, train.sync.engine and servers are not used)")
+    ray: RayConfig = Field(RayConfig(), description="train.cluster=ray: the cluster, its placement and resources")
+    torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "
+                                           "(and its KL reference)")
+    trainer: Literal["local", "fsdp2"] = Field("local", description="local: the policy in this process; fsdp2: "
+                                               "sharded over train.fsdp2.world_size rank processes")
+    fsdp2: FSDP2Config = Field(FSDP2Config(), description="train.trainer=fsdp2: its ranks")
+    model: ModelConfig = Field(ModelConfig(), description="the starting checkpoint")
+    agent: AgentConfig = Field(AgentConfig(), description="the agent loop's limits and prompt")
+    sft: SFTConfig = Field(SFTConfig(), description="the SFT warm-start")
+    rl: RLConfig = Field(RLConfig(), description="GRPO")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters")
+    sync: SyncConfig = Field(SyncConfig(), description="weight sync to the rollout engine")
+    hf: HFEngineConfig = Field(HFEngineConfig(), description="the in-process hf engine")
+    eval: TrainEvalConfig = Field(TrainEvalConfig(), description="the held-out evals before and after RL")
+    env: EnvConfig = Field(EnvConfig(), description="your own environment, tools and reward functions")
+    log: LogConfig = Field(LogConfig(), description="metrics beside metrics.jsonl and TensorBoard")
+
+    @model_validator(mode="after")
+    def _vllm_engine_supports(self) -> TrainConfig:
+        if self.engine == "vllm" and self.sync.engine == "server":
+            raise ValueError("train.engine=vllm runs vLLM's own engine process: set train.sync.engine=inprocess "
+                             "(sync.engine=server is the hf engine server)")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_cluster_supports(self) -> TrainConfig:
+        if self.cluster == "ray" and self.engine != "hf":
+            raise ValueError(f"train.cluster=ray runs the hf engine server in Ray actors: set train.engine=hf "
+                             f"(got {self.engine!r})")
+        if self.cluster == "ray" and (self.device == "cuda") != (self.ray.trainer_gpus > 0):
+            raise ValueError(f"train.cluster=ray: train.device={self.device} needs train.ray.trainer_gpus "
+                             f"{'> 0 (the trainer actor must hold a GPU)' if self.device == 'cuda' else '= 0'} "
+                             f"(got {self.ray.trainer_gpus:g})")
+        if self.cluster == "ray" and self.sync.transport == "broadcast":
+            raise ValueError("train.cluster=ray: engine actors take updates from files or HTTP (train.sync.transport"
+                             "=directory or http); the broadcast transport is for train.sync.engine=server")
+        return self
+
+    @model_validator(mode="after")
+    def _family_subsets_known(self) -> TrainConfig:
+        # the default's demonstrated/reward-only split is about the default's families: a recipe that picks
+        # its own families demonstrates them all, and RL draws from them all, unless it says otherwise
+        own = "families" in self.model_fields_set
+        if self.env.family() is not None:
+            self._own_env_families(own)
+            own = True
+        if own and "families" not in self.sft.model_fields_set:
+            object.__setattr__(self, "sft", self.sft.model_copy(update={"families": None}))
+        if (own or "families" in self.sft.model_fields_set) and "families" not in self.rl.model_fields_set:
+            object.__setattr__(self, "rl", self.rl.model_copy(update={"families": None}))
+        for key, chosen in (("sft", self.sft.families), ("rl", self.rl.families)):
+            unknown = [f for f in chosen or () if f not in self.families]
+            if unknown:
+                raise ValueError(f"train.{key}.families: {unknown} not in train.families {list(self.families)}")
+        return self
+
+    def _own_env_families(self, own: bool) -> None:
+        """A Python environment or a prompt dataset is the run's one family. Without demonstrations (a Python
+        environment, a dataset without answer_field) there is no SFT (train.sft.families empty,
+        train.sft.epochs 0) and no demonstration anchor (train.rl.sft_coef 0)."""
+        family, key = self.env.family(), "train.env.python" if self.env.python else "train.env.prompts"
+        if own and self.families != (family,):
+            raise ValueError(f"train.families: with {key} the run's one family is {family!r}; drop train.families")
+        object.__setattr__(self, "families", (family,))
+        if self.env.demonstrable():
+            return
+        what = ("a Python environment has no oracle demonstrations" if self.env.python else
+                "the prompt dataset has no answers to demonstrate (train.env.prompts.answer_field)")
+        for name, value in (("families", self.sft.families), ("epochs", self.sft.epochs)):
+            if name in self.sft.model_fields_set and value:
+                raise ValueError(f"train.sft.{name}: {what}; drop it")
+        if "sft_coef" in self.rl.model_fields_set and self.rl.sft_coef > 0:
+            raise ValueError(f"train.rl.sft_coef: {what} for RL's anchor; drop it (it is 0 here)")
+        object.__setattr__(self, "rl", self.rl.model_copy(update={"sft_coef": 0.0}))
+        object.__setattr__(self, "sft", self.sft.model_copy(update={"families": (), "epochs": 0}))
+
+    @model_validator(mode="after")
+    def _openenv_has_no_demos(self) -> TrainConfig:
+        if self.env.openenv and (self.sft.epochs or self.rl.sft_coef):
+            raise ValueError("train.env.openenv: an OpenEnv server has no oracle solutions to demonstrate; set "
+                             "train.sft.epochs=0 and train.rl.sft_coef=0 (start from a trained train.model.path)")
+        if self.env.openenv and "families" not in self.rl.model_fields_set:  # the default's are Harbor's
+            object.__setattr__(self, "rl", self.rl.model_copy(update={"families": None}))
+        return self
+
+    def demonstrated(self) -> tuple[str, ...]:
+        """The families SFT shows demonstrations of (none on an OpenEnv server)."""
+        if self.env.openenv:
+            return ()
+        return self.families if self.sft.families is None else self.sft.families
+
+    def reward_only(self) -> tuple[str, ...]:
+        """The Harbor families RL learns from reward alone: no demonstration of them is ever shown."""
+        if self.env.openenv:
+            return ()  # the server's families are known only once it answers
+        return tuple(f for f in self.families if f not in self.demonstrated())
