@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from furlong import config_doc
-from furlong.cli import _parser
+from furlong.cli.parser import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -106,12 +106,12 @@ def test_every_cited_result_json_is_committed():
 
 def test_readme_command_table_has_every_subcommand():
     cells = _command_cells()
-    missing = [cmd for cmd in _subparsers(_parser()) if not any(c.startswith(cmd) for c in cells)]
+    missing = [cmd for cmd in _subparsers(build_parser()) if not any(c.startswith(cmd) for c in cells)]
     assert not missing, f"README.md's command table lacks: {missing}"
 
 
 def test_readme_command_table_names_only_real_flags():
-    commands = _subparsers(_parser())
+    commands = _subparsers(build_parser())
     wrong = []
     for cell in _command_cells():
         name = max((c for c in commands if cell.startswith(c)), key=len, default=None)

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "furlong"
 
-# Function-level imports of furlong modules allowed outside cli.py (whose lazy imports keep `--help` fast).
+# Function-level imports of furlong modules allowed outside furlong/cli/ (whose lazy imports keep `--help` fast).
 # Each defers a heavy third-party import that only one path needs; a cycle is never a reason (the contracts
 # see function-level imports too): move the shared piece down instead.
 LAZY_ALLOWED = {
@@ -74,7 +74,7 @@ def test_no_function_level_imports_of_furlong_modules_outside_the_allow_list() -
     used: set[str] = set()
     hidden = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "cli.py":
+        if PACKAGE / "cli" in path.parents:
             continue
         for line, module in function_level_imports(path):
             if module in LAZY_ALLOWED:

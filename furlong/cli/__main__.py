@@ -1,0 +1,5 @@
+import sys
+
+from furlong.cli.main import main
+
+sys.exit(main())
