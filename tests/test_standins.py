@@ -27,6 +27,9 @@ from furlong.sandbox.standin_recipes import FAMILIES
     ("python:3", "python", "bookworm", True, "(Python 3.11.2, Debian bookworm's python3"),
     ("gcc:12.2.0-bookworm", "gcc-12", "bookworm", True, "(gcc 12.2.0, Debian bookworm's gcc"),
     ("gcc:13", "gcc-14", "trixie", False, "the tag asks for gcc 13 (nearest: Debian trixie's 14)"),
+    # no gcc 13 anywhere: the tag's own Debian release (its apt pins are bookworm's), not trixie's gcc 14
+    ("gcc:13.3.0-bookworm", "gcc-12", "bookworm", False, "the tag asks for gcc 13.3.0 (nearest: Debian bookworm's 12)"),
+    ("python:3.12-slim-bookworm", "python", "bookworm", False, "asks for Python 3.12 (nearest: Debian bookworm's 3.11)"),
     ("golang:1.22-bookworm", "golang-1.22", "bookworm", True, "bookworm-backports's golang-1.22-go"),
     ("golang:1.24.4", "golang-1.24", "trixie", True, "Go 1.24.4"),
     ("node:18-bookworm-slim", "node-18", "bookworm", True, "no yarn or corepack"),

@@ -108,7 +108,8 @@ def resolve(ref: str) -> BaseChoice | None:
 
 def _versioned(ref: str, tag: str, family: Family, differences: tuple[str, ...]) -> BaseChoice | None:
     """REPO:[VERSION][-variant...][-distro] of a versioned family, or None for a variant it does not have
-    (alpine, windowsservercore...)."""
+    (alpine, windowsservercore...). A release that matches wins wherever it is; otherwise the nearest, on the
+    Debian release the tag names when there is an offer on it."""
     words = tag.split("-") if tag else []
     version = words.pop(0) if words and family.version.fullmatch(words[0]) else ""
     distro = ""
@@ -119,6 +120,11 @@ def _versioned(ref: str, tag: str, family: Family, differences: tuple[str, ...])
             return None
     version = "" if version == "latest" else version
     standin, exact = pick(family, version)
+    on_distro = [o for o in family.offers if o.suite == distro]
+    if not exact and on_distro:
+        # no release matches: a tag naming its Debian release keeps it (its apt pins name that release's
+        # packages), the nearest version Debian ships there
+        standin, exact = pick(Family(family.label, tuple(on_distro), family.version), version)
     exact = exact and bool(version or not family.exact_only)  # Go's "latest" is no release Debian names
     notes = list(differences)
     wanted = distro or family.home
