@@ -4,11 +4,13 @@ routing (the subset stays native). Heredoc conversion is also checked on its own
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -121,7 +123,7 @@ def test_full_dockerfile_builds_with_buildah_and_runs_in_a_sandbox(store: ImageS
     ref = run(store.image(path, backend, log.append))
     meta = json.loads((store.root / ref.digest / "meta.json").read_text())
     assert meta["builder"] == "buildah" and meta["labels"]["org.example.task"] == "buildah test"
-    assert len(ref.layers) == 1 and ref.workdir == "/app" and ("APP_MODE", "test") in ref.env
+    assert len(ref.layers) == 3 and ref.workdir == "/app" and ("APP_MODE", "test") in ref.env  # over the stand-in
     assert ref.user == "runner" and "python stand-in" in ref.note
     assert any("built by buildah" in line for line in log)
 
@@ -286,3 +288,98 @@ def test_a_native_build_ending_in_workdir_makes_its_directory(store: ImageStore,
             await box.close()
 
     assert run(go()).stdout.strip() == "/app/deep"
+
+
+LAYERED = """\
+FROM python:3.11-slim AS build
+RUN echo built > /built.txt && rm /etc/debian_version && ln /built.txt /built-link.txt
+
+FROM build
+COPY --from=build /built.txt /opt/copied.txt
+RUN chmod 700 /etc/issue && useradd --uid 1234 keeper && chown keeper:keeper /etc/motd && \\
+    echo changed > /etc/issue.net && ln -s /opt/copied.txt /etc/to-copied && rm -rf /usr/share/doc/bash && \\
+    ln /etc/issue.net /etc/issue.net-link
+WORKDIR /srv/app
+"""
+
+
+def _du(*dirs: Path) -> int:
+    """Bytes on disk under `dirs`, each inode once."""
+    seen, total = set(), 0
+    for top in dirs:
+        for dirpath, dirnames, filenames in os.walk(top):
+            for name in [".", *dirnames, *filenames]:
+                st = os.lstat(os.path.join(dirpath, name))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+    return total
+
+
+def _tree(layers: list[Path]) -> dict[str, tuple]:
+    """What an overlay of `layers` shows: each path's type, mode, owner and content (or target)."""
+    from furlong.sandbox.flatten import merged
+
+    out = {}
+    for rel, path, st in merged(layers):
+        what = os.readlink(path) if os.path.islink(path) else (
+            hashlib.sha256(Path(path).read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else "")
+        out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode) if not os.path.islink(path) else 0,
+                    st.st_uid, st.st_gid, what)
+    return out
+
+
+@needs_buildah
+def test_a_buildah_image_stores_only_the_layer_above_its_base(store: ImageStore, backend, tmp_path: Path):
+    """The final stage (a chain: FROM build, itself FROM python:3.11-slim) is stored as one small layer
+    over the stand-in's layers; the image's tree is exactly the one a whole export of it gives."""
+    ref = run(store.image(_task(tmp_path, LAYERED), backend))
+    parent = run(store.parent("python:3.11-slim", backend, lambda _: None))
+    meta = json.loads((store.root / ref.digest / "meta.json").read_text())
+    assert ref.layers[1:] == parent.layers and meta["stored"].startswith(f"above {parent.digest}: ")
+    upper = store.root / ref.layers[0].path
+    below = [store.root / layer.path for layer in parent.layers]
+    assert _du(upper) < min(_du(*below) // 20, 4 << 20), (_du(upper), _du(*below))
+    gone = os.lstat(upper / "etc/debian_version")  # a deletion: an overlay whiteout, as native layers hold
+    assert stat.S_ISCHR(gone.st_mode) and gone.st_rdev == 0
+    assert not (upper / "usr/bin").exists()  # nothing the base has as it is
+
+    whole = tmp_path / "whole"  # the same image exported whole, as every buildah image was stored before
+    whole.mkdir()
+    Buildah(store.root.parent / "buildah").export(f"localhost/furlong/{ref.digest}", whole, "whole", store.egress,
+                                                  workdir=ref.workdir)
+    assert _tree([upper, *below]) == _tree([whole])
+
+    async def check():
+        box = await backend.create(spec(ref))
+        try:
+            return await box.exec("pwd; cat /built.txt /opt/copied.txt /etc/issue.net; readlink /etc/to-copied; "
+                                  "test -e /etc/debian_version || echo deleted; test -e /usr/share/doc/bash || "
+                                  "echo doc-deleted; stat -c '%a %u %U' /etc/issue /etc/motd; "
+                                  "stat -c %h /built-link.txt /etc/issue.net-link; python3 -c 'print(6*7)'",
+                                  cwd=ref.workdir)
+        finally:
+            await box.close()
+
+    res = run(check())
+    assert res.ok, res.stderr
+    owner = ["1234 keeper"] if os.geteuid() == 0 else ["0 root"]  # as a user every file is root's
+    assert res.stdout.splitlines() == ["/srv/app", "built", "built", "changed", "/opt/copied.txt", "deleted",
+                                       "doc-deleted", "700 0 root", f"644 {owner[0]}", "2", "2", "42"]
+
+
+@needs_buildah
+def test_a_final_stage_from_scratch_is_stored_whole(store: ImageStore, backend, tmp_path: Path):
+    text = "FROM furlong/base AS root\nRUN echo made > /made.txt\n\nFROM scratch\nCOPY --from=root / /\n"
+    ref = run(store.image(_task(tmp_path, text), backend))
+    meta = json.loads((store.root / ref.digest / "meta.json").read_text())
+    assert len(ref.layers) == 1 and meta["below"] == [] and "FROM scratch" in meta["stored"]
+
+    async def check():
+        box = await backend.create(spec(ref))
+        try:
+            return await box.exec("cat /made.txt; python3 -c 'print(6*7)'")
+        finally:
+            await box.close()
+
+    assert run(check()).stdout.split() == ["made", "42"]

@@ -9,12 +9,19 @@ built by buildah (Debian's 1.28: daemonless, no service to run) and unpacked int
 2. `buildah bud --isolation chroot --layers --pull=never` with storage under furlong's cache (never the
    system's /var/lib/containers); buildah itself never reaches a registry.
 3. The image's tree is read through `buildah mount` (inside `buildah unshare` as a user) and unpacked by
-   layertar's checked writer into `<store>/buildah-<key>/rootfs`: one layer, owned and viewed like an
-   import. Its config gives the env, workdir and user (the final stage's last USER, resolved to ids in the
-   sandbox by users.py). As root, files keep their owners (a RUN's `chown worker /data`); as an ordinary
-   user every one is root's in the sandbox (layertar.py says why).
+   layerdiff's writer (layertar's checked one) into `<store>/buildah-<key>/upper`, keeping only what
+   differs from the final stage's base: the image furlong resolved for its FROM (through stage names:
+   `FROM builder` is built on builder's base). The image is that one layer (new and changed entries,
+   whiteouts for deletions: an overlay upper directory like a native build's) over the base's layers, so
+   a few files added to a python stand-in store kilobytes, not the whole tree again (docs/images.md
+   measures it). A final stage FROM scratch has no base: its whole tree is the layer, as every buildah
+   image was stored before (meta.json's `stored` says which). Its config gives the env, workdir (made in
+   the image where buildah did not) and user (the final stage's last USER, resolved to ids in the sandbox
+   by users.py). As root, files keep their owners (a RUN's `chown worker /data`); as an ordinary user
+   every one is root's in the sandbox (layertar.py says why).
 The image is cached by a hash of the rewritten Dockerfile (the resolved images' keys are in it) and of
-the whole build context's content.
+the whole build context's content; meta.json names the base's layers, and a base rebuilt since (a
+deleted cache: same key, other files) makes the image be built again rather than stacked on it.
 """
 
 from __future__ import annotations
@@ -36,18 +43,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from furlong.sandbox import heredoc, netns
-from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef, SandboxError
+from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef, LayerRef, SandboxError
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.dockerfile import DockerfileError
 from furlong.sandbox.egress import Egress
 from furlong.sandbox.flatten import flatten_to_tar
-from furlong.sandbox.layertar import LayerWriter, UnpackError, apply_tar_output, make_dir_in_root
+from furlong.sandbox.layerdiff import DiffWriter
+from furlong.sandbox.layertar import UnpackError, apply_tar_output
 from furlong.sandbox.registry import RegistryError
 
 if TYPE_CHECKING:
     from furlong.sandbox.images import ImageStore  # it calls image() below for Dockerfiles it cannot build
 
-FORMAT = "4"  # bump when the export, the key or the meta changes (3: owners kept as root; 4: WORKDIR made)
+FORMAT = "5"  # bump when the export, the key or the meta changes (3: owners kept as root; 4: WORKDIR made;
+# 5: only the layer above the final stage's base stored)
 _STEP = re.compile(r"^(?:\[(\d+)/\d+\] )?STEP (\d+)/\d+: (\S+)")
 _ARG_REF = re.compile(r"\$(?:\{(\w+)(?::-([^}]*))?\}|(\w+))")
 _NOISE = ("Close_Fd sealing memfd copy",)  # buildah 1.28 prints this on every RUN; it means nothing
@@ -60,6 +69,7 @@ class Plan:
     lines: list[str]
     stages: list[list[int]] = field(default_factory=list)  # per stage, each step's line (1-based, FROM first)
     notes: list[str] = field(default_factory=list)  # what the resolved bases really are
+    below: ImageRef | None = None  # the image the final stage builds on; None: FROM scratch
 
     @property
     def text(self) -> str:
@@ -191,31 +201,40 @@ class Buildah:
     def config(self, tag: str) -> dict:
         return json.loads(self.run("inspect", "--type", "image", tag)).get("OCIv1", {}).get("config") or {}
 
-    def export(self, tag: str, rootfs: Path, label: str, egress: Egress | None = None) -> int:
-        """Unpacks the image's tree into `rootfs` (as this uid's files); the device nodes left out, and the
-        mount point buildah made in it for `egress`'s directory."""
+    def export(self, tag: str, rootfs: Path, label: str, egress: Egress | None = None, below: tuple[Path, ...] = (),
+               workdir: str = "/") -> DiffWriter:
+        """Unpacks the image's tree into `rootfs` (as this uid's files), less what the layers `below` (top
+        first) already show; the device nodes left out, and the mount point buildah made in it for
+        `egress`'s directory. `workdir` is made as Docker's WORKDIR does (buildah only made it if a RUN
+        used it)."""
+        writer = DiffWriter(rootfs, label, below)
         ctr = self.run("from", "--pull=never", "--quiet", tag).strip()
         try:  # mounted and read in one namespace: root's own (buildah unshare refuses root), else the user's
             script = 'set -e; m=$("$@" mount "$0"); exec tar -C "$m" --numeric-owner -cf - .'
             inside = _PRIVATE_MOUNTS if os.geteuid() == 0 else self._buildah("unshare")
-            skipped = _untar([*inside, "sh", "-c", script, ctr, *self._buildah()], rootfs, label, self.env())
+            _untar([*inside, "sh", "-c", script, ctr, *self._buildah()], writer, label, self.env())
         finally:
             subprocess.run(self.argv("rm", ctr), capture_output=True, env=self.env())  # its mount went with sh
         if egress:
             egress.remove_mount_point(rootfs)
-        return skipped
+        try:
+            writer.make_dir(workdir)
+        except (UnpackError, OSError) as exc:
+            raise ImageBuildError(f"{label}: WORKDIR {workdir}: {exc}") from None
+        try:
+            writer.finish()
+        except OSError as exc:
+            raise ImageBuildError(f"{label}: storing the built image's layer failed: {exc}") from None
+        return writer
 
 
-def _untar(source: list[str], rootfs: Path, label: str, env: dict[str, str]) -> int:
-    writer = LayerWriter(rootfs, label)
+def _untar(source: list[str], writer: DiffWriter, label: str, env: dict[str, str]) -> None:
     try:
         code, err = apply_tar_output(source, writer, env)
-        writer.finish()
     except (UnpackError, tarfile.TarError) as exc:
         raise ImageBuildError(f"{label}: unpacking the built image failed: {exc}") from None
     if code not in (0, 1):  # 1: a file changed while read, as GNU tar reports it
         raise ImageBuildError(f"{label}: reading the built image failed: {err.strip()[-300:]}")
-    return writer.skipped
 
 
 # -- planning: the Dockerfile rewritten for buildah --------------------------------------------------
@@ -227,17 +246,21 @@ async def plan(store: ImageStore, bh: Buildah, dockerfile: Path, backend, progre
         raise DockerfileError(dockerfile, 0, f"cannot read: {exc}") from exc
     out = Plan(heredoc.convert(dockerfile, text).splitlines())
     global_args: dict[str, str] = {}
-    stage_names: set[str] = set()
+    stage_bases: dict[str, ImageRef | None] = {}  # a stage's name -> the image its chain of FROMs starts on
     for step in list(heredoc.instructions(out.lines)):
         line = step.first + 1
         if step.op == "FROM":
             image, alias = _from_parts(dockerfile, line, step.args, global_args)
             out.stages.append([line])
-            if image.lower() not in stage_names and image != "scratch":
-                image = await _local(store, bh, dockerfile, line, image, backend, progress, out)
+            if image.lower() in stage_bases:
+                out.below = stage_bases[image.lower()]
+            elif image == "scratch":
+                out.below = None
+            else:
+                image, out.below = await _local(store, bh, dockerfile, line, image, backend, progress, out)
             _replace(out.lines, step, f"FROM {image}" + (f" AS {alias}" if alias else ""))
             if alias:
-                stage_names.add(alias.lower())
+                stage_bases[alias.lower()] = out.below
         elif not out.stages:
             if step.op != "ARG":
                 raise DockerfileError(dockerfile, line, "the first instruction must be FROM (or ARG)")
@@ -248,8 +271,9 @@ async def plan(store: ImageStore, bh: Buildah, dockerfile: Path, backend, progre
                 words = shlex.split(step.args, posix=False)
                 for n, word in enumerate(words):
                     source = word[len("--from="):] if word.startswith("--from=") else None
-                    if source and source.lower() not in stage_names and not source.isdigit():
-                        words[n] = "--from=" + await _local(store, bh, dockerfile, line, source, backend, progress, out)
+                    if source and source.lower() not in stage_bases and not source.isdigit():
+                        name, _ = await _local(store, bh, dockerfile, line, source, backend, progress, out)
+                        words[n] = "--from=" + name
                 _replace(out.lines, step, f"{step.op} {' '.join(words)}")
     if not out.stages:
         raise DockerfileError(dockerfile, 1, "no FROM instruction")
@@ -286,8 +310,8 @@ def _replace(lines: list[str], step: heredoc.Logical, text: str) -> None:
 
 
 async def _local(store: ImageStore, bh: Buildah, dockerfile: Path, line: int, ref: str, backend,
-                 progress: Progress, out: Plan) -> str:
-    """The buildah name of the image furlong resolves `ref` to (made once)."""
+                 progress: Progress, out: Plan) -> tuple[str, ImageRef]:
+    """The buildah name of the image furlong resolves `ref` to (made once), and that image."""
     try:
         resolved = await store.parent(ref, backend, progress)
     except RegistryError as exc:  # its message names the reference
@@ -298,7 +322,7 @@ async def _local(store: ImageStore, bh: Buildah, dockerfile: Path, line: int, re
         out.notes.append(resolved.note)
     progress(f"{ref}: as buildah image localhost/furlong/{resolved.digest}")
     dirs = tuple(store.root / layer.path for layer in resolved.layers)
-    return await asyncio.to_thread(bh.import_ref, resolved, dirs, store.egress)
+    return await asyncio.to_thread(bh.import_ref, resolved, dirs, store.egress), resolved
 
 
 # -- building and storing --------------------------------------------------------------------------
@@ -328,19 +352,41 @@ async def image(store: ImageStore, dockerfile: Path, backend, progress: Progress
                             *store.egress_parts())
     final = store.root / key
     async with store._locks.setdefault(key, asyncio.Lock()):
-        if not (final / "meta.json").exists():
+        if not await asyncio.to_thread(_stored, store, final, planned):
             await asyncio.to_thread(_build, store, bh, dockerfile, planned, key, progress)
     meta = json.loads((final / "meta.json").read_text())
-    ref = ImageRef(digest=key, layers=(store.layer(key, final / "rootfs"),), env=tuple(tuple(p) for p in meta["env"]),
-                   workdir=meta["workdir"], user=meta["user"], note=meta["note"])
+    below = tuple(LayerRef(digest=layer["digest"], path=layer["path"]) for layer in meta["below"])
+    ref = ImageRef(digest=key, layers=(store.layer(key, final / "upper"), *below),
+                   env=tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"], user=meta["user"],
+                   note=meta["note"])
     await asyncio.to_thread(store.check_user, ref, str(dockerfile))
     return ref
+
+
+def _below(store: ImageStore, planned: Plan) -> list[dict]:
+    """The final stage's base layers (top first), each with a stamp of its directory: a base deleted and
+    built again keeps its key and path but not its files, and the layer above it would no longer fit."""
+    layers = planned.below.layers if planned.below else ()
+    found = []
+    for layer in layers:
+        st = os.stat(store.root / layer.path)
+        found.append({"digest": layer.digest, "path": layer.path, "stamp": f"{st.st_ino}:{st.st_ctime_ns}"})
+    return found
+
+
+def _stored(store: ImageStore, final: Path, planned: Plan) -> bool:
+    """Whether the image is in the store, over the very base layers it was stored above."""
+    try:
+        meta = json.loads((final / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("below") == _below(store, planned)
 
 
 def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key: str, progress: Progress) -> None:
     final = store.root / key
     with _locked(store.root / f".{key}.lock"):
-        if (final / "meta.json").exists():  # another process built it meanwhile
+        if _stored(store, final, planned):  # another process built it meanwhile
             return
         started = time.monotonic()
         temp = bh.home / "tmp" / f"{key}.{os.getpid()}.Dockerfile"
@@ -355,9 +401,9 @@ def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key:
         built = time.monotonic() - started
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         _rmtree(tmp)
-        (tmp / "rootfs").mkdir(parents=True)
+        (tmp / "upper").mkdir(parents=True)
         try:
-            _store(bh, dockerfile, planned, key, tmp, progress, built, started, store.egress)
+            _store(store, bh, dockerfile, planned, key, tmp, progress, built, started)
         except BaseException:
             _rmtree(tmp)  # a failed export leaves nothing behind
             raise
@@ -365,24 +411,25 @@ def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key:
         tmp.rename(final)
 
 
-def _store(bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path, progress: Progress,
-           built: float, started: float, egress: Egress | None) -> None:
-    """Exports the built image into tmp/rootfs and writes its meta (without the ENV `egress` lent it)."""
+def _store(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path,
+           progress: Progress, built: float, started: float) -> None:
+    """Exports the built image into tmp/upper, above its base, and writes its meta (without the ENV the
+    store's egress lent it)."""
     progress(f"{dockerfile}: unpacking the built image into the store")
-    skipped = bh.export(f"localhost/furlong/{key}", tmp / "rootfs", str(dockerfile), egress)
-    if not any(os.path.lexists(tmp / "rootfs" / p) for p in ("bin/bash", "usr/bin/bash")):
+    config = bh.config(f"localhost/furlong/{key}")
+    workdir, egress, below = config.get("WorkingDir") or "/", store.egress, _below(store, planned)
+    writer = bh.export(f"localhost/furlong/{key}", tmp / "upper", str(dockerfile), egress,
+                       tuple(store.root / layer["path"] for layer in below), workdir)
+    if not {"bin/bash", "usr/bin/bash"} & writer.seen.keys():
         raise ImageBuildError(f"{dockerfile}: the built image has no /bin/bash, which furlong's sandbox runs "
                               f"commands with")
-    config = bh.config(f"localhost/furlong/{key}")
-    try:  # a final stage ending in WORKDIR: buildah made no directory (no RUN used it), Docker does
-        make_dir_in_root(tmp / "rootfs", config.get("WorkingDir") or "/")
-    except (UnpackError, OSError) as exc:
-        raise ImageBuildError(f"{dockerfile}: WORKDIR {config.get('WorkingDir')}: {exc}") from None
+    stored = (f"above {planned.below.digest}: {writer.same} entries the same there left out, "
+              f"{writer.whiteouts} deleted" if planned.below else "the whole tree: the final stage is FROM scratch")
     meta = {"dockerfile": str(dockerfile), "builder": "buildah", "key": key,
             "env": [e.split("=", 1) for e in config.get("Env") or []
                     if "=" in e and tuple(e.split("=", 1)) not in (egress.env if egress else ())],
-            "workdir": config.get("WorkingDir") or "/", "user": str(config.get("User") or ""),
-            "labels": config.get("Labels") or {}, "note": "; ".join(planned.notes), "skipped_devices": skipped,
+            "workdir": workdir, "user": str(config.get("User") or ""), "labels": config.get("Labels") or {},
+            "note": "; ".join(planned.notes), "below": below, "stored": stored, "skipped_devices": writer.skipped,
             "build_seconds": round(built, 2), "seconds": round(time.monotonic() - started, 1),
             **({"egress": egress.settings} if egress else {})}
     (tmp / "meta.json").write_text(json.dumps(meta))

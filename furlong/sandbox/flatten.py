@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import stat
 import tarfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from furlong.sandbox.layertar import inside_id
@@ -56,40 +57,47 @@ def _as_stored(info: tarfile.TarInfo) -> tarfile.TarInfo:
     return info
 
 
-def flatten_to_tar(layers: tuple[Path, ...], out: Path) -> None:
-    """Writes the merged tree of `layers` (top first) to the tar `out`."""
-    owned = _as_stored if os.geteuid() == 0 else root_owned
+def merged(layers: Sequence[Path]) -> Iterator[tuple[str, str, os.stat_result]]:
+    """What an overlay of `layers` (top first) shows: (path inside, host path, lstat) for each entry,
+    a directory before what it holds; whiteouts, and what they or an opaque directory hide, left out."""
     seen: dict[str, bool] = {}  # path -> is a directory, from the highest layer that has it
     whiteouts: set[str] = set()
     opaque: set[str] = set()
-    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        for layer in layers:
-            new_whiteouts, new_opaque = set(), set()
-            for dirpath, dirnames, filenames in os.walk(layer):
-                rel_dir = os.path.relpath(dirpath, layer)
-                keep = []
-                for name in sorted(dirnames) + sorted(filenames):
-                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                    path = os.path.join(dirpath, name)
-                    is_dir = name in dirnames and not os.path.islink(path)
-                    if _hidden(rel, whiteouts, opaque):
-                        continue
-                    if rel in seen:  # a higher layer has it: descend only where both are directories
-                        if is_dir and seen[rel]:
-                            keep.append(name)
-                        continue
-                    st = os.lstat(path)
-                    if is_whiteout(st):
-                        new_whiteouts.add(rel)
-                        continue
-                    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-                        continue  # device nodes: bwrap gives every sandbox its own /dev
-                    seen[rel] = is_dir
-                    tar.add(path, arcname=rel, recursive=False, filter=owned)
-                    if is_dir:
+    for layer in layers:
+        new_whiteouts, new_opaque = set(), set()
+        for dirpath, dirnames, filenames in os.walk(layer):
+            rel_dir = os.path.relpath(dirpath, layer)
+            keep = []
+            for name in sorted(dirnames) + sorted(filenames):
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                path = os.path.join(dirpath, name)
+                is_dir = name in dirnames and not os.path.islink(path)
+                if _hidden(rel, whiteouts, opaque):
+                    continue
+                if rel in seen:  # a higher layer has it: descend only where both are directories
+                    if is_dir and seen[rel]:
                         keep.append(name)
-                        if is_opaque(path):
-                            new_opaque.add(rel)
-                dirnames[:] = [d for d in dirnames if d in keep]
-            whiteouts |= new_whiteouts
-            opaque |= new_opaque
+                    continue
+                st = os.lstat(path)
+                if is_whiteout(st):
+                    new_whiteouts.add(rel)
+                    continue
+                seen[rel] = is_dir
+                yield rel, path, st
+                if is_dir:
+                    keep.append(name)
+                    if is_opaque(path):
+                        new_opaque.add(rel)
+            dirnames[:] = [d for d in dirnames if d in keep]
+        whiteouts |= new_whiteouts
+        opaque |= new_opaque
+
+
+def flatten_to_tar(layers: tuple[Path, ...], out: Path) -> None:
+    """Writes the merged tree of `layers` (top first) to the tar `out`; device nodes left out (bwrap
+    gives every sandbox its own /dev)."""
+    owned = _as_stored if os.geteuid() == 0 else root_owned
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for rel, path, st in merged(layers):
+            if not (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+                tar.add(path, arcname=rel, recursive=False, filter=owned)

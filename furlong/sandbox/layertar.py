@@ -21,6 +21,7 @@ import stat
 import subprocess
 import tarfile
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 from furlong.sandbox.idmap import COUNT, RESERVED_UIDS
 
@@ -127,7 +128,7 @@ class LayerWriter:
         if member.ischr() or member.isblk():
             self.skipped += 1
             return
-        dst = self._walk(parts[:-1], member.name, create=True) / parts[-1]
+        dst = self._place(parts, member)
         if member.isdir():
             if not (dst.is_dir() and not dst.is_symlink()):
                 self._remove(dst)
@@ -137,8 +138,7 @@ class LayerWriter:
             return
         self._remove(dst)
         if member.isreg():
-            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as out, tar.extractfile(member) as src:
+            with self._create(dst) as out, tar.extractfile(member) as src:
                 shutil.copyfileobj(src, out, 1 << 20)
         elif member.issym():
             os.symlink(member.linkname, dst)
@@ -148,6 +148,20 @@ class LayerWriter:
             os.mkfifo(dst)
         else:
             raise UnpackError(f"{self.label}: member {member.name!r} has an unsupported type {member.type!r}")
+        self._settle(dst, member)
+
+    def _place(self, parts: list[str], member: tarfile.TarInfo) -> Path:
+        """Where a member goes: its parents checked (and made where the tar left them out)."""
+        return self._walk(parts[:-1], member.name, create=True) / parts[-1]
+
+    @staticmethod
+    def _create(dst: Path) -> BinaryIO:
+        """A new regular file, never through a symlink or over an existing name."""
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return os.fdopen(fd, "wb")
+
+    def _settle(self, dst: Path, member: tarfile.TarInfo) -> None:
+        """A written entry's owner, mode and time, as the member gives them."""
         self._own(dst, member)  # before chmod: chown clears set-id bits, chmod puts them back
         if not member.issym():
             os.chmod(dst, member.mode & 0o7777)
@@ -181,10 +195,12 @@ def apply_tar_output(cmd: list[str], writer: LayerWriter, env: dict[str, str] | 
     return proc.returncode, err
 
 
-def make_dir_in_root(root: Path, path: str, hops: int = 40) -> None:
+def make_dir_in_root(root: Path, path: str, hops: int = 40, reveal: Callable[[str], None] | None = None) -> None:
     """`mkdir -p path` as the image would see it, chrooted at `root`: symlinks on the way are followed
     inside the image (an absolute target from `root`, `..` stops at it), never out to the host's tree.
-    Docker's WORKDIR creates its directory so; buildah only does when a later RUN uses it."""
+    Docker's WORKDIR creates its directory so; buildah only does when a later RUN uses it. `reveal` is
+    told each path (relative to `root`) before it is looked at: a layer that leaves out what its base
+    holds (layerdiff.py) brings that entry up first, so a symlink of the base is followed, not covered."""
     pending = [p for p in path.split("/") if p not in ("", ".")]
     done: list[str] = []
     while pending:
@@ -193,6 +209,8 @@ def make_dir_in_root(root: Path, path: str, hops: int = 40) -> None:
             done = done[:-1]
             continue
         here = root.joinpath(*done, part)
+        if reveal is not None:
+            reveal("/".join([*done, part]))
         try:
             st = os.lstat(here)
         except FileNotFoundError:
