@@ -260,8 +260,11 @@ def test_a_final_stage_ending_in_workdir_makes_its_directory(store: ImageStore, 
     stages = "FROM furlong/base AS build\nRUN echo built > /out.txt\n\nFROM furlong/base\nCOPY --from=build /out.txt /out.txt\n"
     plain = run(store.image(_task(tmp_path / "plain", stages + "WORKDIR /app\n"), backend))
     linked = run(store.image(_task(tmp_path / "linked", stages + "RUN ln -s /srv /work\nWORKDIR /work/sub\n"), backend))
+    # the base's own /lib -> usr/lib: followed through the layer below
+    based = run(store.image(_task(tmp_path / "based", stages + "WORKDIR /lib/app\n"), backend))
     assert json.loads((store.root / plain.digest / "meta.json").read_text())["builder"] == "buildah"
-    assert (plain.workdir, linked.workdir) == ("/app", "/work/sub")
+    assert (plain.workdir, linked.workdir, based.workdir) == ("/app", "/work/sub", "/lib/app")
+    assert os.path.islink(store.root / based.layers[0].path / "lib")  # brought up from the base, not covered
 
     async def go(ref):
         box = await backend.create(spec(ref))
@@ -270,7 +273,7 @@ def test_a_final_stage_ending_in_workdir_makes_its_directory(store: ImageStore, 
         finally:
             await box.close()
 
-    for ref, where in ((plain, "/app"), (linked, "/srv/sub")):
+    for ref, where in ((plain, "/app"), (linked, "/srv/sub"), (based, "/usr/lib/app")):
         res = run(go(ref))
         assert res.ok, res.stderr
         assert res.stdout.splitlines() == [where, "built", "root 755"]

@@ -129,7 +129,7 @@ class DiffWriter(LayerWriter):
     def _reveal(self, rel: str) -> None:
         if os.path.lexists(self.root / rel):
             return
-        if rel in self.seen:
+        if rel in self.seen and rel in self.below:
             self._bring_up(rel)  # the image has it as the base does: follow (or refuse) it as it is
         else:
             self.seen[rel] = True  # not in the image: make_dir_in_root makes it a new directory
