@@ -24,6 +24,7 @@ import torch
 from furlong.cluster.reaper import Watchdog
 from furlong.cluster.session import RaySession
 from furlong.config import SGLangConfig
+from furlong.engine.base import Engine
 from furlong.engine.factory import make_engine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.engine.server import build_app, load_engine, open_transport
@@ -74,7 +75,7 @@ class ChildGuard:
             self._watchdog = None
 
 
-def open_engine(spec: EngineSpec, args: argparse.Namespace, work_dir: Path):
+def open_engine(spec: EngineSpec, args: argparse.Namespace, work_dir: Path) -> Engine:
     """The actor's engine, built as local mode builds it (furlong.engine.factory; hf: the server's flags)."""
     if spec.kind == "hf":
         return load_engine(args)
