@@ -15,15 +15,18 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from furlong.build.training import weight_link
+from furlong.cluster.engines import CHILD_ENV
 from furlong.cluster.ranks import RayRanks
 from furlong.cluster.session import RaySession, Roles, place
 from furlong.config import RECIPES, load_config
 from furlong.engine.base import SamplingParams
+from furlong.engine.vllm import vllm_available
 from furlong.engine.router import Router
 from furlong.model.loading import load_model
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
@@ -31,7 +34,7 @@ from furlong.train.ranks import RankFailed, RankGroup
 from furlong.train.trainer import LocalTrainer
 from fsdp2_support import fixed_episodes
 from tests.ranks_support import SumSpec
-from tests_support import grpo
+from tests_support import alive, grpo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROLES = Roles(engines=2, engine_cpus=0.5, trainer_cpus=0.5, placement="colocated")
@@ -180,6 +183,61 @@ def test_a_killed_engine_actor_is_restarted_and_rejoins_at_the_live_version(sess
     asyncio.run(main())
 
 
+STANDIN = "tests.sglang_standin"  # SGLangStandIn: a TEST DOUBLE of an SGLang server (SGLang is not installable here)
+
+
+def _engine_children(actor_pids: list[int]) -> dict[int, str]:
+    """The processes that engine actors started (their ChildGuard's tag names the actor's pid)."""
+    want = tuple(f"{CHILD_ENV}=engine-{pid}-".encode() for pid in actor_pids)
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and any(v.startswith(want) for v in (entry / "environ").read_bytes().split(b"\0")):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()
+        except OSError:
+            continue
+    return found
+
+
+def _restarted(actors) -> list[int] | None:
+    """The actors' pids once Ray has restarted them (None while one is restarting)."""
+    try:
+        return actors.pids()
+    except ray.exceptions.ActorUnavailableError:
+        return None
+
+
+def test_sglang_servers_in_engine_actors_load_each_update_and_die_with_their_actor(session: RaySession,
+                                                                                  tiny_dir: Path, tmp_path: Path):
+    cfg = load_config(None, ["train.cluster=ray", "train.engine=sglang", f"train.sglang.launch_module={STANDIN}",
+                             "train.ray.engine_cpus=0.5", "train.sync.transport=http",
+                             "train.sglang.start_timeout_s=120"])
+    weights = load_model(tiny_dir).state_dict()
+
+    async def main() -> None:
+        link = await weight_link(cfg, tmp_path, tiny_dir, cluster=session)
+        try:
+            await link.push(weights, 0)
+            await link.push({k: v + 1e-3 for k, v in weights.items()}, 1)
+            gen = await link.engine.generate([5, 17, 300], _sampling(0))
+            assert gen.weight_version == 1 and len(gen.output_ids) == 200
+            # the actor's SGLang server loaded v1 from the checkpoint its relay staged (local mode's disk path)
+            assert (tmp_path / "engine-0" / "weights" / "v1" / "model.safetensors").is_file()
+            assert (tmp_path / "engine-0" / "sglang-server.log").is_file()
+            pids = await asyncio.to_thread(link.actors.pids)
+            children = _engine_children(pids)
+            assert any(STANDIN in cmd for cmd in children.values()), children
+            os.kill(pids[0], signal.SIGKILL)  # the actor alone: its server must follow it
+            _until(lambda: not any(alive(pid) for pid in children), "the killed actor's SGLang server to stop", 30)
+            restarted = await asyncio.to_thread(_until, lambda: _restarted(link.actors), "the actor's restart")
+            assert restarted != pids and _engine_children(restarted)  # with a server of its own
+        finally:
+            await link.close()
+        assert not _engine_children(pids + restarted)  # stopping the link stopped the servers
+
+    asyncio.run(main())
+
+
 MARK = "FURLONG_TEST_RUN"
 
 
@@ -251,3 +309,21 @@ def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(t
     assert summary["rl_steps"] == 4 and summary["eval_episodes"] == 4
     ours, theirs = (load_model(run / "checkpoints" / "rl-3" / "hf").state_dict() for run in (killed, local))
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # the trainer actor trained as local mode's
+
+
+@pytest.mark.skipif(not vllm_available(), reason="the vllm extra is not installed (bash install.sh --vllm)")
+def test_train_on_ray_with_vllm_engine_actors_advances_their_weights_and_leaves_nothing(tmp_path: Path):
+    run = tmp_path / "run"
+    res = _train("train.cluster=ray", "train.engine=vllm", "train.rl.steps=2", f"train.run_dir={run}",
+                 mark="vllm")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not _left("vllm")  # Ray, the actors, their vLLM engine cores, the watchdogs: all gone
+    records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert len(rl) == 2 * 2 * 2 and all(r["reward"] is not None for r in records)  # every episode scored
+    # sync mode: step s samples only from version s, which the engine actor's vLLM loaded through its relay
+    assert all(r["version_first"] == r["version_last"] == r["step"] for r in rl)
+    rows = _rl_rows(run)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["sync_pause_s"] > 0 for r in rows)
+    assert max(r["logprob_diff_max"] for r in rows) < 1e-3  # vLLM's fp32 logprobs are the trainer's
+    assert (run / "summary.json").exists()

@@ -46,6 +46,18 @@ def test_gpu_settings_that_cannot_run_are_refused(overrides: list[str], words: s
     assert (cfg.train.ray.trainer_gpus, cfg.train.ray.engine_gpus) == (0.5, 0.5)
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["train.engine=vllm", "train.lora.enabled=true"], "train.engine=vllm loads full weights into each engine actor"),
+    (["train.engine=sglang", "train.lora.enabled=true"], "train.engine=sglang loads full weights"),
+    (["train.engine=sglang", "train.sglang.url=http://127.0.0.1:30000"], "drop train.sglang.url"),
+])
+def test_ray_engine_servers_refuse_what_they_do_not_wire(overrides: list[str], words: str):
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, ["train.cluster=ray", *overrides])
+    for engine in ("vllm", "sglang"):  # full-weight runs of either server are accepted on Ray
+        assert load_config(None, ["train.cluster=ray", f"train.engine={engine}"]).train.engine == engine
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("override", ["train.device=cuda", "train.hf.device=cuda"])
 def test_a_cuda_device_this_machine_lacks_is_a_config_error_naming_the_key(override: str):

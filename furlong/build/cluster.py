@@ -45,19 +45,24 @@ def ranks(cluster: RaySession, spec: WorkerSpec, t: TrainConfig) -> RayRanks:
 
 
 async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory: DirectoryTransport,
-                      publisher: Callable[[DirectoryTransport], Publisher], lora: dict | None) -> PublishedLink:
-    """RL's engine actors, pulling from `directory` (train.sync.transport=directory: every node must see it)
-    or, for any other transport, from an UpdateServer over it; one is served directly, several via a Router."""
+                      publisher: Callable[[DirectoryTransport], Publisher], lora: dict | None,
+                      run_path: Path | None = None) -> PublishedLink:
+    """RL's engine actors (train.engine: hf, vllm or sglang in each), pulling from `directory`
+    (train.sync.transport=directory: every node must see it) or, for any other transport, from an
+    UpdateServer over it; one is served directly, several via a Router. `run_path`: where engine I keeps
+    its files (engine-I/: an SGLang server's log and staged updates)."""
     t = cfg.train
     token = secrets.token_urlsafe(24)
     server = None if t.sync.transport == "directory" else UpdateServer(directory, host=cluster.serve_host,
                                                                        token=token)
     spec = EngineSpec(sft_dir, server.url if server else str(directory.root), threads=t.torch_threads,
                       prefix_cache_mb=t.hf.prefix_cache_mb, lora=lora, updates_token=token if server else None,
-                      engine_token=token, device="cuda" if t.ray.engine_gpus > 0 else "cpu")
+                      engine_token=token, device="cuda" if t.ray.engine_gpus > 0 else "cpu", kind=t.engine,
+                      seed=t.seed, sglang=t.sglang if t.engine == "sglang" else None)
     try:
         actors = await asyncio.to_thread(EngineActors, cluster, spec, t.ray.engines, cpus=t.ray.engine_cpus,
-                                         max_restarts=t.ray.max_restarts, gpus=t.ray.engine_gpus)
+                                         max_restarts=t.ray.max_restarts, gpus=t.ray.engine_gpus,
+                                         work_root=run_path)
     except BaseException:
         if server:
             server.close()

@@ -193,7 +193,9 @@ def shared_engine(cfg: Config, sft_dir: Path, run_path: Path):
     """train.engine=vllm: the run's one vLLM engine over the SFT model (it takes up to a minute to start),
     lent to each phase. With LoRA it runs a fresh adapter of the run's spec from the start (lora_B = 0: the
     identity, so eval_before sees the SFT model); RL's adapter-only pushes replace its tensors. Else None."""
-    if cfg.train.engine != "vllm":
+    if cfg.train.engine != "vllm" or cfg.train.cluster == "ray":
+        # on Ray, RL's vLLM servers are the engine actors' and the evals run on the driver's hf engine: a
+        # vLLM here would take memory (or a GPU) outside the resources the run's placement groups reserved
         return None
     adapter = None
     if cfg.train.lora.enabled:
@@ -229,14 +231,15 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     """RL's rollout engine and the link that keeps its weights current (train.engine, train.sync; with
     train.cluster=ray, engine actors)."""
     t, s = cfg.train, cfg.train.sync
-    if t.engine == "sglang":
-        return await _sglang_link(cfg, run_path, sft_dir)
     publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
                                             engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
-    if cluster is not None:
+    if cluster is not None:  # every train.engine: each actor's relay loads its engine (hf, vllm, sglang)
         import furlong.build.cluster as ray_build
 
-        return await ray_build.engine_link(cfg, cluster, sft_dir, _fresh_dir(t, run_path), publisher, lora_spec(t))
+        return await ray_build.engine_link(cfg, cluster, sft_dir, _fresh_dir(t, run_path), publisher, lora_spec(t),
+                                           run_path)
+    if t.engine == "sglang":
+        return await _sglang_link(cfg, run_path, sft_dir)
     local = (lambda: Borrowed(shared)) if shared is not None else (
         lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb, t.hf.device))
     if s.transport == "direct":

@@ -1,7 +1,10 @@
 """The Ray processes of one run, found again by a tag in their environment, and a watchdog that stops them
 when the driver is gone (even SIGKILLed: Ray stops its head with the driver but leaves its agents running).
 
-    python -m furlong.cluster.reaper TAG DRIVER_PID    (stdin: a pipe from the driver; EOF means it is gone)
+    python -m furlong.cluster.reaper TAG DRIVER_PID [VAR]   (stdin: a pipe from the driver; EOF means it is gone)
+
+VAR (default FURLONG_RAY_RUN) names the environment variable that carries the tag: an engine actor guards the
+server processes it starts with a tag of its own (furlong.cluster.engines.ChildGuard), so they go with it.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from pathlib import Path
 TAG_ENV = "FURLONG_RAY_RUN"
 
 
-def tagged(tag: str, spare: tuple[int, ...] = ()) -> list[int]:
-    """Pids of the processes whose environment carries `TAG_ENV=tag`, but this one and `spare`."""
-    want, found, skip = f"{TAG_ENV}={tag}".encode(), [], {os.getpid(), *spare}
+def tagged(tag: str, spare: tuple[int, ...] = (), var: str = TAG_ENV) -> list[int]:
+    """Pids of the processes whose environment carries `var=tag`, but this one and `spare`."""
+    want, found, skip = f"{var}={tag}".encode(), [], {os.getpid(), *spare}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) in skip:
             continue
@@ -30,9 +33,9 @@ def tagged(tag: str, spare: tuple[int, ...] = ()) -> list[int]:
     return found
 
 
-def sweep(tag: str, spare: tuple[int, ...] = (), grace_s: float = 5.0) -> int:
+def sweep(tag: str, spare: tuple[int, ...] = (), grace_s: float = 5.0, var: str = TAG_ENV) -> int:
     """SIGTERM every tagged process, SIGKILL what is left after `grace_s`; how many did not stop."""
-    pids = tagged(tag, spare)
+    pids = tagged(tag, spare, var)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -56,12 +59,12 @@ def _zombie(pid: int) -> bool:
 
 
 class Watchdog:
-    """The reaper process: it sweeps `tag` once this process closes its pipe, by close() or by dying."""
+    """The reaper process: it sweeps `tag` (in `var`) once this process closes its pipe, by close() or by dying."""
 
-    def __init__(self, tag: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k != TAG_ENV}
+    def __init__(self, tag: str, var: str = TAG_ENV) -> None:
+        env = {k: v for k, v in os.environ.items() if k != var}  # not its own prey
         # its own session: a signal to the driver's process group must not take the watchdog with it
-        self._proc = subprocess.Popen([sys.executable, "-m", "furlong.cluster.reaper", tag, str(os.getpid())],
+        self._proc = subprocess.Popen([sys.executable, "-m", "furlong.cluster.reaper", tag, str(os.getpid()), var],
                                       stdin=subprocess.PIPE,
                                       env=env, start_new_session=True)
 
@@ -75,21 +78,21 @@ class Watchdog:
             self._proc.wait()
 
 
-def sweep_until_gone(tag: str, spare: tuple[int, ...] = (), timeout_s: float = 45.0) -> int:
+def sweep_until_gone(tag: str, spare: tuple[int, ...] = (), timeout_s: float = 45.0, var: str = TAG_ENV) -> int:
     """Sweeps again while tagged processes remain: a raylet being stopped can still start an agent after
     the pids were read; how many are left at the timeout."""
     deadline = time.monotonic() + timeout_s
-    while (left := sweep(tag, spare)) or tagged(tag, spare):
+    while (left := sweep(tag, spare, var=var)) or tagged(tag, spare, var):
         if time.monotonic() > deadline:
-            return left or len(tagged(tag, spare))
+            return left or len(tagged(tag, spare, var))
         time.sleep(0.2)
     return 0
 
 
 def main(argv: list[str]) -> int:
-    tag, driver = argv[0], int(argv[1])
+    tag, driver, var = argv[0], int(argv[1]), argv[2] if len(argv) > 2 else TAG_ENV
     sys.stdin.buffer.read()  # returns at EOF: the driver closed the pipe or died
-    return 1 if sweep_until_gone(tag, spare=(driver,)) else 0
+    return 1 if sweep_until_gone(tag, spare=(driver,), var=var) else 0
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ class TrainConfig(_Node):
     cluster: Literal["local", "ray"] = Field(
         "local", description="local: every role in this process (or engine processes, train.sync.engine); "
                              "ray: the RL trainer and engines as Ray actors (train.ray; their count is "
-                             "train.ray.engines, train.sync.engine and servers are not used)")
+                             "train.ray.engines, train.sync.engine and servers are not used; each actor runs "
+                             "train.engine's server: hf, vllm or sglang)")
     ray: RayConfig = Field(RayConfig(), description="train.cluster=ray: the cluster, its placement and resources")
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "
@@ -66,9 +67,13 @@ class TrainConfig(_Node):
 
     @model_validator(mode="after")
     def _ray_cluster_supports(self) -> TrainConfig:
-        if self.cluster == "ray" and self.engine != "hf":
-            raise ValueError(f"train.cluster=ray runs the hf engine server in Ray actors: set train.engine=hf "
-                             f"(got {self.engine!r})")
+        if self.cluster == "ray" and self.engine != "hf" and self.lora.enabled:
+            # the actors' vLLM and SGLang servers take full-weight updates only (their LoRA paths are not wired)
+            raise ValueError(f"train.cluster=ray with train.engine={self.engine} loads full weights into each "
+                             f"engine actor's server: set train.lora.enabled=false, or train.engine=hf")
+        if self.cluster == "ray" and self.engine == "sglang" and self.sglang.url is not None:
+            raise ValueError("train.cluster=ray starts an SGLang server in each engine actor: drop train.sglang.url "
+                             "(attaching to a running server is local mode's)")
         if self.cluster == "ray" and (self.device == "cuda") != (self.ray.trainer_gpus > 0):
             raise ValueError(f"train.cluster=ray: train.device={self.device} needs train.ray.trainer_gpus "
                              f"{'> 0 (the trainer actor must hold a GPU)' if self.device == 'cuda' else '= 0'} "

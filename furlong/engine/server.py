@@ -72,6 +72,8 @@ def open_transport(spec: str) -> Transport:
 
 
 def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -> FastAPI:
+    """The routes over `engine`: the hf engine, or (in a Ray engine actor) any engine with the Engine protocol
+    and update_weights, e.g. vLLM or an SGLang server's client, which have no hf prefix cache to report."""
     receiver = DistributedReceiver(engine)
 
     @asynccontextmanager
@@ -83,10 +85,12 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
 
     @app.get("/health")
     async def health() -> dict:
-        s = engine.stats
-        return {"weight_version": engine.weight_version, "paused": engine.paused, "relay": relay is not None,
-                "prefix_cache": {"prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
-                                 "hit_rate": s.prefix_hit_rate, "bytes": engine.prefix_cache.nbytes},
+        s, cache = getattr(engine, "stats", None), getattr(engine, "prefix_cache", None)
+        return {"weight_version": engine.weight_version, "paused": getattr(engine, "paused", False),
+                "relay": relay is not None,
+                "prefix_cache": None if s is None or cache is None else
+                {"prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens, "hit_rate": s.prefix_hit_rate,
+                 "bytes": cache.nbytes},
                 "weight_groups": sorted(receiver.groups)}
 
     @app.post("/generate")
