@@ -58,7 +58,7 @@ async def _open(engines: list[EngineProcess], **kw) -> tuple[BroadcastLink, list
     async def close_clients() -> None:
         await asyncio.gather(*(m.close() for m in members))
 
-    link = await BroadcastLink.open(members[0], members, cleanup=close_clients, timeout_s=60, **kw)
+    link = await BroadcastLink.open(members[0], members, cleanup=close_clients, timeout_s=60, secret=TOKEN, **kw)
     return link, members
 
 

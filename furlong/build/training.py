@@ -295,7 +295,7 @@ async def _broadcast_link(cfg: Config, run_path: Path, sft_dir: Path) -> Broadca
     remote, members = _remote_engines(processes, token)
     return await BroadcastLink.open(remote, members, address=s.master_address, backend=s.backend,
                                     dtype=DTYPES[s.engine_dtype],
-                                    bucket_bytes=int(s.bucket_mb * 2**20),
+                                    bucket_bytes=int(s.bucket_mb * 2**20), secret=token,
                                     cleanup=lambda: _stop_engines(remote, processes))
 
 

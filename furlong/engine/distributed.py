@@ -1,7 +1,11 @@
 """The engine server's end of a weight broadcast (furlong.sync.broadcast), in SGLang's routes and shapes:
 
-* POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}
-  joins the trainer's group as rank `rank_offset` (returns once every member has joined).
+* POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend,
+  auth_nonce} joins the trainer's group as rank `rank_offset` (returns once every member has joined and,
+  with auth_nonce, proved the run's secret: furlong.sync.group_auth). An engine started with a token
+  (FURLONG_ENGINE_TOKEN, the routes' bearer token) proves that token and joins only groups that carry
+  auth_nonce: a body without one gets 400; an engine without a token refuses a body with one (it could not
+  prove anything).
 * POST /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version, load_format, ...}
   receives the announced tensors while the engine keeps generating, then loads them at `weight_version`
   (the engine pauses only for the copy). A request without weight_version stages its tensors for the next
@@ -35,6 +39,7 @@ class InitGroupBody(BaseModel):
     world_size: int
     group_name: str = GROUP_NAME
     backend: str = "gloo"
+    auth_nonce: str | None = None  # furlong's extra field; SGLang's body has none
 
 
 class UpdateBody(BaseModel):
@@ -63,8 +68,9 @@ class Refused(Exception):
 class DistributedReceiver:
     """The groups this engine belongs to, and tensors staged for the next versioned update."""
 
-    def __init__(self, engine: HFEngine, timeout_s: float = GROUP_TIMEOUT_S) -> None:
-        self.engine, self.timeout_s = engine, timeout_s
+    def __init__(self, engine: HFEngine, timeout_s: float = GROUP_TIMEOUT_S, secret: str | None = None) -> None:
+        """`secret`: the routes' bearer token, which every group this engine joins must then prove."""
+        self.engine, self.timeout_s, self._secret = engine, timeout_s, secret
         self.groups: dict[str, WeightGroup] = {}
         self._staged: dict = {}
         self._lock = asyncio.Lock()  # one update at a time: broadcasts arrive in announcement order
@@ -78,10 +84,16 @@ class DistributedReceiver:
             raise Refused(400, "rank_offset must be >= 1: rank 0 is the trainer that broadcasts")
         if spec.group_name in self.groups:
             raise Refused(400, f"group {spec.group_name!r} exists; destroy it first")
+        if self._secret is not None and spec.auth_nonce is None:
+            raise Refused(400, "auth_nonce: this engine has a token, so it joins only an authenticated group "
+                               "(anyone who reaches the store could otherwise take a rank)")
+        if self._secret is None and spec.auth_nonce is not None:
+            raise Refused(400, "auth_nonce: this engine was started without a token (FURLONG_ENGINE_TOKEN), so it "
+                               "cannot prove the run's secret")
         try:
             self.groups[spec.group_name] = await asyncio.to_thread(WeightGroup, spec, spec.rank_offset,
-                                                                   self.timeout_s)
-        except RuntimeError as e:  # the rendezvous failed or timed out
+                                                                   self.timeout_s, None, self._secret)
+        except RuntimeError as e:  # the rendezvous failed or timed out, or a member did not prove the secret
             raise Refused(500, f"could not join group {spec.group_name!r}: {e}") from None
         return {"success": True, "message": f"joined {spec.group_name!r} as rank {spec.rank_offset} "
                                             f"of {spec.world_size}"}

@@ -74,7 +74,7 @@ def open_transport(spec: str) -> Transport:
 def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -> FastAPI:
     """The routes over `engine`: the hf engine, or (in a Ray engine actor) any engine with the Engine protocol
     and update_weights, e.g. vLLM or an SGLang server's client, which have no hf prefix cache to report."""
-    receiver = DistributedReceiver(engine)
+    receiver = DistributedReceiver(engine, secret=token)  # a group's members prove the same token
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -9,8 +9,12 @@ FlattenedTensorBucket layout: each tensor's bytes, in `names` order, concatenate
 broadcast per request, which cuts a model's hundreds of small calls to one per bucket.
 
 The group is built on its own TCPStore (hosted by rank 0 on a free port) without torch.distributed's default
-group, so a trainer that runs its own process group (FSDP) keeps it. The rendezvous is not authenticated:
-the HTTP routes that announce it are, and the store should listen on loopback or a private network only.
+group, so a trainer that runs its own process group (FSDP) keeps it. Anyone who reaches the store's port can
+join it under a free rank, so with a secret (the run's engine token) every member proves it before any weight
+moves: the init body carries an extra `auth_nonce`, and the members all-gather and check each rank's
+HMAC of it (furlong.sync.group_auth); a member without the secret fails the group before anything is sent.
+Without `auth_nonce` (an SGLang server, which does not run the handshake) the rendezvous is not
+authenticated: keep the store on loopback or a private network. The tensors are never encrypted.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from furlong.sync.group_auth import MAC_BYTES, check_nonce, proof, refusal, unproven
 
 GROUP_NAME = "weight_update_group"  # SGLang's default group_name
 FLAT = "flattened_bucket"
@@ -44,6 +50,7 @@ class GroupSpec:
     world_size: int
     group_name: str = GROUP_NAME
     backend: str = "gloo"
+    auth_nonce: str | None = None  # furlong's extra field: the group's handshake nonce (None: no handshake)
 
     def __post_init__(self) -> None:
         if not 0 < self.master_port < 65536:
@@ -57,11 +64,14 @@ class GroupSpec:
             raise ValueError("group_name must not be empty")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        check_nonce(self.auth_nonce)
 
     def body(self) -> dict:
-        return {"master_address": self.master_address, "master_port": self.master_port,
+        """SGLang's fields, plus `auth_nonce` only when set (so an unauthenticated body is SGLang's exactly)."""
+        body = {"master_address": self.master_address, "master_port": self.master_port,
                 "rank_offset": self.rank_offset, "world_size": self.world_size, "group_name": self.group_name,
                 "backend": self.backend}
+        return body if self.auth_nonce is None else {**body, "auth_nonce": self.auth_nonce}
 
 
 @dataclass(frozen=True)
@@ -125,8 +135,12 @@ class WeightGroup:
     """This process's member of a weight-update group: rank 0 sends, the others receive."""
 
     def __init__(self, spec: GroupSpec, rank: int, timeout_s: float = 300.0,
-                 store: dist.Store | None = None) -> None:
-        """Blocks until all `spec.world_size` members have joined (or `timeout_s` passes: RuntimeError)."""
+                 store: dist.Store | None = None, secret: str | None = None) -> None:
+        """Blocks until all `spec.world_size` members have joined (or `timeout_s` passes: RuntimeError). With
+        `spec.auth_nonce`, every member must then prove `secret` (RendezvousNotAuthenticated, group destroyed)."""
+        if (secret is None) != (spec.auth_nonce is None):
+            raise ValueError("an authenticated group needs both the secret and spec.auth_nonce "
+                             f"(secret {'set' if secret else 'missing'}, auth_nonce {spec.auth_nonce!r})")
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=False,
@@ -143,6 +157,24 @@ class WeightGroup:
             options._devices = [_gloo_device(spec.master_address)]
             self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, options)
         self._barrier()  # a group is usable once every member's connections are up
+        if secret is not None:
+            self._authenticate(secret)
+
+    def _authenticate(self, secret: str) -> None:
+        """Every rank's MAC, all-gathered and checked here; any other outcome destroys the group and raises."""
+        spec = self.spec
+        mine = torch.frombuffer(bytearray(proof(secret, spec.auth_nonce or "", self.rank, spec.group_name,
+                                                spec.world_size)), dtype=torch.uint8).to(self.device)
+        got = [torch.empty(MAC_BYTES, dtype=torch.uint8, device=self.device) for _ in range(spec.world_size)]
+        try:
+            self._pg.allgather([got], [mine]).wait()
+        except RuntimeError as e:  # a member sent something else than a MAC, or hung up
+            self.close()
+            raise refusal([], self.rank, spec.group_name, failed=e) from e
+        bad = unproven([t.cpu().numpy().tobytes() for t in got], secret, spec.auth_nonce or "", spec.group_name)
+        if bad:
+            self.close()
+            raise refusal(bad, self.rank, spec.group_name)
 
     def _barrier(self) -> None:
         self._broadcast(torch.zeros(1, device=self.device))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -108,14 +109,19 @@ class BroadcastLink:
     @classmethod
     async def open(cls, engine, members: Sequence[BroadcastMember], *, address: str = "127.0.0.1",
                    backend: str = "gloo", dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
-                   cleanup: Callable[[], Awaitable[None]], timeout_s: float = 300.0) -> BroadcastLink:
+                   cleanup: Callable[[], Awaitable[None]], timeout_s: float = 300.0,
+                   secret: str | None = None) -> BroadcastLink:
         """Host the group's store on a free port of `address` (which the engines must reach) and join it with
-        every member; `cleanup` stops the engines (also when joining fails)."""
+        every member; `cleanup` stops the engines (also when joining fails). With `secret` (the engines' token)
+        every member must prove it before the link opens (furlong.sync.group_auth): a stranger that took a rank
+        fails the open with RendezvousNotAuthenticated, or a member's refusal naming it, and nothing is sent.
+        Without it (SGLang servers, which do not run the handshake) the rendezvous is not authenticated."""
         world = len(members) + 1
         store = host_store(address, world, timeout_s)
-        specs = [GroupSpec(address, store.port, rank, world, GROUP_NAME, backend) for rank in range(world)]
+        nonce = None if secret is None else secrets.token_hex(16)  # fresh per group: no MAC is ever reused
+        specs = [GroupSpec(address, store.port, rank, world, GROUP_NAME, backend, nonce) for rank in range(world)]
         try:
-            joined = await _all_or_first_error([_threaded(WeightGroup, specs[0], 0, timeout_s, store),
+            joined = await _all_or_first_error([_threaded(WeightGroup, specs[0], 0, timeout_s, store, secret),
                                                 *(m.init_weights_update_group(spec.body())
                                                   for m, spec in zip(members, specs[1:]))])
         except BaseException:
