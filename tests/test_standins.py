@@ -136,3 +136,19 @@ def test_offline_shims_leave_everything_else_to_the_image(shims: Path, tmp_path:
     assert "rc=100" in res.stdout and "\napt " in res.stdout, res.stdout + res.stderr
     wget_here = any(Path(d, "wget").exists() for d in ("/usr/bin", "/bin"))
     assert f"wget={0 if wget_here else 127}" in res.stdout
+
+
+@pytest.mark.parametrize("ref, breaks", [
+    ("eclipse-temurin:17.0.12_7-jdk-jammy", True),  # TB2's Kotlin tasks: `RUN pip3 install pytest==...` as root
+    ("eclipse-temurin:17-jdk-focal", True),
+    ("eclipse-temurin:21-jdk-noble", False),  # Ubuntu 24.04 marks its Python externally managed, as Debian does
+    ("eclipse-temurin:17", False),  # a tag naming no release means noble
+    ("openjdk:17-jdk-slim", False),
+])
+def test_a_tag_for_ubuntu_before_pep_668_lets_pip_install_into_the_system_python(ref, breaks):
+    choice = standins.resolve(ref)
+    env = dict(choice.standin.env)
+    assert (env.get("PIP_BREAK_SYSTEM_PACKAGES") == "1") == breaks, env
+    assert ("ENV PIP_BREAK_SYSTEM_PACKAGES=1" in choice.standin.dockerfile()) == breaks
+    assert ("externally managed, PEP 668" in choice.note(choice.standin.version)) == breaks
+    assert env["JAVA_HOME"] == "/usr/lib/jvm/default-java"  # the family's own env kept

@@ -13,7 +13,7 @@ with a note saying so (`images.standins: nearest`, the default) or a one-line er
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from furlong.sandbox.standin_recipes import (
     BUILDPACK_DEPS,
@@ -31,6 +31,8 @@ DISTROS = {"bookworm": "Debian 12 (bookworm)", "bullseye": "Debian 11 (bullseye)
 KNOWN = ("debian:bookworm|trixie[-slim]", "debian:12|13[.N][-slim]", "buildpack-deps:bookworm[-curl|-scm]",
          "furlong/base[-trixie]",
          *(f"{repo}:TAG ({fam.label} {', '.join(o.version for o in fam.offers)})" for repo, fam in FAMILIES.items()))
+# Ubuntu releases whose Python has no PEP 668 marker: a Dockerfile for them runs `pip3 install` as root
+_NO_PEP668 = ("focal", "jammy")
 # Official-image names are also written with their registry's path; the image is the same one.
 _PREFIXES = ("docker.io/library/", "public.ecr.aws/docker/library/", "library/")
 
@@ -130,6 +132,10 @@ def _versioned(ref: str, tag: str, family: Family, differences: tuple[str, ...])
     wanted = distro or family.home
     if wanted and wanted != standin.suite:
         notes.append(f"{DISTROS[standin.suite]}, not {DISTROS[wanted]}")
+    if wanted in _NO_PEP668:
+        standin = replace(standin, env=(*standin.env, ("PIP_BREAK_SYSTEM_PACKAGES", "1")))
+        notes.append(f"PIP_BREAK_SYSTEM_PACKAGES=1, so `pip install` into the system Python works as on "
+                     f"{DISTROS[wanted]} (Debian marks it externally managed, PEP 668)")
     if family.full_note and "slim" not in words:
         notes.append(family.full_note)
     if "jre" in words:
