@@ -20,7 +20,7 @@ from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
-from furlong.engine.router import Router
+from furlong.engine.router import Router, RouterSettings
 from furlong.envs.prompts import PromptRow
 from furlong.envs.user import Instance
 from furlong.metrics.run import RunDir
@@ -275,10 +275,11 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     return PublishedLink(remote, publisher(directory), remote.sync, cleanup_remote)
 
 
-def _remote_engines(processes: list[EngineProcess], token: str) -> tuple[RemoteEngine | Router, list[RemoteEngine]]:
+def _remote_engines(processes: list[EngineProcess], token: str,
+                    settings: RouterSettings = RouterSettings()) -> tuple[RemoteEngine | Router, list[RemoteEngine]]:
     """Clients of the engine processes: one is served directly, several sit behind a router."""
     members = [RemoteEngine(p.url, token=token) for p in processes]
-    return (members[0] if len(members) == 1 else Router(members)), members
+    return (members[0] if len(members) == 1 else Router(members, settings)), members
 
 
 async def _stop_engines(remote: RemoteEngine | Router, processes: list[EngineProcess]) -> None:
@@ -292,7 +293,8 @@ async def _broadcast_link(cfg: Config, run_path: Path, sft_dir: Path) -> Broadca
     token = secrets.token_urlsafe(24)  # the engines answer only this run
     processes = await start_engines(s.servers, sft_dir, None, run_path, t.torch_threads, lora_spec(t),
                                     t.hf.prefix_cache_mb, engine_token=token)
-    remote, members = _remote_engines(processes, token)
+    # the link takes a lost engine out and puts it back once its group has sent it the live weights
+    remote, members = _remote_engines(processes, token, RouterSettings(readmit_after=0))
     return await BroadcastLink.open(remote, members, address=s.master_address, backend=s.backend,
                                     dtype=DTYPES[s.engine_dtype],
                                     bucket_bytes=int(s.bucket_mb * 2**20), secret=token,

@@ -72,8 +72,11 @@ class DistributedReceiver:
         """`secret`: the routes' bearer token, which every group this engine joins must then prove."""
         self.engine, self.timeout_s, self._secret = engine, timeout_s, secret
         self.groups: dict[str, WeightGroup] = {}
-        self._staged: dict = {}
-        self._lock = asyncio.Lock()  # one update at a time: broadcasts arrive in announcement order
+        self._staged: dict[str, dict] = {}  # per group: a receive that fails clears only its own group's
+        # One update at a time per group: broadcasts arrive in announcement order. Per group, because a
+        # receive stuck in a group the trainer abandoned (a peer died mid-broadcast) holds its lock until
+        # the timeout, while the trainer's next group must be served at once.
+        self._locks: dict[str, asyncio.Lock] = {}
 
     async def init_group(self, body: InitGroupBody) -> dict:
         try:
@@ -119,19 +122,21 @@ class DistributedReceiver:
 
     async def update(self, body: UpdateBody) -> dict:
         group, manifest, version = self._check(body)
-        async with self._lock:
+        name = body.group_name
+        async with self._locks.setdefault(name, asyncio.Lock()):
             start = time.perf_counter()
             try:
                 tensors = await asyncio.to_thread(group.receive, manifest)
             except RuntimeError as e:  # a member died or timed out: the group's broadcasts are out of step
-                self.groups.pop(body.group_name, None)
-                self._staged.clear()
-                raise Refused(500, f"receive failed, group {body.group_name!r} dropped: {e}") from None
+                if self.groups.get(name) is group:
+                    del self.groups[name]
+                self._staged.pop(name, None)
+                raise Refused(500, f"receive failed, group {name!r} dropped: {e}") from None
             received = time.perf_counter()
-            self._staged.update(tensors)
+            self._staged.setdefault(name, {}).update(tensors)
             if version is None:
                 return {"success": True, "message": f"staged {len(tensors)} tensors", "receive_s": received - start}
-            staged, self._staged = self._staged, {}
+            staged = self._staged.pop(name)
             await self.engine.update_weights(staged, version)
         return {"success": True, "message": f"loaded {len(staged)} tensors at version {version}",
                 "weight_version": str(version), "receive_s": received - start,
@@ -141,6 +146,8 @@ class DistributedReceiver:
         group = self.groups.pop(body.group_name, None)
         if group is None:
             raise Refused(400, f"group_name: no group {body.group_name!r}")
+        self._staged.pop(body.group_name, None)
+        self._locks.pop(body.group_name, None)
         group.close()
         return {"success": True, "message": f"left {body.group_name!r}"}
 

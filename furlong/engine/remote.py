@@ -114,10 +114,11 @@ class EngineProcess:
 
     def __init__(self, model: Path, *, updates: str | None, log: Path, threads: int = 1,
                  lora: dict | None = None, start_timeout_s: float = 120.0, prefix_cache_mb: float = 256,
-                 updates_token: str | None = None, engine_token: str | None = None) -> None:
-        """`engine_token`: the bearer token the server then asks of every request (FURLONG_ENGINE_TOKEN)."""
+                 updates_token: str | None = None, engine_token: str | None = None, port: int = 0) -> None:
+        """`engine_token`: the bearer token the server then asks of every request (FURLONG_ENGINE_TOKEN);
+        `port`: 0 for any free one, or a given one (a server restarted at its predecessor's address)."""
         cmd = [sys.executable, "-m", "furlong.engine.server", "--model", str(model), "--threads", str(threads),
-               "--prefix-cache-mb", str(prefix_cache_mb)]
+               "--prefix-cache-mb", str(prefix_cache_mb), "--port", str(port)]
         if updates:
             cmd += ["--updates", updates]
         if lora:

@@ -12,7 +12,8 @@
 * Recovery: a taken-out instance is still polled; after `readmit_after` healthy polls in a row its relay
   pulls the newest weights (it missed every update while out) and it is put back only if it then holds
   at least the live instances' version, paused if the router is paused. A restarted server on the same
-  address comes back the same way.
+  address comes back the same way. Where a weight link manages membership (the broadcast group, whose
+  engines have no relay to pull with), `readmit_after=0` leaves it to the link: `take_out` / `readmit`.
 * Weights: sync / update_weights / pause / resume fan out to every live instance; the router's
   weight_version is the lowest live instance's.
 """
@@ -190,6 +191,29 @@ class Router:
                         f"engine{i.index}_retries": i.retries, f"engine{i.index}_sticky": i.sticky,
                         f"engine{i.index}_readmitted": i.readmitted})
         return out
+
+    # -- membership, for a weight link that manages it (furlong.train.weights.BroadcastLink) ---------------
+
+    def is_live(self, engine: object) -> bool:
+        return self._instance(engine).live
+
+    def take_out(self, engine: object, reason: str) -> None:
+        """Stop routing to `engine` now; its in-flight requests restart on another live instance."""
+        self._take_out(self._instance(engine), reason)
+
+    async def readmit(self, engine: object) -> bool:
+        """Put `engine` back if it is out and holds at least the live instances' weight version (the caller
+        has just loaded it); whether it is live."""
+        inst = self._instance(engine)
+        if not inst.live:
+            await self._readmit(inst)
+        return inst.live
+
+    def _instance(self, engine: object) -> Instance:
+        found = [i for i in self.instances if i.engine is engine]
+        if not found:
+            raise EngineError(f"{engine!r} is not one of this router's instances")
+        return found[0]
 
     # -- placement and failure ---------------------------------------------------------------------------
 
