@@ -35,7 +35,7 @@ from provenance import ROOT, finish, provenance
 
 COLLECTION = {"url": "https://github.com/purple29th/purple29th-tbench-2",
               "commit": "20b8213075732fabbc45b8cdfdcdd9da55a69b16"}
-OVERRIDES = ["eval.verifier_toolchain=true", "images.trust_host_ca=true"]
+OVERRIDES = ["eval.verifier_toolchain=true", "images.trust_host_ca=true", "images.offline_uv=true"]
 
 # (cause, pattern over the episode's error + outputs), the groups, most specific first
 CAUSES = [

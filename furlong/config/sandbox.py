@@ -48,6 +48,11 @@ class ImagesConfig(_Node):
                                 "host trusts, an interception CA included (docs/images.md)")
     host_ca_bundle: Path | None = Field(None, description="trust_host_ca: the PEM bundle; null: the one the host's "
                                         "pip and Python verify with (pip's cert, else SSL_CERT_FILE, else OpenSSL's)")
+    offline_uv: bool = Field(False, description="a RUN step that fetches uv's installer (curl or wget of "
+                             "astral.sh/uv/[VERSION/]install.sh or a release's uv-installer.sh, written out) gets "
+                             "uv and uvx copied from the verifier toolchain instead, where the installer puts them: "
+                             "for builds that cannot reach astral.sh. The toolchain's uv version, not the URL's; "
+                             "the image's note says so (docs/images.md)")
     package_mirrors: Literal["none", "host"] = Field(
         "none", description="host: build steps and networked sandboxes get the host pip's http(s) index settings "
                             "(PIP_INDEX_URL, pip.conf), its proxy variables and apt's proxy settings")

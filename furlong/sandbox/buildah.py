@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from furlong.sandbox import heredoc, netns
+from furlong.sandbox import heredoc, netns, offline_uv
 from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef, LayerRef, SandboxError
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.dockerfile import DockerfileError
-from furlong.sandbox.egress import Egress
+from furlong.sandbox.egress import Egress, remove_mount_point
 from furlong.sandbox.flatten import flatten_to_tar
 from furlong.sandbox.layerdiff import DiffWriter
 from furlong.sandbox.layertar import UnpackError, apply_tar_output
@@ -70,6 +70,7 @@ class Plan:
     stages: list[list[int]] = field(default_factory=list)  # per stage, each step's line (1-based, FROM first)
     notes: list[str] = field(default_factory=list)  # what the resolved bases really are
     below: ImageRef | None = None  # the image the final stage builds on; None: FROM scratch
+    offline: offline_uv.OfflineUv | None = None  # where images.offline_uv rewrote a RUN fetching uv's installer
 
     @property
     def text(self) -> str:
@@ -169,12 +170,15 @@ class Buildah:
             "User", "") == user
 
     def bud(self, dockerfile: Path, context: Path, tag: str, progress: Progress,
-            timeout_s: float, egress: Egress | None = None) -> tuple[int, list[str]]:
+            timeout_s: float, egress: Egress | None = None,
+            offline: offline_uv.OfflineUv | None = None) -> tuple[int, list[str]]:
         """Runs the build; its exit status and the last lines of its output. `egress`'s directory is bound
-        read-only into every RUN step (its environment comes with the FROM images: import_ref)."""
+        read-only into every RUN step (its environment comes with the FROM images: import_ref), and so is
+        `offline`'s (only the rewritten steps look at it)."""
         # --force-rm: a failed build leaves no working container (nor its overlay mount) behind
         cmd = self.argv("bud", "--pull=never", "--isolation", "chroot", "--layers", "--force-rm",
-                        *_dns(), *(egress.buildah_args() if egress else []), "-f", str(dockerfile), "-t", tag,
+                        *_dns(), *(egress.buildah_args() if egress else []),
+                        *(offline.volume() if offline else []), "-f", str(dockerfile), "-t", tag,
                         str(context))
         with _build_network() as prefix:
             return self._follow([*prefix, *cmd], progress, timeout_s)
@@ -217,6 +221,7 @@ class Buildah:
             subprocess.run(self.argv("rm", ctr), capture_output=True, env=self.env())  # its mount went with sh
         if egress:
             egress.remove_mount_point(rootfs)
+        remove_mount_point(rootfs, offline_uv.MOUNT)  # bound where images.offline_uv rewrote a step
         try:
             writer.make_dir(workdir)
         except (UnpackError, OSError) as exc:
@@ -275,9 +280,22 @@ async def plan(store: ImageStore, bh: Buildah, dockerfile: Path, backend, progre
                         name, _ = await _local(store, bh, dockerfile, line, source, backend, progress, out)
                         words[n] = "--from=" + name
                 _replace(out.lines, step, f"{step.op} {' '.join(words)}")
+            elif step.op == "RUN" and store.offline_uv and not step.args.startswith("["):
+                await _offline_uv(store, dockerfile, line, step, backend, progress, out)
     if not out.stages:
         raise DockerfileError(dockerfile, 1, "no FROM instruction")
     return out
+
+
+async def _offline_uv(store: ImageStore, dockerfile: Path, line: int, step: heredoc.Logical, backend,
+                      progress: Progress, out: Plan) -> None:
+    """images.offline_uv: a shell-form RUN fetching uv's installer runs with the toolchain's shims first on
+    PATH (offline_uv.py); the rewritten line, in the image's key, names the toolchain's key."""
+    if (wanted := offline_uv.asked(step.args)) is None:
+        return
+    out.offline = out.offline or await offline_uv.prepare(store, backend, progress)
+    _replace(out.lines, step, f"RUN {out.offline.command(step.args)}")
+    out.notes.append(out.offline.note(f"{dockerfile}:{line}", wanted))
 
 
 def _from_parts(dockerfile: Path, line: int, args: str, global_args: dict[str, str]) -> tuple[str, str]:
@@ -393,7 +411,7 @@ def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key:
         temp.write_text(planned.text)
         try:
             status, tail = bh.bud(temp, dockerfile.parent, f"localhost/furlong/{key}", progress,
-                                  store.build_timeout_s, store.egress)
+                                  store.build_timeout_s, store.egress, planned.offline)
         finally:
             temp.unlink(missing_ok=True)
         if status != 0:

@@ -61,9 +61,15 @@ class Egress:
 
     def remove_mount_point(self, tree: Path) -> None:
         """Takes the bind's mount point (an empty directory the sandbox made for it) out of a built tree."""
-        point = tree / MOUNT.lstrip("/")
-        if self.directory and point.is_dir() and not point.is_symlink() and not any(point.iterdir()):
-            point.rmdir()
+        if self.directory:
+            remove_mount_point(tree, MOUNT)
+
+
+def remove_mount_point(tree: Path, mount: str) -> None:
+    """Takes a bind's mount point `mount` out of a built tree, where it is an empty directory."""
+    point = tree / mount.lstrip("/")
+    if point.is_dir() and not point.is_symlink() and not any(point.iterdir()):
+        point.rmdir()
 
 
 def host_egress(trust_host_ca: bool, ca_bundle: Path | None, package_mirrors: str) -> Egress | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import buildah, idmap, imports, layers, registry, rootless, standins, users
+from furlong.sandbox import buildah, idmap, imports, layers, offline_uv, registry, rootless, standins, users
 from furlong.sandbox.egress import Egress
 from furlong.sandbox import toolchain as toolchains
 from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
@@ -53,7 +53,7 @@ class ImageStore:
     def __init__(self, root: Path | None = None, host_uid: int | None = None,
                  mirror: str | None = None, build_timeout_s: float = 1800.0,
                  pulls: registry.Settings | None = None, egress: Egress | None = None,
-                 standin_versions: str = "nearest"):
+                 standin_versions: str = "nearest", offline_uv: bool = False):
         self.root = root or cache_dir() / "images"
         # the sandbox uid, as the bwrap backend picks it: the given one as root, else this process's own
         self.host_uid = (DEFAULT_HOST_UID if host_uid is None else host_uid) if os.geteuid() == 0 else os.geteuid()
@@ -65,6 +65,7 @@ class ImageStore:
         if standin_versions not in ("nearest", "exact"):
             raise ValueError(f"images.standins: expected nearest or exact, got {standin_versions!r}")
         self.standin_versions = standin_versions  # a tag's version Debian lacks: the nearest, or an error
+        self.offline_uv = offline_uv  # uv's installer in a RUN step: the toolchain's uv (offline_uv.py)
         self._locks: dict[str, asyncio.Lock] = {}
         self._resolved: dict[Path, ImageRef] = {}  # a task's files do not change within a run
         self._resolving: dict[Path, asyncio.Future] = {}
@@ -265,10 +266,12 @@ class ImageStore:
         return rows + self.registry.listing()
 
     # -- Dockerfile layers -------------------------------------------------------------------
-    def layer_key(self, dockerfile: Path, steps: list[df.Instruction], parent_key: str | None = None) -> str:
-        """The parent's key (the base unless FROM named a stand-in or an import), the steps, and the
-        content COPY brings in."""
-        parts: list[str | bytes] = [FORMAT, parent_key or self.base_key(), *self.egress_parts()]
+    def layer_key(self, dockerfile: Path, steps: list[df.Instruction], parent_key: str | None = None,
+                  offline: offline_uv.OfflineUv | None = None) -> str:
+        """The parent's key (the base unless FROM named a stand-in or an import), the steps, the content
+        COPY brings in, and the toolchain that images.offline_uv took uv from (where a step fetched it)."""
+        parts: list[str | bytes] = [FORMAT, parent_key or self.base_key(), *self.egress_parts(),
+                                    *([f"offline_uv {offline.key}"] if offline else [])]
         workdir = "/"
         for step in steps[1:]:
             parts.append(f"{step.op} {step.args}")
@@ -307,22 +310,35 @@ class ImageStore:
         if (step := df.step_as_user(steps, parent.user)) is not None:  # FROM's image set a USER
             why = f"{dockerfile}:{step.line}: {step.op} as USER {parent.user} (set by {steps[0].args})"
             return await self._by_buildah(dockerfile, backend, progress, why)
-        key = await asyncio.to_thread(self.layer_key, dockerfile, steps, parent.digest)
+        offline, uv_note = await self._offline_uv(dockerfile, steps, backend, progress)
+        key = await asyncio.to_thread(self.layer_key, dockerfile, steps, parent.digest, offline)
         final = self.root / key
         async with self._locks.setdefault(key, asyncio.Lock()):
             if not (final / "meta.json").exists():
                 await self._build_layer(final, parent, dockerfile, steps, backend, progress,
-                                        label=dockerfile.parent.parent.name,
-                                        extra={"base": steps[0].args, "note": parent.note, "builder": "furlong"})
+                                        label=dockerfile.parent.parent.name, offline=offline,
+                                        extra={"base": steps[0].args, "note": parent.note, "builder": "furlong",
+                                               **({"offline_uv": uv_note} if offline else {})})
         meta = json.loads((final / "meta.json").read_text())
         ref = ImageRef(digest=key, layers=(self.layer(key, final / "upper"), *parent.layers),
                        env=parent.env + tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],
-                       user=meta.get("user", parent.user), note=parent.note)
+                       user=meta.get("user", parent.user),
+                       note="; ".join(n for n in (parent.note, meta.get("offline_uv", "")) if n))
         where = next((f"{dockerfile}:{s.line}" for s in reversed(steps) if s.op == "USER"),
                      f"{dockerfile}:{steps[0].line}: FROM {steps[0].args}")
         await asyncio.to_thread(self.check_user, ref, where)
         self._resolved[dockerfile] = ref
         return ref
+
+    async def _offline_uv(self, dockerfile: Path, steps, backend,
+                          progress: Progress) -> tuple[offline_uv.OfflineUv | None, str]:
+        """With images.offline_uv, where a RUN step fetches uv's installer: the toolchain's uv, and the note
+        saying so (the version the URL asked for included); else (None, "")."""
+        wanted = [(s, v) for s in steps if s.op == "RUN" and (v := offline_uv.asked(df.run_command(s)))]
+        if not self.offline_uv or not wanted:
+            return None, ""
+        offline = await offline_uv.prepare(self, backend, progress)
+        return offline, "; ".join(offline.note(f"{dockerfile}:{s.line}", v) for s, v in wanted)
 
     async def toolchain(self, backend, progress: Progress | None = None) -> toolchains.Toolchain:
         """The verifier toolchain layer (furlong.sandbox.toolchain), built once in this store."""
@@ -341,14 +357,15 @@ class ImageStore:
             raise ImageBuildError(f"{where}: {exc}") from None
 
     async def _build_layer(self, final: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
-                           label: str, probe: str = "", extra: dict | None = None) -> None:
+                           label: str, probe: str = "", extra: dict | None = None,
+                           offline: offline_uv.OfflineUv | None = None) -> None:
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         _rmtree(tmp)
         (tmp / "upper").mkdir(parents=True)
         started = time.monotonic()
         try:
             env, workdir, user, provides = await self._run_steps(tmp / "upper", parent, dockerfile, steps,
-                                                                 backend, progress, label, probe)
+                                                                 backend, progress, label, probe, offline)
         except BaseException:
             _rmtree(tmp)  # a failed build leaves nothing behind
             raise
@@ -367,7 +384,7 @@ class ImageStore:
                 tmp.rename(final)
 
     async def _run_steps(self, upper: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
-                         label: str, probe: str):
+                         label: str, probe: str, offline: offline_uv.OfflineUv | None = None):
         """Runs the steps after FROM in one build sandbox, as root (a USER other than root goes to buildah);
         then `probe`, whose output is returned."""
         env: list[tuple[str, str]] = []
@@ -388,7 +405,7 @@ class ImageStore:
                 elif step.op == "COPY":
                     await box.put_tar(df.copy_tar(dockerfile.parent, step, workdir, dockerfile), "/")
                 else:
-                    await self._must(box, df.run_command(step), dockerfile, step, dict(env), workdir)
+                    await self._run(box, df.run_command(step), dockerfile, step, dict(env), workdir, offline)
             # cwd given: the probe must not save a shell state into the layer (it would set every later
             # sandbox's first cwd and PATH); the state dir is removed all the same
             provides = (await box.exec(probe, timeout_s=60, env=dict(env), cwd="/")).stdout.strip() if probe else ""
@@ -396,6 +413,16 @@ class ImageStore:
         finally:
             await box.close()
         return env, workdir, user, provides
+
+    async def _run(self, box, cmd: str, dockerfile: Path, step, env: dict, cwd: str,
+                   offline: offline_uv.OfflineUv | None) -> None:
+        """A RUN step; one fetching uv's installer with images.offline_uv on gets the toolchain's uv: its
+        directory is copied in for the step alone (a bind would need a sandbox of its own per step)."""
+        if offline is None or offline_uv.asked(cmd) is None:
+            return await self._must(box, cmd, dockerfile, step, env, cwd)
+        await box.put_dir(offline.directory, offline_uv.MOUNT)
+        await self._must(box, offline.command(cmd), dockerfile, step, env, cwd)
+        await self._must(box, f"rm -rf {offline_uv.MOUNT}", dockerfile, step, {}, "/")  # not in the layer
 
     async def _must(self, box, cmd: str, dockerfile: Path, step, env: dict, cwd: str) -> None:
         res = await box.exec(cmd, timeout_s=self.build_timeout_s, cwd=cwd, env=env)
