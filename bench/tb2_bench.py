@@ -52,6 +52,8 @@ CAUSES = [
 ]
 BUILD_FAILED = re.compile(r"image unavailable|image build failed")
 FAILED_AT = re.compile(r"Dockerfile:(\d+):")
+PYTEST_RAN = re.compile(r"\d+ (passed|failed|errors?)\b|short test summary")
+UVX_PYTHON = re.compile(r"\buvx\b[^\n]*?(?:--python|-p)[ =](\d+\.\d+)")
 FETCH = re.compile(r"^\s*RUN\b.*\b(https?://|pip3? install|uv pip install|git clone)", re.IGNORECASE)
 
 
@@ -92,7 +94,7 @@ def run_eval(task: Path, agent: str, timeout_s: float) -> dict:
             "record": record, "log_tail": None if record else (log or "")[-2000:]}
 
 
-def cause_of(task: Path, evidence: str, timed_out: bool) -> str:
+def cause_of(task: Path, evidence: str, timed_out: bool, note: str = "") -> str:
     """The issue's group for an oracle run that did not score 1, from what the episode said."""
     if timed_out:
         return "timeout"
@@ -101,7 +103,18 @@ def cause_of(task: Path, evidence: str, timed_out: bool) -> str:
             return cause
     if BUILD_FAILED.search(evidence) and _fetched_before_failure(task, evidence):
         return "https during build"
+    if not (BUILD_FAILED.search(evidence) or PYTEST_RAN.search(evidence)) and _python_uv_downloads(task, note):
+        return "tests need internet"
     return "other"
+
+
+def _python_uv_downloads(task: Path, note: str) -> bool:
+    """The tests hide pytest's output in a log file (none in the evidence) and ask `uvx --python X.Y` for a Python the
+    image's note does not name (e.g. 3.12 over the gcc stand-in's 3.11): uv would download CPython from
+    github.com, which fails here (checked by hand on transaction-log-replay; docs/tb2.md)."""
+    test = task / "tests/test.sh"
+    asked = UVX_PYTHON.search(test.read_text(errors="replace")) if test.exists() else None
+    return bool(asked) and f"Python {asked.group(1)}" not in note
 
 
 def _fetched_before_failure(task: Path, evidence: str) -> bool:
@@ -135,7 +148,7 @@ def row(task: Path, oracle: dict, noop: dict | None) -> dict:
            "seconds": {"oracle": oracle["seconds"], "noop": noop and noop["seconds"]}}
     if not passed:
         out["evidence"] = _evidence(oracle)
-        out["cause"] = cause_of(task, out["evidence"], oracle["timed_out"])
+        out["cause"] = cause_of(task, out["evidence"], oracle["timed_out"], rec.get("image_note") or "")
     return out
 
 
@@ -185,7 +198,8 @@ def reclassify(path: Path, root: Path, prov: dict) -> None:
     result = json.loads(path.read_text())
     for r in result["rows"]:
         if not r["oracle_pass"]:
-            r["cause"] = cause_of(root / r["task"], r["evidence"], r.get("timed_out", False))
+            r["cause"] = cause_of(root / r["task"], r["evidence"], r.get("timed_out", False),
+                                  r.get("image_note") or "")
     result["reclassified"] = finish(prov)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result["rows"]))

@@ -1,0 +1,36 @@
+"""bench/tb2_bench.py's reading of a failed oracle run: tests that hide pytest's output in a log file and ask
+`uvx --python X.Y` for a Python the image lacks count as needing the internet (uv would download CPython);
+a failed build or a pytest summary in the evidence is read by the other rules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import tb2_bench  # noqa: E402
+
+TEST_SH = "#!/bin/bash\nuvx --python 3.12 --with pytest==8.3.3 \\\n  pytest /tests/test_outputs.py > /logs/verifier/out.txt 2>&1\n"
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Path:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test.sh").write_text(TEST_SH)
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "environment/Dockerfile").write_text("FROM gcc:13.3.0-bookworm\nRUN apt-get install -y python3\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("evidence, note, cause", [
+    ("", "gcc:13.3.0-bookworm: furlong's gcc-12 stand-in (gcc 12.2.0, ...)", "tests need internet"),
+    ("mv: cannot move '/tests' to '/tmp/tests.hidden': Device or resource busy\n", "", "tests need internet"),
+    ("", "python:3.12-slim: furlong's python stand-in (Python 3.12.1, ...)", "other"),  # it has the Python asked
+    ("FAILED test_outputs.py::test_x\n1 failed, 3 passed in 0.2s\n", "", "other"),  # pytest ran: its own result
+    ("image unavailable: SandboxError: image build failed: Dockerfile:2: RUN exited 100: E: no such package", "",
+     "other"),  # a failed build is never the tests' fault
+])
+def test_a_hidden_test_log_asking_uv_for_a_python_the_image_lacks_needs_the_internet(task, evidence, note, cause):
+    assert tb2_bench.cause_of(task, evidence, False, note) == cause
