@@ -8,7 +8,8 @@
 # weight update (and its measured pause), LoRA load, 2 RL steps through `furlong train train.engine=ENGINE`.
 # Then `python -m scripts.fsdp2_check`: 2 FSDP2 trainer steps on one GPU (nccl, bf16 over fp32 masters),
 # and `python -m scripts.train_check`: `furlong train` with the trainer and engine on the GPU (direct and
-# delta weight sync), and a colocated Ray run (one trainer actor, one engine actor, sharing the GPU).
+# delta weight sync), and a colocated Ray run (one trainer actor, one engine actor, sharing the GPU) on a
+# local cluster the run starts and on one started first that it joins.
 # One PASS/FAIL line per check; exit 1 if any failed. The public checkpoint (Qwen/Qwen3-0.6B) is downloaded
 # once into WORK/model unless --model names a local one. Sandboxes need install.sh's Debian packages: it
 # runs first (as root it installs them; as a user it says what is missing).
@@ -28,7 +29,7 @@ WORK="$ROOT/.gpu-check"
 CHECKPOINT="Qwen/Qwen3-0.6B"
 FAILED=0
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;

@@ -1,6 +1,6 @@
 """`furlong train` on a device, end to end, one PASS/FAIL line per variant (run by scripts/gpu_check.sh).
 
-    python -m scripts.train_check --model DIR [--device cuda|cpu] [--variants local,delta,ray] [--work DIR]
+    python -m scripts.train_check --model DIR [--device cuda|cpu] [--variants local,delta,ray,ray-join] [--work DIR]
 
 Each variant trains scripts/gpu_env.py for three RL steps (scripts/train_check.yaml: no sandbox, a graded
 reward, so every step trains) from the model taught first, in a few SFT steps on the device, to answer with
@@ -11,7 +11,10 @@ weights (versions 1, 2, 3), the engine took each version (a sync time per step),
 - local: the trainer (train.device) and the in-process hf engine (train.hf.device) on the device, weights
   copied tensor to tensor (train.sync.transport=direct);
 - delta: the same, through the publisher's full/delta updates over HTTP to the engine's relay;
-- ray: train.cluster=ray, colocated: one trainer actor and one engine actor sharing one GPU (0.5 each).
+- ray: train.cluster=ray, colocated: one trainer actor and one engine actor sharing one GPU (0.5 each), on
+  a local cluster the run starts;
+- ray-join: the same on a cluster started first by `ray start --head` (scripts/ray_head.py), which the run
+  joins (train.ray.address) and leaves up.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.ray_head import ray_head
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
 
@@ -34,11 +39,11 @@ def overrides(variant: str, device: str) -> list[str]:
         return on_device
     if variant == "delta":
         return [*on_device, "train.sync.transport=http", "train.sync.full_every=2"]
-    if variant == "ray":
+    if variant in ("ray", "ray-join"):
         gpus = ["train.ray.trainer_gpus=0.5", "train.ray.engine_gpus=0.5"] if device == "cuda" else []
         return ["train.cluster=ray", f"train.device={device}", "train.ray.trainer_cpus=1",
                 "train.ray.engine_cpus=1", *gpus]
-    raise ValueError(f"unknown variant {variant!r} (expected local, delta or ray)")
+    raise ValueError(f"unknown variant {variant!r} (expected local, delta, ray or ray-join)")
 
 
 def teach(model_dir: Path, out: Path, device: str) -> Path:
@@ -65,9 +70,19 @@ def teach(model_dir: Path, out: Path, device: str) -> Path:
 
 
 def check(variant: str, model: Path, device: str, work: Path) -> str:
+    if variant != "ray-join":
+        return run_check(variant, model, device, work)
+    with ray_head(num_cpus=2, num_gpus=int(device == "cuda")) as head:
+        got = run_check(variant, model, device, work, (f"train.ray.address={head.address}",))
+        if not head.up():
+            raise RuntimeError("the run stopped the cluster it joined")
+        return got
+
+
+def run_check(variant: str, model: Path, device: str, work: Path, extra: tuple[str, ...] = ()) -> str:
     run_dir = work / f"run-{variant}"
     cmd = [sys.executable, "-m", "furlong.cli", "train", "--config", str(ROOT / "scripts/train_check.yaml"),
-           f"train.model.path={model}", f"train.run_dir={run_dir}", *overrides(variant, device)]
+           f"train.model.path={model}", f"train.run_dir={run_dir}", *overrides(variant, device), *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - start
@@ -94,7 +109,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--variants", default="local,delta,ray")
+    parser.add_argument("--variants", default="local,delta,ray,ray-join")
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="furlong-train-check-"))

@@ -12,6 +12,7 @@ import torch
 
 from furlong.build.training import check_devices
 from furlong.config import ConfigError, load_config
+from furlong.run.phases import sft_device
 
 
 def test_overrides_and_recipes_are_typed(tmp_path: Path):
@@ -64,6 +65,14 @@ def test_a_cuda_device_this_machine_lacks_is_a_config_error_naming_the_key(overr
     with pytest.raises(ConfigError, match=f"{override}: no CUDA device is visible"):
         check_devices(load_config(None, [override]).train)
     check_devices(load_config(None, ["train.cluster=ray", "train.device=cuda", "train.ray.trainer_gpus=1"]).train)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
+def test_sft_trains_on_train_device_and_on_ray_falls_back_to_the_drivers_cpu():
+    assert sft_device(load_config(None, [])) == "cpu"
+    on_ray = load_config(None, ["train.cluster=ray", "train.device=cuda", "train.ray.trainer_gpus=1"])
+    assert sft_device(on_ray) == "cpu"  # the GPU is the trainer actor's; this driver has none
+    assert sft_device(load_config(None, ["train.device=cuda"])) == "cuda"  # local: check_devices refuses it here
 
 
 def test_bad_recipe_names_the_file(tmp_path: Path):

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray._common.utils import get_default_ray_temp_dir
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -60,6 +62,39 @@ class Roles:
         raise ValueError(f"train.ray.placement: expected colocated or disaggregated, got {self.placement!r}")
 
 
+def _start_local(num_cpus: float, namespace: str, env: dict[str, str]) -> None:
+    """A new local cluster ("local": even where another run's, or `ray start`'s, is up); if it does not
+    start, the error carries the tails of its session's process logs (Ray's own says only "timed out")."""
+    since = time.time()
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 namespace=namespace, runtime_env={"env_vars": env})
+    except Exception as exc:
+        raise RuntimeError(f"train.cluster=ray: the local Ray cluster did not start ({exc}); "
+                           f"{startup_logs(since)}") from exc
+
+
+def startup_logs(since: float, root: Path | None = None, lines: int = 5) -> str:
+    """Where the newest Ray session started after `since` keeps its logs, and the last `lines` lines of
+    the head's processes' logs (gcs_server, raylet, agents), for an error message."""
+    root = root or Path(get_default_ray_temp_dir())  # RAY_TMPDIR, else the system's, + /ray
+    sessions = [d for d in root.glob("session_2*") if d.is_dir() and d.stat().st_mtime >= since - 1]
+    if not sessions:
+        return f"no Ray session directory under {root} was made after the start"
+    logs = max(sessions, key=lambda d: d.stat().st_mtime) / "logs"
+    found = sorted(p.name for p in logs.glob("*")) if logs.is_dir() else []
+    parts = [f"its logs: {logs} ({', '.join(found) or 'none written'})"]
+    for name in STARTUP_LOGS:
+        path = logs / name
+        if path.is_file() and (tail := path.read_text(errors="replace").strip().splitlines()[-lines:]):
+            parts.append(f"{name}: " + " | ".join(tail))
+    return "; ".join(parts)
+
+
+STARTUP_LOGS = ("gcs_server.err", "gcs_server.out", "raylet.err", "raylet.out", "runtime_env_agent.err",
+                "dashboard_agent.err")
+
+
 def bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {"CPU": cpus, "GPU": gpus} if gpus > 0 else {"CPU": cpus}
 
@@ -94,10 +129,7 @@ class RaySession:
             if self.local:
                 os.environ[TAG_ENV] = self.tag  # inherited by every Ray process started now, and only those
                 try:
-                    # "local": a new cluster even where another run's (or `ray start`'s) is up
-                    ray.init(address="local", num_cpus=num_cpus or roles.cpus, include_dashboard=False,
-                             log_to_driver=False,
-                             namespace=self.tag, runtime_env={"env_vars": env})
+                    _start_local(num_cpus or roles.cpus, self.tag, env)
                 finally:
                     os.environ.pop(TAG_ENV, None)
             else:

@@ -43,7 +43,8 @@ class TrainConfig(_Node):
     ray: RayConfig = Field(RayConfig(), description="train.cluster=ray: the cluster, its placement and resources")
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "
-                                           "(and its KL reference)")
+                                           "(and its KL reference, and the SFT warm start: on Ray only if the driver's node "
+                                           "has a GPU too, else on its CPU)")
     trainer: Literal["local", "fsdp2"] = Field("local", description="local: the policy in this process; fsdp2: "
                                                "sharded over train.fsdp2.world_size rank processes")
     fsdp2: FSDP2Config = Field(FSDP2Config(), description="train.trainer=fsdp2: its ranks")

@@ -7,6 +7,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from furlong.build.training import Pieces, phase_engine
@@ -40,7 +41,7 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
             demos = await oracle_demos(tasks, p.tokenizer, env, p.params, s.concurrency, advance)
     save_demos(run.path / DEMOS_FILE, demos)
     demo_seconds = time.perf_counter() - start
-    model = load_model(p.base_model)
+    model = load_model(p.base_model).to(sft_device(cfg))
     steps = s.epochs * -(-len(demos) // s.batch_size)
     with progress_bar(console, "sft: training", steps) as advance:
         def on_step(step: int, loss: float) -> None:
@@ -48,12 +49,21 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
             advance()
         losses = await asyncio.to_thread(sft_train, model, demos, s.epochs, s.lr, s.batch_size, cfg.train.seed,
                                          p.tokenizer.pad_token_id, on_step)
-    out = write_hf(model, p.tokenizer, run.checkpoint_dir("sft"))
+    out = write_hf(model.cpu(), p.tokenizer, run.checkpoint_dir("sft"))
     result = {"model": str(out), "demos": len(demos), "demo_failures": len(tasks) - len(demos),
               "steps": len(losses), "final_loss": losses[-1] if losses else None, "epochs": s.epochs,
               "demo_seconds": demo_seconds, "seconds": time.perf_counter() - start}
     run.finish_phase("sft", result)
     return out
+
+
+def sft_device(cfg: Config) -> str:
+    """train.device, where this process has it: in local mode always (the config refuses cuda without a
+    GPU); on Ray the GPU is the trainer actor's, so SFT (run here, before RL) uses one only if the
+    driver's node has one too, else the CPU."""
+    if cfg.train.device == "cuda" and cfg.train.cluster == "ray" and not torch.cuda.is_available():
+        return "cpu"
+    return cfg.train.device
 
 
 async def eval_phase(name: str, model_dir: Path, cfg: Config, p: Pieces, run: RunDir, console: Console,
