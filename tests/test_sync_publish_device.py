@@ -12,6 +12,7 @@ import torch
 from furlong.sync import WeightReceiver, read_update
 from furlong.sync.codec import CHUNK
 from furlong.sync.publish import Publisher
+from furlong.sync.staging import DeviceStage
 from furlong.sync.transport import InProcessTransport
 
 Weights = dict[str, torch.Tensor]
@@ -157,8 +158,11 @@ def test_failed_put_leaves_the_previous_version_and_the_next_delta_applies(case:
     assert rx.version == 6
 
 
-def test_host_path_stays_on_the_host_for_cpu_weights() -> None:
+def test_the_path_follows_the_weights_device() -> None:
     pub = Publisher(InProcessTransport())
     pub.publish(model(), 1)
-    assert not pub.on_device
+    assert not pub.on_device  # CPU weights: the host path, as before
     assert all(t.device.type == "cpu" for t in pub.published.values())
+    # Off the CPU (a CUDA trainer; "meta" stands in here, no GPU): the device path, chosen at the first publish.
+    off_cpu = Publisher(InProcessTransport())
+    assert isinstance(off_cpu._stage_for({"w": torch.empty(4, device="meta")}), DeviceStage)
