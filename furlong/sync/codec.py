@@ -39,7 +39,13 @@ def as_words(t: torch.Tensor) -> np.ndarray:
     w = word_width(t.dtype)
     if t.numel() == 0:
         return np.empty(0, dtype=UINT[w])
-    return t.detach().reshape(-1).view(_TORCH_INT[w]).numpy().view(UINT[w])
+    return int_words(t).numpy().view(UINT[w])
+
+
+def int_words(t: torch.Tensor) -> torch.Tensor:
+    """The words of as_words as a 1-D signed-int torch view, on `t`'s device (torch lacks most unsigned
+    ops): equal words have equal bits, which is all a comparison needs."""
+    return t.detach().reshape(-1).view(_TORCH_INT[word_width(t.dtype)])
 
 
 def zigzag(u: np.ndarray) -> np.ndarray:

@@ -15,13 +15,15 @@ rolled back by subtracting the same differences (exact: the arithmetic wraps mod
 model is needed. Re-applying an update, or applying it to the wrong version, is refused.
 Snapshots are decoded into fresh tensors and swapped in only once all are verified.
 
-Everything runs on one core (numpy, zstd without workers); tensors must be CPU-resident
-(stage GPU weights through pinned CPU buffers).
+Everything runs on one core (numpy, zstd without workers); tensors must be CPU-resident. For weights
+on a GPU the Publisher does not copy them whole to the host per step: furlong.sync.staging finds the
+changes on the device, moves only what each layout needs into a persistent host mirror and builds the
+same payload from it with `pack_delta` and the same section encoders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -46,6 +48,7 @@ DELTA_ENCODING = "furlong-delta/1"
 FULL_ENCODING = "furlong-full/1"
 
 Tensors = Mapping[str, torch.Tensor]
+Section = tuple[TensorDelta, bytes | list[bytes]]  # a tensor's header and its section's bytes (or pieces)
 
 
 def encode_delta(
@@ -68,17 +71,37 @@ def encode_delta(
     `momentum`: the sender's state (furlong.sync.momentum): dense tensors are predicted from the update
     that made `base_version` where it recorded them, and this update records; call `momentum.commit()`
     once the payload is delivered (until then the previous state stays in force)."""
-    if version <= base_version:
-        raise ValueError(f"version {version} must be newer than base_version {base_version}")
+    _check_newer(version, base_version)
     _check_same_layout(prev, new)
+
+    def section(name: str, cctx: zstd.ZstdCompressor) -> Section:
+        return encode_tensor_delta(name, prev[name].contiguous(), new[name].contiguous(), cctx, checksum_algo,
+                                   momentum, base_version)
+
+    return pack_delta(list(new), section, version=version, base_version=base_version, level=level,
+                      checksum_algo=checksum_algo, momentum=momentum, out=out)
+
+
+def pack_delta(
+    names: list[str],
+    section: Callable[[str, zstd.ZstdCompressor], Section],
+    *,
+    version: int,
+    base_version: int,
+    level: int | None,
+    checksum_algo: str,
+    momentum: Momentum | None,
+    out: bytearray | None,
+) -> bytes | memoryview:
+    """The delta payload of the tensors `names`, in order, each section made by `section` (encode_delta's,
+    or the device encoder's in furlong.sync.staging); the other arguments as encode_delta's."""
+    _check_newer(version, base_version)
     cctx = section_compressor(level)
     metas, sections, offset = [], [], 0
     if momentum is not None:
         momentum.begin(version)
-    for name, t in new.items():
-        td, data = encode_tensor_delta(
-            name, prev[name].contiguous(), t.contiguous(), cctx, checksum_algo, momentum, base_version
-        )
+    for name in names:
+        td, data = section(name, cctx)
         metas.append(replace(td, offset=offset))
         sections.extend(data) if isinstance(data, list) else sections.append(data)
         offset += td.length
@@ -184,6 +207,11 @@ def _check_versions(upd: WeightUpdate, current: int | None) -> None:
             f"delta v{upd.version} was made against v{upd.base_version}, "
             f"but the receiver holds v{current}"
         )
+
+
+def _check_newer(version: int, base_version: int) -> None:
+    if version <= base_version:
+        raise ValueError(f"version {version} must be newer than base_version {base_version}")
 
 
 def _check_same_layout(prev: Tensors, new: Tensors) -> None:

@@ -8,6 +8,12 @@ starts the chain, restarts it every `full_every` publishes (so a relay that fell
 lost a file has a recent place to restart from), when the tensor layout changes, and when a
 relay asked for one through the transport (`Transport.request_full`). Between snapshots, dense
 tensors are predicted from the previous delta (furlong.sync.momentum; `momentum=False` turns it off).
+
+Where the copy lives depends on where the weights are. CPU weights (HostStage): a fresh host copy per
+publish, the previous one being the delta's base. Weights on a GPU (DeviceStage, furlong.sync.staging): the
+copy stays on the device, is compared there with the previous one, and only what the delta's layouts
+need crosses to a persistent host mirror; the payload is the same bytes either way. `PublishedUpdate.host_bytes`
+says what each publish copied into host memory.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from furlong.sync.delta import encode_delta, encode_full
 from furlong.sync.momentum import Momentum
+from furlong.sync.staging import DeviceStage, engine_copy, nbytes, same_layout
 from furlong.sync.transport import Transport
 
 
@@ -35,17 +42,59 @@ class PublishedUpdate:
     encode_s: float  # cast + encode
     put_s: float  # handing the payload to the transport (write, fsync, rename)
     reason: str  # why this kind: "first", "delta", "full_every", "layout", "requested", "forced"
+    # Bytes of weight data this publish wrote into host memory from the trainer's tensors. Host path: the
+    # whole engine-dtype copy, every publish (= full_bytes). Device path (furlong.sync.staging): what was
+    # moved device -> host: full_bytes for a snapshot; for a delta the scalars, positions or bitmaps and
+    # changed words its layouts needed, and the dense tensors' words.
+    host_bytes: int = 0
 
     @property
     def ratio(self) -> float:
         return self.payload_bytes / self.full_bytes if self.full_bytes else 0.0
 
 
+class HostStage:
+    """The host path: a fresh CPU engine-dtype copy at every publish, kept as the next delta's base."""
+
+    def __init__(self, engine_dtype: torch.dtype) -> None:
+        self.engine_dtype = engine_dtype
+        self.base: dict[str, torch.Tensor] | None = None
+        self.host_bytes = 0
+
+    @property
+    def published(self) -> dict[str, torch.Tensor] | None:
+        return self.base
+
+    def copy(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        new = engine_copy(state_dict, self.engine_dtype, torch.device("cpu"))
+        self.host_bytes = nbytes(new)
+        return new
+
+    def full(self, new: dict[str, torch.Tensor], *, version: int, level: int | None) -> bytes:
+        return encode_full(new, version=version, level=level)
+
+    def delta(self, new: dict[str, torch.Tensor], *, version: int, base_version: int, level: int | None,
+              momentum: Momentum | None, out: bytearray | None) -> bytes | memoryview:
+        assert self.base is not None
+        return encode_delta(self.base, new, version=version, base_version=base_version, level=level,
+                            momentum=momentum, out=out)
+
+    def commit(self, new: dict[str, torch.Tensor]) -> None:
+        self.base = new
+
+    def rollback(self) -> None:
+        pass  # nothing is written before commit
+
+
 class Publisher:
     """Publishes versions of a state dict through a transport (one publisher per transport).
 
     Tensors that share storage (tied embeddings) are sent once, under the first name met:
-    engines load by name into live parameters, so the alias is updated through its twin."""
+    engines load by name into live parameters, so the alias is updated through its twin.
+
+    `device_base`: keep the last published copy on the weights' device and move only what each delta
+    needs to the host (furlong.sync.staging); None (default): when the first state dict published has a
+    tensor off the CPU (a CUDA trainer); True: always (on CPU tensors too: tests); False: never."""
 
     def __init__(
         self,
@@ -55,6 +104,7 @@ class Publisher:
         engine_dtype: torch.dtype = torch.bfloat16,
         level: int | None = None,
         momentum: bool = True,
+        device_base: bool | None = None,
     ) -> None:
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
@@ -62,7 +112,8 @@ class Publisher:
         self.full_every = full_every
         self.engine_dtype = engine_dtype
         self.level = level  # zstd level; None = the codec's tuned fast parameters
-        self._prev: dict[str, torch.Tensor] | None = None  # last published engine-dtype copy
+        self.device_base = device_base
+        self._stage: HostStage | DeviceStage | None = None  # chosen at the first publish
         self._version: int | None = None
         self._since_full = 0
         # Dense tensors are predicted from the previous delta (furlong.sync.momentum); costs up to two
@@ -76,8 +127,14 @@ class Publisher:
 
     @property
     def published(self) -> Mapping[str, torch.Tensor] | None:
-        """The engine-dtype tensors of the last published version (what relays reconstruct)."""
-        return self._prev
+        """The engine-dtype tensors of the last published version (what relays reconstruct), on the host.
+        On the device path this is the host mirror, patched in place by the next publish: clone to keep."""
+        return None if self._stage is None else self._stage.published
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the device path is in use (decided at the first publish)."""
+        return isinstance(self._stage, DeviceStage)
 
     def publish(
         self, state_dict: Mapping[str, torch.Tensor], version: int, *, force_full: bool = False
@@ -86,68 +143,64 @@ class Publisher:
             raise ValueError(f"version {version} must be newer than the last published "
                              f"{self._version}")
         t0 = time.perf_counter()
-        new = self.engine_copy(state_dict)
+        stage = self._stage_for(state_dict)
+        new = stage.copy(state_dict)
         reason = self._kind_reason(new, force_full)
-        if reason == "delta":
-            assert self._prev is not None and self._version is not None
-            base: int | None = self._version
-            payload: bytes | memoryview = encode_delta(self._prev, new, version=version, base_version=self._version,
-                                                       level=self.level, momentum=self._momentum, out=self._out)
-        else:
-            base = None
-            payload = encode_full(new, version=version, level=self.level)
-        t1 = time.perf_counter()
         kind = "delta" if reason == "delta" else "full"
         try:
-            self.transport.put(version, kind, payload)  # transports copy or write it: they keep no view
-        finally:
-            size = len(payload)
-            if isinstance(payload, memoryview):
-                payload.release()  # else self._out could not grow next time
+            t1, size = self._encode_and_put(stage, new, version, reason)
+        except BaseException:
+            stage.rollback()  # the mirror (device path) stays at the last published version
+            raise
         # Only once the transport accepted it does it become the base of the next delta.
-        self._prev, self._version = new, version
+        base = self._version if kind == "delta" else None
+        self._version = version
+        stage.commit(new)
         if self._momentum is not None and kind == "delta":
             self._momentum.commit()
         elif self._momentum is not None:
             self._momentum.clear(version)
         self._since_full = self._since_full + 1 if kind == "delta" else 1
-        full_bytes = sum(t.numel() * t.element_size() for t in new.values())
-        return PublishedUpdate(version, kind, base, size, full_bytes, t1 - t0,
-                               time.perf_counter() - t1, reason)
+        return PublishedUpdate(version, kind, base, size, nbytes(new), t1 - t0,
+                               time.perf_counter() - t1, reason, stage.host_bytes)
 
-    def engine_copy(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Detached CPU copies, floating tensors cast to the engine dtype, aliases dropped.
+    def _encode_and_put(self, stage: HostStage | DeviceStage, new: dict[str, torch.Tensor], version: int,
+                        reason: str) -> tuple[float, int]:
+        """Encode, hand to the transport; returns when encoding ended and the payload's size."""
+        if reason == "delta":
+            assert self._version is not None
+            payload: bytes | memoryview = stage.delta(new, version=version, base_version=self._version,
+                                                      level=self.level, momentum=self._momentum, out=self._out)
+        else:
+            payload = stage.full(new, version=version, level=self.level)
+        t1 = time.perf_counter()
+        try:
+            self.transport.put(version, "delta" if reason == "delta" else "full", payload)  # copied: no view kept
+        finally:
+            size = len(payload)
+            if isinstance(payload, memoryview):
+                payload.release()  # else self._out could not grow next time
+        return t1, size
 
-        Always a copy (copy=True): keeping a view of the trainer's live tensors as the next
-        delta's base would make it drift as the optimizer steps."""
-        out: dict[str, torch.Tensor] = {}
-        seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-        for name, t in state_dict.items():
-            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-            if t.numel() and key in seen:
-                continue
-            seen.add(key)
-            dtype = self.engine_dtype if t.is_floating_point() else t.dtype
-            out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
-        return out
+    def _stage_for(self, state_dict: Mapping[str, torch.Tensor]) -> HostStage | DeviceStage:
+        if self._stage is None:
+            on_device = any(t.device.type != "cpu" for t in state_dict.values())
+            use = on_device if self.device_base is None else self.device_base
+            self._stage = DeviceStage(self.engine_dtype) if use else HostStage(self.engine_dtype)
+        return self._stage
 
     def _kind_reason(self, new: Mapping[str, torch.Tensor], force_full: bool) -> str:
         # Consume a pending request even when a full is due anyway, so it does not cause two.
         requested = self.transport.take_full_request()
-        if self._prev is None:
+        base = None if self._stage is None else self._stage.base
+        if base is None:
             return "first"
         if force_full:
             return "forced"
         if requested:
             return "requested"
-        if not _same_layout(self._prev, new):
+        if not same_layout(base, new):
             return "layout"
         if self._since_full >= self.full_every:
             return "full_every"
         return "delta"
-
-
-def _same_layout(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a
-    )

@@ -32,14 +32,35 @@ class Scan:
     dense: bool = False  # more than max_sparse changes: the scan stopped, parts incomplete
 
 
-def estimate_density(a: np.ndarray, b: np.ndarray, blocks: int = 16, block: int = 4096) -> float:
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 16, 4096  # estimate_density's sample
+
+
+def estimate_density(a: np.ndarray, b: np.ndarray) -> float:
     """Fraction of differing words in evenly spaced sample blocks (exact for small arrays)."""
-    n = a.size
-    if n <= blocks * block:
-        return float(np.count_nonzero(a != b)) / max(n, 1)
-    starts = np.linspace(0, n - block, blocks).astype(np.int64)
+    starts = sample_starts(a.size)
+    if starts is None:
+        return float(np.count_nonzero(a != b)) / max(a.size, 1)
+    block = SAMPLE_BLOCK
     diff = sum(int(np.count_nonzero(a[s : s + block] != b[s : s + block])) for s in starts)
-    return diff / (blocks * block)
+    return diff / (starts.size * block)
+
+
+def sample_starts(n: int) -> np.ndarray | None:
+    """First words of estimate_density's sample blocks in n words; None: it counts all of them.
+    Shared with the device encoder (furlong.sync.staging), whose estimate must be the same number."""
+    if n <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
+        return None
+    return np.linspace(0, n - SAMPLE_BLOCK, SAMPLE_BLOCKS).astype(np.int64)
+
+
+def gaps(pos: np.ndarray, last: int = -1) -> np.ndarray:
+    """position - previous position - 1 for increasing int64 positions (`last`: the one before pos[0])."""
+    g = np.empty_like(pos)
+    if pos.size:
+        g[0] = pos[0] - last - 1
+        np.subtract(pos[1:], pos[:-1], out=g[1:])
+        g[1:] -= 1
+    return g
 
 
 def changed_words(
@@ -92,11 +113,7 @@ def scan_changes(a: np.ndarray, b: np.ndarray, max_sparse: int, grouped: bool = 
         if sc.count > max_sparse:
             return Scan(count=sc.count, dense=True)
         sc.values.append(_zigzag_diff(old, new))
-        g = np.empty_like(local)
-        g[0] = local[0] + s - last - 1
-        np.subtract(local[1:], local[:-1], out=g[1:])
-        g[1:] -= 1
-        sc.gaps.append(g)
+        sc.gaps.append(gaps(local, last - s))  # chunk-local positions: the previous one shifted alike
         last = s + int(local[-1])
     return sc
 

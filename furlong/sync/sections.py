@@ -28,6 +28,7 @@ below 50%, dense from 50%.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -66,6 +67,42 @@ def section_compressor(level: int | None = None) -> zstd.ZstdCompressor:
     return zstd.ZstdCompressor(compression_params=params)
 
 
+class Change(Protocol):
+    """One tensor's words before and after, as the layout choice reads them. HostChange scans two host
+    arrays; furlong.sync.staging's DeviceChange finds the changes on the tensors' device and brings over
+    only what the chosen layout needs. Both must give the same answers: the payload is the same."""
+
+    n: int  # words
+    dtype: np.dtype  # of the words (codec.UINT)
+
+    def density(self) -> float: ...  # as scan.estimate_density
+    def sparse(self, max_sparse: int, grouped: bool) -> scan.Scan: ...  # as scan.scan_changes
+    def bitmap(self) -> tuple[np.ndarray, np.ndarray]: ...  # as scan.scan_bitmap: mask, zigzag values
+    def words(self) -> tuple[np.ndarray, np.ndarray]: ...  # every word: prev, new
+
+
+class HostChange:
+    """prev -> new words, both in host memory."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray) -> None:
+        self.a, self.b, self.n, self.dtype = a, b, a.size, a.dtype
+
+    def density(self) -> float:
+        return scan.estimate_density(self.a, self.b)
+
+    def sparse(self, max_sparse: int, grouped: bool) -> scan.Scan:
+        return scan.scan_changes(self.a, self.b, max_sparse, grouped)
+
+    def bitmap(self) -> tuple[np.ndarray, np.ndarray]:
+        if kernels.available(self.dtype):
+            return kernels.bitmap_layout(self.a, self.b, CHUNK)
+        bitmap, parts = scan.scan_bitmap(self.a, self.b)
+        return bitmap, scan.concat(parts, self.dtype)
+
+    def words(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.a, self.b
+
+
 def encode_tensor_delta(
     name: str, prev: torch.Tensor, new: torch.Tensor, cctx: zstd.ZstdCompressor, algo: str,
     momentum: Momentum | None = None, base_version: int | None = None,
@@ -73,39 +110,44 @@ def encode_tensor_delta(
     """The section carrying prev -> new for one tensor (offset is filled in by the caller), as bytes or
     as the list of its consecutive pieces. With `momentum` (recording the update made against
     `base_version`) a dense tensor is predicted from its state, if it has one, and records its own."""
-    a, b = codec.as_words(prev), codec.as_words(new)
-    meta = TensorDelta(
-        name=name,
-        shape=tuple(new.shape),
-        dtype=dtype_name(new.dtype),
-        encoding="same",
-        checksum=tensor_digest(new, algo),
-    )
+    change = HostChange(codec.as_words(prev), codec.as_words(new))
+    return encode_change(delta_meta(name, new, tensor_digest(new, algo)), change, cctx, momentum, base_version)
+
+
+def delta_meta(name: str, new: torch.Tensor, checksum: str) -> TensorDelta:
+    """A tensor's delta header before its layout is chosen ("same": nothing changed)."""
+    return TensorDelta(name=name, shape=tuple(new.shape), dtype=dtype_name(new.dtype), encoding="same",
+                       checksum=checksum)
+
+
+def encode_change(
+    meta: TensorDelta, change: Change, cctx: zstd.ZstdCompressor, momentum: Momentum | None = None,
+    base_version: int | None = None,
+) -> tuple[TensorDelta, bytes | list[bytes]]:
+    """encode_tensor_delta for any Change (`meta` from delta_meta)."""
     # A cheap sample picks the layout before the single scan; a wrong guess costs a little
     # size or speed, never correctness (the sparse scan also gives up past SPARSE_MAX).
-    est = scan.estimate_density(a, b)
+    est = change.density()
     if est >= DENSE_FROM:
+        a, b = change.words()
         if momentum is None:
             return _dense(meta, a, b, cctx)
-        p = momentum.prediction(name, base_version)
-        meta, data = _dense(replace(meta, predicted=p is not None), a, b, cctx, p, momentum.buffer(name, a.size))
+        p = momentum.prediction(meta.name, base_version)
+        meta, data = _dense(replace(meta, predicted=p is not None), a, b, cctx, p,
+                            momentum.buffer(meta.name, change.n))
         if meta.encoding != "dense":  # unchanged after all: like every non-dense tensor, it records nothing
-            momentum.discard(name)
+            momentum.discard(meta.name)
         return meta, data
     if est < BITMAP_FROM:
-        sc = scan.scan_changes(a, b, int(a.size * SPARSE_MAX), grouped=est < GROUPED_BELOW)
+        sc = change.sparse(int(change.n * SPARSE_MAX), grouped=est < GROUPED_BELOW)
         if sc.count == 0:
             return meta, b""
         if not sc.dense:
             meta = replace(meta, n_changed=sc.count)
             return _sparse(
-                meta, scan.concat(sc.gaps, np.int64), scan.concat(sc.values, a.dtype), cctx
+                meta, scan.concat(sc.gaps, np.int64), scan.concat(sc.values, change.dtype), cctx
             )
-    if kernels.available(a.dtype):
-        bitmap, values = kernels.bitmap_layout(a, b, CHUNK)
-    else:
-        bitmap, parts = scan.scan_bitmap(a, b)
-        values = scan.concat(parts, a.dtype)
+    bitmap, values = change.bitmap()
     if values.size == 0:
         return meta, b""
     return _bitmap(replace(meta, n_changed=values.size), bitmap, values, cctx)

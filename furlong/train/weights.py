@@ -82,7 +82,8 @@ class PublishedLink:
             raise RuntimeError(f"relay loaded v{report['engine_version']}, expected v{version}: {report['faults']}")
         return {**routed, "sync_seconds": time.perf_counter() - start, "sync_full": float(pub.kind == "full"),
                 "sync_payload_bytes": pub.payload_bytes, "sync_payload_ratio": pub.ratio,
-                "sync_encode_s": pub.encode_s, "sync_put_s": pub.put_s, "sync_stage_s": report["stage_s"],
+                "sync_encode_s": pub.encode_s, "sync_put_s": pub.put_s, "sync_host_bytes": pub.host_bytes,
+                "sync_stage_s": report["stage_s"],
                 "sync_pause_s": report["pause_s"], "sync_recovered": float(report["recovered"])}
 
     async def close(self) -> None:
