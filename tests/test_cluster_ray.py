@@ -327,3 +327,18 @@ def test_train_on_ray_with_vllm_engine_actors_advances_their_weights_and_leaves_
     assert [r["step"] for r in rows] == [0, 1] and all(r["sync_pause_s"] > 0 for r in rows)
     assert max(r["logprob_diff_max"] for r in rows) < 1e-3  # vLLM's fp32 logprobs are the trainer's
     assert (run / "summary.json").exists()
+
+
+def test_train_on_ray_runs_its_sandboxes_on_host_actors_and_leaves_nothing(tmp_path: Path):
+    run = tmp_path / "run"
+    res = _train("train.cluster=ray", "train.ray.sandbox_hosts=2", "train.ray.sandbox_host_cpus=0.5",
+                 "train.rl.steps=2", f"train.run_dir={run}", mark="hosts")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not _left("hosts")  # the hosts' `furlong sandbox serve` processes and their sandboxes too
+    hosts = json.loads((run / "sandbox_hosts.json").read_text())
+    assert len(hosts) == 2 and not [h for h in hosts if "error" in h], hosts
+    records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    assert records and all(r["reward"] is not None for r in records)  # every episode scored, none infra
+    # every episode's sandbox (and SFT's demonstrations') was started by a host actor, over both hosts
+    assert sum(h["created"] for h in hosts) >= len(records), (hosts, len(records))
+    assert all(h["created"] > 0 for h in hosts), hosts

@@ -48,6 +48,17 @@ def test_gpu_settings_that_cannot_run_are_refused(overrides: list[str], words: s
 
 
 @pytest.mark.parametrize("overrides, words", [
+    (["train.ray.sandbox_hosts=2"], "sandbox host actors need train.cluster=ray"),
+    (["train.cluster=ray", "train.ray.sandbox_hosts=2", "sandbox.backend=remote"], "drop sandbox.backend=remote"),
+    (["train.cluster=ray", "train.ray.sandbox_hosts=-1"], "train.ray.sandbox_hosts: Input should be greater"),
+])
+def test_sandbox_host_actors_that_cannot_run_are_refused(overrides: list[str], words: str):
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, overrides)
+    assert load_config(None, ["train.cluster=ray", "train.ray.sandbox_hosts=2"]).train.ray.sandbox_hosts == 2
+
+
+@pytest.mark.parametrize("overrides, words", [
     (["train.engine=vllm", "train.lora.enabled=true"], "train.engine=vllm loads full weights into each engine actor"),
     (["train.engine=sglang", "train.lora.enabled=true"], "train.engine=sglang loads full weights"),
     (["train.engine=sglang", "train.sglang.url=http://127.0.0.1:30000"], "drop train.sglang.url"),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from furlong.cluster.engines import EngineActors, EngineSpec
 from furlong.cluster.ranks import RayRanks
+from furlong.cluster.sandboxes import HostSpec, SandboxHosts
 from furlong.cluster.session import RaySession, Roles
 from furlong.cluster.trainer import RayTrainer
 from furlong.config import Config, TrainConfig
@@ -29,8 +30,19 @@ def session(t: TrainConfig) -> RaySession | None:
     r = t.ray
     ranks = t.fsdp2.world_size if t.trainer == "fsdp2" else 1
     roles = Roles(engines=r.engines, engine_cpus=r.engine_cpus, trainer_cpus=r.trainer_cpus, placement=r.placement,
-                  trainer_ranks=ranks, trainer_gpus=r.trainer_gpus, engine_gpus=r.engine_gpus)
+                  trainer_ranks=ranks, trainer_gpus=r.trainer_gpus, engine_gpus=r.engine_gpus,
+                  sandbox_hosts=r.sandbox_hosts, sandbox_cpus=r.sandbox_host_cpus)
     return RaySession(roles, address=r.address, num_cpus=r.num_cpus, timeout_s=r.start_timeout_s)
+
+
+def sandbox_hosts(cluster: RaySession, cfg: Config) -> SandboxHosts:
+    """train.ray.sandbox_hosts host actors, serving sandboxes with the run's sandbox.* and images.* settings
+    (as a bwrap host: the run's backend, remote, is how the driver reaches them)."""
+    r = cfg.train.ray
+    settings = {"sandbox": cfg.sandbox.model_dump(mode="json", exclude={"backend", "hosts", "host_token_file"}),
+                "images": cfg.images.model_dump(mode="json")}
+    spec = HostSpec(capacity=r.sandbox_host_capacity, settings=settings, token=secrets.token_urlsafe(32))
+    return SandboxHosts(cluster, spec, r.sandbox_hosts, cpus=r.sandbox_host_cpus)
 
 
 def trainer(cluster: RaySession, make: Callable[[], Trainer], t: TrainConfig) -> RayTrainer:

@@ -32,6 +32,7 @@ from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.host_images import HostImages
+from furlong.sandbox.hosts import Hosts
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages
 from furlong.sync.publish import Publisher
@@ -53,6 +54,7 @@ from furlong.train.weights import (
 )
 
 if TYPE_CHECKING:  # Ray and openenv cost seconds to import; only runs that use them pay
+    from furlong.cluster.sandboxes import SandboxHosts
     from furlong.cluster.session import RaySession
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -72,9 +74,13 @@ class Pieces:
     params: AgentParams
     base_model: Path
     cluster: RaySession | None = None  # train.cluster=ray: the run's Ray cluster and placement groups
+    hosts: SandboxHosts | None = None  # train.ray.sandbox_hosts: the host actors `backend` reaches
 
     def close(self) -> None:
-        """What the pieces hold beyond the run's phases: the Ray session (its actors go with it)."""
+        """What the pieces hold beyond the run's phases: sandbox host actors (stopped first, so each closes
+        its sandboxes), then the Ray session (the other actors go with it)."""
+        if self.hosts is not None:
+            self.hosts.stop()
         if self.cluster is not None:
             self.cluster.close()
 
@@ -92,21 +98,43 @@ def pieces(cfg: Config) -> Pieces:
     t = cfg.train
     check_devices(t)
     base = t.model.path or init_tiny(seed=t.model.seed)
-    store = image_store(cfg.sandbox, cfg.images)
-    backend = sandbox_backend(cfg.sandbox, store)
-    images = StoreImages(store, backend)
-    if t.env.openenv:
-        from furlong.build.openenv import openenv_environment, openenv_source
-
-        source, sessions = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
-    else:
-        source, sessions = env_source(t, backend), None
     tokenizer = load_tokenizer(base)
     tool_format(tokenizer, t.agent.tool_format)  # a format the template cannot use fails here, not per episode
-    return Pieces(tokenizer=tokenizer, backend=backend, store=store,
-                  env=run_env(t.env, backend, images, sessions),
-                  train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
-                  params=AgentParams.of(t.agent), base_model=Path(base), cluster=ray_session(t))
+    cluster = ray_session(t)
+    hosts = None
+    try:
+        if cluster is not None and t.ray.sandbox_hosts:
+            import furlong.build.cluster as ray_build
+
+            hosts = ray_build.sandbox_hosts(cluster, cfg)
+        store, backend = run_sandboxes(cfg, hosts)
+        images = StoreImages(store, backend)
+        if t.env.openenv:
+            from furlong.build.openenv import openenv_environment, openenv_source
+
+            source, sessions = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
+        else:
+            source, sessions = env_source(t, backend), None
+        return Pieces(tokenizer=tokenizer, backend=backend, store=store,
+                      env=run_env(t.env, backend, images, sessions),
+                      train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
+                      params=AgentParams.of(t.agent), base_model=Path(base), cluster=cluster, hosts=hosts)
+    except BaseException:
+        if hosts is not None:
+            hosts.stop()
+        if cluster is not None:
+            cluster.close()
+        raise
+
+
+def run_sandboxes(cfg: Config, hosts: SandboxHosts | None) -> tuple[ImageStore | HostImages, SandboxBackend]:
+    """The image store and backend of the run's sandboxes: sandbox.* as configured, or the remote backend
+    over the run's own sandbox host actors."""
+    if hosts is None:
+        store = image_store(cfg.sandbox, cfg.images)
+        return store, sandbox_backend(cfg.sandbox, store)
+    store = HostImages(Hosts(hosts.urls, hosts.token))
+    return store, sandbox_backend(cfg.sandbox.model_copy(update={"backend": "remote"}), store)
 
 
 def ray_session(t: TrainConfig) -> RaySession | None:

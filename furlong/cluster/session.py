@@ -7,7 +7,8 @@ driver goes. Either way every actor lives in a bundle of one of the run's placem
 
 * colocated: one group, STRICT_PACK: [trainer, engine 0, ..., engine N-1] on one node, so weights and
   requests stay on the host;
-* disaggregated: a trainer group and an engine group (SPREAD: engines on different nodes where there are).
+* disaggregated: a trainer group and an engine group (SPREAD: engines on different nodes where there are);
+* and with `train.ray.sandbox_hosts`, either way, a sandbox host group (SPREAD; furlong.cluster.sandboxes).
 """
 
 from __future__ import annotations
@@ -42,23 +43,29 @@ class Roles:
     trainer_ranks: int = 1
     trainer_gpus: float = 0.0
     engine_gpus: float = 0.0
+    sandbox_hosts: int = 0
+    sandbox_cpus: float = 1.0
 
     @property
     def cpus(self) -> float:
-        return self.trainer_ranks * self.trainer_cpus + self.engines * self.engine_cpus
+        return (self.trainer_ranks * self.trainer_cpus + self.engines * self.engine_cpus
+                + self.sandbox_hosts * self.sandbox_cpus)
 
     @property
     def gpus(self) -> float:
         return self.trainer_ranks * self.trainer_gpus + self.engines * self.engine_gpus
 
     def groups(self) -> dict[str, tuple[list[dict[str, float]], str]]:
-        """Placement group name -> (bundles, strategy); trainer bundles first in a shared group."""
+        """Placement group name -> (bundles, strategy); trainer bundles first in a shared group. Sandbox hosts,
+        whatever the placement, have a group of their own (SPREAD), so they need not share the GPU nodes."""
         trainer = [bundle(self.trainer_cpus, self.trainer_gpus)] * self.trainer_ranks
         engines = [bundle(self.engine_cpus, self.engine_gpus)] * self.engines
+        hosts = {"sandboxes": ([bundle(self.sandbox_cpus, 0.0)] * self.sandbox_hosts, "SPREAD")} \
+            if self.sandbox_hosts else {}
         if self.placement == "colocated":
-            return {"run": (trainer + engines, "STRICT_PACK")}
+            return {"run": (trainer + engines, "STRICT_PACK"), **hosts}
         if self.placement == "disaggregated":
-            return {"trainer": (trainer, "STRICT_PACK"), "engines": (engines, "SPREAD")}
+            return {"trainer": (trainer, "STRICT_PACK"), "engines": (engines, "SPREAD"), **hosts}
         raise ValueError(f"train.ray.placement: expected colocated or disaggregated, got {self.placement!r}")
 
 
@@ -145,10 +152,12 @@ class RaySession:
         return "127.0.0.1" if self.local else ray.util.get_node_ip_address()
 
     def slot(self, role: str, index: int = 0) -> PlacementGroupSchedulingStrategy:
-        """The scheduling strategy of `role`'s `index`-th actor (role: trainer | engine)."""
-        if role not in ("trainer", "engine"):
-            raise ValueError(f"role: expected trainer or engine, got {role!r}")
-        if self.roles.placement == "colocated":
+        """The scheduling strategy of `role`'s `index`-th actor (role: trainer | engine | sandbox)."""
+        if role not in ("trainer", "engine", "sandbox"):
+            raise ValueError(f"role: expected trainer, engine or sandbox, got {role!r}")
+        if role == "sandbox":
+            group, bundle = self.groups["sandboxes"], index
+        elif self.roles.placement == "colocated":
             group, bundle = self.groups["run"], index if role == "trainer" else self.roles.trainer_ranks + index
         else:
             group, bundle = self.groups["trainer" if role == "trainer" else "engines"], index

@@ -93,6 +93,11 @@ class RayConfig(_Node):
                                                        "needs > 0); a fraction shares a GPU (colocated: 0.5 each)")
     engine_gpus: float = Field(0.0, ge=0, description="GPUs each engine actor's bundle reserves; > 0: the engine "
                                                       "runs on CUDA")
+    sandbox_hosts: int = Field(0, ge=0, description="sandbox host actors, each running `furlong sandbox serve` on "
+                                                  "its node; > 0: the run's sandboxes go to them (the remote "
+                                                  "backend), 0: sandbox.backend as configured")
+    sandbox_host_cpus: float = Field(1.0, gt=0, description="logical CPUs each sandbox host's bundle reserves")
+    sandbox_host_capacity: int = Field(8, ge=1, description="most sandboxes at once on each sandbox host")
     max_restarts: int = Field(3, ge=0, description="times Ray restarts a dead engine actor (same address; "
                                                    "the router readmits it at the live weight version)")
     start_timeout_s: float = Field(180.0, gt=0, description="how long placement groups and actors may take to "

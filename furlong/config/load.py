@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from furlong.config.base import _Node
 from furlong.config.sandbox import (
@@ -25,6 +25,16 @@ class Config(_Node):
     openenv: OpenEnvConfig = Field(OpenEnvConfig(), description="the OpenEnv server of train.env.openenv "
                                    "and eval.env=openenv")
     train: TrainConfig = Field(TrainConfig(), description="`furlong train` and `furlong sft`")
+
+    @model_validator(mode="after")
+    def _sandbox_hosts_on_ray(self) -> Config:
+        if self.train.ray.sandbox_hosts and self.train.cluster != "ray":
+            raise ValueError("train.ray.sandbox_hosts: sandbox host actors need train.cluster=ray (local mode: "
+                             "start hosts with `furlong sandbox serve` and set sandbox.backend=remote)")
+        if self.train.ray.sandbox_hosts and self.sandbox.backend == "remote":
+            raise ValueError("train.ray.sandbox_hosts: the run's sandboxes go to its own host actors; drop "
+                             "sandbox.backend=remote (and sandbox.hosts), or set train.ray.sandbox_hosts=0")
+        return self
 
 
 class ConfigError(ValueError):

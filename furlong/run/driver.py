@@ -33,6 +33,7 @@ from furlong.train.protocol import Trainer
 from furlong.train.weights import WeightLink
 
 CURSOR_FILE = "rollout_cursor.json"  # beside each RL checkpoint: where the group stream resumes
+HOSTS_FILE = "sandbox_hosts.json"  # train.ray.sandbox_hosts: each host's /v1/metrics at the end of the run
 
 
 async def train(cfg: Config, run: RunDir, console: Console) -> dict:
@@ -55,6 +56,8 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     finally:
         if shared is not None:
             await shared.close()
+        if p.hosts is not None:  # train.ray.sandbox_hosts: what each served, before they go
+            atomic_write(run.path / HOSTS_FILE, json.dumps(p.hosts.metrics(), indent=1))
         p.close()  # train.cluster=ray: the run's actors and a cluster it started
     summary = run_summary(cfg, run, before, after, time.perf_counter() - began, final)
     atomic_write(run.path / "summary.json", json.dumps(summary, indent=1))

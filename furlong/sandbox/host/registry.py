@@ -47,6 +47,7 @@ class Registry:
     starts: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     execs: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     reaped: int = 0
+    created: int = 0  # sandboxes started since the host did
     boot: str = field(default_factory=lambda: secrets.token_hex(8))  # tells clients a restarted host apart
     others: Callable[[], int] = lambda: 0  # sandboxes the host runs outside this registry (its E2B API's)
 
@@ -65,6 +66,7 @@ class Registry:
         entry = Entry(secrets.token_hex(8), secrets.token_urlsafe(32), box, now, now)
         self.entries[entry.id] = entry
         self.starts.append(start_s)
+        self.created += 1
         return entry
 
     def lookup(self, sid: str, token: str) -> Entry | None | bool:
@@ -113,6 +115,7 @@ class Registry:
             await self.remove(sid)
 
     def metrics(self) -> dict:
-        return {"active": len(self.entries) + self.others(), "capacity": self.capacity, "reaped": self.reaped,
+        return {"active": len(self.entries) + self.others(), "capacity": self.capacity, "created": self.created,
+                "reaped": self.reaped,
                 "start_s": {"p50": _pct(self.starts, 0.5), "p95": _pct(self.starts, 0.95)},
                 "exec_s": {"p50": _pct(self.execs, 0.5), "p95": _pct(self.execs, 0.95)}}
