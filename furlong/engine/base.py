@@ -21,6 +21,11 @@ class EngineUnavailable(EngineError):
     is not this."""
 
 
+class EngineTimedOut(EngineUnavailable):
+    """An engine process took the request but did not answer in time: maybe hung, maybe only slow under load
+    (a refused or reset connection is plain EngineUnavailable: nothing is listening there any more)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion.
