@@ -1,5 +1,6 @@
-"""`train.sync.transport=broadcast` losing engines: two real engine server processes behind a router, one
-SIGKILLed and later restarted at its address, over real gloo groups (furlong.train.weights.BroadcastLink)."""
+"""`train.sync.transport=broadcast` losing engines over real gloo groups (furlong.train.weights.BroadcastLink):
+two real engine server processes behind a router, one SIGKILLed and later restarted at its address; and two
+SGLangStandIn servers (tests/sglang_standin.py, a TEST DOUBLE of SGLang, which cannot run here) refusing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,8 @@ from test_sync_broadcast import GREEDY, PROMPT, TOKEN, _moved, _reference
 
 from furlong.engine.base import SamplingParams
 from furlong.engine.remote import EngineProcess, RemoteEngine
+from furlong.engine.sglang import SGLangEngine
+from furlong.engine.sglang_launch import SGLangLaunch, SGLangServer
 from furlong.engine.router import Router, RouterSettings
 from furlong.sync.broadcast import GROUP_NAME
 from furlong.train.weights import BroadcastLink, start_engines
@@ -25,6 +30,14 @@ LONG = SamplingParams(temperature=1.0, max_new_tokens=120, seed=3)
 def _kill(proc: EngineProcess) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.stop()  # reaps it and closes its log
+
+
+def _run_then_stop(main: Callable[[], Awaitable[None]], servers: Sequence[EngineProcess | SGLangServer]) -> None:
+    try:
+        asyncio.run(main())
+    finally:
+        for s in servers:
+            s.stop()
 
 
 async def _served_by(router: Router, n: int) -> dict[str, float]:
@@ -94,8 +107,68 @@ def test_a_killed_engine_is_dropped_from_the_group_and_rejoins_at_the_live_versi
         finally:
             await link.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        for p in procs:
-            p.stop()
+    _run_then_stop(main, procs)
+
+
+def _standins(model_dir: Path, tmp_path: Path, n: int) -> list[SGLangServer]:
+    """`n` SGLangStandIn servers started at once; if one fails to start, the others are stopped."""
+    launches = [SGLangLaunch(model_dir=model_dir, log=tmp_path / f"standin-{i}.log", module="tests.sglang_standin",
+                             start_timeout_s=120) for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        started = [pool.submit(SGLangServer, launch) for launch in launches]
+    servers = [f.result() for f in started if f.exception() is None]
+    if len(servers) < n:
+        for s in servers:
+            s.stop()
+        raise next(f.exception() for f in started if f.exception() is not None)
+    return servers
+
+
+async def _refuse(engine: SGLangEngine, route: str) -> None:
+    """The stand-in's test switch: its next call of `route` answers HTTP 200 {"success": false}."""
+    out = await engine._post_json("/standin/refuse", {"route": route, "times": 1})
+    assert out["success"], out
+
+
+async def _versions(members: list[SGLangEngine]) -> list[str]:
+    return [(await m.model_info())["weight_version"] for m in members]
+
+
+def test_an_sglang_member_that_refuses_is_lost_and_rejoins_at_the_live_version(tmp_path: Path, tiny_dir: Path):
+    weights = {v: _moved(tiny_dir, 2e-2, 10 + v) for v in range(1, 6)}
+    servers = _standins(tiny_dir, tmp_path, 2)
+
+    async def main() -> None:
+        members = [SGLangEngine(s.url) for s in servers]
+
+        async def close_clients() -> None:
+            await asyncio.gather(*(m.close() for m in members))
+
+        link = await BroadcastLink.open(members[0], members, cleanup=close_clients, timeout_s=60,
+                                        bucket_bytes=1 << 20)  # SGLang: no secret, no handshake
+        try:
+            assert (await link.push(weights[1], 1))["sync_engines_live"] == 2
+            await _refuse(members[1], "update_weights_from_distributed")
+            logged = await link.push(weights[2], 2)  # regrouped without it; the other holds v2
+            assert (logged["sync_regroups"], logged["sync_engines_live"]) == (1, 1)
+            assert await _versions(members) == ["2", "1"]  # the refused version was never loaded
+            await _refuse(members[1], "init_weights_update_group")
+            logged = await link.push(weights[3], 3)  # it answers, so it is asked back; it refuses to join
+            assert (logged["sync_regroups"], logged["sync_engines_live"]) == (3, 1)
+            logged = await link.push(weights[4], 4)  # asked back again: it joins and loads the live version
+            assert (logged["sync_regroups"], logged["sync_engines_live"]) == (4, 2)
+            assert await _versions(members) == ["4", "4"]
+            first, second = [await m.generate(PROMPT, GREEDY) for m in members]
+            assert first.output_ids == second.output_ids and first.weight_version == second.weight_version == 4
+
+            for m in members:  # every engine refuses: the run stops with a one-line reason
+                await _refuse(m, "update_weights_from_distributed")
+            with pytest.raises(RuntimeError, match="every engine is lost") as lost:
+                await link.push(weights[5], 5)
+            assert "\n" not in str(lost.value) and all(s.url in str(lost.value) for s in servers)
+            assert "refused by the test switch" in str(lost.value)
+        finally:
+            await link.close()
+
+    _run_then_stop(main, servers)
+

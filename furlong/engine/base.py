@@ -26,6 +26,11 @@ class EngineTimedOut(EngineUnavailable):
     (a refused or reset connection is plain EngineUnavailable: nothing is listening there any more)."""
 
 
+class EngineRefused(EngineError):
+    """The engine answered and declined the request (an HTTP 4xx, or SGLang's `"success": false`): it is up,
+    but did not do what was asked (a weight update it refused was not loaded)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion.

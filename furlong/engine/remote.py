@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from furlong.engine.base import EngineError, EngineTimedOut, EngineUnavailable, Generation, SamplingParams
+from furlong.engine.base import EngineError, EngineRefused, EngineTimedOut, EngineUnavailable, Generation, SamplingParams
 from furlong.engine.server import ENGINE_TOKEN_ENV, READY_PREFIX
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
 from furlong.sync.transport import UPDATES_TOKEN_ENV
@@ -117,7 +117,8 @@ def _unreachable(where: str, e: httpx.HTTPError) -> EngineUnavailable:
 
 def _check_status(resp: httpx.Response, where: str) -> None:
     if resp.status_code != 200:
-        raise EngineError(f"{where}: HTTP {resp.status_code}: {resp.text[:500]}")
+        error = EngineRefused if 400 <= resp.status_code < 500 else EngineError
+        raise error(f"{where}: HTTP {resp.status_code}: {resp.text[:500]}")
 
 
 class EngineProcess:
