@@ -1,10 +1,12 @@
 """`train.sync.transport=broadcast` losing engines over real gloo groups (furlong.train.weights.BroadcastLink):
 two real engine server processes behind a router, one SIGKILLed and later restarted at its address; and two
-SGLangStandIn servers (tests/sglang_standin.py, a TEST DOUBLE of SGLang, which cannot run here) refusing."""
+SGLangStandIn servers (tests/sglang_standin.py, a TEST DOUBLE of SGLang, which cannot run here) refusing; and a
+whole `furlong train` run that loses one of its two engine servers mid-RL."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -172,3 +174,55 @@ def test_an_sglang_member_that_refuses_is_lost_and_rejoins_at_the_live_version(t
 
     _run_then_stop(main, servers)
 
+
+def _engine_servers(run: Path) -> dict[int, int]:
+    """The run's engine server processes, pid by engine index (read off the log each writes its stderr to:
+    RUN/engine-server-I.log)."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            log = os.readlink(proc / "fd" / "2")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:  # exited while we looked, or not ours to read
+            continue
+        if b"furlong.engine.server" in cmdline and log.startswith(f"{run.resolve()}/engine-server-"):
+            found[int(log.removesuffix(".log").rsplit("-", 1)[1])] = int(proc.name)
+    return found
+
+
+def test_furlong_train_with_broadcast_survives_an_engine_killed_mid_run(tmp_path: Path):
+    from test_train_run import SMALL, _rl_rows, _train
+    from test_train_sync import _processes_mentioning
+
+    run = tmp_path / "bcast-kill"
+    proc = _train(f"train.run_dir={run}", *SMALL, "train.agent.max_new_tokens=96", "train.agent.max_turns=2",
+                  "train.sync.transport=broadcast", "train.sync.engine=server", "train.sync.servers=2",
+                  "train.rl.filter_zero_variance=false", wait=False)  # every step trains: the version moves
+    deadline = time.monotonic() + 600
+    while not _rl_rows(run) and time.monotonic() < deadline:  # step 0 pushed v1: step 1's episodes are running
+        assert proc.poll() is None, "the run ended before an engine could be killed"
+        time.sleep(0.05)
+    engines = _engine_servers(run)
+    assert sorted(engines) == [0, 1], engines
+    os.kill(engines[1], signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, (run / "engine-server-0.log").read_text()[-2000:]
+
+    rows = _rl_rows(run)
+    assert [(r["step"], r["version"]) for r in rows] == [(0, 1), (1, 2), (2, 3), (3, 4)]  # each push, in order
+    assert [(r["sync_engines_live"], r["engine1_live"]) for r in rows] == [(2, 1)] + [(1, 0)] * 3
+    assert rows[-1]["sync_regroups"] == 1  # once, when engine1 was lost; later pushes only probe it
+    # the survivor served the rest: engine1 took no request after the step it died in
+    assert len({r["engine1_requests"] for r in rows[1:]}) == 1
+    assert rows[1]["engine0_requests"] < rows[2]["engine0_requests"] < rows[3]["engine0_requests"]
+    # engine1's requests in flight when it died (or sent to it before it was found out) ran again on engine0
+    assert rows[-1]["engine1_failures"] >= 1 and rows[-1]["engine0_failures"] == 0
+    assert rows[-1]["engine0_retries"] == rows[-1]["engine1_failures"] and rows[-1]["engine1_retries"] == 0
+    summary = json.loads((run / "summary.json").read_text())
+    records = [r for r in map(json.loads, (run / "episodes.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
+    keys = [(r["step"], r["group"], r["sample"]) for r in records]
+    assert len(keys) == len(set(keys)) == summary["rl_episodes"]["started"] == 4 * 4  # none lost, none twice
+    assert all(r["status"] != "infra_error" and r["error"] is None for r in records)  # none scored as failed
+    assert summary["rl_episodes"]["trained"] == 16 and summary["rl_episodes"]["infra_error"] == 0
+    # sync mode: every token of step s came from weights v_s, on whichever engine served it
+    assert all(r["version_first"] == r["version_last"] == r["step"] for r in records if r["tokens_response"])
+    assert not _processes_mentioning(str(run)), "an engine server outlived the run"
