@@ -275,17 +275,11 @@ def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_bac
 
 
 def test_furlong_train_survives_losing_one_of_two_engine_servers(tmp_path: Path):
-    from test_train_run import SMALL, _rl_rows, _train
+    from test_train_run import _rl_rows, _train_past_step_0
     from test_train_sync import _processes_mentioning
 
     run = tmp_path / "routed"
-    proc = _train(f"train.run_dir={run}", *SMALL, "train.agent.max_new_tokens=96", "train.agent.max_turns=2",
-                  "train.sync.transport=directory", "train.sync.engine=server", "train.sync.servers=2",
-                  "train.rl.filter_zero_variance=false", wait=False)  # every step trains: the version moves
-    deadline = time.monotonic() + 600
-    while not _rl_rows(run) and time.monotonic() < deadline:  # step 0 done: step 1's episodes are starting
-        assert proc.poll() is None, "the run ended before an engine could be killed"
-        time.sleep(0.05)
+    proc = _train_past_step_0(run, "directory")
     engines = _engine_pids(run)
     assert len(engines) == 2, "expected two engine server processes"
     os.kill(engines[0], signal.SIGKILL)

@@ -191,17 +191,11 @@ def _engine_servers(run: Path) -> dict[int, int]:
 
 
 def test_furlong_train_with_broadcast_survives_an_engine_killed_mid_run(tmp_path: Path):
-    from test_train_run import SMALL, _rl_rows, _train
+    from test_train_run import _rl_rows, _train_past_step_0
     from test_train_sync import _processes_mentioning
 
     run = tmp_path / "bcast-kill"
-    proc = _train(f"train.run_dir={run}", *SMALL, "train.agent.max_new_tokens=96", "train.agent.max_turns=2",
-                  "train.sync.transport=broadcast", "train.sync.engine=server", "train.sync.servers=2",
-                  "train.rl.filter_zero_variance=false", wait=False)  # every step trains: the version moves
-    deadline = time.monotonic() + 600
-    while not _rl_rows(run) and time.monotonic() < deadline:  # step 0 pushed v1: step 1's episodes are running
-        assert proc.poll() is None, "the run ended before an engine could be killed"
-        time.sleep(0.05)
+    proc = _train_past_step_0(run, "broadcast")
     engines = _engine_servers(run)
     assert sorted(engines) == [0, 1], engines
     os.kill(engines[1], signal.SIGKILL)
