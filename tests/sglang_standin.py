@@ -14,6 +14,10 @@ hf engine, so tokens and logprobs are real. It answers like a server started wit
        (tp_size 1: the server is rank `rank_offset`; received over furlong.sync.broadcast's group, either
        layout, each request loaded at once as SGLang does)
 
+A switch that SGLang does not have, for tests only: POST /standin/refuse {"route": "update_weights_from_distributed"
+or "init_weights_update_group", "times": n} makes the next n calls of that route refuse as SGLang's do, with
+HTTP 200 and {"success": false, "message": ...}, and do nothing else (no join, nothing received).
+
 Each loaded adapter is served by its own copy of the model with the adapter merged in. Pause modes: "abort"
 ends running requests (finish_reason abort); "in_place" and "retract" both hold them in the hf engine.
 Run: python -m tests.sglang_standin --model-path DIR --host 127.0.0.1 --port N [SGLang's LoRA flags]
@@ -77,6 +81,14 @@ class SGLangStandIn:
         self.weight_version = weight_version
         self.in_flight = 0
         self.groups: dict[str, WeightGroup] = {}
+        self.refusals: dict[str, int] = {}  # the test switch: route -> how many more calls to refuse
+
+    def refusal(self, route: str) -> dict | None:
+        """The refusal owed to this call of `route` by the test switch, if any."""
+        if self.refusals.get(route, 0) <= 0:
+            return None
+        self.refusals[route] -= 1
+        return {"success": False, "message": f"stand-in: {route} refused by the test switch"}
 
     async def generate(self, body: dict) -> dict | JSONResponse:
         ids = body.get("input_ids")
@@ -127,6 +139,8 @@ class SGLangStandIn:
         return {k: v for k, v in result.items() if k != "num_paused_requests"} if isinstance(result, dict) else result
 
     async def init_group(self, body: dict) -> dict | JSONResponse:
+        if refused := self.refusal("init_weights_update_group"):
+            return refused
         try:
             spec = GroupSpec(**{k: body[k] for k in ("master_address", "master_port", "rank_offset", "world_size")},
                              group_name=body.get("group_name", "weight_update_group"),
@@ -137,6 +151,8 @@ class SGLangStandIn:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     async def load_from_distributed(self, body: dict) -> dict | JSONResponse:
+        if refused := self.refusal("update_weights_from_distributed"):
+            return refused
         group = self.groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
             return JSONResponse({"success": False, "message": "Please call `init_weights_update_group` first."},
@@ -211,6 +227,14 @@ def build_app(state: SGLangStandIn) -> FastAPI:
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         return await state.destroy_group(await request.json())
+
+    @app.post("/standin/refuse")
+    async def refuse(request: Request):
+        body = await request.json()
+        if body.get("route") not in ("init_weights_update_group", "update_weights_from_distributed"):
+            return _error(f"the stand-in's switch refuses only the weight group routes, not {body.get('route')!r}")
+        state.refusals[body["route"]] = int(body.get("times", 1))
+        return {"success": True, "refusals": state.refusals}
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request):

@@ -188,6 +188,51 @@ def test_a_hung_instance_fails_its_health_checks_and_its_request_is_restarted(pa
     asyncio.run(main())
 
 
+def test_slow_health_takes_out_one_of_two_but_never_the_last_live_instance(pair):
+    """SIGSTOPped engines answer no poll in time: the first of two is taken out, the last live one stays and
+    serves the request it holds once it runs again."""
+    async def main() -> None:
+        settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2)
+        router = Router([RemoteEngine(p.url) for p in pair], settings)
+        first, last = router.instances
+        try:
+            await router.generate(_prompt(0), _sampling(0))  # starts the health polls
+            os.kill(pair[0].pid, signal.SIGSTOP)
+            await _until(lambda: not first.live, 30)
+            assert "health checks failed" in first.reason and "Timeout" in first.reason
+            os.kill(pair[1].pid, signal.SIGSTOP)
+            held = asyncio.create_task(router.generate(_prompt(1), _sampling(1)))
+            # twice the polls in a row that take out one of several (or until it is taken out: a failure)
+            await _until(lambda: last.strikes >= 2 * settings.unhealthy_after or not last.live, 30)
+            assert last.live and last.in_flight == 1, last.reason
+            os.kill(pair[1].pid, signal.SIGCONT)
+            gen = await asyncio.wait_for(held, 60)
+            assert len(gen.output_ids) == 8 and last.live and last.failures == last.retries == 0
+        finally:
+            for p in pair:
+                os.kill(p.pid, signal.SIGCONT)
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_dead_last_instance_is_still_taken_out_by_its_health_polls(tiny_dir: Path, tmp_path: Path):
+    async def main() -> None:
+        proc = EngineProcess(tiny_dir, updates=None, log=tmp_path / "engine.log")
+        router = Router([RemoteEngine(proc.url)], RouterSettings(health_interval_s=0.2, health_timeout_s=0.5))
+        try:
+            await router.generate(_prompt(0), _sampling(0))  # starts the health polls
+            os.kill(proc.pid, signal.SIGKILL)
+            await _until(lambda: not router.instances[0].live, 30)
+            assert "health checks failed" in router.instances[0].reason  # no request met it: the polls did
+            assert "ConnectError" in router.instances[0].reason
+        finally:
+            proc.stop()
+            await router.close()
+
+    asyncio.run(main())
+
+
 async def _until(condition, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -230,17 +275,11 @@ def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_bac
 
 
 def test_furlong_train_survives_losing_one_of_two_engine_servers(tmp_path: Path):
-    from test_train_run import SMALL, _rl_rows, _train
+    from test_train_run import _rl_rows, _train_past_step_0
     from test_train_sync import _processes_mentioning
 
     run = tmp_path / "routed"
-    proc = _train(f"train.run_dir={run}", *SMALL, "train.agent.max_new_tokens=96", "train.agent.max_turns=2",
-                  "train.sync.transport=directory", "train.sync.engine=server", "train.sync.servers=2",
-                  "train.rl.filter_zero_variance=false", wait=False)  # every step trains: the version moves
-    deadline = time.monotonic() + 600
-    while not _rl_rows(run) and time.monotonic() < deadline:  # step 0 done: step 1's episodes are starting
-        assert proc.poll() is None, "the run ended before an engine could be killed"
-        time.sleep(0.05)
+    proc = _train_past_step_0(run, "directory")
     engines = _engine_pids(run)
     assert len(engines) == 2, "expected two engine server processes"
     os.kill(engines[0], signal.SIGKILL)

@@ -27,6 +27,20 @@ def _train(*args: str, wait: bool = True):
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def _train_past_step_0(run: Path, transport: str) -> subprocess.Popen:
+    """A small `furlong train` over 2 engine servers (train.sync.transport=`transport`) in which every step
+    trains, returned once step 0 is logged: its weights are pushed and step 1's episodes are running."""
+    proc = _train(f"train.run_dir={run}", *SMALL, "train.agent.max_new_tokens=96", "train.agent.max_turns=2",
+                  f"train.sync.transport={transport}", "train.sync.engine=server", "train.sync.servers=2",
+                  "train.rl.filter_zero_variance=false", wait=False)  # every step trains: the version moves
+    deadline = time.monotonic() + 600
+    while not _rl_rows(run) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before step 0 was logged"
+        time.sleep(0.05)
+    assert _rl_rows(run), "step 0 was not logged within 600 s"
+    return proc
+
+
 def _rl_rows(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.exists():

@@ -21,6 +21,16 @@ class EngineUnavailable(EngineError):
     is not this."""
 
 
+class EngineTimedOut(EngineUnavailable):
+    """An engine process took the request but did not answer in time: maybe hung, maybe only slow under load
+    (a refused or reset connection is plain EngineUnavailable: nothing is listening there any more)."""
+
+
+class EngineRefused(EngineError):
+    """The engine answered and declined the request (an HTTP 4xx, or SGLang's `"success": false`): it is up,
+    but did not do what was asked (a weight update it refused was not loaded)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion.

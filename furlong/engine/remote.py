@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from furlong.engine.base import EngineError, EngineUnavailable, Generation, SamplingParams
+from furlong.engine.base import EngineError, EngineRefused, EngineTimedOut, EngineUnavailable, Generation, SamplingParams
 from furlong.engine.server import ENGINE_TOKEN_ENV, READY_PREFIX
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
 from furlong.sync.transport import UPDATES_TOKEN_ENV
@@ -46,9 +46,8 @@ class RemoteEngine:
         try:
             resp = await self._client.post(route, json=body)
         except httpx.HTTPError as e:
-            raise EngineUnavailable(f"{self.url}{route}: {e!r}") from e
-        if resp.status_code != 200:
-            raise EngineError(f"{self.url}{route}: HTTP {resp.status_code}: {resp.text[:500]}")
+            raise _unreachable(f"{self.url}{route}", e) from e
+        _check_status(resp, f"{self.url}{route}")
         return resp.json()
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None) -> Generation:
@@ -89,9 +88,8 @@ class RemoteEngine:
         try:
             resp = await self._client.get("/health", **({"timeout": timeout_s} if timeout_s else {}))
         except httpx.HTTPError as e:
-            raise EngineUnavailable(f"{self.url}/health: {e!r}") from e
-        if resp.status_code != 200:
-            raise EngineError(f"{self.url}/health: HTTP {resp.status_code}: {resp.text[:500]}")
+            raise _unreachable(f"{self.url}/health", e) from e
+        _check_status(resp, f"{self.url}/health")
         out = resp.json()
         self._version = int(out["weight_version"])
         return out
@@ -107,6 +105,20 @@ class RemoteEngine:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _unreachable(where: str, e: httpx.HTTPError) -> EngineUnavailable:
+    """EngineTimedOut when the answer was slow (a read or write timeout: the server took the connection; a
+    pool timeout: this client's own requests held every connection), else EngineUnavailable: refused,
+    reset, or a connect timeout (nothing accepted the connection)."""
+    slow = isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout)
+    return (EngineTimedOut if slow else EngineUnavailable)(f"{where}: {e!r}")
+
+
+def _check_status(resp: httpx.Response, where: str) -> None:
+    if resp.status_code != 200:
+        error = EngineRefused if 400 <= resp.status_code < 500 else EngineError
+        raise error(f"{where}: HTTP {resp.status_code}: {resp.text[:500]}")
 
 
 class EngineProcess:

@@ -9,6 +9,10 @@
   polls in a row, or whose connection fails during a request, is taken out. Its in-flight requests are
   restarted from their prompt on another live instance, so the Generation returned is wholly that
   instance's (ids, logprobs, token versions): never a splice of two.
+* The last live instance is never taken out for slow health answers (polls that time out): with nowhere
+  else to send its requests, taking it out would fail them all at once, while a merely slow engine (busy
+  cores, loading weights) answers them in the end. A dead one is still taken out (refused connections, on a
+  poll or a request); a hung one keeps its requests until the client's timeout (RemoteEngine's timeout_s).
 * Recovery: a taken-out instance is still polled; after `readmit_after` healthy polls in a row its relay
   pulls the newest weights (it missed every update while out) and it is put back only if it then holds
   at least the live instances' version, paused if the router is paused. A restarted server on the same
@@ -27,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from furlong.engine.base import EngineError, EngineUnavailable, Generation, SamplingParams
+from furlong.engine.base import EngineError, EngineTimedOut, EngineUnavailable, Generation, SamplingParams
 from furlong.engine.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
@@ -305,7 +309,7 @@ class Router:
             if inst.live:
                 inst.strikes += 1
                 if inst.strikes >= self.settings.unhealthy_after:
-                    self._take_out(inst, f"{inst.strikes} health checks failed, the last: {e}")
+                    self._fail_health(inst, e)
             return
         inst.strikes = 0
         if not inst.live and self.settings.readmit_after:
@@ -313,6 +317,17 @@ class Router:
             if inst.healthy_out >= self.settings.readmit_after:
                 inst.healthy_out = 0
                 await self._readmit(inst)
+
+    def _fail_health(self, inst: Instance, error: EngineError) -> None:
+        """Take out an instance that failed `unhealthy_after` polls in a row, unless it is the last live one
+        and only slow: without it every request would fail at once, while a slow engine may still answer
+        them (a hung one fails them at the client's timeout, a dead one at once: refused connections)."""
+        if isinstance(error, EngineTimedOut) and self.live() == [inst]:
+            if inst.strikes == self.settings.unhealthy_after:  # once per slow streak
+                log.warning("router: %s answers /health slowly (%s); kept in as the last live instance",
+                            inst.name, error)
+            return
+        self._take_out(inst, f"{inst.strikes} health checks failed, the last: {error}")
 
     async def _readmit(self, inst: Instance) -> None:
         """Put a recovered instance back once it holds the live instances' weights (it may have missed

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import torch
 
-from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams
+from furlong.engine.base import EngineError, EngineRefused, FinishReason, Generation, SamplingParams
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -150,7 +150,8 @@ class SGLangEngine:
         except httpx.HTTPError as e:
             raise EngineError(f"SGLang at {self.url}{route}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
-            raise EngineError(f"SGLang at {self.url}{route}: HTTP {resp.status_code}: {resp.text[:500]}")
+            error = EngineRefused if 400 <= resp.status_code < 500 else EngineError
+            raise error(f"SGLang at {self.url}{route}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp
 
     async def _post_json(self, route: str, body: dict | None = None) -> Any:
@@ -230,8 +231,8 @@ class SGLangEngine:
 
     async def _succeeded(self, route: str, body: dict) -> dict:
         out = await self._post_json(route, body)
-        if not out.get("success", False):
-            raise EngineError(f"SGLang at {self.url}{route}: {out.get('message')}")
+        if not out.get("success", False):  # a refusal, whatever the HTTP status (some servers answer 200)
+            raise EngineRefused(f"SGLang at {self.url}{route} refused: {out.get('message')}")
         return out
 
     def _stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import secrets
 import threading
 import time
@@ -27,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from furlong.engine.base import EngineError, EngineUnavailable
+from furlong.engine.base import EngineRefused, EngineUnavailable
 from furlong.engine.remote import EngineProcess
 from furlong.engine.router import Router
 from furlong.sync.broadcast import GROUP_NAME, FLAT, GroupSpec, Manifest, WeightGroup, buckets, distinct, host_store
@@ -300,15 +299,15 @@ async def _answers(member: BroadcastMember, timeout_s: float = 3.0) -> bool:
 
 
 async def _culprits(members: Sequence[BroadcastMember], outcomes: Sequence[Any]) -> dict[int, str]:
-    """The members (by index) that failed an attempt by themselves: unreachable, refusing (HTTP 4xx: it
-    received nothing), or not answering health now. One whose receive failed because a peer died (HTTP 5xx)
-    or that was still receiving, but answers, is a victim: it stays for the next group."""
+    """The members (by index) that failed an attempt by themselves: unreachable, refusing (EngineRefused: a
+    furlong engine's HTTP 4xx, SGLang's `"success": false`; it received nothing), or not answering health
+    now. One whose receive failed because a peer died (HTTP 5xx) or that was still receiving, but answers,
+    is a victim: it stays for the next group."""
     lost = {}
     for i, (member, out) in enumerate(zip(members, outcomes)):
         if not isinstance(out, BaseException):
             continue
-        refused = isinstance(out, EngineError) and re.search(r"HTTP 4\d\d", str(out)) is not None
-        if isinstance(out, EngineUnavailable) or refused or not await _answers(member):
+        if isinstance(out, EngineUnavailable | EngineRefused) or not await _answers(member):
             lost[i] = str(out) or type(out).__name__
     return lost
 
