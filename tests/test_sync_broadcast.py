@@ -4,6 +4,8 @@ engine server processes (ranks 1 and 2), announced through their SGLang-shaped, 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -86,6 +88,43 @@ def test_both_layouts_carry_mixed_dtypes_bit_for_bit(load_format: str | None):
         assert got[name].dtype == t.dtype and torch.equal(got[name], t)
     parts = buckets(sent, 50)  # 6 + 40 bytes, then 14, then 64: a tensor over the limit goes alone
     assert [list(b) for b in parts] == [["a", "b"], ["c"], ["d"]]
+
+
+
+def test_closing_a_member_stuck_in_a_receive_returns_at_once():
+    """An engine's receive stuck in a group the trainer abandoned (a peer died mid-broadcast): leaving that
+    group must not wait out the group's timeout, or the engine cannot join the trainer's next group in time.
+    A process group's destructor joins its worker threads, so close() must not drop the last reference."""
+    store = host_store("127.0.0.1", 2, 60)
+    spec = GroupSpec("127.0.0.1", store.port, 1, 2)
+    manifest = Manifest.of({"w": torch.zeros(4)})
+    outcome: list[BaseException] = []
+
+    async def main() -> float:
+        trainer, member = await asyncio.gather(asyncio.to_thread(WeightGroup, spec, 0, 60, store),
+                                               asyncio.to_thread(WeightGroup, spec, 1, 60))
+
+        def receive() -> None:  # the trainer never sends this bucket
+            try:
+                member.receive(manifest)
+            except RuntimeError as e:
+                outcome.append(e)
+
+        receiving = threading.Thread(target=receive)
+        receiving.start()
+        await asyncio.sleep(0.5)
+        began = time.perf_counter()
+        member.close()
+        closed = time.perf_counter() - began
+        assert receiving.is_alive() and not outcome  # still stuck: close() did not wait for it
+        trainer.close()  # its end hangs up: the stuck receive fails now, not at the 60 s timeout
+        await asyncio.to_thread(receiving.join, 30)
+        assert not receiving.is_alive() and len(outcome) == 1
+        with pytest.raises(RuntimeError, match="is closed"):  # a receive queued behind it gets a clear error
+            member.receive(manifest)
+        return closed
+
+    assert asyncio.run(main()) < 5  # the group's timeout is 60 s
 
 
 def test_two_engine_servers_receive_a_broadcast_and_generate_with_it(engines, tiny_dir: Path):

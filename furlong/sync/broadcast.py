@@ -167,7 +167,8 @@ class WeightGroup:
                                                 spec.world_size)), dtype=torch.uint8).to(self.device)
         got = [torch.empty(MAC_BYTES, dtype=torch.uint8, device=self.device) for _ in range(spec.world_size)]
         try:
-            self._pg.allgather([got], [mine]).wait()
+            pg = self._live()  # held while the collective runs (see _live)
+            pg.allgather([got], [mine]).wait()
         except RuntimeError as e:  # a member sent something else than a MAC, or hung up
             self.close()
             raise refusal([], self.rank, spec.group_name, failed=e) from e
@@ -182,7 +183,8 @@ class WeightGroup:
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._pg.broadcast([tensor], opts).wait()
+        pg = self._live()  # held while the collective runs (see _live)
+        pg.broadcast([tensor], opts).wait()
 
     def send(self, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> None:
         """Rank 0: broadcast `tensors` (the manifest's, in its order) as the manifest's load_format lays them."""
@@ -212,8 +214,19 @@ class WeightGroup:
             start = end
         return out
 
+    def _live(self) -> dist.ProcessGroup:
+        # A caller keeps this reference in a local while its collective runs: a close() meanwhile (from
+        # another thread, when the trainer abandons the group) must not drop the last one, because the
+        # process group's destructor joins its worker threads, which would block the closer until the
+        # stuck collective times out.
+        if self._pg is None:
+            raise RuntimeError(f"group {self.spec.group_name!r} is closed")
+        return self._pg
+
     def close(self) -> None:
-        self._pg = None  # type: ignore[assignment]  # its connections close with it
+        """Drop this end: its connections close with the last reference, which a collective still running
+        in another thread holds until it fails, so close() returns at once."""
+        self._pg = None  # type: ignore[assignment]
 
 
 def _gloo_device(master_address: str):
