@@ -96,6 +96,22 @@ def test_a_sandbox_reaped_on_a_live_host_is_died_not_lost(hosts, base_image):
     run(go())
 
 
+
+def test_sandboxes_started_one_at_a_time_take_the_hosts_in_turn(hosts, base_image):
+    """Both hosts idle before each create (the usual case when episodes run one at a time): the tie goes to
+    the host that has started fewer, not always to the first one configured."""
+    rb, _ = remote([h.url for h in hosts])
+    before = [len(h.reg.starts) for h in hosts]
+
+    async def go():
+        for _ in range(4):
+            box = await rb.create(spec(base_image))
+            await box.close()
+
+    run(go())
+    assert [len(h.reg.starts) - b for h, b in zip(hosts, before)] == [2, 2]
+    assert [h.started for h in rb.hosts.hosts] == [2, 2] and all(h.active == 0 for h in rb.hosts.hosts)
+
 def test_eval_through_two_hosts_builds_images_there_and_scores_as_locally(hosts):
     """Tasks with and without a Dockerfile: the hosts build them (POST /v1/images), sandboxes spread over
     both hosts, the oracle passes and a do-nothing agent fails, exactly as with the local backend."""

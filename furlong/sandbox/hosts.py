@@ -28,6 +28,7 @@ class Host:
     url: str
     token: str
     active: int = 0  # sandboxes this process runs there
+    started: int = 0  # sandboxes this process has started there, ever
     capacity: int | None = None  # the host's own, read at first use
     down_until: float = 0.0
     # by loop, weakly: an AsyncClient's connections belong to the loop that opened them, and a finished
@@ -92,9 +93,10 @@ class Hosts:
         self.hosts = [Host(u.rstrip("/"), token) for u in urls]
 
     def ranked(self) -> list[Host]:
-        """Hosts that are up, least loaded first (ties: the order configured); every host if none is up."""
+        """Hosts that are up, least loaded first, then fewest started (so episodes that run one at a time
+        take the hosts in turn), then the order configured; every host if none is up."""
         up = [h for h in self.hosts if h.up] or list(self.hosts)
-        return sorted(up, key=Host.load)
+        return sorted(up, key=lambda h: (h.load(), h.started))
 
     async def lost(self, host: Host, boot: str) -> bool:
         """Whether `host` is gone or is no longer the process that had `boot` (restarted)."""

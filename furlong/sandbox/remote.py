@@ -217,6 +217,7 @@ class RemoteBackend:
                 created = await self._create_on(host, body, errors)
                 if created is not None:
                     host.active += 1
+                    host.started += 1
                     return RemoteSandbox(self.hosts, host, created)
             if not any("429" in e for e in errors) or time.monotonic() > deadline:
                 raise SandboxError("no sandbox host could start the sandbox: " + "; ".join(errors))
