@@ -1,6 +1,10 @@
 """The Ray processes of one run, found again by a tag in their environment, and a watchdog that stops them
 when the driver is gone (even SIGKILLed: Ray stops its head with the driver but leaves its agents running).
 
+The tag alone is not enough: Ray's agents set their process title over the memory that held their
+environment, so /proc shows them untagged. The watchdog therefore also remembers, while it waits, every
+descendant of a tagged process (the agents are the raylet's children until it dies), by pid and start time.
+
     python -m furlong.cluster.reaper TAG DRIVER_PID [VAR]   (stdin: a pipe from the driver; EOF means it is gone)
 
 VAR (default FURLONG_RAY_RUN) names the environment variable that carries the tag: an engine actor guards the
@@ -10,6 +14,7 @@ server processes it starts with a tag of its own (furlong.cluster.engines.ChildG
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -33,9 +38,42 @@ def tagged(tag: str, spare: tuple[int, ...] = (), var: str = TAG_ENV) -> list[in
     return found
 
 
-def sweep(tag: str, spare: tuple[int, ...] = (), grace_s: float = 5.0, var: str = TAG_ENV) -> int:
-    """SIGTERM every tagged process, SIGKILL what is left after `grace_s`; how many did not stop."""
-    pids = tagged(tag, spare, var)
+def family(tag: str, spare: tuple[int, ...] = (), var: str = TAG_ENV) -> dict[int, int]:
+    """pid -> start time (clock ticks since boot) of the tagged processes and all their descendants."""
+    parent, started = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(entry.name)], started[int(entry.name)] = int(fields[1]), int(fields[19])
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    skip = {os.getpid(), *spare}
+    todo, found = [p for p in tagged(tag, spare, var) if p in started], {}
+    while todo:
+        pid = todo.pop()
+        if pid not in found and pid not in skip:
+            found[pid] = started[pid]
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def sweep(tag: str, spare: tuple[int, ...] = (), grace_s: float = 5.0, var: str = TAG_ENV,
+          known: dict[int, int] | None = None) -> int:
+    """SIGTERM every tagged process, its descendants and those of `known` (pid -> start time) still
+    running, SIGKILL what is left after `grace_s`; how many did not stop."""
+    now = family(tag, spare, var)
+    pids = [*now, *(p for p, t in (known or {}).items() if p not in now and _start_time(p) == t)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -78,21 +116,33 @@ class Watchdog:
             self._proc.wait()
 
 
-def sweep_until_gone(tag: str, spare: tuple[int, ...] = (), timeout_s: float = 45.0, var: str = TAG_ENV) -> int:
+def sweep_until_gone(tag: str, spare: tuple[int, ...] = (), timeout_s: float = 45.0, var: str = TAG_ENV,
+                     known: dict[int, int] | None = None) -> int:
     """Sweeps again while tagged processes remain: a raylet being stopped can still start an agent after
     the pids were read; how many are left at the timeout."""
     deadline = time.monotonic() + timeout_s
-    while (left := sweep(tag, spare, var=var)) or tagged(tag, spare, var):
+    while (left := sweep(tag, spare, var=var, known=known)) or tagged(tag, spare, var):
         if time.monotonic() > deadline:
             return left or len(tagged(tag, spare, var))
         time.sleep(0.2)
     return 0
 
 
+def watch(tag: str, spare: tuple[int, ...], var: str, poll_s: float = 1.0) -> dict[int, int]:
+    """Until stdin reaches EOF, the run's processes seen so far (pid -> start time), looked up every
+    `poll_s` seconds."""
+    known: dict[int, int] = {}
+    while True:
+        known.update(family(tag, spare, var))
+        ready, _, _ = select.select([0], [], [], poll_s)
+        if ready and not os.read(0, 4096):
+            return known
+
+
 def main(argv: list[str]) -> int:
     tag, driver, var = argv[0], int(argv[1]), argv[2] if len(argv) > 2 else TAG_ENV
-    sys.stdin.buffer.read()  # returns at EOF: the driver closed the pipe or died
-    return 1 if sweep_until_gone(tag, spare=(driver,), var=var) else 0
+    known = watch(tag, (driver,), var)  # returns at EOF: the driver closed the pipe or died
+    return 1 if sweep_until_gone(tag, spare=(driver,), var=var, known=known) else 0
 
 
 if __name__ == "__main__":
