@@ -8,13 +8,20 @@ is each process's peak resident set (VmHWM) and its resident set before the firs
 in the difference. On a shared 2-core box the two ranks compete for the cores: the time ratio there is a
 cost of sharding, not a speed-up.
 
-    python bench/fsdp2_bench.py                     # ~2 min; writes bench/results/fsdp2.json
+Each pair runs twice: with glibc's default allocator settings, and with a fixed mmap threshold
+(MALLOC_MMAP_THRESHOLD_=131072 in the spawned processes). glibc raises its threshold to the size of each
+large block freed, so FSDP2's per-layer gather and reduce-scatter buffers, allocated and freed every pass,
+end up in heap arenas that keep the memory after it is freed; with the threshold fixed every such block is
+mapped and returned on free, so the second arm's peak is close to what the tensors themselves need.
+
+    python bench/fsdp2_bench.py                     # ~4 min; writes bench/results/fsdp2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -54,6 +61,31 @@ def measure(ranks: LocalRanks, trainer, steps: int, episodes) -> dict:
             "rss_before_bytes": before, "peak_rss_bytes": [_kib(pid, "VmHWM") for pid in ranks.pids]}
 
 
+ALLOCATORS = {"default_malloc": None, "fixed_mmap_threshold": "131072"}
+
+
+def pair(model: Path, config, steps: int, episodes) -> dict:
+    """The local trainer, then FSDP2 at world size 2, each in processes spawned now, and their ratios."""
+    results = {}
+    # the reference is LocalTrainer itself, alone in a process of its own (a one-rank group, no sharding)
+    with LocalRanks(LocalSpec(model, config), 1) as local:
+        results["local"] = measure(local, lambda e: local.call("train_step", e), steps, episodes)
+    spec = FSDP2Spec(model, config)
+    ranks = LocalRanks(spec, 2)
+    trainer = FSDP2Trainer(ranks, spec)
+    try:
+        results["fsdp2_ws2"] = measure(ranks, trainer.train_step, steps, episodes)
+    finally:
+        trainer.close()
+    local, fsdp = results["local"], results["fsdp2_ws2"]
+    results["ratios"] = {
+        "step_time_fsdp2_over_local": fsdp["step_seconds_median"] / local["step_seconds_median"],
+        "peak_rss_per_rank_over_local": max(fsdp["peak_rss_bytes"]) / local["peak_rss_bytes"][0],
+        "step_memory_per_rank_over_local": max(p - b for p, b in zip(fsdp["peak_rss_bytes"], fsdp["rss_before_bytes"]))
+        / (local["peak_rss_bytes"][0] - local["rss_before_bytes"][0])}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="steps per trainer, the first untimed")
@@ -63,24 +95,21 @@ def main() -> None:
     prov = provenance()
     model = init_tiny(args.work / "model", spec=MODEL)
     config = grpo(lr=1e-5, micro_batch_size=4, minibatches=2, sft_coef=0.0, kl_coef=0.0)
-    spec = FSDP2Spec(model, config)
     episodes = fixed_episodes(groups=4, group_size=4, vocab=4000)
     results = {}
-    # the reference is LocalTrainer itself, alone in a process of its own (a one-rank group, no sharding)
-    with LocalRanks(LocalSpec(model, config), 1) as local:
-        results["local"] = measure(local, lambda e: local.call("train_step", e), args.steps, episodes)
-    ranks = LocalRanks(spec, 2)
-    trainer = FSDP2Trainer(ranks, spec)
-    try:
-        results["fsdp2_ws2"] = measure(ranks, trainer.train_step, args.steps, episodes)
-    finally:
-        trainer.close()
-    local, fsdp = results["local"], results["fsdp2_ws2"]
-    ratios = {"step_time_fsdp2_over_local": fsdp["step_seconds_median"] / local["step_seconds_median"],
-              "peak_rss_per_rank_over_local": max(fsdp["peak_rss_bytes"]) / local["peak_rss_bytes"][0],
-              "step_memory_per_rank_over_local": max(p - b for p, b in zip(fsdp["peak_rss_bytes"],
-                                                                           fsdp["rss_before_bytes"]))
-              / (local["peak_rss_bytes"][0] - local["rss_before_bytes"][0])}
+    for name, threshold in ALLOCATORS.items():  # the spawned processes read it when they start
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if threshold is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = threshold
+        results[name] = pair(model, config, args.steps, episodes)
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    default, fixed = results["default_malloc"], results["fixed_mmap_threshold"]
+    ratios = {**default["ratios"],
+              "fixed_threshold_peak_rss_per_rank_over_local": fixed["ratios"]["peak_rss_per_rank_over_local"],
+              "fixed_threshold_over_default_fsdp2_peak_rss": max(fixed["fsdp2_ws2"]["peak_rss_bytes"])
+              / max(default["fsdp2_ws2"]["peak_rss_bytes"]),
+              "fixed_threshold_over_default_fsdp2_step_time": fixed["fsdp2_ws2"]["step_seconds_median"]
+              / default["fsdp2_ws2"]["step_seconds_median"]}
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model)
@@ -90,8 +119,7 @@ def main() -> None:
            "steps": args.steps, "results": results, "ratios": ratios, "provenance": finish(prov)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({"ratios": ratios, "local_s": local["step_seconds_median"],
-                      "fsdp2_s": fsdp["step_seconds_median"]}, indent=1))
+    print(json.dumps({"ratios": ratios}, indent=1))
 
 
 class LocalSpec:
