@@ -31,6 +31,7 @@ from provenance import finish, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # tests_support imports its siblings as top-level modules
 
 from furlong.model.tiny import TinySpec, init_tiny  # noqa: E402
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer  # noqa: E402
