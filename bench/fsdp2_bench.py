@@ -14,7 +14,7 @@ large block freed, so FSDP2's per-layer gather and reduce-scatter buffers, alloc
 end up in heap arenas that keep the memory after it is freed; with the threshold fixed every such block is
 mapped and returned on free, so the second arm's peak is close to what the tensors themselves need.
 
-    python bench/fsdp2_bench.py                     # ~4 min; writes bench/results/fsdp2.json
+    python bench/fsdp2_bench.py                     # ~1 min; writes bench/results/fsdp2.json
 """
 
 from __future__ import annotations
