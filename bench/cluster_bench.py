@@ -2,9 +2,11 @@
 wall time and held-out gain, and Ray's own overhead during the Ray run: the CPU seconds and the peak
 resident memory of Ray's processes (head, raylet, agents, idle workers, furlong's reaper), the actors that
 host the trainer and the engines not counted (they do the work local mode does in its one process).
-Writes bench/results/cluster.json.
+The runs go in the order local, ray, ray, local (ABBA): whatever the first run pays once on a fresh machine
+(cold page cache, first imports) or any drift in the machine's load falls on both modes alike, and each mode
+is run twice. Writes bench/results/cluster.json: every run, and each mode's mean.
 
-    python bench/cluster_bench.py                                  # 2 default runs: about 13 min on 2 cores
+    python bench/cluster_bench.py                                  # 4 default runs: about 28 min on 2 cores
     python bench/cluster_bench.py --config recipes/smoke.yaml --out /tmp/cluster.json   # a check of this script
 """
 
@@ -49,10 +51,13 @@ def _marked(mark: str, driver: int) -> dict[int, tuple[float, int]]:
     return out
 
 
-def run(mode: str, work: Path, config: str | None, overrides: list[str]) -> dict:
-    run_dir = work / mode
+ORDER = ("local", "ray", "ray", "local")
+
+
+def run(mode: str, index: int, work: Path, config: str | None, overrides: list[str]) -> dict:
+    run_dir, mark = work / f"{index}-{mode}", f"{index}-{mode}"
     args = [*(["--config", config] if config else []), f"train.cluster={mode}", f"train.run_dir={run_dir}", *overrides]
-    env = {**os.environ, MARK: mode}
+    env = {**os.environ, MARK: mark}
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -62,7 +67,7 @@ def run(mode: str, work: Path, config: str | None, overrides: list[str]) -> dict
     def sample() -> None:
         nonlocal peak_rss
         while proc.poll() is None:
-            seen = _marked(mode, proc.pid)
+            seen = _marked(mark, proc.pid)
             for pid, (seconds, _) in seen.items():
                 cpu[pid] = max(cpu.get(pid, 0.0), seconds)
             peak_rss = max(peak_rss, sum(rss for _, rss in seen.values()))
@@ -76,11 +81,26 @@ def run(mode: str, work: Path, config: str | None, overrides: list[str]) -> dict
     if proc.returncode != 0:
         raise SystemExit(f"furlong train ({mode}) failed:\n{err[-3000:]}")
     s = summary(run_dir)
-    return {"mode": mode, "wall_seconds": round(wall, 1), "phase_seconds": s["phase_seconds"],
+    return {"mode": mode, "order": index, "wall_seconds": round(wall, 1), "phase_seconds": s["phase_seconds"],
             "pass_at_1_before": s["heldout_pass_at_1_before_rl"], "pass_at_1_after": s["heldout_pass_at_1_after_rl"],
             "gain_points": s["improvement_points"], "heldout_gain": s["heldout_gain"],
             "ray_overhead": {"processes": len(cpu), "cpu_seconds": round(sum(cpu.values()), 1),
                              "peak_rss_mb": round(peak_rss / 2**20, 1)}}
+
+
+def mean(runs: list[dict], mode: str) -> dict:
+    """The mode's runs averaged: wall time, each phase, held-out gain (all points), Ray's overhead."""
+    mine = [r for r in runs if r["mode"] == mode]
+
+    def avg(values: list[float | None]) -> float | None:  # None: a recipe without that figure
+        return None if None in values else round(sum(values) / len(values), 2)
+
+    return {"runs": len(mine), "wall_seconds": avg([r["wall_seconds"] for r in mine]),
+            "phase_seconds": {k: avg([r["phase_seconds"][k] for r in mine]) for k in mine[0]["phase_seconds"]},
+            "gain_points": avg([r["gain_points"] for r in mine]),
+            "reward_only_gain_points": avg([(r["heldout_gain"].get("reward_only") or {}).get("gain_points")
+                                            for r in mine]),
+            "ray_overhead": {k: avg([r["ray_overhead"][k] for r in mine]) for k in mine[0]["ray_overhead"]}}
 
 
 def main() -> int:
@@ -91,14 +111,16 @@ def main() -> int:
     args = ap.parse_args()
     prov = provenance()
     with tempfile.TemporaryDirectory(prefix="furlong-cluster-bench-") as tmp:
-        runs = {mode: run(mode, Path(tmp), args.config, args.overrides) for mode in ("local", "ray")}
-        for r in runs.values():
-            print(f"{r['mode']}: {r['wall_seconds']} s, gain {r['gain_points']:+.1f} points, "
-                  f"Ray overhead {r['ray_overhead']}", flush=True)
-    ratio = runs["ray"]["wall_seconds"] / runs["local"]["wall_seconds"]
-    print(f"wall time ray / local: {ratio:.3f}")
-    result = {"provenance": finish(prov), "config": args.config, "overrides": args.overrides,
-              "wall_ratio_ray_over_local": round(ratio, 3), "runs": runs}
+        runs = []
+        for index, mode in enumerate(ORDER):
+            runs.append(r := run(mode, index, Path(tmp), args.config, args.overrides))
+            print(f"run {index + 1}/{len(ORDER)} {mode}: {r['wall_seconds']} s (phases {r['phase_seconds']}), "
+                  f"gain {r['gain_points']:+.1f} points, Ray overhead {r['ray_overhead']}", flush=True)
+    means = {mode: mean(runs, mode) for mode in ("local", "ray")}
+    ratio = means["ray"]["wall_seconds"] / means["local"]["wall_seconds"]
+    print(f"mean wall time ray / local: {ratio:.3f}")
+    result = {"provenance": finish(prov), "config": args.config, "overrides": args.overrides, "order": list(ORDER),
+              "wall_ratio_ray_over_local": round(ratio, 3), "means": means, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
