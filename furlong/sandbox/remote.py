@@ -213,18 +213,20 @@ class RemoteBackend:
         deadline = time.monotonic() + START_WAIT_S
         while True:
             errors: list[str] = []
+            full: list[Host] = []
             for host in self.hosts.ranked():
-                created = await self._create_on(host, body, errors)
+                created = await self._create_on(host, body, errors, full)
                 if created is not None:
                     host.active += 1
                     host.started += 1
                     return RemoteSandbox(self.hosts, host, created)
-            if not any("429" in e for e in errors) or time.monotonic() > deadline:
+            if not full or time.monotonic() > deadline:
                 raise SandboxError("no sandbox host could start the sandbox: " + "; ".join(errors))
-            await asyncio.sleep(1.0)  # every host is full: wait for room (Retry-After: 1)
+            await asyncio.sleep(1.0)  # a host is full: wait for room (Retry-After: 1)
 
-    async def _create_on(self, host: Host, body: dict, errors: list[str]) -> dict | None:
-        """The host's create answer, or None with the reason appended to `errors`."""
+    async def _create_on(self, host: Host, body: dict, errors: list[str], full: list[Host]) -> dict | None:
+        """The host's create answer, or None with the reason appended to `errors` (and the host to `full`
+        where it was at capacity: the reason's text may hold "429" anyway, in a port or a digest)."""
         try:
             await host.ensure_capacity()
             r = await host.client().post("/v1/sandboxes", json=body)
@@ -241,6 +243,7 @@ class RemoteBackend:
             return None
         if r.status_code == 429:
             errors.append(f"{host.url}: 429 at capacity")
+            full.append(host)
             return None
         try:
             check(r, host.url)
