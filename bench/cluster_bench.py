@@ -55,7 +55,8 @@ ORDER = ("local", "ray", "ray", "local")
 
 
 def run(mode: str, index: int, work: Path, config: str | None, overrides: list[str]) -> dict:
-    run_dir, mark = work / f"{index}-{mode}", f"{index}-{mode}"
+    mark = f"{index}-{mode}"  # names the run's directory and tags its processes for the sampler
+    run_dir = work / mark
     args = [*(["--config", config] if config else []), f"train.cluster={mode}", f"train.run_dir={run_dir}", *overrides]
     env = {**os.environ, MARK: mark}
     start = time.perf_counter()

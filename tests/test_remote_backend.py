@@ -166,8 +166,7 @@ def test_a_host_without_an_images_layers_is_sent_the_build_first(hosts, tmp_path
 
 def test_a_refusal_whose_text_holds_429_is_not_taken_for_a_full_host(hosts, base_image):
     """Only a 429 answer means "wait for room": a refusal naming a layer (or a port) with 429 in it fails
-    at once, after the one build it asks for (the create once waited for room, sending the build every
-    second for START_WAIT_S, whenever a digest or the host's port held those digits)."""
+    at once, after the one build it asks for, rather than resending the build every second for START_WAIT_S."""
     calls = []
 
     async def provide(host, missing):  # builds nothing: the layer stays missing
@@ -179,6 +178,7 @@ def test_a_refusal_whose_text_holds_429_is_not_taken_for_a_full_host(hosts, base
         run(rb.create(spec(forged)))
     assert calls == [["layer-429"]]
     assert not hosts[0].reg.entries and hosts[0].reg.reserved == 0
+
 
 def test_bad_image_requests_are_refused_and_change_nothing(hosts, store, tmp_path: Path):
     c = hosts[0].c
