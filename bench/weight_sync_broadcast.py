@@ -1,8 +1,11 @@
-"""One weight update through a torch.distributed broadcast vs through the relay (http, full snapshots).
+"""One weight update through shared memory vs a torch.distributed broadcast vs the relay (http, full snapshots).
 
-Both links are built by furlong's own builder (`furlong.build.training.weight_link`) with the same engine
-server processes (`train.sync.engine=server`, `--servers` of them, fp32 engine weights):
+All three links are built by furlong's own builder (`furlong.build.training.weight_link`) with the same
+engine server processes (`train.sync.engine=server`, `--servers` of them, fp32 engine weights):
 
+* shared: `train.sync.transport=shared`: each push copies the weights into this process's arena in
+  /dev/shm and sends every engine a handle; each engine maps the arena and copies the tensors into its
+  model (furlong.sync.handover).
 * broadcast: `train.sync.transport=broadcast`: the trainer is rank 0 of a gloo group with the engines; each
   push announces the tensors over HTTP and broadcasts them in flat buckets (furlong.sync.broadcast).
 * relay: `train.sync.transport=http` with `train.sync.full_every=1`: every push publishes a full snapshot
@@ -11,10 +14,11 @@ server processes (`train.sync.engine=server`, `--servers` of them, fp32 engine w
 
 Per model, after one warm-up push each, --updates pushes of freshly perturbed weights (a new version each)
 are timed end to end (`sync_seconds`: until every engine has loaded the version; every engine's /health is
-checked to report it). Bytes: what one engine receives per update (`sync_payload_bytes`: the broadcast's raw
-tensor bytes, tied tensors once; the relay's snapshot payload; each engine pulls its own copy). Models:
-`tiny` (the default recipe's, ~4M parameters) and `wide` (hidden 1024, 8 layers, ~105M parameters), built by
-`init_tiny`. On a shared 2-core box both links include the engines' copy into the model.
+checked to report it). Bytes: what one engine receives per update over its socket (`sync_payload_bytes`:
+the shared link's handle; the broadcast's raw tensor bytes, tied tensors once; the relay's snapshot
+payload; each engine pulls its own copy). Models: `tiny` (the default recipe's, ~4M parameters) and `wide`
+(hidden 1024, 8 layers, ~105M parameters), built by `init_tiny`. On a shared 2-core box every link
+includes the engines' copy into the model.
 
     python bench/weight_sync_broadcast.py                     # tiny and wide, 3 updates each, 2 engines
     python bench/weight_sync_broadcast.py --models tiny --updates 5 --out /tmp/b.json
@@ -47,7 +51,7 @@ MODELS: dict[str, dict[str, int]] = {
     "wide": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16, "num_kv_heads": 8, "head_dim": 64,
              "intermediate_size": 3072},
 }
-LINKS = {"broadcast": ["train.sync.transport=broadcast"],
+LINKS = {"shared": ["train.sync.transport=shared"], "broadcast": ["train.sync.transport=broadcast"],
          "relay_http_full": ["train.sync.transport=http", "train.sync.full_every=1"]}
 
 
@@ -108,14 +112,17 @@ def main() -> None:
         row: dict[str, Any] = {"params": params, "spec": MODELS[name]}
         for link in LINKS:
             row[link] = asyncio.run(measure_link(link, model_dir, weights, args.servers, args.threads))
-        b, r = row["broadcast"], row["relay_http_full"]
+        sh, b, r = row["shared"], row["broadcast"], row["relay_http_full"]
         row["seconds_ratio_broadcast_over_relay"] = b["median_seconds"] / r["median_seconds"]
         row["bytes_ratio_broadcast_over_relay"] = b["payload_bytes"] / r["payload_bytes"]
+        row["seconds_ratio_shared_over_relay"] = sh["median_seconds"] / r["median_seconds"]
+        row["seconds_ratio_shared_over_broadcast"] = sh["median_seconds"] / b["median_seconds"]
         results[name] = row
-        print(f"{name}: {params / 1e6:.1f}M params; broadcast {b['median_seconds']:.3f} s, "
-              f"{b['payload_bytes'] / 2**20:.1f} MiB; relay {r['median_seconds']:.3f} s, "
-              f"{r['payload_bytes'] / 2**20:.1f} MiB; seconds ratio {row['seconds_ratio_broadcast_over_relay']:.3f}, "
-              f"bytes ratio {row['bytes_ratio_broadcast_over_relay']:.3f}", flush=True)
+        print(f"{name}: {params / 1e6:.1f}M params; " + "; ".join(
+              f"{k} {row[k]['median_seconds']:.3f} s, {row[k]['payload_bytes'] / 2**20:.3f} MiB" for k in LINKS)
+              + f"; seconds ratios: shared/relay {row['seconds_ratio_shared_over_relay']:.3f}, shared/broadcast "
+              f"{row['seconds_ratio_shared_over_broadcast']:.3f}, broadcast/relay "
+              f"{row['seconds_ratio_broadcast_over_relay']:.3f}", flush=True)
     out = {"provenance": finish(prov), "servers": args.servers, "updates": args.updates, "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

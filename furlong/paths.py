@@ -1,9 +1,14 @@
-"""Where furlong keeps what it builds: images, models, generated task instances."""
+"""Where furlong keeps what it builds: images, models, generated task instances, weight arenas."""
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 from pathlib import Path
+
+SHM = Path("/dev/shm")
+_ARENA = re.compile(r"furlong-weights-(\d+)-[0-9a-f]{16}")  # the owner's pid, then a random part
 
 
 def cache_dir() -> Path:
@@ -39,3 +44,40 @@ def layer_mounts_dir() -> Path:
     runs as when it resolves its overlay sources.
     """
     return Path(os.environ.get("FURLONG_LAYER_MOUNTS", "/run/furlong/layers"))
+
+
+def new_arena_path() -> Path:
+    """A fresh name for this process's weight arena (furlong.sync.handover) in /dev/shm."""
+    return SHM / f"furlong-weights-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def arena_owner(name: str) -> int | None:
+    """The pid that made the arena file `name`; None if `name` is not an arena's."""
+    m = _ARENA.fullmatch(name)
+    return int(m[1]) if m else None
+
+
+def remove_arenas(pids: set[int] | None = None) -> list[Path]:
+    """Delete the arena files of `pids` (None: of every process of this host that is gone): what a killed
+    trainer left in /dev/shm. Light on purpose (no torch): the run's watchdog calls it."""
+    removed = []
+    for path in SHM.glob("furlong-weights-*"):
+        owner = arena_owner(path.name)
+        if owner is None or (owner not in pids if pids is not None else _alive(owner)):
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:  # another user's, or removed meanwhile
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

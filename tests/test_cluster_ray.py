@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ import torch
 from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from furlong.build.training import weight_link
+import furlong.build.cluster as ray_build
+from furlong.build.training import grpo_config, local_trainer, weight_link
 from furlong.cluster.engines import CHILD_ENV
 from furlong.cluster.ranks import RayRanks
 from furlong.cluster.session import RaySession, Roles, place
@@ -29,6 +31,8 @@ from furlong.engine.base import SamplingParams
 from furlong.engine.vllm import vllm_available
 from furlong.engine.router import Router
 from furlong.model.loading import load_model
+from furlong.paths import SHM, arena_owner
+from furlong.sync.handover import SharedWeights
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.ranks import RankFailed, RankGroup
 from furlong.train.trainer import LocalTrainer
@@ -181,6 +185,22 @@ def test_a_killed_engine_actor_is_restarted_and_rejoins_at_the_live_version(sess
             await link.close()
 
     asyncio.run(main())
+
+
+def test_a_trainer_actor_hands_over_its_weights_from_its_own_memory(session: RaySession, tiny_dir: Path):
+    t = load_config(None, ["train.cluster=ray", "train.sync.transport=shared", "train.rl.sft_coef=0"]).train
+    trainer = ray_build.trainer(session, partial(local_trainer, t, tiny_dir, grpo_config(t), []), t)
+    try:
+        weights = trainer.engine_weights()
+        owners = {arena_owner(p.name) for p in SHM.glob("furlong-weights-*")}
+        expected = load_model(tiny_dir).state_dict()
+        # read here through a handle: views of the actor's arena, which the driver never copied
+        assert isinstance(weights, SharedWeights) and weights.nbytes >= 16e6
+        assert set(weights) == set(expected) and all(torch.equal(weights[k], expected[k]) for k in expected)
+    finally:
+        trainer.close()
+    assert len(owners) == 1 and os.getpid() not in owners  # the arena is the actor's
+    assert not [p for p in SHM.glob("furlong-weights-*") if arena_owner(p.name) in owners]  # closed with it
 
 
 STANDIN = "tests.sglang_standin"  # SGLangStandIn: a TEST DOUBLE of an SGLang server (SGLang is not installable here)
@@ -342,3 +362,27 @@ def test_train_on_ray_runs_its_sandboxes_on_host_actors_and_leaves_nothing(tmp_p
     # every episode's sandbox (and SFT's demonstrations') was started by a host actor, over both hosts
     assert sum(h["created"] for h in hosts) >= len(records), (hosts, len(records))
     assert all(h["created"] > 0 for h in hosts), hosts
+
+
+def _arenas() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("furlong-weights-")}
+
+
+def test_train_on_ray_hands_the_trainer_actors_weights_to_colocated_engines_in_place(tmp_path: Path):
+    run = tmp_path / "run"
+    before = _arenas()
+    res = _train("train.cluster=ray", "train.sync.transport=shared", "train.ray.engines=2",
+                 "train.ray.engine_cpus=0.5", "train.rl.steps=2", f"train.run_dir={run}", mark="shared")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not _left("shared") and _arenas() <= before  # the actors, and the trainer actor's shared memory
+    assert not (run / "weights").exists()  # nothing was published
+    records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert len(rl) == 2 * 2 * 2 and all(r["reward"] is not None for r in records)
+    assert all(r["version_first"] == r["version_last"] == r["step"] for r in rl)  # sync mode: the live version
+    rows = _rl_rows(run)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["sync_engines_live"] == 2 for r in rows)
+    # the weights stayed in the trainer actor's shared memory: each engine was sent a handle, not the tensors
+    assert all(r["sync_shared_bytes"] > 16e6 and r["sync_payload_bytes"] < 40e3 for r in rows)
+    # what the engines sampled with is what the trainer holds: their logprobs agree to float32 rounding
+    assert max(r["logprob_diff_max"] for r in rows) < 1e-4

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from furlong.engine.base import SamplingParams
-from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.model.loading import load_model
 from furlong.sync.broadcast import FLAT, GROUP_NAME, GroupSpec, Manifest, WeightGroup, buckets, distinct, host_store
 from furlong.train.weights import BroadcastLink, start_engines
+from tests_support import moved_weights, reference_generation
 
 PROMPT = [5, 17, 300, 42, 1000, 7]
 TOKEN = "test-engine-token"
@@ -33,25 +33,6 @@ def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[En
     yield procs
     for p in procs:
         p.stop()
-
-
-def _moved(tiny_dir: Path, scale: float, seed: int) -> dict[str, torch.Tensor]:
-    """The tiny model's weights with every tensor moved by noise (tied tensors stay one tensor)."""
-    model = load_model(tiny_dir)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return model.state_dict()
-
-
-async def _reference(tiny_dir: Path, weights: dict[str, torch.Tensor]):
-    engine = HFEngine(load_model(tiny_dir), eos_token_ids=())
-    await engine.update_weights(weights, 0)
-    try:
-        return await engine.generate(PROMPT, GREEDY)
-    finally:
-        await engine.close()
 
 
 async def _open(engines: list[EngineProcess], **kw) -> tuple[BroadcastLink, list[RemoteEngine]]:
@@ -128,7 +109,7 @@ def test_closing_a_member_stuck_in_a_receive_returns_at_once():
 
 
 def test_two_engine_servers_receive_a_broadcast_and_generate_with_it(engines, tiny_dir: Path):
-    first, second = _moved(tiny_dir, 2e-2, 1), _moved(tiny_dir, 2e-2, 2)
+    first, second = moved_weights(tiny_dir, 2e-2, 1), moved_weights(tiny_dir, 2e-2, 2)
 
     async def main() -> list[dict]:
         logged = []
@@ -136,7 +117,7 @@ def test_two_engine_servers_receive_a_broadcast_and_generate_with_it(engines, ti
         try:
             for version, weights in ((1, first), (2, second)):
                 logged.append(await link.push(weights, version))
-                want = await _reference(tiny_dir, weights)
+                want = await reference_generation(tiny_dir, weights, PROMPT, GREEDY)
                 for m in members:
                     got = await m.generate(PROMPT, GREEDY)
                     assert got.output_ids == want.output_ids and got.weight_version == version
@@ -160,7 +141,7 @@ def test_two_engine_servers_receive_a_broadcast_and_generate_with_it(engines, ti
 
 def test_unauthenticated_and_malformed_requests_are_refused_and_change_nothing(engines, tiny_dir: Path):
     url = engines[0].url
-    state = _moved(tiny_dir, 0.0, 0)
+    state = moved_weights(tiny_dir, 0.0, 0)
     good = Manifest.of({"model.norm.weight": state["model.norm.weight"]}, weight_version="7", load_format=FLAT).body()
     bad_bodies = [
         ({**good, "names": ["no.such.tensor"]}, "unknown tensors"),
@@ -189,7 +170,7 @@ def test_unauthenticated_and_malformed_requests_are_refused_and_change_nothing(e
 
             link, members = await _open(engines[:1])
             try:
-                await link.push(_moved(tiny_dir, 2e-2, 3), 4)
+                await link.push(moved_weights(tiny_dir, 2e-2, 3), 4)
                 before = await members[0].generate(PROMPT, GREEDY)
                 for body, reason in bad_bodies:
                     resp = await raw.post("/update_weights_from_distributed", json=body, headers=authed)
@@ -198,7 +179,7 @@ def test_unauthenticated_and_malformed_requests_are_refused_and_change_nothing(e
                 after = await members[0].generate(PROMPT, GREEDY)
                 assert (after.output_ids, after.weight_version) == (before.output_ids, 4)
                 assert (await members[0].health())["weight_version"] == 4
-                await link.push(_moved(tiny_dir, 2e-2, 4), 5)  # the group is still in step
+                await link.push(moved_weights(tiny_dir, 2e-2, 4), 5)  # the group is still in step
                 assert (await members[0].health())["weight_version"] == 5
             finally:
                 await link.close()
@@ -211,12 +192,12 @@ def test_a_lone_member_that_refuses_fails_the_push_at_once_and_the_link_stays_fa
     async def main() -> None:
         link, members = await _open(engines[:1])
         try:
-            await link.push(_moved(tiny_dir, 2e-2, 5), 8)
+            await link.push(moved_weights(tiny_dir, 2e-2, 5), 8)
             await members[0].destroy_weights_update_group(GROUP_NAME)  # the engine leaves behind the trainer's back
             with pytest.raises(RuntimeError, match="every engine is lost.*no group"):  # at once, not after 60 s
-                await asyncio.wait_for(link.push(_moved(tiny_dir, 2e-2, 6), 9), 30)
+                await asyncio.wait_for(link.push(moved_weights(tiny_dir, 2e-2, 6), 9), 30)
             with pytest.raises(RuntimeError, match="failed earlier"):
-                await link.push(_moved(tiny_dir, 2e-2, 7), 10)
+                await link.push(moved_weights(tiny_dir, 2e-2, 7), 10)
             assert (await members[0].health())["weight_version"] == 8  # the refused version was never loaded
         finally:
             await link.close()

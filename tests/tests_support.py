@@ -89,3 +89,30 @@ def grown(before: dict[str, set], wait_s: float = 10.0) -> dict[str, set]:
         if not any(new.values()) or time.monotonic() > deadline:
             return {k: v for k, v in new.items() if v}
         time.sleep(0.1)
+
+
+def moved_weights(model_dir: Path, scale: float, seed: int) -> dict:
+    """The model's weights with every tensor moved by noise (tied tensors stay one tensor)."""
+    import torch
+
+    from furlong.model.loading import load_model
+
+    model = load_model(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model.state_dict()
+
+
+async def reference_generation(model_dir: Path, weights: dict, prompt: list[int], sampling):
+    """What an in-process hf engine holding `weights` generates for `prompt`."""
+    from furlong.engine.hf import HFEngine
+    from furlong.model.loading import load_model
+
+    engine = HFEngine(load_model(model_dir), eos_token_ids=())
+    await engine.update_weights(weights, 0)
+    try:
+        return await engine.generate(prompt, sampling)
+    finally:
+        await engine.close()

@@ -15,9 +15,12 @@ from furlong.cluster.session import RaySession, Roles
 from furlong.cluster.trainer import RayTrainer
 from furlong.config import Config, TrainConfig
 from furlong.engine.remote import RemoteEngine
-from furlong.engine.router import Router
+from furlong.engine.router import Router, RouterSettings
+from furlong.sync.broadcast import DTYPES
+from furlong.sync.handover import Arena
 from furlong.sync.publish import Publisher
 from furlong.sync.transport import DirectoryTransport, UpdateServer
+from furlong.train.handover import HandoverLink
 from furlong.train.protocol import Trainer
 from furlong.train.ranks import WorkerSpec
 from furlong.train.weights import PublishedLink
@@ -46,7 +49,13 @@ def sandbox_hosts(cluster: RaySession, cfg: Config) -> SandboxHosts:
 
 
 def trainer(cluster: RaySession, make: Callable[[], Trainer], t: TrainConfig) -> RayTrainer:
-    return RayTrainer(cluster, make, threads=t.torch_threads)
+    """train.sync.transport=shared: the actor hands its weights over from an arena on the engines' device
+    (CUDA where both the trainer and the engines hold GPUs, else this host's shared memory)."""
+    arena = None
+    if t.sync.transport == "shared":
+        on_gpu = t.ray.trainer_gpus > 0 and t.ray.engine_gpus > 0
+        arena = Arena("cuda" if on_gpu else "cpu", DTYPES[t.sync.engine_dtype])
+    return RayTrainer(cluster, make, threads=t.torch_threads, arena=arena)
 
 
 def ranks(cluster: RaySession, spec: WorkerSpec, t: TrainConfig) -> RayRanks:
@@ -56,18 +65,21 @@ def ranks(cluster: RaySession, spec: WorkerSpec, t: TrainConfig) -> RayRanks:
                     timeout_s=t.fsdp2.timeout_s, slots=slots)
 
 
-async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory: DirectoryTransport,
+async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory: DirectoryTransport | None,
                       publisher: Callable[[DirectoryTransport], Publisher], lora: dict | None,
-                      run_path: Path | None = None) -> PublishedLink:
+                      run_path: Path | None = None) -> PublishedLink | HandoverLink:
     """RL's engine actors (train.engine: hf, vllm or sglang in each), pulling from `directory`
-    (train.sync.transport=directory: every node must see it) or, for any other transport, from an
-    UpdateServer over it; one is served directly, several via a Router. `run_path`: where engine I keeps
-    its files (engine-I/: an SGLang server's log and staged updates)."""
+    (train.sync.transport=directory: every node must see it), handed the trainer actor's weights in shared
+    memory (shared: colocated; `directory` None), or, for any other transport, pulling from an UpdateServer
+    over `directory`; one is served directly, several via a Router. `run_path`: where engine I keeps its
+    files (engine-I/: an SGLang server's log and staged updates)."""
     t = cfg.train
     token = secrets.token_urlsafe(24)
-    server = None if t.sync.transport == "directory" else UpdateServer(directory, host=cluster.serve_host,
-                                                                       token=token)
-    spec = EngineSpec(sft_dir, server.url if server else str(directory.root), threads=t.torch_threads,
+    shared = directory is None
+    server = None if shared or t.sync.transport == "directory" else UpdateServer(
+        directory, host=cluster.serve_host, token=token)
+    updates = None if directory is None else server.url if server else str(directory.root)  # None: no relay
+    spec = EngineSpec(sft_dir, updates, threads=t.torch_threads,
                       prefix_cache_mb=t.hf.prefix_cache_mb, lora=lora, updates_token=token if server else None,
                       engine_token=token, device="cuda" if t.ray.engine_gpus > 0 else "cpu", kind=t.engine,
                       seed=t.seed, sglang=t.sglang if t.engine == "sglang" else None)
@@ -80,7 +92,9 @@ async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory
             server.close()
         raise
     engines = [RemoteEngine(u, token=token) for u in actors.urls]
-    remote = engines[0] if len(engines) == 1 else Router(engines)
+    # shared: the link puts a lost engine back once it has loaded the live weights (no relay to catch up with)
+    settings = RouterSettings(readmit_after=0) if shared else RouterSettings()
+    remote = engines[0] if len(engines) == 1 else Router(engines, settings)
 
     async def cleanup() -> None:
         await remote.close()
@@ -88,6 +102,10 @@ async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory
         if server:
             server.close()
 
+    if shared:  # the trainer actor's arena: a link given other tensors copies them into its own (CPU) one
+        return ActorHandoverLink(remote, engines, arena=Arena("cpu", DTYPES[t.sync.engine_dtype]),
+                                 cleanup=cleanup, actors=actors)
+    assert directory is not None
     return ActorLink(remote, publisher(directory), remote.sync, cleanup, actors)
 
 
@@ -96,4 +114,12 @@ class ActorLink(PublishedLink):
 
     def __init__(self, engine, publisher: Publisher, pull, cleanup, actors: EngineActors) -> None:
         super().__init__(engine, publisher, pull, cleanup)
+        self.actors = actors
+
+
+class ActorHandoverLink(HandoverLink):
+    """A handover link whose engines are Ray actors (`actors`: their handles and processes)."""
+
+    def __init__(self, engine, members, *, arena: Arena, cleanup, actors: EngineActors) -> None:
+        super().__init__(engine, members, arena=arena, cleanup=cleanup)
         self.actors = actors

@@ -35,11 +35,13 @@ from furlong.sandbox.host_images import HostImages
 from furlong.sandbox.hosts import Hosts
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages
+from furlong.sync.handover import Arena
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
 from furlong.tasks.model import Task
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
+from furlong.train.handover import HandoverLink
 from furlong.train.protocol import Trainer
 from furlong.train.ranks import LocalRanks, RankGroup
 from furlong.train.trainer import GRPOConfig, LocalTrainer
@@ -264,8 +266,8 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     if cluster is not None:  # every train.engine: each actor's relay loads its engine (hf, vllm, sglang)
         import furlong.build.cluster as ray_build
 
-        return await ray_build.engine_link(cfg, cluster, sft_dir, _fresh_dir(t, run_path), publisher, lora_spec(t),
-                                           run_path)
+        published = None if s.transport == "shared" else _fresh_dir(t, run_path)
+        return await ray_build.engine_link(cfg, cluster, sft_dir, published, publisher, lora_spec(t), run_path)
     if t.engine == "sglang":
         return await _sglang_link(cfg, run_path, sft_dir)
     local = (lambda: Borrowed(shared)) if shared is not None else (
@@ -287,6 +289,8 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
         return PublishedLink(engine, publisher(transport), lambda: local_pull(relay), cleanup_local)
     if s.transport == "broadcast":
         return await _broadcast_link(cfg, run_path, sft_dir)
+    if s.transport == "shared":
+        return await _shared_link(cfg, run_path, sft_dir)
     directory = _fresh_dir(t, run_path)
     token = secrets.token_urlsafe(24)
     server = UpdateServer(directory, token=token) if s.transport == "http" else None
@@ -327,6 +331,19 @@ async def _broadcast_link(cfg: Config, run_path: Path, sft_dir: Path) -> Broadca
                                     dtype=DTYPES[s.engine_dtype],
                                     bucket_bytes=int(s.bucket_mb * 2**20), secret=token,
                                     cleanup=lambda: _stop_engines(remote, processes))
+
+
+async def _shared_link(cfg: Config, run_path: Path, sft_dir: Path) -> HandoverLink:
+    """train.sync.transport=shared: engine servers on this host without a relay, each handed this process's
+    copy of the weights in shared memory."""
+    t, s = cfg.train, cfg.train.sync
+    token = secrets.token_urlsafe(24)  # the engines answer only this run
+    processes = await start_engines(s.servers, sft_dir, None, run_path, t.torch_threads, lora_spec(t),
+                                    t.hf.prefix_cache_mb, engine_token=token)
+    # the link takes a lost engine out and puts it back once it has loaded the live weights
+    remote, members = _remote_engines(processes, token, RouterSettings(readmit_after=0))
+    return HandoverLink(remote, members, arena=Arena("cpu", DTYPES[s.engine_dtype]),
+                        cleanup=lambda: _stop_engines(remote, processes))
 
 
 async def _sglang_link(cfg: Config, run_path: Path, sft_dir: Path) -> DirectLink:

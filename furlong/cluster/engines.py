@@ -40,7 +40,7 @@ class EngineSpec:
     """One engine server's flags (those of `furlong engine serve`) and the secret its relay pulls with."""
 
     model: Path
-    updates: str
+    updates: str | None  # None: no relay (weights are handed over in shared memory instead)
     threads: int = 1
     prefix_cache_mb: float = 256
     lora: dict | None = None
@@ -52,8 +52,9 @@ class EngineSpec:
     sglang: SGLangConfig | None = None  # kind sglang: how to start its server (never `url`: each actor owns one)
 
     def argv(self, host: str, port: int) -> list[str]:
-        out = ["--model", str(self.model), "--updates", self.updates, "--host", host, "--port", str(port),
-               "--threads", str(self.threads), "--prefix-cache-mb", str(self.prefix_cache_mb), "--device", self.device]
+        out = ["--model", str(self.model), "--host", host, "--port", str(port), "--threads", str(self.threads),
+               "--prefix-cache-mb", str(self.prefix_cache_mb), "--device", self.device]
+        out += ["--updates", self.updates] if self.updates else []
         return out + (["--lora", json.dumps(self.lora)] if self.lora else [])
 
 
@@ -99,8 +100,8 @@ class EngineHost:
         self._guard = ChildGuard() if spec.kind != "hf" else None  # hf starts no process
         try:
             engine = open_engine(spec, args, work_dir or Path.cwd() / "engine")
-            self._server = BackgroundServer(build_app(engine, Relay(open_transport(args.updates), engine),
-                                                      token=spec.engine_token),
+            relay = Relay(open_transport(args.updates), engine) if args.updates else None
+            self._server = BackgroundServer(build_app(engine, relay, token=spec.engine_token),
                                             host, port, name="furlong-engine")
         except BaseException:
             self.close()

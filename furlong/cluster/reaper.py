@@ -9,6 +9,8 @@ descendant of a tagged process (the agents are the raylet's children until it di
 
 VAR (default FURLONG_RAY_RUN) names the environment variable that carries the tag: an engine actor guards the
 server processes it starts with a tag of its own (furlong.cluster.engines.ChildGuard), so they go with it.
+
+Once they are stopped, the weight arenas those processes left in /dev/shm are deleted too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from furlong.paths import remove_arenas
 
 TAG_ENV = "FURLONG_RAY_RUN"
 
@@ -142,7 +146,10 @@ def watch(tag: str, spare: tuple[int, ...], var: str, poll_s: float = 1.0) -> di
 def main(argv: list[str]) -> int:
     tag, driver, var = argv[0], int(argv[1]), argv[2] if len(argv) > 2 else TAG_ENV
     known = watch(tag, (driver,), var)  # returns at EOF: the driver closed the pipe or died
-    return 1 if sweep_until_gone(tag, spare=(driver,), var=var, known=known) else 0
+    known.update(family(tag, (driver,), var))
+    left = sweep_until_gone(tag, spare=(driver,), var=var, known=known)
+    remove_arenas(set(known))  # a killed trainer actor's weights in /dev/shm (furlong.sync.handover)
+    return 1 if left else 0
 
 
 if __name__ == "__main__":

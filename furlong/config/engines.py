@@ -13,10 +13,11 @@ from furlong.config.base import _Node
 class SyncConfig(_Node):
     """How each RL step's weights reach the rollout engine (furlong.sync; docs/weight-sync.md)."""
 
-    transport: Literal["direct", "inprocess", "directory", "http", "broadcast"] = Field(
+    transport: Literal["direct", "inprocess", "directory", "http", "broadcast", "shared"] = Field(
         "direct", description="direct: copy into the in-process engine; broadcast (engine=server): send every "
-                              "tensor over a torch.distributed group with the engine servers; otherwise publish "
-                              "full/delta updates that a relay verifies and loads")
+                              "tensor over a torch.distributed group with the engine servers; shared (engine="
+                              "server, or colocated Ray actors): engines on the trainer's host load from its "
+                              "shared memory; otherwise publish full/delta updates that a relay verifies and loads")
     engine: Literal["inprocess", "server"] = Field(
         "inprocess", description="server: the RL rollout engine runs in its own process with its relay beside it")
     servers: int = Field(1, ge=1, description="engine=server: this many engine processes behind one router "
@@ -38,9 +39,9 @@ class SyncConfig(_Node):
 
     @model_validator(mode="after")
     def _server_needs_files(self) -> SyncConfig:
-        if self.engine == "server" and self.transport not in ("directory", "http", "broadcast"):
-            raise ValueError(f"engine=server takes updates from files, HTTP or a broadcast: set transport to "
-                             f"directory, http or broadcast (got {self.transport!r})")
+        if self.engine == "server" and self.transport not in ("directory", "http", "broadcast", "shared"):
+            raise ValueError(f"engine=server takes updates from files, HTTP, a broadcast or shared memory: set "
+                             f"transport to directory, http, broadcast or shared (got {self.transport!r})")
         if self.transport == "broadcast" and self.engine != "server":
             raise ValueError("transport=broadcast sends weights to engine server processes: set engine to server")
         if self.servers > 1 and self.engine != "server":

@@ -80,8 +80,27 @@ class TrainConfig(_Node):
                              f"{'> 0 (the trainer actor must hold a GPU)' if self.device == 'cuda' else '= 0'} "
                              f"(got {self.ray.trainer_gpus:g})")
         if self.cluster == "ray" and self.sync.transport == "broadcast":
-            raise ValueError("train.cluster=ray: engine actors take updates from files or HTTP (train.sync.transport"
-                             "=directory or http); the broadcast transport is for train.sync.engine=server")
+            raise ValueError("train.cluster=ray: engine actors take updates from files, HTTP or shared memory "
+                             "(train.sync.transport=directory, http or shared); the broadcast transport is for "
+                             "train.sync.engine=server")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_memory_reaches_the_engines(self) -> TrainConfig:
+        """train.sync.transport=shared: every engine is a process on the host that holds the weights."""
+        if self.sync.transport != "shared":
+            return self
+        if self.cluster == "local" and (self.sync.engine != "server" or self.engine != "hf"):
+            raise ValueError("train.sync.transport=shared hands the weights to engine server processes on this host: "
+                             "set train.sync.engine=server (with train.engine=hf); in one process, transport=direct "
+                             "already copies them in place")
+        if self.cluster == "ray" and self.ray.placement != "colocated":
+            raise ValueError("train.sync.transport=shared needs the engines on the trainer's node: set "
+                             "train.ray.placement=colocated, or a transport that crosses nodes (http)")
+        if self.cluster == "ray" and self.trainer == "fsdp2" and self.ray.address is not None:
+            raise ValueError("train.sync.transport=shared with train.trainer=fsdp2: the driver holds the gathered "
+                             "weights, so it must share the engines' node; joining a cluster (train.ray.address) "
+                             "cannot promise that: use transport=http there")
         return self
 
     @model_validator(mode="after")

@@ -83,6 +83,12 @@ class RemoteEngine:
     async def destroy_weights_update_group(self, group_name: str) -> dict:
         return await self._post("/destroy_weights_update_group", {"group_name": group_name})
 
+    async def update_weights_from_tensor(self, body: dict) -> dict:
+        """POST /update_weights_from_tensor (SGLang's body: a handle to weights in this host's shared memory)."""
+        out = await self._post("/update_weights_from_tensor", body)
+        self._version = int(out["weight_version"])
+        return out
+
     async def health(self, timeout_s: float | None = None) -> dict:
         """GET /health (within `timeout_s` when given, else the client's timeout)."""
         try:

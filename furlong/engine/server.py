@@ -16,6 +16,8 @@ rebuilt tensors in. Routes (JSON):
 * POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group:
   weights broadcast by the trainer over a torch.distributed group, in SGLang's shapes
   (furlong.engine.distributed)
+* POST /update_weights_from_tensor: weights handed over in shared memory by a trainer on this host, in
+  SGLang's shape (furlong.engine.handover)
 
 When the socket is listening the process prints one line, `furlong-engine listening on URL`,
 so a parent that asked for port 0 learns the port. With FURLONG_ENGINE_TOKEN set in its environment
@@ -39,6 +41,7 @@ from pydantic import BaseModel, Field
 
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.distributed import DistributedReceiver, add_distributed_routes
+from furlong.engine.handover import add_tensor_route
 from furlong.engine.hf import HFEngine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.model.loading import load_model
@@ -123,6 +126,7 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
         return await health()
 
     add_distributed_routes(app, receiver)
+    add_tensor_route(app, engine)
     return app
 
 

@@ -23,8 +23,6 @@ Tokens are labelled with the version current when the request was sent; if the r
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import shutil
 import time
@@ -36,6 +34,7 @@ import httpx
 import torch
 
 from furlong.engine.base import EngineError, EngineRefused, FinishReason, Generation, SamplingParams
+from furlong.sync.handover import serialize_named_tensors
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -87,25 +86,6 @@ def parse_generation(out: Any, prompt_len: int, sent_version: int) -> Generation
     return Generation(output_ids=tuple(ids), logprobs=tuple(float(lp) for lp in logprobs), finish_reason=finish,
                       weight_version=sent_version, token_weight_versions=(sent_version,) * len(ids),
                       prompt_len=prompt_len)
-
-
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """One entry of UpdateWeightsFromTensorReqInput.serialized_named_tensors: SGLang's
-    MultiprocessingSerializer format, a ForkingPickler dump (tensors travel as shared-memory or CUDA IPC
-    handles, so server and client must share the host), base64 for JSON. CPU tensors use the file_system
-    sharing strategy: the default passes file descriptors, which only a child process can receive."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as mp
-
-    before = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(named)
-    finally:
-        mp.set_sharing_strategy(before)
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 def is_adapter_state(state_dict: Mapping[str, Any]) -> bool:

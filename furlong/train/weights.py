@@ -181,7 +181,7 @@ class BroadcastLink:
         held_out = isinstance(self.engine, Router) and not self.engine.is_live(member)
         if member in self._joined and not held_out:
             return True
-        return await _answers(member)
+        return await answers(member)
 
     async def _send(self, parts: list[dict[str, torch.Tensor]], version: int) -> tuple[int, float, list[dict]]:
         """One attempt at the whole push over the current group: bytes per engine, seconds broadcasting and
@@ -221,7 +221,7 @@ class BroadcastLink:
                 self.regroups += 1
                 name = f"{GROUP_NAME}_{self.regroups}"
                 log.warning("weight broadcast: regroup %d as %r with %d engine(s); out: %s", self.regroups, name,
-                            len(members), "; ".join(f"{_name(m)}: {r}" for m, r in self._lost()) or "none")
+                            len(members), "; ".join(f"{member_name(m)}: {r}" for m, r in self._lost()) or "none")
                 group, failed = await _form_group(members, self._address, self._backend, name, self._timeout_s,
                                                   self._secret)
                 if group is not None:
@@ -232,7 +232,7 @@ class BroadcastLink:
                 for i, e in failed.items():
                     self._lose(members[i], f"could not join: {e}")
                 members = [m for i, m in enumerate(members) if i not in failed]
-            raise RuntimeError("every engine is lost: " + "; ".join(f"{_name(m)}: {r}" for m, r in self._lost()))
+            raise RuntimeError("every engine is lost: " + "; ".join(f"{member_name(m)}: {r}" for m, r in self._lost()))
         except BaseException as e:
             self._broken = e
             raise
@@ -291,7 +291,7 @@ async def _leave(members: Sequence[BroadcastMember], group: WeightGroup | None, 
     group.close()
 
 
-async def _answers(member: BroadcastMember, timeout_s: float = 3.0) -> bool:
+async def answers(member: BroadcastMember, timeout_s: float = 3.0) -> bool:
     try:
         return await asyncio.wait_for(member.health(), timeout_s) is not False  # SGLangEngine's is a bool
     except Exception:  # noqa: BLE001 - any failure to answer is the answer
@@ -307,12 +307,12 @@ async def _culprits(members: Sequence[BroadcastMember], outcomes: Sequence[Any])
     for i, (member, out) in enumerate(zip(members, outcomes)):
         if not isinstance(out, BaseException):
             continue
-        if isinstance(out, EngineUnavailable | EngineRefused) or not await _answers(member):
+        if isinstance(out, EngineUnavailable | EngineRefused) or not await answers(member):
             lost[i] = str(out) or type(out).__name__
     return lost
 
 
-def _name(member: BroadcastMember) -> str:
+def member_name(member: BroadcastMember) -> str:
     return getattr(member, "url", None) or type(member).__name__
 
 
