@@ -16,7 +16,7 @@ from furlong.engine.hf import HFEngine
 from furlong.model import init_tiny, load_model
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
-from furlong.sync.serving import BackgroundServer
+from furlong.sync.serving import BackgroundServer, bound_socket
 from furlong.sync.transport import (
     DirectoryTransport,
     HttpTransport,
@@ -167,3 +167,29 @@ def test_a_relay_syncs_its_engine_through_a_server_that_fails_transiently(tmp_pa
     with BackgroundServer(flaky) as server:
         asyncio.run(main(server.url))
     assert [path for path, _ in flaky.requests[:4]] == ["/latest"] * 4
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_served_connections_reply_without_waiting_for_the_clients_ack(host: str):
+    """Every connection a furlong server accepts has TCP_NODELAY: without it, a reply written in two parts
+    (uvicorn writes headers, then body) waits for the client's delayed ACK on every request of a kept-alive
+    connection but its first (40 ms each on Linux). uvicorn accepts through asyncio, as here."""
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    sock = bound_socket(host, 0)
+    sock.listen()
+    seen: list[int] = []
+
+    async def main() -> None:
+        async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=sock)
+        async with server:
+            reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            await reader.read()  # until the server closes it: the accept callback has run
+            writer.close()
+
+    asyncio.run(main())
+    assert seen == [1]
