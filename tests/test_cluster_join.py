@@ -57,3 +57,14 @@ def test_a_local_cluster_that_cannot_start_names_its_logs(tmp_path: Path, monkey
     with pytest.raises(RuntimeError, match="the local Ray cluster did not start") as err:
         RaySession(roles, timeout_s=30)
     assert f"its logs: {long}/ray/session_" in str(err.value)
+
+
+def test_a_local_cluster_for_fractional_bundles_gets_whole_cpus():
+    """Bundles of 1.5 CPUs in all: Ray counts a node's CPUs in whole numbers, so the run asks for 2."""
+    code = ("import ray\nfrom furlong.cluster.session import RaySession, Roles\n"
+            "s = RaySession(Roles(engines=2, engine_cpus=0.5, trainer_cpus=0.5, placement='colocated'), "
+            "timeout_s=120)\nprint(ray.cluster_resources()['CPU'])\ns.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "2.0"

@@ -13,6 +13,7 @@ driver goes. Either way every actor lives in a bundle of one of the run's placem
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import time
@@ -69,7 +70,7 @@ class Roles:
         raise ValueError(f"train.ray.placement: expected colocated or disaggregated, got {self.placement!r}")
 
 
-def _start_local(num_cpus: float, namespace: str, env: dict[str, str]) -> None:
+def _start_local(num_cpus: int, namespace: str, env: dict[str, str]) -> None:
     """A new local cluster ("local": even where another run's, or `ray start`'s, is up); if it does not
     start, the error carries the tails of its session's process logs (Ray's own says only "timed out")."""
     since = time.time()
@@ -136,7 +137,8 @@ class RaySession:
             if self.local:
                 os.environ[TAG_ENV] = self.tag  # inherited by every Ray process started now, and only those
                 try:
-                    _start_local(num_cpus or roles.cpus, self.tag, env)
+                    # Ray counts a node's CPUs in whole numbers; the bundles' fractions sum to any amount
+                    _start_local(math.ceil(num_cpus or roles.cpus), self.tag, env)
                 finally:
                     os.environ.pop(TAG_ENV, None)
             else:
