@@ -1,6 +1,6 @@
 """`furlong train` on a device, end to end, one PASS/FAIL line per variant (run by scripts/gpu_check.sh).
 
-    python -m scripts.train_check --model DIR [--device cuda|cpu] [--variants local,delta,ray,ray-join] [--work DIR]
+    python -m scripts.train_check --model DIR [--device cuda|cpu] [--variants local,delta,ray,ray-shared,ray-join] [--work DIR]
 
 Each variant trains scripts/gpu_env.py for three RL steps (scripts/train_check.yaml: no sandbox, a graded
 reward, so every step trains) from the model taught first, in a few SFT steps on the device, to answer with
@@ -13,7 +13,9 @@ weights (versions 1, 2, 3), the engine took each version (a sync time per step),
 - delta: the same, through the publisher's full/delta updates over HTTP to the engine's relay;
 - ray: train.cluster=ray, colocated: one trainer actor and one engine actor sharing one GPU (0.5 each), on
   a local cluster the run starts;
-- ray-join: the same on a cluster started first by `ray start --head` (scripts/ray_head.py), which the run
+- ray-shared: the same, the trainer actor handing its weights to the engine actor in place
+  (train.sync.transport=shared: on a GPU, by CUDA IPC handle);
+- ray-join: the same as ray on a cluster started first by `ray start --head` (scripts/ray_head.py), which the run
   joins (train.ray.address) and leaves up.
 """
 
@@ -39,11 +41,12 @@ def overrides(variant: str, device: str) -> list[str]:
         return on_device
     if variant == "delta":
         return [*on_device, "train.sync.transport=http", "train.sync.full_every=2"]
-    if variant in ("ray", "ray-join"):
+    if variant in ("ray", "ray-shared", "ray-join"):
         gpus = ["train.ray.trainer_gpus=0.5", "train.ray.engine_gpus=0.5"] if device == "cuda" else []
+        shared = ["train.sync.transport=shared"] if variant == "ray-shared" else []
         return ["train.cluster=ray", f"train.device={device}", "train.ray.trainer_cpus=1",
-                "train.ray.engine_cpus=1", *gpus]
-    raise ValueError(f"unknown variant {variant!r} (expected local, delta, ray or ray-join)")
+                "train.ray.engine_cpus=1", *gpus, *shared]
+    raise ValueError(f"unknown variant {variant!r} (expected local, delta, ray, ray-shared or ray-join)")
 
 
 def teach(model_dir: Path, out: Path, device: str) -> Path:
@@ -109,7 +112,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--variants", default="local,delta,ray,ray-join")
+    parser.add_argument("--variants", default="local,delta,ray,ray-shared,ray-join")
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="furlong-train-check-"))
