@@ -332,16 +332,18 @@ def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(t
 
 
 @pytest.mark.skipif(not vllm_available(), reason="the vllm extra is not installed (bash install.sh --vllm)")
-def test_train_on_ray_with_vllm_engine_actors_advances_their_weights_and_leaves_nothing(tmp_path: Path):
+@pytest.mark.parametrize("transport", ["http", "shared"])  # shared: the trainer actor's arena, handed over
+def test_train_on_ray_with_vllm_engine_actors_advances_their_weights_and_leaves_nothing(tmp_path: Path,
+                                                                                       transport: str):
     run = tmp_path / "run"
     res = _train("train.cluster=ray", "train.engine=vllm", "train.rl.steps=2", f"train.run_dir={run}",
-                 mark="vllm")
+                 f"train.sync.transport={transport}", mark="vllm")
     assert res.returncode == 0, res.stderr[-3000:]
     assert not _left("vllm")  # Ray, the actors, their vLLM engine cores, the watchdogs: all gone
     records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["phase"] == "rl"]
     assert len(rl) == 2 * 2 * 2 and all(r["reward"] is not None for r in records)  # every episode scored
-    # sync mode: step s samples only from version s, which the engine actor's vLLM loaded through its relay
+    # sync mode: step s samples only from version s, which the engine actor's vLLM loaded (relay or handover)
     assert all(r["version_first"] == r["version_last"] == r["step"] for r in rl)
     rows = _rl_rows(run)
     assert [r["step"] for r in rows] == [0, 1] and all(r["sync_pause_s"] > 0 for r in rows)

@@ -103,6 +103,16 @@ def test_an_arena_file_outlives_its_killed_owner_only_until_the_next_arena():
     mine.close()
 
 
+def test_an_arena_larger_than_dev_shm_fails_at_once_and_leaves_no_file():
+    """Blocks are reserved when the arena is made: without that, a full /dev/shm would kill the trainer with
+    a SIGBUS at its first write past the end."""
+    stat = os.statvfs("/dev/shm")
+    too_big = stat.f_bavail * stat.f_frsize + 2**30
+    with pytest.raises(OSError, match=r"weight arena: could not reserve .* MiB in /dev/shm \(No space left"):
+        Arena().fill({"w": torch.empty(too_big, dtype=torch.uint8, device="meta")})
+    assert not _shm_files()
+
+
 def test_an_arena_stores_floating_tensors_in_the_engines_dtype():
     arena = Arena(dtype=torch.bfloat16)
     arena.fill({"w": torch.randn(4, 4), "ids": torch.arange(3)})

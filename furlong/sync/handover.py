@@ -91,9 +91,9 @@ def open_view(path: str, size: int, offset: int, dtype: torch.dtype, shape: tupl
 
 
 def _map(path: str, size: int) -> torch.Tensor:
-    name = Path(path)
-    if not isinstance(path, str) or name.parent != SHM or arena_owner(name.name) is None:
+    if not isinstance(path, str) or Path(path).parent != SHM or arena_owner(Path(path).name) is None:
         raise HandoverRefused(f"serialized_named_tensors: {path!r} is not a furlong weight arena")
+    name = Path(path)
     try:
         if name.stat().st_uid != os.getuid():
             raise HandoverRefused(f"serialized_named_tensors: {path} belongs to another user")
@@ -171,11 +171,11 @@ class Arena:
                     self._views[name].copy_(t.detach())
 
     def handles(self, copies: int) -> list[str]:
-        """`copies` serialized handles to the current contents (any number: nothing counts them)."""
+        """`copies` serialized handles to the current contents, one for each receiver."""
         if self._buffer is None:
             raise RuntimeError("Arena.handles: nothing was filled in yet")
-        if self._path is None:  # CUDA: torch's IPC handles
-            return [serialize_named_tensors(list(self._views.items()))] * copies
+        if self._path is None:  # CUDA: torch's IPC handles, one pickling per receiver (torch counts them)
+            return [serialize_named_tensors(list(self._views.items())) for _ in range(copies)]
         size, path = self.nbytes, str(self._path)
         named = [(name, _View(path, size, self._offsets[name], t)) for name, t in self._views.items()]
         return [base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode()] * copies
