@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_sync_broadcast import GREEDY, PROMPT, TOKEN, _moved, _reference
+from test_sync_broadcast import GREEDY, PROMPT, TOKEN
 
 from furlong.engine.base import SamplingParams
 from furlong.engine.remote import EngineProcess, RemoteEngine
@@ -24,6 +24,7 @@ from furlong.engine.sglang_launch import SGLangLaunch, SGLangServer
 from furlong.engine.router import Router, RouterSettings
 from furlong.sync.broadcast import GROUP_NAME
 from furlong.train.weights import BroadcastLink, start_engines
+from tests_support import moved_weights, reference_generation
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LONG = SamplingParams(temperature=1.0, max_new_tokens=120, seed=3)
@@ -50,7 +51,7 @@ async def _served_by(router: Router, n: int) -> dict[str, float]:
 
 
 def test_a_killed_engine_is_dropped_from_the_group_and_rejoins_at_the_live_version(tmp_path: Path, tiny_dir: Path):
-    weights = {v: _moved(tiny_dir, 2e-2, 10 + v) for v in (1, 2, 3)}
+    weights = {v: moved_weights(tiny_dir, 2e-2, 10 + v) for v in (1, 2, 3)}
     procs = asyncio.run(start_engines(2, tiny_dir, None, tmp_path, 1, None, 16, engine_token=TOKEN))
 
     async def main() -> None:
@@ -75,7 +76,7 @@ def test_a_killed_engine_is_dropped_from_the_group_and_rejoins_at_the_live_versi
             assert len(done) == 4 and router.metrics()["engine0_retries"] >= 1
             health = await members[0].health()
             assert health["weight_version"] == 2 and health["weight_groups"] == [f"{GROUP_NAME}_1"]
-            want = await _reference(tiny_dir, weights[2])
+            want = await reference_generation(tiny_dir, weights[2], PROMPT, GREEDY)
             before = router.metrics()["engine1_requests"]
             got = await router.generate(PROMPT, GREEDY)
             assert (got.output_ids, got.weight_version) == (want.output_ids, 2)
@@ -91,7 +92,7 @@ def test_a_killed_engine_is_dropped_from_the_group_and_rejoins_at_the_live_versi
 
             logged = await link.push(weights[3], 3)  # the push boundary: it rejoins, loads v3, then serves
             assert (logged["sync_regroups"], logged["sync_engines_live"], logged["engine1_live"]) == (2, 2, 1)
-            want = await _reference(tiny_dir, weights[3])
+            want = await reference_generation(tiny_dir, weights[3], PROMPT, GREEDY)
             for m in members:
                 health = await m.health()
                 assert health["weight_version"] == 3 and health["weight_groups"] == [f"{GROUP_NAME}_2"]
@@ -137,7 +138,7 @@ async def _versions(members: list[SGLangEngine]) -> list[str]:
 
 
 def test_an_sglang_member_that_refuses_is_lost_and_rejoins_at_the_live_version(tmp_path: Path, tiny_dir: Path):
-    weights = {v: _moved(tiny_dir, 2e-2, 10 + v) for v in range(1, 6)}
+    weights = {v: moved_weights(tiny_dir, 2e-2, 10 + v) for v in range(1, 6)}
     servers = _standins(tiny_dir, tmp_path, 2)
 
     async def main() -> None:
