@@ -8,7 +8,7 @@ import secrets
 from pathlib import Path
 
 SHM = Path("/dev/shm")
-_ARENA = re.compile(r"furlong-weights-(\d+)-[0-9a-f]{16}")  # the owner's pid, then a random part
+_ARENA = re.compile(r"furlong-weights-(\d+)-(\d+)-[0-9a-f]{16}")  # pid namespace, owner's pid, random part
 
 
 def cache_dir() -> Path:
@@ -46,15 +46,27 @@ def layer_mounts_dir() -> Path:
     return Path(os.environ.get("FURLONG_LAYER_MOUNTS", "/run/furlong/layers"))
 
 
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def new_arena_path() -> Path:
     """A fresh name for this process's weight arena (furlong.sync.handover) in /dev/shm."""
-    return SHM / f"furlong-weights-{os.getpid()}-{secrets.token_hex(8)}"
+    return SHM / f"furlong-weights-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def is_arena(name: str) -> bool:
+    return _ARENA.fullmatch(name) is not None
 
 
 def arena_owner(name: str) -> int | None:
-    """The pid that made the arena file `name`; None if `name` is not an arena's."""
+    """The pid that made the arena file `name`; None if `name` is not an arena's, or was made in another
+    pid namespace (a container sharing this /dev/shm), where the pid means nothing here."""
     m = _ARENA.fullmatch(name)
-    return int(m[1]) if m else None
+    return int(m[2]) if m and int(m[1]) == _pid_namespace() else None
 
 
 def remove_arenas(pids: set[int] | None = None) -> list[Path]:

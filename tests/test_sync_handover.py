@@ -25,6 +25,7 @@ from furlong.engine.base import EngineRefused, SamplingParams
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router, RouterSettings
 from furlong.model.loading import load_model
+from furlong.paths import arena_owner
 from furlong.sync.handover import Arena, HandoverRefused, load_named_tensors, serialize_named_tensors
 from furlong.train.handover import HandoverLink
 from tests_support import moved_weights, reference_generation
@@ -62,7 +63,7 @@ def _read_elsewhere(handles: list[str]) -> list[str]:
 
 
 def _shm_files() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(f"furlong-weights-{os.getpid()}-")}
+    return {f for f in os.listdir("/dev/shm") if arena_owner(f) == os.getpid()}
 
 
 def test_an_arena_hands_mixed_tensors_to_another_process_bit_for_bit_then_frees_them():
@@ -95,11 +96,16 @@ def test_an_arena_file_outlives_its_killed_owner_only_until_the_next_arena():
                            "os.kill(os.getpid(), 9)"], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).parent.parent)
     dead = int(made.stdout.split()[0])
-    left = [p for p in Path("/dev/shm").glob(f"furlong-weights-{dead}-*")]
+    left = [p for p in Path("/dev/shm").glob("furlong-weights-*") if arena_owner(p.name) == dead]
     assert len(left) == 1  # SIGKILLed: nothing of its own could delete it
+    # the same pid in another pid namespace (a container sharing /dev/shm) is another process: left alone
+    other = Path("/dev/shm") / left[0].name.replace("furlong-weights-", "furlong-weights-1", 1)
+    other.write_bytes(b"")
     mine = Arena()
     mine.fill({"w": torch.zeros(10)})
     assert not left[0].exists() and len(_shm_files()) == 1  # the next arena removed it, and kept its own
+    assert other.exists() and arena_owner(other.name) is None
+    other.unlink()
     mine.close()
 
 

@@ -2,11 +2,11 @@
 
 The trainer's process keeps an `Arena`, one buffer that holds the engines' weights, refilled each version:
 
-* CPU: a file of furlong's own in /dev/shm (`furlong-weights-PID-HEX`, mode 0600, its blocks reserved up
-  front so a full /dev/shm fails the allocation, not a later write), mapped shared. The arena deletes it when
-  it closes or reallocates; a receiver's mapping outlives that, so a late reader never faults. What a killed
-  process left is deleted by the next arena on the host (the file names its owner's pid) and, on Ray, by the
-  run's watchdog (furlong.cluster.reaper).
+* CPU: a file of furlong's own in /dev/shm (`furlong-weights-PIDNS-PID-HEX`, mode 0600, its blocks
+  reserved up front so a full /dev/shm fails the allocation, not a later write), mapped shared. The arena
+  deletes it when it closes or reallocates; a receiver's mapping outlives that, so a late reader never
+  faults. What a killed process left is deleted by the next arena on the host (the file names its owner's
+  pid and pid namespace) and, on Ray, by the run's watchdog (furlong.cluster.reaper).
 * CUDA: device memory, sent as torch's CUDA IPC handles (the form SGLang's colocated trainers send).
 
 Each engine receives only a handle, in SGLang's `/update_weights_from_tensor` shape: a pickle of
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from furlong.paths import SHM, arena_owner, new_arena_path, remove_arenas
+from furlong.paths import SHM, is_arena, new_arena_path, remove_arenas
 
 ALIGN = 64  # bytes: every view starts at a multiple, so it can be viewed as any dtype
 _DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
@@ -91,7 +91,7 @@ def open_view(path: str, size: int, offset: int, dtype: torch.dtype, shape: tupl
 
 
 def _map(path: str, size: int) -> torch.Tensor:
-    if not isinstance(path, str) or Path(path).parent != SHM or arena_owner(Path(path).name) is None:
+    if not isinstance(path, str) or Path(path).parent != SHM or not is_arena(Path(path).name):
         raise HandoverRefused(f"serialized_named_tensors: {path!r} is not a furlong weight arena")
     name = Path(path)
     try:
