@@ -31,8 +31,8 @@ class HandoverMember(Protocol):
 
 
 class HandoverLink:
-    """Every push hands each engine its own handle to the version's weights (one each: a handle is opened
-    once) and waits until every engine has loaded them.
+    """Every push hands each engine its own handle to the version's weights (torch counts CUDA handles per
+    receiver) and waits until every engine has loaded them.
 
     Losing an engine does not end the run. One that fails to load (it died, refused, or could not open the
     memory) is taken out of the router, whose requests then go to the others. At each later push, a lost
