@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -152,13 +153,15 @@ class DistributedReceiver:
         return {"success": True, "message": f"left {body.group_name!r}"}
 
 
-def add_distributed_routes(app: FastAPI, receiver: DistributedReceiver) -> None:
-    async def answer(call) -> dict | JSONResponse:
-        try:
-            return await call
-        except Refused as e:
-            return JSONResponse({"success": False, "message": str(e)}, status_code=e.status)
+async def answer(call: Awaitable[dict]) -> dict | JSONResponse:
+    """The call's reply, or a refusal in SGLang's shape ({"success": false, "message"}) with its status."""
+    try:
+        return await call
+    except Refused as e:
+        return JSONResponse({"success": False, "message": str(e)}, status_code=e.status)
 
+
+def add_distributed_routes(app: FastAPI, receiver: DistributedReceiver) -> None:
     @app.post("/init_weights_update_group", response_model=None)
     async def init_group(body: InitGroupBody) -> dict | JSONResponse:
         return await answer(receiver.init_group(body))

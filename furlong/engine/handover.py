@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from furlong.engine.base import EngineError
-from furlong.engine.distributed import Refused
+from furlong.engine.distributed import Refused, answer
 from furlong.sync.handover import HandoverRefused, load_named_tensors
 
 
@@ -55,16 +55,17 @@ def _opened(body: TensorBody, engine) -> tuple[dict, int]:
     return named, version
 
 
+async def _load(body: TensorBody, engine) -> dict:
+    named, version = _opened(body, engine)
+    start = time.perf_counter()
+    await engine.update_weights(named, version)
+    count = len(named)
+    del named  # the views: the trainer's memory is released here as soon as it is copied
+    return {"success": True, "message": f"loaded {count} tensors at version {version}",
+            "weight_version": str(version), "load_s": time.perf_counter() - start}
+
+
 def add_tensor_route(app: FastAPI, engine) -> None:
     @app.post("/update_weights_from_tensor", response_model=None)
     async def update_weights_from_tensor(body: TensorBody) -> dict | JSONResponse:
-        try:
-            named, version = _opened(body, engine)
-        except Refused as e:
-            return JSONResponse({"success": False, "message": str(e)}, status_code=e.status)
-        start = time.perf_counter()
-        await engine.update_weights(named, version)
-        count = len(named)
-        del named  # the views: the trainer's memory is released here as soon as it is copied
-        return {"success": True, "message": f"loaded {count} tensors at version {version}",
-                "weight_version": str(version), "load_s": time.perf_counter() - start}
+        return await answer(_load(body, engine))
