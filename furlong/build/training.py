@@ -319,14 +319,23 @@ async def _stop_engines(remote: RemoteEngine | Router, processes: list[EnginePro
     await asyncio.gather(*(asyncio.to_thread(p.stop) for p in processes))
 
 
+async def _engines_without_relay(cfg: Config, run_path: Path, sft_dir: Path
+                                 ) -> tuple[str, list[EngineProcess], RemoteEngine | Router, list[RemoteEngine]]:
+    """`train.sync.servers` engine servers that the link itself keeps current: the run's token, the processes,
+    the engine (a router over several) and its members. The link takes a lost engine out and puts it back
+    once it has loaded the live weights (readmit_after=0: there is no relay to catch up from)."""
+    t = cfg.train
+    token = secrets.token_urlsafe(24)  # the engines answer only this run
+    processes = await start_engines(t.sync.servers, sft_dir, None, run_path, t.torch_threads, lora_spec(t),
+                                    t.hf.prefix_cache_mb, engine_token=token)
+    remote, members = _remote_engines(processes, token, RouterSettings(readmit_after=0))
+    return token, processes, remote, members
+
+
 async def _broadcast_link(cfg: Config, run_path: Path, sft_dir: Path) -> BroadcastLink:
     """train.sync.transport=broadcast: engine servers without a relay, joined to the trainer's group."""
-    t, s = cfg.train, cfg.train.sync
-    token = secrets.token_urlsafe(24)  # the engines answer only this run
-    processes = await start_engines(s.servers, sft_dir, None, run_path, t.torch_threads, lora_spec(t),
-                                    t.hf.prefix_cache_mb, engine_token=token)
-    # the link takes a lost engine out and puts it back once its group has sent it the live weights
-    remote, members = _remote_engines(processes, token, RouterSettings(readmit_after=0))
+    s = cfg.train.sync
+    token, processes, remote, members = await _engines_without_relay(cfg, run_path, sft_dir)
     return await BroadcastLink.open(remote, members, address=s.master_address, backend=s.backend,
                                     dtype=DTYPES[s.engine_dtype],
                                     bucket_bytes=int(s.bucket_mb * 2**20), secret=token,
@@ -336,13 +345,8 @@ async def _broadcast_link(cfg: Config, run_path: Path, sft_dir: Path) -> Broadca
 async def _shared_link(cfg: Config, run_path: Path, sft_dir: Path) -> HandoverLink:
     """train.sync.transport=shared: engine servers on this host without a relay, each handed this process's
     copy of the weights in shared memory."""
-    t, s = cfg.train, cfg.train.sync
-    token = secrets.token_urlsafe(24)  # the engines answer only this run
-    processes = await start_engines(s.servers, sft_dir, None, run_path, t.torch_threads, lora_spec(t),
-                                    t.hf.prefix_cache_mb, engine_token=token)
-    # the link takes a lost engine out and puts it back once it has loaded the live weights
-    remote, members = _remote_engines(processes, token, RouterSettings(readmit_after=0))
-    return HandoverLink(remote, members, arena=Arena("cpu", DTYPES[s.engine_dtype]),
+    _, processes, remote, members = await _engines_without_relay(cfg, run_path, sft_dir)
+    return HandoverLink(remote, members, arena=Arena("cpu", DTYPES[cfg.train.sync.engine_dtype]),
                         cleanup=lambda: _stop_engines(remote, processes))
 
 
