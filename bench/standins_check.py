@@ -66,10 +66,12 @@ uvx -p 3.12 pytest --version 2>&1 | head -1
 """
 
 
-async def run_in(backend, image, cmd: str) -> dict:
+async def run_in(backend, image, cmd: str, verifier: bool = False) -> dict:
+    """`cmd` in a sandbox without network; `verifier`: as the verifier, with the image's verifier_env (the toolchain)."""
     box = await backend.create(SandboxSpec(image=image, limits=Limits(memory_mb=4096, pids=1024)))  # no network
     try:
-        res = await box.exec(cmd, timeout_s=600)
+        env = dict(image.verifier_env) if verifier else None
+        res = await box.exec(cmd, timeout_s=600, env=env, as_verifier=verifier)
     finally:
         await box.close()
     return {"command": cmd, "exit_code": res.exit_code, "output": (res.stdout + res.stderr).strip()[-3000:]}
@@ -93,7 +95,7 @@ async def tb2(store, backend) -> list[dict]:
     rows = []
     for tag in ("python:3.13-slim-bookworm", "python:3.12-slim"):
         image = toolchain.stack(await store.parent(tag, backend, lambda _: None), tc, network=False)
-        rows.append({"tag": tag, "note": image.note, **await run_in(backend, image, TB2)})
+        rows.append({"tag": tag, "note": image.note, **await run_in(backend, image, TB2, verifier=True)})
     return rows
 
 

@@ -123,7 +123,7 @@ def test_offline_shims_answer_uvs_installer_and_apt_get_install_curl(shims: Path
     assert res.returncode == 0, res.stdout + res.stderr
     installed = f"uv 0.13.9 (furlong's verifier toolchain) is in {tmp_path}/home/.local/bin; no network here, so " \
         "nothing was downloaded"
-    assert res.stdout.splitlines() == [installed, "/usr/local/bin/uv", f"{tmp_path}/home/.local/bin", installed,
+    assert res.stdout.splitlines() == [installed, "/opt/furlong/toolchain/bin/uv", f"{tmp_path}/home/.local/bin", installed,
                                        "#!/bin/sh"], res.stdout
     assert "curl coreutils: installed already, or curl answering uv's installer only" in res.stderr
     assert all((tmp_path / f).read_text() == offline_shims.installer("0.13.9")

@@ -98,5 +98,8 @@ class EvalConfig(_Node):
     out: Path | None = Field(None, description="write one JSON line per episode here; null: none")
     split: Literal["train", "heldout", "all"] = Field("heldout", description="which instances of task families")
     per_family: int | None = Field(2, ge=1, description="instances of each task family; null for all")
-    verifier_toolchain: bool = Field(False, description="stack uv, uvx and pytest on every task's image "
-                                                        "(a task opts in alone with [furlong] verifier_toolchain)")
+    verifier_toolchain: bool = Field(False, description="give every task's verifier uv, uvx and pytest, offline "
+                                                        "where the verifier phase is (a layer on the image, on the "
+                                                        "verifier's PATH only: the agent's environment stays the "
+                                                        "image's); a task opts in alone with [furlong] "
+                                                        "verifier_toolchain")

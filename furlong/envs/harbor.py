@@ -18,12 +18,12 @@ from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
 from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer, VerifierSandbox
 from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
 from furlong.timing import Clock
-from furlong.sandbox.base import BASE_ENV, ChangeTracking, HostLost, ImageRef, Sandbox, SandboxSpec
+from furlong.sandbox.base import ChangeTracking, HostLost, ImageRef, Sandbox, SandboxSpec
 from furlong.sandbox.changes import Change
 from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
 from furlong.tasks.model import Task
-from furlong.tasks.verifier import Verdict, verify
+from furlong.tasks.verifier import Verdict, verifier_env, verify
 
 log = logging.getLogger(__name__)
 
@@ -265,11 +265,13 @@ async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
                          rewards: Callable[..., Awaitable[None]] | None = None,
                          view: EpisodeView | None = None) -> tuple[Verdict | None, str]:
     """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
-    ("" when they did). `rewards(view, verifier_env)` runs right after the tests, inside their integrity check."""
-    after = (lambda: rewards(view, dict(task.verifier_env))) if rewards is not None else None
+    ("" when they did). `rewards(view, env)` runs right after the tests, inside their integrity check, with
+    the tests' environment (furlong.tasks.verifier.verifier_env: the image's verifier toolchain's included)."""
+    env = verifier_env(task, image)
+    after = (lambda: rewards(view, env)) if rewards is not None else None
     try:
-        verdict = await verify(task, sandbox, image.workdir, verifier_uid=sandbox.verifier_uid,
-                               search_path=dict(image.env).get("PATH", BASE_ENV["PATH"]), after_tests=after)
+        verdict = await verify(task, sandbox, image.workdir, verifier_uid=sandbox.verifier_uid, env=env,
+                               after_tests=after)
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
     except Exception as exc:

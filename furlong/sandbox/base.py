@@ -82,6 +82,9 @@ class ImageRef:
     # the final stage's last USER, as written ("" = root): users.resolve_user reads it in the layers
     user: str = ""
     note: str = ""  # how the image differs from what its FROM named (a stand-in), or where it came from
+    # what verifier commands get on top of `env`, never the agent's (the verifier toolchain's PATH and
+    # variables: furlong.sandbox.toolchain); not part of the sandbox, so never sent to a sandbox host
+    verifier_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The verifier toolchain's commands for tasks without network: first on PATH there, and only there.
+"""The verifier toolchain's commands for an offline verifier phase: first on the verifier's PATH there, and
+only there (never on the agent's).
 
 Terminal-Bench 2's tests begin with `apt-get install -y curl` and `curl -LsSf https://astral.sh/uv/X/install.sh
 | sh`, often under `set -e`. Offline both fail, so:
@@ -13,7 +14,9 @@ Terminal-Bench 2's tests begin with `apt-get install -y curl` and `curl -LsSf ht
 
 from __future__ import annotations
 
-DIR = "/opt/furlong/toolchain/offline"
+HOME = "/opt/furlong/toolchain"  # the verifier toolchain's (toolchain.py)
+DIR = f"{HOME}/offline"
+UV_BIN = f"{HOME}/bin"  # the toolchain's uv and uvx, which INSTALLER links
 COMMANDS = ("curl", "wget", "apt-get", "apt")
 
 SHIM = r"""#!/bin/sh
@@ -86,7 +89,7 @@ INSTALLER = r"""#!/bin/sh
 dir=${UV_INSTALL_DIR:-${XDG_BIN_HOME:-${HOME:?}/.local/bin}}
 mkdir -p "$dir" || exit 1
 for name in uv uvx; do
-    [ "$(readlink "$dir/$name")" = "/usr/local/bin/$name" ] || ln -sf "/usr/local/bin/$name" "$dir/$name" || exit 1
+    [ "$(readlink "$dir/$name")" = "UV_BIN/$name" ] || ln -sf "UV_BIN/$name" "$dir/$name" || exit 1
 done
 [ -e "$dir/env" ] || printf '#!/bin/sh\ncase ":${PATH}:" in\n    *:"%s":*) ;;\n    *) export PATH="%s:$PATH" ;;\nesac\n' \
     "$dir" "$dir" > "$dir/env" || exit 1
@@ -115,4 +118,4 @@ def installer(uv_version: str, copy_from: str | None = None) -> str:
     text = INSTALLER
     for old, new in BUILD_TIME if copy_from is not None else ():
         text = text.replace(old, new.replace("FROM", copy_from))
-    return text.replace("VERSION", uv_version)
+    return text.replace("VERSION", uv_version).replace("UV_BIN", UV_BIN)

@@ -94,6 +94,6 @@ async def prepare(store, backend, progress) -> OfflineUv:
     tc = await store.toolchain(backend, progress)
     directory = store.root / f".offline-uv-{tc.key}"
     if not directory.is_dir():
-        uv_bin = store.root / tc.layer.path / "usr/local/bin"
+        uv_bin = store.root / tc.layer.path / toolchains.BIN.lstrip("/")
         await asyncio.to_thread(_make, directory, uv_bin, toolchains.UV_VERSION)
     return OfflineUv(tc.key, toolchains.UV_VERSION, directory)

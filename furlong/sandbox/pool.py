@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from furlong.sandbox.base import ImageRef, Sandbox, SandboxError, SandboxSpec
-from furlong.sandbox.toolchain import stack
+from furlong.sandbox.toolchain import stack, verifier_offline
 
 if TYPE_CHECKING:
     from furlong.tasks.model import Task  # the tasks layer builds on this one
@@ -55,7 +55,7 @@ class StoreImages:
         try:
             image = await self.store.image(task.dockerfile, self.backend)
             if getattr(task, "verifier_toolchain", False):  # uv/uvx/pytest on top (furlong.sandbox.toolchain)
-                image = stack(image, await self.store.toolchain(self.backend), task.network)
+                image = stack(image, await self.store.toolchain(self.backend), verifier_offline(task))
             return image
         except Exception as exc:
             self._failed[task.dockerfile] = f"image build failed: {exc}"

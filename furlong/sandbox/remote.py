@@ -191,7 +191,9 @@ def _detail(r: httpx.Response) -> str:
 def create_body(spec: SandboxSpec) -> dict[str, Any]:
     """The host's create request for `spec`: the image by content (digest and layers), limits, policy."""
     lim = spec.limits
-    return {"image": dataclasses.asdict(spec.image), "network": spec.network, "cpus": lim.cpus,
+    # verifier_env stays here: the verifier passes it with each of its commands
+    image = {k: v for k, v in dataclasses.asdict(spec.image).items() if k != "verifier_env"}
+    return {"image": image, "network": spec.network, "cpus": lim.cpus,
             "memory_mb": lim.memory_mb, "pids": lim.pids, "disk_mb": lim.disk_mb, "lifetime_s": lim.lifetime_s,
             "seccomp": spec.syscalls.enabled, "allow_syscalls": list(spec.syscalls.allow)}
 

@@ -1,25 +1,29 @@
-"""The verifier toolchain layer: uv, uvx and pytest stacked on top of a task's image (opt-in).
+"""The verifier toolchain layer: uv, uvx and pytest for a task's tests, never for its agent (opt-in).
 
 Harbor / Terminal-Bench 2 tests typically fetch uv with `curl ... astral.sh/uv/install.sh | sh`, then
 `uv venv`, `uv pip install pytest==8.4.1` and `uvx ... pytest`. A task without internet cannot, so a task
 may opt in (`[furlong] verifier_toolchain = true` in task.toml, or `eval.verifier_toolchain=true` for all)
-to one cached layer holding:
+to one cached layer whose files all lie under /opt/furlong/toolchain (HOME):
 
-- `/usr/local/bin/uv`, `/usr/local/bin/uvx` (the binaries of the `uv` wheel), also in `/root/.local/bin`
-  with the `env` script uv's installer writes, so `source $HOME/.local/bin/env` works;
-- pytest and pytest-json-ctrf (TB2's pins) and their dependencies in `/opt/furlong/toolchain/site`, reached
-  by the image's python3 through a `.pth` file appended after its own site-packages (so a pytest the image
-  installed itself still wins), plus a `pytest` command on PATH;
-- their wheels in `/opt/furlong/toolchain/wheels`, which `UV_FIND_LINKS` points uv at; a task without
-  internet also gets `UV_OFFLINE=1`, so `uv pip install pytest`, `uvx pytest` and `uv run --with pytest`
-  resolve from those wheels instead of failing on the index, and `UV_PYTHON_DOWNLOADS=never`, so
-  `uvx -p 3.13` finds the image's python3.13 (the python:3.13 stand-in's) and never asks the internet;
-- for a task without internet, `/opt/furlong/toolchain/offline` first on PATH: `curl`/`wget` answering uv's
-  installer, `apt-get`/`apt` taking `install curl` as done (offline_shims.py).
+- `bin/`: uv, uvx (the `uv` wheel's binaries), and `pytest`/`py.test` run by the image's python3;
+- `site/`: pytest and pytest-json-ctrf (TB2's pins) and their dependencies; `wheels/`: their wheels;
+- `user/`: a user base (PYTHONUSERBASE) whose site-packages holds one `.pth` appending a fallback finder
+  (FALLBACK) to the image's python3: a top-level import nothing of the image's finds comes from `site/`;
+- `offline/`: `curl`/`wget` answering uv's installer, `apt-get`/`apt` taking `install curl` as done
+  (offline_shims.py).
+
+Nothing of the agent's environment names them: the agent's PATH, python and variables are the image's
+(ImageRef.env), as under Docker. Only verifier commands get them, through ImageRef.verifier_env
+(`verifier_env`): PATH with `bin/` (and `offline/` first, for an offline verifier phase) in front of the
+image's PATH, PYTHONUSERBASE, UV_FIND_LINKS and PIP_FIND_LINKS at the wheels, and offline UV_OFFLINE=1,
+UV_PYTHON_DOWNLOADS=never (so `uvx -p 3.13` finds the image's python3.13 and never asks the internet) and
+PIP_NO_INDEX=1. uv's installer (the offline shim's, or the real one online) links uv into ~/.local/bin and
+writes its `env` script there, so `source $HOME/.local/bin/env` works as after a real install.
 
 The wheels are fetched once on the host with pip (its ordinary client and configuration), then installed in
 a build sandbox over the python stand-in by furlong's own layer builder; the layer is cached like any other.
-The layer only adds files: one that would hide or delete a file of the image below it is refused.
+The layer only adds files under HOME: one with a file elsewhere, or that would hide a file of the image
+below it, is refused.
 """
 
 from __future__ import annotations
@@ -46,30 +50,59 @@ REQUIREMENTS = (f"uv=={UV_VERSION}", f"pytest=={PYTEST_VERSION}", f"pytest-json-
 # Windows-only dependency of pytest: never installed here, but `uv add pytest` (TB2's `uv init && uv add`)
 # locks for every platform, and offline it must find some colorama among the wheels
 LOCK_ONLY = ("colorama==0.4.6",)
-HOME = "/opt/furlong/toolchain"
+HOME, BIN = offline_shims.HOME, offline_shims.UV_BIN
+SITE, WHEELS, USER_BASE = f"{HOME}/site", f"{HOME}/wheels", f"{HOME}/user"
 PARENT = "python:3.11-slim"  # the stand-in it is built over: the same bookworm python3 as every built image
-PTH_DIRS = ("/usr/local/lib/python3.11/dist-packages",  # Debian's python3 (bookworm images)
-            "/usr/local/lib/python3.13/dist-packages",  # trixie's (the python:3.13 stand-in)
-            *(f"/usr/local/lib/python3.{m}/site-packages" for m in (11, 12, 13)))  # the official images' layout
-ENV = (("UV_FIND_LINKS", f"{HOME}/wheels"),)
-OFFLINE_ENV = (("UV_OFFLINE", "1"), ("UV_PYTHON_DOWNLOADS", "never"))
-FORMAT = "2"  # bump when the recipe's files change
+# the pythons whose user site holds the fallback: the wheels are 3.11's (pytest needs tomli and
+# exceptiongroup before 3.11, which they lack)
+FALLBACK_PYTHONS = tuple(f"3.{m}" for m in range(11, 16))
+FORMAT = "3"  # bump when the recipe's files change
 
 PYTEST_SCRIPT = f"""#!/usr/bin/env python3
-# furlong's verifier toolchain: the image's python3 runs the toolchain's pytest, unless it has its own.
+# furlong's verifier toolchain: the image's python3 runs its own pytest, else the toolchain's
 import sys
-sys.path.append("{HOME}/site")
+sys.path.append("{SITE}")
 from pytest import console_main
 sys.exit(console_main())
 """
-# What uv's installer writes to ~/.local/bin/env, so tests that `source $HOME/.local/bin/env` go on.
-ENV_SCRIPT = """#!/bin/sh
-# add ~/.local/bin to PATH once (written by furlong's verifier toolchain, as uv's installer does)
-case ":${PATH}:" in
-    *:"$HOME/.local/bin":*) ;;
-    *) export PATH="$HOME/.local/bin:$PATH" ;;
-esac
-"""
+FALLBACK_PTH = "import _furlong_toolchain_fallback\n"
+# Loaded by the .pth above from the user site of PYTHONUSERBASE, which only verifier commands set. Appended
+# to sys.meta_path, after the finder of sys.path: the image's own modules and distributions always win.
+FALLBACK = f'''"""furlong's verifier toolchain: pytest for the image's python3, after the image's own packages."""
+import os
+import site
+import sys
+from importlib.machinery import PathFinder
+
+SITE = "{SITE}"
+
+
+class ToolchainFallback:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if path is not None:  # a submodule: its package's __path__ finds it
+            return None
+        return PathFinder.find_spec(name, [SITE])
+
+    @staticmethod
+    def find_distributions(context=None):  # entry points: pytest-json-ctrf's plugin
+        from importlib.metadata import DistributionFinder, MetadataPathFinder
+        if context is not None and "path" in vars(context):  # given directories, not sys.path
+            return iter(())
+        name = context.name if context is not None else None
+        return MetadataPathFinder.find_distributions(DistributionFinder.Context(name=name, path=[SITE]))
+
+    @staticmethod
+    def invalidate_caches():
+        pass
+
+
+sys.meta_path.append(ToolchainFallback)
+# PYTHONUSERBASE took the place of ~/.local: its user site (pip install --user) is added where Python adds it
+_real = os.path.join(os.path.expanduser("~"), ".local", "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
+if os.path.isdir(_real):
+    site.addsitedir(_real)
+'''
 
 
 class ToolchainError(SandboxError):
@@ -84,27 +117,34 @@ class Toolchain:
 
 
 def _recipe(context: str) -> str:
-    install = (f"pip install --no-cache-dir --no-index --disable-pip-version-check --root-user-action=ignore "
-               f"--find-links {HOME}/wheels --target {HOME}/site {' '.join(REQUIREMENTS)}")
-    pth = " ".join(PTH_DIRS)
+    install = (f"PYTHONDONTWRITEBYTECODE=1 pip install --no-cache-dir --no-compile --no-index "
+               f"--disable-pip-version-check --root-user-action=ignore --find-links {WHEELS} --target {SITE} "
+               f"{' '.join(REQUIREMENTS)}")
+    user_lib = f"{USER_BASE}/lib"
+    links = " ".join(f"python{v}" for v in FALLBACK_PYTHONS[1:])
     return "\n".join([
         f"FROM {PARENT}",
-        f"COPY {context}/wheels {HOME}/wheels",
-        f"COPY {context}/pytest /usr/local/bin/pytest",
-        f"COPY {context}/env /root/.local/bin/env",
-        f"RUN {install} && install -m 0755 {HOME}/site/bin/uv {HOME}/site/bin/uvx /usr/local/bin/ "
-        f"&& rm -rf {HOME}/site/bin {HOME}/site/uv {HOME}/site/uv-*.dist-info {HOME}/wheels/uv-*.whl",
-        "RUN ln -s pytest /usr/local/bin/py.test && ln -s /usr/local/bin/uv /usr/local/bin/uvx /root/.local/bin/",
-        f"RUN for d in {pth}; do mkdir -p $d && echo {HOME}/site > $d/furlong-toolchain.pth; done",
-        f"COPY {context}/offline {offline_shims.DIR}",
+        f"COPY {context}/home {HOME}",
+        (f"RUN {install} && install -m 0755 {SITE}/bin/uv {SITE}/bin/uvx {BIN}/ "
+         f"&& rm -rf {SITE}/bin {SITE}/uv {SITE}/uv-*.dist-info {WHEELS}/uv-*.whl"),
+        f"RUN ln -s pytest {BIN}/py.test && for v in {links}; do ln -s python{FALLBACK_PYTHONS[0]} {user_lib}/$v; done",
         f"RUN cd {offline_shims.DIR} && for c in {' '.join(offline_shims.COMMANDS)}; do ln -s shim $c; done",
     ]) + "\n"
 
 
+def _files() -> dict[str, str]:
+    """The context's scripts, by their path under HOME."""
+    user_site = f"user/lib/python{FALLBACK_PYTHONS[0]}/site-packages"
+    return {"bin/pytest": PYTEST_SCRIPT, f"{user_site}/furlong-toolchain.pth": FALLBACK_PTH,
+            f"{user_site}/_furlong_toolchain_fallback.py": FALLBACK,
+            "offline/shim": offline_shims.shim(), "offline/uv-installer.sh": offline_shims.installer(UV_VERSION)}
+
+
 def key(store) -> str:
     parent = store.standin_key(standins.PYTHON)
-    return "toolchain-" + _sha(FORMAT, parent, _recipe("ctx"), *LOCK_ONLY, PYTEST_SCRIPT, ENV_SCRIPT,
-                               offline_shims.shim(), offline_shims.installer(UV_VERSION), platform.machine())
+    return "toolchain-" + _sha(FORMAT, parent, _recipe("ctx"), *LOCK_ONLY,
+                               *(part for item in sorted(_files().items()) for part in item),
+                               platform.machine())
 
 
 def _download(dest: Path) -> None:
@@ -120,17 +160,28 @@ def _download(dest: Path) -> None:
 
 
 def _context(root: Path, name: str) -> Path:
-    """The build context: the wheels and the two scripts, under the store (COPY reads it)."""
+    """The build context, under the store (COPY reads it): `home/` laid out as HOME, wheels included."""
     ctx = root / name
     shutil.rmtree(ctx, ignore_errors=True)
-    (ctx / "wheels").mkdir(parents=True)
-    _download(ctx / "wheels")
-    (ctx / "offline").mkdir()
-    for fname, text in (("pytest", PYTEST_SCRIPT), ("env", ENV_SCRIPT), ("offline/shim", offline_shims.shim()),
-                        ("offline/uv-installer.sh", offline_shims.installer(UV_VERSION))):
-        (ctx / fname).write_text(text)
-        os.chmod(ctx / fname, 0o755)
+    (ctx / "home/wheels").mkdir(parents=True)
+    _download(ctx / "home/wheels")
+    for rel, text in _files().items():
+        path = ctx / "home" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        os.chmod(path, 0o755 if text.startswith("#!") else 0o644)
+    for d in (ctx / "home").rglob("*"):
+        if d.is_dir():
+            os.chmod(d, 0o755)
     return ctx
+
+
+def stray_files(upper: Path) -> list[str]:
+    """Entries of the layer other than directories that lie outside HOME (a build's .pyc, a link in a bin
+    directory): what the agent would see. Directories the builder leaves (/tmp, /run) are not files."""
+    home = upper / HOME.lstrip("/")
+    return sorted(str(p) for p in upper.rglob("*")
+                  if not (p.is_dir() and not p.is_symlink()) and home not in p.parents)
 
 
 def hidden_entries(upper: Path) -> list[str]:
@@ -162,31 +213,51 @@ async def build(store, backend, progress=lambda _: None) -> Toolchain:
 
 
 async def _build(store, backend, progress, name: str, final: Path) -> None:
-    """Downloads the wheels, builds the layer from its recipe, and refuses one that hides lower files."""
+    """Downloads the wheels, builds the layer from its recipe, and refuses one that hides lower files or
+    holds any outside HOME (the agent's view of the image must stay the image's)."""
     parent = await store.parent(PARENT, backend, progress)
     ctx = await asyncio.to_thread(_context, store.root, f".{name}-context")
     recipe = store.root / f".{name}.Dockerfile"  # a real file, so a failing step names file:line
     recipe.write_text(_recipe(ctx.name))
     try:
         await store._build_layer(final, parent, recipe, df.parse(recipe), backend, progress,
-                                 label="verifier toolchain", probe="uv --version; pytest --version",
+                                 label="verifier toolchain",
+                                 probe=f"PYTHONDONTWRITEBYTECODE=1; export PYTHONDONTWRITEBYTECODE; "
+                                       f"{BIN}/uv --version; {BIN}/pytest --version",
                                  extra={"toolchain": list(REQUIREMENTS)})
     finally:
         shutil.rmtree(ctx, ignore_errors=True)
     if hidden := await asyncio.to_thread(hidden_entries, final / "upper"):
         shutil.rmtree(final, ignore_errors=True)
         raise ToolchainError(f"verifier toolchain layer would hide files of the task's image: {hidden[:3]}")
+    if stray := await asyncio.to_thread(stray_files, final / "upper"):
+        shutil.rmtree(final, ignore_errors=True)
+        raise ToolchainError(f"verifier toolchain layer has files outside {HOME}: {stray[:3]}")
 
 
-def stack(image: ImageRef, toolchain: Toolchain, network: bool) -> ImageRef:
-    """The task's image with the toolchain on top; without network, uv is told to stay offline and the
-    offline shims come first on PATH."""
+def verifier_offline(task) -> bool:
+    """Whether the task's verifier phase has no network: then uv stays offline and the offline shims come
+    first on the verifier's PATH. The one place this is decided."""
+    return not getattr(task, "network", False)
+
+
+def verifier_env(image_path: str, offline: bool) -> tuple[tuple[str, str], ...]:
+    """What verifier commands get on top of the image's environment (`image_path`: the image's PATH)."""
+    path = ":".join([*([offline_shims.DIR] if offline else []), BIN, image_path])
+    env = [("PATH", path), ("PYTHONUSERBASE", USER_BASE), ("UV_FIND_LINKS", WHEELS), ("PIP_FIND_LINKS", WHEELS)]
+    if offline:
+        env += [("UV_OFFLINE", "1"), ("UV_PYTHON_DOWNLOADS", "never"), ("PIP_NO_INDEX", "1")]
+    return tuple(env)
+
+
+def stack(image: ImageRef, toolchain: Toolchain, offline: bool) -> ImageRef:
+    """The task's image with the toolchain's layer on top. The agent's environment stays the image's; the
+    toolchain is in `verifier_env` only (offline: uv told to stay offline, the offline shims first on PATH)."""
     path = dict(image.env).get("PATH", BASE_ENV["PATH"])
-    offline = (*OFFLINE_ENV, ("PATH", f"{offline_shims.DIR}:{path}"))
-    env = image.env + ENV + (() if network else offline)
     note = "; ".join(n for n in (image.note, f"verifier toolchain ({toolchain.provides})") if n)
-    return ImageRef(digest=f"{image.digest}+{toolchain.key}", layers=(toolchain.layer, *image.layers), env=env,
-                    workdir=image.workdir, user=image.user, note=note)
+    return dataclasses.replace(image, digest=f"{image.digest}+{toolchain.key}",
+                               layers=(toolchain.layer, *image.layers), note=note,
+                               verifier_env=verifier_env(path, offline))
 
 
 class ToolchainImages:
@@ -210,7 +281,7 @@ class ToolchainImages:
                     self._built = f"verifier toolchain unavailable: {exc}"
         if isinstance(self._built, str):
             raise ToolchainError(self._built)
-        return stack(image, self._built, task.network)
+        return stack(image, self._built, verifier_offline(task))
 
 
 def opt_in_all(entries: list) -> list:

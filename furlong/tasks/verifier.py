@@ -11,15 +11,18 @@ import dataclasses
 import json
 import math
 import shlex
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from furlong.sandbox.base import BASE_ENV, ChangeTracking, Sandbox, SandboxDied, SandboxError
+from furlong.sandbox.base import BASE_ENV, ChangeTracking, ImageRef, Sandbox, SandboxDied, SandboxError
 from furlong.sandbox.tarball import tar_dir
 from furlong.tasks import integrity
 from furlong.tasks.model import TESTS_DIR, VERIFIER_LOG_DIR, Task
 
 OUTPUT_TAIL_CHARS = 4000  # of a command's output kept in an episode's record: enough for a test report's end
+# Where the verifier's pythons keep bytecode (PYTHONPYCACHEPREFIX): in its own /logs mount, which no agent
+# process can write, so no `__pycache__` the agent wrote is ever read (furlong.tasks.integrity ignores them)
+PYCACHE_PREFIX = "/logs/.pycache"
 
 
 def output_tail(stdout: str, stderr: str, cap: int = OUTPUT_TAIL_CHARS) -> str:
@@ -57,8 +60,19 @@ class Verdict:
     tamper_checked: bool = False  # False: the sandbox cannot say what changed (a backend without ChangeTracking)
 
 
+def verifier_env(task: Task, image: ImageRef | None = None) -> dict[str, str]:
+    """What verifier commands get on top of the sandbox's environment (the image's): PYTHONPYCACHEPREFIX,
+    the image's `verifier_env` (the verifier toolchain's PATH and variables), then the task's own
+    [verifier] env, which wins. With an image, PATH is always named (the sandbox's own, unless one of
+    those sets it): the tamper check looks up commands in it."""
+    env = {"PYTHONPYCACHEPREFIX": PYCACHE_PREFIX}
+    if image is not None:
+        env = {"PATH": dict(image.env).get("PATH", BASE_ENV["PATH"]), **env, **dict(image.verifier_env)}
+    return {**env, **dict(task.verifier_env)}
+
+
 async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int | None = None,
-                 search_path: str = BASE_ENV["PATH"],
+                 env: Mapping[str, str] | None = None,
                  after_tests: Callable[[], Awaitable[None]] | None = None) -> Verdict:
     """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
 
@@ -66,15 +80,17 @@ async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int |
     agent's background processes run on meanwhile, and anything they changed counts; what the verifier's
     own uid made does not (`verifier_uid`, as seen inside; None: the agent's uid, so every change counts).
     A tampered episode's tests still run, for the record, but it scores 0 unless the task trusts the
-    agent's tools. `search_path` is the tests' PATH (the image's). `after_tests` (the user's reward
-    functions, furlong.envs.rewards) runs once the tests have, inside the same check.
+    agent's tools. `env` is the tests' environment on top of the sandbox's (`verifier_env`; by default
+    without an image's), whose PATH (else the base one) the check searches. `after_tests` (the user's reward functions,
+    furlong.envs.rewards) runs once the tests have, inside the same check.
 
     Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
     agent's processes, still running, can neither write nor replace (furlong.sandbox.bwrap). With one uid
     only (`sandbox.verifier_uid is None`) /tests and /logs are the agent's, as in earlier versions."""
-    search = integrity.path_dirs(dict(task.verifier_env).get("PATH", search_path))
+    env = dict(env) if env is not None else verifier_env(task)
+    search = integrity.path_dirs(env.get("PATH", BASE_ENV["PATH"]))
     before = await _tampering(sandbox, search, None)
-    verdict = await _run_tests(task, sandbox, workdir)
+    verdict = await _run_tests(task, sandbox, workdir, env)
     if after_tests is not None:
         await after_tests()
     after = await _tampering(sandbox, search, verifier_uid)
@@ -111,11 +127,11 @@ async def _read_or_none(sandbox: Sandbox, path: str) -> bytes | None:
         return None
 
 
-async def _run_tests(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
+async def _run_tests(task: Task, sandbox: Sandbox, workdir: str, env: dict[str, str]) -> Verdict:
     if sandbox.verifier_uid is None:  # one uid: whatever the agent left in /tests and /logs/verifier goes
         # /tests is a mount point: its contents go, it stays (the rm of the directory itself fails harmlessly)
-        await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} 2>/dev/null; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}",
-                           30, cwd="/")
+        await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} {PYCACHE_PREFIX} 2>/dev/null; "
+                           f"mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}", 30, cwd="/")
     # else both are the verifier's own empty mounts: no program the agent may have replaced runs for them
     # the verifier's alone (its own uid's, owner-only modes, in a 0711 /tests): an agent's process still
     # running may not read the expected answers, even knowing the files' names
@@ -125,7 +141,7 @@ async def _run_tests(task: Task, sandbox: Sandbox, workdir: str) -> Verdict:
     if task.tests_dir is None or task.test_script.parent != task.tests_dir:
         await sandbox.write_file(script, task.test_script.read_bytes(), 0o700, as_verifier=True)
     res = await sandbox.exec(f"bash {shlex.quote(script)}", timeout_s=task.verifier_timeout_s,
-                             cwd=workdir, env=dict(task.verifier_env), as_verifier=True)
+                             cwd=workdir, env=env, as_verifier=True)
     tail = output_tail(res.stdout, res.stderr)
     if res.timed_out:
         return Verdict(reward=0.0, timed_out=True, exit_code=res.exit_code, output_tail=tail,
