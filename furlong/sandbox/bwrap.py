@@ -43,6 +43,9 @@ OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last cho
 # the verifier's mounts (furlong.tasks.model names what goes inside), and the agent's own log mount in /logs,
 # so filling it leaves the verifier's space alone
 TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR = "/tests", "/logs", "/logs/agent"
+# The ownership shim (native/owner.c) verifier commands preload: a read-only bind in the verifier's /logs,
+# which the agent can neither write nor rename (a mount point), so no path to it is the agent's to swap.
+OWNER_SHIM = "/logs/.furlong-owner.so"
 VERIFIER_MOUNT_MB = 512  # each: a size cap (tmpfs pages count toward the sandbox's memory limit)
 # The init's capabilities in the sandbox's user namespace: to run commands as other uids, hand the verifier
 # its share (init.c VERIFIER_CAPS) and its mounts. Agent commands get none.
@@ -104,6 +107,8 @@ class BwrapBackend:
         self._launch = str(native.binary("launch"))
         # Exec'd inside as /proc/self/fd/N: never a path in the image, and opened before any uid drop.
         self._init_fd = os.open(native.binary("init"), os.O_PATH | os.O_CLOEXEC)
+        shim = native.ownership_shim()
+        self._shim_fd = os.open(shim, os.O_PATH | os.O_CLOEXEC) if shim else None
         self._upper_mnt = cache_dir() / "native" / "upper"
         self._upper_mnt.mkdir(parents=True, exist_ok=True)
         self._layer_fds: dict[Path, int] = {}
@@ -157,6 +162,10 @@ class BwrapBackend:
         if verifier:  # mount points: the agent, owner of "/", can neither rename nor replace them
             for path in (TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR):
                 args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
+            if self._shim_fd is not None:  # the verifier sees the agent's uid, swapped with its own, as root's
+                args += ["--ro-bind-fd", str(self._shim_fd), OWNER_SHIM]
+                init_args = (*init_args, "--verifier-preload", OWNER_SHIM)
+                fds.append(self._shim_fd)
         if spec.network:
             args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
             args += egress.bwrap_args() if egress else []
