@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +52,36 @@ conn.sendall(open(os.path.join(data, "value"), "rb").read())
 """
 QUERY = "python3 -c 'import socket; print(socket.create_connection((\"127.0.0.1\", 8124)).recv(100).decode().strip())'"
 
+# A program built against glibc before 2.33, whose stat calls are glibc's old __xstat family (the version
+# it binds to, as such a binary would). Built on the host; the base image's glibc still serves those names.
+LEGACY_STAT = r"""#include <stdio.h>
+#include <sys/stat.h>
+#include <fcntl.h>
+int old_xstat(int, const char *, struct stat *);
+int old_lxstat(int, const char *, struct stat *);
+int old_fxstat(int, int, struct stat *);
+__asm__(".symver old_xstat, __xstat@" GLIBC);
+__asm__(".symver old_lxstat, __lxstat@" GLIBC);
+__asm__(".symver old_fxstat, __fxstat@" GLIBC);
+int main(int argc, char **argv) {
+  struct stat a, b, c;
+  int r = old_xstat(1, argv[1], &a) | old_lxstat(1, argv[1], &b) | old_fxstat(1, open(argv[1], O_RDONLY), &c);
+  printf("%d %u:%u %u %u\n", r, a.st_uid, a.st_gid, b.st_uid, c.st_uid);
+  return 0;
+}
+"""
+BASE_SYMBOL_VERSION = {"x86_64": "GLIBC_2.2.5", "aarch64": "GLIBC_2.17"}
+
+ASAN_PROBE = r"""#include <stdio.h>
+#include <stdlib.h>
+int main(int argc, char **argv) {
+  volatile char *p = malloc(4);
+  if (argc > 1) p[4] = 1;
+  puts("ran");
+  return 0;
+}
+"""
+
 # The agent attacks the shim's path before the verifier comes: each must fail.
 PATH_ATTACKS = [f"rm -f {OWNER_SHIM}", f"mv {OWNER_SHIM} /tmp/x", f"cp /bin/true {OWNER_SHIM}",
                 f"echo x > {OWNER_SHIM}", f"chmod 777 {OWNER_SHIM}", f"ln -sf /app/evil.so {OWNER_SHIM}",
@@ -70,7 +102,14 @@ VERIFIER_CHECKS = {
     "chown": "touch /app/verifiers && chown root:root /app/verifiers && stat -c %u /app/verifiers",
     "preload": "printenv LD_PRELOAD",
     "shim_sha": f"sha256sum < {OWNER_SHIM}",
+    "legacy": "/tests/legacy-stat /app/repo",
 }
+
+
+def _compile(out: Path, source: str, *flags: str) -> Path:
+    (out.parent / "probe.c").write_text(source)
+    subprocess.run(["cc", *flags, "-o", str(out), str(out.parent / "probe.c")], check=True, timeout=120)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +119,8 @@ def seen(store, backend, tmp_path_factory) -> dict[str, object]:
     env = tmp_path_factory.mktemp("ownership") / "environment"
     env.mkdir()
     (env / "Dockerfile").write_text(DOCKERFILE)
+    glibc = f'-DGLIBC="{BASE_SYMBOL_VERSION[os.uname().machine]}"'
+    legacy = _compile(env.parent / "legacy-stat", LEGACY_STAT, glibc).read_bytes()
 
     async def go() -> dict[str, object]:
         image = await store.image(env / "Dockerfile", backend)
@@ -91,6 +132,7 @@ def seen(store, backend, tmp_path_factory) -> dict[str, object]:
             await box.exec("export LD_PRELOAD=/app/evil.so")  # into the agent's shell state
             out["agent_preload"] = await box.exec("printenv LD_PRELOAD; cat /preload-at-build")
             await box.write_file("/tests/server.py", OWNER_CHECKING_SERVER, 0o600, as_verifier=True)
+            await box.write_file("/tests/legacy-stat", legacy, 0o700, as_verifier=True)
             for name, cmd in VERIFIER_CHECKS.items():
                 out[name] = await box.exec(cmd, timeout_s=60, cwd="/app", as_verifier=True)
             out["task_preload"] = await box.exec("printenv LD_PRELOAD", cwd="/", env={"LD_PRELOAD": "libm.so.6"},
@@ -127,6 +169,21 @@ def test_ssh_accepts_the_agents_config(seen):
 
 def test_sudo_runs_a_command_as_another_user(seen):
     assert _ok(seen["sudo"]) == "nobody\n"
+
+
+def test_programs_built_for_glibc_before_2_33_see_root_too(seen):
+    assert _ok(seen["legacy"]) == "0 0:0 0 0\n"
+
+
+def test_address_sanitizer_programs_run_and_still_check(tmp_path: Path):
+    """ASan's shared runtime refuses to run after a preloaded library unless told otherwise (the shim tells it),
+    and with the shim first it still catches an overflow. On the host, with gcc's own libasan."""
+    exe = _compile(tmp_path / "asan", ASAN_PROBE, "-fsanitize=address", "-g")
+    env = {**os.environ, "LD_PRELOAD": str(native.ownership_shim()), "ASAN_OPTIONS": "detect_leaks=0"}
+    clean = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60)
+    overflow = subprocess.run([str(exe), "overflow"], env=env, capture_output=True, text=True, timeout=60)
+    assert (clean.returncode, clean.stdout) == (0, "ran\n"), clean
+    assert overflow.returncode != 0 and "heap-buffer-overflow" in overflow.stderr, overflow
 
 
 def test_an_ownership_checking_server_serves_the_agents_data_directory(seen):
