@@ -7,7 +7,8 @@ sandbox's cgroups, drops to that uid, enters a user namespace mapping many uids 
 and mounts the capped tmpfs there before bwrap runs in it, because root plus a user namespace could still
 write host /proc/sys. The sandbox's pid 1 is the compiled init (native/init.c), exec'd from a host fd so
 the image never sees or supplies it; it runs the agent's commands as the agent's uid without any
-capability, and the verifier's as a uid of its own that owns the /tests and /logs mounts.
+capability, and the verifier's as a uid of its own that owns the /tests and /logs mounts, with the
+ownership shim (native/owner.c) preloaded so the agent's files look root's to it, as in Docker.
 """
 
 from __future__ import annotations
