@@ -7,7 +7,8 @@ sandbox's cgroups, drops to that uid, enters a user namespace mapping many uids 
 and mounts the capped tmpfs there before bwrap runs in it, because root plus a user namespace could still
 write host /proc/sys. The sandbox's pid 1 is the compiled init (native/init.c), exec'd from a host fd so
 the image never sees or supplies it; it runs the agent's commands as the agent's uid without any
-capability, and the verifier's as a uid of its own that owns the /tests and /logs mounts.
+capability, and the verifier's as a uid of its own that owns the /tests and /logs mounts, with the
+ownership shim (native/owner.c) preloaded so the agent's files look root's to it, as in Docker.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last cho
 # the verifier's mounts (furlong.tasks.model names what goes inside), and the agent's own log mount in /logs,
 # so filling it leaves the verifier's space alone
 TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR = "/tests", "/logs", "/logs/agent"
+# The ownership shim (native/owner.c) verifier commands preload: a read-only bind in the verifier's /logs,
+# which the agent can neither write nor rename (a mount point), so no path to it is the agent's to swap.
+OWNER_SHIM = "/logs/.furlong-owner.so"
 VERIFIER_MOUNT_MB = 512  # each: a size cap (tmpfs pages count toward the sandbox's memory limit)
 # The init's capabilities in the sandbox's user namespace: to run commands as other uids, hand the verifier
 # its share (init.c VERIFIER_CAPS) and its mounts. Agent commands get none.
@@ -104,6 +108,8 @@ class BwrapBackend:
         self._launch = str(native.binary("launch"))
         # Exec'd inside as /proc/self/fd/N: never a path in the image, and opened before any uid drop.
         self._init_fd = os.open(native.binary("init"), os.O_PATH | os.O_CLOEXEC)
+        shim = native.ownership_shim()
+        self._shim_fd = os.open(shim, os.O_PATH | os.O_CLOEXEC) if shim else None
         self._upper_mnt = cache_dir() / "native" / "upper"
         self._upper_mnt.mkdir(parents=True, exist_ok=True)
         self._layer_fds: dict[Path, int] = {}
@@ -157,6 +163,10 @@ class BwrapBackend:
         if verifier:  # mount points: the agent, owner of "/", can neither rename nor replace them
             for path in (TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR):
                 args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
+            if self._shim_fd is not None:  # the verifier sees the agent's uid, swapped with its own, as root's
+                args += ["--ro-bind-fd", str(self._shim_fd), OWNER_SHIM]
+                init_args = (*init_args, "--verifier-preload", OWNER_SHIM)
+                fds.append(self._shim_fd)
         if spec.network:
             args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
             args += egress.bwrap_args() if egress else []

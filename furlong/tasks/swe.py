@@ -242,8 +242,9 @@ cd {repo_dir} && git apply -v "$(dirname "$0")/patch.diff"
 
 # SWE-bench's evaluation script: reset the test files to base_commit, apply the test patch, run the tests
 # between the markers, reset again; then grade the log. git reads no configuration but the repository's
-# own (the agent's, which could only make the patch fail to apply), and the repository's owner as the
-# verifier sees it is not the verifier.
+# own (the agent's, which could only make the patch fail to apply), and safe.directory keeps the grade
+# independent of how the repository's owner looks: root's through the verifier's ownership shim, 65533's
+# where the shim does not reach (docs/sandboxes.md, "How ownership looks to the tests").
 TEST_SH = """#!/bin/bash
 # SWE-bench's evaluation of {instance_id} (written by `furlong tasks import-swe`; docs/swe.md)
 mkdir -p /logs/verifier

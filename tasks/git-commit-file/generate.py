@@ -17,7 +17,7 @@ def generate(seed: int, out: Path) -> None:
     name = f"{rng.choice(WORDS)}.txt"
     word = rng.choice(WORDS)
     msg = f"{rng.choice(['Add', 'Create', 'Start', 'Record'])} {rng.choice(WORDS)} {rng.choice(['notes', 'file', 'list', 'data'])}"
-    g = f"git -c safe.directory='*' -C {repo}"
+    g = f"git -C {repo}"
     write_task(
         out,
         instruction=(f"Create a git repository in `{repo}`. In it, commit a file `{name}` containing the word "

@@ -15,6 +15,8 @@
  * runs verifier commands as it: inside the namespace at `--verifier-ns FD` (furlong-launch made it: there
  * UID is root and the agent's uid 0 is UID) as root with VERIFIER_CAPS, so the tests install packages and
  * read everything as root would in Docker, while agent processes cannot write, signal or trace any of it.
+ * `--verifier-preload PATH` (the ownership shim, owner.c, at a path the agent cannot touch) goes on the
+ * LD_PRELOAD of verifier commands there, so the agent's uid, 65533 in that namespace, shows as root's.
  * `--seccomp FD` is the compiled filter every command gets, applied here after the identity is taken
  * (setns is one of the calls it refuses). The init keeps only the capabilities it needs (bwrap's
  * --cap-add list) and is non-dumpable.
@@ -114,6 +116,7 @@ static int agent_procs[MAX_AGENT_PROCS], n_agent_procs, verifier_ns = -1, seccom
 static gid_t agent_groups[MAX_AGENT_GROUPS];  /* the image USER's supplementary groups */
 static int n_agent_groups;
 static struct sock_fprog seccomp_prog;
+static const char *verifier_preload;  /* --verifier-preload: the ownership shim's path (see with_shim) */
 static uint64_t own_caps;  /* the init's permitted set, restored after an op done as a role */
 
 static void die(const char *what) { fprintf(stderr, "furlong-init: %s: %s\n", what, strerror(errno)); _exit(111); }
@@ -374,8 +377,26 @@ static void child_prepare(int out, int err, int role) {
   }
 }
 
+/* A verifier command's environment with the ownership shim (owner.c) last on LD_PRELOAD, after any the
+ * request or the image names (theirs keep precedence). Only where the verifier's namespace swaps the
+ * agent's uid with its own. In the command's child: what it allocates goes with the exec. */
+static char **with_shim(char **env) {
+  size_t n = 0, at = (size_t)-1;
+  for (; env[n]; n++)
+    if (at == (size_t)-1 && !strncmp(env[n], "LD_PRELOAD=", 11)) at = n;
+  const char *old = at == (size_t)-1 ? "" : env[at] + 11;
+  size_t len = 11 + strlen(old) + 1 + strlen(verifier_preload) + 1;
+  char *kv = malloc(len), **out = calloc(n + 2, sizeof *out);
+  if (!kv || !out) _exit(126);
+  snprintf(kv, len, "LD_PRELOAD=%s%s%s", old, *old ? ":" : "", verifier_preload);
+  memcpy(out, env, n * sizeof *out);
+  out[at == (size_t)-1 ? n : at] = kv;
+  return out;
+}
+
 static void child_exec(const char *script, char **env, int out, int err, int role) {
   child_prepare(out, err, role);
+  if (is_verifier(role) && verifier_ns >= 0 && verifier_preload) env = with_shim(env);
   char *argv[] = {"bash", "-c", (char *)script, NULL};
   execve("/bin/bash", argv, env);
   _exit(127);
@@ -740,6 +761,10 @@ static void parse_args(int argc, char **argv) {
     if (!strcmp(opt, "--verifier-ns") && sscanf(val, "%d", &verifier_ns) == 1) continue;
     if (!strcmp(opt, "--seccomp") && sscanf(val, "%d", &seccomp_fd) == 1) continue;
     if (!strcmp(opt, "--build-caps") && sscanf(val, "%d", &build_caps) == 1) continue;
+    if (!strcmp(opt, "--verifier-preload") && val[0] == '/' && !strpbrk(val, ": ")) {
+      verifier_preload = val;
+      continue;
+    }
     if (!strcmp(opt, "--agent-group") && n_agent_groups < MAX_AGENT_GROUPS) {
       agent_groups[n_agent_groups++] = (gid_t)atol(val);
       continue;

@@ -4,14 +4,13 @@
 mkdir -p /logs/verifier
 echo 0 > /logs/verifier/reward.txt
 cd /app/project || exit 0
-g() { git -c safe.directory='*' "$@"; }
 fail() { echo "FAIL: $*"; exit 0; }
 
-[ "$(g rev-parse --abbrev-ref HEAD)" = main ] || fail "current branch is not main"
-[ "$(g rev-list --count HEAD)" = 1 ] || fail "expected exactly one commit"
-[ "$(g log -1 --format=%s)" = "Initial commit" ] || fail "wrong commit message"
-files=$(g ls-tree -r --name-only HEAD | sort | tr '\n' ' ')
+[ "$(git rev-parse --abbrev-ref HEAD)" = main ] || fail "current branch is not main"
+[ "$(git rev-list --count HEAD)" = 1 ] || fail "expected exactly one commit"
+[ "$(git log -1 --format=%s)" = "Initial commit" ] || fail "wrong commit message"
+files=$(git ls-tree -r --name-only HEAD | sort | tr '\n' ' ')
 [ "$files" = ".gitignore README.md src/main.py src/util.py " ] || fail "committed files: $files"
-g check-ignore -q build/widget.bin || fail "build/ is not ignored"
-[ -z "$(g status --porcelain)" ] || fail "working tree is not clean"
+git check-ignore -q build/widget.bin || fail "build/ is not ignored"
+[ -z "$(git status --porcelain)" ] || fail "working tree is not clean"
 echo 1 > /logs/verifier/reward.txt

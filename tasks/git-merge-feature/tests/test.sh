@@ -4,15 +4,14 @@
 mkdir -p /logs/verifier
 echo 0 > /logs/verifier/reward.txt
 cd /app/repo || exit 0
-g() { git -c safe.directory='*' "$@"; }
 fail() { echo "FAIL: $*"; exit 0; }
 MAIN_TIP=0e29c322083bb9253492de9ab6c79c496f110c0e
 FEATURE_TIP=d28f59acc31536d44f5bdda76bb882767c794a5b
 
-[ "$(g rev-parse --abbrev-ref HEAD)" = main ] || fail "main is not checked out"
-[ "$(g rev-parse feature/greeting)" = "$FEATURE_TIP" ] || fail "feature/greeting was changed or deleted"
-[ "$(g log -1 --format=%P main)" = "$MAIN_TIP $FEATURE_TIP" ] || fail "main is not a merge of the two tips"
-g show main:greeting.py | grep -q "def farewell" || fail "greeting.py from the feature is missing"
-g show main:README | grep -q "License: MIT" || fail "README change from main is missing"
-[ -z "$(g status --porcelain --untracked-files=no)" ] || fail "uncommitted changes"
+[ "$(git rev-parse --abbrev-ref HEAD)" = main ] || fail "main is not checked out"
+[ "$(git rev-parse feature/greeting)" = "$FEATURE_TIP" ] || fail "feature/greeting was changed or deleted"
+[ "$(git log -1 --format=%P main)" = "$MAIN_TIP $FEATURE_TIP" ] || fail "main is not a merge of the two tips"
+git show main:greeting.py | grep -q "def farewell" || fail "greeting.py from the feature is missing"
+git show main:README | grep -q "License: MIT" || fail "README change from main is missing"
+[ -z "$(git status --porcelain --untracked-files=no)" ] || fail "uncommitted changes"
 echo 1 > /logs/verifier/reward.txt
