@@ -1,0 +1,219 @@
+"""Harbor's separate verifier environments and multi-step tasks, loaded as Harbor resolves them and run
+through `furlong eval`'s entry (run_eval) in real sandboxes: the fixtures in tests/fixtures/harbor."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from conftest import run
+from furlong.agent.runner import AgentRun
+from furlong.eval.agents import NoopAgent, OracleAgent
+from furlong.eval.run import run_eval
+from furlong.tasks import artifacts
+from furlong.tasks.loader import load_task
+from furlong.tasks.model import Artifact, TaskError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "harbor"
+SEPARATE, STEPS = FIXTURES / "separate-verifier", FIXTURES / "multi-step"
+
+
+def copy(tmp_path: Path, fixture: Path, **edits: str) -> Path:
+    """The fixture copied under tmp_path, with files (relative path -> text) replaced."""
+    dest = tmp_path / fixture.name
+    shutil.copytree(fixture, dest)
+    for rel, text in edits.items():
+        (dest / rel).write_text(text)
+    return dest
+
+
+class Commands:
+    """A scripted agent: the k-th agent phase of the episode (its k-th step) runs commands[k] as the agent."""
+
+    name = "commands"
+
+    def __init__(self, *commands: str):
+        self.commands, self.phase = commands, 0
+
+    async def run(self, task, tools, timeout_s):
+        command = self.commands[self.phase] if self.phase < len(self.commands) else "true"
+        self.phase += 1
+        res = await tools.sandbox.exec(command, timeout_s=timeout_s)
+        return AgentRun(commands=1, last_exit_code=res.exit_code, last_output=res.stdout + res.stderr)
+
+
+def evaluate(backend, store, agent, *task_dirs: Path, out: Path | None = None):
+    tasks = [load_task(d) for d in task_dirs]
+    return run(run_eval(tasks, agent, backend, store, 2, out, Console(quiet=True)))
+
+
+# --- loading: Harbor's resolution, and one-line refusals of what furlong cannot run -------------------
+
+def test_fixtures_resolve_as_harbor_does():
+    sep = load_task(SEPARATE)
+    assert sep.separate is not None and sep.separate.bundled_tests
+    assert sep.separate.dockerfile == SEPARATE / "tests" / "Dockerfile"
+    assert [a.source for a in artifacts.entries(sep)] == ["/logs/artifacts", "/app/answer.txt"]
+    steps = load_task(STEPS)
+    assert [s.name for s in steps.steps] == ["create", "extend", "publish"]
+    assert steps.instruction == steps.steps[0].instruction and steps.reward_strategy == "mean"
+    create, extend, publish = steps.steps
+    assert create.min_reward == (("reward", 1.0),) and extend.min_reward is None
+    assert extend.workdir == STEPS / "steps" / "extend" / "workdir" and create.workdir is None
+    assert create.separate is None and publish.separate is not None and not publish.separate.bundled_tests
+    assert publish.separate.dockerfile == STEPS / "environment" / "Dockerfile"  # a fresh sandbox of the task's image
+    # a step's own [verifier] timeout_sec, as Harbor's (600 unless given), never the task's
+    assert (create.verifier_timeout_s, publish.verifier_timeout_s) == (600.0, 60.0)
+    assert create.agent_timeout_s == 60.0 and create.solution == STEPS / "steps/create/solution/solve.sh"
+
+
+def test_verifier_environment_implies_separate_and_sets_its_limits(tmp_path: Path):
+    d = copy(tmp_path, SEPARATE)
+    (d / "tests" / "Dockerfile").unlink()
+    toml = (d / "task.toml").read_text().replace('environment_mode = "separate"\n', "")
+    (d / "task.toml").write_text(toml + "\n[verifier.environment]\ncpus = 2\nmemory_mb = 1024\n")
+    task = load_task(d)
+    assert task.separate is not None and not task.separate.bundled_tests
+    assert (task.separate.limits.cpus, task.separate.limits.memory_mb) == (2.0, 1024)
+    assert task.separate.dockerfile == d / "environment" / "Dockerfile"
+
+
+STEP = '[[steps]]\nname = "one"\n'
+REFUSALS = {
+    "compose verifier": ({"tests/docker-compose.yaml": "services: {}\n"}, '[verifier]\nenvironment_mode = "separate"\n',
+                         "docker-compose verifier environment"),
+    "sidecar artifact": ({}, 'artifacts = [{source = "/db", service = "db"}]\n', "field 'artifacts': service 'db'"),
+    "sidecar hook": ({}, '[[verifier.collect]]\ncommand = "x"\nservice = "db"\n', "field 'verifier.collect'"),
+    "shared with an environment": ({}, '[verifier]\nenvironment_mode = "shared"\n[verifier.environment]\ncpus = 1\n',
+                                   "field 'verifier': Value error, environment_mode = 'shared' contradicts"),
+    "prebuilt verifier image": ({}, '[verifier.environment]\ndocker_image = "x:1"\n',
+                                "field 'verifier.environment.docker_image'"),
+    "the verifier's own path": ({}, 'artifacts = ["/logs/verifier/reward.txt"]\n', "is the verifier's own"),
+    "a path climbing out": ({}, 'artifacts = ["/app/../tests"]\n', "field 'artifacts.0.source'"),
+    "step names twice": ({"steps/one/instruction.md": "x"}, STEP + STEP.replace("one", "ONE"), "is used twice"),
+    "a step name with a slash": ({}, '[[steps]]\nname = "a/b"\n', "field 'steps.0.name'"),
+    "a step without its directory": ({}, STEP, "steps/one: missing"),
+    "a step without tests": ({"steps/one/instruction.md": "x"}, STEP, "steps/one/tests/test.sh: missing"),
+    "an unknown step key": ({}, STEP + "timeout = 3\n", "unknown key 'steps.0.timeout'"),
+    "a windows verifier": ({}, '[verifier.environment]\nos = "windows"\n', "field 'verifier.environment.os'"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_what_furlong_cannot_run_is_refused_by_name(tmp_path: Path, case: str):
+    files, toml, expected = REFUSALS[case]
+    d = tmp_path / "t"
+    (d / "tests").mkdir(parents=True)
+    (d / "instruction.md").write_text("x")
+    for rel, text in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+    if case != "a step without tests":
+        (d / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    (d / "task.toml").write_text(toml)
+    with pytest.raises(TaskError) as err:
+        load_task(d)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+# --- artifacts are hostile input: what may go into the verifier's sandbox -----------------------------
+
+def _tar(*members: tuple[str, str, str | bytes | None]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, kind, arg in members:
+            info = tarfile.TarInfo(name)
+            info.type = {"dir": tarfile.DIRTYPE, "file": tarfile.REGTYPE, "link": tarfile.SYMTYPE,
+                         "hard": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE}[kind]
+            info.mode = 0o6777
+            if kind == "file":
+                info.size = len(arg)
+                tar.addfile(info, io.BytesIO(arg))
+            else:
+                info.linkname = arg or ""
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+def test_artifact_archives_keep_only_what_stays_inside_them():
+    root = "logs/artifacts"
+    data = _tar((root, "dir", None), (f"{root}/a.txt", "file", b"a"), (f"{root}/sub", "dir", None),
+                (f"{root}/sub/up", "link", ".."), (f"{root}/via", "link", "sub"),
+                (f"{root}/ok", "link", "sub/../a.txt"), (f"{root}/copy", "hard", f"{root}/a.txt"),
+                # each of these would lead the tests out of the artifact (to /tests' expected answers)
+                (f"{root}/abs", "link", "/tests/expected.txt"), (f"{root}/climb", "link", "../verifier/reward.txt"),
+                (f"{root}/chain", "link", "via/up/.."), (f"{root}/out", "hard", "etc/passwd"),
+                (f"{root}/fifo", "fifo", None), ("etc/passwd", "file", b"x"), (f"{root}/../../etc/x", "file", b"x"))
+    kept = artifacts.checked(Artifact("/logs/artifacts"), data)
+    with tarfile.open(fileobj=io.BytesIO(kept.tar)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert set(members) == {root, *(f"{root}/{n}" for n in ("a.txt", "sub", "sub/up", "via", "ok", "copy"))}
+        assert all(m.mode & 0o7022 == 0 for m in members.values())  # no setuid/setgid/sticky, no g/o write
+        assert tar.extractfile(members[f"{root}/copy"]).read() == b"a"  # a hard link inside becomes a copy
+    # an entry that is itself a symlink is left out: it would point the tests at the verifier's files
+    assert artifacts.checked(Artifact("/app/answer.txt"), _tar(("app/answer.txt", "link", "expected.txt"))) is None
+    with pytest.raises(artifacts.ArtifactsError):
+        artifacts.checked(Artifact("/app/x"), b"not a tar at all" * 64)
+
+
+# --- episodes in real sandboxes -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def oracle_and_noop(backend, store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "oracle.jsonl"
+    return (evaluate(backend, store, OracleAgent(), SEPARATE, STEPS, out=out),
+            evaluate(backend, store, NoopAgent(), SEPARATE, STEPS), out)
+
+
+def test_oracle_scores_one_and_noop_zero(oracle_and_noop):
+    oracle, noop, out = oracle_and_noop
+    assert [(r.task, r.reward, r.status) for r in oracle] == [("separate-verifier", 1.0, "ok"),
+                                                              ("multi-step", 1.0, "ok")]
+    assert [(s.name, s.reward) for s in oracle[1].steps] == [("create", 1.0), ("extend", 1.0), ("publish", 1.0)]
+    assert [(r.reward, r.status) for r in noop] == [(0.0, "ok"), (0.0, "ok")]
+    assert "no report in /logs/artifacts" in noop[0].verifier_output
+    # the first step's min_reward stops the rest
+    assert [(s.name, s.reward) for s in noop[1].steps] == [("create", 0.0)] and "min_reward" in noop[1].error
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    steps = next(r["steps"] for r in lines if r["task"] == "multi-step")
+    assert steps == [{"name": n, "reward": 1.0, "rewards": {"reward": 1.0}, "error": None}
+                     for n in ("create", "extend", "publish")]
+
+
+def test_reward_strategies_mean_and_final(backend, store, tmp_path: Path):
+    """Steps one and two done, three (published artifacts) not: the mean is 2/3, the final step's 0."""
+    solve = ("echo one > /app/notes.txt", "cat /app/extra.txt >> /app/notes.txt", "true")
+    toml = (STEPS / "task.toml").read_text()
+    final = copy(tmp_path, STEPS, **{"task.toml": toml.replace('"mean"', '"final"')})
+    mean, last = (evaluate(backend, store, Commands(*solve), d)[0] for d in (STEPS, final))
+    assert [s.reward for s in mean.steps] == [1.0, 1.0, 0.0] == [s.reward for s in last.steps]
+    assert (mean.reward, last.reward) == (pytest.approx(2 / 3), 0.0)
+
+
+def test_a_symlink_to_the_tests_answer_is_not_an_answer(backend, store):
+    """The agent points its artifact at the verifier's expected answer (which the tests compare it with):
+    the link is left out of what the verifier's sandbox gets, so the answer is missing."""
+    attack = ("echo report > /logs/artifacts/report.txt; ln -s /tests/expected.txt /app/answer.txt; "
+              "ln -s /tests /logs/artifacts/tests")
+    res = evaluate(backend, store, Commands(attack), SEPARATE)[0]
+    assert (res.reward, res.status) == (0.0, "ok") and "wrong or no answer" in res.verifier_output
+
+
+def test_artifacts_the_agent_keeps_from_collection_score_zero(backend, store):
+    """An artifact the agent made unreadable (to itself, as it packs them) fails the collection; the same
+    collection where no agent ran works, so the failure is the agent's: scored 0, never unscored."""
+    res = evaluate(backend, store, Commands("echo x > /logs/artifacts/r.txt; chmod 000 /logs/artifacts/r.txt"),
+                   SEPARATE)[0]
+    assert (res.reward, res.status) == (0.0, "agent_broke_sandbox") and "artifacts" in res.error
+
+
+def test_a_verifier_image_that_does_not_build_is_unscored(backend, store, tmp_path: Path):
+    d = copy(tmp_path, SEPARATE, **{"tests/Dockerfile": "FROM debian:bookworm-slim\nCOPY no-such-file /tests/\n"})
+    res = evaluate(backend, store, OracleAgent(), d)[0]
+    assert (res.reward, res.status) == (None, "infra_error") and "verifier" in res.error
