@@ -14,10 +14,13 @@ from rich.console import Console
 
 from conftest import run
 from furlong.agent.runner import AgentRun
+from furlong.build.harbor_box import HarborBox, box_task
+from furlong.envs.separate import BundledTests
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.run import run_eval
 from furlong.tasks import artifacts
 from furlong.tasks.loader import load_task
+from furlong.sandbox.pool import StoreImages
 from furlong.tasks.model import Artifact, TaskError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harbor"
@@ -213,7 +216,63 @@ def test_artifacts_the_agent_keeps_from_collection_score_zero(backend, store):
     assert (res.reward, res.status) == (0.0, "agent_broke_sandbox") and "artifacts" in res.error
 
 
+def test_the_tests_that_run_are_the_ones_the_verifier_image_holds(backend, store, tmp_path: Path):
+    """tests/Dockerfile copies two files of the tests directory to /tests: only those are there (read from
+    the image's layers: /tests is a verifier mount in the sandbox, which hides the image's own)."""
+    test = (SEPARATE / "tests" / "test.sh").read_text().replace(
+        "echo 0 > /logs/verifier/reward.txt\n", "echo 0 > /logs/verifier/reward.txt\ntest ! -e /tests/Dockerfile || exit 1\n")
+    d = copy(tmp_path, SEPARATE, **{"tests/test.sh": test, "tests/Dockerfile": "FROM debian:bookworm-slim\n"
+                                    "WORKDIR /app\nCOPY test.sh expected.txt /tests/\n"})
+    assert [(r.reward, r.status) for r in evaluate(backend, store, OracleAgent(), d)] == [(1.0, "ok")]
+    # harbor's hook: the separate verifier's environment (<task>/tests) is that image, its tests in /tests,
+    # and harbor's default user there is the verifier (no agent runs in it)
+    task, bundled = box_task(load_task(d), d / "tests")
+    assert bundled and task.dockerfile == d / "tests" / "Dockerfile"
+    box = HarborBox(task, backend, StoreImages(store, backend), False, BundledTests(store))
+
+    async def listing() -> tuple[str, bool]:
+        await box.start()
+        try:
+            res = await box.exec("ls /tests && touch /logs/verifier/x")
+            return res.stdout.split(), res.return_code == 0
+        finally:
+            await box.stop()
+    assert run(listing()) == (["expected.txt", "test.sh"], True)
+
+
 def test_a_verifier_image_that_does_not_build_is_unscored(backend, store, tmp_path: Path):
     d = copy(tmp_path, SEPARATE, **{"tests/Dockerfile": "FROM debian:bookworm-slim\nCOPY no-such-file /tests/\n"})
     res = evaluate(backend, store, OracleAgent(), d)[0]
     assert (res.reward, res.status) == (None, "infra_error") and "verifier" in res.error
+
+
+def test_the_model_agent_gets_each_step_as_the_next_user_turn(backend, store):
+    """One conversation, one trajectory, one reward: each later step's instruction follows the model's
+    answer to the step before, as a user turn; nothing sampled is re-tokenized."""
+    from furlong.agent.episode import run_episode
+    from furlong.engine.base import SamplingParams
+    from furlong.envs.harbor import HarborEnv
+    from furlong.model.chat import Message, ToolCall
+    from furlong.model.loading import load_tokenizer
+    from furlong.model.tiny import init_tiny
+    from furlong.sandbox.pool import FreshSandboxes, StoreImages
+    from test_agent import ScriptedPolicy
+    from tests_support import agent_params
+
+    tokenizer = load_tokenizer(init_tiny())
+    done = Message("assistant", "Done.")
+    turns = [Message("assistant", "", (ToolCall("bash", {"command": command}),))
+             for command in ("echo one > /app/notes.txt", "cat /app/extra.txt >> /app/notes.txt",
+                             "cp /app/notes.txt /logs/artifacts/notes.txt")]
+    policy = ScriptedPolicy(tokenizer, [turns[0], done, turns[1], done, turns[2], done])
+    env = HarborEnv(FreshSandboxes(backend, StoreImages(store, backend)), layers=store)
+    ep = run(run_episode(load_task(STEPS), policy, tokenizer, env, agent_params(max_turns=10, max_context_tokens=4096),
+                         SamplingParams()))
+    assert (ep.status, ep.reward, ep.turns) == ("ok", 1.0, 6)
+    assert [(s.name, s.reward) for s in ep.steps] == [("create", 1.0), ("extend", 1.0), ("publish", 1.0)]
+    for before, after, sampled in zip(policy.prompts, policy.prompts[1:], policy.turns):
+        assert after[: len(before) + len(sampled)] == before + sampled
+    after_answer = policy.prompts[2][len(policy.prompts[1]) + len(policy.turns[1]):]
+    assert "Append the line in /app/extra.txt" in tokenizer.decode(after_answer)
+    assert "Append the line" not in tokenizer.decode(policy.prompts[1])  # not shown before its step
+    assert sum(ep.loss_mask) == sum(len(t) for t in policy.turns)
