@@ -276,3 +276,33 @@ def test_the_model_agent_gets_each_step_as_the_next_user_turn(backend, store):
     assert "Append the line in /app/extra.txt" in tokenizer.decode(after_answer)
     assert "Append the line" not in tokenizer.decode(policy.prompts[1])  # not shown before its step
     assert sum(ep.loss_mask) == sum(len(t) for t in policy.turns)
+
+
+def test_an_openenv_client_is_told_each_next_step(backend, store):
+    """`furlong openenv serve`: `done` ends a step, and the observation holds the next step's instruction;
+    the last step's `done` brings the episode's reward."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    from furlong.sandbox.pool import FreshSandboxes
+    from openenv_support import HEADERS, ThreadServer
+
+    task = load_task(STEPS)
+    server = ThreadServer([task], FreshSandboxes(backend, StoreImages(store, backend)))
+    commands = ["echo one > /app/notes.txt", "cat /app/extra.txt >> /app/notes.txt",
+                "cp /app/notes.txt /logs/artifacts/notes.txt"]
+
+    async def episode() -> list[tuple[str, bool, float | None]]:
+        async with GenericEnvClient(base_url=server.url, headers=HEADERS, message_timeout_s=120) as env:
+            seen = [((await env.reset(task_id=task.id)).observation["instruction"], False, None)]
+            for command in commands:
+                await env.step({"command": command})
+                step = await env.step({"done": True})
+                seen.append((step.observation.get("instruction", ""), step.done, step.reward))
+            return seen
+    try:
+        seen = run(episode())
+    finally:
+        server.stop()
+    instructions = [s.instruction for s in task.steps]
+    assert seen == [(instructions[0], False, None), (instructions[1], False, None), (instructions[2], False, None),
+                    ("", True, 1.0)]
