@@ -10,17 +10,17 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import run
 from rich.console import Console
 
-from conftest import run
 from furlong.agent.runner import AgentRun
 from furlong.build.harbor_box import HarborBox, box_task
 from furlong.envs.separate import BundledTests
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.run import run_eval
+from furlong.sandbox.pool import StoreImages
 from furlong.tasks import artifacts
 from furlong.tasks.loader import load_task
-from furlong.sandbox.pool import StoreImages
 from furlong.tasks.model import Artifact, TaskError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harbor"
@@ -249,6 +249,9 @@ def test_a_verifier_image_that_does_not_build_is_unscored(backend, store, tmp_pa
 def test_the_model_agent_gets_each_step_as_the_next_user_turn(backend, store):
     """One conversation, one trajectory, one reward: each later step's instruction follows the model's
     answer to the step before, as a user turn; nothing sampled is re-tokenized."""
+    from test_agent import ScriptedPolicy
+    from tests_support import agent_params
+
     from furlong.agent.episode import run_episode
     from furlong.engine.base import SamplingParams
     from furlong.envs.harbor import HarborEnv
@@ -256,8 +259,6 @@ def test_the_model_agent_gets_each_step_as_the_next_user_turn(backend, store):
     from furlong.model.loading import load_tokenizer
     from furlong.model.tiny import init_tiny
     from furlong.sandbox.pool import FreshSandboxes, StoreImages
-    from test_agent import ScriptedPolicy
-    from tests_support import agent_params
 
     tokenizer = load_tokenizer(init_tiny())
     done = Message("assistant", "Done.")
@@ -282,9 +283,9 @@ def test_an_openenv_client_is_told_each_next_step(backend, store):
     """`furlong openenv serve`: `done` ends a step, and the observation holds the next step's instruction;
     the last step's `done` brings the episode's reward."""
     from openenv.core.generic_client import GenericEnvClient
+    from openenv_support import HEADERS, ThreadServer
 
     from furlong.sandbox.pool import FreshSandboxes
-    from openenv_support import HEADERS, ThreadServer
 
     task = load_task(STEPS)
     server = ThreadServer([task], FreshSandboxes(backend, StoreImages(store, backend)))

@@ -32,10 +32,10 @@ from pathlib import Path
 
 from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.config import load_config
-from furlong.sandbox.base import Sandbox, SandboxBackend
-from furlong.sandbox.pool import StoreImages, sandbox_spec, start_sandbox
 from furlong.envs.separate import BundledTests, verifier_task
+from furlong.sandbox.base import Sandbox, SandboxBackend
 from furlong.sandbox.images import ImageStore
+from furlong.sandbox.pool import StoreImages, sandbox_spec, start_sandbox
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import ARTIFACTS_DIR, Task, phases
 

@@ -245,7 +245,7 @@ class HarborEpisode:
                 failure = await ready(self.guard, self.task, self.index, self.image.workdir)
             except HostLost:
                 raise
-            except Exception as exc:  # the agent's sandbox broke between its steps: its doing
+            except Exception as exc:  # noqa: BLE001 -- the agent's sandbox broke between its steps: its doing
                 return Score(reward=None, agent_broke_env=True, steps=tuple(self.done),
                              error=f"the sandbox broke before step {self.task.steps[self.index].name!r}: "
                                    f"{describe(exc)}")

@@ -105,8 +105,10 @@ async def hand_over(phase: Task, agent_box: Sandbox, release: Callable[[], Await
         collected = await artifacts.collect(agent_box, artifacts.entries(phase))
     except HostLost:
         raise
-    except Exception as exc:
-        return None, None, f"artifacts: {describe(exc) if not isinstance(exc, artifacts.ArtifactsError) else exc}"
+    except artifacts.ArtifactsError as exc:
+        return None, None, f"artifacts: {exc}"
+    except Exception as exc:  # noqa: BLE001 -- the agent's sandbox failing is judged as the tests' no-reward is
+        return None, None, f"artifacts: {describe(exc)}"
     if release is not None:
         await release()
     vbox = await start_verifier(phase, sandboxes, bundled)
@@ -116,7 +118,7 @@ async def hand_over(phase: Task, agent_box: Sandbox, release: Callable[[], Await
     except HostLost:
         await vbox.sandbox.close()
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- what the agent's artifacts may cause: judged by a control run
         await vbox.sandbox.close()
         return None, None, f"placing the artifacts in the verifier's sandbox: {describe(exc)}"
     return vbox, guard, ""
