@@ -307,3 +307,41 @@ def test_an_openenv_client_is_told_each_next_step(backend, store):
     instructions = [s.instruction for s in task.steps]
     assert seen == [(instructions[0], False, None), (instructions[1], False, None), (instructions[2], False, None),
                     ("", True, 1.0)]
+
+
+def test_a_step_that_cannot_be_set_up(backend, store, tmp_path: Path):
+    """The agent of step one leaves step two's setup.sh unable to run: that step counts 0 and ends the
+    episode (harbor would leave it out of the mean: breaking the next step would raise the reward). A
+    setup.sh that fails before any agent ran is the task's: unscored."""
+    breaker = Commands("echo one > /app/notes.txt; mkdir /app/extra.txt")
+    res = evaluate(backend, store, breaker, STEPS)[0]
+    assert [(s.name, s.reward) for s in res.steps] == [("create", 1.0), ("extend", 0.0)]
+    assert (res.reward, res.status) == (0.5, "ok") and "setup.sh exited" in res.steps[1].error
+    d = copy(tmp_path, STEPS)
+    (d / "steps" / "create" / "workdir").mkdir()
+    (d / "steps" / "create" / "workdir" / "setup.sh").write_text("exit 3\n")
+    res = evaluate(backend, store, OracleAgent(), d)[0]
+    assert (res.reward, res.status) == (None, "infra_error") and "setup.sh exited 3" in res.error
+
+
+def test_a_step_whose_tests_hang_counts_zero_and_ends_the_episode(backend, store, tmp_path: Path):
+    toml = (STEPS / "task.toml").read_text().replace('min_reward = 1.0\n', 'min_reward = 1.0\n[steps.verifier]\n'
+                                                     'timeout_sec = 1.0\n')
+    d = copy(tmp_path, STEPS, **{"task.toml": toml, "steps/create/tests/test.sh": "echo 1 > /logs/verifier/reward.txt; "
+                                 "sleep 60\n"})
+    res = evaluate(backend, store, OracleAgent(), d)[0]
+    assert [(s.name, s.reward) for s in res.steps] == [("create", 0.0)]
+    assert (res.reward, res.status) == (0.0, "timeout") and "timed out" in res.steps[0].error
+
+
+def test_reward_functions_score_the_last_step_in_its_verifiers_sandbox(backend, store):
+    """A reward command runs after the last step's tests, where they ran: the separate verifier's sandbox,
+    which holds the published notes (two lines) and not the agent's /app/notes.txt."""
+    from furlong.envs.harbor import HarborEnv
+    from furlong.envs.rewards import RewardFn, Scorer
+    from furlong.sandbox.pool import FreshSandboxes
+
+    lines = RewardFn("lines", command="test ! -e /app/notes.txt && wc -l < /logs/artifacts/notes.txt")
+    env = HarborEnv(FreshSandboxes(backend, StoreImages(store, backend)), scorer=Scorer([lines]), layers=store)
+    res = run(run_eval([load_task(STEPS)], OracleAgent(), backend, store, 1, None, Console(quiet=True), env=env))[0]
+    assert (res.reward, res.status, res.rewards) == (3.0, "ok", {"tests": 1.0, "lines": 2.0})

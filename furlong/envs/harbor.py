@@ -235,8 +235,8 @@ class HarborEpisode:
         self._tampered_paths = tuple(sorted({*self._tampered_paths, *score.tampered_paths}))
         error = f"step {step.name!r}: the tests timed out" if score.timed_out else None
         self._timed_out |= score.timed_out
-        self.done.append(StepScore(step.name, score.reward, dict(score.rewards), error))
-        stop = error or gate(step, score.rewards)
+        self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))
+        stop = error or gate(step, self.done[-1].rewards)
         if score.tampered:
             return dataclasses.replace(score, steps=tuple(self.done))
         if not stop and self.index + 1 < len(self.phases):
