@@ -22,6 +22,7 @@ from furlong.sandbox.pool import StoreImages
 from furlong.tasks import artifacts
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import Artifact, TaskError
+from furlong.train.sft import demonstrable
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harbor"
 SEPARATE, STEPS = FIXTURES / "separate-verifier", FIXTURES / "multi-step"
@@ -74,6 +75,7 @@ def test_fixtures_resolve_as_harbor_does():
     # a step's own [verifier] timeout_sec, as Harbor's (600 unless given), never the task's
     assert (create.verifier_timeout_s, publish.verifier_timeout_s) == (600.0, 60.0)
     assert create.agent_timeout_s == 60.0 and create.solution == STEPS / "steps/create/solution/solve.sh"
+    assert demonstrable(sep) and not demonstrable(steps)  # an SFT demonstration is one instruction, one call
 
 
 def test_verifier_environment_implies_separate_and_sets_its_limits(tmp_path: Path):

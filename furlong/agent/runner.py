@@ -98,7 +98,8 @@ class AgentRun:
 
 class Agent(Protocol):
     """The agent phase: it acts through the episode's `tools` (a Harbor episode's ToolSet also holds
-    its sandbox, for scripted agents). An agent that waits on a shared engine may also define
+    its sandbox, for scripted agents). In a multi-step episode `run` is called again for each later step,
+    with that step's spec (its instruction, solution and timeout). An agent that waits on a shared engine may also define
     `engine_wait_s() -> float`: the seconds it has waited so far, a wait in progress included. The
     episode's `model_wait` time is that figure, and the runner's hard limit on the phase does not
     count it (see `_agent_phase`)."""
