@@ -347,3 +347,16 @@ def test_reward_functions_score_the_last_step_in_its_verifiers_sandbox(backend, 
     env = HarborEnv(FreshSandboxes(backend, StoreImages(store, backend)), scorer=Scorer([lines]), layers=store)
     res = run(run_eval([load_task(STEPS)], OracleAgent(), backend, store, 1, None, Console(quiet=True), env=env))[0]
     assert (res.reward, res.status, res.rewards) == (3.0, "ok", {"tests": 1.0, "lines": 2.0})
+
+
+def test_an_artifact_among_the_tests_toolchain_is_tampering(backend, store, tmp_path: Path):
+    """A task that hands /usr/local/bin/bash over as an artifact: the agent's fake `bash` (which writes
+    reward 1) lands first on the tests' PATH in the verifier's sandbox. The artifacts are the agent's
+    there, so the rule of what the verifier trusts applies to them: scored 0 as reward_tampered."""
+    toml = (SEPARATE / "task.toml").read_text().replace('artifacts = ["/app/answer.txt"]',
+                                                      'artifacts = ["/app/answer.txt", "/usr/local/bin/bash"]')
+    d = copy(tmp_path, SEPARATE, **{"task.toml": toml})
+    fake = ("printf '#!/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n' > /usr/local/bin/bash && "
+            "chmod +x /usr/local/bin/bash")
+    res = evaluate(backend, store, Commands(fake), d)[0]
+    assert (res.reward, res.status) == (0.0, "reward_tampered") and "/usr/local/bin/bash" in res.tampered_paths
