@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from furlong.agent.runner import AgentRun, Outcome, SandboxSource, run_outcome
+from furlong.envs.base import Environment as TaskEnvironment
 from furlong.envs.base import Toolbox, ToolArgumentError
 from furlong.tasks.model import Task
 
@@ -75,7 +76,8 @@ class TaskState(State):
 class TaskBook:
     """The served tasks, shared by every session: picked by id, by split and index, or in turn."""
 
-    def __init__(self, tasks: Sequence[Task], sandboxes: SandboxSource, allow_network: bool = False):
+    def __init__(self, tasks: Sequence[Task], sandboxes: TaskEnvironment | SandboxSource,
+                 allow_network: bool = False):
         self.tasks, self.sandboxes, self.allow_network = list(tasks), sandboxes, allow_network
         self.by_id = {t.id: t for t in self.tasks}
         self._turn = itertools.cycle(range(len(self.tasks)))
@@ -154,7 +156,7 @@ class RemoteAgent:
 class ServedEpisode:
     """One task's episode: the runner's task, and its remote agent."""
 
-    def __init__(self, task: Task, sandboxes: SandboxSource):
+    def __init__(self, task: Task, sandboxes: TaskEnvironment | SandboxSource):
         self.task, self.agent = task, RemoteAgent()
         self.loop = asyncio.get_running_loop()
         self.outcome = asyncio.ensure_future(run_outcome(task, self.agent, sandboxes))
