@@ -130,8 +130,29 @@ def test_task_dir_must_hold_task_toml(tmp_path: Path):
 
 
 def test_adapter_defines_every_abstract_method_named_here():
-    """Without harbor installed: the adapter's source defines exactly IMPLEMENTED (and capabilities)."""
+    """Without harbor installed: the adapter's source defines exactly IMPLEMENTED (and capabilities,
+    empty_dirs)."""
     tree = ast.parse((ROOT / "furlong" / "build" / "harbor_environment.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FurlongEnvironment")
     names = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    assert names - {"__init__", "capabilities"} == IMPLEMENTED
+    # empty_dirs is harbor's, overridden so that the verifier's own directories stay its own
+    assert names - {"__init__", "capabilities", "empty_dirs"} == IMPLEMENTED
+
+
+def test_emptying_the_tests_hands_the_sandbox_back_to_the_agent(make_box):
+    """harbor's multi-step trial empties /tests and /logs/verifier before its next step: the default user is
+    the agent again, and /logs/verifier stays the verifier's (harbor's `chmod 777` there is not applied)."""
+    box = make_box()
+
+    async def go():
+        await box.start()
+        try:
+            await box.upload_dir(TASK / "tests", "/tests")
+            assert box.verifying
+            await box.exec("echo 1 > /logs/verifier/reward.txt")
+            await box.empty_verifier_dirs(["/tests", "/logs/verifier"])
+            return box.verifying, await box.exec("ls -A /tests /logs/verifier; touch /logs/verifier/reward.txt")
+        finally:
+            await box.stop()
+    verifying, res = asyncio.run(go())
+    assert not verifying and res.return_code != 0 and "reward.txt" not in res.stdout

@@ -84,3 +84,29 @@ def test_harbor_run_oracle_passes_and_nop_fails_in_a_hosts_sandboxes(tmp_path: P
     finally:
         host.stop()
     assert rewards(tmp_path / "jobs" / "furlong") == {"oracle": 1.0, "nop": 0.0}
+
+
+def test_harbor_scores_separate_verifiers_and_steps_as_furlong_does(tmp_path: Path):
+    """harbor's own trials of tests/fixtures/harbor (its separate verifier and multi-step logic; furlong's
+    sandboxes for every environment it asks for, a verifier's own included) give the rewards furlong's
+    `eval` gives them (tests/test_harbor_steps.py)."""
+    fixtures = REPO / "tests" / "fixtures" / "harbor"
+    host = ProcessHost(tmp_path / "host")
+    (tmp_path / "agents.json").write_text(json.dumps({"agents": [{"name": "oracle"}, {"name": "nop"}]}))
+    overrides = (f"overrides=sandbox.backend=remote,sandbox.hosts=[{host.url}],"
+                 f"sandbox.host_token_file={tmp_path / 'host' / 'tok'}")
+    try:
+        in_harbor(["-c", HARBOR_MAIN, "run", "-y", "-q", "-c", "agents.json", "-p", str(fixtures),
+                   "-o", str(tmp_path / "jobs"), "--job-name", "steps", "--env", ENV, "--ek", overrides],
+                  [tmp_path, fixtures], tmp_path)
+    finally:
+        host.stop()
+    found = {}
+    for result in (tmp_path / "jobs" / "steps").glob("*/result.json"):
+        trial = json.loads(result.read_text())
+        assert trial["exception_info"] is None, trial["exception_info"]
+        steps = [(s["step_name"], s["verifier_result"]["rewards"]["reward"]) for s in trial["step_results"] or []]
+        found[trial["task_name"], trial["agent_info"]["name"]] = (trial["verifier_result"]["rewards"]["reward"], steps)
+    assert found == {("separate-verifier", "oracle"): (1.0, []), ("separate-verifier", "nop"): (0.0, []),
+                     ("multi-step", "oracle"): (1.0, [("create", 1.0), ("extend", 1.0), ("publish", 1.0)]),
+                     ("multi-step", "nop"): (0.0, [("create", 0.0)])}

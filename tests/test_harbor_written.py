@@ -1,6 +1,7 @@
 """Task directories that the real `harbor` writes (`harbor task init`, `harbor init --task`, `harbor task
 migrate` of a Terminal-Bench 1.0 task) load in furlong as written and score 1 with their solution, 0 without;
-the Harbor shapes furlong cannot run (a separate verifier environment, multi-step tasks) are refused by name;
+the shapes `harbor task init` writes by default (a separate verifier environment, multi-step tasks) load as
+Harbor resolves them, and what furlong cannot run is refused by name;
 and harbor's own lint finds nothing wrong with the tasks `furlong tasks import-swe` writes beyond what
 furlong means (its [furlong] table, the shared verifier).
 
@@ -104,10 +105,13 @@ def test_tasks_harbor_writes_load_and_run_unchanged(tmp_path: Path, backend, sto
     for task in (shared, meta):  # harbor's defaults: 600 s each phase, public network
         assert (task.agent_timeout_s, task.verifier_timeout_s, task.network) == (600.0, 600.0, True)
         assert task.solution is not None and task.dockerfile is not None and task.test_script.is_file()
-    with pytest.raises(TaskError, match="'verifier.environment_mode': 'separate' is not supported"):
-        load_task(init / "separate")
-    with pytest.raises(TaskError, match="'steps': multi-step tasks are not supported"):
-        load_task(init / "steps")
+    # harbor's defaults for a new task: a separate verifier whose image (tests/Dockerfile) holds the tests;
+    # with --steps, one per step (steps/<name>/tests/Dockerfile). Their images need the internet
+    # (ghcr.io's uv, pip), so here they are loaded, not run (tests/test_harbor_steps.py runs such tasks).
+    separate, steps = load_task(init / "separate"), load_task(init / "steps")
+    assert separate.separate.bundled_tests and separate.separate.dockerfile == init / "separate/tests/Dockerfile"
+    assert [(s.name, s.separate.dockerfile) for s in steps.steps] == [
+        (f"step-{n}", init / f"steps/steps/step-{n}/tests/Dockerfile") for n in (1, 2)]
 
     migrated = load_task(tmp_path / "migrated" / "hello-tb1")
     assert (migrated.agent_timeout_s, migrated.verifier_timeout_s, migrated.format) == (120.0, 60.0, "harbor")
@@ -143,7 +147,7 @@ def test_harbor_network_and_phase_keys(tmp_path: Path):
          "'verifier.network_mode': 'no-network' differs from the environment's 'public'"),
         ('[environment]\nos = "windows"\n', "furlong's sandboxes are Linux"),
         ('[environment]\nnetwork_mode = "sometimes"\n', "field 'environment.network_mode'"),
-        ('[verifier.environment]\ndocker_image = "python:3.12"\n', "'separate' is not supported"),
+        ('[verifier.environment]\ndocker_image = "python:3.12"\n', "'verifier.environment.docker_image'"),
     ]:
         with pytest.raises(TaskError, match=problem):
             load(toml)

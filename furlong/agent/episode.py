@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from furlong.agent.runner import AgentRun, SandboxSource, run_retrying
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
-from furlong.envs.base import Environment, EnvSpec, Toolbox
+from furlong.envs.base import Environment, EnvSpec, StepScore, Toolbox
 from furlong.model.chat import (
     Message,
     ToolCall,
@@ -76,6 +76,7 @@ class Episode:
     family: str | None = None
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
     rewards: dict[str, float] = field(default_factory=dict)  # the reward's parts (tests, reward functions)
+    steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
 
     @property
     def response_len(self) -> int:
@@ -147,6 +148,10 @@ class ModelAgent:
         self.turns = 0
         self.tool_calls = 0
         self.tool_errors = 0
+        self._started = False
+        # the trajectory's last sampled turn while nothing answers it yet: (cut off by the token limit, the
+        # name of its tool call still running); None once the tokens after it are in the trace
+        self._open: tuple[bool, str | None] | None = None
 
     def _prompt(self, schemas: Sequence[dict]) -> None:
         """The episode's first tokens (with the tool schemas when params.tool_schema_in_prompt)."""
@@ -171,15 +176,14 @@ class ModelAgent:
         return self.model_wait_s + (0.0 if since is None else time.perf_counter() - since)
 
     async def run(self, spec: EnvSpec, tools: Toolbox, timeout_s: float) -> AgentRun:
-        opening = getattr(tools, "opening", None)  # optional (furlong.envs.base.Toolbox)
-        if opening:  # the environment's first observation follows the instruction
-            text = f"{self.instruction}\n\n{opening}" if self.instruction else opening
-            self._messages[1] = Message("user", text)
-        own_system = system_prompt(spec, self.params) != self._messages[0].content
-        if own_system:  # the instance's own system message (a prompt dataset's row may have one)
-            self._messages[0] = Message("system", system_prompt(spec, self.params))
-        if opening or own_system or (self.params.tool_schema_in_prompt and tuple(tools.schemas) != self.schemas):
-            self._prompt(tools.schemas)  # the environment's own tools and opening, before the first turn
+        """One agent phase. Called again for each later step of a multi-step episode: that step's instruction
+        is then the next user turn of the same conversation (one trajectory, one reward)."""
+        if self._started:
+            if not self._next_instruction(spec.instruction):
+                return AgentRun(commands=self.tool_calls, truncated=True)
+        else:
+            self._open_conversation(spec, tools)
+        self._started = True
         runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
         try:
             async with asyncio.timeout(timeout_s) as deadline:
@@ -189,8 +193,35 @@ class ModelAgent:
                 raise  # not our deadline: a sandbox call's own timeout, for the runner to judge
             return AgentRun(commands=self.tool_calls, timed_out=True)
         finally:
-            self.tool_errors = runner.errors
+            self.tool_errors += runner.errors
         return AgentRun(commands=self.tool_calls, truncated=status == "truncated")
+
+    def _next_instruction(self, instruction: str) -> bool:
+        """A later step's instruction appended as the next user turn; False where the trajectory already
+        ended at a limit (its turns or context are spent), so the step gets no turn."""
+        if self._open is None or self.turns >= self.params.max_turns:
+            return False
+        cut, call = self._open
+        running = call is not None and not cut  # the step's time ran out during this call
+        messages = [Message("tool", STEP_OVER)] if running else []
+        ids = continuation_ids(self.tokenizer, [*messages, Message("user", instruction)], close_turn=cut,
+                               end_of_turn=self.format.turn_ends, answered=_calling(call) if running else _ANSWER)
+        if len(self.trace.tokens) + len(ids) >= self.params.max_context_tokens:
+            return False
+        self.trace.add_context(ids)
+        self._open = None
+        return True
+
+    def _open_conversation(self, spec: EnvSpec, tools: Toolbox) -> None:
+        opening = getattr(tools, "opening", None)  # optional (furlong.envs.base.Toolbox)
+        if opening:  # the environment's first observation follows the instruction
+            text = f"{self.instruction}\n\n{opening}" if self.instruction else opening
+            self._messages[1] = Message("user", text)
+        own_system = system_prompt(spec, self.params) != self._messages[0].content
+        if own_system:  # the instance's own system message (a prompt dataset's row may have one)
+            self._messages[0] = Message("system", system_prompt(spec, self.params))
+        if opening or own_system or (self.params.tool_schema_in_prompt and tuple(tools.schemas) != self.schemas):
+            self._prompt(tools.schemas)  # the environment's own tools and opening, before the first turn
 
     async def _converse(self, runner: ToolRunner, deadline: asyncio.Timeout, answers_only: bool = False) -> str:
         """Model turn, tool calls, observations... until a turn without a tool call or a limit.
@@ -202,7 +233,7 @@ class ModelAgent:
         a turn cut off by max_new_tokens is still given to the environment as the answer it wrote."""
         params, trace = self.params, self.trace
         stops = tuple(end_of_turn_id(self.tokenizer, marker) for marker in self.format.stops)
-        for turn in range(1, params.max_turns + 1):
+        for turn in range(self.turns + 1, params.max_turns + 1):
             budget = params.max_context_tokens - len(trace.tokens)
             if budget <= 0:
                 return "truncated"
@@ -221,6 +252,7 @@ class ModelAgent:
                 self._waiting_since = None
             deadline.reschedule(loop.time() + left)
             trace.add_sampled(list(gen.output_ids), list(gen.logprobs), list(gen.token_weight_versions))
+            self._open = (gen.finish_reason != "stop", None)
             if answers_only and gen.finish_reason != "stop":
                 await runner.reply(self.format.answer(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)))
             if gen.finish_reason != "stop":
@@ -232,6 +264,7 @@ class ModelAgent:
             answered, observations = answer
             trace.add_context(continuation_ids(self.tokenizer, observations, end_of_turn=self.format.turn_ends,
                                                answered=answered))
+            self._open = None
             if runner.finished:
                 return "ok"
         return "truncated"
@@ -252,6 +285,7 @@ class ModelAgent:
             follow = await runner.reply(self.format.answer(text))
             return None if follow is None else (_ANSWER, [Message("user", follow)])
         observations = []
+        self._open = (False, calls[0].name)
         for call in calls:
             self.tool_calls += 1
             observations.append(Message("tool", await runner.run(call)))
@@ -261,6 +295,7 @@ class ModelAgent:
 
 
 _ANSWER = Message("assistant", "answer")  # a turn without a call, as the template sees it
+STEP_OVER = "[stopped: this step's time ran out]"  # a call cut off when a step's agent phase timed out
 
 
 def _calling(name: str) -> Message:
@@ -286,4 +321,4 @@ async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment
                    rollout_logprobs=tuple(t.logprobs), token_weight_versions=tuple(t.versions),
                    reward=outcome.reward, status=outcome.status, timing=outcome.timing, turns=agent.turns,
                    error=outcome.error, tool_errors=agent.tool_errors, family=task.family,
-                   tampered_paths=outcome.tampered_paths, rewards=outcome.rewards)
+                   tampered_paths=outcome.tampered_paths, rewards=outcome.rewards, steps=outcome.steps)

@@ -33,6 +33,12 @@ Statuses (`STATUSES`), and who is to blame:
 - `truncated`: the model agent hit its turn or context limit; the tests score it.
 - `ok`: everything else the tests scored.
 
+A multi-step task (Harbor's [[steps]]) is one episode: the environment's Score names the next step
+(`next_step`), and the agent phase runs again with that step's spec (its instruction and timeout), in the
+same world, until a Score names none. The rules above judge each phase and score as they come: one step's
+broken sandbox is the episode's `agent_broke_sandbox`, and so on; the final Score's reward is the steps'
+(furlong.envs.steps), its status `timeout` if any step's agent or tests ran out of time.
+
 A sandbox host that dies or restarts mid-episode (HostLost, furlong.sandbox.remote) is the one failure
 an agent cannot cause from inside its sandbox: that episode is infra_error with `lost` set, and
 `run_retrying` runs it again from the start (a fresh agent, a fresh sandbox on a host that answers), so
@@ -62,6 +68,7 @@ from furlong.envs.base import (
     EnvUnavailable,
     EpisodeEnv,
     Score,
+    StepScore,
     Toolbox,
     describe,
     exception_chain,
@@ -91,7 +98,8 @@ class AgentRun:
 
 class Agent(Protocol):
     """The agent phase: it acts through the episode's `tools` (a Harbor episode's ToolSet also holds
-    its sandbox, for scripted agents). An agent that waits on a shared engine may also define
+    its sandbox, for scripted agents). In a multi-step episode `run` is called again for each later step,
+    with that step's spec (its instruction, solution and timeout). An agent that waits on a shared engine may also define
     `engine_wait_s() -> float`: the seconds it has waited so far, a wait in progress included. The
     episode's `model_wait` time is that figure, and the runner's hard limit on the phase does not
     count it (see `_agent_phase`)."""
@@ -118,6 +126,7 @@ class Outcome:
     image_note: str | None = None  # e.g. which stand-in served the task's FROM, and its real Python version
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (capped, sorted)
     lost: bool = False  # infra_error because the sandbox's host was lost: the episode may be run again
+    steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
 
 
 def environment(source: Environment | SandboxSource) -> Environment:
@@ -142,24 +151,44 @@ async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | Sandbox
 
 
 async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) -> Outcome:
-    try:
-        run, failure = await _agent_phase(spec, agent, env)
-    finally:
-        clock.spent["agent_commands"] = env.seconds
-        clock.spent["model_wait"] = _engine_wait(agent)
-    if failure is not None and host_lost(failure):
-        return _unscored(clock, f"sandbox host lost during the agent phase: {describe(failure)}", run, lost=True)
-    if failure is not None and env.caused(failure):
-        return _broke(clock, f"sandbox broke during the agent phase: {describe(failure)}", run)
-    if failure is not None:
-        return _unscored(clock, f"agent failed: {describe(failure)}")
-    t = time.perf_counter()
-    try:
-        score = await env.score()
-    except HostLost as exc:
-        return _unscored(clock, f"sandbox host lost while scoring: {describe(exc)}", run, lost=True)
-    finally:
-        clock.add("verifier", t)
+    """The agent phase and its score; again with each next step's spec, while the score names one."""
+    runs: list[AgentRun] = []
+    while True:
+        try:
+            run, failure = await _agent_phase(spec, agent, env)
+        finally:
+            clock.spent["agent_commands"] = env.seconds
+            clock.spent["model_wait"] = _engine_wait(agent)
+        run = _joined([*runs, run])
+        if failure is not None and host_lost(failure):
+            return _unscored(clock, f"sandbox host lost during the agent phase: {describe(failure)}", run, lost=True)
+        if failure is not None and env.caused(failure):
+            return _broke(clock, f"sandbox broke during the agent phase: {describe(failure)}", run)
+        if failure is not None:
+            return _unscored(clock, f"agent failed: {describe(failure)}")
+        t = time.perf_counter()
+        try:
+            score = await env.score()
+        except HostLost as exc:
+            return _unscored(clock, f"sandbox host lost while scoring: {describe(exc)}", run, lost=True)
+        finally:
+            clock.add("verifier", t)
+        if score.next_step is None:
+            return _scored(clock, run, score)
+        runs.append(run)
+        spec = score.next_step
+
+
+def _joined(runs: list[AgentRun]) -> AgentRun:
+    """The agent phases of an episode's steps as one: the last one's command, any one's time-out."""
+    last = runs[-1]
+    return AgentRun(commands=sum(r.commands for r in runs), timed_out=any(r.timed_out for r in runs),
+                    truncated=any(r.truncated for r in runs), last_exit_code=last.last_exit_code,
+                    last_output=last.last_output)
+
+
+def _scored(clock: Clock, run: AgentRun, score: Score) -> Outcome:
+    """The outcome of a finished episode's score (the module docstring's rules)."""
     if score.agent_broke_env:
         return _broke(clock, score.error or "the agent left the environment unable to score it", run, score)
     if score.reward is None:
@@ -208,7 +237,7 @@ def _records(run: AgentRun | None, score: Score | None) -> dict[str, Any]:
     return {"agent_exit_code": run.last_exit_code if run else None, "agent_output": run.last_output if run else None,
             "verifier_exit_code": score.exit_code if score else None,
             "verifier_output": score.output if score else None,
-            "tampered_paths": score.tampered_paths if score else ()}
+            "tampered_paths": score.tampered_paths if score else (), "steps": score.steps if score else ()}
 
 
 def _unscored(clock: Clock, error: str, run: AgentRun | None = None, score: Score | None = None,

@@ -23,7 +23,7 @@ from furlong.envs.prompts import Fields, PromptEnv, PromptSource
 from furlong.envs.rewards import TESTS_ONLY, RewardFn, Scorer
 from furlong.envs.toolset import Tool
 from furlong.envs.user import PythonEnv, PythonSource
-from furlong.sandbox.base import SandboxBackend
+from furlong.sandbox.base import LayerSource, SandboxBackend
 from furlong.sandbox.pool import ImageLookup, WarmPools
 from furlong.tasks.family import load_family
 
@@ -153,6 +153,7 @@ class RunEnv:
     factory: Any = None  # a Python environment's factory
     prompts: PromptEnv | None = None  # a prompt dataset's: nothing to start or close per phase
     sessions: Callable[[], AbstractAsyncContextManager[Environment]] | None = None  # an OpenEnv server's
+    layers: LayerSource | None = None  # this host's image store: a separate verifier's image shows its tests
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Environment]:
@@ -168,13 +169,14 @@ class RunEnv:
             yield self.prompts
             return
         async with WarmPools(self.backend, self.images) as pools:
-            yield HarborEnv(pools, self.tools, self.scorer)
+            yield HarborEnv(pools, self.tools, self.scorer, self.layers)
 
 
 def run_env(env: EnvConfig, backend: SandboxBackend, images: ImageLookup,
-            sessions: Callable[[], AbstractAsyncContextManager[Environment]] | None = None) -> RunEnv:
+            sessions: Callable[[], AbstractAsyncContextManager[Environment]] | None = None,
+            layers: LayerSource | None = None) -> RunEnv:
     """The run's environment; `sessions`: an OpenEnv server's (train.env.openenv), which brings its own
-    tools and rewards."""
+    tools and rewards; `layers`: the image store, where it is on this host."""
     if sessions is not None:
         if env.tools or env.rewards:
             raise ConfigError("train.env.tools and train.env.rewards: an OpenEnv server (train.env.openenv) "
@@ -190,4 +192,4 @@ def run_env(env: EnvConfig, backend: SandboxBackend, images: ImageLookup,
             HarborEnv(None, tools, scoring)  # type: ignore[arg-type]  # checks the tools beside bash
         except ValueError as exc:
             raise ConfigError(f"train.env.tools: {exc}") from None
-    return RunEnv(backend, images, tools, scoring, factory)
+    return RunEnv(backend, images, tools, scoring, factory, layers=layers)

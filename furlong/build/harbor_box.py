@@ -8,7 +8,13 @@ Identities: harbor names users (`user="root"` for its own bookkeeping, `None` fo
 furlong has two: the agent, and the verifier that owns /tests and /logs. In-sandbox "root" (or uid 0) is
 the verifier's identity, never host root. `None` runs as the agent until the tests are uploaded to
 /tests, then as the verifier: harbor uploads the tests only after the agent is done, which is also
-furlong's rule, and its test.sh must be able to write /logs/verifier.
+furlong's rule, and its test.sh must be able to write /logs/verifier. Emptying /tests (harbor's multi-step
+trial, before the next step) hands `None` back to the agent.
+
+A separate verifier's environment (harbor's environment_mode = "separate") is one more HarborBox: for
+`<task>/tests` or `<task>/steps/<name>/tests` (a tests/Dockerfile), its image is that Dockerfile's, its
+limits and network the verifier environment's, and its /tests mount gets the tests the image holds
+(furlong.envs.separate.BundledTests): nothing of an agent ever runs there, so `None` is the verifier.
 """
 
 from __future__ import annotations
@@ -26,15 +32,18 @@ from pathlib import Path
 
 from furlong.build.sandbox import image_store, sandbox_backend
 from furlong.config import load_config
+from furlong.envs.separate import BundledTests, verifier_task
 from furlong.sandbox.base import Sandbox, SandboxBackend
+from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import StoreImages, sandbox_spec, start_sandbox
 from furlong.tasks.loader import load_task
-from furlong.tasks.model import Task
+from furlong.tasks.model import ARTIFACTS_DIR, Task, phases
 
 log = logging.getLogger(__name__)
 
 TESTS_DIR = "/tests"
 VERIFIER_DIRS = ("/tests", "/logs/verifier")
+AGENT_DIRS = ("/logs/agent", ARTIFACTS_DIR)
 DEFAULT_EXEC_TIMEOUT_S = 3600.0
 ROOT_NAMES = ("root", 0, "0")
 
@@ -50,17 +59,35 @@ class HarborBox:
     """One harbor environment over one furlong sandbox: started by `start`, gone after `stop`."""
 
     def __init__(self, task: Task, backend: SandboxBackend, images: Callable[[Task], Awaitable],
-                 network: bool):
+                 network: bool, bundled: BundledTests | None = None):
         self.task, self.backend, self._images = task, backend, images
         # furlong's rule: network only where the task declares it, whatever the caller asks for
         self.network = network and task.network
         self.box: Sandbox | None = None
         self.verifying = False
+        self.bundled = bundled  # a separate verifier's box, whose image holds its tests
 
     async def start(self) -> None:
         image = await self._images(self.task)
         spec = sandbox_spec(self.task, image)
         self.box = await start_sandbox(self.backend, dataclasses.replace(spec, network=self.network))
+        if self.bundled is not None and self.task.dockerfile is not None:
+            tests = await self.bundled(image, self.task.dockerfile.parent)
+            await self.box.put_tar(tests, TESTS_DIR, as_verifier=True)
+            self.verifying = True
+
+    async def empty_verifier_dirs(self, dirs: list[str]) -> BoxResult:
+        """harbor's empty_dirs of the verifier's own directories: emptied by the verifier, and never opened
+        to others (harbor's `chmod 777` there is for Docker's users; here the agent would gain them)."""
+        clear = " && ".join(f"find {shlex.quote(d)} -mindepth 1 -maxdepth 1 -exec rm -rf -- {{}} +" for d in dirs)
+        res = await self.exec(clear, user="root")
+        if TESTS_DIR in ("/" + d.strip("/") for d in dirs):
+            self.verifying = False  # the tests are gone: the agent's turn again
+        return res
+
+    @staticmethod
+    def verifier_owned(path: str) -> bool:
+        return "/" + path.strip("/") in VERIFIER_DIRS
 
     async def stop(self) -> None:
         if self.box is not None:
@@ -78,8 +105,12 @@ class HarborBox:
         return user in ROOT_NAMES
 
     def _owner(self, path: str) -> bool:
-        """Whether files at `path` belong to the verifier: its mounts, or any path once it is verifying."""
+        """Whether files at `path` belong to the verifier: its mounts, or any path once it is verifying, but
+        the agent's own directories (/logs/agent, and /logs/artifacts, which a separate verifier's box gets
+        the agent's artifacts in, as harbor uploads them)."""
         clean = "/" + path.strip("/")
+        if any(clean == d or clean.startswith(d + "/") for d in AGENT_DIRS):
+            return False
         return self.verifying or any(clean == d or clean.startswith(d + "/") for d in VERIFIER_DIRS)
 
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -136,12 +167,28 @@ class HarborBox:
 
 
 def task_dir_of(environment_dir: Path) -> Path:
-    """harbor passes `<task>/environment`; furlong loads the whole task (task.toml names its limits)."""
+    """harbor passes `<task>/environment`, or a separate verifier's `<task>/tests` or
+    `<task>/steps/<name>/tests`; furlong loads the whole task (task.toml names its limits)."""
     environment_dir = Path(environment_dir)
-    if not (environment_dir.parent / "task.toml").is_file():
-        raise FileNotFoundError(f"environment_dir {environment_dir}: expected <task>/environment next to "
-                                f"<task>/task.toml")
-    return environment_dir.parent
+    parents = [environment_dir.parent]
+    if environment_dir.name == "tests" and environment_dir.parent.parent.name == "steps":
+        parents.append(environment_dir.parent.parent.parent)
+    for task_dir in parents:
+        if (task_dir / "task.toml").is_file():
+            return task_dir
+    raise FileNotFoundError(f"environment_dir {environment_dir}: expected <task>/environment (or a verifier's "
+                            f"<task>/tests, <task>/steps/<name>/tests) in a task with task.toml")
+
+
+def box_task(task: Task, environment_dir: Path) -> tuple[Task, bool]:
+    """The task as the box for `environment_dir` makes its sandbox, and whether that is a separate
+    verifier whose image holds its tests (its Dockerfile is in `environment_dir`)."""
+    for phase in phases(task):
+        sep = phase.separate
+        if sep is not None and sep.bundled_tests and sep.dockerfile is not None and \
+                sep.dockerfile.parent.resolve() == Path(environment_dir).resolve():
+            return verifier_task(phase), True
+    return task, False
 
 
 def split_overrides(text: str) -> tuple[str, ...]:
@@ -171,4 +218,6 @@ def harbor_box(environment_dir: Path, network: bool, recipe: str | None = None,
     cfg = load_config(Path(recipe) if recipe else None, list(overrides))
     store = image_store(cfg.sandbox, cfg.images)
     backend = sandbox_backend(cfg.sandbox, store)
-    return HarborBox(load_task(task_dir_of(environment_dir)), backend, StoreImages(store, backend), network)
+    task, bundled = box_task(load_task(task_dir_of(environment_dir)), environment_dir)
+    tests = BundledTests(store if isinstance(store, ImageStore) else None) if bundled else None
+    return HarborBox(task, backend, StoreImages(store, backend), network, tests)

@@ -65,3 +65,13 @@ class FurlongEnvironment(BaseEnvironment):
 
     async def download_dir(self, source_dir: str, target_dir: Path | str):
         await self._box.download_dir(source_dir, target_dir)
+
+    async def empty_dirs(self, dirs, *, chmod: bool = True):
+        """harbor's, but the verifier's own directories stay its own (HarborBox.empty_verifier_dirs)."""
+        own = [str(d) for d in dirs if self._box.verifier_owned(str(d))]
+        others = [d for d in dirs if str(d) not in own]
+        result = await super().empty_dirs(others, chmod=chmod) if others else None
+        if own:
+            res = await self._box.empty_verifier_dirs(own)
+            result = ExecResult(stdout=res.stdout, stderr=res.stderr, return_code=res.return_code)
+        return result

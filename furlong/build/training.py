@@ -118,7 +118,7 @@ def pieces(cfg: Config) -> Pieces:
         else:
             source, sessions = env_source(t, backend), None
         return Pieces(tokenizer=tokenizer, backend=backend, store=store,
-                      env=run_env(t.env, backend, images, sessions),
+                      env=run_env(t.env, backend, images, sessions, store if isinstance(store, ImageStore) else None),
                       train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
                       params=AgentParams.of(t.agent), base_model=Path(base), cluster=cluster, hosts=hosts)
     except BaseException:

@@ -63,9 +63,11 @@ def _tidy() -> int:
 
 
 def cmd_openenv(args: argparse.Namespace) -> int:
+    from furlong.envs.harbor import HarborEnv
     from furlong.eval.openenv_app import serve
     from furlong.paths import cache_dir
     from furlong.sandbox.host.serve import host_token
+    from furlong.sandbox.images import ImageStore
     from furlong.sandbox.pool import FreshSandboxes, StoreImages
     from furlong.tasks.suite import load_suite
 
@@ -77,6 +79,9 @@ def cmd_openenv(args: argparse.Namespace) -> int:
     for broken in suite.broken:
         console.print(f"[yellow]not served:[/yellow] {broken.error}", soft_wrap=True)
     build_base_image(store)
-    serve(suite.tasks, FreshSandboxes(backend, StoreImages(store, backend)), token, host=args.host, port=args.port,
-          capacity=args.capacity, idle_s=args.idle_s, allow_network=args.allow_network, say=console.print)
+    # this host's image store, where it is one: a separate verifier's image shows its own tests
+    layers = store if isinstance(store, ImageStore) else None
+    env = HarborEnv(FreshSandboxes(backend, StoreImages(store, backend)), layers=layers)
+    serve(suite.tasks, env, token, host=args.host, port=args.port, capacity=args.capacity, idle_s=args.idle_s,
+          allow_network=args.allow_network, say=console.print)
     return 0

@@ -3,7 +3,8 @@
 An `EnvSource` lists instances (`EnvSpec`s) per split. An `Environment` opens one episode's world
 (`EpisodeEnv`: a sandbox, a remote session, a Python object) for a spec; the one episode runner
 (furlong.agent.runner.run_outcome) hands the agent its `tools`, then asks it for a `Score` and
-decides the episode's status from it. A Harbor task in a sandbox (furlong.envs.harbor) is the first
+decides the episode's status from it. An episode of several steps (a Harbor task's [[steps]]) says so in
+its Score (`next_step`): the runner then runs the agent again on that step's spec and asks again. A Harbor task in a sandbox (furlong.envs.harbor) is the first
 implementation; anything with these few methods plugs into the same runner, Rollouts and eval.
 """
 
@@ -57,6 +58,19 @@ class Toolbox(Protocol):
 
 
 @dataclass(frozen=True)
+class StepScore:
+    """One step of a multi-step episode (Harbor's [[steps]]): its reward and the reward's parts."""
+
+    name: str
+    reward: float
+    rewards: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why it counted 0 without its tests' say (its setup failed, its tests hung)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "reward": self.reward, "rewards": dict(self.rewards), "error": self.error}
+
+
+@dataclass(frozen=True)
 class Score:
     """What an episode's environment says about the finished agent phase.
 
@@ -72,6 +86,10 @@ class Score:
     output: str | None = None
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the scorer runs (furlong.tasks.integrity)
     tampered: bool = False  # and the task does not trust the agent's tools: reward 0, status reward_tampered
+    # A multi-step episode: the steps scored so far, and the spec (instruction, agent timeout) of the step
+    # the agent is to do next; None when the episode is over (the last step ran, or a step's gate closed).
+    steps: tuple[StepScore, ...] = ()
+    next_step: Any = None
 
 
 class EpisodeEnv(Protocol):
@@ -85,7 +103,7 @@ class EpisodeEnv(Protocol):
 
     def caused(self, exc: BaseException) -> bool: ...  # whether `exc` came from the environment, not the agent
 
-    async def score(self) -> Score: ...
+    async def score(self) -> Score: ...  # of the agent's work so far: see Score.next_step
 
     async def close(self) -> None: ...  # idempotent; never called by the agent
 

@@ -2,27 +2,33 @@
 
 The episode's sandbox comes from a `SandboxSource` (fresh sandboxes, or a warm pool), its tool is bash
 (and the user's extra tools, furlong.envs.toolset), and its score is the task's tests (furlong.tasks.verifier)
-run in the agent's sandbox, with the user's reward functions (furlong.envs.rewards) weighed in. When those
-leave no reward, a control run in a fresh sandbox no agent touched says whose fault that is (the rules:
-furlong.agent.runner's docstring, and furlong.envs.rewards' for reward functions).
+run in the agent's sandbox, or in a sandbox of their own that gets the agent's artifacts (Harbor's separate
+verifier, furlong.envs.separate), with the user's reward functions (furlong.envs.rewards) weighed in. When
+those leave no reward, a control run on a fresh sandbox no agent touched says whose fault that is (the
+rules: furlong.agent.runner's docstring, and furlong.envs.rewards' for reward functions). A multi-step
+task's steps run one after another in the one sandbox (furlong.envs.steps); the reward functions score the
+episode's last step, with its tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe, exception_chain
+from furlong.envs.base import EnvUnavailable, Score, StepScore, ToolArgumentError, describe, exception_chain
 from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer, VerifierSandbox
+from furlong.envs.separate import BundledTests, VerifierUnavailable, hand_over
+from furlong.envs.steps import aggregate, failed_step, gate, prepare, run_hooks
 from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
 from furlong.timing import Clock
-from furlong.sandbox.base import ChangeTracking, HostLost, ImageRef, Sandbox, SandboxSpec
+from furlong.sandbox.base import ChangeTracking, HostLost, ImageRef, LayerSource, Sandbox, SandboxSpec
 from furlong.sandbox.changes import Change
 from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
-from furlong.tasks.model import Task
+from furlong.tasks.model import ARTIFACTS_DIR, Task, phases
 from furlong.tasks.verifier import Verdict, verifier_env, verify
 
 log = logging.getLogger(__name__)
@@ -152,14 +158,21 @@ class BashTools:
 
 
 class HarborEpisode:
-    """One task's opened sandbox (furlong.envs.base.EpisodeEnv)."""
+    """One task's opened sandbox (furlong.envs.base.EpisodeEnv): its steps in order (one, for most tasks),
+    each scored by its tests in this sandbox or in a separate verifier's (furlong.envs.separate, .steps)."""
 
     def __init__(self, task: Task, sandbox: Sandbox, image: ImageRef, sandboxes: SandboxSource,
-                 tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY):
+                 tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY, bundled: BundledTests | None = None):
         self.task, self.image, self.sandboxes, self.scorer = task, image, sandboxes, scorer
+        self.bundled = bundled or BundledTests(None)
         self.guard = GuardedSandbox(sandbox)
         self.tools = ToolSet(BashTools(self.guard), tools, self.guard)
         self.note = image.note or None
+        self.phases = phases(task)
+        self.index = 0  # the step the agent is on
+        self.done: list[StepScore] = []  # the steps scored so far
+        self._tampered_paths: tuple[str, ...] = ()  # every step's, for the episode's record
+        self._timed_out = False  # a step's tests ran out of time
 
     @property
     def seconds(self) -> float:
@@ -172,22 +185,81 @@ class HarborEpisode:
     def caused(self, exc: BaseException) -> bool:
         return self.guard.caused(exc)
 
+    async def begin(self) -> str | None:
+        """Before the agent's first command (the first step's workdir and setup); what failed, or None."""
+        return await ready(self.guard, self.task, 0, self.image.workdir)
+
     async def score(self) -> Score:
         guard, rewards = GuardedSandbox(self.guard.inner), self.scorer.start()
-        view = EpisodeView(self.task, tuple(self.tools.steps), tuple(self.tools.answers),
-                           VerifierSandbox(guard, self.image.workdir))
-        verdict, problem = await verifier_phase(self.task, guard, self.image, rewards.run, view)
+        last = self.index == len(self.phases) - 1
+        try:
+            verdict, problem = await self._verify(guard, rewards.run, self.close if last else None, touched=True)
+        except VerifierUnavailable as exc:
+            return Score(reward=None, error=str(exc), steps=tuple(self.done))
         if problem:
-            return await self._no_reward(verdict, problem)
+            return dataclasses.replace(await self._no_reward(verdict, problem), steps=tuple(self.done))
         assert verdict is not None  # no problem means the tests left a reward
         score = Score(reward=verdict.reward, rewards=verdict.rewards, timed_out=verdict.timed_out,
                       error=verdict.problem, tampered=verdict.tampered, **_record(verdict))
-        if not self.scorer.active or verdict.tampered:
+        if self.task.steps:
+            score = await self._stepped(score)
+            if score.next_step is not None:
+                return score
+        if not self.scorer.active or score.tampered:
             return score  # tampered: 0 whatever the reward functions say
         return await self.scorer.settle(score, rewards, self._reward_control)
 
+    async def _verify(self, guard: GuardedSandbox, rewards: Callable[..., Awaitable[None]] | None,
+                      release: Callable[[], Awaitable[None]] | None, touched: bool) -> tuple[Verdict | None, str]:
+        """The current step's tests on the work in `guard` (the agent's sandbox, or a control's):
+        in it, or in a separate verifier's sandbox that gets its artifacts (`release`: the agent's
+        sandbox is done with once they are out)."""
+        phase = self.phases[self.index]
+        await run_hooks(guard, phase, self.image.workdir)
+        calls = (tuple(self.tools.steps), tuple(self.tools.answers)) if touched else ((), ())
+        if phase.separate is None:
+            view = EpisodeView(self.task, *calls, VerifierSandbox(guard, self.image.workdir))
+            return await verifier_phase(phase, guard, self.image, rewards, view)
+        vbox, vguard, problem = await hand_over(phase, guard, release, self.sandboxes, self.bundled, GuardedSandbox)
+        if vbox is None:
+            return None, problem
+        try:
+            view = EpisodeView(self.task, *calls, VerifierSandbox(vguard, vbox.image.workdir))
+            return await verifier_phase(phase, vguard, vbox.image, rewards, view, tests=vbox.tests)
+        finally:
+            await close_quietly(vbox.sandbox)
+
+    async def _stepped(self, score: Score) -> Score:
+        """A step's score: the next step's start, or (the last step, a closed gate, a failure) the episode's."""
+        step = self.task.steps[self.index]
+        self._tampered_paths = tuple(sorted({*self._tampered_paths, *score.tampered_paths}))
+        error = f"step {step.name!r}: the tests timed out" if score.timed_out else None
+        self._timed_out |= score.timed_out
+        self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))
+        stop = error or gate(step, self.done[-1].rewards)
+        if score.tampered:
+            return dataclasses.replace(score, steps=tuple(self.done))
+        if not stop and self.index + 1 < len(self.phases):
+            self.index += 1
+            try:
+                failure = await ready(self.guard, self.task, self.index, self.image.workdir)
+            except HostLost:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- the agent's sandbox broke between its steps: its doing
+                return Score(reward=None, agent_broke_env=True, steps=tuple(self.done),
+                             error=f"the sandbox broke before step {self.task.steps[self.index].name!r}: "
+                                   f"{describe(exc)}")
+            if failure is None:
+                return dataclasses.replace(score, steps=tuple(self.done), next_step=self.phases[self.index])
+            self.done.append(failed_step(self.task.steps[self.index], failure))
+            stop = failure
+        rewards = aggregate(self.task.reward_strategy, self.done)
+        return dataclasses.replace(score, reward=rewards["reward"], rewards=rewards, error=stop or score.error,
+                                   timed_out=self._timed_out,
+                                   tampered_paths=self._tampered_paths, steps=tuple(self.done))
+
     async def _no_reward(self, verdict: Verdict | None, problem: str) -> Score:
-        """No reward in the agent's sandbox: a clean run of the tests says whose fault."""
+        """No reward from the agent's work: the same step scored where no agent ran says whose fault."""
         await self.close()  # done with it (closing twice is a no-op); free it before taking another
         try:
             _, control_problem = await self._control_run()
@@ -202,15 +274,17 @@ class HarborEpisode:
                      error=f"verifier failed in the agent's sandbox ({problem}) but not in a fresh one")
 
     async def _control_run(self, fns: Sequence[RewardFn] = ()) -> tuple[RewardRun, str]:
-        """The task's tests (then `fns`, on an episode without tool calls or answers) in a fresh sandbox no
-        agent touched: their values, and what went wrong when the tests left no reward. Raises what the
-        sandbox's start raised."""
+        """The current step's tests (then `fns`, on an episode without tool calls or answers) on a fresh
+        sandbox no agent touched, readied for each step up to this one: their values, and what went wrong
+        when the tests left no reward. Raises what a sandbox's start raised."""
         rewards = RewardRun(fns)
         sandbox = await self.sandboxes.acquire(sandbox_spec(self.task, self.image))
         try:
             guard = GuardedSandbox(sandbox)
-            view = EpisodeView(self.task, sandbox=VerifierSandbox(guard, self.image.workdir))
-            _, problem = await verifier_phase(self.task, guard, self.image, rewards.run if fns else None, view)
+            for k in range(self.index + 1):
+                if failure := await ready(guard, self.task, k, self.image.workdir):
+                    return rewards, failure
+            _, problem = await self._verify(guard, rewards.run if fns else None, None, touched=False)
             return rewards, problem
         finally:
             await close_quietly(sandbox)
@@ -222,6 +296,16 @@ class HarborEpisode:
 
     async def close(self) -> None:
         await close_quietly(self.guard.inner)
+
+
+async def ready(sandbox: Sandbox, task: Task, index: int, workdir: str) -> str | None:
+    """A sandbox readied for the agent phase of step `index` (0 for a task without steps); what failed.
+    With one uid /logs is no verifier mount, so Harbor's convention dir is made here, for the agent."""
+    if index == 0 and sandbox.verifier_uid is None:
+        await sandbox.exec(f"mkdir -p {ARTIFACTS_DIR}", timeout_s=30, cwd="/")
+    if not task.steps:
+        return None
+    return await prepare(sandbox, task.steps[index], workdir, after_another=index > 0)
 
 
 class HarborSource:
@@ -239,8 +323,10 @@ class HarborEnv:
     """Harbor tasks, each episode in a sandbox from `sandboxes` (furlong.envs.base.Environment), with the
     user's extra `tools` beside bash and `scorer`'s reward functions beside the tests."""
 
-    def __init__(self, sandboxes: SandboxSource, tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY):
+    def __init__(self, sandboxes: SandboxSource, tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY,
+                 layers: LayerSource | None = None):
         self.sandboxes, self.tools, self.scorer = sandboxes, tuple(tools), scorer
+        self.bundled = BundledTests(layers)  # `layers`: where a separate verifier's image shows its own tests
         check_tools(BASH_TOOL_SCHEMAS, self.tools, has_sandbox=True)  # a clash fails here, not in every episode
 
     def reserve(self, task: Task) -> None:
@@ -258,20 +344,30 @@ class HarborEnv:
             raise EnvUnavailable(f"sandbox did not start: {describe(exc)}") from exc
         finally:
             clock.add("sandbox_start", t)
-        return HarborEpisode(task, sandbox, image, self.sandboxes, self.tools, self.scorer)
+        episode = HarborEpisode(task, sandbox, image, self.sandboxes, self.tools, self.scorer, self.bundled)
+        try:
+            failure = await episode.begin()
+        except Exception as exc:
+            await episode.close()
+            raise EnvUnavailable(f"the sandbox could not be readied: {describe(exc)}") from exc
+        if failure:
+            await episode.close()
+            raise EnvUnavailable(failure)  # before the agent ran anything: the task's
+        return episode
 
 
 async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
                          rewards: Callable[..., Awaitable[None]] | None = None,
-                         view: EpisodeView | None = None) -> tuple[Verdict | None, str]:
+                         view: EpisodeView | None = None, tests: bytes | None = None) -> tuple[Verdict | None, str]:
     """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
     ("" when they did). `rewards(view, env)` runs right after the tests, inside their integrity check, with
-    the tests' environment (furlong.tasks.verifier.verifier_env: the image's verifier toolchain's included)."""
+    the tests' environment (furlong.tasks.verifier.verifier_env: the image's verifier toolchain's included).
+    `tests`: what /tests gets (furlong.tasks.verifier.verify)."""
     env = verifier_env(task, image)
     after = (lambda: rewards(view, env)) if rewards is not None else None
     try:
         verdict = await verify(task, sandbox, image.workdir, verifier_uid=sandbox.verifier_uid, env=env,
-                               after_tests=after)
+                               after_tests=after, tests=tests)
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
     except Exception as exc:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from furlong.agent.runner import STATUSES, Agent, Outcome, SandboxSource, run_retrying
-from furlong.envs.base import Environment
+from furlong.envs.base import Environment, StepScore
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
 from furlong.tasks.model import Task
@@ -42,6 +42,7 @@ class EpisodeResult:
     tokens_response: int | None = None  # tokens the model sampled (null for the scripted agents)
     response_sha: str | None = None  # their digest, as in the run's episodes.jsonl (same digest: same tokens)
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
+    steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran: name, reward, rewards, error
 
     @classmethod
     def of(cls, task: Task, agent: str, outcome: Outcome, sample: int = 0, turns: int | None = None,
@@ -52,7 +53,7 @@ class EpisodeResult:
                    verifier_exit_code=outcome.verifier_exit_code, verifier_output=outcome.verifier_output,
                    agent_exit_code=outcome.agent_exit_code, agent_output=outcome.agent_output,
                    image_note=outcome.image_note, sample=sample, turns=turns, tokens_response=tokens_response,
-                   response_sha=response_sha, tampered_paths=outcome.tampered_paths)
+                   response_sha=response_sha, tampered_paths=outcome.tampered_paths, steps=outcome.steps)
 
     @classmethod
     def unloadable(cls, broken: BrokenTask, agent: str) -> EpisodeResult:

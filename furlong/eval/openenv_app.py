@@ -18,6 +18,7 @@ from openenv.core.env_server.http_server import create_fastapi_app
 from openenv.core.env_server.types import ConcurrencyConfig, ServerMode
 
 from furlong.agent.runner import SandboxSource
+from furlong.envs.base import Environment
 from furlong.eval.openenv_server import TaskAction, TaskBook, TaskObservation, TaskSession, TaskState
 from furlong.tasks.model import Task
 
@@ -50,8 +51,8 @@ class BearerToken:
         return hmac.compare_digest(given, self.expected)
 
 
-def make_app(tasks: Sequence[Task], sandboxes: SandboxSource, token: str, *, capacity: int, idle_s: float,
-             allow_network: bool = False):
+def make_app(tasks: Sequence[Task], sandboxes: Environment | SandboxSource, token: str, *, capacity: int,
+             idle_s: float, allow_network: bool = False):
     """`capacity` sessions at most (past it, the package's CAPACITY_REACHED error); one idle `idle_s`
     is reaped by the package's reaper, which closes it and so its sandbox."""
     if not tasks:
@@ -63,8 +64,8 @@ def make_app(tasks: Sequence[Task], sandboxes: SandboxSource, token: str, *, cap
     return BearerToken(app, token)
 
 
-def serve(tasks: Sequence[Task], sandboxes: SandboxSource, token: str, *, host: str, port: int, capacity: int,
-          idle_s: float, allow_network: bool, say: Callable[[str], None]) -> None:
+def serve(tasks: Sequence[Task], sandboxes: Environment | SandboxSource, token: str, *, host: str, port: int,
+          capacity: int, idle_s: float, allow_network: bool, say: Callable[[str], None]) -> None:
     import uvicorn
 
     app = make_app(tasks, sandboxes, token, capacity=capacity, idle_s=idle_s, allow_network=allow_network)

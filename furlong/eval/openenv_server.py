@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from furlong.agent.runner import AgentRun, Outcome, SandboxSource, run_outcome
+from furlong.envs.base import Environment as TaskEnvironment
 from furlong.envs.base import Toolbox, ToolArgumentError
 from furlong.tasks.model import Task
 
@@ -34,7 +35,9 @@ SPLITS = ("train", "heldout")
 
 class TaskAction(Action):
     """One step: a bash command, or a call of one of the tools the reset observation lists; `done`
-    (alone, or after the command) ends the episode: the task's tests run and score it."""
+    (alone, or after the command) ends the episode: the task's tests run and score it. In a multi-step
+    task, `done` ends one step: its tests run, and the observation holds the next step's `instruction`
+    (not done) until the last step's reward."""
 
     command: str | None = Field(None, description="a bash command to run in the task's sandbox")
     tool: str | None = Field(None, description="a tool to call instead (the reset observation's `tools`)")
@@ -57,7 +60,7 @@ class TaskAction(Action):
 
 class TaskObservation(Observation):
     task_id: str = Field("", description="the task of this episode")
-    instruction: str = Field("", description="reset: what the agent is told")
+    instruction: str = Field("", description="reset, and a multi-step task's next step: what the agent is told")
     tools: list[dict[str, Any]] = Field(default_factory=list, description="reset: the tools it may call "
                                         "(OpenAI function schemas)")
     output: str = Field("", description="what the command or tool call returned")
@@ -73,7 +76,8 @@ class TaskState(State):
 class TaskBook:
     """The served tasks, shared by every session: picked by id, by split and index, or in turn."""
 
-    def __init__(self, tasks: Sequence[Task], sandboxes: SandboxSource, allow_network: bool = False):
+    def __init__(self, tasks: Sequence[Task], sandboxes: TaskEnvironment | SandboxSource,
+                 allow_network: bool = False):
         self.tasks, self.sandboxes, self.allow_network = list(tasks), sandboxes, allow_network
         self.by_id = {t.id: t for t in self.tasks}
         self._turn = itertools.cycle(range(len(self.tasks)))
@@ -120,8 +124,11 @@ class RemoteAgent:
         self.opened = asyncio.Event()
         self.tools: Toolbox | None = None
         self.commands = 0
+        self.next_steps: asyncio.Queue[str] = asyncio.Queue()  # a later step's instruction, as its phase starts
 
     async def run(self, spec: Task, tools: Toolbox, timeout_s: float) -> AgentRun:
+        if self.opened.is_set():  # a multi-step task's next step: the client reads its instruction
+            self.next_steps.put_nowait(spec.instruction)
         self.tools = tools
         self.opened.set()
         loop = asyncio.get_running_loop()
@@ -149,7 +156,7 @@ class RemoteAgent:
 class ServedEpisode:
     """One task's episode: the runner's task, and its remote agent."""
 
-    def __init__(self, task: Task, sandboxes: SandboxSource):
+    def __init__(self, task: Task, sandboxes: TaskEnvironment | SandboxSource):
         self.task, self.agent = task, RemoteAgent()
         self.loop = asyncio.get_running_loop()
         self.outcome = asyncio.ensure_future(run_outcome(task, self.agent, sandboxes))
@@ -177,7 +184,11 @@ class ServedEpisode:
                 return self.final()
         if action.done:
             await self.agent.inbox.put(None)
-            await asyncio.wait({self.outcome})
+            step = asyncio.ensure_future(self.agent.next_steps.get())
+            await asyncio.wait({step, self.outcome}, return_when=asyncio.FIRST_COMPLETED)
+            if step.done():  # a multi-step task goes on: its next step's instruction, not yet a reward
+                return TaskObservation(task_id=self.task.id, output=output, instruction=step.result())
+            step.cancel()
             return self.final(output)
         return TaskObservation(task_id=self.task.id, output=output)
 

@@ -26,7 +26,7 @@ from furlong.sandbox.base import ImageRef, SandboxError
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import FreshSandboxes
 from furlong.sandbox.toolchain import ToolchainImages
-from furlong.tasks.model import Task
+from furlong.tasks.model import Task, verifier_dockerfiles
 from furlong.tasks.suite import BrokenTask
 
 
@@ -36,7 +36,7 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
     Returns Dockerfile path -> ImageRef, or -> the error text for images that failed to build.
     """
     images: dict = {}
-    wanted = list(dict.fromkeys(t.dockerfile for t in tasks))
+    wanted = list(dict.fromkeys(d for t in tasks for d in (t.dockerfile, *verifier_dockerfiles(t))))
     with console.status("preparing images") as status:
         for n, dockerfile in enumerate(wanted, 1):
             def progress(msg: str, n=n) -> None:
@@ -85,7 +85,8 @@ async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent
             record(res)
         if env is None:
             images = await prepare_images(tasks, store, backend, console) if tasks else {}
-            env = HarborEnv(FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)), tools, scorer)
+            env = HarborEnv(FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)), tools, scorer,
+                            store if isinstance(store, ImageStore) else None)
         jobs = [(task, k) for task in tasks for k in range(samples)]
         results += await _episodes(jobs, agent, env, concurrency, record, console, len(results) + len(jobs))
     order = {e.id: i for i, e in enumerate(entries)}

@@ -41,6 +41,7 @@ def episode_record(e: "Episode", phase: str, step: int | None) -> dict:
         "tampered_paths": list(e.tampered_paths),  # furlong.tasks.integrity: what the agent changed that tests run
         "rewards": dict(e.rewards),  # the reward's parts: the tests' (or a Python environment's steps') and
         # each reward function's (train.env.rewards)
+        "steps": [s.to_json() for s in e.steps],  # a multi-step task's steps that ran (Harbor's [[steps]])
     }
 
 

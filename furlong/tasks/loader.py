@@ -1,128 +1,28 @@
-"""Loads Harbor and Terminal-Bench 1.0 task directories into `Task`s (furlong.tasks.suite loads a directory of them)."""
+"""Loads Harbor and Terminal-Bench 1.0 task directories into `Task`s (furlong.tasks.suite loads a directory of them).
+
+A Harbor task's shape is resolved here as Harbor resolves it (harbor's models/task/verifier_mode.py and
+paths.py): where each step's tests run (its own sandbox or the agent's), which image that sandbox has,
+which tests and solution each step uses. The schema is furlong.tasks.harbor_toml.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
-from pathlib import Path
-from typing import Any, Literal
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from furlong.sandbox import seccomp
 from furlong.sandbox.base import Limits, SyscallPolicy
-from furlong.tasks.model import Task, TaskError
-
-
-class _Section(BaseModel):
-    """A task.toml table. A key that neither Harbor nor furlong defines is an error naming it: a typo such
-    as `timeout_secs` must not leave the task on a default. Harbor's keys that furlong does not act on are
-    declared `Any` so that Harbor's tasks keep loading."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-NetworkMode = Literal["no-network", "public", "allowlist"]
-
-
-class _Agent(_Section):
-    timeout_sec: float = Field(600.0, gt=0)
-    user: Any = None  # Harbor's; the agent runs as the sandbox's user
-    network_mode: NetworkMode | None = None  # Harbor's phase override: see _network
-    allowed_hosts: list[str] | None = None
-
-
-class _Verifier(_Section):
-    timeout_sec: float = Field(600.0, gt=0)
-    env: dict[str, str] = {}
-    # furlong's: the agent may replace what the tests execute (the task is about a tool); see
-    # furlong.tasks.integrity. Tampering is still recorded in the episode, but not scored 0.
-    trust_agent_tools: bool = False
-    user: Any = None  # Harbor's keys for a separate verifier user or sandbox: furlong verifies in the agent's
-    environment: Any = None
-    environment_mode: Literal["shared", "separate"] | None = None
-    collect: Any = None
-    network_mode: NetworkMode | None = None
-    allowed_hosts: list[str] | None = None
-
-
-class _Environment(_Section):
-    cpus: float = Field(1.0, gt=0)
-    memory_mb: int = Field(2048, gt=0)
-    network_mode: NetworkMode | None = None  # Harbor >= 0.2's; wins over the older allow_internet
-    allowed_hosts: list[str] | None = None
-    allow_internet: bool = False
-    network: bool = False
-    os: Literal["linux", "windows"] = "linux"
-    seccomp: bool = True  # furlong's own keys: the syscall filter, and names taken off its deny list
-    seccomp_allow: list[str] = []
-    # Harbor's keys furlong does not act on: the image comes from environment/Dockerfile, and there are
-    # no GPUs, storage quotas, MCP servers or skills in a sandbox
-    build_timeout_sec: Any = None
-    docker_image: Any = None
-    storage_mb: Any = None
-    gpus: Any = None
-    gpu_types: Any = None
-    tpu: Any = None
-    mcp_servers: Any = None
-    env: Any = None
-    skills_dir: Any = None
-    healthcheck: Any = None
-    workdir: Any = None
-    memory: str | None = None  # Harbor's deprecated spelling of memory_mb ("4G", "512M")
-    storage: Any = None
-
-    @field_validator("memory")
-    @classmethod
-    def _size(cls, size: str | None) -> str | None:
-        if size is not None:
-            _megabytes(size)
-        return size
-
-    @model_validator(mode="after")
-    def _memory_spelling(self) -> _Environment:
-        if self.memory is not None and "memory_mb" not in self.model_fields_set:
-            self.memory_mb = _megabytes(self.memory)
-        return self
-
-
-def _megabytes(size: str) -> int:
-    units = {"G": 1024, "M": 1, "K": 1 / 1024}
-    number, unit = size.strip()[:-1], size.strip()[-1:].upper()
-    try:
-        mb = int(float(number) * units[unit])
-    except (KeyError, ValueError):
-        raise ValueError("expected a size like '4G' or '512M'") from None
-    if mb <= 0:
-        raise ValueError("under a megabyte")
-    return mb
-
-
-class _Furlong(_Section):
-    """furlong's own task.toml table, named so that no Harbor field can clash with it."""
-
-    verifier_toolchain: bool = False  # furlong.sandbox.toolchain: uv, uvx and pytest for the tests, offline too
-
-
-class _Solution(_Section):
-    env: dict[str, str] = {}  # the oracle's solve.sh runs with these
-
-
-class _HarborToml(_Section):
-    agent: _Agent = _Agent()
-    verifier: _Verifier = _Verifier()
-    environment: _Environment = _Environment()
-    solution: _Solution = _Solution()
-    furlong: _Furlong = _Furlong()
-    metadata: dict[str, Any] = {}  # free-form: author, difficulty, tags...
-    steps: list[Any] = []  # Harbor's multi-step tasks: refused in _unsupported
-    # Harbor's top-level keys furlong does not read
-    version: Any = None
-    schema_version: Any = None
-    task: Any = None
-    source: Any = None
-    artifacts: Any = None
-    multi_step_reward_strategy: Any = None
+from furlong.tasks import harbor_toml as ht
+from furlong.tasks.artifacts import unsafe_source
+from furlong.tasks.model import Artifact, CollectHook, Step, Task, TaskError, VerifierEnvironment, step_task
 
 
 class _TerminalBenchYaml(BaseModel):
@@ -140,16 +40,28 @@ def _validated(model: type[BaseModel], data: Any, task: str, file: str) -> Any:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
-            known = _known(model, err["loc"][:-1])
+            known = ", ".join(_model_at(model, err["loc"][:-1]).model_fields)
             raise TaskError(task, file, f"unknown key {field!r} (known here: {known})") from None
         raise TaskError(task, file, f"field {field!r}: {err['msg']} (got {err.get('input')!r})") from None
 
 
-def _known(model: type[BaseModel], loc: tuple) -> str:
-    """The keys the table at `loc` takes, for an unknown-key error."""
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel]:
+    """The table at `loc` (list indices skipped, `X | None` and `list[X]` looked through)."""
     for key in loc:
-        model = model.model_fields[str(key)].annotation
-    return ", ".join(model.model_fields)
+        if isinstance(key, int):
+            continue
+        model = _inner_model(model.model_fields[str(key)].annotation)
+    return model
+
+
+def _inner_model(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) in (typing.Union, list):
+        for arg in typing.get_args(annotation):
+            if (found := _inner_model(arg)) is not None:
+                return found
+    return None
 
 
 def _read(path: Path, task: str) -> str:
@@ -167,65 +79,169 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         raw = tomllib.loads(_read(path / "task.toml", tid))
     except tomllib.TOMLDecodeError as exc:
         raise TaskError(tid, "task.toml", f"invalid TOML: {exc}") from None
-    conf: _HarborToml = _validated(_HarborToml, raw, tid, "task.toml")
+    conf: ht.HarborToml = _validated(ht.HarborToml, raw, tid, "task.toml")
     _unsupported(conf, tid)
-    instruction = _read(path / "instruction.md", tid)
-    test_script = path / "tests" / "test.sh"
-    if not test_script.is_file():
-        raise TaskError(tid, "tests/test.sh", "missing: a Harbor task needs tests/test.sh")
     env = conf.environment
     dockerfile = path / "environment" / "Dockerfile"
     solution = path / "solution" / "solve.sh"
-    return Task(
-        id=tid, path=path, instruction=instruction,
+    separate = _separate(conf, None, path, tid)
+    test_script = path / "tests" / "test.sh"
+    if not conf.steps and not (separate and separate.bundled_tests) and not test_script.is_file():
+        raise TaskError(tid, "tests/test.sh", "missing: a Harbor task needs tests/test.sh (or tests/Dockerfile "
+                                              "for a separate verifier whose image holds its tests)")
+    task = Task(
+        id=tid, path=path, instruction="" if conf.steps else _read(path / "instruction.md", tid),
         dockerfile=dockerfile if dockerfile.is_file() else None,
         agent_timeout_s=conf.agent.timeout_sec, verifier_timeout_s=conf.verifier.timeout_sec,
-        tests_dir=path / "tests", test_script=test_script,
+        tests_dir=path / "tests" if (path / "tests").is_dir() else None, test_script=test_script,
         solution=solution if solution.is_file() else None,
-        network=_network(conf, tid),
-        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid),
+        network=_network(env, [("agent", conf.agent)] + ([] if separate else [("verifier", conf.verifier)]), tid),
+        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid, "environment"),
         verifier_env=tuple(sorted(conf.verifier.env.items())), format="harbor",
         solution_env=tuple(sorted(conf.solution.env.items())),
         verifier_toolchain=conf.furlong.verifier_toolchain, trust_agent_tools=conf.verifier.trust_agent_tools,
+        separate=separate, artifacts=_artifacts(conf.artifacts), collect=_hooks(conf.verifier.collect),
+        reward_strategy=conf.multi_step_reward_strategy or "mean",
+    )
+    if not conf.steps:
+        return task
+    steps = tuple(_step(conf, s, task, tid) for s in conf.steps)
+    return dataclasses.replace(step_task(task, steps[0]), steps=steps)
+
+
+def _step(conf: ht.HarborToml, step: ht.Step, task: Task, tid: str) -> Step:
+    """One [[steps]] entry, resolved: what it inherits from the task, and its own files under steps/<name>/."""
+    where = f"steps/{step.name}"
+    home = task.path / "steps" / step.name
+    if not home.is_dir():
+        raise TaskError(tid, where, "missing: every [[steps]] entry needs its directory")
+    separate = _separate(conf, step, task.path, tid)
+    own_tests = home / "tests"
+    script = own_tests / "test.sh" if (own_tests / "test.sh").is_file() else task.path / "tests" / "test.sh"
+    if not (separate and separate.bundled_tests) and not script.is_file():
+        raise TaskError(tid, f"{where}/tests/test.sh", "missing, and so is tests/test.sh: the step has no tests")
+    solution = home / "solution" / "solve.sh" if (home / "solution").is_dir() else task.solution
+    shared = [] if separate else [_verifier_override(conf, step)]
+    _network_agrees(_mode_of(conf.environment), [(f"steps.{step.name}.agent", step.agent), *shared], tid,
+                    "environment")
+    if step.min_reward is None:
+        gate = None
+    else:
+        gate = (("reward", step.min_reward),) if isinstance(step.min_reward, float) else tuple(
+            sorted(step.min_reward.items()))
+    workdir = home / "workdir"
+    return Step(
+        name=step.name, instruction=_read(home / "instruction.md", tid),
+        agent_timeout_s=step.agent.timeout_sec or conf.agent.timeout_sec,
+        # as Harbor's: a step's own [verifier] timeout_sec (600 unless given), never the task's
+        verifier_timeout_s=step.verifier.timeout_sec, test_script=script,
+        tests_overlay=own_tests if own_tests.is_dir() else None,
+        solution=solution if solution is None or solution.is_file() else None,
+        verifier_env=tuple(sorted({**conf.verifier.env, **step.verifier.env}.items())), separate=separate,
+        artifacts=task.artifacts + _artifacts(step.artifacts),
+        collect=task.collect + _hooks(step.verifier.collect), workdir=workdir if workdir.is_dir() else None,
+        min_reward=gate, agent_network_mode=step.agent.network_mode, verifier_network_mode=step.verifier.network_mode,
     )
 
 
-def _unsupported(conf: _HarborToml, task: str) -> None:
+def _separate(conf: ht.HarborToml, step: ht.Step | None, path: Path, tid: str) -> VerifierEnvironment | None:
+    """Where the tests run when they do not share the agent's sandbox (Harbor's resolution): None for
+    "shared". The image: a tests/Dockerfile (the step's own first, then the task's) builds one that holds
+    its tests; else a fresh sandbox of the task's own image. The limits and network: [verifier.environment]
+    (the step's, then the task's), else the task's [environment]."""
+    mode = (step.verifier.mode if step else None) or conf.verifier.mode or "shared"
+    if mode == "shared":
+        return None
+    own = step.verifier.environment if step else None
+    env = own or conf.verifier.environment or conf.environment
+    where = f"steps.{step.name}.verifier" if step else "verifier"
+    dirs = ([(own, path / "steps" / step.name / "tests")] if step else []) + [(conf.verifier.environment,
+                                                                              path / "tests")]
+    dockerfile, bundled = path / "environment" / "Dockerfile", False
+    for declared, directory in dirs:
+        if declared is not None and declared.docker_image:
+            raise TaskError(tid, "task.toml", f"field '{where}.environment.docker_image': a prebuilt verifier "
+                                              "image is not supported (give tests/Dockerfile)")
+        if (directory / "docker-compose.yaml").is_file():
+            raise TaskError(tid, str(directory.relative_to(path) / "docker-compose.yaml"),
+                            "a docker-compose verifier environment is not supported (one Dockerfile)")
+        if (directory / "Dockerfile").is_file():
+            dockerfile, bundled = directory / "Dockerfile", True
+            break
+    table = "environment" if env is conf.environment else f"{where}.environment"
+    return VerifierEnvironment(
+        dockerfile=dockerfile if dockerfile.is_file() else None, bundled_tests=bundled,
+        network=_network(env, [_verifier_override(conf, step)], tid, table),
+        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid, table))
+
+
+def _verifier_override(conf: ht.HarborToml, step: ht.Step | None) -> tuple[str, ht.Verifier]:
+    """The [verifier] table whose network_mode applies to a step's tests (its own, else the task's)."""
+    if step is not None and step.verifier.network_mode is not None:
+        return f"steps.{step.name}.verifier", step.verifier
+    return "verifier", conf.verifier
+
+
+def _artifacts(entries: Sequence[ht.Artifact]) -> tuple[Artifact, ...]:
+    return tuple(Artifact(source=str(PurePosixPath("/", e.source)), exclude=tuple(e.exclude)) for e in entries)
+
+
+def _hooks(hooks: Sequence[ht.Collect]) -> tuple[CollectHook, ...]:
+    return tuple(CollectHook(command=h.command, timeout_s=h.timeout_sec) for h in hooks)
+
+
+def _unsupported(conf: ht.HarborToml, task: str) -> None:
     """Harbor task shapes furlong cannot run as written: refused by name, never run differently."""
-    if conf.steps:
-        raise TaskError(task, "task.toml", "field 'steps': multi-step tasks are not supported (one instruction, "
-                                           "one tests/test.sh per task)")
-    if conf.environment.os != "linux":
-        raise TaskError(task, "task.toml", f"field 'environment.os': {conf.environment.os!r}: furlong's sandboxes "
-                                           "are Linux")
-    v = conf.verifier
-    if v.environment_mode == "separate" or (v.environment_mode is None and v.environment is not None):
-        raise TaskError(task, "task.toml", "field 'verifier.environment_mode': 'separate' is not supported: furlong "
-                                           "runs the tests in the agent's sandbox once the agent stops (set it "
-                                           "to 'shared' and drop tests/Dockerfile and [verifier.environment])")
+    envs = [("environment", conf.environment), ("verifier.environment", conf.verifier.environment)]
+    envs += [(f"steps.{s.name}.verifier.environment", s.verifier.environment) for s in conf.steps]
+    for where, env in envs:
+        if env is not None and env.os != "linux":
+            raise TaskError(task, "task.toml", f"field '{where}.os': {env.os!r}: furlong's sandboxes are Linux")
+    artifacts = [("artifacts", a) for a in conf.artifacts]
+    artifacts += [(f"steps.{s.name}.artifacts", a) for s in conf.steps for a in s.artifacts]
+    for where, artifact in artifacts:
+        if unsafe_source(artifact.source):
+            raise TaskError(task, "task.toml", f"field '{where}': {artifact.source!r} is the verifier's own "
+                                               "(/tests, /logs/verifier), never the agent's to hand over")
+        if artifact.service not in (None, ht.MAIN_SERVICE):
+            raise TaskError(task, "task.toml", f"field '{where}': service {artifact.service!r}: docker-compose "
+                                               "sidecar services are not supported (one sandbox per phase)")
+    hooks = [("verifier.collect", h) for h in conf.verifier.collect]
+    hooks += [(f"steps.{s.name}.verifier.collect", h) for s in conf.steps for h in s.verifier.collect]
+    for where, hook in hooks:
+        if hook.service != ht.MAIN_SERVICE:
+            raise TaskError(task, "task.toml", f"field '{where}': service {hook.service!r}: docker-compose "
+                                               "sidecar services are not supported (hooks run in the agent's sandbox)")
 
 
-def _network(conf: _HarborToml, task: str) -> bool:
-    """Whether the task's sandbox has network. One sandbox serves the agent and then the tests, so a phase
-    override ([agent] or [verifier] network_mode) must agree with the environment's."""
-    env = conf.environment
-    mode = env.network_mode or ("public" if env.allow_internet or env.network else "no-network")
-    for field, phase in (("environment", env), ("agent", conf.agent), ("verifier", conf.verifier)):
+def _mode_of(env: ht.Environment) -> str:
+    return env.network_mode or ("public" if env.allow_internet or env.network else "no-network")
+
+
+def _network(env: ht.Environment, phases: Sequence[tuple[str, Any]], task: str, where: str = "environment") -> bool:
+    """Whether a sandbox with `env`'s definition has network. One sandbox serves every phase that runs in
+    it, so a phase's override (`phases`: [agent], [verifier]) must agree with the sandbox's policy."""
+    mode = _mode_of(env)
+    _network_agrees(mode, [(where, env), *phases], task, where)
+    return mode == "public"
+
+
+def _network_agrees(mode: str, phases: Sequence[tuple[str, Any]], task: str, where: str) -> None:
+    for field, phase in phases:
         if phase.network_mode == "allowlist" or phase.allowed_hosts:
             raise TaskError(task, "task.toml", f"field '{field}.network_mode': 'allowlist' is not supported: a "
                                                "sandbox has all of the network or none ('public' or 'no-network')")
         if phase.network_mode not in (None, mode):
             raise TaskError(task, "task.toml", f"field '{field}.network_mode': {phase.network_mode!r} differs from "
-                                               f"the environment's {mode!r}: the agent and the tests share one "
-                                               "sandbox and one network policy")
-    return mode == "public"
+                                               f"the {where}'s {mode!r}: the phases that share a sandbox share its "
+                                               "network policy")
 
 
-def _syscalls(env: _Environment, task: str) -> SyscallPolicy:
+def _syscalls(env: ht.Environment, task: str, where: str) -> SyscallPolicy:
     try:
         seccomp.check(env.seccomp_allow)
     except seccomp.SeccompError as exc:
-        raise TaskError(task, "task.toml", f"field 'environment.seccomp_allow': {exc}") from None
+        raise TaskError(task, "task.toml", f"field '{where}.seccomp_allow': {exc}") from None
     return SyscallPolicy(enabled=env.seccomp, allow=tuple(env.seccomp_allow))
 
 

@@ -8,9 +8,11 @@ runner (furlong.agent.runner): it runs the same tests in a fresh sandbox to tell
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import shlex
+import tarfile
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -73,7 +75,7 @@ def verifier_env(task: Task, image: ImageRef | None = None) -> dict[str, str]:
 
 async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int | None = None,
                  env: Mapping[str, str] | None = None,
-                 after_tests: Callable[[], Awaitable[None]] | None = None) -> Verdict:
+                 after_tests: Callable[[], Awaitable[None]] | None = None, tests: bytes | None = None) -> Verdict:
     """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
 
     What the tests execute is checked (furlong.tasks.integrity) before they run, and again after: the
@@ -81,8 +83,9 @@ async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int |
     own uid made does not (`verifier_uid`, as seen inside; None: the agent's uid, so every change counts).
     A tampered episode's tests still run, for the record, but it scores 0 unless the task trusts the
     agent's tools. `env` is the tests' environment on top of the sandbox's (`verifier_env`; by default
-    without an image's), whose PATH (else the base one) the check searches. `after_tests` (the user's reward functions,
-    furlong.envs.rewards) runs once the tests have, inside the same check.
+    without an image's), whose PATH (else the base one) the check searches. `after_tests` (the user's reward
+    functions, furlong.envs.rewards) runs once the tests have, inside the same check. `tests`: what goes in
+    /tests, as a tar (a separate verifier's image may hold its own); None: the task's (`tests_tar`).
 
     Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
     agent's processes, still running, can neither write nor replace (furlong.sandbox.bwrap). With one uid
@@ -90,7 +93,7 @@ async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int |
     env = dict(env) if env is not None else verifier_env(task)
     search = integrity.path_dirs(env.get("PATH", BASE_ENV["PATH"]))
     before = await _tampering(sandbox, search, None)
-    verdict = await _run_tests(task, sandbox, workdir, env)
+    verdict = await _run_tests(task, sandbox, workdir, env, tests_tar(task) if tests is None else tests)
     if after_tests is not None:
         await after_tests()
     after = await _tampering(sandbox, search, verifier_uid)
@@ -127,19 +130,38 @@ async def _read_or_none(sandbox: Sandbox, path: str) -> bytes | None:
         return None
 
 
-async def _run_tests(task: Task, sandbox: Sandbox, workdir: str, env: dict[str, str]) -> Verdict:
+def tests_tar(task: Task) -> bytes:
+    """The task's tests as a tar for /tests: its tests directory, a step's own tests over it (Harbor merges
+    both), and a Terminal-Bench script that lives beside them. Owner-only modes (0700 at most): they are the
+    verifier's alone in a 0711 /tests, so an agent's process still running may not read the expected
+    answers, even knowing the files' names."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for tests in (task.tests_dir, task.tests_overlay):
+            if tests is not None:
+                _append(tar, tar_dir(tests, mode_mask=0o700))
+        if task.test_script.parent not in (task.tests_dir, task.tests_overlay):
+            info = tarfile.TarInfo(task.test_script.name)
+            data = task.test_script.read_bytes()
+            info.size, info.mode = len(data), 0o700
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _append(tar: tarfile.TarFile, data: bytes) -> None:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as part:
+        for member in part.getmembers():
+            tar.addfile(member, part.extractfile(member) if member.isfile() else None)
+
+
+async def _run_tests(task: Task, sandbox: Sandbox, workdir: str, env: dict[str, str], tests: bytes) -> Verdict:
     if sandbox.verifier_uid is None:  # one uid: whatever the agent left in /tests and /logs/verifier goes
         # /tests is a mount point: its contents go, it stays (the rm of the directory itself fails harmlessly)
         await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} {PYCACHE_PREFIX} 2>/dev/null; "
                            f"mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}", 30, cwd="/")
     # else both are the verifier's own empty mounts: no program the agent may have replaced runs for them
-    # the verifier's alone (its own uid's, owner-only modes, in a 0711 /tests): an agent's process still
-    # running may not read the expected answers, even knowing the files' names
-    if task.tests_dir is not None:
-        await sandbox.put_tar(tar_dir(task.tests_dir, mode_mask=0o700), TESTS_DIR, as_verifier=True)
+    await sandbox.put_tar(tests, TESTS_DIR, as_verifier=True)
     script = f"{TESTS_DIR}/{task.test_script.name}"
-    if task.tests_dir is None or task.test_script.parent != task.tests_dir:
-        await sandbox.write_file(script, task.test_script.read_bytes(), 0o700, as_verifier=True)
     res = await sandbox.exec(f"bash {shlex.quote(script)}", timeout_s=task.verifier_timeout_s,
                              cwd=workdir, env=env, as_verifier=True)
     tail = output_tail(res.stdout, res.stderr)

@@ -96,8 +96,11 @@ def answer_tokens(tokenizer, row: PromptRow, answer: str, params: AgentParams) -
 
 
 def demonstrable(task: Task | PromptRow) -> bool:
-    """Whether SFT can have a demonstration of `task`: a prompt row only when it has an answer."""
-    return not isinstance(task, PromptRow) or task.answer is not None
+    """Whether SFT can have a demonstration of `task`: a prompt row only when it has an answer; a Harbor
+    task of one step (a demonstration is one instruction and one solution call)."""
+    if isinstance(task, PromptRow):
+        return task.answer is not None
+    return not getattr(task, "steps", ())  # other environments' instances have no steps
 
 
 async def answer_demo(row: PromptRow, tokenizer, env: Environment, params: AgentParams) -> Demo | None:

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tarfile
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
@@ -36,18 +37,19 @@ def _unpack(data: bytes, root: Path) -> Path:
     final = root / hashlib.sha256(data).hexdigest()[:32]
     if final.is_dir():
         return final
-    tmp = root / f".{final.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # one per request: two requests of this process for one context (two trials of a task) must not share it
+    tmp = root / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.mkdir(parents=True)
     try:
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             tar.extractall(tmp, filter="data")
-        tmp.rename(final)
-    except FileExistsError:  # another request unpacked the same context meanwhile
+        try:
+            tmp.rename(final)
+        except OSError:  # EEXIST or ENOTEMPTY: another request unpacked the same context meanwhile
+            if not final.is_dir():
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

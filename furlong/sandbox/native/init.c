@@ -859,6 +859,8 @@ int main(int argc, char **argv) {
     own("/logs", 0755, verifier_uid, verifier_uid);
     own("/logs/verifier", 0755, verifier_uid, verifier_uid);
     own("/logs/agent", 0755, agent_uid, agent_gid);
+    /* Harbor's convention dir, whose contents a separate verifier receives: the agent's to fill */
+    own("/logs/artifacts", 0755, agent_uid, agent_gid);
   }
   if (init_uid >= 0 && own_caps) leave_uid_0();
   zygote_start();
