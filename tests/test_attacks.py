@@ -49,6 +49,22 @@ def test_signals_cannot_stop_the_init(backend, base_image, attack):
     run(go())
 
 
+def test_the_command_after_a_kill_of_everything_runs(backend, base_image):
+    """`kill -9 -1` and `kill -STOP -1` reach the child the init keeps ready for the next agent command too, and
+    the signal may still be pending when that command arrives: it must run all the same, at once."""
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            for attack in ("kill -9 -1", "kill -STOP -1") * 10:
+                await box.exec(attack, timeout_s=20)
+                r = await box.exec(ALIVE, timeout_s=10)
+                assert (r.stdout, r.timed_out) == ("alive\n", False), (attack, r)
+        finally:
+            await box.close()
+
+    run(go())
+
+
 PTRACE = ("python3 -c \"import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
           "r = libc.ptrace(16, 1, 0, 0); print('ptrace', r, os.strerror(ctypes.get_errno()))\"")
 

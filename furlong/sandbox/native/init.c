@@ -444,10 +444,32 @@ static void zygote_start(void) {
   zygote = (zygote_t){pid, out[0], err[0], ctl[1]};
 }
 
+/* Whether the waiting child can still run a command. An agent's `kill -9 -1` reaches it too, and the kill
+ * may still be pending (the child not yet scheduled to die) when the next request arrives: handed a command
+ * then, it would die with it and the command would seem to have run with no output. So a child with any
+ * signal pending, or stopped, or gone, is not used. */
+static int zygote_usable(pid_t pid) {
+  char path[48], buf[4096];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  const char *state = strstr(buf, "\nState:\t"), *shd = strstr(buf, "\nShdPnd:\t"), *own = strstr(buf, "\nSigPnd:\t");
+  if (!state || !shd || !own || !state[8] || !strchr("RSD", state[8])) return 0;
+  return strtoull(shd + 9, NULL, 16) == 0 && strtoull(own + 9, NULL, 16) == 0;
+}
+
 /* Hands the request to the waiting child: its pid (its pipes in out/err), or -1 to fork one as before. */
 static pid_t zygote_take(const char *script, uint32_t nscript, const unsigned char *env, uint32_t nenv,
                          int *out, int *err) {
   if (zygote.pid <= 0 || 4ull + nscript + nenv > ZYGOTE_REQUEST_MAX) return -1;
+  if (!zygote_usable(zygote.pid)) {  /* doomed or stopped: end it; reap() forgets it, a new one starts later */
+    kill(zygote.pid, SIGKILL);
+    return -1;
+  }
   buf_t b = {0};
   buf_u32(&b, nscript);
   buf_put(&b, script, nscript);
