@@ -57,6 +57,11 @@ def test_reward_json_and_missing_reward(backend, base_image, tmp_path: Path):
     d = task_dir(tmp_path, "json", 'echo \'{"reward": 0.5, "style": 1}\' > /logs/verifier/reward.json\n')
     res = _episode(backend, base_image, d)
     assert res.reward == 0.5 and res.rewards == {"reward": 0.5, "style": 1.0}
+    # both files: reward.json wins, as in Harbor's verifier; a number written as a string is no reward there
+    both = "echo 0 > /logs/verifier/reward.txt; echo '{\"reward\": 1}' > /logs/verifier/reward.json\n"
+    assert _episode(backend, base_image, task_dir(tmp_path, "both", both)).reward == 1.0
+    res = _episode(backend, base_image, task_dir(tmp_path, "text", "echo '{\"reward\": \"1\"}' > /logs/verifier/reward.json\n"))
+    assert res.reward is None and "not a number" in res.error, res
     d = task_dir(tmp_path, "silent", "echo no reward written\n")
     res = _episode(backend, base_image, d)
     assert (res.reward, res.status) == (None, "infra_error") and "neither reward.txt nor reward.json" in res.error

@@ -176,28 +176,45 @@ async def _run_tests(task: Task, sandbox: Sandbox, workdir: str, env: dict[str, 
 
 
 async def _read_reward(sandbox: Sandbox) -> tuple[float | None, dict[str, float], str | None]:
+    """The tests' reward: reward.json when they wrote one, else reward.txt (the order Harbor's verifier reads
+    them in, so a task that writes both scores as it does there)."""
+    if (data := await _reward_file(sandbox, "reward.json")) is not None:
+        return _json_rewards(data)
+    if (data := await _reward_file(sandbox, "reward.txt")) is None:
+        return None, {}, "the tests wrote neither reward.txt nor reward.json"
+    raw = data.decode(errors="replace").strip()
     try:
-        raw = (await sandbox.read_file(f"{VERIFIER_LOG_DIR}/reward.txt", as_verifier=True)).decode(errors="replace").strip()
         value = _finite(float(raw))
-        return value, {"reward": value}, None
-    except SandboxDied:
-        raise
-    except SandboxError:
-        pass  # no reward.txt: try reward.json
     except ValueError:
         return None, {}, f"reward.txt is not a number: {raw[:80]!r}"
+    return value, {"reward": value}, None
+
+
+async def _reward_file(sandbox: Sandbox, name: str) -> bytes | None:
     try:
-        data = json.loads(await sandbox.read_file(f"{VERIFIER_LOG_DIR}/reward.json", as_verifier=True))
-        rewards = {str(k): _finite(float(v)) for k, v in data.items()}
-        if "reward" not in rewards:
-            return None, rewards, "reward.json has no 'reward' key"
-        return rewards["reward"], rewards, None
+        return await sandbox.read_file(f"{VERIFIER_LOG_DIR}/{name}", as_verifier=True)
     except SandboxDied:
         raise
     except SandboxError:
-        return None, {}, "the tests wrote neither reward.txt nor reward.json"
-    except (ValueError, TypeError, AttributeError) as exc:
+        return None  # not there (or not a regular file)
+
+
+def _json_rewards(data: bytes) -> tuple[float | None, dict[str, float], str | None]:
+    """A flat JSON object of numbers (as Harbor requires: a string such as "1" is no reward) with a 'reward' key."""
+    try:
+        parsed = json.loads(data)
+        if not isinstance(parsed, dict):
+            raise TypeError(f"the top level is {type(parsed).__name__}, not an object")
+        rewards = {}
+        for key, value in parsed.items():
+            if not isinstance(value, (int, float)):
+                raise TypeError(f"{key!r} is {value!r}, not a number")
+            rewards[str(key)] = _finite(float(value))
+    except (ValueError, TypeError) as exc:
         return None, {}, f"reward.json is not a flat map of numbers: {exc}"
+    if "reward" not in rewards:
+        return None, rewards, "reward.json has no 'reward' key"
+    return rewards["reward"], rewards, None
 
 
 def _finite(x: float) -> float:
