@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from furlong.sandbox import seccomp
+from furlong.sandbox.registry import Reference
 from furlong.sandbox.base import Limits, SyscallPolicy
 from furlong.tasks.model import Task, TaskError
 
@@ -56,10 +57,10 @@ class _Environment(_Section):
     os: Literal["linux", "windows"] = "linux"
     seccomp: bool = True  # furlong's own keys: the syscall filter, and names taken off its deny list
     seccomp_allow: list[str] = []
-    # Harbor's keys furlong does not act on: the image comes from environment/Dockerfile, and there are
-    # no GPUs, storage quotas, MCP servers or skills in a sandbox
+    docker_image: str | None = None  # Harbor's prebuilt image, used before environment/Dockerfile
+    # Harbor's keys furlong does not act on: there are no GPUs, storage quotas, MCP servers or skills in a
+    # sandbox
     build_timeout_sec: Any = None
-    docker_image: Any = None
     storage_mb: Any = None
     gpus: Any = None
     gpu_types: Any = None
@@ -71,6 +72,14 @@ class _Environment(_Section):
     workdir: Any = None
     memory: str | None = None  # Harbor's deprecated spelling of memory_mb ("4G", "512M")
     storage: Any = None
+
+    @field_validator("docker_image")
+    @classmethod
+    def _reference(cls, ref: str | None) -> str | None:
+        if ref is not None and Reference.parse(ref) is None:
+            raise ValueError("expected an image reference (NAME[:TAG][@sha256:HEX], NAME optionally starting with "
+                             "REGISTRY/)")
+        return ref
 
     @field_validator("memory")
     @classmethod
@@ -187,6 +196,7 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         verifier_env=tuple(sorted(conf.verifier.env.items())), format="harbor",
         solution_env=tuple(sorted(conf.solution.env.items())),
         verifier_toolchain=conf.furlong.verifier_toolchain, trust_agent_tools=conf.verifier.trust_agent_tools,
+        docker_image=env.docker_image,
     )
 
 

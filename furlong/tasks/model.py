@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from furlong.sandbox.base import Limits, SyscallPolicy
+from furlong.sandbox.base import ImageSource, Limits, Prebuilt, SyscallPolicy
 
 TESTS_DIR = "/tests"  # where the task's tests are copied, after the agent finishes
 VERIFIER_LOG_DIR = "/logs/verifier"  # where tests write reward.txt / reward.json
@@ -41,3 +41,13 @@ class Task:
     family: str | None = None  # set for instances generated from a task family
     seed: int | None = None
     split: str | None = None  # train | heldout, for family instances
+    docker_image: str | None = None  # task.toml [environment] docker_image: Harbor's prebuilt image
+
+    @property
+    def image_source(self) -> ImageSource:
+        """What the task's image is made from: the prebuilt image where it names one (with its Dockerfile, for
+        where no registry serves it: furlong.sandbox.prebuilt), else its Dockerfile, else None (the base)."""
+        if self.docker_image:
+            return Prebuilt(self.docker_image, self.dockerfile,
+                            f"task {self.id!r}: task.toml: environment.docker_image")
+        return self.dockerfile
