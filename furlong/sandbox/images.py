@@ -9,7 +9,8 @@ so the sandbox uid cannot write them; as a user, they belong to the user, which 
 A FROM names the base, the base plus a stand-in layer (standins.py: e.g. `python:*` gets Debian's
 python3 with pip and venv), built once like a task layer from an internal Dockerfile, an image
 imported by hand (imports.py), or any other reference pulled from its registry (registry.py). A
-stand-in's note says what the image really is; ImageRef.note carries it.
+stand-in's note says what the image really is; ImageRef.note carries it. A task's prebuilt image
+(Harbor's docker_image) is resolved by prebuilt.py.
 """
 
 from __future__ import annotations

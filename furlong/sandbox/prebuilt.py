@@ -21,6 +21,7 @@ import logging
 from furlong.sandbox import imports, registry, standins
 from furlong.sandbox.base import ImageRef, Prebuilt
 from furlong.sandbox.builds import ImageBuildError, Progress
+from furlong.sandbox.dockerfile import DockerfileError
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,12 @@ async def image(store, source: Prebuilt, backend, progress: Progress) -> ImageRe
         await asyncio.to_thread(store.check_user, exact, f"{source.where} {ref!r}")
         return exact
     if source.dockerfile is not None:
-        built = await store.image(source.dockerfile, backend, progress)
         note = f"{ref}: not pulled ({why}); built from {source.dockerfile} instead"
         progress(note)
+        try:
+            built = await store.image(source.dockerfile, backend, progress)
+        except (ImageBuildError, DockerfileError) as exc:  # say why the Dockerfile was built at all
+            raise ImageBuildError(f"{source.where}: {note}, which failed: {exc}") from None
         return dataclasses.replace(built, note="; ".join(n for n in (note, built.note) if n))
     choice = standins.resolve(ref, store.ubuntu_standins)
     if choice is not None and choice.allowed(store.standin_versions):

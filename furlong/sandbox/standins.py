@@ -8,6 +8,7 @@ Two Debian releases are bootstrapped (SUITES), so a tag's version is met where e
 with a note saying so (`images.standins: nearest`, the default) or a one-line error naming what Debian has
 (`exact`); Go always needs its exact release. Every note states the version the stand-in really has
 (probed when it is built), in the build log, the layer's meta.json and each eval record's `image_note`.
+Ubuntu's tags have stand-ins only with images.ubuntu_standins on (ubuntu.py).
 """
 
 from __future__ import annotations

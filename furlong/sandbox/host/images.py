@@ -5,8 +5,9 @@ content (the store keys layers by what they were built from, so the same context
 under the host's cache, and built by the store exactly as a local `furlong eval` would build it: same
 builders, stand-ins, pulls and build sandboxes. `kind=prebuilt&ref=REF` serves a task's prebuilt image
 (furlong.sandbox.prebuilt), its body the task's Dockerfile context where it has one (else empty).
-`kind=toolchain` builds the verifier toolchain layer and `kind=base` the base image. The answer is the ImageRef (or Toolchain) as JSON; a create then names it
-by content (app.py resolves its layers in this store, or answers 409 with the ones it lacks).
+`kind=toolchain` builds the verifier toolchain layer and `kind=base` the base image. The answer is the
+ImageRef (or Toolchain) as JSON; a create then names it by content (app.py resolves its layers in this
+store, or answers 409 with the ones it lacks).
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route's Annotated dependencies at definition time
