@@ -240,10 +240,10 @@ def test_an_ubuntu_standin_builds_a_tb2_dockerfile(noble_task, backend):
         finally:
             await box.close()
     res = run(check())
-    lines = res.stdout.splitlines()
-    assert res.ok and lines[0] == "uid=1000(ubuntu) gid=1000(ubuntu) groups=1000(ubuntu)", res
-    assert lines[1:6] == ["/home/ubuntu:/bin/bash", lines[2], "curl", "/app", "debian"], res
-    assert lines[2].startswith("Python 3.11.") and lines[6].endswith("EXTERNALLY-MANAGED"), res  # noble has PEP 668
+    user, home, python, curl, cwd, distro, marker = res.stdout.splitlines()
+    assert res.ok and user == "uid=1000(ubuntu) gid=1000(ubuntu) groups=1000(ubuntu)", res
+    assert (home, curl, cwd, distro) == ("/home/ubuntu:/bin/bash", "curl", "/app", "debian"), res
+    assert python.startswith("Python 3.11.") and marker.endswith("EXTERNALLY-MANAGED"), res  # noble has PEP 668
 
 
 def test_a_docker_image_gets_the_ubuntu_standin_only_when_turned_on(noble_task, store, backend):
