@@ -1,8 +1,9 @@
 """Every versioned stand-in built cold, its real version probed, one command run in it without network; and
 Terminal-Bench 2's test forms offline on the python:3.13 stand-in with the verifier toolchain, in a sandbox
 and through `furlong eval` (oracle and no-op) of two tasks-tb2 tasks moved onto python:3.13 and python:3.12.
+The Ubuntu stand-ins (images.ubuntu_standins=nearest) each build TB2's usual `FROM ubuntu:X` Dockerfile.
 
-    python bench/standins_check.py [--only python,gcc] [--keep] [--out bench/results/standins.json]
+    python bench/standins_check.py [--only python,gcc,ubuntu] [--keep] [--out bench/results/standins.json]
 
 Builds go into a scratch image store beside the user's (both Debian bases included, so the times are cold
 ones; removed at the end unless --keep). Each stand-in is asked for through `ImageStore.parent` with a tag
@@ -26,7 +27,7 @@ from pathlib import Path
 from provenance import ROOT, finish, provenance
 
 from furlong.paths import cache_dir
-from furlong.sandbox import standins, toolchain
+from furlong.sandbox import standins, toolchain, ubuntu
 from furlong.sandbox.base import Limits, SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
@@ -50,6 +51,14 @@ COMMANDS = {
                "+ System.getProperty(\"java.version\")); } }\\n' > H.java && javac H.java && java -cp . H "
                "&& ls $JAVA_HOME/bin/javac",
 }
+# TB2's usual Ubuntu task image, and what its tasks then run: a C build, pip into the system Python
+UBUNTU_TASK = ("FROM {tag}\nENV DEBIAN_FRONTEND=noninteractive\nRUN apt-get update && apt-get install -y python3 "
+               "python3-pip python3-venv curl build-essential && rm -rf /var/lib/apt/lists/*\nWORKDIR /app\n")
+UBUNTU_CHECK = ("pwd && cd /tmp && printf '#include <stdio.h>\\nint main(void) { printf(\"gcc %%d.%%d\\\\n\", "
+                "__GNUC__, __GNUC_MINOR__); }\\n' > h.c && gcc h.c -o h && ./h && python3 --version && "
+                "(id ubuntu || true) && python3 -c 'import sysconfig, os; print(\"EXTERNALLY-MANAGED\", "
+                "os.path.exists(sysconfig.get_path(\"stdlib\") + \"/EXTERNALLY-MANAGED\"))' && "
+                "echo PIP_BREAK_SYSTEM_PACKAGES=$PIP_BREAK_SYSTEM_PACKAGES && . /etc/os-release && echo $PRETTY_NAME")
 TB2 = """set -e
 apt-get update
 apt-get install -y curl
@@ -122,19 +131,47 @@ def eval_tb2(root: Path) -> dict:
     return out
 
 
+async def ubuntu_rows(store, backend, root: Path) -> list[dict]:
+    """Each Ubuntu release's stand-in on its nearest Debian release, and TB2's usual task image on it."""
+    rows = []
+    for rel in ubuntu.RELEASES:
+        tag = f"ubuntu:{rel.version}"
+        started = time.monotonic()
+        try:
+            image = await store.parent(tag, backend, lambda _: None)
+            standin_s = round(time.monotonic() - started, 1)
+            dockerfile = root / "ubuntu" / rel.name / "environment/Dockerfile"
+            dockerfile.parent.mkdir(parents=True)
+            dockerfile.write_text(UBUNTU_TASK.format(tag=tag))
+            started = time.monotonic()
+            task = await store.image(dockerfile, backend, lambda _: None)
+        except (RegistryError, OSError, RuntimeError) as exc:
+            rows.append({"tag": tag, "error": str(exc)[-2000:]})
+            continue
+        meta = json.loads((store.root / image.digest / "meta.json").read_text())
+        rows.append({"tag": tag, "standin": meta["standin"], "suite": rel.suite, "probed": meta.get("provides", ""),
+                     "standin_s": standin_s, "task_layer_s": round(time.monotonic() - started, 1),
+                     "note": image.note, **await run_in(backend, task, UBUNTU_CHECK)})
+        print(json.dumps(rows[-1])[:300], flush=True)
+    return rows
+
+
 def refusals() -> list[dict]:
     """What exact mode (and Go in any mode) says for versions Debian lacks: one line each."""
     out = []
     for mode, tag in (("exact", "python:3.12-slim"), ("exact", "node:22"), ("nearest", "golang:1.20")):
         choice = standins.resolve(tag)
         out.append({"mode": mode, "tag": tag, "allowed": choice.allowed(mode), "error": choice.refusal(mode)})
+    off = standins.resolve("ubuntu:24.04")  # images.ubuntu_standins=off, the default
+    out.append({"mode": "ubuntu_standins=off", "tag": "ubuntu:24.04", "allowed": off.allowed("nearest"),
+                "error": off.refusal("nearest")})
     return out
 
 
 async def main(only: set[str], keep: bool) -> dict:
     root = Path(tempfile.mkdtemp(dir=cache_dir(), prefix="bench-standins-"))
     root.chmod(0o755)  # build sandboxes (the sandbox uid) write layers under it by path
-    store = ImageStore(root=root / "images")
+    store = ImageStore(root=root / "images", ubuntu_standins="nearest")
     backend = BwrapBackend(layers=store)
     try:
         bases = {}
@@ -155,7 +192,8 @@ async def main(only: set[str], keep: bool) -> dict:
         python = not only or "python" in only
         checks = await tb2(store, backend) if python else []
         evals = await asyncio.to_thread(eval_tb2, root) if python else {}
-        return {"bases_s": bases, "standins": rows, "tb2_offline": checks, "tb2_eval": evals,
+        ubuntus = await ubuntu_rows(store, backend, root) if not only or "ubuntu" in only else []
+        return {"bases_s": bases, "standins": rows, "tb2_offline": checks, "tb2_eval": evals, "ubuntu": ubuntus,
                 "refusals": refusals()}
     finally:
         if not keep:
@@ -164,7 +202,8 @@ async def main(only: set[str], keep: bool) -> dict:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="", help="comma-separated families (python,gcc,golang,node,rust,openjdk)")
+    parser.add_argument("--only", default="", help="comma-separated families (python,gcc,golang,node,rust,openjdk,"
+                                                   "ubuntu)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch store (printed)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

@@ -30,7 +30,7 @@ def _dockerfile(tmp_path: Path, text: str, files: dict[str, str] | None = None) 
 
 @pytest.mark.parametrize("text, line, words", [
     ("FROM debian:bookworm\nEXPOSE 80\n", 2, "unsupported instruction EXPOSE"),
-    ("# comment\n\nFROM ubuntu:22.04\n", 3, "unknown base 'ubuntu:22.04'"),
+    ("# comment\n\nFROM alpine:3.20\n", 3, "unknown base 'alpine:3.20'"),
     ("RUN echo hi\n", 1, "first instruction must be FROM"),
     ("FROM debian:bookworm\nCOPY --from=build /a /b\n", 2, "COPY flags"),
     ("FROM debian:bookworm\nRUN echo a \\\n  && echo b\nFROM debian:bookworm\n", 4, "multi-stage"),
@@ -124,7 +124,7 @@ def test_known_names_map_to_the_base_or_a_standin(ref: str, standin: str | None,
         assert "asks for" not in choice.note("3.11.2")  # 3.11 is what the stand-in really has
 
 
-@pytest.mark.parametrize("ref", ["ubuntu:24.04", "python:2.7", "python:3.12-alpine", "debian:bullseye",
+@pytest.mark.parametrize("ref", ["ubuntu:latest", "ubuntu:18.04", "python:2.7", "python:3.12-alpine", "debian:bullseye",
                                  "debian:latest", "gcc:13-alpine", "node:20-bookworm-nanoserver",
                                  "buildpack-deps:jammy"])
 def test_names_without_an_honest_mapping_are_refused(ref: str):
@@ -132,13 +132,13 @@ def test_names_without_an_honest_mapping_are_refused(ref: str):
 
 
 def test_unknown_base_is_one_line_naming_the_line_and_the_way_out(tmp_path: Path):
-    path = _dockerfile(tmp_path, "# a task\nFROM ubuntu:24.04\nRUN true\n")
+    path = _dockerfile(tmp_path, "# a task\nFROM alpine:3.20\nRUN true\n")
     with pytest.raises(df.DockerfileError) as err:
         df.parse(path)
     text = str(err.value)
-    assert text.startswith(f"{path}:2: unknown base 'ubuntu:24.04'") and "\n" not in text
-    assert "furlong image import ubuntu:24.04" in text
-    assert df.parse(path, imported={"ubuntu:24.04"})[0].args == "ubuntu:24.04"  # once imported, it is known
+    assert text.startswith(f"{path}:2: unknown base 'alpine:3.20'") and "\n" not in text
+    assert "furlong image import alpine:3.20" in text and "ubuntu:24.04|22.04|20.04" in text
+    assert df.parse(path, imported={"alpine:3.20"})[0].args == "alpine:3.20"  # once imported, it is known
 
 
 PYPROJECT = """[build-system]

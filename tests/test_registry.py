@@ -6,22 +6,29 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import platform
 import shutil
 import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from conftest import run, spec
 from furlong.cli import main
+from furlong.eval.agents import NoopAgent, OracleAgent
+from furlong.eval.run import run_eval
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 from furlong.sandbox.registry import Reference, Registry, RegistryError, Settings
-from registry_support import LocalRegistry, oci_from_rootfs, push
+from furlong.tasks.loader import load_task
+from furlong.tasks.model import Task
+from registry_support import LocalRegistry, free_port, oci_from_rootfs, push
 
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
 OTHER = "arm64" if ARCH == "amd64" else "amd64"
+QUIET = Console(file=open(os.devnull, "w"))
 
 
 def noop(_: str) -> None:
@@ -195,3 +202,45 @@ def test_private_registry_is_pulled_with_the_auth_file(local_registry, seeded, t
         assert (Registry(tmp_path / "cache").rootfs(meta) / "extra").read_text() == "extra\n"
     finally:
         private.stop()
+
+
+def _prebuilt_task(root: Path, name: str, image: str, dockerfile: str | None = None) -> Task:
+    """A Harbor task naming a prebuilt image: solved when /tmp/solved exists and the image's /extra is there."""
+    d = root / name
+    for sub in ("tests", "solution", "environment"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text(f'[environment]\ndocker_image = "{image}"\n')
+    (d / "instruction.md").write_text("Solve it.\n")
+    (d / "tests" / "test.sh").write_text("test -f /tmp/solved && test -s /extra && echo 1 > /logs/verifier/reward.txt"
+                                         " || echo 0 > /logs/verifier/reward.txt\n")
+    (d / "solution" / "solve.sh").write_text("touch /tmp/solved\n")
+    if dockerfile:
+        (d / "environment" / "Dockerfile").write_text(dockerfile)
+    return load_task(d)
+
+
+def test_docker_image_tasks_run_on_the_pulled_image_else_their_dockerfile_else_one_line(
+        reg_store, backend, local_registry, seeded, tmp_path):
+    """Harbor's [environment] docker_image: pulled from the registry (cached by digest); where its registry
+    cannot be reached and it is not cached, the task's own Dockerfile; with neither, the episode's one-line
+    infra_error naming the setting. Never furlong's default base."""
+    gone = f"127.0.0.1:{free_port()}/test/img:1"  # nothing listens there: the registry is unreachable
+    # the fallback Dockerfile builds on the seeded image (cached by the first task), not on a base this
+    # module's store would have to bootstrap
+    tasks = [_prebuilt_task(tmp_path, "pulled", seeded["img"]),
+             _prebuilt_task(tmp_path, "built", gone, f"FROM {seeded['img']}\nRUN echo built > /extra\n"),
+             _prebuilt_task(tmp_path, "neither", gone)]
+    assert tasks[0].image_source.dockerfile is None and tasks[1].image_source.dockerfile is not None
+    oracle = {r.task: r for r in run(run_eval(tasks, OracleAgent(), backend, reg_store, 3, None, QUIET))}
+    noop = {r.task: r for r in run(run_eval(tasks, NoopAgent(), backend, reg_store, 3, None, QUIET))}
+    for name in ("pulled", "built"):
+        assert (oracle[name].reward, oracle[name].status) == (1.0, "ok"), oracle[name].error
+        assert (noop[name].reward, noop[name].status) == (0.0, "ok"), noop[name].error
+    digest = reg_store.registry.refs()[seeded["img"]]
+    assert oracle["pulled"].image_note == f"{seeded['img']}: pulled, {digest}"
+    assert oracle["built"].image_note.startswith(f"{gone}: not pulled (registry 127.0.0.1:") and \
+        f"built from {tasks[1].dockerfile} instead" in oracle["built"].image_note
+    for res in (oracle["neither"], noop["neither"]):
+        assert res.status == "infra_error" and res.reward is None and "\n" not in res.error, res
+        assert "task 'neither': task.toml: environment.docker_image: " in res.error and \
+            f"{gone}: registry 127.0.0.1:" in res.error and f"furlong image import {gone} OCI_ARCHIVE" in res.error

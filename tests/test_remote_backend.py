@@ -23,12 +23,13 @@ from conftest import run, spec
 from furlong.config import BUNDLED_TASKS
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.run import run_eval
-from furlong.sandbox.base import HostLost, SandboxDied, SandboxError
+from furlong.sandbox.base import HostLost, Prebuilt, SandboxDied, SandboxError
 from furlong.sandbox.host_images import HostImages
 from furlong.sandbox.hosts import Hosts
 from furlong.sandbox.remote import RemoteBackend
 from furlong.tasks.loader import load_task
 from host_support import REPO, TOKEN, ProcessHost, ThreadHost, remote
+from registry_support import free_port
 from tests_support import make_task
 
 QUIET = Console(file=open(os.devnull, "w"))
@@ -162,6 +163,33 @@ def test_a_host_without_an_images_layers_is_sent_the_build_first(hosts, tmp_path
             await box.close()
 
     assert run(made()) == "made-on-the-host\n"
+
+
+def test_a_prebuilt_image_is_served_by_the_host(hosts, tmp_path: Path):
+    """A task's [environment] docker_image, resolved on the host: its registry unreachable, the task's
+    Dockerfile (sent as the context) is built there, the note naming this machine's path; without one, the
+    host's one line naming the setting."""
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text("FROM furlong/base\nRUN echo from-the-dockerfile > /made\n")
+    gone = f"127.0.0.1:{free_port()}/x/y:1"
+    rb, images = remote([hosts[0].url])
+    image = run(images.image(Prebuilt(gone, context / "Dockerfile", "task 't': task.toml: environment.docker_image")))
+    assert image.note.startswith(f"{gone}: not pulled (registry 127.0.0.1:") and \
+        image.note.endswith(f"built from {context / 'Dockerfile'} instead"), image.note
+
+    async def made():
+        box = await rb.create(spec(image))
+        try:
+            return (await box.exec("cat /made")).stdout
+        finally:
+            await box.close()
+
+    assert run(made()) == "from-the-dockerfile\n"
+    with pytest.raises(SandboxError) as err:
+        run(images.image(Prebuilt(gone, None, "task 't': task.toml: environment.docker_image")))
+    assert f"task 't': task.toml: environment.docker_image: {gone}: registry 127.0.0.1:" in str(err.value)
+    assert hosts[0].c.post("/v1/images", params={"kind": "prebuilt"}).status_code == 400  # no ref
 
 
 def test_a_refusal_whose_text_holds_429_is_not_taken_for_a_full_host(hosts, base_image):

@@ -5,14 +5,17 @@ packages: bench/standins_check.py does that (bench/results/standins.json)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from conftest import run
+from conftest import run, spec
 
 from furlong.sandbox import offline_shims, standins
+from furlong.sandbox.base import Prebuilt
 from furlong.sandbox.builds import ImageBuildError
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.registry import RegistryError, Settings
@@ -152,3 +155,106 @@ def test_a_tag_for_ubuntu_before_pep_668_lets_pip_install_into_the_system_python
     assert ("ENV PIP_BREAK_SYSTEM_PACKAGES=1" in choice.standin.dockerfile()) == breaks
     assert ("externally managed, PEP 668" in choice.note(choice.standin.version)) == breaks
     assert env["JAVA_HOME"] == "/usr/lib/jvm/default-java"  # the family's own env kept
+
+
+@pytest.mark.parametrize("ref, mode, name, suite, words", [
+    ("ubuntu:24.04", "nearest", "ubuntu-24.04", "trixie", "Ubuntu 24.04 (noble) has glibc 2.39, Python 3.12"),
+    ("ubuntu:noble-20250404", "nearest", "ubuntu-24.04", "trixie", "the `ubuntu` user (uid 1000) exists"),
+    ("docker.io/library/ubuntu:jammy", "nearest", "ubuntu-22.04", "bookworm", "works as on Ubuntu 22.04 (jammy)"),
+    ("ubuntu:20.04", "nearest", "ubuntu-20.04", "bookworm", "Ubuntu 20.04 (focal) has glibc 2.31, Python 3.8"),
+    ("ubuntu:24.04", "bookworm", "ubuntu-24.04", "bookworm", "images.ubuntu_standins=bookworm, not the nearest"),
+    ("ubuntu:22.04@sha256:" + "a" * 64, "trixie", "ubuntu-22.04", "trixie", "a digest pins one build"),
+])
+def test_ubuntu_tags_map_to_the_nearest_debian_release_and_say_what_differs(ref, mode, name, suite, words):
+    choice = standins.resolve(ref, mode)
+    assert (choice.standin.name, choice.suite, choice.registry_first, choice.allowed("exact")) == (
+        name, suite, True, True)
+    note = choice.note("Debian 13.2: glibc 2.41, Python 3.13.5, gcc 14.2.0, OpenSSL 3.5.4")
+    assert note.startswith(f"{ref}: furlong's {name} stand-in (Debian 13.2: glibc 2.41, Python 3.13.5, ") and \
+        words in note and "\n" not in note, note
+    for said in (f"apt's sources are Debian {suite}'s", "PPA", "/etc/os-release says Debian", "preinstalled"):
+        assert said in note, note
+    recipe = choice.standin.dockerfile()
+    assert recipe.startswith(f"FROM {standins.base_name(suite)}\n") and "apt-get" not in recipe
+    noble = name == "ubuntu-24.04"  # its user; jammy and focal: pip into the system Python, unminimize
+    assert ("useradd --uid 1000 --user-group" in recipe) == noble
+    assert ("ENV PIP_BREAK_SYSTEM_PACKAGES=1" in recipe and "/usr/local/sbin/unminimize" in recipe) == (not noble)
+
+
+def test_ubuntu_tags_without_a_fixed_release_have_no_stand_in():
+    """latest and rolling name whatever is newest when pulled (latest is 26.04 now): no stand-in is honest."""
+    assert [standins.resolve(ref, "nearest") for ref in ("ubuntu", "ubuntu:latest", "ubuntu:rolling",
+                                                        "ubuntu:18.04", "ubuntu:26.04")] == [None] * 5
+
+
+def test_ubuntu_standins_off_is_one_line_naming_the_setting_and_the_alternatives(store, backend, tmp_path: Path):
+    """The default: no base is built; the registry is asked first (one that never answers in time), then the
+    line says what to turn on and how else to bring the image."""
+    never = Settings(inspect_timeout_s=0.001)
+    off = ImageStore(root=store.root, pulls=never)
+    assert not standins.resolve("ubuntu:24.04").allowed("nearest")
+    path = tmp_path / "t" / "environment" / "Dockerfile"
+    path.parent.mkdir(parents=True)
+    path.write_text("FROM ubuntu:24.04\nRUN apt-get update\n")
+    with pytest.raises(ImageBuildError) as err:
+        run(off.image(path, backend))
+    line = str(err.value)
+    assert line.startswith(f"{path}:1: FROM ubuntu:24.04: no registry serves it here") and "\n" not in line, line
+    for said in ("images.ubuntu_standins=off; `nearest` builds one from Debian trixie",
+                 "`furlong image import ubuntu:24.04 OCI_ARCHIVE`", "`furlong image pull ubuntu:24.04`"):
+        assert said in line, line
+    with pytest.raises(ValueError, match="images.ubuntu_standins: expected off or nearest or bookworm or trixie"):
+        ImageStore(root=store.root, ubuntu_standins="on")
+
+
+@pytest.fixture(scope="module")
+def noble_task(store, backend, tmp_path_factory) -> tuple:
+    """TB2's usual `FROM ubuntu:24.04` Dockerfile, built once on its stand-in over the cached bookworm base
+    (images.ubuntu_standins=bookworm: CI bootstraps no trixie base; trixie's, the nearest, is built by
+    bench/standins_check.py --only ubuntu). Returns the image, the stand-in's meta and the seconds."""
+    ubuntu = ImageStore(root=store.root, ubuntu_standins="bookworm")
+    path = tmp_path_factory.mktemp("noble") / "environment" / "Dockerfile"
+    path.parent.mkdir(parents=True)
+    path.write_text("FROM ubuntu:24.04\nENV DEBIAN_FRONTEND=noninteractive\n"
+                    "RUN apt-get update && apt-get install -y python3 curl\nWORKDIR /app\n")
+    started = time.monotonic()
+    image = run(ubuntu.image(path, backend))
+    standin = json.loads((store.root / image.layers[1].path).parent.joinpath("meta.json").read_text())
+    return image, standin, time.monotonic() - started
+
+
+def test_an_ubuntu_standin_builds_a_tb2_dockerfile(noble_task, backend):
+    image, standin, seconds = noble_task
+    print(f"\nubuntu:24.04 stand-in layer {standin['seconds']} s; with the task's layer {seconds:.1f} s")
+    assert image.workdir == "/app" and image.note.startswith("ubuntu:24.04: furlong's ubuntu-24.04 stand-in "
+                                                             "(Debian 12."), image.note
+    assert standin["standin"] == "ubuntu-24.04" and standin["provides"].startswith("Debian 12.")
+    assert "glibc 2.36, Python 3.11." in standin["provides"] and "gcc 12." in standin["provides"], standin
+
+    async def check():
+        box = await backend.create(spec(image))
+        try:
+            return await box.exec("id ubuntu; getent passwd ubuntu | cut -d: -f6,7; python3 --version; "
+                                  "curl --version | head -1 | cut -d' ' -f1; pwd; . /etc/os-release; echo $ID; "
+                                  "ls /usr/lib/python3*/EXTERNALLY-MANAGED")
+        finally:
+            await box.close()
+    res = run(check())
+    user, home, python, curl, cwd, distro, marker = res.stdout.splitlines()
+    assert res.ok and user == "uid=1000(ubuntu) gid=1000(ubuntu) groups=1000(ubuntu)", res
+    assert (home, curl, cwd, distro) == ("/home/ubuntu:/bin/bash", "curl", "/app", "debian"), res
+    assert python.startswith("Python 3.11.") and marker.endswith("EXTERNALLY-MANAGED"), res  # noble has PEP 668
+
+
+def test_a_docker_image_gets_the_ubuntu_standin_only_when_turned_on(noble_task, store, backend):
+    """Harbor's [environment] docker_image = "ubuntu:24.04" with no Dockerfile and no registry: the stand-in
+    (here the one noble_task built), or with the stand-ins off, the line naming the task's setting."""
+    never = Settings(inspect_timeout_s=0.001)
+    source = Prebuilt("ubuntu:24.04", None, "task 'p': task.toml: environment.docker_image")
+    on = run(ImageStore(root=store.root, pulls=never, ubuntu_standins="bookworm").image(source, backend))
+    assert on.layers == noble_task[0].layers[1:] and on.note.startswith("ubuntu:24.04: furlong's ubuntu-24.04 "
+                                                                          "stand-in (Debian 12."), on.note
+    with pytest.raises(ImageBuildError) as err:
+        run(ImageStore(root=store.root, pulls=never).image(source, backend))
+    assert str(err.value).startswith("task 'p': task.toml: environment.docker_image: ubuntu:24.04: no registry "
+                                     "serves it here") and "images.ubuntu_standins=off" in str(err.value)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from furlong.sandbox.base import Prebuilt
 from furlong.tasks.family import load_family
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
@@ -75,6 +76,8 @@ def test_terminal_bench_task_loads(tmp_path: Path):
     ("[environment]\nmemory = '512M'\nmemroy_mb = 512", "unknown key 'environment.memroy_mb'"),
     ("[furlong]\nverifier_tool_chain = true", "unknown key 'furlong.verifier_tool_chain'"),
     ("timeout_sec = 30", "unknown key 'timeout_sec'"),
+    ("[environment]\ndocker_image = 'Ubuntu:24.04'", "field 'environment.docker_image': Value error, expected an "
+                                                     "image reference"),
 ])
 def test_malformed_task_toml_names_task_file_and_field(tmp_path: Path, toml: str, words: str):
     with pytest.raises(TaskError) as err:
@@ -93,6 +96,19 @@ def test_harbor_keys_furlong_does_not_act_on_still_load(tmp_path: Path):
     """)
     task = load_task(harbor(tmp_path, toml="schema_version = '1.1'\nsource = 'tb2'\n" + toml))
     assert (task.agent_timeout_s, task.limits.memory_mb) == (45.0, 512)
+
+
+def test_a_prebuilt_image_is_the_tasks_image_source_with_its_dockerfile(tmp_path: Path):
+    """Harbor's docker_image names the image (its Dockerfile, if any, serves where no registry does:
+    furlong.sandbox.prebuilt); without it the Dockerfile, without either the default base."""
+    task = load_task(harbor(tmp_path, toml="[environment]\ndocker_image = 'ghcr.io/org/img:1'\n"))
+    assert task.docker_image == "ghcr.io/org/img:1"
+    assert task.image_source == Prebuilt("ghcr.io/org/img:1", task.dockerfile,
+                                         "task 'demo': task.toml: environment.docker_image")
+    plain = load_task(harbor(tmp_path, "plain", toml=""))
+    assert plain.image_source == plain.dockerfile and plain.dockerfile is not None
+    (plain.dockerfile).unlink()
+    assert load_task(plain.path).image_source is None
 
 
 def test_harbor_deprecated_memory_spelling_sets_the_limit(tmp_path: Path):

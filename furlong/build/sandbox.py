@@ -22,7 +22,7 @@ def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore | HostImages:
                               timeout_s=i.pull_timeout_s)
     egress = host_egress(i.trust_host_ca, i.host_ca_bundle, i.package_mirrors)
     return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls, egress=egress,
-                      standin_versions=i.standins, offline_uv=i.offline_uv)
+                      standin_versions=i.standins, offline_uv=i.offline_uv, ubuntu_standins=i.ubuntu_standins)
 
 
 def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> SandboxBackend:

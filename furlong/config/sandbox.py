@@ -39,6 +39,11 @@ class ImagesConfig(_Node):
         "nearest", description="a tag whose version Debian does not ship (python:3.12, node:22): nearest: the "
                                "stand-in with the nearest version, and its note says so; exact: a one-line error "
                                "naming the versions Debian has (Go always needs its exact release)")
+    ubuntu_standins: Literal["off", "nearest", "bookworm", "trixie"] = Field(
+        "off", description="ubuntu:24.04|22.04|20.04 (and noble, jammy, focal) where no registry, cache or import "
+                           "serves them: off: a one-line error; nearest: furlong's Debian stand-in (24.04: trixie; "
+                           "22.04, 20.04: bookworm), its note saying what differs (apt's sources stay Debian's); "
+                           "bookworm or trixie: that Debian release for every Ubuntu tag (docs/images.md)")
     registry_auth_file: Path | None = Field(None, description="a containers-auth.json for private registries "
                                             "(skopeo --authfile); null: $REGISTRY_AUTH_FILE, else skopeo's defaults")
     pull_timeout_s: float = Field(1800.0, gt=0, description="one image pull")

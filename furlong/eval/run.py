@@ -33,19 +33,20 @@ from furlong.tasks.suite import BrokenTask
 async def prepare_images(tasks: list[Task], store: ImageStore, backend, console: Console) -> dict:
     """Builds every image the tasks need, once each, before any episode starts.
 
-    Returns Dockerfile path -> ImageRef, or -> the error text for images that failed to build.
+    Returns the task's image source (Task.image_source) -> ImageRef, or -> the error text for images that
+    failed to build.
     """
     images: dict = {}
-    wanted = list(dict.fromkeys(d for t in tasks for d in (t.dockerfile, *verifier_dockerfiles(t))))
+    wanted = list(dict.fromkeys(s for t in tasks for s in (t.image_source, *verifier_dockerfiles(t))))
     with console.status("preparing images") as status:
-        for n, dockerfile in enumerate(wanted, 1):
+        for n, source in enumerate(wanted, 1):
             def progress(msg: str, n=n) -> None:
                 status.update(f"image {n}/{len(wanted)}: {msg}")
             try:
-                images[dockerfile] = await store.image(dockerfile, backend, progress)
+                images[source] = await store.image(source, backend, progress)
             except Exception as exc:  # one bad Dockerfile must not stop the others
-                images[dockerfile] = f"image build failed: {exc}"
-                console.print(f"[red]{images[dockerfile]}")
+                images[source] = f"image build failed: {exc}"
+                console.print(f"[red]{images[source]}")
     # a stand-in that is not the image the FROM names says so once (its note is also in every record)
     for note in dict.fromkeys(i.note for i in images.values() if not isinstance(i, str) and i.note):
         console.print(f"[yellow]image:[/yellow] {note}", soft_wrap=True, highlight=False)
@@ -128,7 +129,7 @@ async def _episodes(jobs: list[tuple[Task | Instance, int]], agent: Agent | Epis
 def _prebuilt(images: dict):
     """Task -> the image prepare_images built; a failed build is the episode's infra_error."""
     async def lookup(task: Task) -> ImageRef:
-        image = images[task.dockerfile]
+        image = images[task.image_source]
         if isinstance(image, str):
             raise SandboxError(image)
         return image

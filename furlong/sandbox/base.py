@@ -88,6 +88,21 @@ class ImageRef:
 
 
 @dataclass(frozen=True)
+class Prebuilt:
+    """A task's prebuilt image (Harbor's `[environment] docker_image`), by reference, with the task's own
+    Dockerfile where it has one (furlong.sandbox.prebuilt says which serves). `where` names the setting in
+    messages ("task 'x': task.toml: environment.docker_image")."""
+
+    ref: str
+    dockerfile: Path | None = None
+    where: str = "docker_image"
+
+
+# What a task's image is made from: its Dockerfile, a prebuilt image, or neither (the default base).
+ImageSource = Path | Prebuilt | None
+
+
+@dataclass(frozen=True)
 class SyscallPolicy:
     """The seccomp filter: a default deny list (furlong.sandbox.seccomp), minus what a task allows."""
 

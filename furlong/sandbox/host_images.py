@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from furlong.sandbox.base import ImageRef, LayerRef, SandboxError
+from furlong.sandbox.base import ImageRef, ImageSource, LayerRef, Prebuilt, SandboxError
 from furlong.sandbox.builds import ImageBuildError
 from furlong.sandbox.hosts import Host, Hosts, check
 from furlong.sandbox.tarball import tar_dir
@@ -30,12 +30,15 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Recipe:
-    """One build request, as sent: `kind` (dockerfile, toolchain, base) and, for a Dockerfile, its context."""
+    """One build request, as sent: `kind` (dockerfile, prebuilt, toolchain, base) and, for a Dockerfile, its
+    context; for a prebuilt image, its reference (and the task's Dockerfile, if any, as for kind dockerfile)."""
 
     kind: str
     context: bytes = b""
     dockerfile: str = "Dockerfile"
     label: str = ""  # the Dockerfile's path here, for the host's error messages
+    ref: str = ""  # kind prebuilt: the image reference
+    where: str = ""  # kind prebuilt: what names it in messages (the task's setting)
 
 
 def image_ref(data: dict[str, Any]) -> ImageRef:
@@ -48,12 +51,13 @@ class HostImages:
     def __init__(self, hosts: Hosts):
         self.hosts = hosts
         self._made_by: dict[str, Recipe] = {}  # layer digest -> the request that built it
-        self._resolved: dict[Path | None, ImageRef] = {}
-        self._locks: dict[Path | None, asyncio.Lock] = {}
+        self._resolved: dict[ImageSource, ImageRef] = {}
+        self._locks: dict[ImageSource, asyncio.Lock] = {}
         self._toolchain: Toolchain | None = None
 
     async def _build(self, host: Host, recipe: Recipe) -> dict[str, Any]:
-        params = {"kind": recipe.kind, "dockerfile": recipe.dockerfile, "label": recipe.label}
+        params = {"kind": recipe.kind, "dockerfile": recipe.dockerfile, "label": recipe.label,
+                  **({"ref": recipe.ref, "where": recipe.where} if recipe.kind == "prebuilt" else {})}
         try:
             r = await host.client().post("/v1/images", params=params, content=recipe.context,
                                          timeout=BUILD_TIMEOUT_S)
@@ -78,17 +82,17 @@ class HostImages:
                 errors.append(str(exc))
         raise SandboxError("no sandbox host could build the image: " + "; ".join(errors))
 
-    async def image(self, dockerfile: Path | None, backend: Any = None, progress: Progress | None = None) -> ImageRef:
-        """The task's image (the host's base for None), built once per Dockerfile."""
+    async def image(self, source: ImageSource, backend: Any = None, progress: Progress | None = None) -> ImageRef:
+        """The task's image (the host's base for None), built once per Dockerfile or prebuilt image."""
         progress = progress or (lambda _: None)
-        async with self._locks.setdefault(dockerfile, asyncio.Lock()):
-            if dockerfile not in self._resolved:
-                recipe = Recipe("base") if dockerfile is None else await asyncio.to_thread(_recipe, dockerfile)
+        async with self._locks.setdefault(source, asyncio.Lock()):
+            if source not in self._resolved:
+                recipe = Recipe("base") if source is None else await asyncio.to_thread(_recipe, source)
                 ref = image_ref(await self._first_host(recipe, progress))
                 for layer in ref.layers:
                     self._made_by.setdefault(layer.digest, recipe)
-                self._resolved[dockerfile] = ref
-        return self._resolved[dockerfile]
+                self._resolved[source] = ref
+        return self._resolved[source]
 
     async def toolchain(self, backend: Any = None, progress: Progress | None = None) -> Toolchain:
         if self._toolchain is None:
@@ -111,8 +115,10 @@ class HostImages:
             await self._build(host, recipe)
 
 
-def _recipe(dockerfile: Path) -> Recipe:
-    context = dockerfile.parent
-    return Recipe("dockerfile", tar_dir(context), dockerfile.name, str(dockerfile))
+def _recipe(source: Path | Prebuilt) -> Recipe:
+    if isinstance(source, Prebuilt):
+        built = _recipe(source.dockerfile) if source.dockerfile else Recipe("prebuilt")
+        return Recipe("prebuilt", built.context, built.dockerfile, built.label, source.ref, source.where)
+    return Recipe("dockerfile", tar_dir(source.parent), source.name, str(source))
 
 

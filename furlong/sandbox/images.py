@@ -9,7 +9,8 @@ so the sandbox uid cannot write them; as a user, they belong to the user, which 
 A FROM names the base, the base plus a stand-in layer (standins.py: e.g. `python:*` gets Debian's
 python3 with pip and venv), built once like a task layer from an internal Dockerfile, an image
 imported by hand (imports.py), or any other reference pulled from its registry (registry.py). A
-stand-in's note says what the image really is; ImageRef.note carries it.
+stand-in's note says what the image really is; ImageRef.note carries it. A task's prebuilt image
+(Harbor's docker_image) is resolved by prebuilt.py.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from pathlib import Path
 
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import buildah, idmap, imports, layers, offline_uv, registry, rootless, standins, users
+from furlong.sandbox import (buildah, idmap, imports, layers, offline_uv, prebuilt, registry, rootless, standins,
+                             ubuntu, users)
 from furlong.sandbox.egress import Egress
 from furlong.sandbox import toolchain as toolchains
-from furlong.sandbox.base import BASE_ENV, DEFAULT_HOST_UID, ImageRef, LayerRef, Limits, SandboxError, SandboxSpec
+from furlong.sandbox.base import (BASE_ENV, DEFAULT_HOST_UID, ImageRef, ImageSource, LayerRef, Limits, Prebuilt,
+                                   SandboxError, SandboxSpec)
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.tarball import tar_dir
 
@@ -53,7 +56,7 @@ class ImageStore:
     def __init__(self, root: Path | None = None, host_uid: int | None = None,
                  mirror: str | None = None, build_timeout_s: float = 1800.0,
                  pulls: registry.Settings | None = None, egress: Egress | None = None,
-                 standin_versions: str = "nearest", offline_uv: bool = False):
+                 standin_versions: str = "nearest", offline_uv: bool = False, ubuntu_standins: str = "off"):
         self.root = root or cache_dir() / "images"
         # the sandbox uid, as the bwrap backend picks it: the given one as root, else this process's own
         self.host_uid = (DEFAULT_HOST_UID if host_uid is None else host_uid) if os.geteuid() == 0 else os.geteuid()
@@ -65,10 +68,13 @@ class ImageStore:
         if standin_versions not in ("nearest", "exact"):
             raise ValueError(f"images.standins: expected nearest or exact, got {standin_versions!r}")
         self.standin_versions = standin_versions  # a tag's version Debian lacks: the nearest, or an error
+        if ubuntu_standins not in ubuntu.MODES:
+            raise ValueError(f"{ubuntu.SETTING}: expected {' or '.join(ubuntu.MODES)}, got {ubuntu_standins!r}")
+        self.ubuntu_standins = ubuntu_standins  # Ubuntu's tags where no registry serves them (ubuntu.py)
         self.offline_uv = offline_uv  # uv's installer in a RUN step: the toolchain's uv (offline_uv.py)
         self._locks: dict[str, asyncio.Lock] = {}
-        self._resolved: dict[Path, ImageRef] = {}  # a task's files do not change within a run
-        self._resolving: dict[Path, asyncio.Future] = {}
+        self._resolved: dict[Path | Prebuilt, ImageRef] = {}  # a task's files do not change within a run
+        self._resolving: dict[Path | Prebuilt, asyncio.Future] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         self.registry = registry.Registry(self.root / "registry", pulls)  # images pulled by digest
         check_traversable(self.root, self.host_uid)  # build sandboxes write layers under it by path
@@ -184,16 +190,20 @@ class ImageStore:
         """The image a FROM names: an imported one (exact name first: the user brought it on purpose),
         a base or a base plus a stand-in layer (built once) for the names furlong maps, unless
         `prefer_registry`; else the image pulled from its registry (cached by digest). The stand-ins of
-        toolchain images (gcc, node...) serve only where the registry cannot, and one whose version differs
-        from the tag's only in `nearest` mode (standins.py)."""
+        toolchain images (gcc, node...) and Ubuntu serve only where the registry cannot, one whose version
+        differs from the tag's only in `nearest` mode, Ubuntu's only with images.ubuntu_standins (standins.py)."""
         if (meta := imports.find(self.root, ref)) is not None:
-            return await asyncio.to_thread(self._imported, meta)
-        choice = standins.resolve(ref)
+            return await asyncio.to_thread(self.imported_image, meta)
+        choice = standins.resolve(ref, self.ubuntu_standins)
         usable = choice is not None and choice.allowed(self.standin_versions)
         registry_first = choice is None or (ref != standins.base_name(choice.suite) and (
             self.registry.settings.prefer_registry or choice.registry_first or not usable))
         if registry_first and (pulled := await asyncio.to_thread(self._pull, ref, choice, usable, progress)):
-            return await asyncio.to_thread(self._pulled, pulled)
+            return await asyncio.to_thread(self.pulled_image, pulled)
+        return await self.standin_image(choice, backend, progress)
+
+    async def standin_image(self, choice: standins.BaseChoice, backend, progress: Progress) -> ImageRef:
+        """The base `choice` maps onto, plus its stand-in layer (built once) where it has one."""
         base = await asyncio.to_thread(self.base, progress, choice.suite)
         if choice.standin is None:
             return base
@@ -212,13 +222,13 @@ class ImageStore:
                 raise
             raise registry.RegistryError(choice.refusal(self.standin_versions)) from None
 
-    def _imported(self, meta: dict) -> ImageRef:
+    def imported_image(self, meta: dict) -> ImageRef:
         rootfs = imports.directory(self.root, meta["name"]) / imports.rootfs_name(meta["id"])
         return ImageRef(digest=f"import-{meta['id']}", layers=(self.layer(f"import-{meta['id']}", rootfs),),
                         env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
                         user=meta.get("user", ""), note=f"{meta['name']}: imported by hand from {meta['source']}")
 
-    def _pulled(self, meta: dict) -> ImageRef:
+    def pulled_image(self, meta: dict) -> ImageRef:
         return ImageRef(digest=f"pulled-{meta['manifest'][7:23]}",
                         layers=(self.layer(meta["manifest"], self.registry.rootfs(meta)),),
                         env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
@@ -281,24 +291,31 @@ class ImageStore:
                 parts.append(df.copy_tar(dockerfile.parent, step, workdir, dockerfile))
         return "layer-" + _sha(*parts)
 
-    async def image(self, dockerfile: Path | None, backend, progress: Progress | None = None) -> ImageRef:
-        """The image for a task: the base, or its Dockerfile's FROM plus its own layer (built once).
+    async def image(self, source: ImageSource, backend, progress: Progress | None = None) -> ImageRef:
+        """The image for a task: the base (None), its Dockerfile's FROM plus its own layer (built once), or
+        its prebuilt image (furlong.sandbox.prebuilt).
 
         Callers asking for the same Dockerfile at once share one lookup: an RL step asks for each new task's
         image once per episode and once per sandbox it reserves, all together, and a lookup costs tens of
         milliseconds of CPU even when the layer is built (the cost the engine then waits for)."""
         progress = progress or (lambda _: None)
-        if dockerfile is None:
+        if source is None:
             return await asyncio.to_thread(self.base, progress)
-        if dockerfile in self._resolved:
-            return self._resolved[dockerfile]
-        pending = self._resolving.get(dockerfile)
+        if source in self._resolved:
+            return self._resolved[source]
+        pending = self._resolving.get(source)
         if pending is None:
-            pending = self._resolving[dockerfile] = asyncio.ensure_future(self._resolve(dockerfile, backend, progress))
-            pending.add_done_callback(lambda _: self._resolving.pop(dockerfile, None))
+            pending = self._resolving[source] = asyncio.ensure_future(self._resolve(source, backend, progress))
+            pending.add_done_callback(lambda _: self._resolving.pop(source, None))
         return await asyncio.shield(pending)  # one caller cancelled must not cancel the others' lookup
 
-    async def _resolve(self, dockerfile: Path, backend, progress: Progress) -> ImageRef:
+    async def _resolve(self, source: Path | Prebuilt, backend, progress: Progress) -> ImageRef:
+        if isinstance(source, Prebuilt):
+            self._resolved[source] = await prebuilt.image(self, source, backend, progress)
+            return self._resolved[source]
+        return await self._from_dockerfile(source, backend, progress)
+
+    async def _from_dockerfile(self, dockerfile: Path, backend, progress: Progress) -> ImageRef:
         if why := df.outside_subset(dockerfile):  # multi-stage, ARG, USER worker, heredocs...: buildah
             return await self._by_buildah(dockerfile, backend, progress, why)
         imported = registry.FromNames(await asyncio.to_thread(imports.names, self.root))  # or any reference

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from furlong.sandbox.base import ImageRef, Sandbox, SandboxError, SandboxSpec
+from furlong.sandbox.base import ImageRef, ImageSource, Sandbox, SandboxError, SandboxSpec
 from furlong.sandbox.toolchain import stack, verifier_offline
 
 if TYPE_CHECKING:
@@ -43,22 +42,24 @@ async def start_sandbox(backend, spec: SandboxSpec, timeout_s: float = READY_TIM
 
 
 class StoreImages:
-    """Task -> image through an ImageStore, remembering failures so a broken Dockerfile is tried once."""
+    """Task -> image through an ImageStore, remembering failures so a broken Dockerfile (or an image that
+    cannot be had) is tried once."""
 
     def __init__(self, store, backend):
         self.store, self.backend = store, backend
-        self._failed: dict[Path | None, str] = {}
+        self._failed: dict[ImageSource, str] = {}
 
     async def __call__(self, task) -> ImageRef:
-        if task.dockerfile in self._failed:
-            raise SandboxError(self._failed[task.dockerfile])
+        source = task.image_source
+        if source in self._failed:
+            raise SandboxError(self._failed[source])
         try:
-            image = await self.store.image(task.dockerfile, self.backend)
+            image = await self.store.image(source, self.backend)
             if getattr(task, "verifier_toolchain", False):  # uv/uvx/pytest on top (furlong.sandbox.toolchain)
                 image = stack(image, await self.store.toolchain(self.backend), verifier_offline(task))
             return image
         except Exception as exc:
-            self._failed[task.dockerfile] = f"image build failed: {exc}"
+            self._failed[source] = f"image build failed: {exc}"
             raise
 
 

@@ -192,7 +192,8 @@ class Registry:
     def image(self, ref: str, progress: Progress, refresh: bool = False, platform: str = "",
               fallback: bool = False) -> dict | None:
         """The stored image `ref` names, pulled first if it is not cached (or if `refresh`). With
-        `fallback`, an unreachable registry returns None (the caller has a stand-in) instead of failing."""
+        `fallback`, an unreachable registry returns None (the caller has a stand-in, or a Dockerfile) instead
+        of failing."""
         parsed = Reference.parse(ref)
         if parsed is None:
             raise RegistryError(f"{ref!r}: not an image reference (expected NAME, NAME:TAG or NAME@sha256:HEX, "
@@ -216,7 +217,7 @@ class Registry:
                 log.warning("%s: registry unreachable (%s); using the cached %s", ref, exc, cached["digest"])
                 return cached
             if fallback:
-                log.warning("%s: registry unreachable (%s) and not cached; using furlong's stand-in", ref, exc)
+                log.warning("%s: registry unreachable (%s) and not cached; the caller's fallback serves", ref, exc)
                 return None
             raise RegistryError(f"{ref}: registry {parsed.registry} unreachable ({exc}) and the image is not "
                                 f"cached; bring it by hand with `furlong image import {ref} OCI_ARCHIVE`") from None

@@ -33,7 +33,8 @@ class Standin:
             listed = "/etc/apt/sources.list.d/furlong-backports.list"
             install = (f"sed -n 's/ {self.suite} main$/ {self.suite}-backports main/p' /etc/apt/sources.list "
                        f"> {listed} && {install} && rm {listed}")
-        lines = [f"FROM {base_name(self.suite)}", *(f"ENV {k}={v}" for k, v in self.env), f"RUN {install}"]
+        lines = [f"FROM {base_name(self.suite)}", *(f"ENV {k}={v}" for k, v in self.env),
+                 *([f"RUN {install}"] if self.packages else [])]
         return "\n".join(lines + ([f"RUN {self.setup}"] if self.setup else [])) + "\n"
 
 

@@ -8,6 +8,7 @@ Two Debian releases are bootstrapped (SUITES), so a tag's version is met where e
 with a note saying so (`images.standins: nearest`, the default) or a one-line error naming what Debian has
 (`exact`); Go always needs its exact release. Every note states the version the stand-in really has
 (probed when it is built), in the build log, the layer's meta.json and each eval record's `image_note`.
+Ubuntu's tags have stand-ins only with images.ubuntu_standins on (ubuntu.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from furlong.sandbox import ubuntu
 from furlong.sandbox.standin_recipes import (
     BUILDPACK_DEPS,
     FAMILIES,
@@ -29,7 +31,7 @@ __all__ = ["PYTHON", "SUITES", "BaseChoice", "Standin", "pick", "resolve"]
 DISTROS = {"bookworm": "Debian 12 (bookworm)", "bullseye": "Debian 11 (bullseye)", "trixie": "Debian 13 (trixie)",
            "focal": "Ubuntu 20.04 (focal)", "jammy": "Ubuntu 22.04 (jammy)", "noble": "Ubuntu 24.04 (noble)"}
 KNOWN = ("debian:bookworm|trixie[-slim]", "debian:12|13[.N][-slim]", "buildpack-deps:bookworm[-curl|-scm]",
-         "furlong/base[-trixie]",
+         "furlong/base[-trixie]", ubuntu.KNOWN,
          *(f"{repo}:TAG ({fam.label} {', '.join(o.version for o in fam.offers)})" for repo, fam in FAMILIES.items()))
 # Ubuntu releases whose Python has no PEP 668 marker: a Dockerfile for them runs `pip3 install` as root
 _NO_PEP668 = ("focal", "jammy")
@@ -49,13 +51,19 @@ class BaseChoice:
     family: Family | None = None
     exact: bool = True  # the stand-in has the release the tag asks for
     registry_first: bool = False  # a reachable registry (or a cached pull) serves the tag before the stand-in
+    refused: str = ""  # the one line where a setting keeps this stand-in off (images.ubuntu_standins=off)
 
     def allowed(self, mode: str) -> bool:
         """Whether this stand-in may serve the tag in `mode` (images.standins)."""
+        if self.refused:
+            return False
         return self.exact or (mode == "nearest" and not (self.family and self.family.exact_only))
 
     def refusal(self, mode: str) -> str:
-        """The one line for a tag whose version no stand-in has, where it may not take the nearest."""
+        """The one line for a tag no stand-in may serve: one that is off, or whose version no stand-in has,
+        where it may not take the nearest."""
+        if self.refused:
+            return self.refused
         fam = self.family
         have = ", ".join(f"{o.version} ({o.suite}{'-backports' if o.backports else ''})" for o in fam.offers)
         why = ("Go stand-ins need the exact release" if fam.exact_only else
@@ -75,7 +83,7 @@ class BaseChoice:
         if self.standin.label and self.asked_version and provides.split(".")[:len(asked)] != asked:
             nearest = "" if self.exact else f" (nearest: Debian {self.standin.suite}'s {self.standin.version})"
             extra.insert(0, f"the tag asks for {self.standin.label} {self.asked_version}{nearest}")
-        real = f"{self.standin.label} {provides}, " if self.standin.label else ""
+        real = f"{self.standin.label} {provides}, " if self.standin.label else (f"{provides}; " if provides else "")
         tail = f"; {'; '.join(extra)}" if extra else ""
         return f"{self.asked}: furlong's {self.standin.name} stand-in ({real}{self.standin.what}){tail}"
 
@@ -94,10 +102,13 @@ _DEBIAN_TAGS = {"bookworm": re.compile(r"(bookworm(-\d{8})?|12(\.\d+)?)(-slim)?"
                 "trixie": re.compile(r"(trixie(-\d{8})?|13(\.\d+)?)(-slim)?")}
 
 
-def resolve(ref: str) -> BaseChoice | None:
-    """The base an image reference maps onto, or None where there is no honest mapping."""
+def resolve(ref: str, ubuntu_mode: str = "off") -> BaseChoice | None:
+    """The base an image reference maps onto, or None where there is no honest mapping. Ubuntu's tags map
+    with `ubuntu_mode` (images.ubuntu_standins); `off` keeps their stand-in off, with the line saying so."""
     repo, tag, pinned = _repo_tag(ref)
     differences = ("a digest pins one build; the stand-in ignores it",) if pinned else ()
+    if repo == "ubuntu":
+        return _ubuntu(ref, tag, differences, ubuntu_mode)
     for suite in SUITES:
         if ref == base_name(suite) or (repo == "debian" and _DEBIAN_TAGS[suite].fullmatch(tag)):
             return BaseChoice(ref, suite=suite)
@@ -106,6 +117,17 @@ def resolve(ref: str) -> BaseChoice | None:
                           differences=differences)
     family = FAMILIES.get(repo)
     return _versioned(ref, tag, family, differences) if family else None
+
+
+def _ubuntu(ref: str, tag: str, differences: tuple[str, ...], mode: str) -> BaseChoice | None:
+    """An Ubuntu release's stand-in (ubuntu.py), pulled first where a registry or the cache serves the tag."""
+    rel = ubuntu.release(tag)
+    if rel is None:
+        return None
+    suite = ubuntu.suite_for(rel, mode)
+    notes = (*differences, *ubuntu.differences(rel, suite, mode))
+    return BaseChoice(ref, ubuntu.standin(rel, suite), rel.version, notes, suite, registry_first=True,
+                      refused=ubuntu.refusal(ref, rel) if mode == "off" else "")
 
 
 def _versioned(ref: str, tag: str, family: Family, differences: tuple[str, ...]) -> BaseChoice | None:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from furlong.sandbox.registry import Reference
+
 MAIN_SERVICE = "main"  # Harbor's name for the agent's container; any other is a docker-compose sidecar
 
 
@@ -45,10 +47,10 @@ class Environment(Section):
     os: Literal["linux", "windows"] = "linux"
     seccomp: bool = True  # furlong's own keys: the syscall filter, and names taken off its deny list
     seccomp_allow: list[str] = []
-    # Harbor's keys furlong does not act on: the image comes from environment/Dockerfile, and there are
-    # no GPUs, storage quotas, MCP servers or skills in a sandbox
+    docker_image: str | None = None  # Harbor's prebuilt image, used before environment/Dockerfile
+    # Harbor's keys furlong does not act on: there are no GPUs, storage quotas, MCP servers or skills in a
+    # sandbox
     build_timeout_sec: Any = None
-    docker_image: Any = None
     storage_mb: Any = None
     gpus: Any = None
     gpu_types: Any = None
@@ -60,6 +62,14 @@ class Environment(Section):
     workdir: Any = None
     memory: str | None = None  # Harbor's deprecated spelling of memory_mb ("4G", "512M")
     storage: Any = None
+
+    @field_validator("docker_image")
+    @classmethod
+    def _reference(cls, ref: str | None) -> str | None:
+        if ref is not None and Reference.parse(ref) is None:
+            raise ValueError("expected an image reference (NAME[:TAG][@sha256:HEX], NAME optionally starting with "
+                             "REGISTRY/)")
+        return ref
 
     @field_validator("memory")
     @classmethod

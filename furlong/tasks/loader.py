@@ -101,7 +101,7 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         solution_env=tuple(sorted(conf.solution.env.items())),
         verifier_toolchain=conf.furlong.verifier_toolchain, trust_agent_tools=conf.verifier.trust_agent_tools,
         separate=separate, artifacts=_artifacts(conf.artifacts), collect=_hooks(conf.verifier.collect),
-        reward_strategy=conf.multi_step_reward_strategy or "mean",
+        reward_strategy=conf.multi_step_reward_strategy or "mean", docker_image=conf.environment.docker_image,
     )
     if not conf.steps:
         return task

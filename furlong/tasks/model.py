@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from furlong.sandbox.base import Limits, SyscallPolicy
+from furlong.sandbox.base import ImageSource, Limits, Prebuilt, SyscallPolicy
 
 TESTS_DIR = "/tests"  # where the task's tests are copied, after the agent finishes
 VERIFIER_LOG_DIR = "/logs/verifier"  # where tests write reward.txt / reward.json
@@ -106,6 +106,16 @@ class Task:
     tests_overlay: Path | None = None  # a step's own tests/, copied over tests_dir
     steps: tuple[Step, ...] = ()  # Harbor's [[steps]], run in order in one sandbox
     reward_strategy: str = "mean"  # multi_step_reward_strategy: mean | final
+    docker_image: str | None = None  # task.toml [environment] docker_image: Harbor's prebuilt image
+
+    @property
+    def image_source(self) -> ImageSource:
+        """What the task's image is made from: the prebuilt image where it names one (with its Dockerfile, for
+        where no registry serves it: furlong.sandbox.prebuilt), else its Dockerfile, else None (the base)."""
+        if self.docker_image:
+            return Prebuilt(self.docker_image, self.dockerfile,
+                            f"task {self.id!r}: task.toml: environment.docker_image")
+        return self.dockerfile
 
 
 def step_task(task: Task, step: Step) -> Task:

@@ -3,9 +3,11 @@
 `POST /v1/images?kind=dockerfile` takes a tar of a Dockerfile's build context. It is unpacked once per
 content (the store keys layers by what they were built from, so the same context never builds twice)
 under the host's cache, and built by the store exactly as a local `furlong eval` would build it: same
-builders, stand-ins, pulls and build sandboxes. `kind=toolchain` builds the verifier toolchain layer and
-`kind=base` the base image. The answer is the ImageRef (or Toolchain) as JSON; a create then names it
-by content (app.py resolves its layers in this store, or answers 409 with the ones it lacks).
+builders, stand-ins, pulls and build sandboxes. `kind=prebuilt&ref=REF` serves a task's prebuilt image
+(furlong.sandbox.prebuilt), its body the task's Dockerfile context where it has one (else empty).
+`kind=toolchain` builds the verifier toolchain layer and `kind=base` the base image. The answer is the
+ImageRef (or Toolchain) as JSON; a create then names it by content (app.py resolves its layers in this
+store, or answers 409 with the ones it lacks).
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route's Annotated dependencies at definition time
@@ -24,7 +26,7 @@ from typing import Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 
-from furlong.sandbox.base import ImageRef, SandboxBackend, SandboxError
+from furlong.sandbox.base import ImageRef, Prebuilt, SandboxBackend, SandboxError
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.toolchain import Toolchain
 
@@ -75,32 +77,46 @@ def image_routes(app: FastAPI, store: ImageStore, backend: SandboxBackend, host_
     contexts = store.root.parent / "host-contexts"
 
     @app.post("/v1/images", dependencies=[Depends(host_auth)])
-    async def build(request: Request, kind: Literal["dockerfile", "toolchain", "base"] = "dockerfile",
-                    dockerfile: str = "Dockerfile", label: str = "") -> dict:
+    async def build(request: Request, kind: Literal["dockerfile", "prebuilt", "toolchain", "base"] = "dockerfile",
+                    dockerfile: str = "Dockerfile", label: str = "", ref: str = "", where: str = "") -> dict:
         if kind == "base":
             return await _built(asyncio.to_thread(store.base, _say))
         if kind == "toolchain":
             return await _built(store.toolchain(backend, _say))
+        if kind == "prebuilt" and not ref:
+            raise HTTPException(400, "ref: kind=prebuilt needs the image reference")
         data = await request.body()
-        try:
-            context = await asyncio.to_thread(_unpack, data, contexts)
-        except (tarfile.TarError, OSError) as e:
-            raise HTTPException(400, f"body: expected a tar of the build context ({e})") from e
-        path = _dockerfile(context, dockerfile)
-        # the client's own path in messages (a failing step names file:line), not this host's copy
-        return await _built(store.image(path, backend, _say), {str(path): label, str(context): "<context>"})
+        path = names = None
+        if kind == "dockerfile" or data:  # a prebuilt image's body is the task's Dockerfile context, if any
+            try:
+                context = await asyncio.to_thread(_unpack, data, contexts)
+            except (tarfile.TarError, OSError) as e:
+                raise HTTPException(400, f"body: expected a tar of the build context ({e})") from e
+            path = _dockerfile(context, dockerfile)
+            # the client's own path in messages (a failing step names file:line), not this host's copy
+            names = {str(path): label, str(context): "<context>"}
+        source = path if kind == "dockerfile" else Prebuilt(ref, path, where or "docker_image")
+        return await _built(store.image(source, backend, _say), names)
 
 
 async def _built(build: Awaitable[ImageRef | Toolchain], names: dict[str, str] | None = None) -> dict:
-    """The build's result as JSON; its failure (a RUN step, an unknown FROM) as a 400 the client shows."""
+    """The build's result as JSON; its failure (a RUN step, an unknown FROM) as a 400 the client shows. Both
+    name the client's paths, not this host's copies (`names`)."""
     try:
-        return dataclasses.asdict(await build)
+        built = dataclasses.asdict(await build)
     except Exception as e:
-        text = str(e)
-        for here, there in (names or {}).items():
-            text = text.replace(here, there or here)
+        text = _named(str(e), names)
         log.warning("image build failed: %s", text)
         raise HTTPException(400, f"image build failed: {type(e).__name__}: {text}") from e
+    if "note" in built:  # a prebuilt image built from the task's Dockerfile says so, naming it
+        built["note"] = _named(built["note"], names)
+    return built
+
+
+def _named(text: str, names: dict[str, str] | None) -> str:
+    for here, there in (names or {}).items():
+        text = text.replace(here, there or here)
+    return text
 
 
 def _say(msg: str) -> None:
