@@ -26,9 +26,15 @@ MAX_START_FAILURES = 3  # in a row, for one acquire, before it gives up (the epi
 ImageLookup = Callable[[object], Awaitable[ImageRef]]  # task -> its built image
 
 
-def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
-    """The one place a task's sandbox is specified (also the warm pools' key)."""
-    return SandboxSpec(image=image, network=task.network, limits=task.limits, syscalls=task.syscalls)
+def sandbox_spec(task: Task, image: ImageRef, control: bool = False) -> SandboxSpec:
+    """The one place a task's sandbox is specified (also the warm pools' key): it starts with the agent
+    phase's network and can switch to the verifier phase's; a `control` run's (the tests in a sandbox no
+    agent touched) has the verifier phase's from the start."""
+    if control:
+        return SandboxSpec(image=image, network=task.verifier_network, limits=task.limits, syscalls=task.syscalls)
+    phases = (task.verifier_network,) if task.verifier_network != task.agent_network else ()
+    return SandboxSpec(image=image, network=task.agent_network, limits=task.limits, syscalls=task.syscalls,
+                       network_phases=phases)
 
 
 async def start_sandbox(backend, spec: SandboxSpec, timeout_s: float = READY_TIMEOUT_S) -> Sandbox:
@@ -55,7 +61,7 @@ class StoreImages:
         try:
             image = await self.store.image(task.dockerfile, self.backend)
             if getattr(task, "verifier_toolchain", False):  # uv/uvx/pytest on top (furlong.sandbox.toolchain)
-                image = stack(image, await self.store.toolchain(self.backend), task.network)
+                image = stack(image, await self.store.toolchain(self.backend), task.verifier_network.online)
             return image
         except Exception as exc:
             self._failed[task.dockerfile] = f"image build failed: {exc}"

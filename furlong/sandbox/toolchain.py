@@ -210,7 +210,7 @@ class ToolchainImages:
                     self._built = f"verifier toolchain unavailable: {exc}"
         if isinstance(self._built, str):
             raise ToolchainError(self._built)
-        return stack(image, self._built, task.network)
+        return stack(image, self._built, task.verifier_network.online)
 
 
 def opt_in_all(entries: list) -> list:
