@@ -18,11 +18,23 @@ from furlong.envs.base import EnvUnavailable, Score, ToolArgumentError, describe
 from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer, VerifierSandbox
 from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
 from furlong.timing import Clock
-from furlong.sandbox.base import BASE_ENV, ChangeTracking, HostLost, ImageRef, Sandbox, SandboxSpec
+from furlong.sandbox.base import (
+    BASE_ENV,
+    ChangeTracking,
+    HostLost,
+    ImageRef,
+    NetworkSwitching,
+    Sandbox,
+    SandboxDied,
+    SandboxError,
+    SandboxSpec,
+)
+from furlong.sandbox.network import NetworkPolicy
 from furlong.sandbox.changes import Change
 from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
-from furlong.tasks.model import Task
+from furlong.tasks.model import Task, TaskNetwork
+from furlong.tasks.network import with_default
 from furlong.tasks.verifier import Verdict, verify
 
 log = logging.getLogger(__name__)
@@ -173,6 +185,8 @@ class HarborEpisode:
         return self.guard.caused(exc)
 
     async def score(self) -> Score:
+        if problem := await phase_network(self.guard.inner, self.task.verifier_network, self.task.agent_network):
+            return Score(reward=None, error=problem)
         guard, rewards = GuardedSandbox(self.guard.inner), self.scorer.start()
         view = EpisodeView(self.task, tuple(self.tools.steps), tuple(self.tools.answers),
                            VerifierSandbox(guard, self.image.workdir))
@@ -206,7 +220,7 @@ class HarborEpisode:
         agent touched: their values, and what went wrong when the tests left no reward. Raises what the
         sandbox's start raised."""
         rewards = RewardRun(fns)
-        sandbox = await self.sandboxes.acquire(sandbox_spec(self.task, self.image))
+        sandbox = await self.sandboxes.acquire(sandbox_spec(self.task, self.image, control=True))
         try:
             guard = GuardedSandbox(sandbox)
             view = EpisodeView(self.task, sandbox=VerifierSandbox(guard, self.image.workdir))
@@ -226,13 +240,16 @@ class HarborEpisode:
 
 class HarborSource:
     """Harbor task families as an EnvSource: each split's instances, family by family, at most
-    `limits[split]` of each family (all where a split has no limit)."""
+    `limits[split]` of each family (all where a split has no limit); those that name no network mode get
+    `network`'s phases (None: offline)."""
 
-    def __init__(self, families: Sequence[Family], limits: Mapping[str, int | None] | None = None):
-        self.families, self.limits = tuple(families), dict(limits or {})
+    def __init__(self, families: Sequence[Family], limits: Mapping[str, int | None] | None = None,
+                 network: TaskNetwork | None = None):
+        self.families, self.limits, self.network = tuple(families), dict(limits or {}), network
 
     def instances(self, split: str) -> list[Task]:
-        return [task for f in self.families for task in f.instances(split, self.limits.get(split))]
+        found = [task for f in self.families for task in f.instances(split, self.limits.get(split))]
+        return found if self.network is None else with_default(found, self.network)
 
 
 class HarborEnv:
@@ -277,6 +294,27 @@ async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
     if verdict.reward is None:
         return verdict, verdict.problem or "no reward"
     return verdict, ""
+
+
+async def phase_network(sandbox: Sandbox, policy: NetworkPolicy, before: NetworkPolicy) -> str:
+    """Gives the verifier phase its network (`policy`, after the agent phase's `before`): only the verifier's
+    commands get it; the agent's processes still running keep theirs only where it is the same
+    (furlong.sandbox.base.NetworkSwitching). "" once done, else what failed: the host's part, never the
+    agent's (it holds no capability over the sandbox's network), so the episode is not scored. A sandbox
+    already gone is left to the tests' run, whose control run says whose doing that was."""
+    if policy == before:
+        return ""
+    try:
+        if not isinstance(sandbox, NetworkSwitching):
+            raise SandboxError(f"{type(sandbox).__name__} cannot change a sandbox's network")
+        await sandbox.set_network(policy, verifier_only=True)
+    except HostLost:
+        raise  # the runner runs the episode again
+    except SandboxDied:
+        return ""
+    except Exception as exc:  # noqa: BLE001 -- any other failure is the host's: the episode goes unscored
+        return f"the verifier phase's network ({policy.describe()}) could not be set: {describe(exc)}"
+    return ""
 
 
 async def close_quietly(sandbox: Sandbox) -> None:

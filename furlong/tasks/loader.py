@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from furlong.sandbox import seccomp
 from furlong.sandbox.base import Limits, SyscallPolicy
-from furlong.tasks.model import Task, TaskError
+from furlong.tasks.model import Task, TaskError, TaskNetwork
+from furlong.tasks.network import TableNetwork, resolve
 
 
 class _Section(BaseModel):
@@ -28,8 +29,11 @@ NetworkMode = Literal["no-network", "public", "allowlist"]
 class _Agent(_Section):
     timeout_sec: float = Field(600.0, gt=0)
     user: Any = None  # Harbor's; the agent runs as the sandbox's user
-    network_mode: NetworkMode | None = None  # Harbor's phase override: see _network
+    network_mode: NetworkMode | None = None  # Harbor's phase override: see furlong.tasks.network
     allowed_hosts: list[str] | None = None
+
+    def table(self, where: str) -> TableNetwork:
+        return TableNetwork(where, self.network_mode, self.allowed_hosts)
 
 
 class _Verifier(_Section):
@@ -45,14 +49,17 @@ class _Verifier(_Section):
     network_mode: NetworkMode | None = None
     allowed_hosts: list[str] | None = None
 
+    def table(self, where: str) -> TableNetwork:
+        return TableNetwork(where, self.network_mode, self.allowed_hosts)
+
 
 class _Environment(_Section):
     cpus: float = Field(1.0, gt=0)
     memory_mb: int = Field(2048, gt=0)
     network_mode: NetworkMode | None = None  # Harbor >= 0.2's; wins over the older allow_internet
     allowed_hosts: list[str] | None = None
-    allow_internet: bool = False
-    network: bool = False
+    allow_internet: bool | None = None
+    network: bool | None = None  # furlong's older spelling of allow_internet
     os: Literal["linux", "windows"] = "linux"
     seccomp: bool = True  # furlong's own keys: the syscall filter, and names taken off its deny list
     seccomp_allow: list[str] = []
@@ -205,20 +212,12 @@ def _unsupported(conf: _HarborToml, task: str) -> None:
                                            "to 'shared' and drop tests/Dockerfile and [verifier.environment])")
 
 
-def _network(conf: _HarborToml, task: str) -> bool:
-    """Whether the task's sandbox has network. One sandbox serves the agent and then the tests, so a phase
-    override ([agent] or [verifier] network_mode) must agree with the environment's."""
+def _network(conf: _HarborToml, task: str) -> TaskNetwork:
+    """Each phase's network, as Harbor resolves it (furlong.tasks.network)."""
     env = conf.environment
-    mode = env.network_mode or ("public" if env.allow_internet or env.network else "no-network")
-    for field, phase in (("environment", env), ("agent", conf.agent), ("verifier", conf.verifier)):
-        if phase.network_mode == "allowlist" or phase.allowed_hosts:
-            raise TaskError(task, "task.toml", f"field '{field}.network_mode': 'allowlist' is not supported: a "
-                                               "sandbox has all of the network or none ('public' or 'no-network')")
-        if phase.network_mode not in (None, mode):
-            raise TaskError(task, "task.toml", f"field '{field}.network_mode': {phase.network_mode!r} differs from "
-                                               f"the environment's {mode!r}: the agent and the tests share one "
-                                               "sandbox and one network policy")
-    return mode == "public"
+    legacy = env.allow_internet if env.allow_internet is not None else env.network
+    environment = TableNetwork("environment", env.network_mode, env.allowed_hosts)
+    return resolve(environment, legacy, conf.agent.table("agent"), conf.verifier.table("verifier"), task)
 
 
 def _syscalls(env: _Environment, task: str) -> SyscallPolicy:

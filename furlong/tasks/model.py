@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from furlong.sandbox.base import Limits, SyscallPolicy
+from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 
 TESTS_DIR = "/tests"  # where the task's tests are copied, after the agent finishes
 VERIFIER_LOG_DIR = "/logs/verifier"  # where tests write reward.txt / reward.json
@@ -20,6 +21,20 @@ class TaskError(ValueError):
 
 
 @dataclass(frozen=True)
+class TaskNetwork:
+    """The network of each phase (furlong.tasks.network resolves it from task.toml): the agent's, and the
+    tests'. Both None: task.toml names no mode, so furlong's default applies (`sandbox.network`; offline
+    where it has not been applied)."""
+
+    agent: NetworkPolicy | None = None
+    verifier: NetworkPolicy | None = None
+
+    @property
+    def named(self) -> bool:
+        return self.agent is not None or self.verifier is not None
+
+
+@dataclass(frozen=True)
 class Task:
     id: str
     path: Path
@@ -30,7 +45,7 @@ class Task:
     tests_dir: Path | None  # copied to /tests after the agent finishes
     test_script: Path  # the verifier's entry point, run as /tests/<name>
     solution: Path | None  # a shell script the oracle agent runs
-    network: bool = False
+    network: TaskNetwork = field(default_factory=TaskNetwork)
     limits: Limits = field(default_factory=Limits)
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)  # task.toml [environment] seccomp*
     verifier_env: tuple[tuple[str, str], ...] = ()
@@ -41,3 +56,16 @@ class Task:
     family: str | None = None  # set for instances generated from a task family
     seed: int | None = None
     split: str | None = None  # train | heldout, for family instances
+
+    @property
+    def agent_network(self) -> NetworkPolicy:
+        return self.network.agent or NO_NETWORK
+
+    @property
+    def verifier_network(self) -> NetworkPolicy:
+        return self.network.verifier or NO_NETWORK
+
+    @property
+    def online(self) -> bool:
+        """Whether either phase has any network."""
+        return self.agent_network.online or self.verifier_network.online
