@@ -21,7 +21,7 @@ BODY = "served to the allowed"
 
 
 class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+    def do_GET(self) -> None:
         data = BODY.encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 from conftest import run, spec
-from network_support import ATTACK, BACKGROUND, BODY, GATE_PROBE, serve_allowed, verdicts
+from network_support import (
+    ATTACK,
+    BACKGROUND,
+    BODY,
+    GATE_PROBE,
+    serve_allowed,
+    verdicts,
+)
 from tests_support import alive, subtree
 
 from furlong.sandbox import netns, network
