@@ -169,7 +169,7 @@ except OSError as e:
 """
 
 # An agent's process left running into the verifier phase: `python3 /tmp/bg.py HTTP_PORT ADDRESS LOG` appends
-# "<time> <through the proxy> <direct to ADDRESS:80>" to LOG every 0.1 s.
+# "<time its attempts began> <through the proxy> <direct to ADDRESS:80>" to LOG every 0.1 s.
 BACKGROUND = r"""
 import errno, socket, sys, time, urllib.error, urllib.request
 port, address, log = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -182,9 +182,10 @@ def verdict(call):
         reason = getattr(e, "reason", e)
         return errno.errorcode.get(getattr(reason, "errno", None) or 0, type(reason).__name__)
 while True:
+    began = time.time()
     proxied = verdict(lambda: urllib.request.urlopen(f"http://allowed.test:{port}/", timeout=2).read().decode())
     direct = verdict(lambda: socket.create_connection((address, 80), 2) and "CONNECTED")
     with open(log, "a") as f:
-        f.write(f"{time.time()} {proxied.replace(' ', '_')} {direct}\n")
+        f.write(f"{began} {proxied.replace(' ', '_')} {direct}\n")
     time.sleep(0.1)
 """

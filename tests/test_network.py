@@ -323,8 +323,8 @@ def test_the_verifier_phase_gets_its_network_and_the_agents_processes_do_not(all
             await box.write_file("/tmp/bg.py", BACKGROUND)
             await box.exec(f"nohup python3 /tmp/bg.py {allowed.http_port} {mirror} /tmp/bg.log >/dev/null 2>&1 &")
             offline = (await box.exec(fetch, timeout_s=30)).stderr
-            switched = time.time()
             await box.set_network(allow, verifier_only=True)
+            switched = time.time()  # attempts that began before may have been decided by the offline phase
             seen = {"verifier-allowlist": await box.exec(fetch, timeout_s=30, as_verifier=True),
                     "agent-allowlist": await box.exec(fetch, timeout_s=30)}
             await box.set_network(network.PUBLIC, verifier_only=True)
