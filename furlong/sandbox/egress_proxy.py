@@ -285,10 +285,10 @@ class EgressProxy:
         literal = _literal(host)
         if literal is not None:
             if not admission.address(literal):
-                raise Refused(403, f"{host} is an address this sandbox's network policy does not name")
+                raise Refused(403, f"{host}: an address this sandbox's network policy does not name")
             found = [literal]
         elif not admission.name(host):
-            raise Refused(403, f"{host} is not on this sandbox's network allowlist")
+            raise Refused(403, f"{host}: a name this sandbox's network policy does not admit")
         else:
             try:
                 found = await self.resolve(host, 0)
@@ -296,7 +296,7 @@ class EgressProxy:
                 raise Refused(502, f"cannot resolve {host}: {exc}") from None
         kept = [a for a in found if not await self._own(a, port)]
         if not kept:
-            raise Refused(403, f"{host} is this host itself (loopback, a local or link-local address)")
+            raise Refused(403, f"{host}: this host itself (loopback, a local or link-local address)")
         return kept
 
     async def resolve(self, name: str, family: int) -> list[str]:
