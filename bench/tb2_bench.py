@@ -1,7 +1,7 @@
 """Public Terminal-Bench 2 tasks run as published: `furlong eval` with the oracle, then a no-op agent, on each.
 
     python bench/tb2_bench.py TASKS_DIR [--limit 40] [--seed 0] [--tasks a,b] [--timeout-s 900]
-                              [--out bench/results/tb2.json]
+                              [--network offline|harbor|packages] [--out bench/results/tb2.json]
 
 TASKS_DIR is a checkout of the task collection below, never committed here:
 
@@ -13,8 +13,11 @@ solution/solve.sh; the official laude-institute/terminal-bench-2 was not reachab
 Each task is one `furlong eval` subprocess per agent, in its own process group, killed past --timeout-s so
 one hung build cannot eat the run; the oracle's run builds the image, the no-op's reuses it. Both run with
 eval.verifier_toolchain=true and images.trust_host_ca=true (TB2's tests fetch uv and pytest; builds here go
-through a TLS-intercepting proxy). The cause of every failure is read from the episode's error, verifier
-and solution output (CAUSES, first match wins), and the JSON is rewritten after every task.
+through a TLS-intercepting proxy). TB2's task.toml names no network mode, so `--network` picks furlong's
+default for such tasks (NETWORKS): offline (furlong's own default), harbor (public in both phases, Harbor's
+default) or packages (the agent offline, the tests with package indexes only). The cause of every failure is
+read from the episode's error, verifier and solution output (CAUSES, first match wins), and the JSON is
+rewritten after every task.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ COLLECTION = {"url": "https://github.com/purple29th/purple29th-tbench-2",
               "commit": "20b8213075732fabbc45b8cdfdcdd9da55a69b16"}
 OVERRIDES = ["eval.verifier_toolchain=true", "images.trust_host_ca=true", "images.offline_uv=true",
              "images.ubuntu_standins=nearest"]
+# sandbox.network: the phases of a task that names no network mode (TB2's name none; docs/tb2.md)
+NETWORKS = {"offline": [],
+            "harbor": ["sandbox.network.agent=public", "sandbox.network.verifier=public"],
+            "packages": ["sandbox.network.verifier=packages"]}
 
 # (cause, pattern over the episode's error + outputs), the issue's groups, most specific first
 CAUSES = [
@@ -73,12 +80,12 @@ def pick(root: Path, limit: int | None, seed: int | None, names: list[str]) -> l
     return every[:limit] if limit else every
 
 
-def run_eval(task: Path, agent: str, timeout_s: float) -> dict:
+def run_eval(task: Path, agent: str, timeout_s: float, overrides: list[str]) -> dict:
     """One `furlong eval` of one task; its episode line, or why there is none (a timeout, a crash)."""
     with tempfile.TemporaryDirectory(prefix="tb2-bench-") as tmp:
         out = Path(tmp) / "episodes.jsonl"
         cmd = [sys.executable, "-m", "furlong.cli", "eval", "--tasks", str(task), "--agent", agent,
-               "--out", str(out), *OVERRIDES]
+               "--out", str(out), *overrides]
         started = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # its own group: a timeout kills its builds too
@@ -216,6 +223,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="sample seed; -1: the first --limit sorted")
     parser.add_argument("--tasks", default="", help="comma-separated task names (overrides --limit)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="one task's eval, per agent")
+    parser.add_argument("--network", choices=sorted(NETWORKS), default="offline",
+                        help="the phases of tasks that name no network mode: offline (furlong's default), harbor "
+                             "(public in both, Harbor's default), packages (tests reach package indexes only)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/tb2.json")
     parser.add_argument("--reclassify", action="store_true", help="rerun nothing: recompute --out's causes "
                                                                   "from its evidence with this script's rules")
@@ -227,15 +237,18 @@ def main() -> None:
         return reclassify(args.out, args.tasks_dir, prov)
     tasks = pick(args.tasks_dir, args.limit or None, None if args.seed < 0 else args.seed,
                  [n for n in args.tasks.split(",") if n])
+    overrides = [*OVERRIDES, *NETWORKS[args.network]]
     if args.update:
         result = json.loads(args.out.read_text())
+        if result["overrides"] != overrides:
+            raise SystemExit(f"--update: {args.out} was run with {result['overrides']}, not {overrides}")
         result.setdefault("updates", []).append({"tasks": [t.name for t in tasks]})
     else:
-        result = {"provenance": None, "collection": COLLECTION, "overrides": OVERRIDES,
+        result = {"provenance": None, "collection": COLLECTION, "overrides": overrides, "network": args.network,
                   "selected": [t.name for t in tasks], "rows": []}
     for task in tasks:
-        oracle = run_eval(task, "oracle", args.timeout_s)
-        noop = run_eval(task, "noop", args.timeout_s) if built(oracle) else None
+        oracle = run_eval(task, "oracle", args.timeout_s, overrides)
+        noop = run_eval(task, "noop", args.timeout_s, overrides) if built(oracle) else None
         new = row(task, oracle, noop)
         kept = [r for r in result["rows"] if r["task"] != task.name]
         result["rows"] = sorted([*kept, new], key=lambda r: r["task"])

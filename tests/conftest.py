@@ -13,6 +13,7 @@ from furlong.sandbox import idmap
 from furlong.sandbox.base import ImageRef, Limits, SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
+from furlong.sandbox.network import NO_NETWORK, PUBLIC
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +59,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def spec(image: ImageRef, **limits) -> SandboxSpec:
     network = limits.pop("network", False)
-    return SandboxSpec(image=image, network=network, limits=Limits(**limits))
+    policy = PUBLIC if network is True else NO_NETWORK if network is False else network
+    return SandboxSpec(image=image, network=policy, limits=Limits(**limits))
 
 
 def init_host_uid(backend: BwrapBackend) -> int:

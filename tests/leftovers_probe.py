@@ -108,6 +108,7 @@ async def one_round(root: Path, work: Path, nonce: str, ca_bundle: Path | None) 
     from furlong.sandbox.bwrap import BwrapBackend
     from furlong.sandbox.egress import host_egress
     from furlong.sandbox.images import ImageStore
+    from furlong.sandbox.network import PUBLIC
 
     lent = host_egress(True, ca_bundle, "host") if ca_bundle else None  # the host's CAs bound into both
     store = ImageStore(egress=lent)
@@ -118,7 +119,7 @@ async def one_round(root: Path, work: Path, nonce: str, ca_bundle: Path | None) 
         f"FROM furlong/base AS one\nRUN echo {nonce} > /nonce\nFROM furlong/base\nCOPY --from=one /nonce /nonce\n"
         "RUN cat /nonce\nWORKDIR /app\n")
     image = await store.image(env / "Dockerfile", backend)
-    box = await backend.create(SandboxSpec(image=image, network=True, limits=Limits()))
+    box = await backend.create(SandboxSpec(image=image, network=PUBLIC, limits=Limits()))
     try:
         res = await box.exec("cat /nonce; pwd", cwd=image.workdir)
         assert res.ok and res.stdout.split() == [nonce, "/app"], (res.stdout, res.stderr)

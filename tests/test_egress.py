@@ -216,6 +216,7 @@ import asyncio, shutil, sys
 from pathlib import Path
 from furlong.sandbox import egress
 from furlong.sandbox.base import SandboxSpec
+from furlong.sandbox.network import PUBLIC
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 url, ca, fetch, dockerfiles = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -224,7 +225,7 @@ async def main():
     for lent in (None, egress.host_egress(True, ca, "none")):
         store = ImageStore(egress=lent)
         backend = BwrapBackend(layers=store, egress=lent)
-        box = await backend.create(SandboxSpec(image=store.base(), network=True))
+        box = await backend.create(SandboxSpec(image=store.base(), network=PUBLIC))
         try:
             fetched = await box.exec(fetch, timeout_s=60)
         finally:

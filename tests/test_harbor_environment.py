@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
 
 from furlong.build.harbor_box import HarborBox, harbor_box, split_overrides, task_dir_of
 from furlong.config import load_config
+from furlong.sandbox.network import NO_NETWORK, PUBLIC, NetworkPolicy
 from furlong.sandbox.pool import StoreImages
 from furlong.tasks.loader import load_task
 from host_support import ProcessHost
@@ -24,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TASK = ROOT / "tasks" / "crlf-cleanup"
 IMPLEMENTED = {"type", "_validate_definition", "start", "stop", "exec", "upload_file", "upload_dir",
                "download_file", "download_dir"}
+HOOKS = {"_apply_network_policy"}  # harbor's optional hooks it overrides (dynamic_network_policy)
 
 
 def trial(box: HarborBox, tmp: Path, oracle: bool) -> str:
@@ -46,8 +49,8 @@ def trial(box: HarborBox, tmp: Path, oracle: bool) -> str:
 
 @pytest.fixture()
 def make_box(store, backend):
-    def make(network: bool = False) -> HarborBox:
-        return HarborBox(load_task(TASK), backend, StoreImages(store, backend), network)
+    def make() -> HarborBox:
+        return HarborBox(load_task(TASK), backend, StoreImages(store, backend))
     return make
 
 
@@ -84,7 +87,7 @@ def test_oracle_passes_and_nop_fails_through_a_host_with_nothing_built_here(tmp_
                                 f"sandbox.host_token_file={tmp_path / 'host' / 'tok'}")
     try:
         for oracle, reward in ((True, "1"), (False, "0")):
-            box = harbor_box(TASK / "environment", network=True, overrides=overrides)
+            box = harbor_box(TASK / "environment", network=PUBLIC, overrides=overrides)
             assert trial(box, tmp_path / f"trial-{oracle}", oracle) == reward
         assert host.metrics()["start_s"]["p50"] is not None, "the sandboxes ran on the host"
     finally:
@@ -102,9 +105,22 @@ def test_overrides_split_at_commas_outside_lists():
     assert cfg.sandbox.hosts == ["http://a:1", "http://b:2"]
 
 
-def test_network_only_where_the_task_declares_it(make_box):
-    assert load_task(TASK).network is False
-    assert make_box(network=True).network is False  # harbor's default policy is public: furlong says no
+def test_a_task_without_a_network_mode_gets_furlongs_default_not_harbors_public(tmp_path: Path):
+    """harbor gives a task that names no mode `public`; the hook gives it sandbox.network's phases. A task
+    that names a mode runs with harbor's policies as harbor passes them (its switches: test_network_phases)."""
+    assert not load_task(TASK).network.named
+    box = harbor_box(TASK / "environment", network=PUBLIC, phases=(PUBLIC, PUBLIC))
+    assert (box.network, box.phases, box.follow_harbor) == (NO_NETWORK, (NO_NETWORK,), False)
+    box = harbor_box(TASK / "environment", network=PUBLIC, overrides=("sandbox.network.verifier=packages",))
+    assert (box.network, box.phases[0].mode) == (NO_NETWORK, "packages")
+    named = tmp_path / "named"
+    shutil.copytree(TASK, named)
+    toml = (named / "task.toml").read_text()
+    (named / "task.toml").write_text(toml.replace("[verifier]\n", '[verifier]\nnetwork_mode = "allowlist"\n'
+                                                                  'allowed_hosts = ["pypi.org"]\n'))
+    allow = NetworkPolicy("allowlist", ("pypi.org",))
+    box = harbor_box(named / "environment", network=PUBLIC, phases=(PUBLIC, allow))
+    assert (box.network, box.phases, box.follow_harbor) == (PUBLIC, (PUBLIC, allow), True)
 
 
 def test_download_and_upload_single_files(make_box, tmp_path: Path):
@@ -130,13 +146,13 @@ def test_task_dir_must_hold_task_toml(tmp_path: Path):
 
 
 def test_adapter_defines_every_abstract_method_named_here():
-    """Without harbor installed: the adapter's source defines exactly IMPLEMENTED (and capabilities,
+    """Without harbor installed: the adapter's source defines exactly IMPLEMENTED and HOOKS (and capabilities,
     empty_dirs)."""
     tree = ast.parse((ROOT / "furlong" / "build" / "harbor_environment.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FurlongEnvironment")
     names = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     # empty_dirs is harbor's, overridden so that the verifier's own directories stay its own
-    assert names - {"__init__", "capabilities", "empty_dirs"} == IMPLEMENTED
+    assert names - {"__init__", "capabilities", "empty_dirs"} == IMPLEMENTED | HOOKS
 
 
 def test_emptying_the_tests_hands_the_sandbox_back_to_the_agent(make_box):

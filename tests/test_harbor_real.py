@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,42 @@ def test_harbor_scores_separate_verifiers_and_steps_as_furlong_does(tmp_path: Pa
     assert found == {("separate-verifier", "oracle"): (1.0, []), ("separate-verifier", "nop"): (0.0, []),
                      ("multi-step", "oracle"): (1.0, [("create", 1.0), ("extend", 1.0), ("publish", 1.0)]),
                      ("multi-step", "nop"): (0.0, [("create", 0.0)])}
+
+
+NETWORK_TOML = """[agent]
+timeout_sec = 120.0
+network_mode = "no-network"
+
+[verifier]
+timeout_sec = 300.0
+network_mode = "allowlist"
+allowed_hosts = ["deb.debian.org"]
+"""
+
+
+def test_harbor_run_switches_the_network_per_phase_through_a_host(tmp_path: Path):
+    """A task whose agent phase is offline and whose tests may reach the Debian mirror: harbor hands the
+    phases' policies to the environment at creation and switches them (dynamic_network_policy) through the
+    host's API; the oracle's apt-get fails, the tests' succeeds."""
+    task = tmp_path / "phases"
+    shutil.copytree(TASK / "environment", task / "environment")
+    for d in ("solution", "tests"):
+        (task / d).mkdir()
+    (task / "task.toml").write_text(NETWORK_TOML)
+    (task / "instruction.md").write_text("Try apt-get update.")
+    (task / "solution" / "solve.sh").write_text("apt-get update > /tmp/agent-apt 2>&1; echo $? > /tmp/agent-apt-exit\n")
+    (task / "tests" / "test.sh").write_text(
+        "apt-get update > /tmp/tests-apt 2>&1 && ! grep -q '^Err:' /tmp/tests-apt && "
+        "[ \"$(cat /tmp/agent-apt-exit)\" != 0 ] && grep -q '403' /tmp/agent-apt && echo 1 > /logs/verifier/reward.txt "
+        "|| echo 0 > /logs/verifier/reward.txt\n")
+    host = ProcessHost(tmp_path / "host", allow_network=True)
+    (tmp_path / "agents.json").write_text(json.dumps({"agents": [{"name": "oracle"}]}))
+    overrides = (f"overrides=sandbox.backend=remote,sandbox.hosts=[{host.url}],"
+                 f"sandbox.host_token_file={tmp_path / 'host' / 'tok'}")
+    try:
+        in_harbor(["-c", HARBOR_MAIN, "run", "-y", "-q", "-c", "agents.json", "-p", str(task),
+                   "-o", str(tmp_path / "jobs"), "--job-name", "furlong", "--env", ENV, "--ek", overrides],
+                  [tmp_path], tmp_path)
+    finally:
+        host.stop()
+    assert rewards(tmp_path / "jobs" / "furlong") == {"oracle": 1.0}

@@ -25,9 +25,12 @@ from furlong.eval.harness import run_task_episode
 from furlong.eval.run import run_eval
 from furlong.sandbox.toolchain import opt_in_all
 from furlong.tasks.loader import load_task
-from furlong.tasks.model import TaskError
+from furlong.sandbox.network import NO_NETWORK, PUBLIC
+from furlong.tasks.model import TaskError, TaskNetwork
 from furlong.tasks.swe import import_instances
 from test_harbor_real import in_harbor
+
+BOTH_PUBLIC = TaskNetwork(PUBLIC, PUBLIC)
 
 QUIET = Console(file=open(os.devnull, "w"))
 
@@ -103,7 +106,7 @@ def test_tasks_harbor_writes_load_and_run_unchanged(tmp_path: Path, backend, sto
 
     shared, meta = load_task(init / "shared"), load_task(init / "meta")
     for task in (shared, meta):  # harbor's defaults: 600 s each phase, public network
-        assert (task.agent_timeout_s, task.verifier_timeout_s, task.network) == (600.0, 600.0, True)
+        assert (task.agent_timeout_s, task.verifier_timeout_s, task.network) == (600.0, 600.0, BOTH_PUBLIC)
         assert task.solution is not None and task.dockerfile is not None and task.test_script.is_file()
     # harbor's defaults for a new task: a separate verifier whose image (tests/Dockerfile) holds the tests;
     # with --steps, one per step (steps/<name>/tests/Dockerfile). Their images need the internet
@@ -120,7 +123,7 @@ def test_tasks_harbor_writes_load_and_run_unchanged(tmp_path: Path, backend, sto
     # offline (this machine reaches no astral.sh), its apt-get and curl fail harmlessly and the verifier
     # toolchain's uvx installs pytest from its own wheels (docs/tasks.md, "The offline verifier toolchain");
     # its no-op run is left out (9 s of uvx for little)
-    template = dataclasses.replace(load_task(init / "shared"), network=False)
+    template = dataclasses.replace(load_task(init / "shared"), network=TaskNetwork(NO_NETWORK, NO_NETWORK))
     oracle = run(run_eval(opt_in_all([migrated, template]), OracleAgent(), backend, store, 2, None, QUIET))
     noop = run(run_eval([migrated], NoopAgent(), backend, store, 1, None, QUIET))
     assert [(r.task, r.reward, r.status) for r in oracle + noop] == [
@@ -128,7 +131,7 @@ def test_tasks_harbor_writes_load_and_run_unchanged(tmp_path: Path, backend, sto
 
 
 def test_harbor_network_and_phase_keys(tmp_path: Path):
-    """The keys harbor 0.25 writes that decide how a task runs: one network policy per sandbox."""
+    """The keys harbor 0.25 writes that decide how a task runs (the network's rules: tests/test_network_policy.py)."""
     def load(toml: str):
         task = tmp_path / "t"
         (task / "tests").mkdir(parents=True, exist_ok=True)
@@ -137,14 +140,11 @@ def test_harbor_network_and_phase_keys(tmp_path: Path):
         (task / "task.toml").write_text(toml)
         return load_task(task)
 
-    assert load('[environment]\nnetwork_mode = "no-network"\nallow_internet = true\n').network is False
-    assert load("[environment]\nallow_internet = true\n").network is True
-    assert load('[agent]\nnetwork_mode = "no-network"\n').network is False  # furlong's default: offline
+    assert not load('[environment]\nnetwork_mode = "no-network"\nallow_internet = true\n').online
+    assert load("[environment]\nallow_internet = true\n").network == BOTH_PUBLIC
+    assert load("[agent]\ntimeout_sec = 5\n").network == TaskNetwork()  # no mode named: furlong's default
     assert load('[solution.env]\nGREETING = "hi"\n').solution_env == (("GREETING", "hi"),)
     for toml, problem in [
-        ('[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org"]\n', "'allowlist' is not supported"),
-        ('[environment]\nnetwork_mode = "public"\n[verifier]\nnetwork_mode = "no-network"\n',
-         "'verifier.network_mode': 'no-network' differs from the environment's 'public'"),
         ('[environment]\nos = "windows"\n', "furlong's sandboxes are Linux"),
         ('[environment]\nnetwork_mode = "sometimes"\n', "field 'environment.network_mode'"),
         ('[verifier.environment]\ndocker_image = "python:3.12"\n', "'verifier.environment.docker_image'"),

@@ -79,7 +79,7 @@ def test_every_v1_route_fuzzed_answers_no_5xx_and_leaves_the_host_clean(backend,
         host.c.delete(f"/v1/sandboxes/{target.sid}", headers=target.headers)  # warm: the backend's layer fds
         before = census()
         operations = [result.ok() for result in schemathesis.openapi.from_dict(host.app.openapi()).get_all_operations()]
-        assert len(operations) == 12 and all(op.path.startswith("/v1/") for op in operations)
+        assert len(operations) == 13 and all(op.path.startswith("/v1/") for op in operations)
         t0 = time.monotonic()
         for op in operations:
             for mode in (GenerationMode.POSITIVE, *([GenerationMode.NEGATIVE] if invalidatable(op) else [])):

@@ -3,6 +3,7 @@ verdict is read on the host (the host's listeners count what reached them)."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 import shutil
@@ -14,10 +15,18 @@ from pathlib import Path
 
 import pytest
 from conftest import run, spec
+from network_support import (
+    ATTACK,
+    BACKGROUND,
+    BODY,
+    GATE_PROBE,
+    serve_allowed,
+    verdicts,
+)
 from tests_support import alive, subtree
 
-from furlong.sandbox import netns
-from furlong.sandbox.base import SandboxError
+from furlong.sandbox import netns, network
+from furlong.sandbox.base import SandboxError, SandboxSpec
 
 
 class Listener:
@@ -215,3 +224,148 @@ def test_pasta_options_keep_the_host_closed():
         assert option in argv
     for flag in ("-t", "-u", "-T", "-U"):
         assert argv[argv.index(flag) + 1] == "none", f"{flag}: no port forwarding either way"
+
+
+# Restricted networks: a real egress proxy on host loopback, real sandboxes (furlong.sandbox.egress_proxy)
+
+
+@pytest.fixture(scope="module")
+def allowed(store, tmp_path_factory):
+    served = serve_allowed(tmp_path_factory.mktemp("allowed"), store)
+    yield served
+    served.close()
+
+
+def _probe_args(allowed) -> str:
+    addresses = [str(ipaddress.ip_network(a).network_address) for a in netns.host_local_addresses()][:3]
+    return f"{allowed.http_port} {allowed.https_port} {allowed.service.port} {' '.join(addresses)}"
+
+
+async def _probed(box, allowed, as_verifier: bool = False) -> dict[str, str]:
+    await box.write_file("/tmp/gate_probe.py", GATE_PROBE, as_verifier=as_verifier)
+    await box.write_file("/tmp/allowed.pem", allowed.cert.read_bytes(), as_verifier=as_verifier)
+    r = await box.exec(f"python3 /tmp/gate_probe.py {_probe_args(allowed)}", timeout_s=120, as_verifier=as_verifier)
+    assert r.exit_code == 0, r
+    return verdicts(r.stdout)
+
+
+def test_an_allowlist_reaches_its_hosts_and_nothing_else(allowed, base_image):
+    """allowed_hosts through the proxy: the allowed name over HTTP and HTTPS (CONNECT, its certificate
+    checked); any other name refused, by the proxy and by DNS; an address literal refused even where it is
+    the allowed host's; this host refused even where the list names it ("localhost", its own addresses);
+    no route out but the proxy (a direct connect, TCP or UDP, fails at once)."""
+    hosts = ["allowed.test", "localhost", *(str(ipaddress.ip_network(a).network_address)
+                                            for a in netns.host_local_addresses())]
+    policy = network.policy("allowlist", hosts)
+
+    async def go():
+        box = await allowed.backend.create(spec(base_image, network=policy))
+        try:
+            return await _probed(box, allowed), (await box.exec("cat /etc/resolv.conf; echo $https_proxy")).stdout
+        finally:
+            await box.close()
+
+    seen, setup = run(go())
+    assert setup == f"{netns.CONTROLLED_RESOLV_CONF}{netns.PROXY_URL}\n"
+    assert (seen.pop("http-allowed"), seen.pop("https-allowed"), seen.pop("dns-allowed")) == (BODY, BODY, "127.0.0.1")
+    assert (seen.pop("http-other"), seen.pop("connect-other"), seen.pop("connect-literal-of-allowed")) == (
+        "HTTP-403", "HTTP-403", "HTTP-403")
+    assert (seen.pop("dns-other"), seen.pop("dns-real-name")) == ("unresolved", "unresolved")
+    assert (seen.pop("direct-internet-tcp"), seen.pop("direct-internet-udp")) == ("EACCES", "EACCES")
+    assert seen.pop("connect-localhost-service") == "HTTP-403"
+    for check, verdict in seen.items():  # this host's own addresses: the proxy refuses, no route reaches
+        assert verdict == "HTTP-403" if check.startswith("connect-") else verdict != "CONNECTED", (check, verdict)
+    assert allowed.service.count == 0, "a sandbox reached a host service"
+
+
+def test_the_agent_cannot_change_its_network(allowed, base_image):
+    """No rtnetlink change (a rule, a route), no namespace of its own, no way into its gate's host port;
+    afterwards the rules still hold. A closed sandbox's gate is gone."""
+    policy = network.policy("allowlist", ["allowed.test"])
+
+    async def go():
+        box = await allowed.backend.create(spec(base_image, network=policy))
+        try:
+            gate = box.network.gate.tcp_port
+            await box.write_file("/tmp/attack.py", ATTACK)
+            r = await box.exec(f"python3 /tmp/attack.py {gate}", timeout_s=60)
+            return verdicts(r.stdout), await _probed(box, allowed), gate
+        finally:
+            await box.close()
+
+    attacks, after, gate = run(go())
+    assert attacks == {"del-phase-rule": "EPERM", "add-rule-to-main": "EPERM", "add-default-route": "EPERM",
+                       "new-net-namespace": "EPERM", "connect-own-gate": "HTTP-403"}
+    assert (after["http-allowed"], after["direct-internet-tcp"], after["http-other"]) == (BODY, "EACCES", "HTTP-403")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", gate), timeout=2)
+
+
+def _background_entries(log: str, since: float) -> list[tuple[str, str]]:
+    rows = [line.split() for line in log.splitlines() if len(line.split()) == 3]
+    return [(proxied, direct) for t, proxied, direct in rows if float(t) > since]
+
+
+def test_the_verifier_phase_gets_its_network_and_the_agents_processes_do_not(allowed, base_image):
+    """One sandbox, the agent phase offline, then the verifier phase switched to an allowlist, to public and
+    to package indexes only, while a process the agent started keeps trying: it gets none of it (where
+    the sandbox has one uid it shares the verifier's, as every process of a container does in Harbor).
+    A switch for the whole sandbox then gives the agent's processes the policy too."""
+    allow = network.policy("allowlist", ["allowed.test"])
+    mirror = socket.getaddrinfo("deb.debian.org", 80, socket.AF_INET)[0][4][0]
+    fetch = f"python3 -c \"import urllib.request; print(urllib.request.urlopen('http://allowed.test:{allowed.http_port}/', timeout=10).read().decode())\""
+    reach = f"python3 -c \"import socket; socket.create_connection(('{mirror}', 80), 10); print('CONNECTED')\""
+
+    async def go():
+        box = await allowed.backend.create(SandboxSpec(base_image, network_phases=(allow, network.PUBLIC,
+                                                                                     network.PACKAGES)))
+        try:
+            await box.write_file("/tmp/bg.py", BACKGROUND)
+            await box.exec(f"nohup python3 /tmp/bg.py {allowed.http_port} {mirror} /tmp/bg.log >/dev/null 2>&1 &")
+            offline = (await box.exec(fetch, timeout_s=30)).stderr
+            await box.set_network(allow, verifier_only=True)
+            switched = time.time()  # attempts that began before may have been decided by the offline phase
+            seen = {"verifier-allowlist": await box.exec(fetch, timeout_s=30, as_verifier=True),
+                    "agent-allowlist": await box.exec(fetch, timeout_s=30)}
+            await box.set_network(network.PUBLIC, verifier_only=True)
+            seen |= {"verifier-public": await box.exec(reach, timeout_s=30, as_verifier=True),
+                     "agent-public": await box.exec(reach, timeout_s=30)}
+            await box.set_network(network.PACKAGES, verifier_only=True)
+            seen |= {"verifier-packages": await box.exec("apt-get update", timeout_s=180, as_verifier=True),
+                     "verifier-packages-other": await box.exec(fetch, timeout_s=30, as_verifier=True)}
+            while len(_background_entries((await box.read_file("/tmp/bg.log")).decode(), switched)) < 5:
+                await asyncio.sleep(0.2)
+            background = _background_entries((await box.read_file("/tmp/bg.log")).decode(), switched)
+            await box.set_network(allow)
+            seen["agent-after-a-switch-for-all"] = await box.exec(fetch, timeout_s=30)
+            return box.verifier_uid, offline, seen, background
+        finally:
+            await box.close()
+
+    verifier_uid, offline, seen, background = run(go())
+    assert "HTTP Error 403" in offline
+    assert seen["verifier-allowlist"].stdout == BODY + "\n"
+    assert seen["verifier-public"].stdout == "CONNECTED\n"
+    apt = seen["verifier-packages"]
+    assert apt.exit_code == 0 and "Err:" not in apt.stdout and "W: " not in apt.stderr, apt
+    assert "HTTP Error 403" in seen["verifier-packages-other"].stderr  # allowed.test is no package index
+    assert seen["agent-after-a-switch-for-all"].stdout == BODY + "\n"
+    if verifier_uid is None:  # one uid: the agent's processes are the verifier's, as in a container
+        assert seen["agent-allowlist"].stdout == BODY + "\n"
+        return
+    assert "Permission denied" in seen["agent-allowlist"].stderr
+    assert "Permission denied" in seen["agent-public"].stderr
+    assert background and all(proxied == "EACCES" and direct == "EACCES" for proxied, direct in background), background
+
+
+def test_a_sandbox_started_for_one_policy_keeps_it(backend, base_image):
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            await box.set_network(network.NO_NETWORK)  # the one it has: nothing to do
+            with pytest.raises(SandboxError, match="started with network no-network and cannot switch to public"):
+                await box.set_network(network.PUBLIC, verifier_only=True)
+        finally:
+            await box.close()
+
+    run(go())

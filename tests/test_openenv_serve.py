@@ -17,7 +17,9 @@ from openenv_support import HEADERS, ThreadServer
 from furlong.config import BUNDLED_TASKS
 from furlong.eval.openenv_server import TaskBook
 from furlong.sandbox.pool import FreshSandboxes, StoreImages
+from furlong.sandbox.network import NO_NETWORK, PACKAGES
 from furlong.tasks.family import load_family
+from furlong.tasks.model import TaskNetwork
 from furlong.train.sft import solution_command
 
 
@@ -121,8 +123,8 @@ def test_bad_requests_are_refused_without_side_effects(served, tasks):
         return len(sandboxes.started)
 
     assert run(refused()) == 1
-    networked = dataclasses.replace(tasks[0], network=True)
-    with pytest.raises(ValueError, match="declares network"):
+    networked = dataclasses.replace(tasks[0], network=TaskNetwork(NO_NETWORK, PACKAGES))
+    with pytest.raises(ValueError, match="has network in a phase"):
         TaskBook([networked], sandboxes).pick(networked.id, None, None)
     assert TaskBook([networked], sandboxes, allow_network=True).pick(networked.id, None, None) is networked
 

@@ -48,7 +48,7 @@ def test_harbor_task_loads_every_field(tmp_path: Path):
     task = load_task(harbor(tmp_path))
     assert task.id == "demo" and task.instruction.startswith("Write hello")
     assert (task.agent_timeout_s, task.verifier_timeout_s) == (45.0, 20.0)
-    assert task.limits.cpus == 0.5 and task.limits.memory_mb == 512 and task.network
+    assert task.limits.cpus == 0.5 and task.limits.memory_mb == 512 and task.online
     assert task.verifier_env == (("MODE", "strict"),)
     assert task.test_script.name == "test.sh" and task.solution.name == "solve.sh"
     assert task.dockerfile.name == "Dockerfile" and task.format == "harbor"

@@ -26,6 +26,7 @@ from furlong.envs.user import PythonEnv, PythonSource
 from furlong.sandbox.base import LayerSource, SandboxBackend
 from furlong.sandbox.pool import ImageLookup, WarmPools
 from furlong.tasks.family import load_family
+from furlong.tasks.model import TaskNetwork
 
 
 def load_object(spec: str, key: str) -> Any:
@@ -107,10 +108,12 @@ def scorer(env: EnvConfig) -> Scorer:
     return Scorer(fns, own_weight=env.tests_weight, own="steps" if env.python else "tests")
 
 
-def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource | PythonSource | PromptSource:
+def env_source(t: TrainConfig, backend: SandboxBackend,
+               network: TaskNetwork | None = None) -> HarborSource | PythonSource | PromptSource:
     """The run's instances: a Python environment's (train.env.python), a prompt dataset's rows
     (train.env.prompts), or the task families' (their generators run on `backend`): all their train
-    instances, and train.eval.heldout_per_family held-out ones each."""
+    instances, and train.eval.heldout_per_family held-out ones each (those that name no network mode with
+    `network`'s phases)."""
     if t.env.python is not None:
         return python_source(t.env, {"train": t.env.train_instances, "heldout": t.eval.heldout_per_family})
     if t.env.prompts.active:
@@ -120,7 +123,7 @@ def env_source(t: TrainConfig, backend: SandboxBackend) -> HarborSource | Python
         if len(f.seeds["heldout"]) < t.eval.heldout_per_family:
             raise ConfigError(f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
                               f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
-    return HarborSource(families, {"heldout": t.eval.heldout_per_family})
+    return HarborSource(families, {"heldout": t.eval.heldout_per_family}, network)
 
 
 def python_source(env: EnvConfig, counts: dict[str, int]) -> PythonSource:

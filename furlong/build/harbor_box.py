@@ -30,14 +30,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from furlong.build.sandbox import image_store, sandbox_backend
+from furlong.build.sandbox import image_store, network_default, sandbox_backend
 from furlong.config import load_config
 from furlong.envs.separate import BundledTests, verifier_task
 from furlong.sandbox.base import Sandbox, SandboxBackend
 from furlong.sandbox.images import ImageStore
+from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 from furlong.sandbox.pool import StoreImages, sandbox_spec, start_sandbox
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import ARTIFACTS_DIR, Task, phases
+from furlong.tasks.network import with_default
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +58,29 @@ class BoxResult:
 
 
 class HarborBox:
-    """One harbor environment over one furlong sandbox: started by `start`, gone after `stop`."""
+    """One harbor environment over one furlong sandbox: started by `start`, gone after `stop`.
+
+    Network: harbor's policies (`network` to start with, `phases` it may switch to, `set_network` when it
+    switches, for the whole sandbox as in harbor) where the task names a network mode (`follow_harbor`);
+    where it names none, harbor's implicit `public` is replaced by furlong's default (the task's phases,
+    sandbox.network): the agent phase's from the start, the verifier phase's for the verifier's commands
+    once the tests are uploaded, and harbor's switches are ignored."""
 
     def __init__(self, task: Task, backend: SandboxBackend, images: Callable[[Task], Awaitable],
-                 network: bool, bundled: BundledTests | None = None):
+                 network: NetworkPolicy = NO_NETWORK, phases: tuple[NetworkPolicy, ...] = (),
+                 follow_harbor: bool = True, bundled: BundledTests | None = None):
         self.task, self.backend, self._images = task, backend, images
-        # furlong's rule: network only where the task declares it, whatever the caller asks for
-        self.network = network and task.network
+        self.follow_harbor = follow_harbor
+        self.network, self.phases = ((network, tuple(phases)) if follow_harbor
+                                     else (task.agent_network, (task.verifier_network,)))
         self.box: Sandbox | None = None
         self.verifying = False
         self.bundled = bundled  # a separate verifier's box, whose image holds its tests
 
     async def start(self) -> None:
         image = await self._images(self.task)
-        spec = sandbox_spec(self.task, image)
-        self.box = await start_sandbox(self.backend, dataclasses.replace(spec, network=self.network))
+        spec = dataclasses.replace(sandbox_spec(self.task, image), network=self.network, network_phases=self.phases)
+        self.box = await start_sandbox(self.backend, spec)
         if self.bundled is not None and self.task.dockerfile is not None:
             tests = await self.bundled(image, self.task.dockerfile.parent)
             await self.box.put_tar(tests, TESTS_DIR, as_verifier=True)
@@ -88,6 +98,15 @@ class HarborBox:
     @staticmethod
     def verifier_owned(path: str) -> bool:
         return "/" + path.strip("/") in VERIFIER_DIRS
+
+    async def set_network(self, policy: NetworkPolicy) -> None:
+        """harbor's switch of the whole sandbox's policy (a no-op where furlong's default rules instead)."""
+        if not self.follow_harbor:
+            return
+        if self.box is None:
+            self.network = policy
+            return
+        await self._sandbox().set_network(policy)
 
     async def stop(self) -> None:
         if self.box is not None:
@@ -129,8 +148,10 @@ class HarborBox:
         await self._sandbox().put_tar(buf.getvalue(), parent or "/", as_verifier=self._owner(target))
 
     async def upload_dir(self, source: Path | str, target: str) -> None:
-        if "/" + target.strip("/") == TESTS_DIR:
+        if "/" + target.strip("/") == TESTS_DIR and not self.verifying:
             self.verifying = True  # the agent is done: harbor copies the tests in only now
+            if not self.follow_harbor and self.task.verifier_network != self.task.agent_network:
+                await self._sandbox().set_network(self.task.verifier_network, verifier_only=True)
         await self._sandbox().put_dir(Path(source), target, as_verifier=self._owner(target))
 
     async def download_file(self, source: str, target: Path | str) -> None:
@@ -211,13 +232,15 @@ def split_overrides(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in items if item.strip())
 
 
-def harbor_box(environment_dir: Path, network: bool, recipe: str | None = None,
-               overrides: tuple[str, ...] = ()) -> HarborBox:
+def harbor_box(environment_dir: Path, network: NetworkPolicy = NO_NETWORK, phases: tuple[NetworkPolicy, ...] = (),
+               recipe: str | None = None, overrides: tuple[str, ...] = ()) -> HarborBox:
     """A HarborBox for the task around `environment_dir`, on the backend config `sandbox.backend` names
-    (`recipe` and `overrides` as for `furlong eval`)."""
+    (`recipe` and `overrides` as for `furlong eval`), with harbor's network policies (see HarborBox)."""
     cfg = load_config(Path(recipe) if recipe else None, list(overrides))
     store = image_store(cfg.sandbox, cfg.images)
     backend = sandbox_backend(cfg.sandbox, store)
-    task, bundled = box_task(load_task(task_dir_of(environment_dir)), environment_dir)
+    task = load_task(task_dir_of(environment_dir))
+    named = task.network.named
+    task, bundled = box_task(with_default([task], network_default(cfg.sandbox))[0], environment_dir)
     tests = BundledTests(store if isinstance(store, ImageStore) else None) if bundled else None
-    return HarborBox(task, backend, StoreImages(store, backend), network, tests)
+    return HarborBox(task, backend, StoreImages(store, backend), network, phases, follow_harbor=named, bundled=tests)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
-from harbor.models.task.config import NetworkMode
+from harbor.models.task.config import NetworkPolicy as HarborPolicy
 
 from furlong.build.harbor_box import harbor_box, split_overrides, task_dir_of
+from furlong.sandbox.network import NetworkPolicy, policy
 
 TYPE = "furlong"
 
@@ -24,8 +25,9 @@ class FurlongEnvironment(BaseEnvironment):
         self._recipe = recipe
         self._overrides = split_overrides(overrides)
         super().__init__(*args, **kwargs)  # validates the definition and the network policy
-        public = self._network_policy.network_mode == NetworkMode.PUBLIC
-        self._box = harbor_box(self.environment_dir, network=public, recipe=recipe, overrides=self._overrides)
+        phases = tuple(_ours(p) for p in self._phase_network_policies)
+        self._box = harbor_box(self.environment_dir, _ours(self._network_policy), phases, recipe=recipe,
+                               overrides=self._overrides)
 
     @staticmethod
     def type() -> str:
@@ -33,8 +35,15 @@ class FurlongEnvironment(BaseEnvironment):
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        # no allowlists (furlong's network is all or nothing), no GPUs, no host mounts
-        return EnvironmentCapabilities(disable_internet=True)
+        # every network mode and allowlist entry, switched while the sandbox runs; no GPUs, no host mounts
+        return EnvironmentCapabilities(
+            disable_internet=True, network_allowlist=True, network_allowlist_hostnames=True,
+            network_allowlist_wildcard_hostnames=True, network_allowlist_ipv4_addresses=True,
+            network_allowlist_ipv6_addresses=True, network_allowlist_ipv4_cidrs=True,
+            network_allowlist_ipv6_cidrs=True, dynamic_network_policy=True)
+
+    async def _apply_network_policy(self, network_policy: HarborPolicy) -> None:
+        await self._box.set_network(_ours(network_policy))
 
     def _validate_definition(self):
         task_dir_of(self.environment_dir)
@@ -75,3 +84,7 @@ class FurlongEnvironment(BaseEnvironment):
             res = await self._box.empty_verifier_dirs(own)
             result = ExecResult(stdout=res.stdout, stderr=res.stderr, return_code=res.return_code)
         return result
+
+
+def _ours(harbor_policy: HarborPolicy) -> NetworkPolicy:
+    return policy(harbor_policy.network_mode.value, harbor_policy.allowed_hosts)

@@ -3,7 +3,9 @@ load a model (`furlong eval` with a scripted agent, `furlong image`)."""
 
 from __future__ import annotations
 
-from furlong.config import ImagesConfig, SandboxConfig
+from urllib.parse import urlsplit
+
+from furlong.config import ConfigError, ImagesConfig, SandboxConfig
 from furlong.paths import cache_dir
 from furlong.sandbox.backends import make_backend
 from furlong.sandbox.base import SandboxBackend
@@ -11,7 +13,9 @@ from furlong.sandbox.egress import host_egress
 from furlong.sandbox.host_images import HostImages
 from furlong.sandbox.hosts import Hosts, read_secret
 from furlong.sandbox.images import ImageStore
+from furlong.sandbox.network import HostError, NetworkPolicy, normalize_hosts
 from furlong.sandbox.registry import Settings
+from furlong.tasks.model import TaskNetwork
 
 
 def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore | HostImages:
@@ -38,3 +42,17 @@ def hosts(s: SandboxConfig) -> Hosts:
     """sandbox.hosts with the token sandbox.host_token_file holds (default: the loopback host's own)."""
     token_file = s.host_token_file or cache_dir() / "host-token"
     return Hosts(s.hosts, read_secret(token_file, "sandbox.host_token_file", "token"))
+
+
+def network_default(s: SandboxConfig) -> TaskNetwork:
+    """The phases of a task that names no network mode (sandbox.network); `packages` also reaches
+    sandbox.network.package_hosts and the host of sandbox.debian_mirror (the base image's apt source)."""
+    mirror = urlsplit(s.debian_mirror).hostname
+    try:
+        extra = normalize_hosts([*s.network.package_hosts, *([mirror] if mirror else [])])
+    except HostError as exc:
+        raise ConfigError(f"sandbox.network.package_hosts: {exc}") from None
+
+    def phase(mode: str) -> NetworkPolicy:
+        return NetworkPolicy(mode, extra if mode == "packages" else ())  # type: ignore[arg-type]
+    return TaskNetwork(agent=phase(s.network.agent), verifier=phase(s.network.verifier))

@@ -15,7 +15,7 @@ import torch
 
 from furlong.agent.episode import AgentParams
 from furlong.build.environment import RunEnv, env_source, run_env
-from furlong.build.sandbox import image_store, sandbox_backend
+from furlong.build.sandbox import image_store, network_default, sandbox_backend
 from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
@@ -116,7 +116,7 @@ def pieces(cfg: Config) -> Pieces:
 
             source, sessions = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
         else:
-            source, sessions = env_source(t, backend), None
+            source, sessions = env_source(t, backend, network_default(cfg.sandbox)), None
         return Pieces(tokenizer=tokenizer, backend=backend, store=store,
                       env=run_env(t.env, backend, images, sessions, store if isinstance(store, ImageStore) else None),
                       train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),

@@ -16,6 +16,7 @@ from furlong.config import Config, ConfigError
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from furlong.build.sandbox import network_default
     from furlong.eval.agents import make_agent
     from furlong.eval.model import check_model_flags
     from furlong.eval.run import print_table, summarize
@@ -32,7 +33,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if e.env == "openenv":
         return _eval_openenv(cfg)
     backend, store = sandbox_pieces(cfg)  # family generators run on the configured backend too
-    suite = load_suite(e.tasks, split=e.split, per_family=e.per_family, backend=backend)
+    suite = load_suite(e.tasks, split=e.split, per_family=e.per_family, backend=backend, network=network_default(cfg.sandbox))
     agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
     if e.verifier_toolchain:
         from furlong.sandbox.toolchain import opt_in_all

@@ -64,6 +64,7 @@ def _tidy() -> int:
 
 def cmd_openenv(args: argparse.Namespace) -> int:
     from furlong.envs.harbor import HarborEnv
+    from furlong.build.sandbox import network_default
     from furlong.eval.openenv_app import serve
     from furlong.paths import cache_dir
     from furlong.sandbox.host.serve import host_token
@@ -74,8 +75,10 @@ def cmd_openenv(args: argparse.Namespace) -> int:
     if args.capacity < 1:
         raise ValueError(f"--capacity: expected at least 1, got {args.capacity}")
     token = host_token(args.token_file, args.host, cache_dir() / "openenv-token", console.print)
-    backend, store = sandbox_pieces(config_of(args, {}))
-    suite = load_suite(args.tasks, split=args.split, per_family=args.per_family, backend=backend)
+    cfg = config_of(args, {})
+    backend, store = sandbox_pieces(cfg)
+    suite = load_suite(args.tasks, split=args.split, per_family=args.per_family, backend=backend,
+                       network=network_default(cfg.sandbox))
     for broken in suite.broken:
         console.print(f"[yellow]not served:[/yellow] {broken.error}", soft_wrap=True)
     build_base_image(store)

@@ -9,6 +9,23 @@ from pydantic import Field
 
 from furlong.config.base import BUNDLED_TASKS, _Node
 
+PhaseMode = Literal["no-network", "public", "packages"]
+
+
+class NetworkConfig(_Node):
+    """The network of tasks whose task.toml names no network mode (Harbor would give them `public`), per
+    phase, and what `packages` reaches (furlong.sandbox.network; docs/sandboxes.md, "Networked sandboxes")."""
+
+    agent: PhaseMode = Field("no-network", description="the agent phase of a task that names no network mode: "
+                             "no-network (the default: RL agents stay offline), public (Harbor's default), or "
+                             "packages (package indexes only)")
+    verifier: PhaseMode = Field("no-network", description="the verifier phase (the task's tests) of such a task: "
+                                "packages lets tests that install what they need at test time pass while the "
+                                "agent stays offline; public is Harbor's default")
+    package_hosts: list[str] = Field([], description="allowlist entries `packages` reaches beside the package "
+                                     "indexes (PyPI, the host's pip and uv indexes, Debian and Ubuntu mirrors and "
+                                     "the host's apt sources, uv's installer) and sandbox.debian_mirror")
+
 
 class SandboxConfig(_Node):
     backend: Literal["bwrap", "remote"] = Field(
@@ -26,6 +43,7 @@ class SandboxConfig(_Node):
                           "every sandbox; true filters each sandbox whose task keeps [environment] seccomp = true "
                           "(the default)")
     debian_mirror: str = Field("http://deb.debian.org/debian", description="apt mirror for building the base image")
+    network: NetworkConfig = Field(NetworkConfig(), description="tasks that name no network mode, and `packages`")
 
 
 class ImagesConfig(_Node):

@@ -24,11 +24,23 @@ from furlong.envs.separate import BundledTests, VerifierUnavailable, hand_over
 from furlong.envs.steps import aggregate, failed_step, gate, prepare, run_hooks
 from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
 from furlong.timing import Clock
-from furlong.sandbox.base import ChangeTracking, HostLost, ImageRef, LayerSource, Sandbox, SandboxSpec
+from furlong.sandbox.base import (
+    ChangeTracking,
+    HostLost,
+    ImageRef,
+    LayerSource,
+    NetworkSwitching,
+    Sandbox,
+    SandboxDied,
+    SandboxError,
+    SandboxSpec,
+)
 from furlong.sandbox.changes import Change
+from furlong.sandbox.network import NetworkPolicy
 from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
-from furlong.tasks.model import ARTIFACTS_DIR, Task, phases
+from furlong.tasks.model import ARTIFACTS_DIR, Task, TaskNetwork, phases
+from furlong.tasks.network import with_default
 from furlong.tasks.verifier import Verdict, verifier_env, verify
 
 log = logging.getLogger(__name__)
@@ -190,6 +202,10 @@ class HarborEpisode:
         return await ready(self.guard, self.task, 0, self.image.workdir)
 
     async def score(self) -> Score:
+        phase = self.phases[self.index]
+        if phase.separate is None and (problem := await phase_network(self.guard.inner, phase.verifier_network,
+                                                                      phase.agent_network)):
+            return Score(reward=None, error=problem, steps=tuple(self.done))
         guard, rewards = GuardedSandbox(self.guard.inner), self.scorer.start()
         last = self.index == len(self.phases) - 1
         try:
@@ -240,7 +256,9 @@ class HarborEpisode:
         if score.tampered:
             return dataclasses.replace(score, steps=tuple(self.done))
         if not stop and self.index + 1 < len(self.phases):
-            self.index += 1
+            before, self.index = self.phases[self.index], self.index + 1
+            if problem := await next_agent_network(self.guard.inner, before, self.phases[self.index]):
+                return Score(reward=None, error=problem, steps=tuple(self.done))
             try:
                 failure = await ready(self.guard, self.task, self.index, self.image.workdir)
             except HostLost:
@@ -278,7 +296,7 @@ class HarborEpisode:
         sandbox no agent touched, readied for each step up to this one: their values, and what went wrong
         when the tests left no reward. Raises what a sandbox's start raised."""
         rewards = RewardRun(fns)
-        sandbox = await self.sandboxes.acquire(sandbox_spec(self.task, self.image))
+        sandbox = await self.sandboxes.acquire(sandbox_spec(self.phases[self.index], self.image, control=True))
         try:
             guard = GuardedSandbox(sandbox)
             for k in range(self.index + 1):
@@ -310,13 +328,16 @@ async def ready(sandbox: Sandbox, task: Task, index: int, workdir: str) -> str |
 
 class HarborSource:
     """Harbor task families as an EnvSource: each split's instances, family by family, at most
-    `limits[split]` of each family (all where a split has no limit)."""
+    `limits[split]` of each family (all where a split has no limit); those that name no network mode get
+    `network`'s phases (None: offline)."""
 
-    def __init__(self, families: Sequence[Family], limits: Mapping[str, int | None] | None = None):
-        self.families, self.limits = tuple(families), dict(limits or {})
+    def __init__(self, families: Sequence[Family], limits: Mapping[str, int | None] | None = None,
+                 network: TaskNetwork | None = None):
+        self.families, self.limits, self.network = tuple(families), dict(limits or {}), network
 
     def instances(self, split: str) -> list[Task]:
-        return [task for f in self.families for task in f.instances(split, self.limits.get(split))]
+        found = [task for f in self.families for task in f.instances(split, self.limits.get(split))]
+        return found if self.network is None else with_default(found, self.network)
 
 
 class HarborEnv:
@@ -375,6 +396,36 @@ async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
     if verdict.reward is None:
         return verdict, verdict.problem or "no reward"
     return verdict, ""
+
+
+async def next_agent_network(sandbox: Sandbox, done: Task, step: Task) -> str:
+    """A multi-step task's next step's agent phase gets its network, for the whole sandbox (after `done`'s
+    tests had theirs): "" once done, else what failed (the host's part, as in phase_network)."""
+    if step.agent_network == done.agent_network and (done.verifier_network == done.agent_network or done.separate):
+        return ""
+    return await phase_network(sandbox, step.agent_network, None)
+
+
+async def phase_network(sandbox: Sandbox, policy: NetworkPolicy, before: NetworkPolicy | None) -> str:
+    """Gives the verifier phase its network (`policy`, after the agent phase's `before`): only the verifier's
+    commands get it; the agent's processes still running keep theirs only where it is the same
+    (furlong.sandbox.base.NetworkSwitching). With `before` None, the whole sandbox gets `policy` (a next
+    step's agent phase). "" once done, else what failed: the host's part, never the
+    agent's (it holds no capability over the sandbox's network), so the episode is not scored. A sandbox
+    already gone is left to the tests' run, whose control run says whose doing that was."""
+    if policy == before:
+        return ""
+    try:
+        if not isinstance(sandbox, NetworkSwitching):
+            raise SandboxError(f"{type(sandbox).__name__} cannot change a sandbox's network")
+        await sandbox.set_network(policy, verifier_only=before is not None)
+    except HostLost:
+        raise  # the runner runs the episode again
+    except SandboxDied:
+        return ""
+    except Exception as exc:  # noqa: BLE001 -- any other failure is the host's: the episode goes unscored
+        return f"the verifier phase's network ({policy.describe()}) could not be set: {describe(exc)}"
+    return ""
 
 
 async def close_quietly(sandbox: Sandbox) -> None:

@@ -33,7 +33,7 @@ from furlong.sandbox.flatten import subtree_tar
 from furlong.sandbox.pool import sandbox_spec
 from furlong.sandbox.tarball import tar_dir
 from furlong.tasks import artifacts
-from furlong.tasks.model import TESTS_DIR, Task
+from furlong.tasks.model import TESTS_DIR, Task, TaskNetwork
 
 
 class VerifierUnavailable(Exception):
@@ -44,7 +44,9 @@ def verifier_task(phase: Task) -> Task:
     """The task as its separate verifier's sandbox is made: that environment's image, limits and network."""
     sep = phase.separate
     assert sep is not None
-    return dataclasses.replace(phase, dockerfile=sep.dockerfile, network=sep.network, limits=sep.limits,
+    # no agent runs there: every command (the artifacts' placing, the tests) has the tests' network
+    tests = TaskNetwork(agent=phase.verifier_network, verifier=phase.verifier_network)
+    return dataclasses.replace(phase, dockerfile=sep.dockerfile, network=tests, limits=sep.limits,
                                syscalls=sep.syscalls)
 
 

@@ -103,8 +103,8 @@ class TaskBook:
                 raise ValueError(f"no task at split {split!r} index {index!r}")
         else:
             task = self.tasks[next(self._turn)]
-        if task.network and not self.allow_network:
-            raise ValueError(f"task {task.id!r} declares network; this server gives none (--allow-network)")
+        if task.online and not self.allow_network:
+            raise ValueError(f"task {task.id!r} has network in a phase; this server gives none (--allow-network)")
         return task
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
 
 from furlong.sandbox.changes import Change
+from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 
 DEFAULT_OUTPUT_CAP = 1 << 20  # bytes of stdout (and of stderr) kept per command
 BASE_ENV = {  # what every sandbox's environment starts from, before its image's ENV
@@ -112,10 +113,18 @@ class SyscallPolicy:
 
 @dataclass(frozen=True)
 class SandboxSpec:
+    """`network`: the policy the sandbox starts with (furlong.sandbox.network); `network_phases`: the others
+    it may be switched to later (NetworkSwitching), so the backend sets it up to allow that."""
+
     image: ImageRef
-    network: bool = False
+    network: NetworkPolicy = NO_NETWORK
     limits: Limits = field(default_factory=Limits)
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)
+    network_phases: tuple[NetworkPolicy, ...] = ()
+
+    @property
+    def policies(self) -> tuple[NetworkPolicy, ...]:
+        return (self.network, *(p for p in self.network_phases if p != self.network))
 
 
 PYTHON_LIB = "/furlong/lib"  # where a Python sandbox finds the furlong package (add it to sys.path)
@@ -205,6 +214,19 @@ class ChangeTracking(Protocol):
 
     async def image_has(self, paths: Sequence[str]) -> frozenset[str] | None:
         """Which of `paths` the image itself holds (no symlink followed); None where it cannot say."""
+
+
+@runtime_checkable
+class NetworkSwitching(Protocol):
+    """The optional capability of a Sandbox to change its network policy while it runs (the bwrap and remote
+    backends have it), for a task whose agent and verifier phases differ."""
+
+    async def set_network(self, policy: NetworkPolicy, verifier_only: bool = False) -> None:
+        """From now on the sandbox has `policy`. With `verifier_only`, only the verifier's commands get it:
+        the agent's processes still running keep their network only if it is the same policy, and
+        otherwise keep their own loopback alone (where the sandbox has one uid, `verifier_uid` None, they
+        share the verifier's). Raises SandboxError where the sandbox was not created able to switch
+        (its SandboxSpec named neither policy in `network_phases`) and the policy differs."""
 
 
 class LayerSource(Protocol):

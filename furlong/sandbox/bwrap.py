@@ -34,7 +34,9 @@ from furlong.sandbox.base import (
     SandboxSpec,
 )
 from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
-from furlong.sandbox.egress import Egress
+from furlong.sandbox.egress import Egress, through_proxy
+from furlong.sandbox.egress_proxy import EgressProxy, Gate
+from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
 from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
 
 log = logging.getLogger(__name__)
@@ -98,9 +100,11 @@ class BwrapBackend:
 
     def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP,
                  seccomp: bool = True, layers: LayerSource | None = None, many_uids: bool = True,
-                 egress: Egress | None = None):
+                 egress: Egress | None = None, proxy: EgressProxy | None = None):
         self._layers = layers  # None: the default image store, made on first need
         self.egress = egress  # the host's CAs and mirrors for networked sandboxes (builds included)
+        self.proxy = proxy or EgressProxy()  # controlled sandboxes' gates (its thread starts on first need)
+        self._gated: Egress | None = None  # `egress` through the proxy, written on first need
         self.seccomp = seccomp  # the global switch (config sandbox.seccomp); a spec may also turn it off
         self.host_uid = host_uid if os.geteuid() == 0 else os.geteuid()
         self.output_cap = output_cap
@@ -136,6 +140,16 @@ class BwrapBackend:
             self._layers = ImageStore(host_uid=self.host_uid, egress=self.egress)
         return self._layers
 
+    def _egress(self, spec: SandboxSpec) -> Egress | None:
+        """What the sandbox borrows from the host: nothing offline; through its gate when controlled."""
+        if not any(p.online for p in spec.policies):
+            return None
+        if not controlled(spec.policies):
+            return self.egress
+        if self._gated is None:
+            self._gated = through_proxy(self.egress, netns.PROXY_URL)
+        return self._gated
+
     def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None, seccomp_fd: int | None = None,
                    init_args: tuple[str, ...] = (), verifier: bool = False,
                    home: str = BASE_ENV["HOME"]) -> tuple[list[str], list[int]]:
@@ -149,7 +163,7 @@ class BwrapBackend:
         if self.subids is not None:
             for cap in INIT_CAPS:
                 args += ["--cap-add", cap]
-        egress = self.egress if spec.network else None
+        egress = self._egress(spec)
         for key, value in {**BASE_ENV, "HOME": home, **dict(egress.env if egress else ()),
                            **dict(spec.image.env)}.items():
             args += ["--setenv", key, value]
@@ -167,8 +181,8 @@ class BwrapBackend:
                 args += ["--ro-bind-fd", str(self._shim_fd), OWNER_SHIM]
                 init_args = (*init_args, "--verifier-preload", OWNER_SHIM)
                 fds.append(self._shim_fd)
-        if spec.network:
-            args += ["--ro-bind", str(netns.resolv_conf()), "/etc/resolv.conf"]
+        if _networked(spec):
+            args += ["--ro-bind", str(netns.resolv_conf(controlled(spec.policies))), "/etc/resolv.conf"]
             args += egress.bwrap_args() if egress else []
         if seccomp_fd is not None:  # the init applies it to every command, once it has taken its identity
             init_args = (*init_args, "--seccomp", str(seccomp_fd))
@@ -179,10 +193,10 @@ class BwrapBackend:
     def _namespaces(self, spec: SandboxSpec) -> list[str]:
         if self.subids is None:  # bwrap's own user namespace, one uid
             return ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", "0", "--gid", "0",
-                    *(["--share-net"] if spec.network else [])]  # pasta's namespace (see launcher)
+                    *(["--share-net"] if _networked(spec) else [])]  # pasta's namespace (see launcher)
         # the launcher's user namespace; seccomp refuses unshare/clone of a new one to the sandbox
         return ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-                *([] if spec.network else ["--unshare-net"])]
+                *([] if _networked(spec) else ["--unshare-net"])]
 
     def _build_caps(self, upper: Path | None) -> bool:
         """Whether a build sandbox's steps get BUILD_CAPS: with many uids (as a user, see _own_layer)."""
@@ -217,11 +231,14 @@ class BwrapBackend:
         return known
 
     def launcher(self, args: list[str], cgroup: cgroups.Cgroup | None, spec: SandboxSpec,
-                 capped_upper: bool = True, verifier_ns_fd: int | None = None) -> list[str]:
+                 capped_upper: bool = True, verifier_ns_fd: int | None = None, gate: Gate | None = None) -> list[str]:
         """The launcher's argv: join the cgroup, cap the writable layer, drop to the sandbox uid, exec bwrap
-        (inside pasta's network namespace when the sandbox has network: pasta runs as the sandbox uid)."""
-        if spec.network:
-            args = netns.wrap(args, self.host_uid, in_userns=self.subids is not None)
+        (inside pasta's network namespace when the sandbox has network: pasta runs as the sandbox uid;
+        with a `gate`, its ports are the only way out)."""
+        if _networked(spec):
+            ports = (gate.tcp_port, gate.udp_port) if gate else None
+            args = netns.wrap(args, self.host_uid, in_userns=self.subids is not None, gate=ports,
+                              rules=first_rules(spec.network))
         root = os.geteuid() == 0
         opts = [self._launch]
         for procs in (cgroup.procs_files if cgroup else []):
@@ -264,7 +281,7 @@ class BwrapBackend:
 
     async def _start(self, spec: SandboxSpec, upper: Path | None, work: Path | None = None) -> BwrapSandbox:
         name = uuid.uuid4().hex[:12]
-        if spec.network:
+        if _networked(spec):
             netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
         lowers = tuple(self.layers.layer_dir(layer) for layer in spec.image.layers)
         for lower in lowers:  # a missing layer is one line too (opened once, cached by _fd)
@@ -292,21 +309,31 @@ class BwrapBackend:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
         fds += rw_fds
         secret = proto.new_secret()
+        gate = None
         try:
+            if controlled(spec.policies):
+                gate = await self.proxy.open(spec.network)
             proc = await asyncio.create_subprocess_exec(
-                *self.launcher(args, cgroup, spec, upper is None, vns_fd), stdin=asyncio.subprocess.PIPE,
+                *self.launcher(args, cgroup, spec, upper is None, vns_fd, gate), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, pass_fds=fds, limit=1 << 16)
             proc.stdin.write(secret)
-        except OSError as exc:
+        except BaseException as exc:
             if cgroup:
                 cgroup.remove()
-            raise SandboxError(f"cannot start bwrap ({self._bwrap}): {exc}") from exc
+            if gate is not None:
+                await gate.close()
+            if isinstance(exc, OSError):
+                raise SandboxError(f"cannot start bwrap ({self._bwrap}): {exc}") from exc
+            raise
         finally:
             for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
                 os.close(fd)
         box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
         box.verifier_uid = idmap.VERIFIER_UID if verifier else None
         box.agent_uid = agent.uid
+        box.fixed_network = spec.network
+        if gate is not None:
+            box.network = NetworkControl(gate, box.verifier_uid, spec.network, spec.network, first_rules(spec.network))
         if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
             box.writes = WritableLayer(self._upper_mnt, lowers)
         return box
@@ -343,3 +370,8 @@ def _same_file(fd: int, path: Path) -> bool:
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _networked(spec: SandboxSpec) -> bool:
+    """Whether the sandbox gets a network namespace of pasta's (else bwrap's own, empty one)."""
+    return any(p.online for p in spec.policies)

@@ -15,6 +15,8 @@ from pathlib import Path
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import ExecResult, SandboxDied, SandboxError
 from furlong.sandbox.changes import Change, image_entry, overlay_changes
+from furlong.sandbox.netcontrol import NetworkControl
+from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 from furlong.sandbox.shell import wrap
 from furlong.sandbox.tarball import tar_dir
 
@@ -123,6 +125,8 @@ class BwrapSandbox:
         self.verifier_uid: int | None = None  # the uid `as_verifier` calls run as (inside); None: the agent's
         self.agent_uid = 0  # the uid agent calls run as (inside): the image's USER
         self.writes: WritableLayer | None = None  # None: its writes cannot be read on the host (a build)
+        self.fixed_network: NetworkPolicy = NO_NETWORK  # its policy where it has no `network` control
+        self.network: NetworkControl | None = None  # a controlled sandbox's gate and phase (furlong.sandbox.netcontrol)
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_replies())
         self._err_reader = loop.create_task(self._read_stderr())
@@ -276,6 +280,21 @@ class BwrapSandbox:
             return None
         return await asyncio.to_thread(self.writes.image_has, paths)
 
+    async def set_network(self, policy: NetworkPolicy, verifier_only: bool = False) -> None:
+        """furlong.sandbox.base.NetworkSwitching: a controlled sandbox moves to `policy`; any other keeps the
+        one it started with, and refuses another."""
+        if self.network is None:
+            if policy != self.fixed_network:
+                raise SandboxError(f"this sandbox started with network {self.fixed_network.describe()} and cannot "
+                                   f"switch to {policy.describe()}: name it in SandboxSpec.network_phases")
+            return
+        if not self.alive:
+            raise SandboxDied(self._death or "sandbox is closed")
+        bwrap = _children(self._proc.pid)  # pasta's child: bwrap, in the sandbox's user and network namespaces
+        if not bwrap:
+            raise SandboxDied("the sandbox's network namespace is gone")
+        await self.network.set(bwrap[0], policy, verifier_only)
+
     def _kill(self) -> None:
         if self._proc.returncode is None:
             try:
@@ -289,6 +308,8 @@ class BwrapSandbox:
         self._closed = True
         self._expiry.cancel()
         self._kill()
+        if self.network is not None:
+            await self.network.gate.close()
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.remove)
         try:  # the readers end at EOF, which the init's death brings; bounded all the same

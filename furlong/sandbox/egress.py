@@ -104,6 +104,30 @@ def host_egress(trust_host_ca: bool, ca_bundle: Path | None, package_mirrors: st
                   settings=", ".join(key))
 
 
+def through_proxy(egress: Egress | None, proxy_url: str) -> Egress:
+    """What a controlled sandbox gets (furlong.sandbox.egress_proxy): `egress`'s CA and index settings, and
+    every proxy setting naming `proxy_url`, the sandbox's only way out (the host's own proxies are out of
+    its reach): the proxy variables (loopback excepted) and apt's, with pipelining off, as the proxy sends
+    one request per connection."""
+    files: dict[str, bytes] = {}
+    apt: list[str] = []
+    if egress is not None and egress.directory is not None:
+        for path in egress.directory.iterdir():
+            files[path.name] = path.read_bytes()
+        apt = [line for line in files.pop(APT_FILE, b"").decode().splitlines()
+               if "::proxy" not in line.split(" ", 1)[0].lower()]
+    env = [(k, v) for k, v in (egress.env if egress else ()) if k not in PROXY_VARIABLES and k != "APT_CONFIG"]
+    env += [(name, proxy_url) for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")]
+    env += [(name, ",".join(LOOPBACK)) for name in ("no_proxy", "NO_PROXY")]
+    apt += [f'Acquire::http::Proxy "{proxy_url}/";', f'Acquire::https::Proxy "{proxy_url}/";',
+            'Acquire::http::Pipeline-Depth "0";']
+    files[APT_FILE] = ("\n".join(apt) + "\n").encode()
+    env.append(("APT_CONFIG", f"{MOUNT}/{APT_FILE}"))
+    key = egress.key if egress else ""
+    return Egress(key=key, env=tuple(env), directory=_write_directory(files),
+                  settings=", ".join(x for x in (egress.settings if egress else "", "egress proxy") if x))
+
+
 def default_ca_bundle() -> Path:
     """The bundle the host's pip and Python verify with: pip's `cert` setting (PIP_CERT or pip.conf), else
     OpenSSL's default file as Python sees it (SSL_CERT_FILE, else e.g. /usr/lib/ssl/cert.pem)."""

@@ -33,6 +33,7 @@ from furlong.sandbox import toolchain as toolchains
 from furlong.sandbox.base import (BASE_ENV, DEFAULT_HOST_UID, ImageRef, ImageSource, LayerRef, Limits, Prebuilt,
                                    SandboxError, SandboxSpec)
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
+from furlong.sandbox.network import PUBLIC
 from furlong.sandbox.tarball import tar_dir
 
 # bump when the layout or the base recipe changes, so old caches are not reused. (Not bumped when native RUN
@@ -406,7 +407,7 @@ class ImageStore:
         then `probe`, whose output is returned."""
         env: list[tuple[str, str]] = []
         workdir, user = parent.workdir, parent.user
-        spec = SandboxSpec(image=parent, network=True, limits=BUILD_LIMITS)
+        spec = SandboxSpec(image=parent, network=PUBLIC, limits=BUILD_LIMITS)
         box = await backend.build(spec, upper)
         try:
             for n, step in enumerate(steps[1:], 2):

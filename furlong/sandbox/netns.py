@@ -17,6 +17,15 @@ What a sandbox could still reach, and what closes it:
   port of that one address is the only way to host loopback. (This pasta's own `-D` option is broken.)
 pasta runs as the sandbox uid in the foreground as the sandbox's launcher process, so it lives and dies
 with the sandbox (and sits in its cgroup when there is one).
+
+A controlled sandbox (a restricted policy, or phases that differ: furlong.sandbox.network) gets two more
+things. pasta forwards two fixed ports of the sandbox's loopback, PROXY_PORT (TCP) and DNS_PORT (UDP), to its
+Gate's ports on host loopback (furlong.sandbox.egress_proxy), and its resolv.conf names that DNS port. And
+its routing rules carry the phase: `prohibit` at PHASE_PREF leaves no route out but loopback (the proxy is
+then the only way out, and a connect to any address literal fails), and in a verifier-only phase the
+agent's uids lose the proxy and DNS ports and every route but loopback (AGENT_RULES), while the verifier's
+uid skips those rules. The host changes them by entering the sandbox's user and network namespaces
+(`apply`); nothing inside holds CAP_NET_ADMIN there, so nothing inside can change them back.
 """
 
 from __future__ import annotations
@@ -29,15 +38,24 @@ import signal
 import stat
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from furlong.paths import cache_dir
 from furlong.sandbox.base import SandboxError
 
 DNS_FORWARD = "169.254.1.1"  # as podman does: link-local, so it never names a real resolver
 RESOLV_CONF = f"nameserver {DNS_FORWARD}\n"
+# A controlled sandbox's side of its gate, on its own loopback (pasta binds 127.0.0.1 and ::1): a port no
+# common server takes (not 80, 443, 3128, 8080...), and DNS's own, as resolv.conf names no port.
+PROXY_PORT, DNS_PORT = 41871, 53
+PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
+CONTROLLED_RESOLV_CONF = "nameserver 127.0.0.1\n"
+LOCAL_PREF, FENCE_PREF, PHASE_PREF = 15, 16, 20  # rule priorities in a controlled sandbox
+AGENT_RULES = (f"rule add pref 10 ipproto tcp dport {PROXY_PORT} prohibit",
+               f"rule add pref 11 ipproto udp dport {DNS_PORT} prohibit",
+               "rule add pref 12 lookup local", "rule add pref 13 prohibit")
 TUN = Path("/dev/net/tun")
 PASTA_OPTIONS = ("--config-net", "--foreground", "--quiet", "--no-map-gw",
                  "-t", "none", "-u", "none", "-T", "none", "-U", "none", "--dns-forward", DNS_FORWARD)
@@ -80,39 +98,90 @@ def check(uid: int) -> None:
         raise SandboxError(problem)
 
 
-def fence_script(addresses: list[str]) -> str:
-    """Shell run inside pasta's namespace: prohibit rules for the host's addresses, then exec bwrap."""
-    lines = ["set -e"]
-    for family, version in (("-4", 4), ("-6", 6)):
-        rules = [f"rule add to {a} prohibit priority 1" for a in addresses
-                 if ipaddress.ip_network(a).version == version]
-        if rules:
-            lines.append(f"ip {family} -batch - <<'EOF'\n" + "\n".join(rules) + "\nEOF")
+def fence_script(addresses: list[str], controlled: tuple[str, ...] | None = None) -> str:
+    """Shell run inside pasta's namespace: prohibit rules for the host's addresses (and, `controlled`, the
+    local table moved behind the agent's rules, then the phase's rules), then exec bwrap."""
+    fence = [] if controlled is None else [f"rule add pref {LOCAL_PREF} lookup local", "rule del pref 0"]
+    pref = 1 if controlled is None else FENCE_PREF
+    lines = ["set -e", *batches(lambda v: [*fence, *(f"rule add to {a} prohibit priority {pref}" for a in addresses
+                                                     if ipaddress.ip_network(a).version == v), *(controlled or ())])]
     lines.append('exec "$@"')
     return "\n".join(lines)
 
 
-def wrap(argv: list[str], uid: int, in_userns: bool = False) -> list[str]:
+def batches(rules: Callable[[int], list[str]]) -> list[str]:
+    """`ip -4/-6 -batch` shell lines of `rules(version)`, for each IP version the kernel has, if any."""
+    out = []
+    for family, version in (("-4", 4), ("-6", 6)):
+        if (version == 4 or Path("/proc/net/if_inet6").exists()) and (lines := rules(version)):
+            out.append(f"ip {family} -batch - <<'EOF'\n" + "\n".join(lines) + "\nEOF")
+    return out
+
+
+def wrap(argv: list[str], uid: int, in_userns: bool = False, gate: tuple[int, int] | None = None,
+         rules: tuple[str, ...] = ()) -> list[str]:
     """`argv` (bwrap) run inside a fresh network namespace that pasta connects to the internet; with
-    `in_userns` (the launcher already made the sandbox's user namespace) pasta makes no user namespace."""
+    `in_userns` (the launcher already made the sandbox's user namespace) pasta makes no user namespace.
+    `gate` (its host TCP and UDP ports): a controlled sandbox, whose phase starts with `rules`."""
     check(uid)
     pasta = shutil.which("pasta") or "pasta"
-    return [pasta, *PASTA_OPTIONS, *(["--netns-only"] if in_userns else []), "--", "/bin/sh", "-c", fence_script(host_local_addresses()),
+    options = PASTA_OPTIONS if gate is None else controlled_options(*gate)
+    script = fence_script(host_local_addresses(), None if gate is None else rules)
+    return [pasta, *options, *(["--netns-only"] if in_userns else []), "--", "/bin/sh", "-c", script,
             "furlong-netns", *argv]
 
 
-def resolv_conf() -> Path:
-    """A resolv.conf naming pasta's DNS forward address, in a place the sandbox uid can read."""
+def controlled_options(tcp_port: int, udp_port: int) -> tuple[str, ...]:
+    """pasta's options for a controlled sandbox: its only forwards are its proxy and DNS ports, each to
+    its Gate on host loopback; no DNS forward to the host's resolver."""
+    return ("--config-net", "--foreground", "--quiet", "--no-map-gw", "-t", "none", "-u", "none",
+            "-T", f"{PROXY_PORT}:{tcp_port}", "-U", f"{DNS_PORT}:{udp_port}")
+
+
+def phase_rules(restricted: bool, agent_cut: bool, verifier_uid: int | None) -> tuple[str, ...]:
+    """A controlled sandbox's phase as routing rules (for `ip rule`, each IP version): `restricted`, no route
+    out but loopback; `agent_cut` (a verifier-only phase), the agent's uids keep loopback only, and the
+    verifier's uid skips to the rules everyone has."""
+    rules: list[str] = []
+    if agent_cut and verifier_uid is not None:
+        rules += [f"rule add pref 9 uidrange {verifier_uid}-{verifier_uid} goto {LOCAL_PREF}", *AGENT_RULES]
+    if restricted:
+        rules.append(f"rule add pref {PHASE_PREF} prohibit")
+    return tuple(rules)
+
+
+def switch_script(old: tuple[str, ...], new: tuple[str, ...]) -> str:
+    """Shell that moves a controlled sandbox from rules `old` to `new`: the new ones first, then the old
+    ones taken away, so no moment has fewer restrictions than both."""
+    steps = [r for r in new if r not in old] + [r.replace("rule add", "rule del", 1) for r in old if r not in new]
+    return "\n".join(["set -e", *batches(lambda v: list(steps))])
+
+
+def apply(pid: int, script: str, timeout_s: float = 10.0) -> None:
+    """Runs `script` (switch_script) in the user and network namespaces of process `pid` (a controlled
+    sandbox's bwrap: its user namespace owns its network namespace), from the host."""
+    nsenter = shutil.which("nsenter") or "nsenter"
+    proc = subprocess.run([nsenter, f"--user=/proc/{pid}/ns/user", f"--net=/proc/{pid}/ns/net",
+                           "--", "/bin/sh", "-c", script],
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        raise SandboxError(f"changing the sandbox's network failed: {proc.stderr.strip()[-300:]}")
+
+
+def resolv_conf(controlled: bool = False) -> Path:
+    """A resolv.conf naming pasta's DNS forward address (`controlled`: the gate's DNS port on the sandbox's
+    loopback), in a place the sandbox uid can read."""
     base = Path("/run/furlong") if os.geteuid() == 0 else cache_dir()  # root's home is closed to that uid
-    path = base / "pasta-resolv.conf"
+    path = base / ("gate-resolv.conf" if controlled else "pasta-resolv.conf")
+    text = CONTROLLED_RESOLV_CONF if controlled else RESOLV_CONF
     try:
-        if path.read_text() == RESOLV_CONF:
+        if path.read_text() == text:
             return path
     except OSError:
         pass
     base.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(RESOLV_CONF)
+    tmp.write_text(text)
     tmp.chmod(0o644)
     tmp.rename(path)  # atomic: a sandbox starting meanwhile sees the old file or the new, never half
     return path

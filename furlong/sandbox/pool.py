@@ -25,9 +25,16 @@ MAX_START_FAILURES = 3  # in a row, for one acquire, before it gives up (the epi
 ImageLookup = Callable[[object], Awaitable[ImageRef]]  # task -> its built image
 
 
-def sandbox_spec(task: Task, image: ImageRef) -> SandboxSpec:
-    """The one place a task's sandbox is specified (also the warm pools' key)."""
-    return SandboxSpec(image=image, network=task.network, limits=task.limits, syscalls=task.syscalls)
+def sandbox_spec(task: Task, image: ImageRef, control: bool = False) -> SandboxSpec:
+    """The one place a task's sandbox is specified (also the warm pools' key): it starts with the agent
+    phase's network and can switch to every other its phases use; a `control` run's (the tests in a sandbox
+    no agent touched) has the verifier phase's from the start."""
+    if control:
+        return SandboxSpec(image=image, network=task.verifier_network, limits=task.limits, syscalls=task.syscalls)
+    # every policy a later phase (a multi-step task's next steps too) may switch to
+    phases = tuple(p for p in task.network_policies() if p != task.agent_network)
+    return SandboxSpec(image=image, network=task.agent_network, limits=task.limits, syscalls=task.syscalls,
+                       network_phases=phases)
 
 
 async def start_sandbox(backend, spec: SandboxSpec, timeout_s: float = READY_TIMEOUT_S) -> Sandbox:

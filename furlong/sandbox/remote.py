@@ -33,6 +33,7 @@ from furlong.sandbox.base import (
 from furlong.sandbox.changes import Change
 from furlong.sandbox.hosts import Host, Hosts, check
 from furlong.sandbox.listing import Entry
+from furlong.sandbox.network import NetworkPolicy
 from furlong.sandbox.tarball import tar_dir
 
 HTTP_SLACK_S = 30.0  # past a command's own timeout, for the host to answer
@@ -141,6 +142,11 @@ class RemoteSandbox:
         params = {"dest": dest, "as_verifier": json.dumps(as_verifier)}
         await self._send("POST", "/put_tar", "put_tar", FILE_TIMEOUT_S, params=params, content=data)
 
+    async def set_network(self, policy: NetworkPolicy, verifier_only: bool = False) -> None:
+        """furlong.sandbox.base.NetworkSwitching, on the sandbox's host (which refuses what it cannot do)."""
+        await self._send("POST", "/network", "set_network", FILE_TIMEOUT_S,
+                         json={"network": policy_body(policy), "verifier_only": verifier_only})
+
     async def changes(self, roots: Sequence[str]) -> tuple[Change, ...] | None:
         if not self._tracking:
             return None
@@ -188,12 +194,17 @@ def _detail(r: httpx.Response) -> str:
         return r.text
 
 
+def policy_body(policy: NetworkPolicy) -> dict[str, Any]:
+    return {"mode": policy.mode, "hosts": list(policy.hosts)}
+
+
 def create_body(spec: SandboxSpec) -> dict[str, Any]:
     """The host's create request for `spec`: the image by content (digest and layers), limits, policy."""
     lim = spec.limits
     # verifier_env stays here: the verifier passes it with each of its commands
     image = {k: v for k, v in dataclasses.asdict(spec.image).items() if k != "verifier_env"}
-    return {"image": image, "network": spec.network, "cpus": lim.cpus,
+    return {"image": image, "network": policy_body(spec.network),
+            "network_phases": [policy_body(p) for p in spec.network_phases], "cpus": lim.cpus,
             "memory_mb": lim.memory_mb, "pids": lim.pids, "disk_mb": lim.disk_mb, "lifetime_s": lim.lifetime_s,
             "seccomp": spec.syscalls.enabled, "allow_syscalls": list(spec.syscalls.allow)}
 

@@ -29,7 +29,7 @@ NetworkMode = Literal["no-network", "public", "allowlist"]
 class Agent(Section):
     timeout_sec: float = Field(600.0, gt=0)
     user: Any = None  # Harbor's; the agent runs as the sandbox's user
-    network_mode: NetworkMode | None = None  # Harbor's phase override: see loader._network
+    network_mode: NetworkMode | None = None  # Harbor's phase override: see furlong.tasks.network
     allowed_hosts: list[str] | None = None
 
 
@@ -42,8 +42,8 @@ class Environment(Section):
     memory_mb: int = Field(2048, gt=0)
     network_mode: NetworkMode | None = None  # Harbor >= 0.2's; wins over the older allow_internet
     allowed_hosts: list[str] | None = None
-    allow_internet: bool = False
-    network: bool = False
+    allow_internet: bool | None = None
+    network: bool | None = None  # furlong's older spelling of allow_internet
     os: Literal["linux", "windows"] = "linux"
     seccomp: bool = True  # furlong's own keys: the syscall filter, and names taken off its deny list
     seccomp_allow: list[str] = []

@@ -22,7 +22,17 @@ from furlong.sandbox import seccomp
 from furlong.sandbox.base import Limits, SyscallPolicy
 from furlong.tasks import harbor_toml as ht
 from furlong.tasks.artifacts import unsafe_source
-from furlong.tasks.model import Artifact, CollectHook, Step, Task, TaskError, VerifierEnvironment, step_task
+from furlong.tasks.model import (
+    Artifact,
+    CollectHook,
+    Step,
+    Task,
+    TaskError,
+    TaskNetwork,
+    VerifierEnvironment,
+    step_task,
+)
+from furlong.tasks.network import TableNetwork, baseline, explicit, resolve
 
 
 class _TerminalBenchYaml(BaseModel):
@@ -95,7 +105,7 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         agent_timeout_s=conf.agent.timeout_sec, verifier_timeout_s=conf.verifier.timeout_sec,
         tests_dir=path / "tests" if (path / "tests").is_dir() else None, test_script=test_script,
         solution=solution if solution.is_file() else None,
-        network=_network(env, [("agent", conf.agent)] + ([] if separate else [("verifier", conf.verifier)]), tid),
+        network=_phase_network(conf, None, tid),
         limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid, "environment"),
         verifier_env=tuple(sorted(conf.verifier.env.items())), format="harbor",
         solution_env=tuple(sorted(conf.solution.env.items())),
@@ -121,9 +131,6 @@ def _step(conf: ht.HarborToml, step: ht.Step, task: Task, tid: str) -> Step:
     if not (separate and separate.bundled_tests) and not script.is_file():
         raise TaskError(tid, f"{where}/tests/test.sh", "missing, and so is tests/test.sh: the step has no tests")
     solution = home / "solution" / "solve.sh" if (home / "solution").is_dir() else task.solution
-    shared = [] if separate else [_verifier_override(conf, step)]
-    _network_agrees(_mode_of(conf.environment), [(f"steps.{step.name}.agent", step.agent), *shared], tid,
-                    "environment")
     if step.min_reward is None:
         gate = None
     else:
@@ -140,15 +147,15 @@ def _step(conf: ht.HarborToml, step: ht.Step, task: Task, tid: str) -> Step:
         verifier_env=tuple(sorted({**conf.verifier.env, **step.verifier.env}.items())), separate=separate,
         artifacts=task.artifacts + _artifacts(step.artifacts),
         collect=task.collect + _hooks(step.verifier.collect), workdir=workdir if workdir.is_dir() else None,
-        min_reward=gate, agent_network_mode=step.agent.network_mode, verifier_network_mode=step.verifier.network_mode,
+        min_reward=gate, network=_phase_network(conf, step, tid),
     )
 
 
 def _separate(conf: ht.HarborToml, step: ht.Step | None, path: Path, tid: str) -> VerifierEnvironment | None:
     """Where the tests run when they do not share the agent's sandbox (Harbor's resolution): None for
     "shared". The image: a tests/Dockerfile (the step's own first, then the task's) builds one that holds
-    its tests; else a fresh sandbox of the task's own image. The limits and network: [verifier.environment]
-    (the step's, then the task's), else the task's [environment]."""
+    its tests; else a fresh sandbox of the task's own image. Its limits: [verifier.environment] (the step's,
+    then the task's), else the task's [environment]; its network is the tests' phase's (_phase_network)."""
     mode = (step.verifier.mode if step else None) or conf.verifier.mode or "shared"
     if mode == "shared":
         return None
@@ -171,15 +178,7 @@ def _separate(conf: ht.HarborToml, step: ht.Step | None, path: Path, tid: str) -
     table = "environment" if env is conf.environment else f"{where}.environment"
     return VerifierEnvironment(
         dockerfile=dockerfile if dockerfile.is_file() else None, bundled_tests=bundled,
-        network=_network(env, [_verifier_override(conf, step)], tid, table),
         limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid, table))
-
-
-def _verifier_override(conf: ht.HarborToml, step: ht.Step | None) -> tuple[str, ht.Verifier]:
-    """The [verifier] table whose network_mode applies to a step's tests (its own, else the task's)."""
-    if step is not None and step.verifier.network_mode is not None:
-        return f"steps.{step.name}.verifier", step.verifier
-    return "verifier", conf.verifier
 
 
 def _artifacts(entries: Sequence[ht.Artifact]) -> tuple[Artifact, ...]:
@@ -214,27 +213,43 @@ def _unsupported(conf: ht.HarborToml, task: str) -> None:
                                                "sidecar services are not supported (hooks run in the agent's sandbox)")
 
 
-def _mode_of(env: ht.Environment) -> str:
-    return env.network_mode or ("public" if env.allow_internet or env.network else "no-network")
+def _phase_network(conf: ht.HarborToml, step: ht.Step | None, tid: str) -> TaskNetwork:
+    """Each phase's network, as Harbor resolves it (furlong.tasks.network): a step's own [agent] and [verifier]
+    tables first; for tests in a separate verifier's sandbox, that environment's own `network_mode` (a
+    [verifier.environment] that names one) is the tests' baseline, as Harbor's separate environment's is."""
+    env = conf.environment
+    steps = (_table(f"steps.{step.name}.agent", step.agent), _table(f"steps.{step.name}.verifier", step.verifier)) \
+        if step is not None else (None, None)
+    network = resolve(_table("environment", env), _legacy(env), _table("agent", conf.agent),
+                      _table("verifier", conf.verifier), tid, *steps)
+    own = _separate_environment(conf, step)
+    if own is None:
+        return network
+    where, sep_env = own
+    named = (explicit(steps[1], tid) if steps[1] is not None else None) or explicit(_table("verifier", conf.verifier), tid)
+    tests = named or baseline(_table(f"{where}.environment", sep_env), _legacy(sep_env), tid)
+    return dataclasses.replace(network, verifier=tests) if tests is not None else network
 
 
-def _network(env: ht.Environment, phases: Sequence[tuple[str, Any]], task: str, where: str = "environment") -> bool:
-    """Whether a sandbox with `env`'s definition has network. One sandbox serves every phase that runs in
-    it, so a phase's override (`phases`: [agent], [verifier]) must agree with the sandbox's policy."""
-    mode = _mode_of(env)
-    _network_agrees(mode, [(where, env), *phases], task, where)
-    return mode == "public"
+def _table(where: str, table: ht.Agent | ht.Verifier | ht.Environment) -> TableNetwork:
+    return TableNetwork(where, table.network_mode, table.allowed_hosts)
 
 
-def _network_agrees(mode: str, phases: Sequence[tuple[str, Any]], task: str, where: str) -> None:
-    for field, phase in phases:
-        if phase.network_mode == "allowlist" or phase.allowed_hosts:
-            raise TaskError(task, "task.toml", f"field '{field}.network_mode': 'allowlist' is not supported: a "
-                                               "sandbox has all of the network or none ('public' or 'no-network')")
-        if phase.network_mode not in (None, mode):
-            raise TaskError(task, "task.toml", f"field '{field}.network_mode': {phase.network_mode!r} differs from "
-                                               f"the {where}'s {mode!r}: the phases that share a sandbox share its "
-                                               "network policy")
+def _legacy(env: ht.Environment) -> bool | None:
+    """The older spellings of `network_mode`: Harbor's allow_internet, furlong's network (None: neither)."""
+    return env.allow_internet if env.allow_internet is not None else env.network
+
+
+def _separate_environment(conf: ht.HarborToml, step: ht.Step | None) -> tuple[str, ht.Environment] | None:
+    """A separate verifier's own [verifier.environment] table (a step's first), where the tests run in one."""
+    mode = (step.verifier.mode if step else None) or conf.verifier.mode or "shared"
+    if mode == "shared":
+        return None
+    if step is not None and step.verifier.environment is not None:
+        return f"steps.{step.name}.verifier", step.verifier.environment
+    if conf.verifier.environment is not None:
+        return "verifier", conf.verifier.environment
+    return None
 
 
 def _syscalls(env: ht.Environment, task: str, where: str) -> SyscallPolicy:

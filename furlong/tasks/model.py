@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from furlong.sandbox.base import ImageSource, Limits, Prebuilt, SyscallPolicy
+from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 
 TESTS_DIR = "/tests"  # where the task's tests are copied, after the agent finishes
 VERIFIER_LOG_DIR = "/logs/verifier"  # where tests write reward.txt / reward.json
@@ -20,6 +21,20 @@ class TaskError(ValueError):
     def __init__(self, task: str, file: str, problem: str):
         super().__init__(f"task {task!r}: {file}: {problem}")
         self.task, self.file, self.problem = task, file, problem
+
+
+@dataclass(frozen=True)
+class TaskNetwork:
+    """The network of each phase (furlong.tasks.network resolves it from task.toml): the agent's, and the
+    tests'. Both None: task.toml names no mode, so furlong's default applies (`sandbox.network`; offline
+    where it has not been applied)."""
+
+    agent: NetworkPolicy | None = None
+    verifier: NetworkPolicy | None = None
+
+    @property
+    def named(self) -> bool:
+        return self.agent is not None or self.verifier is not None
 
 
 @dataclass(frozen=True)
@@ -46,7 +61,6 @@ class VerifierEnvironment:
 
     dockerfile: Path | None  # its image (tests/Dockerfile, or the task's environment/Dockerfile); None: the base
     bundled_tests: bool  # the image holds the tests at /tests (built from the tests directory): none copied in
-    network: bool = False
     limits: Limits = field(default_factory=Limits)
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)
 
@@ -69,13 +83,11 @@ class Step:
     collect: tuple[CollectHook, ...]
     workdir: Path | None = None  # steps/<name>/workdir: copied into the working directory before the step
     min_reward: tuple[tuple[str, float], ...] | None = None  # below any: the steps after this one do not run
-    # the step's [agent] / [verifier] network_mode overrides, kept for per-phase network policies (not yet applied)
-    agent_network_mode: str | None = None
-    verifier_network_mode: str | None = None
+    network: TaskNetwork = TaskNetwork()  # each phase's, the step's own tables first (furlong.tasks.network)
 
 
 STEP_FIELDS = ("instruction", "agent_timeout_s", "verifier_timeout_s", "test_script", "tests_overlay", "solution",
-               "verifier_env", "separate", "artifacts", "collect")
+               "verifier_env", "separate", "artifacts", "collect", "network")
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,7 @@ class Task:
     tests_dir: Path | None  # copied to /tests after the agent finishes
     test_script: Path  # the verifier's entry point, run as /tests/<name>
     solution: Path | None  # a shell script the oracle agent runs
-    network: bool = False
+    network: TaskNetwork = field(default_factory=TaskNetwork)
     limits: Limits = field(default_factory=Limits)
     syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)  # task.toml [environment] seccomp*
     verifier_env: tuple[tuple[str, str], ...] = ()
@@ -116,6 +128,27 @@ class Task:
             return Prebuilt(self.docker_image, self.dockerfile,
                             f"task {self.id!r}: task.toml: environment.docker_image")
         return self.dockerfile
+
+    @property
+    def agent_network(self) -> NetworkPolicy:
+        return self.network.agent or NO_NETWORK
+
+    @property
+    def verifier_network(self) -> NetworkPolicy:
+        return self.network.verifier or NO_NETWORK
+
+    @property
+    def online(self) -> bool:
+        """Whether either phase has any network."""
+        return self.agent_network.online or self.verifier_network.online
+
+    def network_policies(self) -> tuple[NetworkPolicy, ...]:
+        """Every policy the episode's phases use, in order, once each (a sandbox is set up to switch among
+        them: furlong.sandbox.pool.sandbox_spec)."""
+        found = [self.agent_network, self.verifier_network]
+        for step in self.steps:
+            found += [step.network.agent or self.agent_network, step.network.verifier or self.verifier_network]
+        return tuple(dict.fromkeys(found))
 
 
 def step_task(task: Task, step: Step) -> Task:

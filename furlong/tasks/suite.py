@@ -8,7 +8,8 @@ from pathlib import Path
 from furlong.sandbox.base import SandboxBackend
 from furlong.tasks.family import is_family_dir, load_family
 from furlong.tasks.loader import is_task_dir, load_task
-from furlong.tasks.model import Task, TaskError
+from furlong.tasks.model import Task, TaskError, TaskNetwork
+from furlong.tasks.network import with_default
 
 
 @dataclass(frozen=True)
@@ -41,25 +42,30 @@ class Suite:
 
 
 def load_tasks(path: Path, split: str = "heldout", per_family: int | None = None,
-               backend: SandboxBackend | None = None) -> list[Task]:
+               backend: SandboxBackend | None = None, network: TaskNetwork | None = None) -> list[Task]:
     """A task, a family, or a directory of both; raises the first broken one's TaskError."""
-    suite = load_suite(path, split, per_family, backend)
+    suite = load_suite(path, split, per_family, backend, network)
     if suite.broken:
         raise suite.broken[0].cause
     return suite.tasks
 
 
 def load_suite(path: Path, split: str = "heldout", per_family: int | None = None,
-               backend: SandboxBackend | None = None) -> Suite:
+               backend: SandboxBackend | None = None, network: TaskNetwork | None = None) -> Suite:
     """A task, a family, or a directory of both. Families give instances of `split` (train|heldout|all),
-    their generators run on `backend` (None: a default bwrap one).
+    their generators run on `backend` (None: a default bwrap one). Tasks that name no network mode get
+    `network`'s phases (None: offline, furlong's default; furlong.tasks.network).
 
     A task or family given directly that is broken raises its TaskError (there is nothing else to run).
     In a directory of them, each broken one becomes a BrokenTask and the rest still load, so one bad
     task in a downloaded collection costs one episode, not the run. A directory where nothing loads
     (no task and no family, or only broken ones) raises: there is no run to make.
     """
-    path = Path(path)
+    suite = _load(Path(path), split, per_family, backend)
+    return suite if network is None else Suite(with_default(suite.entries, network))
+
+
+def _load(path: Path, split: str, per_family: int | None, backend: SandboxBackend | None) -> Suite:
     if not path.is_dir():
         raise TaskError(path.name, str(path), "no such directory")
     if is_task_dir(path):

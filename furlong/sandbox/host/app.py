@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from furlong.sandbox.base import (
     ChangeTracking,
+    NetworkSwitching,
     ImageRef,
     LayerRef,
     Limits,
@@ -34,6 +35,7 @@ from furlong.sandbox.base import (
     SyscallPolicy,
 )
 from furlong.sandbox import listing, seccomp
+from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, policy
 from furlong.sandbox.e2b import e2b_app
 from furlong.sandbox.host.images import image_routes, resolve_layers
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
@@ -77,9 +79,23 @@ class ImageBody(_Body):
                         env=tuple(self.env), workdir=self.workdir, user=self.user, note=self.note)
 
 
+class NetworkBody(_Body):
+    """A network policy (furlong.sandbox.network): a mode, and allowlist entries for 'allowlist'."""
+
+    mode: Mode
+    hosts: list[str] = Field([], max_length=4096)
+
+    def policy(self) -> NetworkPolicy:
+        try:
+            return policy(self.mode, self.hosts)
+        except ValueError as e:
+            raise HTTPException(400, f"network: {e}") from e
+
+
 class CreateBody(_Body):
     image: str | ImageBody = Field("base", description="a name this host serves ('base'), or an image by content")
-    network: bool = False
+    network: bool | NetworkBody = Field(False, description="the policy it starts with (true: public, false: none)")
+    network_phases: list[NetworkBody] = Field([], max_length=16, description="policies it may switch to later")
     cpus: float = Field(1.0, gt=0, le=64)
     memory_mb: int = Field(2048, ge=64, le=1 << 20)
     pids: int = Field(512, ge=16, le=1 << 16)
@@ -118,6 +134,11 @@ class WriteBody(PathBody):
     mode: int = Field(0o644, ge=0, le=0o7777)
 
 
+class SwitchBody(_Body):
+    network: NetworkBody
+    verifier_only: bool = False
+
+
 class RootsBody(_Body):
     paths: list[Annotated[str, Field(json_schema_extra=ABSOLUTE)]] = Field(max_length=10_000)
     _check = field_validator("paths")(classmethod(lambda cls, v: [_inside_path(p) for p in v]))
@@ -127,7 +148,9 @@ def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, stor
           allow_network: bool) -> SandboxSpec:
     """The sandbox `body` asks for; a named image this host does not serve is 400, an image by content
     whose layers this host's store lacks is 409 naming them (a client builds them here, then retries)."""
-    if body.network and not allow_network:
+    start = body.network.policy() if isinstance(body.network, NetworkBody) else PUBLIC if body.network else NO_NETWORK
+    phases = tuple(p.policy() for p in body.network_phases)
+    if any(p.online for p in (start, *phases)) and not allow_network:
         raise HTTPException(400, "network: this host gives sandboxes no network (serve --allow-network)")
     if isinstance(body.image, str):
         if body.image not in images:
@@ -147,7 +170,7 @@ def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, stor
             raise HTTPException(400, f"allow_syscalls: {e}") from e
     limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb,
                     lifetime_s=min(lifetime_s, body.lifetime_s or lifetime_s))
-    return SandboxSpec(image, network=body.network, limits=limits,
+    return SandboxSpec(image, network=start, limits=limits, network_phases=phases,
                        syscalls=SyscallPolicy(enabled=body.seccomp, allow=tuple(body.allow_syscalls)))
 
 
@@ -234,6 +257,14 @@ def _sandbox_routes(app: FastAPI, reg: Registry, sandbox: Callable) -> None:
         r = await guarded(entry, _exec(entry, body))
         reg.execs.append(time.perf_counter() - t)
         return dataclasses.asdict(r)
+
+    @app.post("/v1/sandboxes/{sid}/network")
+    async def network(body: SwitchBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
+        if not isinstance(entry.box, NetworkSwitching):
+            raise HTTPException(409, "this host's sandboxes cannot change their network")
+        # a sandbox that started without network refuses any other policy itself: it has no way out
+        await guarded(entry, entry.box.set_network(body.network.policy(), verifier_only=body.verifier_only))
+        return {"ok": True}
 
     @app.post("/v1/sandboxes/{sid}/changes")
     async def changes(body: RootsBody, entry: Annotated[Entry, Depends(sandbox)]) -> dict:
