@@ -152,10 +152,11 @@ class BwrapBackend:
 
     def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None, seccomp_fd: int | None = None,
                    init_args: tuple[str, ...] = (), verifier: bool = False,
-                   home: str = BASE_ENV["HOME"]) -> tuple[list[str], list[int]]:
+                   home: str = BASE_ENV["HOME"], shim_fd: int | None = None) -> tuple[list[str], list[int]]:
         """bwrap's argv and the fds it needs. Many uids (self.subids): bwrap runs as root of the launcher's
-        user namespace and makes no other; `verifier` adds the verifier's mounts. `home` is the agent's
-        HOME (its USER's), unless the image's ENV sets one (Docker's rule)."""
+        user namespace and makes no other; `verifier` adds the verifier's mounts, and the ownership shim read
+        from `shim_fd` (one of this start's own: bwrap reads it to its end). `home` is the agent's HOME (its
+        USER's), unless the image's ENV sets one (Docker's rule)."""
         layer_fds = [self._fd(self.layers.layer_dir(layer)) for layer in spec.image.layers]
         fds = [*layer_fds, self._init_fd]
         args = [self._bwrap, *self._namespaces(spec), "--die-with-parent", "--new-session", "--as-pid-1",
@@ -177,10 +178,12 @@ class BwrapBackend:
         if verifier:  # mount points: the agent, owner of "/", can neither rename nor replace them
             for path in (TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR):
                 args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
-            if self._shim_fd is not None:  # the verifier sees the agent's uid, swapped with its own, as root's
-                args += ["--ro-bind-fd", str(self._shim_fd), OWNER_SHIM]
+            if shim_fd is not None:  # the verifier sees the agent's uid, swapped with its own, as root's
+                # copied in by content: a bind of the file would need its host path traversable by the
+                # sandbox uid, which a cache under a private directory is not
+                args += ["--perms", "0555", "--ro-bind-data", str(shim_fd), OWNER_SHIM]
                 init_args = (*init_args, "--verifier-preload", OWNER_SHIM)
-                fds.append(self._shim_fd)
+                fds.append(shim_fd)
         if _networked(spec):
             args += ["--ro-bind", str(netns.resolv_conf(controlled(spec.policies))), "/etc/resolv.conf"]
             args += egress.bwrap_args() if egress else []
@@ -304,7 +307,11 @@ class BwrapBackend:
         init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd, (agent.uid, agent.gid),
                                parent_pipe[0] if parent_pipe else None, agent.groups if self.subids else (),
                                build=self._build_caps(upper))
-        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home)
+        # the shim's bytes, from the file opened when this backend was made (a rebuilt one is not picked up)
+        shim_fd = os.open(f"/proc/self/fd/{self._shim_fd}", os.O_RDONLY | os.O_CLOEXEC) \
+            if verifier and self._shim_fd is not None else None
+        rw_fds += [shim_fd] if shim_fd is not None else []
+        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home, shim_fd)
         if parent_pipe:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
         fds += rw_fds
