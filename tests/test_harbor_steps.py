@@ -230,7 +230,7 @@ def test_the_tests_that_run_are_the_ones_the_verifier_image_holds(backend, store
     # and harbor's default user there is the verifier (no agent runs in it)
     task, bundled = box_task(load_task(d), d / "tests")
     assert bundled and task.dockerfile == d / "tests" / "Dockerfile"
-    box = HarborBox(task, backend, StoreImages(store, backend), False, BundledTests(store))
+    box = HarborBox(task, backend, StoreImages(store, backend), bundled=BundledTests(store))
 
     async def listing() -> tuple[str, bool]:
         await box.start()
