@@ -15,6 +15,7 @@ from conftest import run, spec
 from furlong.config import load_config
 from furlong.sandbox import toolchain
 from furlong.sandbox.base import BASE_ENV, ImageRef, LayerRef, SandboxSpec
+from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 from furlong.sandbox.remote import create_body
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
@@ -55,14 +56,14 @@ def test_the_layer_refuses_what_hides_or_lies_outside_its_home(tmp_path: Path):
 
 def test_only_the_verifier_gets_the_toolchain_and_offline_only_offline():
     image = ImageRef("d", (), env=(("PATH", "/opt/app/bin:/usr/bin"), ("A", "1")))
-    offline = toolchain.stack(image, TOOLCHAIN, toolchain.verifier_offline(SimpleNamespace(network=False)))
-    online = toolchain.stack(image, TOOLCHAIN, toolchain.verifier_offline(SimpleNamespace(network=True)))
+    offline = toolchain.stack(image, TOOLCHAIN, toolchain.verifier_offline(SimpleNamespace(verifier_network=NO_NETWORK)))
+    online = toolchain.stack(image, TOOLCHAIN, toolchain.verifier_offline(SimpleNamespace(verifier_network=NetworkPolicy("packages"))))
     assert offline.env == online.env == image.env and offline.layers[0] == TOOLCHAIN.layer
-    assert dict(offline.verifier_env)["PATH"] == ("/opt/furlong/toolchain/offline:/opt/furlong/toolchain/bin:"
-                                                 "/opt/app/bin:/usr/bin")
-    assert dict(online.verifier_env)["PATH"] == "/opt/furlong/toolchain/bin:/opt/app/bin:/usr/bin"
-    assert {"UV_OFFLINE", "UV_PYTHON_DOWNLOADS", "PIP_NO_INDEX"} <= dict(offline.verifier_env).keys()
-    assert not {"UV_OFFLINE", "PIP_NO_INDEX"} & dict(online.verifier_env).keys()
+    # the shims first in every mode (uv's installer is the toolchain's uv); offline-only settings offline only
+    assert dict(offline.verifier_env)["PATH"] == dict(online.verifier_env)["PATH"] == (
+        "/opt/furlong/toolchain/offline:/opt/furlong/toolchain/bin:/opt/app/bin:/usr/bin")
+    assert {"FURLONG_OFFLINE", "UV_OFFLINE", "UV_PYTHON_DOWNLOADS", "PIP_NO_INDEX"} <= dict(offline.verifier_env).keys()
+    assert not {"FURLONG_OFFLINE", "UV_OFFLINE", "PIP_NO_INDEX"} & dict(online.verifier_env).keys()
     task = make_task(Path(tempfile.mkdtemp()), "t", "x", "true")
     env = verifier_env(dataclasses.replace(task, verifier_env=(("UV_OFFLINE", "0"),)), offline)
     assert env["PYTHONPYCACHEPREFIX"] == PYCACHE_PREFIX and env["UV_OFFLINE"] == "0"  # the task's own wins

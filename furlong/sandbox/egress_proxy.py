@@ -29,6 +29,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from furlong.sandbox import dns
+from furlong.sandbox.indexes import package_hosts
+from furlong.sandbox.netns import host_local_addresses
 from furlong.sandbox.network import NO_NETWORK, Admission, NetworkPolicy
 
 log = logging.getLogger(__name__)
@@ -274,8 +276,6 @@ class EgressProxy:
             return Admission(everything=True)
         if policy.mode == "packages":
             if self._packages is None:
-                from furlong.sandbox.indexes import package_hosts
-
                 self._packages = (self._package_source or package_hosts)()
             return Admission.of((*self._packages, *policy.hosts))
         return Admission.of(policy.hosts)
@@ -319,8 +319,6 @@ class EgressProxy:
     async def _local_networks(self) -> list[Any]:
         at, nets = self._local
         if time.monotonic() - at > LOCAL_REFRESH_S:
-            from furlong.sandbox.netns import host_local_addresses
-
             found = await asyncio.to_thread(host_local_addresses)
             nets = [ipaddress.ip_network(a, strict=False) for a in found]
             self._local = (time.monotonic(), nets)

@@ -1,15 +1,17 @@
-"""The verifier toolchain's commands for an offline verifier phase: first on the verifier's PATH there, and
-only there (never on the agent's).
+"""The verifier toolchain's stand-ins for what Terminal-Bench 2's tests fetch: first on the verifier's PATH
+(only there, never on the agent's), in every network mode.
 
 Terminal-Bench 2's tests begin with `apt-get install -y curl` and `curl -LsSf https://astral.sh/uv/X/install.sh
-| sh`, often under `set -e`. Offline both fail, so:
+| sh`, often under `set -e`. Offline both fail, and online astral.sh may be out of reach (or out of a
+restricted mode's allowlist), so:
 
 - `curl`/`wget` asked for uv's installer (astral.sh/uv/[VERSION/]install.sh, or a release's
   uv-installer.sh) hand out INSTALLER, which links the toolchain's uv where uv's installer would put it
   and writes its `env` script; it never fetches. Any other call goes to the image's own curl/wget (the
   next on PATH), or fails as a missing command (127) where the image has none.
-- `apt-get install`/`apt install` of packages that are all installed already, or curl, succeed without
-  fetching (curl is then the one above, for uv's installer only); any other call is the image's apt-get.
+- Offline only (FURLONG_OFFLINE=1 in the verifier's environment): `apt-get install`/`apt install` of packages
+  that are all installed already, or curl, succeed without fetching (curl is then the one above, for uv's
+  installer only). Any other call, and every call where the phase has network, is the image's apt-get.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ UV_BIN = f"{HOME}/bin"  # the toolchain's uv and uvx, which INSTALLER links
 COMMANDS = ("curl", "wget", "apt-get", "apt")
 
 SHIM = r"""#!/bin/sh
-# furlong's verifier toolchain, first on PATH only where the task has no network (furlong/sandbox/offline_shims.py)
+# furlong's verifier toolchain, first on the verifier's PATH (furlong/sandbox/offline_shims.py)
 tool=${0##*/}
 shims=DIR
 
@@ -30,7 +32,7 @@ image_own() {  # the image's own $tool: the next one on PATH after this director
         if [ "$dir" != "$shims" ] && [ -x "$dir/$tool" ]; then unset IFS; exec "$dir/$tool" "$@"; fi
     done
     unset IFS
-    echo "$tool: not installed in this image (no network here: furlong's verifier toolchain answers only uv's installer)" >&2
+    echo "$tool: not installed in this image (furlong's verifier toolchain answers only uv's installer)" >&2
     exit 127
 }
 
@@ -78,14 +80,14 @@ apt_nothing_to_fetch() {  # `install` of packages all installed, or curl (this d
 
 case $tool in
     curl|wget) uv_installer "$@" ;;
-    apt-get|apt) apt_nothing_to_fetch "$@" ;;
+    apt-get|apt) [ "${FURLONG_OFFLINE:-}" = 1 ] && apt_nothing_to_fetch "$@" ;;
 esac
 image_own "$@"
 """
 
 INSTALLER = r"""#!/bin/sh
-# Handed out by furlong's verifier toolchain in place of uv's installer (the task has no network, so
-# astral.sh was not asked): uv VERSION is installed already; it is linked where the installer puts uv.
+# Handed out by furlong's verifier toolchain in place of uv's installer (astral.sh was not asked): uv
+# VERSION is installed already; it is linked where the installer puts uv.
 dir=${UV_INSTALL_DIR:-${XDG_BIN_HOME:-${HOME:?}/.local/bin}}
 mkdir -p "$dir" || exit 1
 for name in uv uvx; do
@@ -93,7 +95,7 @@ for name in uv uvx; do
 done
 [ -e "$dir/env" ] || printf '#!/bin/sh\ncase ":${PATH}:" in\n    *:"%s":*) ;;\n    *) export PATH="%s:$PATH" ;;\nesac\n' \
     "$dir" "$dir" > "$dir/env" || exit 1
-echo "uv VERSION (furlong's verifier toolchain) is in $dir; no network here, so nothing was downloaded"
+echo "uv VERSION (furlong's verifier toolchain) is in $dir; astral.sh was not asked"
 """
 
 

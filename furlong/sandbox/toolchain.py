@@ -236,23 +236,25 @@ async def _build(store, backend, progress, name: str, final: Path) -> None:
 
 
 def verifier_offline(task) -> bool:
-    """Whether the task's verifier phase has no network: then uv stays offline and the offline shims come
-    first on the verifier's PATH. The one place this is decided."""
-    return not getattr(task, "network", False)
+    """Whether the task's verifier phase has no network (its policy: furlong.tasks.model.Task.verifier_network):
+    then uv and pip stay offline, and apt-get takes installed packages as installed. The one place this is
+    decided."""
+    return not task.verifier_network.online
 
 
 def verifier_env(image_path: str, offline: bool) -> tuple[tuple[str, str], ...]:
-    """What verifier commands get on top of the image's environment (`image_path`: the image's PATH)."""
-    path = ":".join([*([offline_shims.DIR] if offline else []), BIN, image_path])
+    """What verifier commands get on top of the image's environment (`image_path`: the image's PATH). The
+    shims come first in every mode: uv's installer is answered by the toolchain's uv, never fetched."""
+    path = ":".join([offline_shims.DIR, BIN, image_path])
     env = [("PATH", path), ("PYTHONUSERBASE", USER_BASE), ("UV_FIND_LINKS", WHEELS), ("PIP_FIND_LINKS", WHEELS)]
     if offline:
-        env += [("UV_OFFLINE", "1"), ("UV_PYTHON_DOWNLOADS", "never"), ("PIP_NO_INDEX", "1")]
+        env += [("FURLONG_OFFLINE", "1"), ("UV_OFFLINE", "1"), ("UV_PYTHON_DOWNLOADS", "never"), ("PIP_NO_INDEX", "1")]
     return tuple(env)
 
 
 def stack(image: ImageRef, toolchain: Toolchain, offline: bool) -> ImageRef:
     """The task's image with the toolchain's layer on top. The agent's environment stays the image's; the
-    toolchain is in `verifier_env` only (offline: uv told to stay offline, the offline shims first on PATH)."""
+    toolchain is in `verifier_env` only (offline: uv and pip told to stay offline)."""
     path = dict(image.env).get("PATH", BASE_ENV["PATH"])
     note = "; ".join(n for n in (image.note, f"verifier toolchain ({toolchain.provides})") if n)
     return dataclasses.replace(image, digest=f"{image.digest}+{toolchain.key}",
