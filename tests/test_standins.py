@@ -108,8 +108,8 @@ def shims(tmp_path: Path) -> Path:
     return where
 
 
-def _sh(shims: Path, script: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {"PATH": f"{shims}:/usr/bin:/bin", "HOME": str(cwd / "home")}
+def _sh(shims: Path, script: str, cwd: Path, offline: bool = True) -> subprocess.CompletedProcess:
+    env = {"PATH": f"{shims}:/usr/bin:/bin", "HOME": str(cwd / "home"), **({"FURLONG_OFFLINE": "1"} if offline else {})}
     return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
                           check=False)
 
@@ -124,13 +124,25 @@ def test_offline_shims_answer_uvs_installer_and_apt_get_install_curl(shims: Path
               "wget -qO- https://astral.sh/uv/install.sh | head -1\n")
     res = _sh(shims, script, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    installed = f"uv 0.13.9 (furlong's verifier toolchain) is in {tmp_path}/home/.local/bin; no network here, so " \
-        "nothing was downloaded"
+    installed = f"uv 0.13.9 (furlong's verifier toolchain) is in {tmp_path}/home/.local/bin; astral.sh was not asked"
     assert res.stdout.splitlines() == [installed, "/opt/furlong/toolchain/bin/uv", f"{tmp_path}/home/.local/bin", installed,
                                        "#!/bin/sh"], res.stdout
     assert "curl coreutils: installed already, or curl answering uv's installer only" in res.stderr
     assert all((tmp_path / f).read_text() == offline_shims.installer("0.13.9")
                for f in ("a.sh", "install.sh", "uv-installer.sh"))
+
+
+def test_online_the_shims_answer_uvs_installer_only(shims: Path, tmp_path: Path):
+    """With network (no FURLONG_OFFLINE) apt-get is the image's own, which fetches what is asked; uv's installer
+    is still the toolchain's uv (astral.sh may be out of reach, or out of the phase's allowlist)."""
+    image = tmp_path / "image-bin"  # the image's apt-get, after the shims on PATH: it says what it was asked
+    image.mkdir()
+    (image / "apt-get").write_text('#!/bin/sh\necho "image apt-get $*"\n')
+    os.chmod(image / "apt-get", 0o755)
+    res = _sh(shims, f"PATH={shims}:{image}:$PATH; apt-get install -y curl; "
+                     "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh", tmp_path, offline=False)
+    assert res.returncode == 0 and res.stdout.splitlines()[0] == "image apt-get install -y curl", res.stdout + res.stderr
+    assert res.stdout.splitlines()[1].endswith("astral.sh was not asked"), res.stdout
 
 
 def test_offline_shims_leave_everything_else_to_the_image(shims: Path, tmp_path: Path):
