@@ -27,8 +27,6 @@ from furlong.config import REPO_ROOT
 SUITE = REPO_ROOT / "tasks-parity"
 OVERRIDES = ("sandbox.network.verifier=packages", "images.trust_host_ca=true")
 
-pytestmark = pytest.mark.slow
-
 
 def _eval(agent: str, out: Path) -> dict[str, dict]:
     res = subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--tasks", str(SUITE), "--agent", agent,
@@ -42,6 +40,7 @@ def _failures(records: dict[str, dict], reward: float) -> dict[str, tuple]:
             for task, r in records.items() if (r["reward"], r["status"]) != (reward, "ok")}
 
 
+@pytest.mark.slow
 def test_oracle_passes_every_task_and_noop_none(tmp_path: Path):
     expected = {p.name for p in SUITE.iterdir() if (p / "task.toml").is_file()}
     oracle = _eval("oracle", tmp_path / "oracle.jsonl")
@@ -51,3 +50,15 @@ def test_oracle_passes_every_task_and_noop_none(tmp_path: Path):
     noop = _eval("noop", tmp_path / "noop.jsonl")
     assert set(noop) == expected
     assert not _failures(noop, 0.0), _failures(noop, 0.0)
+
+
+def test_the_docs_figures_are_bench_results_parity_json():
+    """docs/tasks.md's parity figures are those bench/parity_bench.py recorded, for the commits it names."""
+    result = json.loads((REPO_ROOT / "bench/results/parity.json").read_text())
+    doc = " ".join((REPO_ROOT / "docs/tasks.md").read_text().split())
+    base, cur = result["baseline"], result["current"]
+    assert result["provenance"]["commit"] == cur["commit"] and not result["provenance"]["dirty"]
+    assert (f"at {base['commit'][:7]}, before this work, the oracle scored 1 on {base['oracle_pass']} of the "
+            f"{base['n']} tasks") in doc
+    assert f"at {cur['commit'][:7]} it scored 1 on all {cur['oracle_pass']}" in doc and cur["oracle_pass"] == cur["n"]
+    assert f"the no-op agent 0 on all {cur['noop_zero']}" in doc and cur["noop_zero"] == cur["n"]
