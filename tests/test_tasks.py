@@ -85,8 +85,19 @@ def test_malformed_task_toml_names_task_file_and_field(tmp_path: Path, toml: str
     assert err.value.task == "demo" and err.value.file == "task.toml" and words in str(err.value)
 
 
+def test_the_agent_user_is_the_agents_identity_and_one_for_every_step(tmp_path: Path):
+    assert load_task(harbor(tmp_path / "a")).agent_user is None  # the image's USER
+    assert load_task(harbor(tmp_path / "b", toml=TOML.replace("[agent]", "[agent]\nuser = 1000"))).agent_user == "1000"
+    steps = TOML.replace("[agent]", "[agent]\nuser = 'app'") + "[[steps]]\nname = 'one'\n[steps.agent]\nuser = 'root'\n"
+    d = harbor(tmp_path / "c", toml=steps)
+    (d / "steps" / "one").mkdir(parents=True)
+    (d / "steps" / "one" / "instruction.md").write_text("step one")
+    with pytest.raises(TaskError, match="field 'steps.one.agent.user': 'root' differs from \\[agent\\] user 'app'"):
+        load_task(d)
+
+
 def test_harbor_keys_furlong_does_not_act_on_still_load(tmp_path: Path):
-    toml = TOML.replace("[agent]", "anything = { nested = [1, 2] }\n[agent]\nuser = 'agent'") + textwrap.dedent("""
+    toml = TOML.replace("[agent]", "anything = { nested = [1, 2] }\n[agent]") + textwrap.dedent("""
         build_timeout_sec = 600.0
         storage_mb = 10240
         gpus = 0

@@ -8,6 +8,7 @@ furlong.agent.runner.SandboxSource: `image(task)` and `acquire(spec)` -> a start
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Awaitable, Callable
 
@@ -29,6 +30,8 @@ def sandbox_spec(task: Task, image: ImageRef, control: bool = False) -> SandboxS
     """The one place a task's sandbox is specified (also the warm pools' key): it starts with the agent
     phase's network and can switch to every other its phases use; a `control` run's (the tests in a sandbox
     no agent touched) has the verifier phase's from the start."""
+    if getattr(task, "agent_user", None):  # task.toml [agent] user wins over the image's USER, as in Harbor
+        image = dataclasses.replace(image, user=task.agent_user)
     if control:
         return SandboxSpec(image=image, network=task.verifier_network, limits=task.limits, syscalls=task.syscalls)
     # every policy a later phase (a multi-step task's next steps too) may switch to

@@ -28,7 +28,7 @@ NetworkMode = Literal["no-network", "public", "allowlist"]
 
 class Agent(Section):
     timeout_sec: float = Field(600.0, gt=0)
-    user: Any = None  # Harbor's; the agent runs as the sandbox's user
+    user: str | int | None = None  # who the agent runs as (None: the image's USER), as in Harbor
     network_mode: NetworkMode | None = None  # Harbor's phase override: see furlong.tasks.network
     allowed_hosts: list[str] | None = None
 

@@ -112,6 +112,7 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
         verifier_toolchain=conf.furlong.verifier_toolchain, trust_agent_tools=conf.verifier.trust_agent_tools,
         separate=separate, artifacts=_artifacts(conf.artifacts), collect=_hooks(conf.verifier.collect),
         reward_strategy=conf.multi_step_reward_strategy or "mean", docker_image=conf.environment.docker_image,
+        agent_user=_agent_user(conf, tid),
     )
     if not conf.steps:
         return task
@@ -211,6 +212,17 @@ def _unsupported(conf: ht.HarborToml, task: str) -> None:
         if hook.service != ht.MAIN_SERVICE:
             raise TaskError(task, "task.toml", f"field '{where}': service {hook.service!r}: docker-compose "
                                                "sidecar services are not supported (hooks run in the agent's sandbox)")
+
+
+def _agent_user(conf: ht.HarborToml, tid: str) -> str | None:
+    """[agent] user, as the image's USER is written. One sandbox serves every step, and its agent's identity is
+    fixed when it starts, so a step may not name another."""
+    user = None if conf.agent.user is None else str(conf.agent.user)
+    for step in conf.steps:
+        if step.agent.user is not None and str(step.agent.user) != user:
+            raise TaskError(tid, "task.toml", f"field 'steps.{step.name}.agent.user': {step.agent.user!r} differs from "
+                                              f"[agent] user {user!r}: every step's agent runs in one sandbox, as one user")
+    return user
 
 
 def _phase_network(conf: ht.HarborToml, step: ht.Step | None, tid: str) -> TaskNetwork:

@@ -119,6 +119,7 @@ class Task:
     steps: tuple[Step, ...] = ()  # Harbor's [[steps]], run in order in one sandbox
     reward_strategy: str = "mean"  # multi_step_reward_strategy: mean | final
     docker_image: str | None = None  # task.toml [environment] docker_image: Harbor's prebuilt image
+    agent_user: str | None = None  # task.toml [agent] user (a name or uid): the agent's identity, not the image's USER
 
     @property
     def image_source(self) -> ImageSource:
