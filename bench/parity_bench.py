@@ -64,8 +64,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/parity.json")
     args = parser.parse_args()
     prov = provenance()
-    result = {"suite": "tasks-parity", "baseline": side(args.baseline.resolve(), args.baseline_overrides),
-              "current": side(ROOT, OVERRIDES)}
+    result = {"provenance": None, "suite": "tasks-parity",
+              "baseline": side(args.baseline.resolve(), args.baseline_overrides), "current": side(ROOT, OVERRIDES)}
     result["provenance"] = finish(prov)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for name in ("baseline", "current"):
