@@ -76,6 +76,35 @@ def test_the_control_run_has_the_verifier_phases_network(allowed, store, tmp_pat
     assert (result.reward, result.status) == (0.0, "agent_broke_sandbox"), result
 
 
+def test_each_step_of_a_multi_step_task_gets_its_phases_network(allowed, store, tmp_path: Path):
+    """Step one: the agent offline, its tests on the allowlist; step two the other way round. The sandbox
+    switches for each step's agent phase and for each step's tests."""
+    fetch, policy = _fetch(allowed.http_port), f'network_mode = "allowlist"\nallowed_hosts = ["{NAME}"]\n'
+    d = tmp_path / "stepped"
+    (d / "tests").mkdir(parents=True)
+    (d / "instruction.md").write_text("two steps")
+    (d / "task.toml").write_text('[environment]\nnetwork_mode = "no-network"\n'
+                                 '[[steps]]\nname = "one"\n[steps.verifier]\n' + policy +
+                                 '[[steps]]\nname = "two"\n[steps.agent]\n' + policy)
+    for name, solve, test in (
+            ("one", f"{fetch} > /app/one 2>&1 || true", f"grep -q 'HTTP Error 403' /app/one && {fetch} | grep -qx '{BODY}'"),
+            ("two", f"{fetch} > /app/two 2>&1 || true", f"grep -qx '{BODY}' /app/two && ! {fetch}")):
+        home = d / "steps" / name
+        for sub in ("solution", "tests"):
+            (home / sub).mkdir(parents=True)
+        (home / "instruction.md").write_text(f"step {name}")
+        (home / "solution" / "solve.sh").write_text(f"mkdir -p /app\n{solve}\n")
+        (home / "tests" / "test.sh").write_text(f"echo 0 > /logs/verifier/reward.txt\n{test} && "
+                                                "echo 1 > /logs/verifier/reward.txt\n")
+    task = load_task(d)
+    assert [(s.network.agent.mode, s.network.verifier.mode) for s in task.steps] == [
+        ("no-network", "allowlist"), ("allowlist", "no-network")]
+    oracle = run(run_eval([task], OracleAgent(), allowed.backend, store, 1, None, QUIET))
+    noop = run(run_eval([task], NoopAgent(), allowed.backend, store, 1, None, QUIET))
+    assert [(r.reward, r.status, [s.reward for s in r.steps]) for r in oracle + noop] == [
+        (1.0, "ok", [1.0, 1.0]), (0.0, "ok", [0.0, 0.0])], oracle + noop
+
+
 def test_a_task_without_a_mode_installs_packages_at_test_time_under_the_packages_default(store, tmp_path: Path):
     """A task that names no network mode, run with sandbox.network.verifier=packages and the host's CA lent:
     its agent phase is offline; its tests install a Debian package and reach PyPI over HTTPS, and nothing
