@@ -25,7 +25,7 @@ OVERRIDES = ["sandbox.network.verifier=packages", "images.trust_host_ca=true"]  
 
 
 def _commit(checkout: Path) -> str:
-    res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True, check=False)
     return res.stdout.strip() or "unknown"
 
 
@@ -33,7 +33,7 @@ def _eval(checkout: Path, agent: str, overrides: list[str]) -> dict[str, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "episodes.jsonl"
         res = subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--tasks", str(SUITE), "--agent", agent,
-                              "--out", str(out), *overrides], cwd=checkout, capture_output=True, text=True, timeout=3600)
+                              "--out", str(out), *overrides], cwd=checkout, capture_output=True, text=True, timeout=3600, check=False)
         if not out.exists():
             raise SystemExit(f"{checkout}: furlong eval wrote no episodes: {(res.stdout + res.stderr)[-2000:]}")
         return {r["task"]: r for r in map(json.loads, out.read_text().splitlines())}

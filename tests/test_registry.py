@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import platform
 import shutil
 import time
@@ -28,7 +27,7 @@ from registry_support import LocalRegistry, free_port, oci_from_rootfs, push
 
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
 OTHER = "arm64" if ARCH == "amd64" else "amd64"
-QUIET = Console(file=open(os.devnull, "w"))
+QUIET = Console(quiet=True)
 
 
 def noop(_: str) -> None:

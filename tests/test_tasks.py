@@ -76,8 +76,8 @@ def test_terminal_bench_task_loads(tmp_path: Path):
     ("[environment]\nmemory = '512M'\nmemroy_mb = 512", "unknown key 'environment.memroy_mb'"),
     ("[furlong]\nverifier_tool_chain = true", "unknown key 'furlong.verifier_tool_chain'"),
     ("timeout_sec = 30", "unknown key 'timeout_sec'"),
-    ("[environment]\ndocker_image = 'Ubuntu:24.04'", "field 'environment.docker_image': Value error, expected an "
-                                                     "image reference"),
+    ("[environment]\ndocker_image = 'Ubuntu:24.04'", ("field 'environment.docker_image': Value error, expected an "
+                                                      "image reference")),
 ])
 def test_malformed_task_toml_names_task_file_and_field(tmp_path: Path, toml: str, words: str):
     with pytest.raises(TaskError) as err:

@@ -63,8 +63,8 @@ def _tidy() -> int:
 
 
 def cmd_openenv(args: argparse.Namespace) -> int:
-    from furlong.envs.harbor import HarborEnv
     from furlong.build.sandbox import network_default
+    from furlong.envs.harbor import HarborEnv
     from furlong.eval.openenv_app import serve
     from furlong.paths import cache_dir
     from furlong.sandbox.host.serve import host_token

@@ -12,7 +12,13 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from furlong.sandbox.base import ImageRef, ImageSource, Sandbox, SandboxError, SandboxSpec
+from furlong.sandbox.base import (
+    ImageRef,
+    ImageSource,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+)
 from furlong.sandbox.toolchain import stack, verifier_offline
 
 if TYPE_CHECKING:

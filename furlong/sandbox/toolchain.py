@@ -245,7 +245,7 @@ def verifier_offline(task) -> bool:
 def verifier_env(image_path: str, offline: bool) -> tuple[tuple[str, str], ...]:
     """What verifier commands get on top of the image's environment (`image_path`: the image's PATH). The
     shims come first in every mode: uv's installer is answered by the toolchain's uv, never fetched."""
-    path = ":".join([offline_shims.DIR, BIN, image_path])
+    path = f"{offline_shims.DIR}:{BIN}:{image_path}"
     env = [("PATH", path), ("PYTHONUSERBASE", USER_BASE), ("UV_FIND_LINKS", WHEELS), ("PIP_FIND_LINKS", WHEELS)]
     if offline:
         env += [("FURLONG_OFFLINE", "1"), ("UV_OFFLINE", "1"), ("UV_PYTHON_DOWNLOADS", "never"), ("PIP_NO_INDEX", "1")]
