@@ -19,7 +19,7 @@ from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 from furlong.sandbox.remote import create_body
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
-from furlong.tasks.verifier import PYCACHE_PREFIX, verifier_env
+from furlong.tasks.verifier import verifier_env
 from tests_support import make_task
 
 TOOLCHAIN = toolchain.Toolchain("toolchain-x", LayerRef("toolchain-x", "toolchain-x/upper"), "uv, pytest")
@@ -66,7 +66,7 @@ def test_only_the_verifier_gets_the_toolchain_and_offline_only_offline():
     assert not {"FURLONG_OFFLINE", "UV_OFFLINE", "PIP_NO_INDEX"} & dict(online.verifier_env).keys()
     task = make_task(Path(tempfile.mkdtemp()), "t", "x", "true")
     env = verifier_env(dataclasses.replace(task, verifier_env=(("UV_OFFLINE", "0"),)), offline)
-    assert env["PYTHONPYCACHEPREFIX"] == PYCACHE_PREFIX and env["UV_OFFLINE"] == "0"  # the task's own wins
+    assert env["UV_OFFLINE"] == "0" and "PYTHONPYCACHEPREFIX" not in env  # the task's own wins
     assert env["PATH"] == dict(offline.verifier_env)["PATH"] and "PATH" not in verifier_env(task)
     assert verifier_env(task, image)["PATH"] == "/opt/app/bin:/usr/bin"  # no toolchain: the sandbox's own
     assert create_body(SandboxSpec(offline))["image"].keys() == {"digest", "layers", "env", "workdir", "user", "note"}

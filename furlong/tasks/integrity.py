@@ -6,9 +6,7 @@ against the image's read-only layers (furlong.sandbox.changes), before the tests
 (the agent's background processes keep running). Deletions never count (they only break the tests).
 
 The verifier's commands run with the verifier's environment (furlong.tasks.verifier.verifier_env): the
-image's, plus PYTHONPYCACHEPREFIX naming a directory of the verifier's own (so no python of theirs reads
-a `__pycache__` directory) and, where the task has the verifier toolchain, its PATH and variables
-(furlong.sandbox.toolchain). "The verifier's PATH" below is that PATH, without the toolchain's offline
+image's and, where the task has the verifier toolchain, its PATH and variables (furlong.sandbox.toolchain). "The verifier's PATH" below is that PATH, without the toolchain's offline
 shims, which hand every call they do not answer themselves to the next directory on it.
 
 The toolchain is what test harnesses execute:
@@ -25,7 +23,7 @@ The toolchain is what test harnesses execute:
 
 Tampered, for each changed path (new or changed: "added" or "modified", where modified means its type,
 symlink target or bytes differ from the image's; a file only touched, chmod-ed or rewritten with the
-same bytes is unchanged), except any path with a `__pycache__` component, which no verifier command reads:
+same bytes is unchanged):
   (a) a toolchain entry the image holds was modified (also when deleted and made again differently),
       or a directory above a toolchain location (/usr/local, /usr/bin, /lib, a python tree...) was
       replaced by something that is not a directory;
@@ -51,22 +49,29 @@ same bytes is unchanged), except any path with a `__pycache__` component, which 
       package's does;
   (e) a sourceless module: a `.pyc` in a Python tree outside `__pycache__` (Python imports it where no
       NAME.py is, so with the image's NAME.py deleted it stands in for it), or a new python3N.zip there
-      (first on sys.path: a whole standard library).
+      (first on sys.path: a whole standard library);
+  (f) bytecode that is not its source's: a `.pyc` in a `__pycache__` directory of a Python tree (Python
+      loads it in place of the source whose mtime and size its header names, or unchecked), for a source
+      the image holds unchanged (a source the agent wrote is its code whatever its bytecode), unless the
+      interpreter its name is tagged for (cpython-3N: python3.N) compiles the source beside it to the same
+      code (furlong.tasks.verifier checks that in the sandbox, as the verifier, with `python3.N -I -S`), or
+      its magic number is not that interpreter's (never loaded); such a name that is not a regular file, and
+      a `__pycache__` that is not a directory, count too. `__pycache__` outside the Python trees (the
+      agent's own code's) never counts.
   A scan that stopped at its entry limit, or met a directory the host cannot list (an ordinary user's
   furlong, and a directory the agent made mode 0111), counts as tampered: what it did not see may be
   anything.
 
 Honest work does not trip it: packages pip installs (new files in site-packages, their scripts in a bin
 directory under other names), C extensions a solution builds and installs, a binary it builds, tools apt
-installs, libraries added beside libc, and the bytecode caches any python writes (with or without -B).
+installs, libraries added beside libc, and the bytecode caches any python writes (with or without -B),
+which are the code of their sources.
 An agent that installs its own pytest for its own checks should do so in a virtualenv; a task whose point
 is replacing a tool sets `[verifier] trust_agent_tools = true` (recorded, not scored).
 Known limits: tests that import the agent's code run it in their process; a libc planted outside the
 library directories and registered with ldconfig, the uv cache under $HOME, files the tests read from
 the task's working directory (a pyproject.toml `uv run` picks up), and the code a console-script wrapper
-imports (site-packages, as the tests' own imports) are not checked. A python that ignores the environment
-(`python -I`, `python -E`, a shebang with either) or predates 3.8 reads `__pycache__` directories, where
-the agent may have left bytecode whose header matches its source: the rule does not look there. A new
+imports (site-packages, as the tests' own imports) are not checked. A new
 module in a standard library directory that takes another's place (an extension NAME.so beside the
 image's NAME.py, or a module shadowing one further down sys.path) is not counted: apt adds modules there
 honestly. A solution that upgrades the image's own
@@ -99,6 +104,7 @@ _MODULE = r"(\.py|\.pyc|(\.[\w-]+)?\.so)"  # how a module's file is named (sourc
 _TEST_TOOL = re.compile(rf"(pytest|_pytest|pluggy|iniconfig|pytest_json_ctrf){_MODULE}?|py{_MODULE}")
 _HOOK = re.compile(rf"(sitecustomize|usercustomize){_MODULE}?")  # what site.py imports (a package too)
 _PYCACHE = re.compile(r"(.*/)?__pycache__(/.*)?")
+_BYTECODE = re.compile(r"(?P<dir>.+)/__pycache__/(?P<module>[^/.]+)\.(?P<tag>[^/.]+)(\.opt-[12])?\.pyc")
 _PY_TREE = re.compile(r"(/usr/lib|/usr/local/lib|/root/\.local/lib)/(python3[^/]*)((/.*)?)")
 _SITE = re.compile(r"/(site|dist)-packages(/|$)")
 _DISTUTILS_PTH = re.compile(r"import os; var = 'SETUPTOOLS_USE_DISTUTILS'; enabled = os\.environ\.get\(var, "
@@ -121,18 +127,46 @@ def path_dirs(search_path: str) -> tuple[str, ...]:
 
 
 def tampered(changes: Sequence[Change], search: Sequence[str], image_has: Callable[[str], bool],
-             read: Callable[[str], bytes | None]) -> tuple[str, ...]:
+             read: Callable[[str], bytes | None], faithful: Callable[[str], bool] = lambda _: False
+             ) -> tuple[str, ...]:
     """The changed paths the rule counts, sorted. `search`: path_dirs(); `image_has(path)`: whether the
-    image holds an entry there; `read(path)`: the sandbox's current bytes of a changed file."""
+    image holds an entry there; `read(path)`: the sandbox's current bytes of a changed file; `faithful(path)`:
+    whether bytecode_paths()' `path` is its source's code (rule f)."""
+    asked = set(bytecode_paths(changes))  # the others' sources are the agent's: their bytecode is as trusted
     found = set()
     for c in changes:
         if c.kind == "truncated":
             found.add(f"{c.path} (scan stopped at its entry limit)")
         elif c.kind == "unreadable":
             found.add(f"{c.path} (unreadable from the host)")
-        elif c.kind != "deleted" and _counts(c, search, image_has, read):
+        elif c.kind != "deleted" and _counts(c, search, image_has, read, lambda p: p not in asked or faithful(p)):
             found.add(c.path)
     return tuple(sorted(found))
+
+
+def bytecode_paths(changes: Sequence[Change]) -> tuple[str, ...]:
+    """The changed bytecode files rule (f) asks about: `.pyc` files in a Python tree's `__pycache__` whose
+    source is the image's (bytecode of a source the agent wrote or changed is the agent's code either way,
+    as that source is)."""
+    changed = {c.path for c in changes if c.kind in ("added", "modified")}
+    return tuple(c.path for c in changes if c.kind in ("added", "modified") and c.type == "file"
+                 and _PY_TREE.fullmatch(c.path) and _BYTECODE.fullmatch(c.path) and _source(c.path) not in changed)
+
+
+def _source(bytecode: str) -> str:
+    m = _BYTECODE.fullmatch(bytecode)
+    return f"{m.group('dir')}/{m.group('module')}.py"
+
+
+def interpreters(paths: Sequence[str]) -> dict[str, list[str]]:
+    """bytecode_paths() by the interpreter their tag names ("python3.11" for cpython-311); a tag of no
+    CPython 3 (another implementation's) has none, and such a path is never found faithful."""
+    found: dict[str, list[str]] = {}
+    for path in paths:
+        tag = _BYTECODE.fullmatch(path).group("tag")
+        if (m := re.fullmatch(r"cpython-3(\d+)", tag)) is not None:
+            found.setdefault(f"python3.{m.group(1)}", []).append(path)
+    return found
 
 
 def probe_paths(changes: Sequence[Change], search: Sequence[str]) -> tuple[str, ...]:
@@ -167,15 +201,15 @@ def listed(paths: Sequence[str], cap: int = MAX_LISTED) -> tuple[str, ...]:
 
 
 def _counts(c: Change, search: Sequence[str], image_has: Callable[[str], bool],
-            read: Callable[[str], bytes | None]) -> bool:
+            read: Callable[[str], bytes | None], faithful: Callable[[str], bool]) -> bool:
     parent, _, name = c.path.rpartition("/")
     parent = parent or "/"
+    if c.path in (PRELOAD, *ROOT_CONFIG) or c.path.startswith(TOOLCHAIN_LAYER + "/") or c.path == TOOLCHAIN_LAYER:
+        return True  # the toolchain's bytecode too: only the verifier's pythons import from it
     if _PYCACHE.fullmatch(c.path):
-        return False  # never read: verifier commands run with PYTHONPYCACHEPREFIX elsewhere
+        return _bytecode(c, faithful)
     if c.kind == "modified" and _above_toolchain(c.path, search):
         return True  # a bin, library or python directory (or one above) that is no longer a directory
-    if c.path in (PRELOAD, *ROOT_CONFIG) or c.path.startswith(TOOLCHAIN_LAYER + "/") or c.path == TOOLCHAIN_LAYER:
-        return True
     if parent in ETC_PYTHON:
         return _HOOK.fullmatch(name) is not None
     if any(parent == d or parent.startswith(d + "/") for d in LIB_DIRS) and _LOADER.fullmatch(name):
@@ -185,6 +219,17 @@ def _counts(c: Change, search: Sequence[str], image_has: Callable[[str], bool],
     if parent in search or parent in BIN_DIRS:
         return _command(c, parent, name, search, image_has, read)
     return False
+
+
+def _bytecode(c: Change, faithful: Callable[[str], bool]) -> bool:
+    """Rule (f): a changed entry in a `__pycache__`, or a `__pycache__` itself."""
+    if _PY_TREE.fullmatch(c.path) is None:
+        return False  # not where the tests' imports come from (the agent's own code's cache)
+    if c.path.rpartition("/")[2] == "__pycache__":
+        return c.type != "dir"  # a link (or a file) in its place: python would read through it
+    if _BYTECODE.fullmatch(c.path) is None:
+        return False  # no name python loads (a directory of them, a write's temporary file)
+    return not (c.type == "file" and faithful(c.path))
 
 
 def _above_toolchain(path: str, search: Sequence[str]) -> bool:

@@ -22,9 +22,36 @@ from furlong.tasks import integrity
 from furlong.tasks.model import TESTS_DIR, VERIFIER_LOG_DIR, Task
 
 OUTPUT_TAIL_CHARS = 4000  # of a command's output kept in an episode's record: enough for a test report's end
-# Where the verifier's pythons keep bytecode (PYTHONPYCACHEPREFIX): in its own /logs mount, which no agent
-# process can write, so no `__pycache__` the agent wrote is ever read (furlong.tasks.integrity ignores them)
-PYCACHE_PREFIX = "/logs/.pycache"
+BYTECODE_CHECK_S = 300.0  # for the interpreters to recompile the sources of the bytecode the agent changed
+PYTHON_DIRS = ("/usr/local/bin", "/usr/bin", "/bin")  # where the Python trees' interpreters are
+# Run as `python3.N -I -S -c BYTECODE_CHECK < paths`: prints each path (a `__pycache__` .pyc) that is its
+# source's code (furlong.tasks.integrity, rule f) or that this interpreter never loads (another's magic or
+# tag, no source beside it). Only builtins and frozen modules: nothing on disk the agent changed runs here.
+BYTECODE_CHECK = """import marshal, sys
+import _frozen_importlib_external as ext
+for line in sys.stdin:
+    pyc = line.rstrip("\\n")
+    try:
+        head, name = pyc.rsplit("/__pycache__/", 1)
+        module, rest = name.split(".", 1)
+        level = 2 if ".opt-2." in rest else 1 if ".opt-1." in rest else 0
+        with open(pyc, "rb") as f:
+            data = f.read()
+        if data[:4] != ext.MAGIC_NUMBER or rest.split(".", 1)[0] != sys.implementation.cache_tag:
+            print(pyc)
+            continue
+        try:
+            with open(head + "/" + module + ".py", "rb") as f:
+                source = f.read()
+        except FileNotFoundError:
+            print(pyc)
+            continue
+        if marshal.loads(data[16:]) == compile(source, head + "/" + module + ".py", "exec", dont_inherit=True,
+                                               optimize=level):
+            print(pyc)
+    except Exception:
+        pass
+"""
 
 
 def output_tail(stdout: str, stderr: str, cap: int = OUTPUT_TAIL_CHARS) -> str:
@@ -63,13 +90,13 @@ class Verdict:
 
 
 def verifier_env(task: Task, image: ImageRef | None = None) -> dict[str, str]:
-    """What verifier commands get on top of the sandbox's environment (the image's): PYTHONPYCACHEPREFIX,
-    the image's `verifier_env` (the verifier toolchain's PATH and variables), then the task's own
-    [verifier] env, which wins. With an image, PATH is always named (the sandbox's own, unless one of
-    those sets it): the tamper check looks up commands in it."""
-    env = {"PYTHONPYCACHEPREFIX": PYCACHE_PREFIX}
+    """What verifier commands get on top of the sandbox's environment (the image's): the image's
+    `verifier_env` (the verifier toolchain's PATH and variables), then the task's own [verifier] env, which
+    wins. With an image, PATH is always named (the sandbox's own, unless one of those sets it): the tamper
+    check looks up commands in it."""
+    env: dict[str, str] = {}
     if image is not None:
-        env = {"PATH": dict(image.env).get("PATH", BASE_ENV["PATH"]), **env, **dict(image.verifier_env)}
+        env = {"PATH": dict(image.env).get("PATH", BASE_ENV["PATH"]), **dict(image.verifier_env)}
     return {**env, **dict(task.verifier_env)}
 
 
@@ -118,7 +145,26 @@ async def _tampering(sandbox: Sandbox, search: tuple[str, ...], verifier_uid: in
     present = await sandbox.image_has(integrity.probe_paths(changes, search)) or frozenset()
     wanted = integrity.content_paths(changes, search, present.__contains__)
     contents = {path: await _read_or_none(sandbox, path) for path in wanted}
-    return integrity.tampered(changes, search, present.__contains__, contents.get)
+    faithful = await _faithful_bytecode(sandbox, integrity.bytecode_paths(changes))
+    return integrity.tampered(changes, search, present.__contains__, contents.get, faithful.__contains__)
+
+
+async def _faithful_bytecode(sandbox: Sandbox, paths: tuple[str, ...]) -> frozenset[str]:
+    """Which of `paths` are their sources' code, as the interpreter each is tagged for compiles them, run as
+    the verifier (the agent's processes can neither trace nor signal it). The interpreter is the image's, from
+    the directories the Python trees' interpreters live in (never one the agent may have put first on a
+    PATH); where there is none, none of its paths is faithful."""
+    faithful: set[str] = set()
+    dirs = " ".join(PYTHON_DIRS)
+    for python, group in integrity.interpreters(paths).items():
+        listing = "".join(f"{p}\n" for p in group)
+        cmd = (f"for d in {dirs}; do if [ -x \"$d/{python}\" ]; then\n"
+               f"exec \"$d/{python}\" -I -S -c {shlex.quote(BYTECODE_CHECK)} <<'FURLONG_BYTECODE'\n"
+               f"{listing}FURLONG_BYTECODE\nfi; done; exit 127")
+        res = await sandbox.exec(cmd, timeout_s=BYTECODE_CHECK_S, cwd="/", as_verifier=True)
+        if res.ok:
+            faithful |= set(res.stdout.splitlines()) & set(group)
+    return frozenset(faithful)
 
 
 async def _read_or_none(sandbox: Sandbox, path: str) -> bytes | None:
@@ -157,8 +203,8 @@ def _append(tar: tarfile.TarFile, data: bytes) -> None:
 async def _run_tests(task: Task, sandbox: Sandbox, workdir: str, env: dict[str, str], tests: bytes) -> Verdict:
     if sandbox.verifier_uid is None:  # one uid: whatever the agent left in /tests and /logs/verifier goes
         # /tests is a mount point: its contents go, it stays (the rm of the directory itself fails harmlessly)
-        await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} {PYCACHE_PREFIX} 2>/dev/null; "
-                           f"mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}", 30, cwd="/")
+        await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} 2>/dev/null; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}",
+                           30, cwd="/")
     # else both are the verifier's own empty mounts: no program the agent may have replaced runs for them
     await sandbox.put_tar(tests, TESTS_DIR, as_verifier=True)
     script = f"{TESTS_DIR}/{task.test_script.name}"
