@@ -117,7 +117,7 @@ class BwrapBackend:
         self._upper_mnt = cache_dir() / "native" / "upper"
         self._upper_mnt.mkdir(parents=True, exist_ok=True)
         self._layer_fds: dict[Path, int] = {}
-        self._identities: dict[str, users.Identity] = {}  # image digest -> who its USER is
+        self._identities: dict[tuple[str, str], users.Identity] = {}  # (image digest, USER) -> who that is
         # None: one uid per sandbox, the verifier's the agent's (idmap.problem(), or many_uids=False)
         self.subids = idmap.sub_ids() if many_uids else None
         if self.subids is None and many_uids:
@@ -218,12 +218,14 @@ class BwrapBackend:
 
     def _identity(self, spec: SandboxSpec, lowers: tuple[Path, ...]) -> users.Identity:
         """Who the image's USER is (ids inside the sandbox); one line when this host cannot run it."""
-        if (known := self._identities.get(spec.image.digest)) is None:
+        # by USER too: a task's [agent] user runs an image as another user than its own USER
+        key = (spec.image.digest, spec.image.user)
+        if (known := self._identities.get(key)) is None:
             try:
                 known = users.resolve_user(spec.image.user, lowers)
             except (users.UserError, OSError) as exc:
                 raise SandboxError(f"image {spec.image.digest[:12]}: {exc}") from None
-            self._identities[spec.image.digest] = known
+            self._identities[key] = known
         if known.uid in idmap.RESERVED_UIDS:
             raise SandboxError(f"image {spec.image.digest[:12]}: USER {spec.image.user} is uid {known.uid}, which "
                                f"furlong keeps for its own init and verifier (uids {idmap.RESERVED_UIDS}): "
