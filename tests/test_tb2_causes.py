@@ -4,6 +4,8 @@ a failed build or a pytest summary in the evidence is read by the other rules.""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -34,3 +36,23 @@ def task(tmp_path: Path) -> Path:
 ])
 def test_a_hidden_test_log_asking_uv_for_a_python_the_image_lacks_needs_the_internet(task, evidence, note, cause):
     assert tb2_bench.cause_of(task, evidence, False, note) == cause
+
+
+@pytest.mark.parametrize("result", ["tb2.json", "tb2_rest.json", "tb2_harbor.json", "tb2_packages.json"])
+def test_the_docs_headline_is_the_jsons(result: str):
+    """docs/tb2.md's bold line for each committed run is what that run's rows count, and names its commit."""
+    path = Path(__file__).resolve().parent.parent / "bench/results" / result
+    if not path.is_file():
+        pytest.fail(f"{path} is cited by docs/tb2.md and must be committed")
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    built = sum(r["built"] for r in rows)
+    oracle = sum(bool(r["oracle_pass"]) for r in rows)
+    noop = sum(bool(r["noop_pass"]) for r in rows)
+    line = (f"**{len(rows)} tasks: {built} built, {oracle} passed with their oracle, "
+            f"{noop} passed with the no-op agent.**")
+    doc = (Path(__file__).resolve().parent.parent / "docs/tb2.md").read_text()
+    heads = [m.start() for m in re.finditer(r"^\*\*\d+ tasks: ", doc, re.M)]
+    # the text between the previous headline and this one introduces the run: its JSON and its commit
+    intros = [doc[max(heads[k - 1] if k else 0, i - 2000):i] for k, i in enumerate(heads) if doc.startswith(line, i)]
+    assert any(f"bench/results/{result}" in t and data["provenance"]["commit"][:7] in t for t in intros), (line, intros)
