@@ -52,7 +52,25 @@ def test_the_docs_headline_is_the_jsons(result: str):
     line = (f"**{len(rows)} tasks: {built} built, {oracle} passed with their oracle, "
             f"{noop} passed with the no-op agent.**")
     doc = (Path(__file__).resolve().parent.parent / "docs/tb2.md").read_text()
-    heads = [m.start() for m in re.finditer(r"^\*\*\d+ tasks: ", doc, re.M)]
+    heads = [m.start() for m in re.finditer(r"^\*\*\d+ tasks: ", doc, re.MULTILINE)]
     # the text between the previous headline and this one introduces the run: its JSON and its commit
     intros = [doc[max(heads[k - 1] if k else 0, i - 2000):i] for k, i in enumerate(heads) if doc.startswith(line, i)]
     assert any(f"bench/results/{result}" in t and data["provenance"]["commit"][:7] in t for t in intros), (line, intros)
+
+
+def test_the_docs_table_gives_each_runs_oracle():
+    """docs/tb2.md's sample table: the offline run's built/oracle/noop/cause, the reruns' oracle, per task."""
+    root = Path(__file__).resolve().parent.parent
+    runs = [{r["task"]: r for r in json.loads((root / "bench/results" / name).read_text())["rows"]}
+            for name in ("tb2.json", "tb2_harbor.json", "tb2_packages.json")]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in (root / "docs/tb2.md").read_text().splitlines()
+            if line.startswith("| ") and line.count("|") == 9 and not line.startswith("| task ")]
+    assert sorted(r[0] for r in rows) == sorted(runs[0])
+
+    def said(value: bool | None) -> str:
+        return "-" if value is None else ("yes" if value else "no")
+    for task, _, built, oracle, noop, cause, harbor, packages in rows:
+        offline = runs[0][task]
+        assert (built, oracle, noop, cause) == (said(offline["built"]), said(offline["oracle_pass"]),
+                                                said(offline["noop_pass"]), offline["cause"] or ""), task
+        assert (harbor, packages) == (said(runs[1][task]["oracle_pass"]), said(runs[2][task]["oracle_pass"])), task
