@@ -34,6 +34,21 @@ def test_bad_overrides_name_the_key(override: str, words: str):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("override, suggestion", [
+    ("eval.concurency=3", "; did you mean eval.concurrency?"),
+    ("trian.seed=3", "; did you mean train?"),
+    ("sandbox.network.verifer=packages", "; did you mean sandbox.network.verifier?"),
+    ("train.rl.stpes=3", "; did you mean train.rl.steps?"),
+    ("train.zzzz=1", None),  # nothing near: no guess
+])
+def test_an_unknown_key_names_the_nearest_valid_one(override: str, suggestion: str | None):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert "Extra inputs are not permitted" in message
+    assert (suggestion in message) if suggestion else "did you mean" not in message, message
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["train.cluster=ray", "train.device=cuda"], "train.device=cuda needs train.ray.trainer_gpus > 0"),
     (["train.cluster=ray", "train.ray.trainer_gpus=0.5"], "train.device=cpu needs train.ray.trainer_gpus = 0"),

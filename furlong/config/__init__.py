@@ -1,6 +1,7 @@
 """One typed config tree: defaults here, a YAML recipe sets what differs, `key=value` overrides last.
 
-An unknown key or a value of the wrong type is an error that names the key and what was expected. The nodes
+An unknown key or a value of the wrong type is an error that names the key and what was expected (for
+an unknown key, the nearest valid key of its section too). The nodes
 live in the modules beside this one, grouped by what they configure; everything is importable from here.
 """
 

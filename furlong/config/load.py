@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from furlong.config.base import _Node
 from furlong.config.sandbox import (
@@ -79,7 +81,31 @@ def load_config(recipe: Path | None = None, overrides: list[str] = ()) -> Config
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()]
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r}){_nearest(e)}"
+                    for e in exc.errors()]
         where = f" in {recipe}" if recipe else ""
         sep = " " if len(problems) == 1 else "\n  "  # one problem, one line
         raise ConfigError(f"invalid config{where}:{sep}" + "\n  ".join(problems)) from None
+
+
+def _node_class(annotation: Any) -> type[BaseModel] | None:
+    """The config node a field holds (itself, or the one node in an Optional/Union), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    nodes = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return nodes[0] if len(nodes) == 1 else None
+
+
+def _nearest(error: Any) -> str:
+    """For an unknown key, the valid key of its section nearest to it (a typo's likely meaning), else ""."""
+    if error.get("type") != "extra_forbidden":
+        return ""
+    *parents, leaf = (str(p) for p in error["loc"])
+    node: type[BaseModel] | None = Config
+    for key in parents:
+        field = node.model_fields.get(key) if node else None
+        node = _node_class(field.annotation) if field else None
+    if node is None:
+        return ""
+    close = difflib.get_close_matches(leaf, list(node.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
