@@ -188,3 +188,16 @@ def test_a_family_of_a_billion_seeds_is_one_line(tmp_path: Path):
     (d / "generate.py").write_text("def generate(seed, out):\n    pass\n")
     line = _one_line_error(_furlong("eval", "--tasks", str(d)))
     assert "task 'huge': family.toml: field 'family.train_seeds': 1000000000 seeds" in line
+
+
+@pytest.mark.parametrize("updated, steps, required, code, said", [
+    (0, 4, False, 0, True),   # trained nothing: said, still exit 0 without the flag
+    (0, 4, True, 1, True),    # --require-update: exit 1
+    (2, 4, True, 0, False),   # some steps trained
+    (0, 0, True, 0, False),   # no RL steps asked for: nothing to say
+])
+def test_a_run_whose_steps_never_updated_says_so(updated: int, steps: int, required: bool, code: int, said: bool,
+                                                 capsys):
+    from furlong.cli.main import _no_update_verdict
+    assert _no_update_verdict({"rl_steps_updated": updated, "rl_steps": steps}, required) == code
+    assert ("no RL step updated the policy" in capsys.readouterr().err) == said

@@ -65,6 +65,7 @@ def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: 
     assert lo <= gain["demonstrated"]["gain_points"] <= hi and summary["seed"] == 0
     rows = _rl_rows(whole)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert summary["rl_steps_updated"] == sum(bool(r["updated"]) for r in rows)
     for key in ("reward_mean", "pass_rate", "logprob_diff_mean", "rollout_train_kl", "ppo_kl", "clip_frac",
                 "entropy", "grad_norm", "response_len_mean", "tokens_per_s", "time_model_wait", "sample_lag_mean"):
         assert key in rows[0], key
@@ -72,8 +73,9 @@ def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: 
     assert (whole / "checkpoints" / "sft" / "config.json").exists() and (whole / "checkpoints" / "rl-3").exists()
     # resuming a finished run needs no demonstrations, as a run from before demos.jsonl has none
     (whole / "demos.jsonl").unlink()
-    res = _train("--resume", str(whole))
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = _train("--resume", str(whole), "--require-update")
+    assert res.returncode == (0 if summary["rl_steps_updated"] else 1), res.stderr[-3000:]
+    assert ("no RL step updated the policy" in res.stderr) == (not summary["rl_steps_updated"]), res.stderr[-2000:]
     assert json.loads(res.stdout.splitlines()[-1])["heldout_pass_at_1_after_rl"] == summary["heldout_pass_at_1_after_rl"]
 
     killed = tmp_path / "killed"

@@ -105,7 +105,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each, "
                   f"temperature {summary['eval_temperature']})")
     print(json.dumps(summary))
-    return 0
+    return _no_update_verdict(summary, args.require_update)
+
+
+def _no_update_verdict(summary: dict, required: bool) -> int:
+    """A run whose RL steps all left the policy as it was trained nothing: say so in one line (every group
+    had equal rewards, e.g. a model that never finishes a turn), and fail under --require-update."""
+    if summary["rl_steps_updated"] or not summary["rl_steps"]:
+        return 0
+    console.print(f"[bold red]no RL step updated the policy[/] (0 of {summary['rl_steps']}: every group's rewards "
+                  "were equal); summary.json rl_steps_updated=0" + ("; --require-update: exit 1" if required else ""))
+    return 1 if required else 0
 
 
 

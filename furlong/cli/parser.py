@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="the whole loop: tiny model, SFT, GRPO in sandboxes, held-out eval")
     tr.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a killed run from its last checkpoint")
+    tr.add_argument("--require-update", action="store_true",
+                    help="exit 1 when no RL step updated the policy (for CI: a run that trained nothing)")
     tr.add_argument("--plan", type=Path, metavar="CLUSTER.yaml",
                     help="dry run: print where each role would run, memory per rank, bytes per update; start nothing")
     add_common(tr)
