@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,28 @@ def test_a_run_whose_steps_never_updated_says_so(updated: int, steps: int, requi
     from furlong.cli.main import _no_update_verdict
     assert _no_update_verdict({"rl_steps_updated": updated, "rl_steps": steps}, required) == code
     assert ("no RL step updated the policy" in capsys.readouterr().err) == said
+
+
+_BARS = """
+import sys, tempfile
+from furlong.cli.common import quiet_library_bars
+if sys.argv[1] == "quiet":
+    quiet_library_bars()
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2)
+with tempfile.TemporaryDirectory() as d:
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    LlamaForCausalLM.from_pretrained(d)
+"""
+
+
+@pytest.mark.parametrize("mode, env, bars", [("quiet", {}, False), ("loud", {}, True),
+                                             ("quiet", {"HF_HUB_DISABLE_PROGRESS_BARS": "0"}, True)])
+def test_train_and_sft_show_no_transformers_bars(mode: str, env: dict, bars: bool):
+    """transformers' "Loading weights" bar is off in `furlong train`/`sft` (and what they start), unless asked."""
+    clean = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    res = subprocess.run([sys.executable, "-c", _BARS, mode], env={**clean, **env, "TQDM_DISABLE": ""},
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert ("Loading weights" in res.stderr) == bars, res.stderr[-2000:]

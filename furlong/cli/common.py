@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -47,6 +49,18 @@ def warn_limits() -> None:
     if warning := no_cgroup_warning():
         console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
 
+
+
+def quiet_library_bars() -> None:
+    """furlong's progress only: transformers' and huggingface_hub's own bars ("Loading weights", "Writing
+    model shards") off, here and in the engines and ranks this process starts (they inherit the variable,
+    which transformers reads at import). A user who sets HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them."""
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") != "1":
+        return
+    if "transformers" in sys.modules:  # imported already: its switch was read then
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def build_base_image(store) -> None:

@@ -14,6 +14,7 @@ from furlong.cli.common import (
     config_of,
     console,
     print_error,
+    quiet_library_bars,
     sandbox_pieces,
     warn_limits,
 )
@@ -91,6 +92,7 @@ def _open_run(cfg: Config, args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     if args.plan:
         return _plan(args.plan)
+    quiet_library_bars()
     from furlong.run.driver import train
 
     warn_limits()
@@ -130,6 +132,7 @@ def _plan(path: Path) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    quiet_library_bars()
     from furlong.build import training as build
     from furlong.run.phases import sft_phase
 
