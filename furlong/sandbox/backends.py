@@ -1,6 +1,7 @@
 """The one place a sandbox backend is chosen by name (config `sandbox.backend`).
 
-A kind whose dependencies are optional (a VM runner) is imported only when picked.
+Every kind is imported here at the top: a kind with heavy optional dependencies would need its own entry in
+tests/test_import_layers.py's LAZY_ALLOWED (with the reason) before it could be imported only when picked.
 """
 
 from __future__ import annotations
