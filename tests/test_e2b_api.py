@@ -137,7 +137,7 @@ def test_commands_need_the_sandboxs_own_token(server):
     try:
         message = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-c", "touch /tmp/was-run"]}}).encode()
         envelope = b"\x00" + len(message).to_bytes(4, "big") + message  # one Connect stream message
-        for token in ("wrong", ""):
+        for token in ("wrong", "", "clé".encode()):  # a non-ASCII token is refused too, not a crash
             r = httpx.post(f"{url}/process.Process/Start", content=envelope, headers={
                 "E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token, "Content-Type": "application/connect+json"})
             assert b'"code":"unauthenticated"' in r.content.replace(b" ", b""), r.content
@@ -151,6 +151,16 @@ def test_wrong_api_key_and_unknown_template(server):
         e2b.Sandbox.create(TEMPLATE, api_key="wrong")
     with pytest.raises(e2b.SandboxException, match="unknown template"):
         e2b.Sandbox.create("no-such-template")
+
+
+
+def test_a_non_ascii_api_key_is_a_401_and_starts_nothing(server):
+    url, _app = server
+    before = httpx.get(f"{url}/v2/sandboxes", headers={"X-API-KEY": KEY}).json()
+    r = httpx.post(f"{url}/sandboxes", json={"templateID": TEMPLATE, "timeout": 30},
+                   headers={"X-API-KEY": "clé-ключ".encode()})
+    assert r.status_code == 401, (r.status_code, r.text)
+    assert httpx.get(f"{url}/v2/sandboxes", headers={"X-API-KEY": KEY}).json() == before
 
 
 def test_malformed_create_bodies_are_400_and_start_nothing(server):

@@ -100,7 +100,8 @@ class _Routes:
         self.api_key, self.max_timeout_s = api_key, max_timeout_s
 
     def _authed(self, request: Request) -> bool:
-        return hmac.compare_digest(request.headers.get("x-api-key", ""), self.api_key)
+        # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500 for a bad key)
+        return hmac.compare_digest(request.headers.get("x-api-key", "").encode(), self.api_key.encode())
 
     def _bad_timeout(self, timeout: object) -> JSONResponse | None:
         if isinstance(timeout, int) and 0 < timeout <= self.max_timeout_s:

@@ -19,7 +19,7 @@ def refusal(live: Any, token: str) -> tuple[Code, str] | None:
     """Why a call for `live` (None: no such sandbox) carrying `token` is refused; None where it is not."""
     if live is None:
         return Code.NOT_FOUND, "E2b-Sandbox-Id: no such sandbox"
-    if not hmac.compare_digest(token, live.token):
+    if not hmac.compare_digest(token.encode(), live.token.encode()):  # bytes: a non-ASCII token is refused, not a crash
         return Code.UNAUTHENTICATED, "X-Access-Token: missing or wrong for this sandbox"
     return None
 
