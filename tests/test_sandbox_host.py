@@ -73,6 +73,9 @@ def test_refusals_change_nothing(host):
     assert httpx.post(f"{host.url}/v1/sandboxes", json={}).status_code == 401
     assert httpx.post(f"{host.url}/v1/sandboxes", json={}, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert len(host.reg.entries) == 1
+    for path in ("/docs", "/redoc", "/openapi.json", "/v1/openapi.json"):  # the schema is the token holder's only
+        assert httpx.get(f"{host.url}{path}").status_code in (401, 404), path
+    assert "/v1/sandboxes/{sid}/exec" in host.c.get("/v1/openapi.json").json()["paths"]
     r = host.c.post(f"/v1/sandboxes/{sid}/exec", json=probe, headers={"X-Sandbox-Token": "wrong"})
     assert r.status_code == 403
     r = host.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": 5, "bogus": 1}, headers=tok)
@@ -184,6 +187,9 @@ def test_serve_cli_token_rule_e2b_on_the_same_port_and_clean_shutdown(tmp_path, 
         assert r.json()["stdout"] == "up\n"
         for var in ("E2B_API_URL", "E2B_SANDBOX_URL"):
             monkeypatch.setenv(var, f"http://127.0.0.1:{port}")
+        for path in ("/docs", "/redoc", "/openapi.json", "/v1/openapi.json"):  # not open with E2B's app at / either
+            assert httpx.get(f"http://127.0.0.1:{port}{path}").status_code in (401, 404), path
+        assert c.get("/v1/openapi.json").status_code == 200
         sbx = e2b.Sandbox.create("base", api_key=E2B_KEY, timeout=60)  # the real SDK, through the same port
         sbx.files.write("/tmp/hello.txt", "from e2b")
         assert sbx.files.read("/tmp/hello.txt") == "from e2b"

@@ -335,6 +335,10 @@ def _host_routes(app: FastAPI, reg: Registry, host_auth: Callable) -> None:
     async def sandboxes() -> dict:
         return {"sandboxes": [{"id": e.id, "age_s": time.monotonic() - e.created} for e in reg.entries.values()]}
 
+    @app.get("/v1/openapi.json", dependencies=[Depends(host_auth)], include_in_schema=False)
+    async def schema() -> dict:
+        return app.openapi()
+
 
 class _TooLarge(Exception):
     pass
@@ -430,7 +434,8 @@ here first (POST /v1/images, furlong.sandbox.host.images)."""
             reaper.cancel()
             await reg.close_all()
 
-    app = FastAPI(title="furlong sandbox host", lifespan=lifespan)
+    # no open /docs, /redoc or /openapi.json: the schema is served below, to the host token's holder only
+    app = FastAPI(title="furlong sandbox host", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry = reg
 
     app.add_middleware(BodyLimit, max_body=max_body)
