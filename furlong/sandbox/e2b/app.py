@@ -151,6 +151,15 @@ class _Routes:
         await self.reg.reap()
         return JSONResponse([_listed(live) for live in self.reg.live.values()])
 
+    async def unsupported(self, request: Request) -> Response:
+        """What the SDK can ask for and furlong does not do (pause, resume, connect, fork, snapshots,
+        metrics, logs, network, refreshes): one JSON error it can read, after the key check."""
+        if not self._authed(request):
+            return _err(401, "invalid X-API-KEY")
+        what = request.url.path.rstrip("/").rsplit("/", 1)[-1]
+        return _err(501, f"{what}: not supported by furlong's E2B-compatible host (sandboxes run until killed "
+                         "or timed out; see docs/e2b.md)")
+
     async def set_timeout(self, request: Request) -> Response:
         if not self._authed(request):
             return _err(401, "invalid X-API-KEY")
@@ -198,8 +207,13 @@ def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandbo
     r = _Routes(reg, backend, resolve, api_key, max_timeout_s)
     routes = [Route("/sandboxes", r.create, methods=["POST"]), Route("/v2/sandboxes", r.listing, methods=["GET"]),
               Route("/v2/sandboxes", r.create, methods=["POST"]),  # the SDK 2.x creates here
+              Route("/sandboxes/metrics", r.unsupported, methods=["GET"]),  # before {sid}, which would take it
               Route("/sandboxes/{sid}", r.one, methods=["GET", "DELETE"]),
               Route("/sandboxes/{sid}/timeout", r.set_timeout, methods=["POST"]),
+              *(Route(f"{base}/{{sid}}/{what}", r.unsupported, methods=["GET", "POST", "PUT"])
+                for base in ("/sandboxes", "/v2/sandboxes")
+                for what in ("pause", "resume", "connect", "fork", "snapshots", "metrics", "logs", "network",
+                             "refreshes")),
               Route("/health", r.health, methods=["GET"]), Route("/files", r.files, methods=["GET", "POST"]),
               Mount("/process.Process", app=process_app(reg.get)),
               Mount("/filesystem.Filesystem", app=filesystem_app(reg.get))]
