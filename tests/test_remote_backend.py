@@ -208,6 +208,29 @@ def test_a_refusal_whose_text_holds_429_is_not_taken_for_a_full_host(hosts, base
     assert not hosts[0].reg.entries and hosts[0].reg.reserved == 0
 
 
+def test_a_context_that_unpacks_past_the_limit_is_413_and_writes_nothing(hosts, backend, store, base_image):
+    """A gzip body far smaller than what it unpacks to: refused by its members' sizes, before any file is
+    written; the same body under the default limit unpacks (and then has no Dockerfile)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        info = tarfile.TarInfo("zeros")
+        info.size = 2 << 20
+        t.addfile(info, io.BytesIO(bytes(info.size)))
+    body = buf.getvalue()
+    assert len(body) < 16 << 10  # 2 MiB of zeros in a few kB
+    contexts = store.root.parent / "host-contexts"
+    before = sorted(contexts.iterdir()) if contexts.is_dir() else []
+    small = ThreadHost(backend, base_image, store, capacity=1, max_context_bytes=1 << 20)
+    try:
+        r = small.c.post("/v1/images", content=body)
+        assert r.status_code == 413 and "unpacks to more than 1048576 bytes" in r.text, r.text
+        assert (sorted(contexts.iterdir()) if contexts.is_dir() else []) == before
+    finally:
+        small.stop()
+    r = hosts[0].c.post("/v1/images", content=body)
+    assert r.status_code == 400 and "dockerfile" in r.text, r.text
+
+
 def test_bad_image_requests_are_refused_and_change_nothing(hosts, store, tmp_path: Path):
     c = hosts[0].c
     contexts = store.root.parent / "host-contexts"

@@ -37,7 +37,7 @@ from furlong.sandbox.base import (
 from furlong.sandbox import listing, seccomp
 from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, policy
 from furlong.sandbox.e2b import e2b_app
-from furlong.sandbox.host.images import image_routes, resolve_layers
+from furlong.sandbox.host.images import MAX_CONTEXT_BYTES, image_routes, resolve_layers
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
 from furlong.sandbox.images import ImageStore
 
@@ -407,7 +407,7 @@ def _create_route(app: FastAPI, reg: Registry, backend: SandboxBackend, host_aut
 def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
              capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
              max_body: int = MAX_BODY, allow_network: bool = False, e2b_api_key: str | None = None,
-             store: ImageStore | None = None) -> FastAPI:
+             store: ImageStore | None = None, max_context_bytes: int = MAX_CONTEXT_BYTES) -> FastAPI:
     """`images` resolves (building or pulling, then caching) the images this host serves, by name. With
     `e2b_api_key`, the E2B-compatible API (docs/e2b.md) is served on the same port, its templates being
     these image names. With `store`, clients may also name images by content (its layers), and build them
@@ -447,7 +447,7 @@ here first (POST /v1/images, furlong.sandbox.host.images)."""
     _sandbox_routes(app, reg, sandbox)
     _file_routes(app, sandbox)
     if store is not None:
-        image_routes(app, store, backend, host_auth)
+        image_routes(app, store, backend, host_auth, max_context_bytes)
     if e2b is not None:
         app.mount("/", e2b)  # after every /v1 route, so those match first
     return app

@@ -33,12 +33,22 @@ from furlong.sandbox.toolchain import Toolchain
 log = logging.getLogger(__name__)
 
 
-def _unpack(data: bytes, root: Path) -> Path:
+MAX_CONTEXT_BYTES = 4 << 30  # a build context's unpacked size: a small gzip body can expand far beyond its own
+
+
+def _unpack(data: bytes, root: Path, max_bytes: int = MAX_CONTEXT_BYTES) -> Path:
     """The context's directory under `root`, unpacked once per content; members that would land outside
-    it (absolute, `..`, links out) are refused by tarfile's data filter."""
+    it (absolute, `..`, links out) are refused by tarfile's data filter, and a context whose members add up
+    to more than `max_bytes` is refused (413) before anything is written."""
     final = root / hashlib.sha256(data).hexdigest()[:32]
     if final.is_dir():
         return final
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:  # headers only: member data is skipped, never kept
+        total = 0
+        for member in tar:
+            total += member.size
+            if total > max_bytes:
+                raise HTTPException(413, f"body: the build context unpacks to more than {max_bytes} bytes")
     # one per request: two requests of this process for one context (two trials of a task) must not share it
     tmp = root / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.mkdir(parents=True)
@@ -73,7 +83,8 @@ def resolve_layers(store: ImageStore, image: ImageRef) -> list[str]:
     return missing
 
 
-def image_routes(app: FastAPI, store: ImageStore, backend: SandboxBackend, host_auth: Callable) -> None:
+def image_routes(app: FastAPI, store: ImageStore, backend: SandboxBackend, host_auth: Callable,
+                 max_context_bytes: int = MAX_CONTEXT_BYTES) -> None:
     contexts = store.root.parent / "host-contexts"
 
     @app.post("/v1/images", dependencies=[Depends(host_auth)])
@@ -89,7 +100,7 @@ def image_routes(app: FastAPI, store: ImageStore, backend: SandboxBackend, host_
         path = names = None
         if kind == "dockerfile" or data:  # a prebuilt image's body is the task's Dockerfile context, if any
             try:
-                context = await asyncio.to_thread(_unpack, data, contexts)
+                context = await asyncio.to_thread(_unpack, data, contexts, max_context_bytes)
             except (tarfile.TarError, OSError) as e:
                 raise HTTPException(400, f"body: expected a tar of the build context ({e})") from e
             path = _dockerfile(context, dockerfile)
