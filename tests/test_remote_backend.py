@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -229,6 +230,32 @@ def test_a_context_that_unpacks_past_the_limit_is_413_and_writes_nothing(hosts, 
         small.stop()
     r = hosts[0].c.post("/v1/images", content=body)
     assert r.status_code == 400 and "dockerfile" in r.text, r.text
+
+
+def test_unpacked_contexts_unused_for_a_day_are_pruned(hosts, store):
+    """Each new unpack removes the contexts nobody unpacked or reused for CONTEXT_TTL_S; a reused one stays."""
+    contexts = store.root.parent / "host-contexts"
+    contexts.mkdir(parents=True, exist_ok=True)
+    recent = contexts / "recent-context"
+    old = contexts / "stale-context"
+    for d in (old, recent):
+        (d / "sub").mkdir(parents=True, exist_ok=True)
+        (d / "sub" / "f").write_text("x")
+    two_days_ago = time.time() - 2 * 24 * 3600
+    os.utime(old, (two_days_ago, two_days_ago))
+    os.utime(recent, (time.time() - 3600, time.time() - 3600))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:  # a context of its own (no Dockerfile: 400 once unpacked)
+        info = tarfile.TarInfo(f"note-{time.time_ns()}")
+        info.size = 1
+        t.addfile(info, io.BytesIO(b"x"))
+    try:
+        r = hosts[0].c.post("/v1/images", content=buf.getvalue())
+        assert r.status_code == 400 and "dockerfile" in r.text, r.text
+        assert not old.exists() and (recent / "sub" / "f").exists()
+    finally:
+        shutil.rmtree(recent, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def test_bad_image_requests_are_refused_and_change_nothing(hosts, store, tmp_path: Path):

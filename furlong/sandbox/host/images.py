@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tarfile
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -42,6 +43,7 @@ def _unpack(data: bytes, root: Path, max_bytes: int = MAX_CONTEXT_BYTES) -> Path
     to more than `max_bytes` is refused (413) before anything is written."""
     final = root / hashlib.sha256(data).hexdigest()[:32]
     if final.is_dir():
+        os.utime(final)  # in use again: kept by prune_contexts for another CONTEXT_TTL_S
         return final
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:  # headers only: member data is skipped, never kept
         total = 0
@@ -62,7 +64,26 @@ def _unpack(data: bytes, root: Path, max_bytes: int = MAX_CONTEXT_BYTES) -> Path
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prune_contexts(root, keep=final)
     return final
+
+
+CONTEXT_TTL_S = 24 * 3600  # an unpacked context not used for this long goes; no build runs for a day
+
+
+def prune_contexts(root: Path, keep: Path | None = None, ttl_s: float = CONTEXT_TTL_S) -> int:
+    """Removes the contexts under `root` not used (unpacked or reused) for `ttl_s`, and leftovers of
+    unpacks that died; the number removed. Each new unpack runs it, so the cache does not grow forever."""
+    cutoff, removed = time.time() - ttl_s, 0
+    for entry in root.iterdir() if root.is_dir() else ():
+        try:
+            stale = entry != keep and entry.lstat().st_mtime < cutoff
+        except FileNotFoundError:  # another request removed it meanwhile
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def _dockerfile(context: Path, name: str) -> Path:
