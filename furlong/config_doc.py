@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from furlong.config import REPO_ROOT, Config
+from furlong.config.base import mapped_class, section_class
 
 REGENERATE = "python -m furlong.config_doc > docs/configuration.md"
 
@@ -91,29 +92,15 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _section_class(info: FieldInfo) -> type[BaseModel] | None:
-    annotation = info.annotation
-    return annotation if inspect.isclass(annotation) and issubclass(annotation, BaseModel) else None
-
-
-def _mapped_class(info: FieldInfo) -> type[BaseModel] | None:
-    """The section class of a mapping of names to sections (`train.env.rewards.NAME`), else None."""
-    args = typing.get_args(info.annotation)
-    if typing.get_origin(info.annotation) is dict and len(args) == 2 and inspect.isclass(args[1]) \
-            and issubclass(args[1], BaseModel):
-        return args[1]
-    return None
-
-
 def _sections(model: type[BaseModel], prefix: str) -> list[tuple[str, type[BaseModel]]]:
     """The model itself and every nested section under it, depth first, in declaration order (a mapping of
     names to sections as one section, `KEY.<name>`)."""
     found = [(prefix, model)]
     for name, info in model.model_fields.items():
         key = f"{prefix}.{name}" if prefix else name
-        if (child := _section_class(info)) is not None:
+        if (child := section_class(info.annotation)) is not None:
             found += _sections(child, key)
-        elif (child := _mapped_class(info)) is not None:
+        elif (child := mapped_class(info.annotation)) is not None:
             found += _sections(child, f"{key}.<name>")
     return found
 
@@ -123,8 +110,8 @@ def _render_section(key: str, model: type[BaseModel]) -> str:
     # a class's own docstring only: inspect.getdoc would fall back to pydantic's BaseModel docstring
     if doc := model.__dict__.get("__doc__"):
         lines += [" ".join(doc.split()), ""]
-    rows = [(name, info) for name, info in model.model_fields.items() if _section_class(info) is None]
-    subsections = [name for name, info in model.model_fields.items() if _section_class(info) is not None]
+    rows = [(name, info) for name, info in model.model_fields.items() if section_class(info.annotation) is None]
+    subsections = [name for name, info in model.model_fields.items() if section_class(info.annotation) is not None]
     if rows:
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
         for name, info in rows:

@@ -40,6 +40,7 @@ def test_bad_overrides_name_the_key(override: str, words: str):
     ("trian.seed=3", "; did you mean train?"),
     ("sandbox.network.verifer=packages", "; did you mean sandbox.network.verifier?"),
     ("train.rl.stpes=3", "; did you mean train.rl.steps?"),
+    ("train.env.rewards.short.wieght=1", "; did you mean train.env.rewards.short.weight?"),  # a named entry's key
     ("train.zzzz=1", None),  # nothing near: no guess
 ])
 def test_an_unknown_key_names_the_nearest_valid_one(override: str, suggestion: str | None):

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import difflib
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from furlong.config.base import _Node
+from furlong.config.base import _Node, mapped_class, section_class
 from furlong.config.sandbox import (
     EvalConfig,
     ImagesConfig,
@@ -88,24 +87,22 @@ def load_config(recipe: Path | None = None, overrides: list[str] = ()) -> Config
         raise ConfigError(f"invalid config{where}:{sep}" + "\n  ".join(problems)) from None
 
 
-def _node_class(annotation: Any) -> type[BaseModel] | None:
-    """The config node a field holds (itself, or the one node in an Optional/Union), else None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    nodes = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-    return nodes[0] if len(nodes) == 1 else None
-
-
 def _nearest(error: Any) -> str:
     """For an unknown key, the valid key of its section nearest to it (a typo's likely meaning), else ""."""
     if error.get("type") != "extra_forbidden":
         return ""
     *parents, leaf = (str(p) for p in error["loc"])
-    node: type[BaseModel] | None = Config
-    for key in parents:
-        field = node.model_fields.get(key) if node else None
-        node = _node_class(field.annotation) if field else None
-    if node is None:
-        return ""
+    node: type[BaseModel] = Config
+    i = 0
+    while i < len(parents):
+        field = node.model_fields.get(parents[i])
+        if field is None:
+            return ""
+        child = section_class(field.annotation)
+        if child is None and (child := mapped_class(field.annotation)) is not None:
+            i += 1  # the next part is an entry's name in the mapping (train.env.rewards.NAME)
+        if child is None:
+            return ""
+        node, i = child, i + 1
     close = difflib.get_close_matches(leaf, list(node.model_fields), n=1, cutoff=0.6)
     return f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
