@@ -45,25 +45,22 @@ def _unpack(data: bytes, root: Path, max_bytes: int = MAX_CONTEXT_BYTES) -> Path
     if final.is_dir():
         os.utime(final)  # in use again: kept by prune_contexts for another CONTEXT_TTL_S
         return final
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:  # headers only: member data is skipped, never kept
-        total = 0
-        for member in tar:
-            total += member.size
-            if total > max_bytes:
-                raise HTTPException(413, f"body: the build context unpacks to more than {max_bytes} bytes")
-    # one per request: two requests of this process for one context (two trials of a task) must not share it
-    tmp = root / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.mkdir(parents=True)
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            tar.extractall(tmp, filter="data")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        # the members' sizes from their headers (data skipped, never kept), before anything is written
+        if sum(member.size for member in tar.getmembers()) > max_bytes:
+            raise HTTPException(413, f"body: the build context unpacks to more than {max_bytes} bytes")
+        # one per request: two requests of this process for one context (two trials of a task) must not share it
+        tmp = root / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.mkdir(parents=True)
         try:
-            tmp.rename(final)
-        except OSError:  # EEXIST or ENOTEMPTY: another request unpacked the same context meanwhile
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            tar.extractall(tmp, filter="data")  # the members read above, not a second parse of the body
+            try:
+                tmp.rename(final)
+            except OSError:  # EEXIST or ENOTEMPTY: another request unpacked the same context meanwhile
+                if not final.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     prune_contexts(root, keep=final)
     return final
 
@@ -71,19 +68,17 @@ def _unpack(data: bytes, root: Path, max_bytes: int = MAX_CONTEXT_BYTES) -> Path
 CONTEXT_TTL_S = 24 * 3600  # an unpacked context not used for this long goes; no build runs for a day
 
 
-def prune_contexts(root: Path, keep: Path | None = None, ttl_s: float = CONTEXT_TTL_S) -> int:
+def prune_contexts(root: Path, keep: Path, ttl_s: float = CONTEXT_TTL_S) -> None:
     """Removes the contexts under `root` not used (unpacked or reused) for `ttl_s`, and leftovers of
-    unpacks that died; the number removed. Each new unpack runs it, so the cache does not grow forever."""
-    cutoff, removed = time.time() - ttl_s, 0
-    for entry in root.iterdir() if root.is_dir() else ():
+    unpacks that died. Each new unpack runs it, so the cache does not grow forever."""
+    cutoff = time.time() - ttl_s
+    for entry in root.iterdir():
         try:
             stale = entry != keep and entry.lstat().st_mtime < cutoff
         except FileNotFoundError:  # another request removed it meanwhile
             continue
         if stale:
             shutil.rmtree(entry, ignore_errors=True)
-            removed += 1
-    return removed
 
 
 def _dockerfile(context: Path, name: str) -> Path:
