@@ -284,6 +284,13 @@ class BwrapBackend:
     def run_python(self, spec: PythonSpec) -> hostpython.HostPythonRun:
         return hostpython.start(spec, self._bwrap, self.host_uid)
 
+    def _shim_copy(self) -> int | None:
+        """A fresh fd on the ownership shim for one sandbox's verifier (bwrap reads it to the end), from the
+        file opened when this backend was made (a rebuilt one is not picked up); None without a shim."""
+        if self._shim_fd is None:
+            return None
+        return os.open(f"/proc/self/fd/{self._shim_fd}", os.O_RDONLY | os.O_CLOEXEC)
+
     async def _start(self, spec: SandboxSpec, upper: Path | None, work: Path | None = None) -> BwrapSandbox:
         name = uuid.uuid4().hex[:12]
         if _networked(spec):
@@ -309,9 +316,7 @@ class BwrapBackend:
         init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd, (agent.uid, agent.gid),
                                parent_pipe[0] if parent_pipe else None, agent.groups if self.subids else (),
                                build=self._build_caps(upper))
-        # the shim's bytes, from the file opened when this backend was made (a rebuilt one is not picked up)
-        shim_fd = os.open(f"/proc/self/fd/{self._shim_fd}", os.O_RDONLY | os.O_CLOEXEC) \
-            if verifier and self._shim_fd is not None else None
+        shim_fd = self._shim_copy() if verifier else None
         rw_fds += [shim_fd] if shim_fd is not None else []
         args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home, shim_fd)
         if parent_pipe:
