@@ -233,7 +233,7 @@ def test_a_context_that_unpacks_past_the_limit_is_413_and_writes_nothing(hosts, 
 
 
 def test_unpacked_contexts_unused_for_a_day_are_pruned(hosts, store):
-    """Each new unpack removes the contexts nobody unpacked or reused for CONTEXT_TTL_S; a reused one stays."""
+    """Each new unpack removes the contexts nobody unpacked or reused for CONTEXT_TTL_S; one used within it stays."""
     contexts = store.root.parent / "host-contexts"
     contexts.mkdir(parents=True, exist_ok=True)
     recent = contexts / "recent-context"
