@@ -25,9 +25,9 @@ REGENERATE = "python -m furlong.config_doc > docs/configuration.md"
 
 _HEADER = f"""# Configuration reference
 
-<!-- Generated from furlong/config.py by `{REGENERATE}`; do not edit by hand. -->
+<!-- Generated from furlong/config/ by `{REGENERATE}`; do not edit by hand. -->
 
-Generated from `furlong/config.py` by `{REGENERATE}`.
+Generated from `furlong/config/` by `{REGENERATE}`.
 
 Every command reads one typed config tree: the defaults below, then a YAML recipe (`--config RECIPE.yaml`,
 see `recipes/`) that sets what differs, then `key=value` overrides on the command line, e.g.

@@ -67,7 +67,7 @@ def _command_cells() -> list[str]:
 def test_configuration_reference_is_generated_from_the_config_tree():
     committed = (DOCS / "configuration.md").read_text()
     assert committed == config_doc.render(), (
-        f"docs/configuration.md is out of date with furlong/config.py; regenerate it: {config_doc.REGENERATE}")
+        f"docs/configuration.md is out of date with furlong/config/; regenerate it: {config_doc.REGENERATE}")
 
 
 def test_configuration_reference_lists_every_key():
@@ -75,7 +75,7 @@ def test_configuration_reference_lists_every_key():
     for key in ("sandbox.host_uid", "images.pull_timeout_s", "eval.samples", "train.rl.max_staleness",
                 "train.sync.momentum", "train.sglang.weights_via", "train.hf.prefix_cache_mb", "train.eval.seed"):
         assert f"| `{key}` |" in text, key
-    assert "Generated from `furlong/config.py` by `python -m furlong.config_doc" in text
+    assert "Generated from `furlong/config/` by `python -m furlong.config_doc" in text
 
 
 def test_readme_is_a_short_front_page_that_starts_with_the_two_commands():
