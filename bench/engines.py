@@ -109,6 +109,7 @@ class Measured:
     pause_s: list[float] = field(default_factory=list)
     drain_s: list[float] = field(default_factory=list)  # of pause_s, waiting for requests in flight (vLLM)
     outputs: list[tuple[int, ...]] = field(default_factory=list)  # per episode, all sampled ids in order
+    prefix_hit_rate: float | None = None  # reused / prompt tokens of the engine's prefix cache; None: no stats
 
 
 def plan_workload(tokenizer, episodes: int, seed: int, reply_tokens: tuple[int, int]) -> list[EpisodePlan]:
@@ -235,6 +236,7 @@ async def measure(name: str, model_dir: Path, tokenizer, plans: list[EpisodePlan
         measured = await workload.run()
         stats = getattr(engine, "stats", None)
         if stats is not None and hasattr(stats, "prefix_hit_rate"):
+            measured.prefix_hit_rate = stats.prefix_hit_rate  # the docs' hit-rate column reads it from the JSON
             print(f"  {name}: prefix hit rate {stats.prefix_hit_rate:.3f} ({stats.reused_tokens} of "
                   f"{stats.prompt_tokens} prompt tokens reused), {stats.prefill_calls} prefill forwards")
         return measured
@@ -250,7 +252,8 @@ def summarize(m: Measured) -> dict[str, float]:
             "prompt_tokens": m.prompt_tokens, "ttft_median_s": statistics.median(m.ttft_s) if m.ttft_s else None,
             "ttft_probes": len(m.ttft_s), "load_average_1m": os.getloadavg()[0], "pause_mean_s": statistics.mean(m.pause_s) if m.pause_s else None,
             "pause_max_s": max(m.pause_s, default=None), "updates": len(m.pause_s),
-            "pause_drain_mean_s": statistics.mean(m.drain_s) if m.drain_s else None}
+            "pause_drain_mean_s": statistics.mean(m.drain_s) if m.drain_s else None,
+            "prefix_hit_rate": m.prefix_hit_rate}
 
 
 def ratios(row: dict, base: dict) -> dict[str, float | None]:
