@@ -211,3 +211,12 @@ def test_the_mismatch_count_sees_ids_a_full_render_would_not_give(gw):
     at = seg.turns[1][0] - 2  # inside the rendered second user turn
     seg.ids[at] = (seg.ids[at] + 1) % len(gw.policy.tokenizer)
     assert gw.record(eid)["tito_mismatch_tokens"] >= 1
+
+
+def test_serve_refuses_a_network_bind_without_a_token_file(tiny_dir):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "furlong.cli", "gateway", "serve", "--model", str(tiny_dir),
+                        "--host", "0.0.0.0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--token-file" in r.stdout + r.stderr
