@@ -1,8 +1,9 @@
 """Episodes and their API keys: a key is minted per episode, maps every request to its trajectory, and is
 refused once the episode has ended (a harness that keeps calling after its timeout changes nothing).
 
-The gateway's own token (the standalone `furlong gateway serve` key) serves one long-lived session,
-`standalone`: any OpenAI or Anthropic client works against it, and its trajectory can be read back."""
+The gateway's own token (the standalone `furlong gateway serve` key) serves any OpenAI or Anthropic client
+at once, each request on its own throwaway trajectory: nothing is recorded, and its requests run
+concurrently (an episode's are served one at a time, in order, so its trajectory can be stitched)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from furlong.gateway.trajectory import Trajectory
-
-STANDALONE = "standalone"
 
 
 @dataclass
@@ -31,7 +30,6 @@ class Sessions:
         self._new = new_trajectory
         self._by_key: dict[str, Session] = {}
         self._by_id: dict[str, Session] = {}
-        self._standalone = self._open(STANDALONE)
 
     def _open(self, episode_id: str) -> Session:
         session = Session(episode_id, self._new())
@@ -52,9 +50,9 @@ class Sessions:
         return episode_id, key
 
     def for_key(self, key: str) -> Session | None:
-        """The live session `key` opens: the standalone one for the gateway's token; None if refused."""
+        """The live session `key` opens (a throwaway one for the gateway's token); None if refused."""
         if self.is_admin(key):
-            return self._standalone
+            return Session("unrecorded", self._new())
         session = self._by_key.get(key)
         return session if session is not None and not session.ended else None
 
@@ -64,7 +62,7 @@ class Sessions:
     async def end(self, episode_id: str) -> Session | None:
         """End an episode: its key is refused from now on; waits for a request in flight to be recorded."""
         session = self._by_id.get(episode_id)
-        if session is None or episode_id == STANDALONE:
+        if session is None:
             return None
         async with session.lock:
             session.ended = True
