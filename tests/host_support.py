@@ -30,6 +30,17 @@ def free_port() -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
+def serve_in_thread(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """`app` on a real uvicorn on a free loopback port, in a daemon thread; returns once it listens."""
+    sock, port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
 class ThreadHost:
     """make_app over `backend` (and, given one, the image `store` remote clients build in), served from a
     thread of this process."""
@@ -39,13 +50,7 @@ class ThreadHost:
             return {"base": base_image}
 
         self.app = make_app(backend, images, TOKEN, store=store, **kw)
-        sock, port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
+        self.server, self.thread, self.url = serve_in_thread(self.app)
         self.c = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
 
     @property

@@ -19,6 +19,7 @@ from furlong.cli.common import (
     warn_limits,
 )
 from furlong.cli.eval import cmd_eval
+from furlong.cli.gateway import cmd_gateway
 from furlong.cli.parser import build_parser
 from furlong.cli.serve import cmd_openenv, cmd_sandbox
 from furlong.config import Config, ConfigError
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model,
                 "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report, "openenv": cmd_openenv,
-                "tasks": cmd_tasks}
+                "tasks": cmd_tasks, "gateway": cmd_gateway}
     try:
         return handlers[args.command](args)
     except (ConfigError, EngineUnavailable, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 from furlong.cli.common import (
     add_common,
 )
+from furlong.cli.gateway import add_gateway_parser
 from furlong.engine.serve_args import add_serve_arguments
 
 REPRODUCE_HELP = """\
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _sandbox_parser(sub)
     _openenv_parser(sub)
+    add_gateway_parser(sub)
     _tasks_parser(sub)
     return parser
 

@@ -1,0 +1,169 @@
+"""An episode's token-in/token-out trajectory, stitched from the harness's chat requests.
+
+The harness resends the whole conversation with every request. When a request extends the previous one (the
+same messages, the assistant turn exactly as the gateway returned it, then new tool results or user turns),
+the stored ids are reused and only the new messages are rendered (furlong.model.chat.continuation_ids): text
+the model produced is never tokenized again, so the trainer scores exactly the sampled tokens. When it does not
+(the harness summarised, truncated or edited its history), a new segment starts from a full render and
+`history_rewrites` counts it; each segment trains with its own prompt.
+
+`tito_mismatch_tokens` checks the stitching independently of how it was done: the final conversation is
+rendered from text in one piece (assistant turns as the raw sampled text), the sampled spans are located in
+that render in order, and the text between them is tokenized; every token where that differs from the stored
+ids counts. It is 0 for an append-only template; a template that rewrites history (strips earlier reasoning)
+shows up here. `retokenize_drift_tokens` is what a naive proxy would have trained on instead: the whole render
+tokenized from text, sampled spans included.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from furlong.engine.base import Generation
+from furlong.model.chat import continuation_ids, encode, render_prompt_ids, render_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from furlong.model.toolcall.base import ToolCallFormat
+
+
+def canonical(message: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What must be equal for a resent message to count as the same turn: whitespace around content and the
+    JSON spelling of arguments are the harness's business, not a new conversation."""
+    calls = tuple((c["function"]["name"], repr(sorted(c["function"]["arguments"].items())))
+                  for c in message.get("tool_calls") or ())
+    return message["role"], (message.get("content") or "").strip(), calls, message.get("tool_call_id")
+
+
+@dataclass
+class Segment:
+    tools: tuple[Mapping[str, Any], ...]
+    messages: list[Mapping[str, Any]]  # the conversation so far, assistant turns as returned to the harness
+    raw: list[Mapping[str, Any]]  # the same, assistant turns as the raw sampled text (for the mismatch check)
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1 on sampled tokens only
+    logprobs: list[float] = field(default_factory=list)  # the engine's, on sampled tokens; 0 elsewhere
+    versions: list[int] = field(default_factory=list)  # weight version per sampled token; -1 elsewhere
+    turns: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each sampled span
+    open_turn: bool = False  # the last turn stopped before its end-of-turn marker (length, a stop string)
+
+    def append(self, ids: Sequence[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+
+class Trajectory:
+    """One episode's segments. Not thread-safe: the gateway serves one request per episode at a time."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, fmt: ToolCallFormat) -> None:
+        self.tokenizer = tokenizer
+        self.fmt = fmt
+        self.segments: list[Segment] = []
+        self.history_rewrites = 0
+        self.requests = 0
+        self.malformed_calls = 0
+        self._undo: tuple[Segment, int, bool, int] | None = None  # the last prompt's segment, as it was
+
+    def prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The ids to generate from for this request, reusing the stored ids when it extends the last one."""
+        self.requests += 1
+        seg = self.segments[-1] if self.segments else None
+        new = self._appended(seg, messages, tools)
+        if seg is None or new is None:
+            if seg is not None:
+                self.history_rewrites += 1
+            seg = Segment(tools=tuple(tools), messages=list(messages), raw=list(messages))
+            self.segments.append(seg)
+            self._undo = (seg, 0, False, 0)
+            seg.append(render_prompt_ids(self.tokenizer, messages, tools or None))
+            return list(seg.ids)
+        self._undo = (seg, len(seg.ids), seg.open_turn, len(seg.messages))
+        seg.append(continuation_ids(self.tokenizer, new, close_turn=seg.open_turn, end_of_turn=self.fmt.turn_ends,
+                                    answered=seg.messages[-1]))
+        seg.messages += new
+        seg.raw += new
+        seg.open_turn = False
+        return list(seg.ids)
+
+    def _appended(self, seg: Segment | None, messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]] | None:
+        """The messages this request adds to `seg`'s conversation; None when it is not an extension."""
+        if seg is None or tuple(tools) != seg.tools or not seg.turns or len(messages) <= len(seg.messages):
+            return None
+        if seg.messages[-1]["role"] != "assistant":
+            return None
+        if any(canonical(a) != canonical(b) for a, b in zip(seg.messages, messages, strict=False)):
+            return None
+        new = list(messages[len(seg.messages):])
+        return None if any(m["role"] == "assistant" for m in new) else new
+
+    def abandon(self) -> None:
+        """Forget the last prompt (its generation failed): the next request starts from where it was."""
+        if self._undo is None:
+            return
+        seg, size, open_turn, n_messages = self._undo
+        self._undo = None
+        if size == 0:
+            self.segments.remove(seg)
+            return
+        del seg.ids[size:], seg.mask[size:], seg.logprobs[size:], seg.versions[size:]
+        del seg.messages[n_messages:], seg.raw[n_messages:]
+        seg.open_turn = open_turn
+
+    def record(self, gen: Generation, message: Mapping[str, Any], raw_text: str, ended: bool) -> None:
+        """The sampled turn: its ids with their logprobs and versions, and the message returned for it."""
+        seg = self.segments[-1]
+        start = len(seg.ids)
+        seg.ids += gen.output_ids
+        seg.mask += [1] * gen.num_tokens
+        seg.logprobs += gen.logprobs
+        seg.versions += gen.token_weight_versions or [gen.weight_version] * gen.num_tokens
+        seg.turns.append((start, len(seg.ids)))
+        seg.messages.append(message)
+        seg.raw.append({"role": "assistant", "content": raw_text})
+        seg.open_turn = not ended
+        self._undo = None
+
+    def record_dict(self) -> dict[str, Any]:
+        mismatch, drift = zip(*(self._drift(s) for s in self.segments), strict=True) if self.segments else ((), ())
+        return {"segments": [{"ids": s.ids, "mask": s.mask, "logprobs": s.logprobs, "versions": s.versions,
+                              "turns": s.turns} for s in self.segments],
+                "requests": self.requests, "gateway_history_rewrites": self.history_rewrites,
+                "malformed_calls": self.malformed_calls, "tito_mismatch_tokens": sum(mismatch),
+                "retokenize_drift_tokens": sum(drift)}
+
+    def _drift(self, seg: Segment) -> tuple[int, int]:
+        """(tito mismatch, naive re-tokenization drift) of one segment, over its ids up to the last turn."""
+        if not seg.turns:
+            return 0, 0
+        end = seg.turns[-1][1]
+        stored = seg.ids[:end]
+        text = render_text(self.tokenizer, _through_last_turn(seg.raw), seg.tools or None)
+        expected: list[int] = []
+        pos = 0
+        for start, stop in seg.turns:
+            span = self.tokenizer.decode(seg.ids[start:stop], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+            at = text.find(span, pos)
+            if at < 0:  # the render does not contain what was sampled: all of it differs
+                return end, _differ(stored, encode(self.tokenizer, text))
+            expected += encode(self.tokenizer, text[pos:at]) + seg.ids[start:stop]
+            pos = at + len(span)
+        return _differ(stored, expected), _differ(stored, encode(self.tokenizer, text)[:len(stored)])
+
+
+def _through_last_turn(raw: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    last = max(i for i, m in enumerate(raw) if m["role"] == "assistant")
+    return list(raw[:last + 1])
+
+
+def _differ(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens of `a` not matched in `b` (insertions counted too): 0 exactly when the two are equal."""
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return sum(max(i2 - i1, j2 - j1) for op, i1, i2, j1, j2 in ops if op != "equal")
