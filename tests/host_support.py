@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -28,6 +30,26 @@ def free_port() -> tuple[socket.socket, int]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     return sock, sock.getsockname()[1]
+
+
+@contextmanager
+def on_loopback(app) -> Iterator[str]:
+    """Serves the ASGI `app` from a thread of this process on a free loopback port (a blocking client, such
+    as the e2b SDK, cannot share the test's event loop); yields its base URL, stops the server on exit."""
+    sock, port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the app did not start on loopback")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 class ThreadHost:

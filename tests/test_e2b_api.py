@@ -9,9 +9,9 @@ import time
 import e2b  # pinned in the test extra: CI runs these against the real SDK
 import httpx
 import pytest
+from host_support import on_loopback
 
 from furlong.sandbox.e2b import e2b_app
-from furlong.sandbox.e2b.serve import on_loopback
 
 KEY = "e2b_test_key"
 TEMPLATE = "furlong-base"
