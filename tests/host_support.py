@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -31,14 +33,29 @@ def free_port() -> tuple[socket.socket, int]:
 
 
 def serve_in_thread(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    """`app` on a real uvicorn on a free loopback port, in a daemon thread; returns once it listens."""
+    """`app` on a real uvicorn on a free loopback port, in a daemon thread (a blocking client, such as the
+    e2b SDK, cannot share the test's event loop); returns once it listens."""
     sock, port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
     while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the app did not start on loopback")
         time.sleep(0.02)
     return server, thread, f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def on_loopback(app) -> Iterator[str]:
+    """serve_in_thread as a context: yields the base URL, stops the server on exit."""
+    server, thread, url = serve_in_thread(app)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 class ThreadHost:

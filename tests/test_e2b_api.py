@@ -9,9 +9,9 @@ import time
 import e2b  # pinned in the test extra: CI runs these against the real SDK
 import httpx
 import pytest
+from host_support import on_loopback
 
 from furlong.sandbox.e2b import e2b_app
-from furlong.sandbox.e2b.serve import on_loopback
 
 KEY = "e2b_test_key"
 TEMPLATE = "furlong-base"
@@ -224,6 +224,20 @@ def test_what_furlong_does_not_do_is_one_readable_error(server):
         for call in (sbx.pause, sbx.get_metrics, lambda: e2b.Sandbox.connect(sbx.sandbox_id)):
             with pytest.raises(e2b.SandboxException, match="not supported by furlong"):
                 call()
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        sbx.kill()
+
+
+def test_a_streaming_call_furlong_does_not_serve_is_refused_by_name(server):
+    """commands.connect is a server-streaming RPC (process.Process/Connect): refused as UNIMPLEMENTED
+    naming the call, as the unary ones are, not an internal error; the command and the sandbox go on."""
+    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        handle = sbx.commands.run("sleep 30", background=True)
+        with pytest.raises(e2b.SandboxException, match=r"process\.Process/connect is not supported"):
+            sbx.commands.connect(handle.pid)
+        assert handle.pid in {p.pid for p in sbx.commands.list()}
         assert sbx.commands.run("echo alive").stdout == "alive\n"
     finally:
         sbx.kill()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run
-from openenv_support import TOKEN, ThreadServer, echo_env, echo_server, furlong_serve
+from openenv_support import TOKEN, GarblingServer, ThreadServer, echo_env, echo_server, furlong_serve
 from furlong.agent.runner import AgentRun, run_outcome
 from furlong.agent.tools import ToolRunner
 from furlong.config import BUNDLED_TASKS
@@ -57,6 +57,34 @@ def test_train_on_the_packages_echo_env_scores_every_episode(echo, tmp_path: Pat
         "echo_env/heldout/seed-1000000", "echo_env/heldout/seed-1000001"}
     summary = json.loads(res.stdout.splitlines()[-1])
     assert summary["eval_infra_errors"] == 0 and summary["rl_episodes"]["started"] == 8
+
+
+def test_one_malformed_reply_while_scoring_is_that_episodes_infra_error_and_the_run_goes_on(tmp_path: Path):
+    """Issue 48: a third-party server answers the message that ends one RL episode (furlong's score reads
+    it) with garbage. The run trains every step; that episode is infra_error with its traceback, unscored;
+    every other episode, its group's other one included, is scored."""
+    server = GarblingServer()
+    try:
+        res = _cli("train", "--config", str(REPO / "recipes" / "openenv-smoke.yaml"), f"openenv.url={server.url}",
+                   f"train.run_dir={tmp_path / 'run'}")
+    finally:
+        server.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert server.garbled == 1
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 12  # eval_before and eval_after: 2 each; RL: 2 steps of 2 groups of 2
+    bad = [e for e in episodes if e["status"] == "infra_error"]
+    assert len(bad) == 1, [(e["status"], e["error"]) for e in episodes]
+    assert (bad[0]["phase"], bad[0]["outcome"], bad[0]["reward"]) == ("rl", "infra_error", None)
+    assert bad[0]["error"].startswith("scoring failed: JSONDecodeError"), bad[0]["error"]
+    trace = bad[0]["traceback"]
+    assert trace.startswith("Traceback") and "in score" in trace and "json.decoder.JSONDecodeError" in trace, trace
+    assert all(e["reward"] is not None and e["traceback"] is None for e in episodes if e is not bad[0])
+    mate = [e for e in episodes if e["phase"] == "rl" and (e["step"], e["group"]) == (bad[0]["step"], bad[0]["group"])
+            and e is not bad[0]]
+    assert len(mate) == 1 and mate[0]["status"] != "infra_error"
+    summary = json.loads(res.stdout.splitlines()[-1])
+    assert summary["rl_episodes"]["started"] == 8 and summary["eval_infra_errors"] == 0, summary
 
 
 class Scripted:

@@ -77,6 +77,7 @@ class Episode:
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
     rewards: dict[str, float] = field(default_factory=dict)  # the reward's parts (tests, reward functions)
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
+    traceback: str | None = None  # the exception that decided its outcome, where one did (Outcome.traceback)
 
     @property
     def response_len(self) -> int:
@@ -321,4 +322,5 @@ async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment
                    rollout_logprobs=tuple(t.logprobs), token_weight_versions=tuple(t.versions),
                    reward=outcome.reward, status=outcome.status, timing=outcome.timing, turns=agent.turns,
                    error=outcome.error, tool_errors=agent.tool_errors, family=task.family,
-                   tampered_paths=outcome.tampered_paths, rewards=outcome.rewards, steps=outcome.steps)
+                   tampered_paths=outcome.tampered_paths, rewards=outcome.rewards, steps=outcome.steps,
+                   traceback=outcome.traceback)

@@ -12,7 +12,8 @@ Statuses (`STATUSES`), and who is to blame:
   The image cannot be built or found; the sandbox cannot be started or does not answer its first
   command (all before the agent ran anything); the agent's own code, not the sandbox, raised (an
   agent or engine bug); the task is broken: its tests leave no reward, and they leave none in a
-  fresh sandbox where no agent ran either.
+  fresh sandbox where no agent ran either; the scoring itself raised (a scorer bug, a server's malformed
+  reply: see the end of this docstring).
 - `agent_broke_sandbox` (reward 0.0, scored and trained on): once the agent phase has started, any
   exception from a sandbox call (SandboxDied, SandboxError, or anything else, e.g. a KeyError from
   a malformed reply) during the agent phase; or a verifier phase that yields no reward (a sandbox
@@ -50,6 +51,15 @@ infra_error; an exception during the agent phase is agent_broke_sandbox if the e
 agent_broke_sandbox when it blames the agent (`agent_broke_env`), infra_error otherwise. The user's reward
 functions (furlong.envs.rewards) follow the tests' rule: one that fails is infra_error only if it fails on an
 episode no agent touched too, else the agent's doing (agent_broke_sandbox); its traceback is the error.
+
+An exception out of `EpisodeEnv.score` (other than a lost host) is infra_error, with its traceback kept
+(`Outcome.traceback`), and so is any other exception out of the runner's own steps: they are furlong's
+machinery or the environment server failing, never the agent. The agent acts on its world only through
+the environment's tools, and an exception from those is judged above (`caused`); a score's contract is
+to turn whatever the agent can cause into a Score (Harbor: any sandbox call that fails while the tests
+run goes to the control run; a furlong OpenEnv server says `agent_broke_sandbox` in its reply), so what
+escapes `score` is the scorer's own failure: a bug, or a server that answers a malformed message. One
+such episode never ends a run: it is recorded and the other episodes of its group go on.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -127,6 +138,7 @@ class Outcome:
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (capped, sorted)
     lost: bool = False  # infra_error because the sandbox's host was lost: the episode may be run again
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
+    traceback: str | None = None  # the exception that decided the outcome, where one did (with its causes)
 
 
 def environment(source: Environment | SandboxSource) -> Environment:
@@ -140,14 +152,26 @@ async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | Sandbox
     try:
         env = await environment(source).open(spec, clock)
     except EnvUnavailable as exc:
-        return _unscored(clock, str(exc), lost=host_lost(exc))
+        return _unscored(clock, str(exc), lost=host_lost(exc), exc=exc.__cause__)  # the message says the rest
     except Exception as exc:
-        return _unscored(clock, f"environment did not open: {describe(exc)}", lost=host_lost(exc))
+        return _unscored(clock, f"environment did not open: {describe(exc)}", lost=host_lost(exc), exc=exc)
     try:
         outcome = await _phases(spec, agent, env, clock)
-        return dataclasses.replace(outcome, image_note=env.note)
+    except Exception as exc:  # noqa: BLE001 -- not the agent's (module docstring): the episode's, not the run's
+        log.warning("episode %s: the episode runner failed (infra_error, traceback in its record): %s", spec.id,
+                    describe(exc))
+        outcome = _unscored(clock, f"the episode runner failed: {describe(exc)}", lost=host_lost(exc), exc=exc)
     finally:
+        await _close(env)
+    return dataclasses.replace(outcome, image_note=env.note)
+
+
+async def _close(env: EpisodeEnv) -> None:
+    """The outcome is decided: an environment that fails to close is logged, and changes nothing."""
+    try:
         await env.close()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("closing an episode's environment failed: %s", describe(exc))
 
 
 async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) -> Outcome:
@@ -161,16 +185,22 @@ async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) ->
             clock.spent["model_wait"] = _engine_wait(agent)
         run = _joined([*runs, run])
         if failure is not None and host_lost(failure):
-            return _unscored(clock, f"sandbox host lost during the agent phase: {describe(failure)}", run, lost=True)
+            return _unscored(clock, f"sandbox host lost during the agent phase: {describe(failure)}", run, lost=True,
+                             exc=failure)
         if failure is not None and env.caused(failure):
-            return _broke(clock, f"sandbox broke during the agent phase: {describe(failure)}", run)
+            return _broke(clock, f"sandbox broke during the agent phase: {describe(failure)}", run, exc=failure)
         if failure is not None:
-            return _unscored(clock, f"agent failed: {describe(failure)}")
+            return _unscored(clock, f"agent failed: {describe(failure)}", exc=failure)
         t = time.perf_counter()
         try:
             score = await env.score()
-        except HostLost as exc:
-            return _unscored(clock, f"sandbox host lost while scoring: {describe(exc)}", run, lost=True)
+        except Exception as exc:  # noqa: BLE001 -- the scorer's own failure, never the agent's (module docstring)
+            lost = host_lost(exc)
+            if not lost:  # a scorer that fails for every episode must not go unnoticed in a running job
+                log.warning("episode %s: scoring failed (infra_error, traceback in its record): %s", spec.id,
+                            describe(exc))
+            what = "sandbox host lost while scoring" if lost else "scoring failed"
+            return _unscored(clock, f"{what}: {describe(exc)}", run, lost=lost, exc=exc)
         finally:
             clock.add("verifier", t)
         if score.next_step is None:
@@ -241,9 +271,15 @@ def _records(run: AgentRun | None, score: Score | None) -> dict[str, Any]:
 
 
 def _unscored(clock: Clock, error: str, run: AgentRun | None = None, score: Score | None = None,
-              lost: bool = False) -> Outcome:
+              lost: bool = False, exc: BaseException | None = None) -> Outcome:
     return Outcome(reward=None, status="infra_error", timing=clock.timing(), error=error,
-                   agent_timed_out=bool(run and run.timed_out), lost=lost, **_records(run, score))
+                   agent_timed_out=bool(run and run.timed_out), lost=lost, traceback=_traceback(exc),
+                   **_records(run, score))
+
+
+def _traceback(exc: BaseException | None) -> str | None:
+    """The exception's traceback with its causes, as Python prints it (None without one)."""
+    return None if exc is None else "".join(traceback.format_exception(exc))
 
 
 def host_lost(exc: BaseException) -> bool:
@@ -265,6 +301,7 @@ async def run_retrying(spec: EnvSpec, new_agent: Callable[[], Agent], source: En
     raise AssertionError("unreachable")
 
 
-def _broke(clock: Clock, error: str, run: AgentRun, score: Score | None = None) -> Outcome:
+def _broke(clock: Clock, error: str, run: AgentRun, score: Score | None = None,
+           exc: BaseException | None = None) -> Outcome:
     return Outcome(reward=0.0, status="agent_broke_sandbox", timing=clock.timing(), error=error,
-                   agent_timed_out=run.timed_out, **_records(run, score))
+                   agent_timed_out=run.timed_out, traceback=_traceback(exc), **_records(run, score))

@@ -53,10 +53,6 @@ class EngineStats:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
-    def forward_calls(self) -> int:
-        return self.prefill_calls + self.decode_steps
-
-    @property
     def max_decode_batch(self) -> int:
         return max(self.decode_batch_sizes, default=0)
 

@@ -43,6 +43,7 @@ class EpisodeResult:
     response_sha: str | None = None  # their digest, as in the run's episodes.jsonl (same digest: same tokens)
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran: name, reward, rewards, error
+    traceback: str | None = None  # where an exception decided the outcome (furlong.agent.runner.Outcome)
 
     @classmethod
     def of(cls, task: Task, agent: str, outcome: Outcome, sample: int = 0, turns: int | None = None,
@@ -53,7 +54,8 @@ class EpisodeResult:
                    verifier_exit_code=outcome.verifier_exit_code, verifier_output=outcome.verifier_output,
                    agent_exit_code=outcome.agent_exit_code, agent_output=outcome.agent_output,
                    image_note=outcome.image_note, sample=sample, turns=turns, tokens_response=tokens_response,
-                   response_sha=response_sha, tampered_paths=outcome.tampered_paths, steps=outcome.steps)
+                   response_sha=response_sha, tampered_paths=outcome.tampered_paths, steps=outcome.steps,
+                   traceback=outcome.traceback)
 
     @classmethod
     def unloadable(cls, broken: BrokenTask, agent: str) -> EpisodeResult:

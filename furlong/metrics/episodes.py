@@ -38,6 +38,7 @@ def episode_record(e: "Episode", phase: str, step: int | None) -> dict:
         "time": {k: getattr(t, k) for k in COMPONENTS}, "seconds": t.total,
         "start": t.started_at, "end": t.ended_at,
         "error": e.error,  # what went wrong: for an infra_error (never scored) the only trace of why
+        "traceback": e.traceback,  # where an exception decided the outcome: where it was raised, with its causes
         "tampered_paths": list(e.tampered_paths),  # furlong.tasks.integrity: what the agent changed that tests run
         "rewards": dict(e.rewards),  # the reward's parts: the tests' (or a Python environment's steps') and
         # each reward function's (train.env.rewards)

@@ -132,17 +132,6 @@ def scan_bitmap(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, list[np.ndarr
     return concat(bitmaps, np.uint8), values
 
 
-def change_bitmap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Just the bitmap of scan_bitmap (when the values are already known)."""
-    mask = np.empty(min(a.size, CHUNK), dtype=bool)
-    parts = []
-    for s in range(0, a.size, CHUNK):
-        m = mask[: a[s : s + CHUNK].size]
-        np.not_equal(a[s : s + CHUNK], b[s : s + CHUNK], out=m)
-        parts.append(np.packbits(m, bitorder="little"))
-    return concat(parts, np.uint8)
-
-
 def concat(parts: list[np.ndarray], dtype: npt.DTypeLike) -> np.ndarray:
     if not parts:
         return np.empty(0, dtype=dtype)
