@@ -15,7 +15,7 @@ import pytest
 
 from conftest import run
 from examples.guess_number import GuessNumber
-from examples.rewards import few_guesses
+from examples.rewards import few_guesses, within_budget
 from examples.tools import CALCULATOR, WORD_COUNT
 from furlong.agent.episode import run_episode
 from furlong.agent.runner import AgentRun, run_outcome
@@ -121,6 +121,73 @@ def test_a_model_sees_the_environments_and_extra_tools_gets_replies_and_stops_wh
     # the text answer reached the environment, whose reminder came back as a user turn; done ended it at 3
     assert "Use the guess tool" in context and "higher (6 guesses left)" in context and "correct" in context
     assert (episode.status, episode.reward, episode.turns, episode.tool_errors) == ("ok", 1.0, 3, 0)
+
+
+RECIPE = """train:
+  env:
+    python: examples.guess_number:GuessNumber
+    rewards:
+      concise: {python: "examples.rewards:within_budget", weight: 0.1, params: {budget: BUDGET}}
+      roomy: {python: "examples.rewards:within_budget", weight: 0.1, params: {budget: 100000}}
+      quick_pass: {python: "examples.rewards:passed_in_turns", weight: 0.2, params: {turns: 2}}
+"""
+
+
+@pytest.mark.parametrize("max_turns", [8, 2])
+def test_reward_functions_see_the_tests_result_the_agents_tokens_and_their_params_from_the_yaml(
+        tiny_dir, tmp_path, max_turns):
+    """One function, two budgets from the recipe: a length penalty on the episode's generated tokens; and a
+    bonus only where the environment's own reward passed (8 turns: found in 3; 2 turns: not found)."""
+    from furlong.build.environment import scorer
+    from furlong.config import load_config
+    tokenizer, spec = load_tokenizer(tiny_dir), _source().instances("train")[1]
+    env = GuessNumber()
+    env.reset(spec.seed, spec.split)
+    budget = 26
+    (tmp_path / "r.yaml").write_text(RECIPE.replace("BUDGET", str(budget)))
+    user_env = PythonEnv(GuessNumber, [CALCULATOR], scorer(load_config(tmp_path / "r.yaml").train.env))
+    params = agent_params(max_turns=max_turns, max_context_tokens=4096, tool_schema_in_prompt=True)
+    episode = run(run_episode(spec, GuessPolicy(tokenizer, env.secret), tokenizer, user_env, params,
+                              SamplingParams(seed=0)))
+    generated = sum(episode.loss_mask)
+    assert budget < generated < 2 * budget  # so the penalty is partial: it did read the token count
+    concise = 1 - (generated - budget) / budget
+    found = max_turns == 8
+    assert episode.turns == (3 if found else 2) and episode.rewards["steps"] == float(found)
+    assert episode.rewards == {"steps": float(found), "concise": pytest.approx(concise), "roomy": 1.0,
+                               "quick_pass": pytest.approx(2 / 3 if found else 0.0)}
+    assert episode.reward == pytest.approx(float(found) + 0.1 * concise + 0.1 + 0.2 * episode.rewards["quick_pass"])
+
+
+class Undemonstrated(GuessNumber):
+    demonstrate = None  # as an environment written without one
+
+
+def test_a_python_environments_demonstrations_are_played_through_it_for_sft(tiny_dir):
+    """Each train instance's demonstrate() moves, through step: the demonstration shows the environment's
+    own observations and ends on the secret; one that does not earn 1 is not kept; no demonstrate() is an
+    error naming the key."""
+    from furlong.train.sft import oracle_demos
+    tokenizer, specs = load_tokenizer(tiny_dir), _source(n=3).instances("train")
+    params = agent_params(max_turns=8, max_context_tokens=4096, tool_schema_in_prompt=True)
+    demos = run(oracle_demos(specs, tokenizer, PythonEnv(GuessNumber, [CALCULATOR]), params, concurrency=2))
+    assert [d.task_id for d in demos] == [s.id for s in specs]
+    for demo, spec in zip(demos, specs):
+        env = GuessNumber()
+        env.reset(spec.seed, spec.split)
+        shown = tokenizer.decode(list(demo.tokens))
+        trained = tokenizer.decode([t for t, m in zip(demo.tokens, demo.loss_mask) if m])
+        assert f'"number": {env.secret}' in trained and '"number": 50' in trained  # a bisection, to the secret
+        assert "correct" in shown and "correct" not in trained and '"name": "calculator"' in shown
+
+    class Misleading(GuessNumber):
+        def demonstrate(self):
+            return [Action(tool="guess", arguments={"number": 0})]  # never the secret: steps' reward 0
+
+    assert run(oracle_demos(specs, tokenizer, PythonEnv(Misleading), params, concurrency=2)) == []
+
+    with pytest.raises(TypeError, match="train.env.demonstrations: Undemonstrated has no demonstrate"):
+        run(oracle_demos(specs, tokenizer, PythonEnv(Undemonstrated), params, concurrency=2))
 
 
 class Flaky(GuessNumber):
@@ -238,19 +305,26 @@ def test_the_config_names_the_users_code_and_checks_it_before_the_run():
     from furlong.build.environment import run_env, scorer
     from furlong.config import ConfigError, load_config
 
+    bare = load_config(None, ["train.env.python=examples.guess_number:GuessNumber"]).train
+    # one key makes a Python environment the run's one family, with no SFT demonstrations
+    assert (bare.families, bare.sft.families, bare.sft.epochs, bare.rl.families, bare.rl.sft_coef) == (
+        ("GuessNumber",), (), 0, None, 0.0)
     cfg = load_config(ROOT / "examples" / "guess_number.yaml")
-    t = cfg.train  # one key makes a Python environment the run's one family, with no SFT demonstrations
-    assert (t.families, t.sft.families, t.sft.epochs, t.rl.families, t.rl.sft_coef) == (("GuessNumber",), (), 0,
-                                                                                         None, 0.0)
+    t = cfg.train  # the example gives its own demonstrations: SFT and RL's anchor show them
+    assert (t.families, t.demonstrated(), t.rl.families, t.env.demonstrations) == (
+        ("GuessNumber",), ("GuessNumber",), None, True) and t.sft.epochs > 0
     env = run_env(t.env, backend=None, images=None)
     assert env.factory is GuessNumber and env.tools == (CALCULATOR,)
-    assert [(f.name, f.weight, f.python) for f in env.scorer.fns] == [("few_guesses", 0.2, few_guesses)]
+    assert [(f.name, f.weight, f.python, f.params) for f in env.scorer.fns] == [
+        ("few_guesses", 0.2, few_guesses, {}), ("concise", 0.1, within_budget, {"budget": 48})]
     for overrides, says in [
         (["train.env.python=examples.guess_number:GuessNumber", "train.rl.sft_coef=1"], "train.rl.sft_coef"),
         (["train.env.python=examples.guess_number:GuessNumber", "train.sft.epochs=2"], "train.sft.epochs"),
         (["train.env.rewards.tests.python=examples.rewards:few_guesses"], "reserved"),
         (["train.env.rewards.both.python=a:b", "train.env.rewards.both.command=ls"], "exactly one of"),
         (["train.env.python=examples"], 'expected "module:factory"'),
+        (["train.env.demonstrations=true"], "a Python environment's"),
+        (['train.env.rewards.c={command: "echo 1", params: {n: 1}}'], "only a python function sees them"),
     ]:
         with pytest.raises(ConfigError, match=says):
             load_config(None, overrides)
@@ -264,6 +338,10 @@ def test_the_config_names_the_users_code_and_checks_it_before_the_run():
         with pytest.raises(ConfigError, match=re.escape(says)):
             bad = load_config(None, [f"train.env.{key}={value}"])
             run_env(bad.train.env, backend=None, images=None)
+    undemonstrated = load_config(None, ["train.env.python=test_user_api:Undemonstrated",
+                                        "train.env.demonstrations=true"])
+    with pytest.raises(ConfigError, match=r"train.env.demonstrations: test_user_api:Undemonstrated has no demon"):
+        run_env(undemonstrated.train.env, backend=None, images=None)
 
 
 def test_furlong_eval_runs_a_python_environments_instances():

@@ -71,6 +71,21 @@ def test_extra_tools_run_as_the_agent_and_rewards_as_the_verifier(backend, base_
     assert (outcome.status, outcome.reward) == ("ok", pytest.approx(0.5 * 1.0 + 0.1 * 3.0))
 
 
+def what_the_tests_gave(episode) -> float:
+    """The tests' result as a reward function sees it: 10 * their reward, plus 1 where they passed."""
+    return 10 * episode.tests + float(episode.passed) + 100 * episode.usage.turns  # a scripted agent: 0 turns
+
+
+@pytest.mark.parametrize("done", [True, False])
+def test_a_reward_function_sees_the_tests_result(backend, base_image, tmp_path, done):
+    task = make_task(tmp_path, "t", "Finish.", REWARD_IF_DONE)
+    agent = Scripted(moves(("bash", {"command": "touch /tmp/done" if done else "true"})))
+    fns = (RewardFn("seen", weight=0.5, python=what_the_tests_gave),)
+    outcome = run(run_outcome(task, agent, _env(backend, base_image, fns=fns)))
+    assert outcome.rewards == {"tests": float(done), "seen": 11.0 if done else 0.0}
+    assert outcome.reward == pytest.approx(float(done) + 0.5 * outcome.rewards["seen"])
+
+
 def test_a_reward_command_runs_inside_the_tests_integrity_check(backend, base_image, tmp_path):
     """The agent's background process replaces the program the reward command runs while it runs (after
     the tests): the check after the reward functions sees it, so the episode is reward_tampered."""

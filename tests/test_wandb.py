@@ -78,10 +78,12 @@ def test_the_example_environment_trains_and_its_metrics_reach_wandb(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.splitlines()[-1])
     assert summary["families"] == ["GuessNumber"] and summary["rl_steps"] == 2 and summary["eval_episodes"] == 2
-    assert summary["eval_infra_errors"] == 0 and summary["reward_only_families"] == ["GuessNumber"]
+    assert summary["eval_infra_errors"] == 0 and summary["demonstrated_families"] == ["GuessNumber"]
+    # SFT on the environment's demonstrations gave RL a model that acts: some group's rewards differed
+    assert summary["rl_steps_updated"] >= 1
     records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
-    assert len([r for r in records if r["phase"] == "rl"]) == 2 * 2 * 2
-    # every episode was scored, its reward's parts recorded: the steps' own and the reward function's
-    assert all(r["reward"] is not None and set(r["rewards"]) == {"steps", "few_guesses"} for r in records)
+    assert len([r for r in records if r["phase"] == "rl"]) == 2 * 2 * 4
+    # every episode was scored, its reward's parts recorded: the steps' own and the reward functions'
+    assert all(r["reward"] is not None and set(r["rewards"]) == {"steps", "few_guesses", "concise"} for r in records)
     assert [r["step"] for r in RunDir.open(run).metrics("rl")] == [0, 1]
     assert_same_as_metrics_jsonl(run, wandb_records(run))

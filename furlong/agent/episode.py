@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from furlong.agent.runner import AgentRun, SandboxSource, run_retrying
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
-from furlong.envs.base import Environment, EnvSpec, StepScore, Toolbox
+from furlong.envs.base import Environment, EnvSpec, StepScore, Toolbox, Usage
 from furlong.model.chat import (
     Message,
     ToolCall,
@@ -169,6 +169,10 @@ class ModelAgent:
     @property
     def response_sha(self) -> str:
         return response_sha(self.trace.tokens, self.trace.mask)
+
+    def usage(self) -> Usage:
+        """Its tokens and turns so far (furlong.agent.runner.Agent's optional usage)."""
+        return Usage(prompt_tokens=self.prompt_len, generated_tokens=self.response_len, turns=self.turns)
 
     def engine_wait_s(self) -> float:
         """Seconds spent waiting on the engine so far, a wait in progress included: the runner's hard limit

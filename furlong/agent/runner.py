@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import time
 import traceback
@@ -74,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from furlong.envs.base import (
+    NO_USAGE,
     Environment,
     EnvSpec,
     EnvUnavailable,
@@ -113,7 +115,8 @@ class Agent(Protocol):
     with that step's spec (its instruction, solution and timeout). An agent that waits on a shared engine may also define
     `engine_wait_s() -> float`: the seconds it has waited so far, a wait in progress included. The
     episode's `model_wait` time is that figure, and the runner's hard limit on the phase does not
-    count it (see `_agent_phase`)."""
+    count it (see `_agent_phase`). Any agent may define `usage() -> Usage`: its tokens and turns so far,
+    what reward functions see (furlong.envs.rewards.EpisodeView.usage)."""
 
     name: str
 
@@ -193,7 +196,7 @@ async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) ->
             return _unscored(clock, f"agent failed: {describe(failure)}", exc=failure)
         t = time.perf_counter()
         try:
-            score = await env.score()
+            score = await _score(env, agent)
         except Exception as exc:  # noqa: BLE001 -- the scorer's own failure, never the agent's (module docstring)
             lost = host_lost(exc)
             if not lost:  # a scorer that fails for every episode must not go unnoticed in a running job
@@ -254,6 +257,15 @@ async def _agent_phase(spec: EnvSpec, agent: Agent, env: EpisodeEnv) -> tuple[Ag
         if not phase.done():
             phase.cancel()
             await asyncio.gather(phase, return_exceptions=True)
+
+
+async def _score(env: EpisodeEnv, agent: Agent) -> Score:
+    """`env.score`, given the agent's usage where it takes one: environments written before `usage`
+    (docs/extending.md's) define score() alone, and keep working."""
+    if "usage" not in inspect.signature(env.score).parameters:
+        return await env.score()
+    usage = getattr(agent, "usage", None)
+    return await env.score(usage=usage() if callable(usage) else NO_USAGE)
 
 
 def _engine_wait(agent: Agent) -> float:

@@ -99,7 +99,7 @@ def extra_tools(env: EnvConfig) -> tuple[Tool, ...]:
 
 def scorer(env: EnvConfig) -> Scorer:
     """The reward functions and weights; the own reward's key is `tests` (Harbor) or `steps` (python)."""
-    fns = [RewardFn(name=name, weight=r.weight, timeout_s=r.timeout_s, command=r.command,
+    fns = [RewardFn(name=name, weight=r.weight, timeout_s=r.timeout_s, command=r.command, params=r.params,
                     python=load_object(r.python, f"train.env.rewards.{name}.python") if r.python else None)
            for name, r in env.rewards.items()]
     if env.python is not None and (commands := [f.name for f in fns if f.command is not None]):
@@ -190,6 +190,9 @@ def run_env(env: EnvConfig, backend: SandboxBackend, images: ImageLookup,
         return RunEnv(backend, images, prompts=PromptEnv(reward, env.prompts.reward_timeout_s))
     tools, scoring = extra_tools(env), scorer(env)
     factory = load_object(env.python, "train.env.python") if env.python else None
+    if env.demonstrations and isinstance(factory, type) and not callable(getattr(factory, "demonstrate", None)):
+        raise ConfigError(f"train.env.demonstrations: {env.python} has no demonstrate() method returning the "
+                          "Actions that solve an instance (docs/environments.md)")
     if factory is None:
         try:
             HarborEnv(None, tools, scoring)  # type: ignore[arg-type]  # checks the tools beside bash

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -29,11 +29,15 @@ class RewardConfig(_Node):
     weight: float = Field(1.0, description="its weight in the episode's reward")
     timeout_s: float = Field(60.0, gt=0, description="past this it has failed (the failure rule: "
                              "docs/environments.md)")
+    params: dict[str, Any] = Field({}, description="python: what the function sees as `episode.params` (a "
+                                   "budget, a target length), so one function serves several entries")
 
     @model_validator(mode="after")
     def _one_kind(self) -> RewardConfig:
         if (self.python is None) == (self.command is None):
             raise ValueError("give exactly one of python and command")
+        if self.params and self.command is not None:
+            raise ValueError("params: only a python function sees them; a command has none")
         return self
 
 
@@ -118,6 +122,9 @@ class EnvConfig(_Node):
                                              "rewards), each as in train.env.rewards.<name>")
     tests_weight: float = Field(1.0, description="weight of the environment's own reward beside train.env.rewards "
                                 "(Harbor: the tests'; python: its steps' rewards summed)")
+    demonstrations: bool = Field(False, description="python: SFT (and RL's anchor) shows the environment's own "
+                                 "demonstrations, each instance's `demonstrate()` Actions replayed through it (kept "
+                                 "where they earn 1); false: no SFT, as there is no oracle")
 
     @model_validator(mode="after")
     def _names(self) -> EnvConfig:
@@ -130,6 +137,9 @@ class EnvConfig(_Node):
         if self.prompts.active and (self.tools or self.rewards):
             raise ValueError("tools and rewards: a prompt dataset has no tools, and its one reward is "
                              "prompts.reward (weigh your terms inside it)")
+        if self.demonstrations and self.python is None:
+            raise ValueError("demonstrations: a Python environment's (train.env.python); Harbor tasks have their "
+                             "oracle solutions, a prompt dataset its answer_field")
         if self.python is not None and ":" not in self.python:
             raise ValueError(f'python: expected "module:factory", got {self.python!r}')
         return self
@@ -142,10 +152,11 @@ class EnvConfig(_Node):
 
     def demonstrable(self) -> bool:
         """Whether SFT has demonstrations in this environment: a prompt dataset's answers; a Python
-        environment has none; Harbor tasks' oracle solutions (an OpenEnv server's: TrainConfig's rule)."""
+        environment's own, where it gives them; Harbor tasks' oracle solutions (an OpenEnv server's:
+        TrainConfig's rule)."""
         if self.prompts.active:
             return self.prompts.answer_field is not None
-        return self.python is None
+        return self.python is None or self.demonstrations
 
 
 class WandbConfig(_Node):

@@ -123,7 +123,7 @@ class TrainConfig(_Node):
 
     def _own_env_families(self, own: bool) -> None:
         """A Python environment or a prompt dataset is the run's one family. Without demonstrations (a Python
-        environment, a dataset without answer_field) there is no SFT (train.sft.families empty,
+        environment without train.env.demonstrations, a dataset without answer_field) there is no SFT (train.sft.families empty,
         train.sft.epochs 0) and no demonstration anchor (train.rl.sft_coef 0)."""
         family, key = self.env.family(), "train.env.python" if self.env.python else "train.env.prompts"
         if own and self.families != (family,):
@@ -131,7 +131,8 @@ class TrainConfig(_Node):
         object.__setattr__(self, "families", (family,))
         if self.env.demonstrable():
             return
-        what = ("a Python environment has no oracle demonstrations" if self.env.python else
+        what = ("a Python environment has no oracle demonstrations unless it gives its own "
+                "(train.env.demonstrations: true, docs/environments.md)" if self.env.python else
                 "the prompt dataset has no answers to demonstrate (train.env.prompts.answer_field)")
         for name, value in (("families", self.sft.families), ("epochs", self.sft.epochs)):
             if name in self.sft.model_fields_set and value:

@@ -71,6 +71,19 @@ class StepScore:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """The agent's side of an episode so far, for reward functions (budgets, length penalties): all 0
+    for an agent without a model (a scripted one)."""
+
+    prompt_tokens: int = 0  # the first prompt: system message, instruction, tool schemas
+    generated_tokens: int = 0  # sampled by the model, every turn (the loss mask's ones)
+    turns: int = 0  # model turns (each one sampling call)
+
+
+NO_USAGE = Usage()  # a scripted agent's, a control episode's
+
+
+@dataclass(frozen=True)
 class Score:
     """What an episode's environment says about the finished agent phase.
 
@@ -103,7 +116,9 @@ class EpisodeEnv(Protocol):
 
     def caused(self, exc: BaseException) -> bool: ...  # whether `exc` came from the environment, not the agent
 
-    async def score(self) -> Score: ...  # of the agent's work so far: see Score.next_step
+    # Of the agent's work so far (see Score.next_step). `usage`: the agent's tokens and turns, for reward
+    # functions; the runner passes it only to a score() that names the parameter (older ones take none).
+    async def score(self, usage: Usage = NO_USAGE) -> Score: ...
 
     async def close(self) -> None: ...  # idempotent; never called by the agent
 

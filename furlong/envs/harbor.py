@@ -18,7 +18,16 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from furlong.envs.base import EnvUnavailable, Score, StepScore, ToolArgumentError, describe, exception_chain
+from furlong.envs.base import (
+    NO_USAGE,
+    EnvUnavailable,
+    Score,
+    StepScore,
+    ToolArgumentError,
+    Usage,
+    describe,
+    exception_chain,
+)
 from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer, VerifierSandbox
 from furlong.envs.separate import BundledTests, VerifierUnavailable, hand_over
 from furlong.envs.steps import aggregate, failed_step, gate, prepare, run_hooks
@@ -201,7 +210,7 @@ class HarborEpisode:
         """Before the agent's first command (the first step's workdir and setup); what failed, or None."""
         return await ready(self.guard, self.task, 0, self.image.workdir)
 
-    async def score(self) -> Score:
+    async def score(self, usage: Usage = NO_USAGE) -> Score:
         phase = self.phases[self.index]
         if phase.separate is None and (problem := await phase_network(self.guard.inner, phase.verifier_network,
                                                                       phase.agent_network)):
@@ -209,7 +218,7 @@ class HarborEpisode:
         guard, rewards = GuardedSandbox(self.guard.inner), self.scorer.start()
         last = self.index == len(self.phases) - 1
         try:
-            verdict, problem = await self._verify(guard, rewards.run, self.close if last else None, touched=True)
+            verdict, problem = await self._verify(guard, rewards.run, self.close if last else None, usage=usage)
         except VerifierUnavailable as exc:
             return Score(reward=None, error=str(exc), steps=tuple(self.done))
         if problem:
@@ -226,21 +235,23 @@ class HarborEpisode:
         return await self.scorer.settle(score, rewards, self._reward_control)
 
     async def _verify(self, guard: GuardedSandbox, rewards: Callable[..., Awaitable[None]] | None,
-                      release: Callable[[], Awaitable[None]] | None, touched: bool) -> tuple[Verdict | None, str]:
+                      release: Callable[[], Awaitable[None]] | None,
+                      usage: Usage | None = None) -> tuple[Verdict | None, str]:
         """The current step's tests on the work in `guard` (the agent's sandbox, or a control's):
         in it, or in a separate verifier's sandbox that gets its artifacts (`release`: the agent's
-        sandbox is done with once they are out)."""
+        sandbox is done with once they are out). `usage`: the agent's; None: a control run, no agent."""
         phase = self.phases[self.index]
         await run_hooks(guard, phase, self.image.workdir)
-        calls = (tuple(self.tools.steps), tuple(self.tools.answers)) if touched else ((), ())
+        calls = (tuple(self.tools.steps), tuple(self.tools.answers)) if usage is not None else ((), ())
+        seen = {"usage": usage or NO_USAGE}
         if phase.separate is None:
-            view = EpisodeView(self.task, *calls, VerifierSandbox(guard, self.image.workdir))
+            view = EpisodeView(self.task, *calls, VerifierSandbox(guard, self.image.workdir), **seen)
             return await verifier_phase(phase, guard, self.image, rewards, view)
         vbox, vguard, problem = await hand_over(phase, guard, release, self.sandboxes, self.bundled, GuardedSandbox)
         if vbox is None:
             return None, problem
         try:
-            view = EpisodeView(self.task, *calls, VerifierSandbox(vguard, vbox.image.workdir))
+            view = EpisodeView(self.task, *calls, VerifierSandbox(vguard, vbox.image.workdir), **seen)
             return await verifier_phase(phase, vguard, vbox.image, rewards, view, tests=vbox.tests)
         finally:
             await close_quietly(vbox.sandbox)
@@ -302,7 +313,7 @@ class HarborEpisode:
             for k in range(self.index + 1):
                 if failure := await ready(guard, self.task, k, self.image.workdir):
                     return rewards, failure
-            _, problem = await self._verify(guard, rewards.run if fns else None, None, touched=False)
+            _, problem = await self._verify(guard, rewards.run if fns else None, None)
             return rewards, problem
         finally:
             await close_quietly(sandbox)
@@ -383,12 +394,16 @@ async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
     """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
     ("" when they did). `rewards(view, env)` runs right after the tests, inside their integrity check, with
     the tests' environment (furlong.tasks.verifier.verifier_env: the image's verifier toolchain's included).
-    `tests`: what /tests gets (furlong.tasks.verifier.verify)."""
+    `tests`: what /tests gets (furlong.tasks.verifier.verify). The view gets the tests' reward."""
     env = verifier_env(task, image)
-    after = (lambda: rewards(view, env)) if rewards is not None else None
+
+    async def after(verdict: Verdict) -> None:
+        assert rewards is not None and view is not None
+        await rewards(dataclasses.replace(view, tests=verdict.reward), env)
+
     try:
         verdict = await verify(task, sandbox, image.workdir, verifier_uid=sandbox.verifier_uid, env=env,
-                               after_tests=after, tests=tests)
+                               after_tests=after if rewards is not None else None, tests=tests)
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
     except Exception as exc:

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from furlong.envs.base import Score, describe
+from furlong.envs.base import NO_USAGE, Score, Usage, describe
 from furlong.envs.toolset import ToolStep, call_user
 from furlong.sandbox.base import HostLost
 
@@ -62,11 +62,21 @@ class EpisodeView:
     answers: tuple[str, ...] = ()  # the model's turns without a tool call, in order
     sandbox: VerifierSandbox | None = None  # Harbor: the episode's sandbox, as the verifier
     env: Any = None  # Python environments: the user's environment object, after the episode
+    # The environment's own reward, as the runner got it: the tests' (Harbor; this step's, in a multi-step
+    # task) or the steps' sum (Python). None where the tests left none (the function still runs).
+    tests: float | None = None
+    usage: Usage = NO_USAGE  # the agent's tokens and turns (all 0 for a scripted agent, a control episode)
+    params: Mapping[str, Any] = field(default_factory=dict)  # this function's train.env.rewards.NAME.params
 
     @property
     def answer(self) -> str | None:
         """The model's last turn without a tool call (its final answer), or None."""
         return self.answers[-1] if self.answers else None
+
+    @property
+    def passed(self) -> bool:
+        """Whether the tests passed: their reward is at least 1 (pass@1's rule, on the tests alone)."""
+        return self.tests is not None and self.tests >= 1.0
 
 
 @dataclass(frozen=True)
@@ -78,12 +88,15 @@ class RewardFn:
     python: Callable[[EpisodeView], Any] | None = None  # -> a number, sync or async
     command: str | None = None  # its stdout's last line is the value
     timeout_s: float = 60.0
+    params: Mapping[str, Any] = field(default_factory=dict)  # what a python one sees as EpisodeView.params
 
     def __post_init__(self) -> None:
         if (self.python is None) == (self.command is None):
             raise ValueError(f"reward function {self.name!r}: give exactly one of python and command")
         if self.name in RESERVED:
             raise ValueError(f"reward function name {self.name!r} is reserved ({', '.join(RESERVED)})")
+        if self.params and self.command is not None:
+            raise ValueError(f"reward function {self.name!r}: params are for a python function; a command has none")
 
 
 class RewardFailed(Exception):
@@ -105,8 +118,10 @@ def finite_number(value: Any, what: str) -> float:
 async def value_of(fn: RewardFn, view: EpisodeView, verifier_env: Mapping[str, str] | None = None) -> float:
     """`fn`'s value for the episode; RewardFailed when it gives none. A lost sandbox host is raised as it is."""
     if fn.python is not None:
+        mine = dataclasses.replace(view, params=dict(fn.params))  # a copy: one function cannot change another's
         try:
-            return finite_number(await call_user(fn.python, view, timeout_s=fn.timeout_s), f"reward function {fn.name!r}")
+            value = await call_user(fn.python, mine, timeout_s=fn.timeout_s)
+            return finite_number(value, f"reward function {fn.name!r}")
         except (HostLost, RewardFailed):
             raise
         except TimeoutError:

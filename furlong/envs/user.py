@@ -29,7 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from furlong.envs.base import EnvUnavailable, Score, ToolError, describe
+from furlong.envs.base import (
+    NO_USAGE,
+    EnvUnavailable,
+    Score,
+    ToolError,
+    Usage,
+    describe,
+)
 from furlong.envs.rewards import STEPS_ONLY, EpisodeView, RewardFn, RewardRun, Scorer
 from furlong.envs.toolset import (
     Tool,
@@ -135,6 +142,23 @@ class PythonEnv:
             clock.add("sandbox_start", t)
         return PythonEpisode(spec, env, self)
 
+    async def demonstration(self, spec: Instance) -> list[Action]:
+        """SFT's demonstration of `spec` (train.env.demonstrations): `demonstrate()` of a new object reset to
+        it, a list of Actions (a TypeError naming the rule when the environment has none or gives another)."""
+        env = await self._reset(spec)
+        try:
+            demonstrate = getattr(env, "demonstrate", None)
+            if not callable(demonstrate):
+                raise TypeError(f"train.env.demonstrations: {type(env).__name__} has no demonstrate() method "
+                                "returning the Actions that solve its instance (docs/environments.md)")
+            actions = await call_user(demonstrate, timeout_s=self.timeout_s)
+        finally:
+            await close_env(env)
+        if not isinstance(actions, (list, tuple)) or not all(isinstance(a, Action) for a in actions):
+            raise TypeError(f"train.env.demonstrations: {type(env).__name__}.demonstrate() gave {actions!r}, "
+                            "not a list of furlong.envs.user.Action")
+        return list(actions)
+
     async def _reset(self, spec: Instance) -> Any:
         """A new environment object reset to `spec`; EnvUnavailable (with the traceback) if that fails."""
         env = None
@@ -220,13 +244,14 @@ class PythonEpisode:
     def caused(self, exc: BaseException) -> bool:
         return False  # its failures reach the model as tool errors: what raises is the agent's own code
 
-    async def score(self) -> Score:
+    async def score(self, usage: Usage = NO_USAGE) -> Score:
         scorer = self.opened_by.scorer
         own = Score(reward=float(sum(self.steps.rewards)))
         if not scorer.active:
             return own
         rewards = scorer.start()
-        await rewards.run(EpisodeView(self.spec, tuple(self.tools.steps), tuple(self.tools.answers), env=self.env))
+        await rewards.run(EpisodeView(self.spec, tuple(self.tools.steps), tuple(self.tools.answers), env=self.env,
+                                      tests=own.reward, usage=usage))
         return await scorer.settle(own, rewards, self._control)
 
     async def _control(self, fns: Sequence[RewardFn]) -> RewardRun:
@@ -234,7 +259,7 @@ class PythonEpisode:
         env = await self.opened_by._reset(self.spec)
         try:
             rewards = RewardRun(fns)
-            await rewards.run(EpisodeView(self.spec, env=env))
+            await rewards.run(EpisodeView(self.spec, env=env, tests=0.0))  # no steps: their sum is 0
             return rewards
         finally:
             await close_env(env)

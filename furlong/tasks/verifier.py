@@ -102,7 +102,7 @@ def verifier_env(task: Task, image: ImageRef | None = None) -> dict[str, str]:
 
 async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int | None = None,
                  env: Mapping[str, str] | None = None,
-                 after_tests: Callable[[], Awaitable[None]] | None = None, tests: bytes | None = None) -> Verdict:
+                 after_tests: Callable[[Verdict], Awaitable[None]] | None = None, tests: bytes | None = None) -> Verdict:
     """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
 
     What the tests execute is checked (furlong.tasks.integrity) before they run, and again after: the
@@ -110,8 +110,8 @@ async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int |
     own uid made does not (`verifier_uid`, as seen inside; None: the agent's uid, so every change counts).
     A tampered episode's tests still run, for the record, but it scores 0 unless the task trusts the
     agent's tools. `env` is the tests' environment on top of the sandbox's (`verifier_env`; by default
-    without an image's), whose PATH (else the base one) the check searches. `after_tests` (the user's reward
-    functions, furlong.envs.rewards) runs once the tests have, inside the same check. `tests`: what goes in
+    without an image's), whose PATH (else the base one) the check searches. `after_tests(verdict)` (the user's
+    reward functions, furlong.envs.rewards) runs once the tests have, inside the same check. `tests`: what goes in
     /tests, as a tar (a separate verifier's image may hold its own); None: the task's (`tests_tar`).
 
     Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
@@ -122,7 +122,7 @@ async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int |
     before = await _tampering(sandbox, search, None)
     verdict = await _run_tests(task, sandbox, workdir, env, tests_tar(task) if tests is None else tests)
     if after_tests is not None:
-        await after_tests()
+        await after_tests(verdict)
     after = await _tampering(sandbox, search, verifier_uid)
     if before is None or after is None:
         return verdict

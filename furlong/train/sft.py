@@ -3,7 +3,8 @@
 A demonstration is a task's own solution replayed through the agent format, in a real sandbox so the
 tool result is the real one: prompt, an assistant turn calling bash with the solution, the tool
 result, and a closing assistant turn. Its token layout is exactly what the RL loop produces. A prompt
-dataset's demonstration is a row's reference answer as the one assistant turn.
+dataset's demonstration is a row's reference answer as the one assistant turn; a Python environment's is
+its `demonstrate()`'s Actions, played through the environment so every observation is its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +25,7 @@ from furlong.agent.runner import AgentRun, SandboxSource, environment, run_outco
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.envs.base import Environment, Toolbox
 from furlong.envs.prompts import PromptRow
+from furlong.envs.user import Action, Instance, PythonEnv
 from furlong.eval.agents import AnswerAgent
 from furlong.model.chat import Message, ToolCall, assistant_ids, continuation_ids, render_prompt_ids
 from furlong.model.toolcall import tool_format
@@ -47,19 +50,31 @@ def solution_command(task: Task) -> str:
     return "\n".join(keep)
 
 
+Turn = tuple[Message, Message | None]  # an assistant turn, and what answered it (a tool result, a user message)
+
+
+def turn_tokens(tokenizer, spec: Any, turns: Sequence[Turn], params: AgentParams, schemas: Sequence[dict]) -> Demo:
+    """A demonstration laid out as an RL episode of `spec` is: its prompt (`schemas`: the episode's tools,
+    shown as an RL episode shows them), then each assistant turn (trained on) and what answered it (not)."""
+    ends = tool_format(tokenizer, params.tool_format).turn_ends
+    prompt = render_prompt_ids(tokenizer, [Message("system", system_prompt(spec, params)),
+                                           Message("user", spec.instruction)],
+                               list(schemas) if params.tool_schema_in_prompt else None)
+    parts = [(prompt, 0)]
+    for said, answer in turns:
+        parts.append((assistant_ids(tokenizer, said, ends), 1))
+        if answer is not None:
+            parts.append((continuation_ids(tokenizer, [answer], end_of_turn=ends, answered=said), 0))
+    return Demo(task_id=spec.id, tokens=tuple(t for ids, _ in parts for t in ids),
+                loss_mask=tuple(m for ids, m in parts for _ in ids))
+
+
 def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: AgentParams,
                 schemas: Sequence[dict] = (BASH_TOOL,)) -> Demo:
-    """`schemas`: the episode's tools (bash and the run's extra tools), shown as an RL episode shows them."""
-    ends = tool_format(tokenizer, params.tool_format).turn_ends
-    prompt = render_prompt_ids(tokenizer, [Message("system", params.system_prompt), Message("user", task.instruction)],
-                               list(schemas) if params.tool_schema_in_prompt else None)
+    """A Harbor task's: the solution as one bash call, its result, and a closing answer."""
     calling = Message("assistant", "", (ToolCall("bash", {"command": command}),))
-    call = assistant_ids(tokenizer, calling, ends)
-    result = continuation_ids(tokenizer, [Message("tool", observation)], end_of_turn=ends, answered=calling)
-    final = assistant_ids(tokenizer, Message("assistant", FINAL_ANSWER), ends)
-    parts = [(prompt, 0), (call, 1), (result, 0), (final, 1)]
-    return Demo(task_id=task.id, tokens=tuple(t for ids, _ in parts for t in ids),
-                loss_mask=tuple(m for ids, m in parts for _ in ids))
+    return turn_tokens(tokenizer, task, [(calling, Message("tool", observation)),
+                                         (Message("assistant", FINAL_ANSWER), None)], params, schemas)
 
 
 DEMO_ATTEMPTS = 3  # a sandbox that fails to start or answer on a loaded machine is tried again
@@ -84,6 +99,49 @@ class DemoAgent:
         runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
         self.observation = await runner.run(ToolCall("bash", {"command": self.command}))
         return AgentRun(commands=1)
+
+
+class ReplayAgent:
+    """A Python environment's demonstration (its `demonstrate()`'s Actions) played as the model would act,
+    through the same ToolRunner; each turn is kept with what answered it, for the demonstration's tokens."""
+
+    name = "demo-replay"
+
+    def __init__(self, actions: Sequence[Action], params: AgentParams):
+        self.actions, self.params = tuple(actions), params
+        self.turns: list[Turn] = []
+        self.schemas: tuple[dict, ...] = ()
+
+    async def run(self, spec: Instance, tools: Toolbox, timeout_s: float) -> AgentRun:
+        self.schemas = tuple(tools.schemas)
+        runner = ToolRunner(tools, self.params.command_timeout_s, self.params.observation_chars)
+        for action in self.actions:
+            if runner.finished:
+                break
+            if action.tool is None:
+                follow = await runner.reply(action.text)
+                answer = None if follow is None else Message("user", follow)
+                self.turns.append((Message("assistant", action.text), answer))
+                if follow is None:
+                    break
+                continue
+            call = ToolCall(action.tool, dict(action.arguments))
+            said = Message("assistant", action.text, (call,))
+            self.turns.append((said, Message("tool", await runner.run(call))))
+        return AgentRun(commands=len(self.turns))
+
+
+async def env_demo(spec: Instance, tokenizer, env: PythonEnv, params: AgentParams) -> Demo | None:
+    """A Python environment's own demonstration, replayed as an episode of the one runner; None unless its
+    steps' reward is at least 1 (a demonstration must not teach what the environment does not reward)."""
+    agent = ReplayAgent(await env.demonstration(spec), params)
+    outcome = await run_outcome(spec, agent, env)
+    own = outcome.rewards.get("steps", outcome.reward)
+    if own is None or own < 1.0 or not agent.turns:
+        log.warning("sft: the demonstration of %s is not kept: %s, reward %s%s", spec.id, outcome.status, own,
+                    f" ({outcome.error})" if outcome.error else "")
+        return None
+    return turn_tokens(tokenizer, spec, agent.turns, params, agent.schemas)
 
 
 def answer_tokens(tokenizer, row: PromptRow, answer: str, params: AgentParams) -> Demo:
@@ -116,13 +174,17 @@ async def answer_demo(row: PromptRow, tokenizer, env: Environment, params: Agent
     return answer_tokens(tokenizer, row, row.answer, params)
 
 
-async def oracle_demo(task: Task | PromptRow, tokenizer, sandboxes: Environment | SandboxSource,
+async def oracle_demo(task: Task | PromptRow | Instance, tokenizer, sandboxes: Environment | SandboxSource,
                       params: AgentParams) -> Demo | None:
     """The solution replayed as an episode of the one runner (furlong.agent.runner). None when it does
     not pass (such a demo would teach a wrong answer), or when the sandbox failed every attempt: one
-    lost demonstration must not end the run. A prompt dataset's row: its answer (answer_demo)."""
+    lost demonstration must not end the run. A prompt dataset's row: its answer (answer_demo); a Python
+    environment's instance: its own demonstration (env_demo)."""
     if isinstance(task, PromptRow):
         return await answer_demo(task, tokenizer, environment(sandboxes), params)
+    if isinstance(task, Instance):
+        assert isinstance(sandboxes, PythonEnv), "a Python environment's instance needs its PythonEnv"
+        return await env_demo(task, tokenizer, sandboxes, params)
     for attempt in range(DEMO_ATTEMPTS):
         agent = DemoAgent(params)
         outcome = await run_outcome(task, agent, sandboxes)
@@ -137,11 +199,11 @@ async def oracle_demo(task: Task | PromptRow, tokenizer, sandboxes: Environment 
     return demo_tokens(tokenizer, task, agent.command, agent.observation, params, agent.schemas)
 
 
-async def oracle_demos(tasks: list[Task | PromptRow], tokenizer, sandboxes: Environment | SandboxSource,
+async def oracle_demos(tasks: list[Task | PromptRow | Instance], tokenizer, sandboxes: Environment | SandboxSource,
                        params: AgentParams, concurrency: int, on_done: Callable[[], None] = lambda: None) -> list[Demo]:
     slots = asyncio.Semaphore(concurrency)
 
-    async def one(task: Task | PromptRow) -> Demo | None:
+    async def one(task: Task | PromptRow | Instance) -> Demo | None:
         async with slots:
             demo = await oracle_demo(task, tokenizer, sandboxes, params)
         on_done()
