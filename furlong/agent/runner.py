@@ -141,7 +141,7 @@ async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | Sandbox
         env = await environment(source).open(spec, clock)
     except EnvUnavailable as exc:
         return _unscored(clock, str(exc), lost=host_lost(exc))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  # an environment that fails to open is an unscored episode, not a crash
         return _unscored(clock, f"environment did not open: {describe(exc)}", lost=host_lost(exc))
     try:
         outcome = await _phases(spec, agent, env, clock)
@@ -218,7 +218,7 @@ async def _agent_phase(spec: EnvSpec, agent: Agent, env: EpisodeEnv) -> tuple[Ag
                 return AgentRun(commands=env.calls, timed_out=True), None
             end, excused = end + waited - excused, waited
         return phase.result(), None
-    except Exception as exc:  # raised inside the phase (e.g. a sandbox call's own timeout)
+    except Exception as exc:  # noqa: BLE001  # raised inside the phase (e.g. a sandbox call's own timeout)
         return AgentRun(commands=env.calls), exc
     finally:
         if not phase.done():

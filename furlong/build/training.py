@@ -46,8 +46,8 @@ from furlong.train.protocol import Trainer
 from furlong.train.ranks import LocalRanks, RankGroup
 from furlong.train.trainer import GRPOConfig, LocalTrainer
 from furlong.train.weights import (
-    BroadcastLink,
     Borrowed,
+    BroadcastLink,
     DirectLink,
     PublishedLink,
     WeightLink,
@@ -297,7 +297,7 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     processes = await start_engines(s.servers, sft_dir, server.url if server else str(directory.root), run_path,
                                     t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb, token if server else None,
                                     engine_token=token)
-    remote, members = _remote_engines(processes, token)
+    remote, _members = _remote_engines(processes, token)
 
     async def cleanup_remote() -> None:
         await _stop_engines(remote, processes)

@@ -18,7 +18,14 @@ from typing import Any
 
 import httpx
 
-from furlong.engine.base import EngineError, EngineRefused, EngineTimedOut, EngineUnavailable, Generation, SamplingParams
+from furlong.engine.base import (
+    EngineError,
+    EngineRefused,
+    EngineTimedOut,
+    EngineUnavailable,
+    Generation,
+    SamplingParams,
+)
 from furlong.engine.server import ENGINE_TOKEN_ENV, READY_PREFIX
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
 from furlong.sync.transport import UPDATES_TOKEN_ENV

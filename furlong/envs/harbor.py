@@ -23,7 +23,6 @@ from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, S
 from furlong.envs.separate import BundledTests, VerifierUnavailable, hand_over
 from furlong.envs.steps import aggregate, failed_step, gate, prepare, run_hooks
 from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
-from furlong.timing import Clock
 from furlong.sandbox.base import (
     ChangeTracking,
     HostLost,
@@ -42,6 +41,7 @@ from furlong.tasks.family import Family
 from furlong.tasks.model import ARTIFACTS_DIR, Task, TaskNetwork, phases
 from furlong.tasks.network import with_default
 from furlong.tasks.verifier import Verdict, verifier_env, verify
+from furlong.timing import Clock
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ class HarborEpisode:
             _, control_problem = await self._control_run()
         except HostLost:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # any start failure is recorded as the control problem
             control_problem = f"sandbox did not start: {describe(exc)}"
         if control_problem:
             return Score(reward=None, error=f"task bug: {problem}; with no agent either: {control_problem}",
@@ -391,7 +391,7 @@ async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
                                after_tests=after, tests=tests)
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  # a verifier failure is reported with the episode
         return None, describe(exc)
     if verdict.reward is None:
         return verdict, verdict.problem or "no reward"
@@ -431,7 +431,7 @@ async def phase_network(sandbox: Sandbox, policy: NetworkPolicy, before: Network
 async def close_quietly(sandbox: Sandbox) -> None:
     try:
         await sandbox.close()
-    except Exception as exc:  # the outcome is decided; a failed close must not change or abort it
+    except Exception as exc:  # noqa: BLE001  # the outcome is decided; a failed close must not change or abort it
         log.warning("closing a sandbox failed: %s", describe(exc))
 
 

@@ -190,7 +190,7 @@ class Scorer:
             again = await control(failed)
         except HostLost:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # a user reward function's failure is recorded as the score's error
             return dataclasses.replace(score, reward=None, error=f"reward function failed ({detail}); the episode "
                                        f"that would say whose fault it is did not start: {describe(exc)}")
         names = ", ".join(repr(f.name) for f in failed)

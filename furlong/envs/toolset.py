@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from furlong.envs.base import ToolArgumentError, ToolError, Toolbox, describe
+from furlong.envs.base import ToolArgumentError, Toolbox, ToolError, describe
 
 log = logging.getLogger(__name__)
 

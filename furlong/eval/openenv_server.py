@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from furlong.agent.runner import AgentRun, Outcome, SandboxSource, run_outcome
 from furlong.envs.base import Environment as TaskEnvironment
-from furlong.envs.base import Toolbox, ToolArgumentError
+from furlong.envs.base import ToolArgumentError, Toolbox
 from furlong.tasks.model import Task
 
 log = logging.getLogger(__name__)

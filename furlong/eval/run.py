@@ -44,7 +44,7 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
                 status.update(f"image {n}/{len(wanted)}: {msg}")
             try:
                 images[source] = await store.image(source, backend, progress)
-            except Exception as exc:  # one bad Dockerfile must not stop the others
+            except Exception as exc:  # noqa: BLE001  # one bad Dockerfile must not stop the others
                 images[source] = f"image build failed: {exc}"
                 console.print(f"[red]{images[source]}")
     # a stand-in that is not the image the FROM names says so once (its note is also in every record)

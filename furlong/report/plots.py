@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt  # after the backend is chosen
+import numpy as np
 
-from furlong.metrics.stats import Estimate  # noqa: E402
+from furlong.metrics.stats import Estimate
 
 SIZE = (7.0, 3.4)
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from furlong.agent.episode import Episode
 from furlong.metrics.episodes import episode_record
 from furlong.metrics.outcomes import status_counts
-from furlong.rollout.scheduler import OUTCOMES, Batch, Group
 from furlong.rollout.group_filter import filter_zero_variance_groups
+from furlong.rollout.scheduler import OUTCOMES, Batch, Group
 
 TIME_PARTS = ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")
 

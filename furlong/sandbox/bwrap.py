@@ -25,8 +25,8 @@ from furlong.paths import cache_dir
 from furlong.sandbox import cgroups, hostpython, idmap, native, netns, seccomp, users
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
-    DEFAULT_HOST_UID,
     BASE_ENV,
+    DEFAULT_HOST_UID,
     DEFAULT_OUTPUT_CAP,
     LayerSource,
     PythonSpec,
@@ -36,8 +36,8 @@ from furlong.sandbox.base import (
 from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
 from furlong.sandbox.egress import Egress, through_proxy
 from furlong.sandbox.egress_proxy import EgressProxy, Gate
-from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
 from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
+from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
 
 log = logging.getLogger(__name__)
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init

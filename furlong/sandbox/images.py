@@ -25,14 +25,34 @@ import time
 from pathlib import Path
 
 from furlong.paths import cache_dir, check_traversable
+from furlong.sandbox import (
+    buildah,
+    idmap,
+    imports,
+    layers,
+    offline_uv,
+    prebuilt,
+    registry,
+    rootless,
+    standins,
+    ubuntu,
+    users,
+)
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import (buildah, idmap, imports, layers, offline_uv, prebuilt, registry, rootless, standins,
-                             ubuntu, users)
-from furlong.sandbox.egress import Egress
 from furlong.sandbox import toolchain as toolchains
-from furlong.sandbox.base import (BASE_ENV, DEFAULT_HOST_UID, ImageRef, ImageSource, LayerRef, Limits, Prebuilt,
-                                   SandboxError, SandboxSpec)
+from furlong.sandbox.base import (
+    BASE_ENV,
+    DEFAULT_HOST_UID,
+    ImageRef,
+    ImageSource,
+    LayerRef,
+    Limits,
+    Prebuilt,
+    SandboxError,
+    SandboxSpec,
+)
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
+from furlong.sandbox.egress import Egress
 from furlong.sandbox.network import PUBLIC
 from furlong.sandbox.tarball import tar_dir
 

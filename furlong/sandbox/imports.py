@@ -23,9 +23,9 @@ import shutil
 import tarfile
 import time
 import zlib
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 from furlong.sandbox.layertar import LayerWriter, apply_tar_output
 

@@ -62,8 +62,8 @@ class DiffWriter(LayerWriter):
             elif member.isreg():
                 if self._file_over(tar, member, parts, *old):
                     return
-            elif (member.issym() and stat.S_ISLNK(old[1].st_mode) and os.readlink(old[0]) == member.linkname
-                  or member.isfifo() and stat.S_ISFIFO(old[1].st_mode)):
+            elif ((member.issym() and stat.S_ISLNK(old[1].st_mode) and os.readlink(old[0]) == member.linkname)
+                  or (member.isfifo() and stat.S_ISFIFO(old[1].st_mode))):
                 self.same += 1
                 return
         if member.islnk() and self._link_below(member, rel):

@@ -20,8 +20,9 @@ import shutil
 import stat
 import subprocess
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from furlong.sandbox.idmap import COUNT, RESERVED_UIDS
 

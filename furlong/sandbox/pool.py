@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from furlong.sandbox.base import (
     ImageRef,
@@ -159,7 +160,7 @@ class WarmPool:
     async def _start_one(self) -> None:
         try:
             item = await start_sandbox(self.backend, self.spec)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # the failure is handed to the waiting episode
             log.warning("warm pool: a sandbox failed to start: %s", exc)
             item = exc
         self._starting.discard(asyncio.current_task())  # now, so ready + starting never counts it twice
@@ -234,7 +235,7 @@ class WarmPools:
     async def _reserve(self, task) -> None:
         try:
             image = await self.image(task)
-        except Exception:
+        except Exception:  # noqa: BLE001  # any failure to get the image
             return  # the episode reports it as its own infra_error
         if not self._closed:
             self._pool(sandbox_spec(task, image)).add(1)

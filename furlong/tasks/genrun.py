@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from furlong.sandbox.base import PYTHON_LIB, Limits, PythonRun, PythonSpec, SandboxBackend, SandboxError
 from furlong.sandbox.backends import make_backend
+from furlong.sandbox.base import PYTHON_LIB, Limits, PythonRun, PythonSpec, SandboxBackend, SandboxError
 from furlong.tasks.model import TaskError
 
 INSTANCE_TIMEOUT_S = 60.0  # for each instance; the first one also covers start-up and importing generate.py

@@ -23,16 +23,16 @@ from transformers import PreTrainedModel
 
 from furlong.agent.episode import Episode
 from furlong.rollout.group_filter import filter_zero_variance_groups, group_key
+from furlong.train.atomic import fsync_dir, replace_dir, write_synced
+from furlong.train.export import is_peft, write_hf
 from furlong.train.grpo import (
     LossMetrics,
     OffPolicy,
     group_advantages,
-    weigh_negatives,
     merge_metrics,
     policy_loss,
+    weigh_negatives,
 )
-from furlong.train.atomic import fsync_dir, replace_dir, write_synced
-from furlong.train.export import is_peft, write_hf
 from furlong.train.logprobs import token_logprobs
 from furlong.train.sft import Demo, demo_nll, nll_tokens
 from furlong.train.stats import TrainStats
@@ -412,7 +412,7 @@ def _finish(stats: dict, metrics: LossMetrics | None, extra: dict[str, float], u
             version: int, start: float) -> TrainStats:
     """`extra`: entropy, grad_norm, grad_norm_rl and sft_nll (all 0 for a step without an update)."""
     seconds = time.perf_counter() - start
-    m = asdict(metrics) if metrics is not None else {k: 0.0 for k in LossMetrics.__dataclass_fields__}
+    m = asdict(metrics) if metrics is not None else dict.fromkeys(LossMetrics.__dataclass_fields__, 0.0)
     m.pop("tokens")
     zeros = dict.fromkeys(("entropy", "grad_norm", "grad_norm_rl", "sft_nll"), 0.0)
     return TrainStats(**stats, **m, **{**zeros, **extra}, seconds=seconds, updated=updated, version=version,

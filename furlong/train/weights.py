@@ -29,7 +29,7 @@ import torch
 from furlong.engine.base import EngineRefused, EngineUnavailable
 from furlong.engine.remote import EngineProcess
 from furlong.engine.router import Router
-from furlong.sync.broadcast import GROUP_NAME, FLAT, GroupSpec, Manifest, WeightGroup, buckets, distinct, host_store
+from furlong.sync.broadcast import FLAT, GROUP_NAME, GroupSpec, Manifest, WeightGroup, buckets, distinct, host_store
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 

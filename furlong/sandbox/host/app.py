@@ -23,23 +23,23 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from furlong.sandbox import listing, seccomp
 from furlong.sandbox.base import (
     ChangeTracking,
-    NetworkSwitching,
     ImageRef,
     LayerRef,
     Limits,
+    NetworkSwitching,
     SandboxBackend,
     SandboxError,
     SandboxSpec,
     SyscallPolicy,
 )
-from furlong.sandbox import listing, seccomp
-from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, policy
 from furlong.sandbox.e2b import e2b_app
 from furlong.sandbox.host.images import MAX_CONTEXT_BYTES, image_routes, resolve_layers
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
 from furlong.sandbox.images import ImageStore
+from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, policy
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
 # put_tar reads its body itself, so the schema says what it takes (clients and schemathesis read it)

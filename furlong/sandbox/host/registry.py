@@ -69,7 +69,7 @@ class Registry:
         self.created += 1
         return entry
 
-    def lookup(self, sid: str, token: str) -> Entry | None | bool:
+    def lookup(self, sid: str, token: str) -> Entry | bool | None:
         """The entry; None where no such sandbox; False where the token is not its own."""
         entry = self.entries.get(sid)
         if entry is None:
