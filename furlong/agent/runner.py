@@ -60,7 +60,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 from furlong.envs.base import (
     Environment,
@@ -69,7 +69,6 @@ from furlong.envs.base import (
     EpisodeEnv,
     Score,
     StepScore,
-    Toolbox,
     describe,
     exception_chain,
 )
@@ -104,9 +103,12 @@ class Agent(Protocol):
     episode's `model_wait` time is that figure, and the runner's hard limit on the phase does not
     count it (see `_agent_phase`)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
-    async def run(self, spec: Any, tools: Toolbox, timeout_s: float) -> AgentRun: ...
+    # positional-only (/): agents name them for what they get; `tools` is a Toolbox (a Harbor episode's
+    # ToolSet for a scripted agent, which annotates that)
+    async def run(self, spec: Any, tools: Any, timeout_s: float, /) -> AgentRun: ...
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class Outcome:
 
 def environment(source: Environment | SandboxSource) -> Environment:
     """`source` itself, or the Harbor environment over a SandboxSource."""
-    return source if hasattr(source, "open") else HarborEnv(source)
+    return cast(Environment, source) if hasattr(source, "open") else HarborEnv(cast(SandboxSource, source))
 
 
 async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | SandboxSource) -> Outcome:
@@ -251,8 +253,11 @@ def host_lost(exc: BaseException) -> bool:
     return any(isinstance(c, HostLost) for c in exception_chain(exc))
 
 
-async def run_retrying(spec: EnvSpec, new_agent: Callable[[], Agent], source: Environment | SandboxSource,
-                       retries: int = LOST_RETRIES) -> tuple[Agent, Outcome]:
+AgentT = TypeVar("AgentT", bound=Agent)  # run_retrying hands back the caller's own kind of agent
+
+
+async def run_retrying(spec: EnvSpec, new_agent: Callable[[], AgentT], source: Environment | SandboxSource,
+                       retries: int = LOST_RETRIES) -> tuple[AgentT, Outcome]:
     """`run_outcome` with a fresh agent, again while the episode's sandbox host was lost (at most `retries`
     more times); the last attempt's agent and outcome."""
     for attempt in range(retries + 1):

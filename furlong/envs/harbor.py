@@ -67,7 +67,7 @@ class SandboxSource(Protocol):
 
     async def image(self, task: Task) -> ImageRef: ...
 
-    def reserve(self, task: Task) -> None: ...  # an episode of `task` is coming: start its sandbox ahead
+    def reserve(self, task: Any) -> None: ...  # an episode of `task` (a Task) is coming: start its sandbox ahead
 
     async def acquire(self, spec: SandboxSpec) -> Sandbox: ...  # started: it answered a first command
 
@@ -237,7 +237,7 @@ class HarborEpisode:
             view = EpisodeView(self.task, *calls, VerifierSandbox(guard, self.image.workdir))
             return await verifier_phase(phase, guard, self.image, rewards, view)
         vbox, vguard, problem = await hand_over(phase, guard, release, self.sandboxes, self.bundled, GuardedSandbox)
-        if vbox is None:
+        if vbox is None or vguard is None:  # both or neither
             return None, problem
         try:
             view = EpisodeView(self.task, *calls, VerifierSandbox(vguard, vbox.image.workdir))
@@ -251,7 +251,7 @@ class HarborEpisode:
         self._tampered_paths = tuple(sorted({*self._tampered_paths, *score.tampered_paths}))
         error = f"step {step.name!r}: the tests timed out" if score.timed_out else None
         self._timed_out |= score.timed_out
-        self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))
+        self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))  # type: ignore[arg-type, dict-item]  # a verdict without a problem has a reward
         stop = error or gate(step, self.done[-1].rewards)
         if score.tampered:
             return dataclasses.replace(score, steps=tuple(self.done))

@@ -115,6 +115,8 @@ async def value_of(fn: RewardFn, view: EpisodeView, verifier_env: Mapping[str, s
             raise RewardFailed(failure_text(exc)) from exc
     if view.sandbox is None:
         raise RewardFailed(f"reward command {fn.name!r} needs a sandbox; this environment has none")
+    if fn.command is None:
+        raise ValueError(f"reward function {fn.name!r}: neither python nor command is set")
     try:
         res = await view.sandbox.exec(fn.command, timeout_s=fn.timeout_s, env=dict(verifier_env or {}))
     except HostLost:

@@ -145,6 +145,7 @@ class ImageStore:
         untar = ["tar", "-x", "-p", "--no-same-owner", "--numeric-owner", "--exclude=./dev/*", "-C", str(rootfs)]
         boot = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         tar = subprocess.Popen(untar, stdin=boot.stdout, stderr=subprocess.PIPE, text=True)
+        assert boot.stdout is not None and boot.stderr is not None and tar.stderr is not None  # PIPEs
         boot.stdout.close()  # tar holds the pipe now; mmdebstrap sees EPIPE if tar dies
         tail: list[str] = []
         for line in boot.stderr:
@@ -221,6 +222,8 @@ class ImageStore:
             self.registry.settings.prefer_registry or choice.registry_first or not usable))
         if registry_first and (pulled := await asyncio.to_thread(self._pull, ref, choice, usable, progress)):
             return await asyncio.to_thread(self.pulled_image, pulled)
+        if choice is None:
+            raise ImageBuildError(f"{ref}: not pulled from a registry, and no furlong stand-in maps it")
         return await self.standin_image(choice, backend, progress)
 
     async def standin_image(self, choice: standins.BaseChoice, backend, progress: Progress) -> ImageRef:

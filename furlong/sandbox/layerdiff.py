@@ -90,7 +90,7 @@ class DiffWriter(LayerWriter):
             fd = os.open(old, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return False  # a user's own file of mode 000: written from the stream instead
-        with os.fdopen(fd, "rb") as base, tar.extractfile(member) as src:
+        with os.fdopen(fd, "rb") as base, tar.extractfile(member) as src:  # type: ignore[union-attr]  # a regular member's file is never None
             matched = 0
             while chunk := src.read(_CHUNK):
                 if chunk != base.read(len(chunk)):

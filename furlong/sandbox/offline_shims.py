@@ -119,5 +119,5 @@ def installer(uv_version: str, copy_from: str | None = None) -> str:
     """INSTALLER for uv `uv_version`; with `copy_from`, the build steps' one, copying uv and uvx from there."""
     text = INSTALLER
     for old, new in BUILD_TIME if copy_from is not None else ():
-        text = text.replace(old, new.replace("FROM", copy_from))
+        text = text.replace(old, new.replace("FROM", copy_from or ""))  # never None here (the loop's guard)
     return text.replace("VERSION", uv_version).replace("UV_BIN", UV_BIN)

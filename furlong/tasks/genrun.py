@@ -212,6 +212,6 @@ class _Run:
 def _checked_path(raw: object) -> tuple[str, ...]:
     """A relative path that stays inside its seed directory, as parts."""
     parts = PurePosixPath(raw).parts if isinstance(raw, str) and 0 < len(raw) < 4096 and "\0" not in raw else ()
-    if not parts or raw.startswith("/") or ".." in parts:
+    if not parts or str(raw).startswith("/") or ".." in parts:  # parts: raw is a str
         raise _Refused(f"output entry {raw!r} is not a path inside its seed directory")
     return parts

@@ -17,7 +17,7 @@ import tarfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -116,7 +116,7 @@ class ExecBody(_Body):
 
 # The schema's share of _inside_path (not enforced by it: the validator's message names the rule), so
 # a client, or a fuzzer, reading the schema sends absolute paths
-ABSOLUTE = {"pattern": "^/"}
+ABSOLUTE: dict[str, Any] = {"pattern": "^/"}
 
 
 class PathBody(_Body):
@@ -381,7 +381,7 @@ class BodyLimit:
 
     async def _refuse(self, send) -> None:
         await JSONResponse({"detail": f"request body over {self.max_body} bytes"}, status_code=413)(
-            {"type": "http"}, None, send)
+            {"type": "http"}, None, send)  # type: ignore[arg-type]  # the response never reads a request
 
 
 def _create_route(app: FastAPI, reg: Registry, backend: SandboxBackend, host_auth: Callable,
