@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from furlong.agent.runner import AgentRun, SandboxSource, run_retrying
 from furlong.agent.tools import BASH_TOOL, ToolRunner
@@ -210,7 +210,7 @@ class ModelAgent:
         running = call is not None and not cut  # the step's time ran out during this call
         messages = [Message("tool", STEP_OVER)] if running else []
         ids = continuation_ids(self.tokenizer, [*messages, Message("user", instruction)], close_turn=cut,
-                               end_of_turn=self.format.turn_ends, answered=_calling(call) if running else _ANSWER)
+                               end_of_turn=self.format.turn_ends, answered=_calling(call) if running and call else _ANSWER)
         if len(self.trace.tokens) + len(ids) >= self.params.max_context_tokens:
             return False
         self.trace.add_context(ids)
@@ -244,7 +244,7 @@ class ModelAgent:
                 return "truncated"
             self.turns = turn
             t, loop = time.perf_counter(), asyncio.get_running_loop()
-            left = deadline.when() - loop.time()
+            left = cast(float, deadline.when()) - loop.time()  # set: the timeout is a number of seconds
             deadline.reschedule(None)  # the clock stops while the engine works on this turn
             self._waiting_since = t
             try:

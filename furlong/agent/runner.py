@@ -72,7 +72,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 from furlong.envs.base import (
     NO_USAGE,
@@ -82,7 +82,6 @@ from furlong.envs.base import (
     EpisodeEnv,
     Score,
     StepScore,
-    Toolbox,
     describe,
     exception_chain,
 )
@@ -118,9 +117,12 @@ class Agent(Protocol):
     count it (see `_agent_phase`). Any agent may define `usage() -> Usage`: its tokens and turns so far,
     what reward functions see (furlong.envs.rewards.EpisodeView.usage)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
-    async def run(self, spec: Any, tools: Toolbox, timeout_s: float) -> AgentRun: ...
+    # positional-only (/): agents name them for what they get; `tools` is a Toolbox (a Harbor episode's
+    # ToolSet for a scripted agent, which annotates that)
+    async def run(self, spec: Any, tools: Any, timeout_s: float, /) -> AgentRun: ...
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ class Outcome:
 
 def environment(source: Environment | SandboxSource) -> Environment:
     """`source` itself, or the Harbor environment over a SandboxSource."""
-    return source if hasattr(source, "open") else HarborEnv(source)
+    return cast(Environment, source) if hasattr(source, "open") else HarborEnv(cast(SandboxSource, source))
 
 
 async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | SandboxSource) -> Outcome:
@@ -156,7 +158,7 @@ async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | Sandbox
         env = await environment(source).open(spec, clock)
     except EnvUnavailable as exc:
         return _unscored(clock, str(exc), lost=host_lost(exc), exc=exc.__cause__)  # the message says the rest
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  # an environment that fails to open is an unscored episode, not a crash
         return _unscored(clock, f"environment did not open: {describe(exc)}", lost=host_lost(exc), exc=exc)
     try:
         outcome = await _phases(spec, agent, env, clock)
@@ -251,7 +253,7 @@ async def _agent_phase(spec: EnvSpec, agent: Agent, env: EpisodeEnv) -> tuple[Ag
                 return AgentRun(commands=env.calls, timed_out=True), None
             end, excused = end + waited - excused, waited
         return phase.result(), None
-    except Exception as exc:  # raised inside the phase (e.g. a sandbox call's own timeout)
+    except Exception as exc:  # noqa: BLE001  # raised inside the phase (e.g. a sandbox call's own timeout)
         return AgentRun(commands=env.calls), exc
     finally:
         if not phase.done():
@@ -265,7 +267,8 @@ async def _score(env: EpisodeEnv, agent: Agent) -> Score:
     if "usage" not in inspect.signature(env.score).parameters:
         return await env.score()
     usage = getattr(agent, "usage", None)
-    return await env.score(usage=usage() if callable(usage) else NO_USAGE)
+    scored: Any = env.score  # this one takes `usage` (checked above); the protocol's score() does not name it
+    return await scored(usage=usage() if callable(usage) else NO_USAGE)
 
 
 def _engine_wait(agent: Agent) -> float:
@@ -299,8 +302,11 @@ def host_lost(exc: BaseException) -> bool:
     return any(isinstance(c, HostLost) for c in exception_chain(exc))
 
 
-async def run_retrying(spec: EnvSpec, new_agent: Callable[[], Agent], source: Environment | SandboxSource,
-                       retries: int = LOST_RETRIES) -> tuple[Agent, Outcome]:
+AgentT = TypeVar("AgentT", bound=Agent)  # run_retrying hands back the caller's own kind of agent
+
+
+async def run_retrying(spec: EnvSpec, new_agent: Callable[[], AgentT], source: Environment | SandboxSource,
+                       retries: int = LOST_RETRIES) -> tuple[AgentT, Outcome]:
     """`run_outcome` with a fresh agent, again while the episode's sandbox host was lost (at most `retries`
     more times); the last attempt's agent and outcome."""
     for attempt in range(retries + 1):

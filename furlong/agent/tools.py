@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from furlong.envs.base import ToolError, Toolbox
+from furlong.envs.base import Toolbox, ToolError
 from furlong.envs.harbor import BASH_TOOL
 from furlong.model.chat import ToolCall, ToolCallError
 

@@ -76,7 +76,7 @@ async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory
     t = cfg.train
     token = secrets.token_urlsafe(24)
     shared = directory is None
-    server = None if shared or t.sync.transport == "directory" else UpdateServer(
+    server = None if directory is None or t.sync.transport == "directory" else UpdateServer(
         directory, host=cluster.serve_host, token=token)
     updates = None if directory is None else server.url if server else str(directory.root)  # None: no relay
     spec = EngineSpec(sft_dir, updates, threads=t.torch_threads,

@@ -29,11 +29,12 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from furlong.build.sandbox import image_store, network_default, sandbox_backend
 from furlong.config import load_config
 from furlong.envs.separate import BundledTests, verifier_task
-from furlong.sandbox.base import Sandbox, SandboxBackend
+from furlong.sandbox.base import NetworkSwitching, Sandbox, SandboxBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 from furlong.sandbox.pool import StoreImages, sandbox_spec, start_sandbox
@@ -106,7 +107,7 @@ class HarborBox:
         if self.box is None:
             self.network = policy
             return
-        await self._sandbox().set_network(policy)
+        await cast(NetworkSwitching, self._sandbox()).set_network(policy)  # harbor's backends switch networks
 
     async def stop(self) -> None:
         if self.box is not None:
@@ -151,7 +152,8 @@ class HarborBox:
         if "/" + target.strip("/") == TESTS_DIR and not self.verifying:
             self.verifying = True  # the agent is done: harbor copies the tests in only now
             if not self.follow_harbor and self.task.verifier_network != self.task.agent_network:
-                await self._sandbox().set_network(self.task.verifier_network, verifier_only=True)
+                await cast(NetworkSwitching, self._sandbox()).set_network(self.task.verifier_network,
+                                                                          verifier_only=True)
         await self._sandbox().put_dir(Path(source), target, as_verifier=self._owner(target))
 
     async def download_file(self, source: str, target: Path | str) -> None:

@@ -32,10 +32,10 @@ def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore | HostImages:
 def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> SandboxBackend:
     """sandbox.backend over `store`, which resolves the images' layers (remote: the hosts of `store`); this
     machine's networked sandboxes borrow from it what its builds do (the hosts' follow their own config)."""
-    remote = isinstance(store, HostImages)
-    return make_backend(s.backend, layers=None if remote else store, host_uid=s.host_uid,
-                        output_cap=s.output_cap_bytes, seccomp=s.seccomp, images=store if remote else None,
-                        egress=None if remote else store.egress)
+    local, remote = (None, store) if isinstance(store, HostImages) else (store, None)
+    return make_backend(s.backend, layers=local, host_uid=s.host_uid,
+                        output_cap=s.output_cap_bytes, seccomp=s.seccomp, images=remote,
+                        egress=local.egress if local else None)
 
 
 def hosts(s: SandboxConfig) -> Hosts:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,8 +22,7 @@ from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router, RouterSettings
-from furlong.envs.prompts import PromptRow
-from furlong.envs.user import Instance
+from furlong.envs.base import EnvSource, EnvSpec
 from furlong.metrics.run import RunDir
 from furlong.metrics.wandb_log import WandbLog
 from furlong.model.loading import load_model, load_tokenizer
@@ -39,15 +39,14 @@ from furlong.sync.handover import Arena
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
-from furlong.tasks.model import Task
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.handover import HandoverLink
 from furlong.train.protocol import Trainer
 from furlong.train.ranks import LocalRanks, RankGroup
 from furlong.train.trainer import GRPOConfig, LocalTrainer
 from furlong.train.weights import (
-    BroadcastLink,
     Borrowed,
+    BroadcastLink,
     DirectLink,
     PublishedLink,
     WeightLink,
@@ -66,13 +65,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class Pieces:
     """What every phase of a run shares."""
 
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     backend: SandboxBackend
     store: ImageStore | HostImages
     env: RunEnv  # what each phase opens its episodes in; its image lookup is shared, so a Dockerfile that
     # fails to build is tried once per run
-    train_tasks: list[Task | Instance | PromptRow]
-    eval_tasks: list[Task | Instance | PromptRow]
+    train_tasks: Sequence[EnvSpec]  # Harbor tasks, a Python environment's instances, prompt rows, OpenEnv specs
+    eval_tasks: Sequence[EnvSpec]
     params: AgentParams
     base_model: Path
     cluster: RaySession | None = None  # train.cluster=ray: the run's Ray cluster and placement groups
@@ -111,6 +110,7 @@ def pieces(cfg: Config) -> Pieces:
             hosts = ray_build.sandbox_hosts(cluster, cfg)
         store, backend = run_sandboxes(cfg, hosts)
         images = StoreImages(store, backend)
+        source: EnvSource
         if t.env.openenv:
             from furlong.build.openenv import openenv_environment, openenv_source
 
@@ -188,7 +188,7 @@ def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True,
 def local_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list) -> LocalTrainer:
     device = torch.device(t.device)
     policy = policy_model(t, sft_dir, seed=t.seed).to(device)
-    ref = load_model(sft_dir).to(device).requires_grad_(False) if t.rl.kl_coef > 0 else None
+    ref = load_model(sft_dir).to(device).requires_grad_(False) if t.rl.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
     return LocalTrainer(policy, config, ref_model=ref, demos=demos)
 
 
@@ -297,7 +297,7 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     processes = await start_engines(s.servers, sft_dir, server.url if server else str(directory.root), run_path,
                                     t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb, token if server else None,
                                     engine_token=token)
-    remote, members = _remote_engines(processes, token)
+    remote, _members = _remote_engines(processes, token)
 
     async def cleanup_remote() -> None:
         await _stop_engines(remote, processes)
@@ -357,10 +357,10 @@ async def _sglang_link(cfg: Config, run_path: Path, sft_dir: Path) -> DirectLink
                           "and train.sync.transport=direct (the server loads each step's checkpoint)")
     engine = await asyncio.to_thread(make_engine, "sglang", sft_dir, seed=cfg.train.seed, sglang=cfg.train.sglang,
                                      work_dir=run_path / "sglang")
-    return DirectLink(engine)  # type: ignore[arg-type]  # any Engine with update_weights
+    return DirectLink(engine)  # any Engine with update_weights
 
 
-def scheduler(t: TrainConfig, rollouts: Rollouts, tasks: list[Task], start: int, cursor: dict | None,
+def scheduler(t: TrainConfig, rollouts: Rollouts, tasks: Sequence[EnvSpec], start: int, cursor: dict | None,
               counted: int) -> Scheduler:
     """The RL rollout side from step `start`. Sync and async are one loop: sync runs one step's groups at a time
     with zero lookahead, so the next step's episodes start only once this step's weights are in the engine.
@@ -369,7 +369,7 @@ def scheduler(t: TrainConfig, rollouts: Rollouts, tasks: list[Task], start: int,
     picked = tasks if r.families is None else [task for task in tasks if task.family in r.families]
     if not picked:
         raise ConfigError(f"train.rl.families: no train task is of {list(r.families or ())} (the train tasks' "
-                          f"families: {sorted({task.family for task in tasks})})")
+                          f"families: {sorted({str(task.family) for task in tasks})})")
     return Scheduler(rollouts, GroupStream(picked, r.tasks_per_step, r.group_size, t.seed),
                      temperature=r.temperature, steps_left=r.steps - start, first_step=start,
                      inflight=r.inflight_groups(), lookahead=0 if r.mode == "sync" else r.max_staleness,

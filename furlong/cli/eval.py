@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from typing import TYPE_CHECKING
 
 from furlong.cli.common import (
     build_base_image,
@@ -13,6 +14,10 @@ from furlong.cli.common import (
     sandbox_pieces,
 )
 from furlong.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from furlong.envs.prompts import PromptSource
+    from furlong.envs.user import PythonSource
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -64,6 +69,8 @@ def _own_env_eval(cfg: Config) -> int:
         if e.agent == "oracle" and t.env.prompts.answer_field is None:
             raise ConfigError("--agent oracle answers a prompt row's reference answer: set "
                               "train.env.prompts.answer_field, or use --agent noop or model")
+        source: PromptSource | PythonSource
+        what: str | None
         source, what = prompt_source(t.env, {s: e.per_family for s in splits if e.per_family}), t.env.prompts.family()
     else:
         if e.agent == "oracle":
@@ -98,7 +105,7 @@ def _eval_openenv(cfg: Config) -> int:
     e = cfg.eval
     if e.agent == "oracle":
         raise ValueError("eval.env=openenv: an OpenEnv server has no oracle solutions; use --agent model or noop")
-    specs, seen = [], {}
+    specs, seen = [], dict[str | None, int]()
     for spec in openenv_source(cfg.openenv).instances(e.split):
         seen[spec.family] = seen.get(spec.family, 0) + 1
         if e.per_family is None or seen[spec.family] <= e.per_family:

@@ -17,6 +17,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -101,7 +102,8 @@ class EngineHost:
         try:
             engine = open_engine(spec, args, work_dir or Path.cwd() / "engine")
             relay = Relay(open_transport(args.updates), engine) if args.updates else None
-            self._server = BackgroundServer(build_app(engine, relay, token=spec.engine_token),
+            # build_app serves any Engine with update_weights (its docstring), though typed for the hf engine
+            self._server = BackgroundServer(build_app(engine, relay, token=spec.engine_token),  # type: ignore[arg-type]
                                             host, port, name="furlong-engine")
         except BaseException:
             self.close()
@@ -138,7 +140,8 @@ class EngineActors:
         """`work_root`: engine I keeps what it writes (an SGLang server's log, its staged updates) in
         work_root/engine-I; it must be a path the actor's node sees (the run directory is)."""
         actor = ray.remote(EngineHost)
-        self.handles = [actor.options(num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts,
+        # Any: ray's types give an actor handle's methods no .remote()
+        self.handles: list[Any] = [actor.options(num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts,
                                       scheduling_strategy=session.slot("engine", i)).remote(
                             spec, free_port(), session.local, work_root / f"engine-{i}" if work_root else None)
                         for i in range(count)]

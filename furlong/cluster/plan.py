@@ -109,7 +109,7 @@ def place(spec: ClusterSpec) -> tuple[list[Assignment], list[Node], list[str]]:
     trainer = slots[:t.gpus]
     rest = trainer if spec.colocate else slots[t.gpus:]
     out = [Assignment("trainer", _ranges(trainer), _trainer_layout(spec))]
-    engines, free, notes = [], list(rest), []
+    engines, free, notes = [], list(rest), list[str]()
     for i in range(r.gpus // r.tp):
         block = _engine_block(free, r.tp)
         if block is None:

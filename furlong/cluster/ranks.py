@@ -121,7 +121,7 @@ class RayRanks:
         if self._actors:
             try:
                 ray.get([a.leave.remote() for a in self._actors], timeout=30)
-            except Exception:  # noqa: BLE001  # killed below either way
+            except Exception:  # noqa: BLE001, S110  # killed below either way
                 pass
         self._kill()
 

@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import ray
@@ -99,7 +100,8 @@ class SandboxHosts:
     def __init__(self, session: RaySession, spec: HostSpec, count: int, *, cpus: float) -> None:
         actor = ray.remote(SandboxHost)
         self.token = spec.token
-        self.handles = [actor.options(num_cpus=cpus, max_restarts=0, scheduling_strategy=session.slot("sandbox", i))
+        # Any: ray's types give an actor handle's methods no .remote()
+        self.handles: list[Any] = [actor.options(num_cpus=cpus, max_restarts=0, scheduling_strategy=session.slot("sandbox", i))
                         .remote(spec, session.local) for i in range(count)]
         try:
             self.urls: list[str] = ray.get([h.address.remote() for h in self.handles],

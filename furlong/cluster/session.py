@@ -170,7 +170,7 @@ class RaySession:
         for group in getattr(self, "groups", {}).values():
             try:
                 remove_placement_group(group)
-            except Exception:  # noqa: BLE001  # the cluster is going anyway
+            except Exception:  # noqa: BLE001, S110  # the cluster is going anyway
                 pass
         self.groups = {}
         if ray.is_initialized():

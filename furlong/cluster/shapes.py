@@ -27,9 +27,9 @@ def attention_linears(m: ModelSpec) -> list[Linear]:
         return [Linear("q", h, q, bias=a.qkv_bias), Linear("k", h, kv, bias=a.qkv_bias),
                 Linear("v", h, kv, bias=a.qkv_bias), Linear("o", q, h)]
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    q = ([Linear("q_a", h, a.q_lora_rank), Linear("q_b", a.q_lora_rank, m.heads * qk)] if a.q_lora_rank
-         else [Linear("q", h, m.heads * qk)])
-    out = [*q, Linear("kv_a", h, a.kv_lora_rank + a.qk_rope_head_dim),
+    qs = ([Linear("q_a", h, a.q_lora_rank), Linear("q_b", a.q_lora_rank, m.heads * qk)] if a.q_lora_rank
+          else [Linear("q", h, m.heads * qk)])
+    out = [*qs, Linear("kv_a", h, a.kv_lora_rank + a.qk_rope_head_dim),
            Linear("kv_b", a.kv_lora_rank, m.heads * (a.qk_nope_head_dim + a.v_head_dim)),
            Linear("o", m.heads * a.v_head_dim, h)]
     if a.index_heads:  # DSA's lightning indexer reads the q latent
@@ -51,6 +51,7 @@ def mlp_linears(m: ModelSpec, moe_layer: bool) -> list[Linear]:
     if not moe_layer:
         return [Linear("gate", h, m.ffn), Linear("up", h, m.ffn), Linear("down", m.ffn, h)]
     e = m.moe
+    assert e is not None, "an MoE layer implies the model's moe section"
     out = [Linear("router", h, e.experts), Linear("expert_gate", h, e.ffn, e.experts),
            Linear("expert_up", h, e.ffn, e.experts), Linear("expert_down", e.ffn, h, e.experts)]
     if e.shared_ffn:
@@ -75,7 +76,7 @@ def layer_params(m: ModelSpec, layer: int) -> LayerParams:
     linears = attention_linears(m) + mlp_linears(m, moe)
     experts = sum(lin.params for lin in linears if lin.copies > 1)
     dense = sum(lin.params for lin in linears if lin.copies == 1) + attention_norms(m) + 2 * m.hidden
-    return LayerParams(dense, experts, experts // m.moe.experts * m.moe.active if moe else 0)
+    return LayerParams(dense, experts, experts // m.moe.experts * m.moe.active if moe and m.moe else 0)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ def activation_elements(m: ModelSpec, layer: int) -> int:
     if not is_moe(m, layer):
         return attn + 2 * h + 3 * m.ffn
     e = m.moe
+    assert e is not None, "an MoE layer implies the model's moe section"
     shared = 3 * e.shared_ffn if e.shared_ffn else 0
     return attn + 2 * h + e.active * (h + 3 * e.ffn) + shared
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rich.console import Console
+from typing import cast
+
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from furlong.cluster.plan import GIB, Memory, Plan
@@ -13,7 +15,7 @@ from furlong.cluster.timing import StepTime
 def _memory_table(mem: Memory) -> Table:
     table = Table(title=f"memory per {mem.role}", title_justify="left")
     for col, justify in (("part", "left"), ("GiB", "right"), ("formula", "left")):
-        table.add_column(col, justify=justify, overflow="fold")
+        table.add_column(col, justify=cast(JustifyMethod, justify), overflow="fold")
     for t in mem.terms:
         table.add_row(t.name, f"{t.bytes / GIB:,.2f}", t.formula)
     verdict = "fits" if mem.fits else "DOES NOT FIT"
@@ -24,7 +26,7 @@ def _memory_table(mem: Memory) -> Table:
 def _step_table(step: StepTime) -> Table:
     table = Table(title="time per step", title_justify="left")
     for col, justify in (("term", "left"), ("seconds", "right"), ("formula", "left")):
-        table.add_column(col, justify=justify, overflow="fold")
+        table.add_column(col, justify=cast(JustifyMethod, justify), overflow="fold")
     for t in step.terms:
         table.add_row(t.name, f"{t.seconds:,.1f}", t.formula)
     table.add_row("step", f"{step.seconds:,.1f}", f"{step.seconds / 60:,.2f} min; {step.formula}")
@@ -48,7 +50,7 @@ def print_plan(plan: Plan, console: Console) -> None:
     console.print(_memory_table(plan.engine))
     updates = Table(title=f"each weight update ({s.sync})", title_justify="left")
     for col, justify in (("what", "left"), ("GiB", "right"), ("link", "left"), ("seconds", "right")):
-        updates.add_column(col, justify=justify, overflow="fold")
+        updates.add_column(col, justify=cast(JustifyMethod, justify), overflow="fold")
     for u in plan.updates:
         updates.add_row(u.what, f"{u.bytes / GIB:,.2f}", u.link, f"{u.seconds:.2f}" if u.seconds else "")
     console.print(updates)

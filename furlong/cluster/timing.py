@@ -12,9 +12,16 @@ import math
 from dataclasses import dataclass
 
 from furlong.cluster.shapes import ModelParams, kv_bytes_per_token
-from furlong.cluster.spec import DTYPE_BYTES, ClusterSpec, ModelSpec
+from furlong.cluster.spec import DTYPE_BYTES, ClusterSpec, ModelSpec, Step
 
 GIB = 1024 ** 3
+
+
+def _step(spec: ClusterSpec) -> Step:
+    """The spec's `step` section, which every time term reads (plan.py estimates only where it is set)."""
+    if spec.step is None:
+        raise ValueError("cluster spec: the step time needs a `step` section (the batch and hardware rates)")
+    return spec.step
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ def decode_step(spec: ClusterSpec, p: ModelParams, batch: float, ctx: float) -> 
 
     A step processes batch x spec_accept tokens; a MoE GPU reads only the experts they route to (each token
     picks `active` of `experts`: 1 - (1 - active/experts)^tokens of them)."""
-    r, m, st = spec.rollout, spec.model, spec.step
+    r, m, st = spec.rollout, spec.model, _step(spec)
     tokens = batch * st.spec_accept
     touched = 1.0 if m.moe is None else 1 - (1 - m.moe.active / m.moe.experts) ** tokens
     dense = (p.total - p.experts) / (1 if r.dp_attention else r.tp)
@@ -73,7 +80,7 @@ def decode_step(spec: ClusterSpec, p: ModelParams, batch: float, ctx: float) -> 
 def _in_flight(spec: ClusterSpec, kv_tokens_per_gpu: float, problems: list[str]) -> int:
     """Samples in flight at once: `concurrent` (or the whole step's; sync mode never more than those), as many as
     the engines' KV cache holds."""
-    st, r = spec.step, spec.rollout
+    st, r = _step(spec), spec.rollout
     samples = st.prompts * st.group_size
     want = st.concurrent or samples
     if st.mode == "sync":
@@ -90,7 +97,7 @@ def _in_flight(spec: ClusterSpec, kv_tokens_per_gpu: float, problems: list[str])
 
 def _rollout(spec: ClusterSpec, p: ModelParams, in_flight: int) -> list[TimeTerm]:
     """Per-sample prefill, decode and environment terms, then the rollout's seconds for the step."""
-    st, r, m = spec.step, spec.rollout, spec.model
+    st, r, m = _step(spec), spec.rollout, spec.model
     samples, engines = st.prompts * st.group_size, r.gpus // r.tp
     prefilled = st.prompt_tokens + st.observation_tokens
     ctx = st.prompt_tokens + (st.observation_tokens + st.response_tokens) / 2  # mean context while decoding
@@ -126,7 +133,7 @@ def _rollout(spec: ClusterSpec, p: ModelParams, in_flight: int) -> list[TimeTerm
 def _train(spec: ClusterSpec, p: ModelParams) -> TimeTerm:
     """Forward 1 + backward 2 (1 with LoRA: no weight gradients of the base) + 1 recompute with activation
     checkpointing + logprob passes, each 2 x active params + attention FLOPs per token."""
-    st, t, m = spec.step, spec.trainer, spec.model
+    st, t, m = _step(spec), spec.trainer, spec.model
     per_sample = st.prompt_tokens + st.observation_tokens + st.response_tokens
     tokens = st.prompts * st.group_size * per_sample
     passes = (2 if t.lora_rank else 3) + (1 if t.activation_checkpointing else 0) + st.logprob_passes
@@ -143,7 +150,7 @@ def step_time(spec: ClusterSpec, p: ModelParams, kv_tokens_per_gpu: float, sync_
     terms = _rollout(spec, p, in_flight)
     rollout, train = terms[-1].seconds, _train(spec, p)
     sync = TimeTerm("weight sync", sync_seconds, f"sync: {spec.sync}, end to end (the update tables)")
-    if spec.step.mode == "sync":
+    if _step(spec).mode == "sync":
         total, formula = rollout + train.seconds + sync_seconds, "sync: rollout + train + weight sync"
     else:
         total = max(rollout, train.seconds + sync_seconds)

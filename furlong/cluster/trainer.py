@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import ray
 import torch
@@ -60,10 +61,11 @@ class RayTrainer:
 
     def __init__(self, session: RaySession, make: Callable[[], Trainer], *, threads: int = 1,
                  arena: Arena | None = None) -> None:
-        self._actor = ray.remote(TrainerHost).options(num_cpus=session.roles.trainer_cpus,
+        # Any: ray's types give an actor handle's methods no .remote()
+        self._actor = cast(Any, ray.remote(TrainerHost).options(num_cpus=session.roles.trainer_cpus,
                                                       num_gpus=session.roles.trainer_gpus, max_restarts=0,
                                                       scheduling_strategy=session.slot("trainer")).remote(
-                                                          make, threads, arena)
+                                                          make, threads, arena))
         self._device = torch.device(ray.get(self._actor.device.remote(), timeout=session.timeout_s))
         self._shared = arena is not None
         self.version = 0

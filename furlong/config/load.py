@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def _value(key: str, raw: str) -> Any:
         raise ConfigError(f"override {key}={raw}: {problem} (values are YAML: 4, true, [a, b], null)") from None
 
 
-def load_config(recipe: Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(recipe: Path | None = None, overrides: Sequence[str] = ()) -> Config:
     tree: dict = {}
     if recipe is not None:
         try:

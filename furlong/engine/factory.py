@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from furlong.config import SGLangConfig
 from furlong.engine.base import Engine, EngineUnavailable
@@ -60,7 +60,7 @@ def _hf_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> 
     from furlong.engine.hf import HFEngine
     from furlong.model.loading import load_model
 
-    model = load_model(model_dir, dtype=getattr(torch, dtype))
+    model: Any = load_model(model_dir, dtype=getattr(torch, dtype))  # or the PeftModel over it: HFEngine runs either
     if adapter is not None:
         from peft import PeftModel
 

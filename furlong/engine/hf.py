@@ -270,7 +270,7 @@ class HFEngine:
         loop = asyncio.get_running_loop()
         try:
             done = await loop.run_in_executor(self._executor, self._compute_step, admitted, self._version)
-        except Exception as e:  # a failed forward fails its requests, not the engine
+        except Exception as e:  # noqa: BLE001  # a failed forward fails its requests, not the engine
             self._fail([*self._batch.rows, *admitted], e)
             return
         for request in done:

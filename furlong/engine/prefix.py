@@ -17,8 +17,6 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from furlong.engine.kv import KV
 
 

@@ -18,7 +18,14 @@ from typing import Any
 
 import httpx
 
-from furlong.engine.base import EngineError, EngineRefused, EngineTimedOut, EngineUnavailable, Generation, SamplingParams
+from furlong.engine.base import (
+    EngineError,
+    EngineRefused,
+    EngineTimedOut,
+    EngineUnavailable,
+    Generation,
+    SamplingParams,
+)
 from furlong.engine.server import ENGINE_TOKEN_ENV, READY_PREFIX
 from furlong.sync.serving import CLIENT_KEEPALIVE_S
 from furlong.sync.transport import UPDATES_TOKEN_ENV
@@ -92,7 +99,8 @@ class RemoteEngine:
     async def health(self, timeout_s: float | None = None) -> dict:
         """GET /health (within `timeout_s` when given, else the client's timeout)."""
         try:
-            resp = await self._client.get("/health", **({"timeout": timeout_s} if timeout_s else {}))
+            timeout: dict[str, Any] = {"timeout": timeout_s} if timeout_s else {}
+            resp = await self._client.get("/health", **timeout)
         except httpx.HTTPError as e:
             raise _unreachable(f"{self.url}/health", e) from e
         _check_status(resp, f"{self.url}/health")

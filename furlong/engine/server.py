@@ -34,6 +34,7 @@ import json
 import os
 import sys
 from contextlib import asynccontextmanager
+from typing import Any
 
 import torch
 from fastapi import FastAPI, HTTPException
@@ -132,7 +133,7 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
 
 def load_engine(args: argparse.Namespace) -> HFEngine:
     """The hf engine of the server flags in `args` (furlong.engine.serve_args)."""
-    model = load_model(args.model)
+    model: Any = load_model(args.model)  # or the PeftModel over it: HFEngine runs either
     if args.lora:
         from furlong.model.lora import LoraSpec, wrap_lora
 

@@ -80,7 +80,7 @@ def parse_generation(out: Any, prompt_len: int, sent_version: int) -> Generation
     if any(lp is None for lp in logprobs):
         raise EngineError("SGLang /generate: an output token has no logprob")
     reason = meta.get("finish_reason") or {}
-    finish = _FINISH.get(reason.get("type")) if isinstance(reason, dict) else None
+    finish = _FINISH.get(reason.get("type") or "") if isinstance(reason, dict) else None
     if finish is None:
         raise EngineError(f"SGLang /generate: unknown finish_reason {reason!r}")
     return Generation(output_ids=tuple(ids), logprobs=tuple(float(lp) for lp in logprobs), finish_reason=finish,

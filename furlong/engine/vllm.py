@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -65,10 +65,10 @@ def _engine_args(model_dir: Path, dtype: str, seed: int, max_model_len: int | No
     context = max_model_len or int(AutoConfig.from_pretrained(model_dir).max_position_embeddings)
     # LoRA: one adapter per batch (every request runs the current one); two held on the CPU, so the next
     # version loads before the old one is removed
-    lora = ({"enable_lora": True, "max_lora_rank": adapter.max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
+    lora: dict[str, Any] = ({"enable_lora": True, "max_lora_rank": adapter.max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
             if adapter is not None else {})
     return AsyncEngineArgs(
-        model=str(model_dir), dtype=dtype, seed=seed, max_model_len=context,
+        model=str(model_dir), dtype=cast(Any, dtype), seed=seed, max_model_len=context,
         # A chunked prefill discards the token sampled for the partial prompt and rewinds a seeded request's
         # generator, which the CPU build cannot do ("CPU Generator does not use offset" killed the engine in
         # an RL run): whole prompts only, so the step budget must hold the longest one.

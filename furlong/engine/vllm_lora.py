@@ -43,7 +43,8 @@ class ServedAdapter:
             self.config = json.loads((source / CONFIG).read_text())
             self.rank = int(self.config["r"])
         except (ValueError, KeyError, TypeError) as e:
-            raise EngineError(f"adapter {source}/{CONFIG}: expected a PEFT LoRA config with an integer 'r' ({e!r})")
+            raise EngineError(f"adapter {source}/{CONFIG}: expected a PEFT LoRA config with an integer 'r' "
+                              f"({e!r})") from e
         self.tensors = {k: v.to(torch.float32) for k, v in load_file(source / WEIGHTS).items()}
         self._work = Path(tempfile.mkdtemp(prefix="furlong-vllm-lora-", dir=shm_dir()))
 

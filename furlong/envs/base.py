@@ -21,10 +21,15 @@ class EnvSpec(Protocol):
     """One instance an episode is run on (furlong.tasks.model.Task is one). It may also have
     `system_prompt: str | None`: its episodes' system message in place of the run's (a prompt dataset's row)."""
 
-    id: str
-    instruction: str
-    family: str | None
-    agent_timeout_s: float
+    # read-only properties: frozen dataclasses (Task, PromptRow) satisfy them, and a `str` family fits `str | None`
+    @property
+    def id(self) -> str: ...
+    @property
+    def instruction(self) -> str: ...
+    @property
+    def family(self) -> str | None: ...
+    @property
+    def agent_timeout_s(self) -> float: ...
 
 
 class EnvSource(Protocol):
@@ -52,7 +57,8 @@ class Toolbox(Protocol):
     It may also have `opening: str`: what the environment shows the agent first (an OpenEnv
     server's reset observation), which a model agent reads after the instruction."""
 
-    schemas: Sequence[dict]
+    @property
+    def schemas(self) -> Sequence[dict]: ...  # read-only, so a tuple or a list of schemas both fit
 
     async def call(self, name: str, arguments: dict, timeout_s: float) -> str: ...  # the observation
 
@@ -109,16 +115,22 @@ class EpisodeEnv(Protocol):
     """One episode's opened world. `seconds`/`calls`: time spent in, and number of, the agent's calls
     into it (the episode's agent_commands time)."""
 
-    tools: Toolbox
-    note: str | None  # shown with the outcome, e.g. which stand-in image served the task
-    seconds: float
-    calls: int
+    # read-only properties: an environment's episode holds its own kind of toolbox (a ToolSet)
+    @property
+    def tools(self) -> Toolbox: ...
+    @property
+    def note(self) -> str | None: ...  # shown with the outcome, e.g. which stand-in image served the task
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def calls(self) -> int: ...
 
     def caused(self, exc: BaseException) -> bool: ...  # whether `exc` came from the environment, not the agent
 
-    # Of the agent's work so far (see Score.next_step). `usage`: the agent's tokens and turns, for reward
-    # functions; the runner passes it only to a score() that names the parameter (older ones take none).
-    async def score(self, usage: Usage = NO_USAGE) -> Score: ...
+    # Of the agent's work so far (see Score.next_step). An implementation may add a keyword parameter
+    # `usage: Usage = NO_USAGE` (the agent's tokens and turns, for reward functions): the runner passes it
+    # only to a score() that names it, so environments written without it keep working.
+    async def score(self) -> Score: ...
 
     async def close(self) -> None: ...  # idempotent; never called by the agent
 
@@ -126,9 +138,10 @@ class EpisodeEnv(Protocol):
 class Environment(Protocol):
     """Opens episodes. `open` raising means the episode never started (an infra_error, never scored)."""
 
-    def reserve(self, spec: Any) -> None: ...  # an episode of `spec` is coming: start its world ahead
+    # positional-only (/): an environment names its arguments for what it opens (task, row)
+    def reserve(self, spec: Any, /) -> None: ...  # an episode of `spec` is coming: start its world ahead
 
-    async def open(self, spec: Any, clock: Clock) -> EpisodeEnv: ...  # charges its start to clock's sandbox_start
+    async def open(self, spec: Any, clock: Clock, /) -> EpisodeEnv: ...  # charges its start to clock's sandbox_start
 
 
 class EnvUnavailable(Exception):

@@ -32,7 +32,6 @@ from furlong.envs.rewards import TESTS_ONLY, EpisodeView, RewardFn, RewardRun, S
 from furlong.envs.separate import BundledTests, VerifierUnavailable, hand_over
 from furlong.envs.steps import aggregate, failed_step, gate, prepare, run_hooks
 from furlong.envs.toolset import Tool, ToolSet, check_tools, exec_observation
-from furlong.timing import Clock
 from furlong.sandbox.base import (
     ChangeTracking,
     HostLost,
@@ -51,6 +50,7 @@ from furlong.tasks.family import Family
 from furlong.tasks.model import ARTIFACTS_DIR, Task, TaskNetwork, phases
 from furlong.tasks.network import with_default
 from furlong.tasks.verifier import Verdict, verifier_env, verify
+from furlong.timing import Clock
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class SandboxSource(Protocol):
 
     async def image(self, task: Task) -> ImageRef: ...
 
-    def reserve(self, task: Task) -> None: ...  # an episode of `task` is coming: start its sandbox ahead
+    def reserve(self, task: Any) -> None: ...  # an episode of `task` (a Task) is coming: start its sandbox ahead
 
     async def acquire(self, spec: SandboxSpec) -> Sandbox: ...  # started: it answered a first command
 
@@ -243,15 +243,15 @@ class HarborEpisode:
         phase = self.phases[self.index]
         await run_hooks(guard, phase, self.image.workdir)
         calls = (tuple(self.tools.steps), tuple(self.tools.answers)) if usage is not None else ((), ())
-        seen = {"usage": usage or NO_USAGE}
+        seen = usage or NO_USAGE
         if phase.separate is None:
-            view = EpisodeView(self.task, *calls, VerifierSandbox(guard, self.image.workdir), **seen)
+            view = EpisodeView(self.task, *calls, VerifierSandbox(guard, self.image.workdir), usage=seen)
             return await verifier_phase(phase, guard, self.image, rewards, view)
         vbox, vguard, problem = await hand_over(phase, guard, release, self.sandboxes, self.bundled, GuardedSandbox)
-        if vbox is None:
+        if vbox is None or vguard is None:  # both or neither
             return None, problem
         try:
-            view = EpisodeView(self.task, *calls, VerifierSandbox(vguard, vbox.image.workdir), **seen)
+            view = EpisodeView(self.task, *calls, VerifierSandbox(vguard, vbox.image.workdir), usage=seen)
             return await verifier_phase(phase, vguard, vbox.image, rewards, view, tests=vbox.tests)
         finally:
             await close_quietly(vbox.sandbox)
@@ -262,7 +262,7 @@ class HarborEpisode:
         self._tampered_paths = tuple(sorted({*self._tampered_paths, *score.tampered_paths}))
         error = f"step {step.name!r}: the tests timed out" if score.timed_out else None
         self._timed_out |= score.timed_out
-        self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))
+        self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))  # type: ignore[arg-type, dict-item]  # a verdict without a problem has a reward
         stop = error or gate(step, self.done[-1].rewards)
         if score.tampered:
             return dataclasses.replace(score, steps=tuple(self.done))
@@ -294,7 +294,7 @@ class HarborEpisode:
             _, control_problem = await self._control_run()
         except HostLost:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # any start failure is recorded as the control problem
             control_problem = f"sandbox did not start: {describe(exc)}"
         if control_problem:
             return Score(reward=None, error=f"task bug: {problem}; with no agent either: {control_problem}",
@@ -406,7 +406,7 @@ async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
                                after_tests=after if rewards is not None else None, tests=tests)
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  # a verifier failure is reported with the episode
         return None, describe(exc)
     if verdict.reward is None:
         return verdict, verdict.problem or "no reward"
@@ -446,7 +446,7 @@ async def phase_network(sandbox: Sandbox, policy: NetworkPolicy, before: Network
 async def close_quietly(sandbox: Sandbox) -> None:
     try:
         await sandbox.close()
-    except Exception as exc:  # the outcome is decided; a failed close must not change or abort it
+    except Exception as exc:  # noqa: BLE001  # the outcome is decided; a failed close must not change or abort it
         log.warning("closing a sandbox failed: %s", describe(exc))
 
 

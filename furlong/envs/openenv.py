@@ -308,5 +308,5 @@ def _json(response: httpx.Response) -> Any:
 async def _close_quietly(session: Session) -> None:
     try:
         await asyncio.wait_for(session.close(), 30)
-    except Exception as exc:  # the outcome is decided; a failed close must not change it
+    except Exception as exc:  # noqa: BLE001  # the outcome is decided; a failed close must not change it
         log.warning("closing an OpenEnv session failed: %s", describe(exc))

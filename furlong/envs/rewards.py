@@ -130,6 +130,8 @@ async def value_of(fn: RewardFn, view: EpisodeView, verifier_env: Mapping[str, s
             raise RewardFailed(failure_text(exc)) from exc
     if view.sandbox is None:
         raise RewardFailed(f"reward command {fn.name!r} needs a sandbox; this environment has none")
+    if fn.command is None:
+        raise ValueError(f"reward function {fn.name!r}: neither python nor command is set")
     try:
         res = await view.sandbox.exec(fn.command, timeout_s=fn.timeout_s, env=dict(verifier_env or {}))
     except HostLost:
@@ -205,7 +207,7 @@ class Scorer:
             again = await control(failed)
         except HostLost:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # a user reward function's failure is recorded as the score's error
             return dataclasses.replace(score, reward=None, error=f"reward function failed ({detail}); the episode "
                                        f"that would say whose fault it is did not start: {describe(exc)}")
         names = ", ".join(repr(f.name) for f in failed)

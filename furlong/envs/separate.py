@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from furlong.envs.base import describe
 from furlong.sandbox.base import HostLost, ImageRef, LayerSource, Sandbox
@@ -87,6 +88,7 @@ async def start_verifier(phase: Task, sandboxes, bundled: BundledTests) -> Verif
     try:
         image = await sandboxes.image(vt)
         sep = vt.separate
+        assert sep is not None  # verifier_task keeps the phase's separate environment
         tests = await bundled(image, sep.dockerfile.parent) if sep.bundled_tests and sep.dockerfile else None
         box = await sandboxes.acquire(sandbox_spec(vt, image))
     except (HostLost, VerifierUnavailable):
@@ -96,9 +98,12 @@ async def start_verifier(phase: Task, sandboxes, bundled: BundledTests) -> Verif
     return VerifierBox(box, image, tests)
 
 
+Wrapped = TypeVar("Wrapped", bound=Sandbox)  # what `wrap` makes of the verifier's sandbox
+
+
 async def hand_over(phase: Task, agent_box: Sandbox, release: Callable[[], Awaitable[None]] | None,
-                    sandboxes, bundled: BundledTests, wrap: Callable[[Sandbox], Sandbox]
-                    ) -> tuple[VerifierBox | None, Sandbox | None, str]:
+                    sandboxes, bundled: BundledTests, wrap: Callable[[Sandbox], Wrapped]
+                    ) -> tuple[VerifierBox | None, Wrapped | None, str]:
     """The agent's artifacts collected and placed in a new verifier sandbox: (that sandbox, the wrapped
     sandbox the tests are to use, "") or (None, None, what went wrong) where it may be the agent's doing.
     `release` (the agent's sandbox's last use, as Harbor stops it) runs once the artifacts are out.

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from furlong.envs.base import ToolArgumentError, ToolError, Toolbox, describe
+from furlong.envs.base import ToolArgumentError, Toolbox, ToolError, describe
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class ToolStep:
     observation: str
 
 
-def check_tools(own: Sequence[Mapping], extra: Sequence[Tool], has_sandbox: bool) -> tuple[dict, ...]:
+def check_tools(own: Sequence[dict], extra: Sequence[Tool], has_sandbox: bool) -> tuple[dict, ...]:
     """The schemas the model sees: the environment's own, then the extra tools'. ValueError for a name used
     twice, or a command tool where there is no sandbox to run it in."""
     schemas = (*own, *(t.schema for t in extra))
@@ -254,6 +254,7 @@ class ToolSet:
                                                for k, v in arguments.items()})
             return exec_observation(await self.sandbox.exec(command, timeout_s=timeout_s), timeout_s)
         view = AgentSandbox(self.sandbox) if self.sandbox is not None else None
+        assert tool.python is not None, "a Tool runs a command or a Python function"
         try:
             result = await call_user(tool.python, arguments, view, timeout_s=timeout_s)
         except TimeoutError:

@@ -92,7 +92,7 @@ async def close_env(env: Any) -> None:
     if (close := getattr(env, "close", None)) is not None:
         try:
             await call_user(close, timeout_s=30.0)
-        except Exception as exc:  # the outcome is decided; a failed close must not change it
+        except Exception as exc:  # noqa: BLE001  # the outcome is decided; a failed close must not change it
             log.warning("closing a Python environment failed: %s", describe(exc))
 
 

@@ -7,6 +7,7 @@ the agent's sandbox calls and decides the outcome.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from furlong.agent.runner import Agent, AgentRun
@@ -81,7 +82,7 @@ class AnswerAgent:
         return AgentRun()
 
 
-AGENTS = {"oracle": OracleAgent, "noop": NoopAgent}
+AGENTS: dict[str, Callable[[], Agent]] = {"oracle": OracleAgent, "noop": NoopAgent}
 
 
 def make_agent(name: str) -> Agent:

@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from furlong.agent.runner import AgentRun, Outcome, SandboxSource, run_outcome
 from furlong.envs.base import Environment as TaskEnvironment
-from furlong.envs.base import Toolbox, ToolArgumentError
+from furlong.envs.base import ToolArgumentError, Toolbox
 from furlong.tasks.model import Task
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class TaskBook:
 
     def pick(self, task_id: str | None, split: str | None, index: int | None) -> Task:
         """Raises ValueError, before anything starts, for a task this server does not serve."""
+        task: Task | None
         if task_id is not None:
             if task_id not in self.by_id:
                 raise ValueError(f"unknown task_id {task_id!r}")
@@ -125,6 +126,13 @@ class RemoteAgent:
         self.tools: Toolbox | None = None
         self.commands = 0
         self.next_steps: asyncio.Queue[str] = asyncio.Queue()  # a later step's instruction, as its phase starts
+
+    @property
+    def schemas(self) -> Sequence[dict]:
+        """The episode's tools' schemas, once its sandbox is up (`opened`)."""
+        if self.tools is None:
+            raise RuntimeError("the episode's tools are not open yet (wait for `opened`)")
+        return self.tools.schemas
 
     async def run(self, spec: Task, tools: Toolbox, timeout_s: float) -> AgentRun:
         if self.opened.is_set():  # a multi-step task's next step: the client reads its instruction
@@ -169,14 +177,15 @@ class ServedEpisode:
         opened.cancel()
         if not self.agent.opened.is_set():
             return self.final()
-        names = [s["function"]["name"] for s in self.agent.tools.schemas]
+        names = [s["function"]["name"] for s in self.agent.schemas]
         log.info("episode of %s started (tools: %s)", self.task.id, ", ".join(names))
         return TaskObservation(task_id=self.task.id, instruction=self.task.instruction,
-                               tools=list(self.agent.tools.schemas))
+                               tools=list(self.agent.schemas))
 
     async def act(self, action: TaskAction) -> TaskObservation:
         if self.outcome.done():
             return self.final()  # ended by the agent timeout (or a broken sandbox) since the last step
+        output: str | None
         output = ""
         if action.command is not None or action.tool is not None:
             output = await self._call(action)
@@ -196,7 +205,7 @@ class ServedEpisode:
         """What the call returned; None if the episode ended first."""
         name, arguments = ("bash", {"command": action.command}) if action.command is not None else (
             action.tool, action.arguments)
-        names = [s["function"]["name"] for s in self.agent.tools.schemas]
+        names = [s["function"]["name"] for s in self.agent.schemas]
         if name not in names:
             return f"error: unknown tool {name!r}; the tools: {', '.join(names)}"
         reply = self.loop.create_future()

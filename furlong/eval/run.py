@@ -8,6 +8,7 @@ import json
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -44,7 +45,7 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
                 status.update(f"image {n}/{len(wanted)}: {msg}")
             try:
                 images[source] = await store.image(source, backend, progress)
-            except Exception as exc:  # one bad Dockerfile must not stop the others
+            except Exception as exc:  # noqa: BLE001  # one bad Dockerfile must not stop the others
                 images[source] = f"image build failed: {exc}"
                 console.print(f"[red]{images[source]}")
     # a stand-in that is not the image the FROM names says so once (its note is also in every record)
@@ -85,7 +86,8 @@ async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent
         for res in results:
             record(res)
         if env is None:
-            images = await prepare_images(tasks, store, backend, console) if tasks else {}
+            harbor = cast(list[Task], tasks)  # env None: the entries are Harbor tasks
+            images = await prepare_images(harbor, store, backend, console) if tasks else {}
             env = HarborEnv(FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)), tools, scorer,
                             store if isinstance(store, ImageStore) else None)
         jobs = [(task, k) for task in tasks for k in range(samples)]
@@ -118,7 +120,8 @@ async def _episodes(jobs: list[tuple[Task | Instance, int]], agent: Agent | Epis
                TextColumn("pass {task.fields[passed]}"))
     with Progress(*columns, console=console, transient=False) as bar:
         job = bar.add_task(f"eval {agent.name}", total=total, completed=total - len(jobs), passed=0)
-        for fut in asyncio.as_completed([one(t, k) for t, k in jobs]):
+        # an Instance has what a Task's result reads (id, family, seed, split)
+        for fut in asyncio.as_completed([one(cast(Task, t), k) for t, k in jobs]):
             res = await fut
             results.append(res)
             record(res)

@@ -73,7 +73,7 @@ class Policy:
         return gen, None
 
     def _decode(self, ids: Any) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def _record(self, traj: Trajectory, req: ChatRequest, gen: Generation, stopped_by: str | None,
                 prompt_tokens: int) -> Reply:

@@ -148,8 +148,8 @@ class Trajectory:
         expected: list[int] = []
         pos = 0
         for start, stop in seg.turns:
-            span = self.tokenizer.decode(seg.ids[start:stop], skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False)
+            span = str(self.tokenizer.decode(seg.ids[start:stop], skip_special_tokens=False,
+                                             clean_up_tokenization_spaces=False))
             at = text.find(span, pos)
             if at < 0:  # the render does not contain what was sampled: all of it differs
                 return end, _differ(stored, encode(self.tokenizer, text))

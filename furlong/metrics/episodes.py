@@ -23,7 +23,7 @@ FILENAME = "episodes.jsonl"
 COMPONENTS = (*PARTS, "other")  # the timing breakdown, in the order plots stack it
 
 
-def episode_record(e: "Episode", phase: str, step: int | None) -> dict:
+def episode_record(e: Episode, phase: str, step: int | None) -> dict:
     """`step`: the step the record belongs to (for RL, the one that settled the episode)."""
     t = e.timing
     # version_first/last: the oldest and newest weight version among its sampled tokens (sample lag is
@@ -52,7 +52,7 @@ class EpisodeLog:
     def __init__(self, run_path: Path, phase: str):
         self.path, self.phase = Path(run_path) / FILENAME, phase
 
-    def __call__(self, episode: "Episode") -> None:
+    def __call__(self, episode: Episode) -> None:
         self.write([episode_record(episode, self.phase, episode.step)])
 
     def write(self, records: list[dict]) -> None:

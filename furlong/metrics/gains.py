@@ -37,7 +37,7 @@ def heldout_gains(run_path: Path, groups: dict[str, tuple[str, ...]]) -> dict:
     for task, (family, ok) in before.items():
         if task in after:
             pairs.setdefault(family, []).append((ok, after[task][1]))
-    out = {"per_family": {f: _gain(p) for f, p in sorted(pairs.items())}}
+    out: dict[str, dict | None] = {"per_family": {f: _gain(p) for f, p in sorted(pairs.items())}}
     for name, families in groups.items():
         joined = [pair for f in families for pair in pairs.get(f, [])]
         out[name] = _gain(joined) if joined else None

@@ -49,7 +49,7 @@ def _interval(value: float, draws: np.ndarray, n: int, level: float) -> Estimate
     return Estimate(float(value), float(lo), float(hi), n)
 
 
-def bootstrap_mean(values: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL,
+def bootstrap_mean(values: Sequence[float] | np.ndarray, resamples: int = RESAMPLES, level: float = LEVEL,
                    seed: int = SEED) -> Estimate:
     """The mean of `values` and its percentile-bootstrap interval (NONE for no values)."""
     x = np.asarray(values, dtype=float)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ID_FILE = "wandb-run-id"  # in the run directory
 
 
 class WandbLog:
-    def __init__(self, run_path: Path, project: str, mode: str, directory: Path | None, config: dict):
+    def __init__(self, run_path: Path, project: str, mode: Literal["offline", "online"], directory: Path | None,
+                 config: dict):
         import wandb  # only when enabled: a run without W&B never pays its import (~2 s)
 
         id_file = Path(run_path) / ID_FILE

@@ -7,6 +7,7 @@ is downloaded: text comes from seeded templates plus a fixed list of the running
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import sysconfig
@@ -102,7 +103,7 @@ def _chat_episode(rng: random.Random) -> str:
 
 def _noun_lines(rng: random.Random) -> str:
     nouns = rng.sample(TASK_NOUNS, 6)
-    return "\n".join(f"echo {a} > /app/{b}{rng.randint(1, 99)}.txt; mkdir -p /app/{a}/{b}" for a, b in zip(nouns, nouns[1:])) + "\n"
+    return "\n".join(f"echo {a} > /app/{b}{rng.randint(1, 99)}.txt; mkdir -p /app/{a}/{b}" for a, b in itertools.pairwise(nouns)) + "\n"
 
 
 GENERATORS = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from peft import (
@@ -58,7 +59,7 @@ def wrap_lora(model: PreTrainedModel, spec: LoraSpec = LoraSpec(), *, seed: int 
 
 def trainable_model(peft: PeftModel) -> PreTrainedModel:
     """The injected model to hand to `LocalTrainer` (same parameters as `peft`; only adapters require grad)."""
-    return peft.get_base_model()
+    return cast(PreTrainedModel, peft.get_base_model())  # the PreTrainedModel that `peft` wraps
 
 
 def adapter_state_dict(peft: PeftModel) -> dict[str, torch.Tensor]:
@@ -74,7 +75,7 @@ def base_state_dict(peft: PeftModel) -> dict[str, torch.Tensor]:
 def save_adapter(peft: PeftModel, directory: Path | str) -> Path:
     """Write the adapter in PEFT format (adapter_config.json + adapter_model.safetensors)."""
     directory = Path(directory)
-    peft.save_pretrained(directory, safe_serialization=True)
+    peft.save_pretrained(str(directory), safe_serialization=True)
     return directory
 
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt  # after the backend is chosen
+import numpy as np
 
-from furlong.metrics.stats import Estimate  # noqa: E402
+from furlong.metrics.stats import Estimate
 
 SIZE = (7.0, 3.4)
 
@@ -24,7 +24,7 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def lines(x: Sequence[float], series: dict[str, Sequence[Estimate]], title: str, ylabel: str) -> bytes:
+def lines(x: Sequence[float], series: Mapping[str, Sequence[Estimate]], title: str, ylabel: str) -> bytes:
     """One line per series; a shaded band where the series has intervals (n > 1)."""
     fig, ax = plt.subplots(figsize=SIZE)
     for label, ests in series.items():
@@ -38,7 +38,7 @@ def lines(x: Sequence[float], series: dict[str, Sequence[Estimate]], title: str,
     return _png(fig)
 
 
-def grouped_bars(labels: Sequence[str], series: dict[str, Sequence[Estimate]], title: str, ylabel: str) -> bytes:
+def grouped_bars(labels: Sequence[str], series: Mapping[str, Sequence[Estimate]], title: str, ylabel: str) -> bytes:
     """Bars per label, one per series, with 90% interval whiskers."""
     fig, ax = plt.subplots(figsize=SIZE)
     width = 0.8 / max(len(series), 1)
@@ -72,6 +72,6 @@ def histogram(values: Sequence[float], title: str, xlabel: str) -> bytes:
     fig, ax = plt.subplots(figsize=SIZE)
     v = np.asarray(values, dtype=float)
     edges = np.arange(v.min() - 0.5, v.max() + 1.5) if len(v) and np.all(v == np.round(v)) else 20
-    ax.hist(v, bins=edges)
+    ax.hist(v, bins=edges)  # type: ignore[arg-type]  # an array of bin edges is what hist takes
     ax.set(title=title, xlabel=xlabel, ylabel="episodes")
     return _png(fig)

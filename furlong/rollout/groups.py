@@ -5,23 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from furlong.agent.episode import AgentParams, Episode, run_episode
 from furlong.agent.runner import SandboxSource
 from furlong.engine.base import Engine, SamplingParams
-from furlong.envs.base import Environment
+from furlong.envs.base import Environment, EnvSpec
 from furlong.metrics.outcomes import Scored, rates
 from furlong.seeding import eval_seed, mix_seed
-from furlong.tasks.model import Task
 
 
 @dataclass(frozen=True)
 class PlannedEpisode:
     """One episode to run: its task, its sampling seed and who it is (the fields its Episode gets)."""
 
-    task: Task
+    task: EnvSpec
     seed: int
     group_id: int
     step: int | None
@@ -38,7 +37,7 @@ class RolloutPlan:
     """Which tasks a step uses, and the sampling seed of each episode: a pure function of the step."""
 
     step: int
-    tasks: tuple[Task, ...]
+    tasks: tuple[EnvSpec, ...]
     group_size: int
     seed: int
 
@@ -52,7 +51,7 @@ class RolloutPlan:
                 for g, task in enumerate(self.tasks) for s in range(self.group_size)]
 
 
-def plan_step(tasks: list[Task], step: int, tasks_per_step: int, group_size: int, seed: int) -> RolloutPlan:
+def plan_step(tasks: Sequence[EnvSpec], step: int, tasks_per_step: int, group_size: int, seed: int) -> RolloutPlan:
     """Deterministic in (seed, step), so a resumed run draws exactly the samples the killed one would have."""
     order = list(range(len(tasks)))
     epoch, offset = divmod(step * tasks_per_step, len(tasks))
@@ -63,7 +62,7 @@ def plan_step(tasks: list[Task], step: int, tasks_per_step: int, group_size: int
 
 @dataclass(eq=False)
 class _Place:
-    task: Task
+    task: EnvSpec
     reserved: bool = False  # its sandbox is starting (or started) in the warm pool
 
 
@@ -127,7 +126,7 @@ class Rollouts:
 
         return list(await asyncio.gather(*(one(p) for p in episodes)))
 
-    async def evaluate(self, tasks: list[Task], temperature: float, seed: int,
+    async def evaluate(self, tasks: Sequence[EnvSpec], temperature: float, seed: int,
                        on_done: Callable[[], None] = lambda: None) -> list[Episode]:
         """pass@1: one sampled episode per task (group i is task i, in no step), seeded as `furlong eval` seeds
         its sample 0 (eval_seed), so both report the same episodes for the same checkpoint."""

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from furlong.agent.episode import Episode
 from furlong.metrics.episodes import episode_record
 from furlong.metrics.outcomes import status_counts
-from furlong.rollout.scheduler import OUTCOMES, Batch, Group
 from furlong.rollout.group_filter import filter_zero_variance_groups
+from furlong.rollout.scheduler import OUTCOMES, Batch, Group
 
 TIME_PARTS = ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")
 
@@ -54,7 +54,7 @@ def staleness_stats(groups: Sequence[Group], version: int) -> dict[str, float]:
     """Per trained episode: versions from its oldest sampled token to the version trained, and how many
     episodes kept generating across a weight update (tokens of more than one version)."""
     sampled = [e for g in groups for e in g.episodes if e.oldest_version is not None]
-    lags = [version - e.oldest_version for e in sampled]
+    lags = [version - e.oldest_version for e in sampled if e.oldest_version is not None]  # (all are: narrows for mypy)
     multi = sum(len({v for v, m in zip(e.token_weight_versions, e.loss_mask) if m}) > 1 for e in sampled)
     return {"staleness_mean": sum(lags) / max(len(lags), 1), "staleness_max": max(lags, default=0),
             "episodes_multi_version": multi}

@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from furlong.agent.episode import Episode
+from furlong.envs.base import EnvSpec
 from furlong.rollout.groups import PlannedEpisode, Rollouts, plan_step
 from furlong.seeding import mix_seed
-from furlong.tasks.model import Task
 
 OUTCOMES = ("trained", "dropped_stale", "filtered", "infra_error")  # how each started episode ends
 
@@ -35,7 +36,7 @@ class GroupSpec:
     step: int  # the step plan_step planned it for
     slot: int  # its place in plan_step(step).tasks
     attempt: int  # 0, or how many stale copies of this group were re-queued before this one
-    task: Task
+    task: EnvSpec
     seeds: tuple[int, ...]  # one sampling seed per episode
 
     def episodes(self) -> list[PlannedEpisode]:
@@ -46,7 +47,7 @@ class GroupSpec:
 class GroupStream:
     """The groups sync mode has always trained, in order: plan_step(step) for step 0, 1, ... flattened."""
 
-    def __init__(self, tasks: list[Task], tasks_per_step: int, group_size: int, seed: int) -> None:
+    def __init__(self, tasks: Sequence[EnvSpec], tasks_per_step: int, group_size: int, seed: int) -> None:
         self.tasks, self.tasks_per_step, self.group_size, self.seed = tasks, tasks_per_step, group_size, seed
 
     def spec(self, index: int, attempt: int = 0) -> GroupSpec:

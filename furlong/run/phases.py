@@ -41,7 +41,7 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
             demos = await oracle_demos(tasks, p.tokenizer, env, p.params, s.concurrency, advance)
     save_demos(run.path / DEMOS_FILE, demos)
     demo_seconds = time.perf_counter() - start
-    model = load_model(p.base_model).to(sft_device(cfg))
+    model = load_model(p.base_model).to(sft_device(cfg))  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
     steps = s.epochs * -(-len(demos) // s.batch_size)
     with progress_bar(console, "sft: training", steps) as advance:
         def on_step(step: int, loss: float) -> None:

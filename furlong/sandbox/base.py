@@ -174,7 +174,8 @@ class Sandbox(Protocol):
     A backend may also implement `ChangeTracking` (the bwrap backend does): without it, the verifier
     cannot check what the agent changed in the image, and records that it did not (furlong.tasks.integrity)."""
 
-    verifier_uid: int | None
+    @property
+    def verifier_uid(self) -> int | None: ...  # read-only: a wrapper may pass its sandbox's through
 
     async def exec(
         self,

@@ -186,6 +186,7 @@ class Buildah:
     def _follow(self, cmd: list[str], progress: Progress, timeout_s: float) -> tuple[int, list[str]]:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env(),
                                 errors="replace")
+        assert proc.stdout is not None  # stdout=PIPE
         timer = threading.Timer(timeout_s, proc.kill)
         timer.start()
         tail: deque[str] = deque(maxlen=60)

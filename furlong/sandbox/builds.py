@@ -7,9 +7,9 @@ import fcntl
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 from furlong.sandbox.base import SandboxError
 

@@ -25,8 +25,8 @@ from furlong.paths import cache_dir
 from furlong.sandbox import cgroups, hostpython, idmap, native, netns, seccomp, users
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
-    DEFAULT_HOST_UID,
     BASE_ENV,
+    DEFAULT_HOST_UID,
     DEFAULT_OUTPUT_CAP,
     LayerSource,
     PythonSpec,
@@ -36,8 +36,8 @@ from furlong.sandbox.base import (
 from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
 from furlong.sandbox.egress import Egress, through_proxy
 from furlong.sandbox.egress_proxy import EgressProxy, Gate
-from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
 from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
+from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
 
 log = logging.getLogger(__name__)
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
@@ -210,6 +210,7 @@ class BwrapBackend:
         uids (host subordinate ids): a stored layer holds only the user's own files, which the user can
         read and remove, as a buildah build's export does. Done in the sandbox's own id mapping."""
         find = shutil.which("find") or "/usr/bin/find"
+        assert self.subids is not None  # _build_caps: only with subordinate ids
         proc = subprocess.run([self._launch, *self.subids.launcher_args(), "--", find, str(layer), "(", "!", "-user",
                                "0", "-o", "!", "-group", "0", ")", "-exec", "chown", "-h", "0:0", "{}", "+"],
                               capture_output=True, text=True, timeout=600)
@@ -301,7 +302,7 @@ class BwrapBackend:
         agent = users.ROOT if upper is not None else self._identity(spec, lowers)  # build steps run as root
         seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
-        rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []
+        rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []  # type: ignore[arg-type]  # work comes with upper
         extra = ["--overlay", *(f"/proc/self/fd/{fd}" for fd in rw_fds), "/"] if upper else None
         agent_fds = [os.open(f, os.O_WRONLY | os.O_CLOEXEC) for f in _agent_procs(cgroup)]
         rw_fds += agent_fds
@@ -330,7 +331,7 @@ class BwrapBackend:
             proc = await asyncio.create_subprocess_exec(
                 *self.launcher(args, cgroup, spec, upper is None, vns_fd, gate), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, pass_fds=fds, limit=1 << 16)
-            proc.stdin.write(secret)
+            proc.stdin.write(secret)  # type: ignore[union-attr]  # stdin=PIPE
         except BaseException as exc:
             if cgroup:
                 cgroup.remove()

@@ -103,7 +103,7 @@ def step_as_user(steps: list[Instruction], user: str) -> Instruction | None:
 
 
 def _logical_lines(text: str):
-    start, parts = None, []
+    start, parts = None, list[str]()
     for number, raw in enumerate(text.splitlines(), 1):
         stripped = raw.strip()
         if not parts and (not stripped or stripped.startswith("#")):

@@ -173,14 +173,14 @@ class _Request:
             return cls(method, host.lower(), int(port), "", version, ())
         url = urlsplit(target)
         try:
-            port = url.port or 80
+            url_port = url.port or 80
         except ValueError:
             raise Refused(400, f"{target}: bad port") from None
         if url.scheme != "http" or not url.hostname:
             raise Refused(400, f"{method} {target}: expected an absolute http:// URL (https goes through CONNECT)")
         path = (url.path or "/") + (f"?{url.query}" if url.query else "")
         kept = tuple(h for h in headers if h and h.split(":", 1)[0].strip().lower() not in HOP_HEADERS)
-        return cls(method, url.hostname.lower(), port, path, version, kept)
+        return cls(method, url.hostname.lower(), url_port, path, version, kept)
 
     def forwarded(self) -> bytes:
         """The request as its origin takes it: origin-form, no proxy headers, one request per connection."""
@@ -248,7 +248,8 @@ class EgressProxy:
 
     def __init__(self, package_hosts: Callable[[], tuple[str, ...]] | None = None,
                  test_only: TestOnlyNames | None = None, resolver: Resolver = system_resolver):
-        self._package_source, self._packages = package_hosts, None
+        self._package_source = package_hosts
+        self._packages: tuple[str, ...] | None = None
         self.test_only, self._resolver = test_only, resolver
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()

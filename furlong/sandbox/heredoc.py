@@ -41,7 +41,8 @@ class Logical:
 
 def instructions(lines: list[str]) -> Iterator[Logical]:
     """The instructions of a Dockerfile with no heredocs left (comments and blank lines skipped)."""
-    first, parts = None, []
+    first: int | None = None
+    parts: list[str] = []
     for number, raw in enumerate(lines):
         stripped = raw.strip()
         if not parts and (not stripped or stripped.startswith("#")):
@@ -55,7 +56,7 @@ def instructions(lines: list[str]) -> Iterator[Logical]:
         parts.append(stripped)
         yield Logical(first, number, " ".join(p for p in parts if p))
         first, parts = None, []
-    if parts:
+    if parts and first is not None:  # parts were gathered from line `first` on
         yield Logical(first, len(lines) - 1, " ".join(parts))
 
 

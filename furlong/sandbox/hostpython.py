@@ -15,7 +15,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import furlong
 from furlong.sandbox import cgroups
@@ -29,8 +29,8 @@ class HostPythonRun:
 
     def __init__(self, proc: subprocess.Popen, cgroup: cgroups.Cgroup | None):
         self._proc, self._cgroup = proc, cgroup
-        self.stdout: BinaryIO = proc.stdout
-        self.stderr: BinaryIO = proc.stderr
+        self.stdout = cast(BinaryIO, proc.stdout)  # started with stdout=PIPE, stderr=PIPE
+        self.stderr = cast(BinaryIO, proc.stderr)
 
     @property
     def returncode(self) -> int | None:

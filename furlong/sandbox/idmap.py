@@ -64,10 +64,11 @@ def _lookup() -> tuple[SubIds | None, str]:
     if not (shutil.which("newuidmap") and shutil.which("newgidmap")):
         return None, "newuidmap/newgidmap are missing (an administrator runs `apt-get install uidmap`)"
     starts = [sub_range(Path(f"/etc/sub{kind}"), (name, str(uid))) for kind in ("uid", "gid")]
-    if None in starts:
+    uid_start, gid_start = starts
+    if uid_start is None or gid_start is None:
         return None, (f"{name} has no range of {COUNT} ids in /etc/subuid and /etc/subgid (an administrator runs "
                       f"`usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {name}`)")
-    return SubIds(starts[0], starts[1]), ""
+    return SubIds(uid_start, gid_start), ""
 
 
 @cache

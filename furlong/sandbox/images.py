@@ -25,14 +25,34 @@ import time
 from pathlib import Path
 
 from furlong.paths import cache_dir, check_traversable
+from furlong.sandbox import (
+    buildah,
+    idmap,
+    imports,
+    layers,
+    offline_uv,
+    prebuilt,
+    registry,
+    rootless,
+    standins,
+    ubuntu,
+    users,
+)
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import (buildah, idmap, imports, layers, offline_uv, prebuilt, registry, rootless, standins,
-                             ubuntu, users)
-from furlong.sandbox.egress import Egress
 from furlong.sandbox import toolchain as toolchains
-from furlong.sandbox.base import (BASE_ENV, DEFAULT_HOST_UID, ImageRef, ImageSource, LayerRef, Limits, Prebuilt,
-                                   SandboxError, SandboxSpec)
+from furlong.sandbox.base import (
+    BASE_ENV,
+    DEFAULT_HOST_UID,
+    ImageRef,
+    ImageSource,
+    LayerRef,
+    Limits,
+    Prebuilt,
+    SandboxError,
+    SandboxSpec,
+)
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
+from furlong.sandbox.egress import Egress
 from furlong.sandbox.network import PUBLIC
 from furlong.sandbox.tarball import tar_dir
 
@@ -125,6 +145,7 @@ class ImageStore:
         untar = ["tar", "-x", "-p", "--no-same-owner", "--numeric-owner", "--exclude=./dev/*", "-C", str(rootfs)]
         boot = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         tar = subprocess.Popen(untar, stdin=boot.stdout, stderr=subprocess.PIPE, text=True)
+        assert boot.stdout is not None and boot.stderr is not None and tar.stderr is not None  # PIPEs
         boot.stdout.close()  # tar holds the pipe now; mmdebstrap sees EPIPE if tar dies
         tail: list[str] = []
         for line in boot.stderr:
@@ -201,6 +222,8 @@ class ImageStore:
             self.registry.settings.prefer_registry or choice.registry_first or not usable))
         if registry_first and (pulled := await asyncio.to_thread(self._pull, ref, choice, usable, progress)):
             return await asyncio.to_thread(self.pulled_image, pulled)
+        if choice is None:
+            raise ImageBuildError(f"{ref}: not pulled from a registry, and no furlong stand-in maps it")
         return await self.standin_image(choice, backend, progress)
 
     async def standin_image(self, choice: standins.BaseChoice, backend, progress: Progress) -> ImageRef:

@@ -23,9 +23,9 @@ import shutil
 import tarfile
 import time
 import zlib
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 from furlong.sandbox.layertar import LayerWriter, apply_tar_output
 
@@ -154,7 +154,7 @@ def _take_layout(archive: Path, into: Path) -> None:
             name = member.name.removeprefix("./")
             if member.isreg() and wanted.fullmatch(name):
                 (into / name).parent.mkdir(parents=True, exist_ok=True)
-                with tar.extractfile(member) as src, open(into / name, "wb") as dst:
+                with tar.extractfile(member) as src, open(into / name, "wb") as dst:  # type: ignore[union-attr]  # a regular member's file is never None
                     shutil.copyfileobj(src, dst)
 
 

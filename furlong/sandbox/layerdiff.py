@@ -62,8 +62,8 @@ class DiffWriter(LayerWriter):
             elif member.isreg():
                 if self._file_over(tar, member, parts, *old):
                     return
-            elif (member.issym() and stat.S_ISLNK(old[1].st_mode) and os.readlink(old[0]) == member.linkname
-                  or member.isfifo() and stat.S_ISFIFO(old[1].st_mode)):
+            elif ((member.issym() and stat.S_ISLNK(old[1].st_mode) and os.readlink(old[0]) == member.linkname)
+                  or (member.isfifo() and stat.S_ISFIFO(old[1].st_mode))):
                 self.same += 1
                 return
         if member.islnk() and self._link_below(member, rel):
@@ -90,7 +90,7 @@ class DiffWriter(LayerWriter):
             fd = os.open(old, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return False  # a user's own file of mode 000: written from the stream instead
-        with os.fdopen(fd, "rb") as base, tar.extractfile(member) as src:
+        with os.fdopen(fd, "rb") as base, tar.extractfile(member) as src:  # type: ignore[union-attr]  # a regular member's file is never None
             matched = 0
             while chunk := src.read(_CHUNK):
                 if chunk != base.read(len(chunk)):

@@ -68,7 +68,7 @@ def _userns_fd(maps: tuple[str, str]) -> int:
             Path(f"/proc/{proc.pid}/{kind}_map").write_text(text)
         return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
-        proc.stdin.close()
+        proc.stdin.close()  # type: ignore[union-attr]  # Popen(stdin=PIPE)
         proc.wait()
 
 

@@ -20,8 +20,9 @@ import shutil
 import stat
 import subprocess
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, cast
 
 from furlong.sandbox.idmap import COUNT, RESERVED_UIDS
 
@@ -138,7 +139,7 @@ class LayerWriter:
             return
         self._remove(dst)
         if member.isreg():
-            with self._create(dst) as out, tar.extractfile(member) as src:
+            with self._create(dst) as out, tar.extractfile(member) as src:  # type: ignore[union-attr]  # a regular member's file is never None
                 shutil.copyfileobj(src, out, 1 << 20)
         elif member.issym():
             os.symlink(member.linkname, dst)
@@ -152,7 +153,7 @@ class LayerWriter:
 
     def _place(self, parts: list[str], member: tarfile.TarInfo) -> Path:
         """Where a member goes: its parents checked (and made where the tar left them out)."""
-        return self._walk(parts[:-1], member.name, create=True) / parts[-1]
+        return cast(Path, self._walk(parts[:-1], member.name, create=True)) / parts[-1]  # create=True: a Path
 
     @staticmethod
     def _create(dst: Path) -> BinaryIO:
@@ -189,8 +190,8 @@ def apply_tar_output(cmd: list[str], writer: LayerWriter, env: dict[str, str] | 
         with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             writer.apply(tar, whiteouts=False)
     finally:
-        proc.stdout.close()
-        err = proc.stderr.read().decode(errors="replace")
+        proc.stdout.close()  # type: ignore[union-attr]  # Popen(stdout=PIPE, stderr=PIPE)
+        err = proc.stderr.read().decode(errors="replace")  # type: ignore[union-attr]
         proc.wait()
     return proc.returncode, err
 

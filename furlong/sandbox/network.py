@@ -65,7 +65,7 @@ def policy(mode: str, hosts: list[str] | tuple[str, ...] = ()) -> NetworkPolicy:
     """A policy from a mode's name and raw allowlist entries (validated and normalised)."""
     if mode not in MODES:
         raise ValueError(f"network mode {mode!r}: expected one of {', '.join(MODES)}")
-    return NetworkPolicy(mode, normalize_hosts(hosts))  # type: ignore[arg-type]
+    return NetworkPolicy(mode, normalize_hosts(hosts))
 
 
 def normalize_hosts(hosts: list[str] | tuple[str, ...]) -> tuple[str, ...]:

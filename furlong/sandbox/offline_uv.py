@@ -57,6 +57,7 @@ class OfflineUv:
     def command(self, command: str) -> str:
         """The step's shell command with the shims first on PATH (its own flags kept in front, for buildah)."""
         m = _FLAGS.fullmatch(command)
+        assert m is not None, "_FLAGS matches any command"
         return f'{m[1]}export PATH="{MOUNT}/shims:$PATH" FURLONG_OFFLINE_UV={self.key}; {m[2]}'
 
     def note(self, where: str, wanted: str) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from furlong.sandbox.base import (
     ImageRef,
@@ -36,8 +37,8 @@ def sandbox_spec(task: Task, image: ImageRef, control: bool = False) -> SandboxS
     """The one place a task's sandbox is specified (also the warm pools' key): it starts with the agent
     phase's network and can switch to every other its phases use; a `control` run's (the tests in a sandbox
     no agent touched) has the verifier phase's from the start."""
-    if getattr(task, "agent_user", None):  # task.toml [agent] user wins over the image's USER, as in Harbor
-        image = dataclasses.replace(image, user=task.agent_user)
+    if user := getattr(task, "agent_user", None):  # task.toml [agent] user wins over the image's USER, as in Harbor
+        image = dataclasses.replace(image, user=user)
     if control:
         return SandboxSpec(image=image, network=task.verifier_network, limits=task.limits, syscalls=task.syscalls)
     # every policy a later phase (a multi-step task's next steps too) may switch to
@@ -158,8 +159,8 @@ class WarmPool:
 
     async def _start_one(self) -> None:
         try:
-            item = await start_sandbox(self.backend, self.spec)
-        except Exception as exc:
+            item: Sandbox | Exception = await start_sandbox(self.backend, self.spec)
+        except Exception as exc:  # noqa: BLE001  # the failure is handed to the waiting episode
             log.warning("warm pool: a sandbox failed to start: %s", exc)
             item = exc
         self._starting.discard(asyncio.current_task())  # now, so ready + starting never counts it twice
@@ -234,7 +235,7 @@ class WarmPools:
     async def _reserve(self, task) -> None:
         try:
             image = await self.image(task)
-        except Exception:
+        except Exception:  # noqa: BLE001  # any failure to get the image
             return  # the episode reports it as its own infra_error
         if not self._closed:
             self._pool(sandbox_spec(task, image)).add(1)

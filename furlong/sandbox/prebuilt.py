@@ -62,5 +62,5 @@ def _exact(store, ref: str, progress: Progress) -> tuple[ImageRef | None, str]:
         return None, str(exc).removeprefix(f"{ref}: ")
     if pulled is None:
         parsed = registry.Reference.parse(ref)
-        return None, f"registry {parsed.registry} unreachable and the image not cached"
+        return None, f"registry {parsed.registry if parsed else ref} unreachable and the image not cached"
     return store.pulled_image(pulled), ""

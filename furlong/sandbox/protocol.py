@@ -109,7 +109,7 @@ def tar_entries(data: bytes, dest: str) -> list[tuple[int, int, str, bytes]]:
             if m.isdir():
                 out.append((0, m.mode, path, b""))
             elif m.isfile():
-                out.append((1, m.mode, path, tar.extractfile(m).read()))
+                out.append((1, m.mode, path, tar.extractfile(m).read()))  # type: ignore[union-attr]  # a regular file
             elif m.issym():
                 out.append((2, 0o777, path, m.linkname.encode()))
             else:

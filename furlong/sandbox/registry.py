@@ -22,11 +22,10 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from furlong.sandbox import imports
 from furlong.sandbox.base import SandboxError

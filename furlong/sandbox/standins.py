@@ -65,9 +65,10 @@ class BaseChoice:
         if self.refused:
             return self.refused
         fam = self.family
+        assert fam is not None, "only a stand-in's tag is refused (a plain base has no family)"
         have = ", ".join(f"{o.version} ({o.suite}{'-backports' if o.backports else ''})" for o in fam.offers)
         why = ("Go stand-ins need the exact release" if fam.exact_only else
-               f"images.standins={mode}; nearest would take {self.standin.version} with a note")
+               f"images.standins={mode}; nearest would take {self.standin.version} with a note")  # type: ignore[union-attr]
         lacks = f"Debian has no {fam.label} {self.asked_version}" if self.asked_version else \
             f"the tag names no {fam.label} release"
         return (f"{self.asked}: {lacks} (Debian has {have}; {why}); bring the "

@@ -279,7 +279,7 @@ class ToolchainImages:
             if self._built is None:
                 try:
                     self._built = await self.store.toolchain(self.backend)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001  # kept as the reason the toolchain is unavailable
                     self._built = f"verifier toolchain unavailable: {exc}"
         if isinstance(self._built, str):
             raise ToolchainError(self._built)

@@ -23,6 +23,7 @@ import datetime
 import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -150,9 +151,10 @@ class WeightGroup:
         prefixed = dist.PrefixStore(f"furlong/{spec.group_name}/", store)
         self._store = store  # rank 0's server must outlive the group
         if spec.backend == "nccl":
-            self._pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, dist.ProcessGroupNCCL.Options())
+            # Any: torch types these backends apart from ProcessGroup, yet each serves as the group here
+            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, dist.ProcessGroupNCCL.Options())
         else:
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: not in torch's stubs
             options._timeout = timeout
             options._devices = [_gloo_device(spec.master_address)]
             self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, options)
@@ -226,7 +228,7 @@ class WeightGroup:
     def close(self) -> None:
         """Drop this end: its connections close with the last reference, which a collective still running
         in another thread holds until it fails, so close() returns at once."""
-        self._pg = None  # type: ignore[assignment]
+        self._pg = None
 
 
 def _gloo_device(master_address: str):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import cast
 
 import numpy as np
 import torch
@@ -131,7 +132,7 @@ def encode_full(
         sections.append(data)
         offset += len(data)
     upd = WeightUpdate(version, None, kind, FULL_ENCODING, checksum_algo, tuple(metas))
-    return pack_payload(upd, sections)
+    return cast(bytes, pack_payload(upd, sections))  # no `out`: a bytes payload, not a view
 
 
 def read_update(payload: bytes | memoryview) -> WeightUpdate:

@@ -111,7 +111,7 @@ class _Unpickler(pickle.Unpickler):
         if name not in _ALLOWED.get(module, ()):
             raise HandoverRefused(f"serialized_named_tensors: {module}.{name} is not part of a weight handle")
         if (module, name) == ("furlong.sync.handover", "open_view"):
-            return lambda *args: open_view(*args, mapped=self._mapped)
+            return lambda *args: open_view(*args, mapped=self._mapped)  # type: ignore[misc]  # pickle passes the others
         return super().find_class(module, name)
 
 
@@ -190,7 +190,7 @@ class Arena:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
     def _allocate(self, layout: tuple) -> None:
-        offsets, total = {}, 0
+        offsets, total = dict[str, int](), 0
         for name, shape, dtype, first in layout:
             offsets[name] = offsets[first] if first != name else total
             if first == name:

@@ -33,6 +33,7 @@ import numpy as np
 
 from furlong.sync.errors import SyncError
 
+
 class MomentumMismatch(SyncError):
     """A predicted tensor needs the previous update's state, which this receiver does not hold."""
 

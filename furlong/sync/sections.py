@@ -214,7 +214,7 @@ def _dense(
     cobj = cctx.compressobj()
     parts: list[bytes] = []
     count, raw_length, vt = 0, 0, None
-    for streams, c, vt in _dense_runs(a, b, p, state):  # the first run's values choose the tensor's tiers
+    for streams, c, vt in _dense_runs(a, b, p, state):  # noqa: B007  # vt is read after the loop; the first run's values choose the tensor's tiers
         raw_length += _feed(cobj, streams, parts)
         count += c
     if count == 0 or vt is None:

@@ -290,7 +290,7 @@ def update_app(directory: DirectoryTransport, token: str | None = None) -> FastA
     def update(version: int) -> StreamingResponse:
         path = directory.path_of(version)
         try:  # an open file survives a concurrent prune
-            f = open(path, "rb")  # noqa: SIM115 - closed by _chunks once sent
+            f = open(path, "rb")  # closed by _chunks once sent
         except FileNotFoundError as e:
             raise UpdateNotFound(f"{path}: pruned") from e
         headers = {"Content-Length": str(os.fstat(f.fileno()).st_size), "X-Furlong-Kind": path.name.split(".")[1]}

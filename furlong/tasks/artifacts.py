@@ -184,9 +184,10 @@ def _follow(here: str, target: str, links: dict[str, str], base: str, hops: int 
             continue
         step = posixpath.join(here, part) if here else part
         if step in links:
-            step = _follow(here, links[step], links, base, hops + 1)
-            if step is None:
+            followed = _follow(here, links[step], links, base, hops + 1)
+            if followed is None:
                 return None
+            step = followed
         here = step
     return here if _inside(here, base) else None
 

@@ -17,6 +17,7 @@ import signal
 import stat
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 ONLY = "generated instances may hold only regular files and directories"
 
@@ -25,7 +26,7 @@ def send(stream, header: dict, data: bytes = b"") -> None:
     stream.write(json.dumps(header).encode() + b"\n" + data)
 
 
-def fail(stream, problem: str) -> None:
+def fail(stream, problem: str) -> NoReturn:
     send(stream, {"error": problem})
     stream.flush()
     os._exit(3)
@@ -68,6 +69,8 @@ def main() -> None:
     sys.path.insert(0, lib)  # furlong.tasks.kit, which families use
     module_name = "furlong_family_" + family.name.replace("-", "_")
     spec = importlib.util.spec_from_file_location(module_name, family / "generate.py")
+    if spec is None or spec.loader is None:
+        fail(stream, f"{family / 'generate.py'}: not importable as a module")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

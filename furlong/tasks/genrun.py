@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from furlong.sandbox.base import PYTHON_LIB, Limits, PythonRun, PythonSpec, SandboxBackend, SandboxError
 from furlong.sandbox.backends import make_backend
+from furlong.sandbox.base import PYTHON_LIB, Limits, PythonRun, PythonSpec, SandboxBackend, SandboxError
 from furlong.tasks.model import TaskError
 
 INSTANCE_TIMEOUT_S = 60.0  # for each instance; the first one also covers start-up and importing generate.py
@@ -212,6 +212,6 @@ class _Run:
 def _checked_path(raw: object) -> tuple[str, ...]:
     """A relative path that stays inside its seed directory, as parts."""
     parts = PurePosixPath(raw).parts if isinstance(raw, str) and 0 < len(raw) < 4096 and "\0" not in raw else ()
-    if not parts or raw.startswith("/") or ".." in parts:
+    if not parts or str(raw).startswith("/") or ".." in parts:  # parts: raw is a str
         raise _Refused(f"output entry {raw!r} is not a path inside its seed directory")
     return parts

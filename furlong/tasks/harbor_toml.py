@@ -34,7 +34,7 @@ class Agent(Section):
 
 
 class StepAgent(Agent):
-    timeout_sec: float | None = Field(None, gt=0)  # None: the task's [agent] timeout_sec
+    timeout_sec: float | None = Field(None, gt=0)  # type: ignore[assignment]  # None: the task's [agent] timeout_sec
 
 
 class Environment(Section):

@@ -153,8 +153,15 @@ def bytecode_paths(changes: Sequence[Change]) -> tuple[str, ...]:
                  and _PY_TREE.fullmatch(c.path) and _BYTECODE.fullmatch(c.path) and _source(c.path) not in changed)
 
 
+def _bytecode_parts(path: str) -> re.Match[str]:
+    """The parts of a bytecode path (callers pass only paths that bytecode_paths() found)."""
+    if (m := _BYTECODE.fullmatch(path)) is None:
+        raise ValueError(f"{path}: not a bytecode path (__pycache__/NAME.TAG.pyc)")
+    return m
+
+
 def _source(bytecode: str) -> str:
-    m = _BYTECODE.fullmatch(bytecode)
+    m = _bytecode_parts(bytecode)
     return f"{m.group('dir')}/{m.group('module')}.py"
 
 
@@ -163,7 +170,7 @@ def interpreters(paths: Sequence[str]) -> dict[str, list[str]]:
     CPython 3 (another implementation's) has none, and such a path is never found faithful."""
     found: dict[str, list[str]] = {}
     for path in paths:
-        tag = _BYTECODE.fullmatch(path).group("tag")
+        tag = _bytecode_parts(path).group("tag")
         if (m := re.fullmatch(r"cpython-3(\d+)", tag)) is not None:
             found.setdefault(f"python3.{m.group(1)}", []).append(path)
     return found
@@ -237,7 +244,7 @@ def _above_toolchain(path: str, search: Sequence[str]) -> bool:
     places = (*BIN_DIRS, *search, *LIB_DIRS, TOOLCHAIN_LAYER)
     if any(p == path or p.startswith(path + "/") for p in places):
         return True
-    return _PY_TREE.fullmatch(path) is not None and _PY_TREE.fullmatch(path).group(3) == ""
+    return (tree := _PY_TREE.fullmatch(path)) is not None and tree.group(3) == ""
 
 
 def _python(c: Change, inside: str, name: str, parent: str, read: Callable[[str], bytes | None]) -> bool:

@@ -90,7 +90,7 @@ def read_instances(path: Path) -> list[SweInstance]:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise SweImportError(f"{path}: unreadable: {exc}") from None
-    out, seen = [], {}
+    out, seen = [], dict[str, int]()
     for n, text in enumerate(lines, 1):
         if not text.strip():
             continue

@@ -11,14 +11,14 @@ from furlong.train.logprobs import (
     logprobs_from_logits,
     token_logprobs,
 )
-from furlong.train.trainer import GRPOConfig, MicroBatch, LocalTrainer, TrainStats, collate
+from furlong.train.trainer import GRPOConfig, LocalTrainer, MicroBatch, TrainStats, collate
 
 __all__ = [
     "GRPOConfig",
+    "LocalTrainer",
     "LossMetrics",
     "MicroBatch",
     "TrainStats",
-    "LocalTrainer",
     "collate",
     "entropy_from_logits",
     "group_advantages",

@@ -44,7 +44,7 @@ def write_hf(model: PreTrainedModel, tokenizer, out: Path | str, *, base_model: 
     try:
         if is_peft(model):
             # A copy is merged: merging in place and unmerging would leave rounding error in the live policy.
-            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]  # a PeftModel
             _save_adapter(model, tmp / ADAPTER_DIR, base_model)
         else:
             model.save_pretrained(tmp, safe_serialization=True)

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,7 @@ class FSDP2Spec:
     def make(self, rank: int, world_size: int) -> FSDP2Worker:
         torch.set_num_threads(self.threads)
         device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
-        ref = load_model(self.model_dir).requires_grad_(False).to(device) if self.config.kl_coef > 0 else None
+        ref = load_model(self.model_dir).requires_grad_(False).to(device) if self.config.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
         mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                  if self.device == "cuda" else None)
         return FSDP2Worker(self, self.policy().to(device), ref, rank, world_size, mixed)
@@ -98,8 +98,8 @@ class Entry(torch.nn.Module):
 
 def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None) -> Entry:
     """fully_shard each decoder layer, then the root; gradients summed over ranks, not averaged."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the LM
-    kwargs = {} if mixed is None else {"mp_policy": mixed}
+    inner: Any = cast(Any, model).get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the LM
+    kwargs: dict[str, Any] = {} if mixed is None else {"mp_policy": mixed}
     for layer in getattr(inner, inner.base_model_prefix).layers:
         fully_shard(layer, **kwargs)
     entry = Entry(model)
@@ -136,7 +136,7 @@ class FSDP2Worker(LocalTrainer):
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Every rank gathers; rank 0 gets the full CPU tensors (LoRA: the adapters only), the others None."""
-        full = get_model_state_dict(self.model, options=FULL)
+        full: dict[str, Any] = get_model_state_dict(self.model, options=FULL)
         if self.rank != 0:
             return None
         if is_peft(self.model):
@@ -152,7 +152,7 @@ class FSDP2Worker(LocalTrainer):
             return None
         copy = self.spec.policy()
         copy.load_state_dict(full)
-        return write_hf(copy, tokenizer, out, base_model=base_model)
+        return write_hf(copy, tokenizer, out, base_model=base_model)  # type: ignore[arg-type]  # a PreTrainedModel
 
     def save_shards(self, directory: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -164,7 +164,7 @@ class FSDP2Worker(LocalTrainer):
 
     def load_shards(self, directory: Path) -> int:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=directory / SHARDS_DIR)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)

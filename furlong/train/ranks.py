@@ -144,7 +144,7 @@ class LocalRanks:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs if p.pid is not None]  # all: the processes are started
 
     def call(self, method: str, *args: Any) -> list:
         if not self._procs:
@@ -185,7 +185,7 @@ class LocalRanks:
                         self._fail_raised(rank, value, detail)
                     results[rank] = value
             for obj in ready:  # a process that exited: its last reply (if any) was read above
-                if not isinstance(obj, Connection) and by_sentinel[obj] not in results:
+                if isinstance(obj, int) and by_sentinel[obj] not in results:  # not a Connection: a sentinel
                     rank = by_sentinel[obj]
                     if not self._conns[rank].poll():
                         self._fail(rank, _death(self._exitcode(rank)))

@@ -23,7 +23,7 @@ import torch
 from furlong.agent.episode import AgentParams, system_prompt
 from furlong.agent.runner import AgentRun, SandboxSource, environment, run_outcome
 from furlong.agent.tools import BASH_TOOL, ToolRunner
-from furlong.envs.base import Environment, Toolbox
+from furlong.envs.base import Environment, EnvSpec, Toolbox
 from furlong.envs.prompts import PromptRow
 from furlong.envs.user import Action, Instance, PythonEnv
 from furlong.eval.agents import AnswerAgent
@@ -45,6 +45,8 @@ class Demo:
 
 def solution_command(task: Task) -> str:
     """The solution script as one bash command: without its shebang, comments and blank lines."""
+    if task.solution is None:
+        raise ValueError(f"task {task.id}: no solution script to demonstrate")
     lines = task.solution.read_text().splitlines()
     keep = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     return "\n".join(keep)
@@ -153,7 +155,7 @@ def answer_tokens(tokenizer, row: PromptRow, answer: str, params: AgentParams) -
     return Demo(task_id=row.id, tokens=(*prompt, *turn), loss_mask=(0,) * len(prompt) + (1,) * len(turn))
 
 
-def demonstrable(task: Task | PromptRow) -> bool:
+def demonstrable(task: EnvSpec) -> bool:
     """Whether SFT can have a demonstration of `task`: a prompt row only when it has an answer; a Harbor
     task of one step (a demonstration is one instruction and one solution call)."""
     if isinstance(task, PromptRow):

@@ -16,23 +16,23 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
 
 from furlong.agent.episode import Episode
 from furlong.rollout.group_filter import filter_zero_variance_groups, group_key
+from furlong.train.atomic import fsync_dir, replace_dir, write_synced
+from furlong.train.export import is_peft, write_hf
 from furlong.train.grpo import (
     LossMetrics,
     OffPolicy,
     group_advantages,
-    weigh_negatives,
     merge_metrics,
     policy_loss,
+    weigh_negatives,
 )
-from furlong.train.atomic import fsync_dir, replace_dir, write_synced
-from furlong.train.export import is_peft, write_hf
 from furlong.train.logprobs import token_logprobs
 from furlong.train.sft import Demo, demo_nll, nll_tokens
 from furlong.train.stats import TrainStats
@@ -82,7 +82,7 @@ class GRPOConfig:
         """From the config's `train.rl` node: every field of that name, copied; the decay spans the
         optimizer steps after warm-up (rl.lr_decay cosine) or is off (constant)."""
         opt_steps = rl.steps * rl.minibatches * rl.epochs
-        derived = {"seed": seed, "decay_steps": max(opt_steps - rl.warmup_steps, 1) if rl.lr_decay == "cosine" else 0}
+        derived: dict[str, Any] = {"seed": seed, "decay_steps": max(opt_steps - rl.warmup_steps, 1) if rl.lr_decay == "cosine" else 0}
         copied = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name not in derived}
         return cls(**copied, **derived)
 
@@ -230,7 +230,8 @@ class LocalTrainer:
                 if not any(episodes[i].response_len for i in part):
                     continue  # no sampled token: an AdamW step would still apply momentum and decay
                 updates.append(self._minibatch_update(episodes, part, advantages, old, ref))
-        self.last_minibatches = tuple(u.metrics for u in updates)
+        # a minibatch's update always has metrics (only the anchor-only step has none)
+        self.last_minibatches = tuple(u.metrics for u in updates if u.metrics is not None)
         merged = merge_metrics(self.last_minibatches)
         # merge_metrics sums losses (right for micro-batches of one minibatch); across steps, average them.
         merged = LossMetrics(**{**asdict(merged), "loss": merged.loss / len(updates)})
@@ -412,9 +413,9 @@ def _finish(stats: dict, metrics: LossMetrics | None, extra: dict[str, float], u
             version: int, start: float) -> TrainStats:
     """`extra`: entropy, grad_norm, grad_norm_rl and sft_nll (all 0 for a step without an update)."""
     seconds = time.perf_counter() - start
-    m = asdict(metrics) if metrics is not None else {k: 0.0 for k in LossMetrics.__dataclass_fields__}
+    m: dict[str, Any] = asdict(metrics) if metrics is not None else dict.fromkeys(LossMetrics.__dataclass_fields__, 0.0)
     m.pop("tokens")
-    zeros = dict.fromkeys(("entropy", "grad_norm", "grad_norm_rl", "sft_nll"), 0.0)
+    zeros: dict[str, Any] = dict.fromkeys(("entropy", "grad_norm", "grad_norm_rl", "sft_nll"), 0.0)
     return TrainStats(**stats, **m, **{**zeros, **extra}, seconds=seconds, updated=updated, version=version,
                       tokens_per_s=stats["tokens"] / seconds if updated else 0.0)
 

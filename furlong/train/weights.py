@@ -29,7 +29,7 @@ import torch
 from furlong.engine.base import EngineRefused, EngineUnavailable
 from furlong.engine.remote import EngineProcess
 from furlong.engine.router import Router
-from furlong.sync.broadcast import GROUP_NAME, FLAT, GroupSpec, Manifest, WeightGroup, buckets, distinct, host_store
+from furlong.sync.broadcast import FLAT, GROUP_NAME, GroupSpec, Manifest, WeightGroup, buckets, distinct, host_store
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 
@@ -291,7 +291,13 @@ async def _leave(members: Sequence[BroadcastMember], group: WeightGroup | None, 
     group.close()
 
 
-async def answers(member: BroadcastMember, timeout_s: float = 3.0) -> bool:
+class Answering(Protocol):
+    """What `answers` asks of an engine client (a BroadcastMember, a handover member)."""
+
+    async def health(self) -> Any: ...
+
+
+async def answers(member: Answering, timeout_s: float = 3.0) -> bool:
     try:
         return await asyncio.wait_for(member.health(), timeout_s) is not False  # SGLangEngine's is a bool
     except Exception:  # noqa: BLE001 - any failure to answer is the answer
@@ -312,7 +318,7 @@ async def _culprits(members: Sequence[BroadcastMember], outcomes: Sequence[Any])
     return lost
 
 
-def member_name(member: BroadcastMember) -> str:
+def member_name(member: object) -> str:
     return getattr(member, "url", None) or type(member).__name__
 
 

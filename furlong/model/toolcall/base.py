@@ -18,14 +18,19 @@ class ToolCallFormat(Protocol):
     `parse` never raises: a malformed call is a ToolCallError the loop shows the model, so a model that
     writes garbage loses a turn, never the episode or the run."""
 
-    name: str
+    # read-only properties: the formats are frozen dataclasses
+    @property
+    def name(self) -> str: ...
     # What the template writes at the end of an assistant turn (the first also closes a cut-off turn).
-    turn_ends: tuple[str, ...]
+    @property
+    def turn_ends(self) -> tuple[str, ...]: ...
     # The markers whose tokens end sampling: a turn is over when the model writes one.
-    stops: tuple[str, ...]
+    @property
+    def stops(self) -> tuple[str, ...]: ...
     # Tool results are addressed from the tool that was called (harmony): an error whose tool is
     # unknown goes back as a user message instead.
-    tool_results_need_call: bool
+    @property
+    def tool_results_need_call(self) -> bool: ...
 
     def parse(self, text: str, tools: Schemas = ()) -> list[ToolCall] | ToolCallError:
         """The calls in one sampled turn (decoded with special tokens), in order; [] for an answer."""

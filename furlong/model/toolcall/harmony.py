@@ -63,7 +63,7 @@ class Harmony:
 def messages(text: str) -> list[tuple[str, str, str | None]]:
     """(header, text, end marker or None when cut off) of each message in a sampled turn. The first header
     continues the generation prompt's `<|start|>assistant`; a part without <|message|> is a header cut off."""
-    found = []
+    found: list[tuple[str, str, str | None]] = []
     for part in text.split(START):
         if not part.strip():
             continue

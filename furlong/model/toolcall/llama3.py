@@ -31,7 +31,7 @@ class Llama3Json:
         body = body.removeprefix(PYTHON_TAG).lstrip()
         if not body.startswith("{"):
             return []
-        decoder, at, calls = json.JSONDecoder(), 0, []
+        decoder, at, calls = json.JSONDecoder(), 0, list[ToolCall]()
         while at < len(body):
             where = f"tool call #{len(calls) + 1}"
             try:

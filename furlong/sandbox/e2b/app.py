@@ -182,6 +182,7 @@ class _Routes:
         live = await self.reg.get(request.headers.get("e2b-sandbox-id", ""))
         if refused := refusal(live, request.headers.get("x-access-token", "")):
             return _err(404 if refused[0] == Code.NOT_FOUND else 401, refused[1])
+        assert live is not None, "refusal() refuses a missing sandbox"
         path = request.query_params.get("path", "")
         if request.method == "GET":
             try:

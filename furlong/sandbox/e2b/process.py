@@ -27,11 +27,11 @@ CAPPED = re.compile(rb"\n\[\.\.\. furlong: (\d+) bytes truncated \.\.\.\]\n")  #
 
 
 def _event(kind: str, value: Any) -> pb.StartResponse:
-    return pb.StartResponse(event=pb.ProcessEvent(event=Oneof(kind, value)))
+    return pb.StartResponse(event=pb.ProcessEvent(event=Oneof(kind, value)))  # type: ignore[arg-type]  # kind: a field name
 
 
 def _data(stream: str, data: bytes) -> pb.StartResponse:
-    return _event("data", pb.ProcessEvent.DataEvent(output=Oneof(stream, data)))
+    return _event("data", pb.ProcessEvent.DataEvent(output=Oneof(stream, data)))  # type: ignore[arg-type]  # stdout|stderr
 
 
 def _unstreamed(final: str, streamed: int) -> bytes:
@@ -106,6 +106,8 @@ class Processes:
     async def start(self, request: pb.StartRequest, ctx: Any) -> AsyncIterator[pb.StartResponse]:
         box = await sandbox_of(self._lookup, ctx)
         cfg = request.process
+        if cfg is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "process: expected the command to start")
         if request.stdin or request.pty is not None:
             raise ConnectError(Code.UNIMPLEMENTED, "stdin and pty: commands with input are not supported")
         pid = next(self._pids)

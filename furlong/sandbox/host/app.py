@@ -17,29 +17,29 @@ import tarfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from furlong.sandbox import listing, seccomp
 from furlong.sandbox.base import (
     ChangeTracking,
-    NetworkSwitching,
     ImageRef,
     LayerRef,
     Limits,
+    NetworkSwitching,
     SandboxBackend,
     SandboxError,
     SandboxSpec,
     SyscallPolicy,
 )
-from furlong.sandbox import listing, seccomp
-from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, policy
 from furlong.sandbox.e2b import e2b_app
 from furlong.sandbox.host.images import MAX_CONTEXT_BYTES, image_routes, resolve_layers
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
 from furlong.sandbox.images import ImageStore
+from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, policy
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
 # put_tar reads its body itself, so the schema says what it takes (clients and schemathesis read it)
@@ -116,7 +116,7 @@ class ExecBody(_Body):
 
 # The schema's share of _inside_path (not enforced by it: the validator's message names the rule), so
 # a client, or a fuzzer, reading the schema sends absolute paths
-ABSOLUTE = {"pattern": "^/"}
+ABSOLUTE: dict[str, Any] = {"pattern": "^/"}
 
 
 class PathBody(_Body):
@@ -381,7 +381,7 @@ class BodyLimit:
 
     async def _refuse(self, send) -> None:
         await JSONResponse({"detail": f"request body over {self.max_body} bytes"}, status_code=413)(
-            {"type": "http"}, None, send)
+            {"type": "http"}, None, send)  # type: ignore[arg-type]  # the response never reads a request
 
 
 def _create_route(app: FastAPI, reg: Registry, backend: SandboxBackend, host_auth: Callable,

@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from furlong.sandbox.base import Sandbox
 
@@ -69,7 +70,7 @@ class Registry:
         self.created += 1
         return entry
 
-    def lookup(self, sid: str, token: str) -> Entry | None | bool:
+    def lookup(self, sid: str, token: str) -> Entry | Literal[False] | None:
         """The entry; None where no such sandbox; False where the token is not its own."""
         entry = self.entries.get(sid)
         if entry is None:
