@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from furlong.engine.base import Engine
+from furlong.engine.factory import make_engine
+from furlong.engine.remote import RemoteEngine
 from furlong.gateway.policy import Policy
 from furlong.model.loading import load_tokenizer
 from furlong.model.toolcall import tool_format
@@ -13,11 +15,7 @@ from furlong.model.toolcall import tool_format
 def make_engine_for(model_dir: Path, engine: str, *, seed: int = 0, token: str | None = None) -> Engine:
     """`engine`: hf | vllm | sglang, or the URL of a `furlong engine serve` (sending `token` if given)."""
     if engine.startswith(("http://", "https://")):
-        from furlong.engine.remote import RemoteEngine
-
         return RemoteEngine(engine, token=token)
-    from furlong.engine.factory import make_engine
-
     return make_engine(engine, model_dir, seed=seed)
 
 
