@@ -1,5 +1,6 @@
 """Shared fixtures: one sandbox backend and the (cached) base image for the whole session; one torch
-thread and a freshly built tiny model per module for the model tests."""
+thread and a freshly built tiny model per module for the model tests; the skip policy's hooks
+(tests/skips.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# the skip policy's hooks: under FURLONG_STRICT_SKIPS (CI) a skip of no allowed kind fails the run
+from skips import (  # noqa: F401
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 from furlong.sandbox import idmap
 from furlong.sandbox.base import ImageRef, Limits, SandboxSpec
@@ -81,7 +91,7 @@ def local_registry(tmp_path_factory: pytest.TempPathFactory):
     from registry_support import LocalRegistry
 
     if shutil.which("docker-registry") is None or shutil.which("skopeo") is None:
-        pytest.skip("needs Debian's docker-registry and skopeo (install.sh installs them)")
+        pytest.fail("needs Debian's docker-registry and skopeo: bash install.sh installs them")  # always: no skip
     work = tmp_path_factory.mktemp("registry")
     server = LocalRegistry(work, work / "storage").start()
     yield server

@@ -18,14 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-
+import skips
 from conftest import run, spec
+
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import heredoc
 from furlong.sandbox.buildah import Buildah
 from furlong.sandbox.images import ImageBuildError, ImageStore
-
-needs_buildah = pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah (install.sh installs it)")
 
 FULL = """\
 ARG BASE=furlong/base
@@ -116,7 +115,6 @@ def test_routing_names_the_first_thing_outside_the_subset(tmp_path: Path, text: 
     assert why is None if reason is None else (why.startswith(str(tmp_path)) and reason in why)
 
 
-@needs_buildah
 def test_full_dockerfile_builds_with_buildah_and_runs_in_a_sandbox(store: ImageStore, backend, tmp_path: Path):
     path = _task(tmp_path, FULL, {"data.txt": "context data\n"})
     log: list[str] = []
@@ -144,7 +142,6 @@ def test_full_dockerfile_builds_with_buildah_and_runs_in_a_sandbox(store: ImageS
         "literal $HOME", "42from python", "runner", "pip ", "no-marker"]  # USER runner; the stand-in's whiteout holds
 
 
-@needs_buildah
 def test_second_build_is_a_cache_hit(store: ImageStore, backend, tmp_path: Path):
     path = _task(tmp_path, FULL, {"data.txt": "context data\n"})
     first = run(store.image(path, backend))
@@ -159,7 +156,6 @@ def test_second_build_is_a_cache_hit(store: ImageStore, backend, tmp_path: Path)
     assert changed_key != first.digest
 
 
-@needs_buildah
 def test_failing_run_names_the_users_file_and_line(store: ImageStore, backend, tmp_path: Path):
     path = _task(tmp_path, "FROM furlong/base AS one\nRUN true\n\nFROM furlong/base\nLABEL x=y\n"
                            "RUN echo marker-output && \\\n    exit 3\nRUN true\n")
@@ -171,7 +167,6 @@ def test_failing_run_names_the_users_file_and_line(store: ImageStore, backend, t
     assert leftovers.strip() == ""  # the failed build's working containers (and their mounts) are gone
 
 
-@needs_buildah
 def test_unknown_base_in_a_stage_names_the_line(store: ImageStore, backend, tmp_path: Path):
     path = _task(tmp_path, "FROM furlong/base AS one\nRUN true\nFROM Not_A/Valid::Reference\nLABEL a=b\n")
     with pytest.raises(ImageBuildError) as err:
@@ -179,7 +174,6 @@ def test_unknown_base_in_a_stage_names_the_line(store: ImageStore, backend, tmp_
     assert str(err.value).startswith(f"{path}:3: FROM ") and "\n" not in str(err.value)
 
 
-@needs_buildah
 def test_a_simple_dockerfile_still_takes_the_native_path(store: ImageStore, backend, tmp_path: Path):
     path = _task(tmp_path, "FROM furlong/base\nENV A=1\nRUN echo native > /n.txt\n")
     ref = run(store.image(path, backend))
@@ -187,8 +181,7 @@ def test_a_simple_dockerfile_still_takes_the_native_path(store: ImageStore, back
     assert meta["builder"] == "furlong" and ref.digest.startswith("layer-") and len(ref.layers) == 2
 
 
-@needs_buildah
-@pytest.mark.skipif(os.geteuid() != 0, reason="a user's rootless buildah keeps the user's own network (documented)")
+@skips.needs_root("a user's rootless buildah keeps the user's own network (documented)")
 def test_build_steps_cannot_reach_host_loopback_but_resolve_names(tmp_path: Path, store: ImageStore, backend):
     """As root, buildah's RUN steps (chroot isolation) would share the host's network namespace; they run
     in a fenced pasta namespace instead, like furlong's own networked build sandboxes."""
@@ -231,8 +224,7 @@ def _tiny_rootfs(root: Path) -> Path:
     return rootfs
 
 
-@needs_buildah
-@pytest.mark.skipif(os.geteuid() != 0, reason="as a user, buildah mounts in a user namespace of its own anyway")
+@skips.needs_root("as a user, buildah mounts in a user namespace of its own anyway")
 def test_a_build_killed_mid_run_leaves_no_mount_on_the_host(tmp_path: Path):
     """Root's buildah mounts its containers' layers; a build killed at its timeout never unmounts them, and
     every mount left in the host's table slows every later sandbox start. Its own mount namespace takes them."""
@@ -253,7 +245,6 @@ def test_a_build_killed_mid_run_leaves_no_mount_on_the_host(tmp_path: Path):
         shutil.rmtree(home, ignore_errors=True)
 
 
-@needs_buildah
 def test_a_final_stage_ending_in_workdir_makes_its_directory(store: ImageStore, backend, tmp_path: Path):
     """Docker's WORKDIR creates its directory; buildah only does when a later RUN uses it. Through a
     symlink the image's own tree is followed (/work -> /srv), never the host's."""
@@ -326,7 +317,6 @@ def _tree(layers: list[Path]) -> dict[str, tuple]:
     return out
 
 
-@needs_buildah
 def test_a_buildah_image_stores_only_the_layer_above_its_base(store: ImageStore, backend, tmp_path: Path):
     """The final stage (a chain: FROM build, itself FROM python:3.11-slim) is stored as one small layer
     over the stand-in's layers; the image's tree is exactly the one a whole export of it gives."""
@@ -365,7 +355,6 @@ def test_a_buildah_image_stores_only_the_layer_above_its_base(store: ImageStore,
                                        "doc-deleted", "700 0 root", f"644 {owner[0]}", "2", "2", "42"]
 
 
-@needs_buildah
 def test_a_final_stage_from_scratch_is_stored_whole(store: ImageStore, backend, tmp_path: Path):
     text = "FROM furlong/base AS root\nRUN echo made > /made.txt\n\nFROM scratch\nCOPY --from=root / /\n"
     ref = run(store.image(_task(tmp_path, text), backend))

@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import as_user
+import skips
 from conftest import run, spec
 from furlong.sandbox import cgroups
 from furlong.sandbox.base import Limits
@@ -22,7 +24,6 @@ from test_rootless import user  # noqa: F401 (the CI user, with a subuid range a
 
 REPO = Path(__file__).resolve().parent.parent
 
-UNIFIED = Path("/sys/fs/cgroup/unified")  # a hybrid host's bare v2 tree: no controllers, real migration rules
 AGENT_PIDS = 24
 
 # Inside the sandbox: a child moves itself into the agent's cgroup by writing "0" to the fds the host
@@ -58,7 +59,7 @@ print(json.dumps(out), flush=True)
 time.sleep(60)
 """
 
-# On the host: make the cgroup (or only its v2 layout, under a bare hierarchy's directory), start the
+# On the host: make the cgroup (or only its v2 layout, under a directory of the v2 hierarchy), start the
 # real launcher and bwrap in it, read what happened inside, then remove it all.
 HOST = """
 import json, os, subprocess, sys, uuid
@@ -88,7 +89,7 @@ out["agent_on_host"] = len(cg.agent_pids())
 out["total_on_host"] = len(cg.pids())
 cg.remove()
 proc.wait(10)
-out.update(cgroup=[str(d) for d in cg.dirs], v2=cg.v2, left=len(cg.pids()),
+out.update(cgroup=[str(d) for d in cg.dirs], v2=cg.v2, left=len(cg.pids()), v2_mount=str(cgroups._v2_mount()),
            dirs_left=[str(d) for d in cg._tree() if d.exists()])
 print(json.dumps(out))
 """
@@ -135,36 +136,68 @@ def test_agent_fork_bomb_leaves_the_verifier_its_pids_as_a_user(user):  # noqa: 
     _check_limits(_run(user))
 
 
-def _bare_v2() -> Path:
-    if os.geteuid() != 0 or not (UNIFIED / "cgroup.procs").exists() or (UNIFIED / "pids.max").exists():
-        pytest.skip("no bare v2 hierarchy beside v1 here (on a v2 host the tests above cover v2)")
-    d = UNIFIED / f"furlong-test-{uuid.uuid4().hex[:8]}"
+@dataclass(frozen=True)
+class V2Tree:
+    """A directory for a test in the v2 hierarchy: `host` as this process sees it, `seen` as the sandbox's
+    side sees the same directory when started through `prefix`."""
+    layout: str  # "hybrid" (v2 beside v1, at /sys/fs/cgroup/unified) or "v2-only" (v2 at /sys/fs/cgroup)
+    host: Path
+    seen: Path
+    prefix: tuple[str, ...]
+
+
+# The layout this host lacks, in a private mount namespace: the v2 hierarchy mounted where the other kind
+# of host has it (the same hierarchy, so the directory made on the host is the one the sandbox sees).
+LAYOUT_MOUNTS = {
+    "v2-only": "mount -t cgroup2 none /sys/fs/cgroup",
+    "hybrid": "mount -t tmpfs -o mode=755 furlong-hybrid /sys/fs/cgroup && mkdir /sys/fs/cgroup/unified "
+              "&& mount -t cgroup2 none /sys/fs/cgroup/unified",
+}
+
+
+def _v2_tree(layout: str) -> V2Tree:
+    if os.geteuid() != 0:
+        skips.skip("root", "makes a directory in the v2 hierarchy and mounts it (root)")
+    mount = cgroups._v2_mount()
+    assert mount is not None, "no cgroup2 hierarchy under /sys/fs/cgroup (cgroups._v2_mount)"
+    where = cgroups.ROOT if layout == "v2-only" else cgroups.ROOT / "unified"
+    d = mount / f"furlong-test-{uuid.uuid4().hex[:8]}"
     d.mkdir()
-    return d
+    if mount == where:
+        return V2Tree(layout, d, d, ())
+    prefix = ("unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+              f'{LAYOUT_MOUNTS[layout]} && exec "$@"', layout)
+    return V2Tree(layout, d, where / d.name, prefix)
 
 
-def test_v2_layout_lets_the_sandbox_move_an_agent_command():
-    """v2's rules (the no-internal-processes layout, the open-time namespace check) on the bare v2 tree."""
-    d = _bare_v2()
+@pytest.mark.parametrize("layout", ["hybrid", "v2-only"])
+def test_v2_layout_lets_the_sandbox_move_an_agent_command(layout: str):
+    """v2's rules (the no-internal-processes layout, the open-time namespace check) where a hybrid host and a
+    v2-only host mount the v2 tree (the one this host lacks, emulated); furlong finds the tree in both."""
+    tree = _v2_tree(layout)
     try:
-        out = _run(None, str(d), agent=0)
+        out = _run(None, str(tree.seen), agent=0, prefix=tree.prefix)
+        assert out["v2_mount"] == str(tree.seen.parent), out
         assert out["agent_on_host"] == 1, out  # the mover, seen in S/agent from the host
         _check_moved_and_gone(out)
     finally:
-        d.rmdir()
+        tree.host.rmdir()
 
 
-def test_v2_layout_in_a_delegated_tree_as_a_user(user):  # noqa: F811
+@pytest.mark.parametrize("layout", ["hybrid", "v2-only"])
+def test_v2_layout_in_a_delegated_tree_as_a_user(user, layout: str):  # noqa: F811
     """As a user who owns a delegated v2 directory (as `furlong sandbox delegate` leaves it), started in it."""
-    d = _bare_v2()
+    tree = _v2_tree(layout)
+    d = tree.host
     try:
         uid = int(subprocess.check_output(["id", "-u", user]))
         for p in (d, d / "cgroup.procs", d / "cgroup.subtree_control", d / "cgroup.threads"):
             os.chown(p, uid, uid)
         (d / "host").mkdir()
         # root moves the user's process into the delegated tree, as a login into a delegated scope would
-        join = ("sh", "-c", f'echo $$ > {d}/host/cgroup.procs && exec "$@"', "join")
-        out = _run(user, str(d), agent=0, prefix=join)
+        join = ("sh", "-c", f'echo $$ > {tree.seen}/host/cgroup.procs && exec "$@"', "join")
+        out = _run(user, str(tree.seen), agent=0, prefix=(*tree.prefix, *join))
+        assert out["v2_mount"] == str(tree.seen.parent), out
         assert out["agent_on_host"] == 1, out
         _check_moved_and_gone(out)
     finally:

@@ -17,9 +17,12 @@ from pathlib import Path
 
 import pytest
 import ray
+import skips
 import torch
+from fsdp2_support import fixed_episodes
 from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tests_support import alive, grpo
 
 import furlong.build.cluster as ray_build
 from furlong.build.training import grpo_config, local_trainer, weight_link
@@ -28,17 +31,15 @@ from furlong.cluster.ranks import RayRanks
 from furlong.cluster.session import RaySession, Roles, place
 from furlong.config import RECIPES, load_config
 from furlong.engine.base import SamplingParams
-from furlong.engine.vllm import vllm_available
 from furlong.engine.router import Router
+from furlong.engine.vllm import vllm_available
 from furlong.model.loading import load_model
 from furlong.paths import SHM, arena_owner
 from furlong.sync.handover import SharedWeights
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.ranks import RankFailed, RankGroup
 from furlong.train.trainer import LocalTrainer
-from fsdp2_support import fixed_episodes
 from tests.ranks_support import SumSpec
-from tests_support import alive, grpo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROLES = Roles(engines=2, engine_cpus=0.5, trainer_cpus=0.5, placement="colocated")
@@ -331,7 +332,7 @@ def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(t
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # the trainer actor trained as local mode's
 
 
-@pytest.mark.skipif(not vllm_available(), reason="the vllm extra is not installed (bash install.sh --vllm)")
+@skips.skipif("extra:vllm", not vllm_available(), "vLLM is not installed (bash install.sh --vllm)")
 @pytest.mark.parametrize("transport", ["http", "shared"])  # shared: the trainer actor's arena, handed over
 def test_train_on_ray_with_vllm_engine_actors_advances_their_weights_and_leaves_nothing(tmp_path: Path,
                                                                                        transport: str):

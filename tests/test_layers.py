@@ -10,13 +10,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import pytest
-
+import skips
 from conftest import run
+
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.bwrap import DEFAULT_HOST_UID
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="as a user, layers belong to the user (the sandbox uid)")
+pytestmark = skips.needs_root("as a user, layers belong to the user (the sandbox uid)")
 AS_SANDBOX_UID = ["setpriv", f"--reuid={DEFAULT_HOST_UID}", f"--regid={DEFAULT_HOST_UID}", "--clear-groups", "--"]
 
 

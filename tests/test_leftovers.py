@@ -7,7 +7,6 @@ docstring says why)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,6 @@ from furlong.sandbox.egress import default_ca_bundle
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah (install.sh installs it)")
 @pytest.mark.parametrize("host_ca", [False, True], ids=["plain", "trust_host_ca"])
 def test_build_networked_sandbox_and_eval_leave_nothing_on_the_host(tmp_path: Path, host_ca: bool):
     # trust_host_ca: the build and the sandbox also bind the host's CA bundle and get its mirror settings

@@ -9,19 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("peft")
-
 from peft import PeftModel
+from tests_support import SMALL, grpo
 
 from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.engine import SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model import load_model
-from furlong.sync.adapter import AdapterPublisher, state_dict_nbytes
-from furlong.sync.relay import Relay
-from furlong.sync.transport import InProcessTransport
-from furlong.train import LocalTrainer, token_logprobs
 from furlong.model.lora import (
     LoraSpec,
     adapter_state_dict,
@@ -31,8 +25,11 @@ from furlong.model.lora import (
     trainable_model,
     wrap_lora,
 )
+from furlong.sync.adapter import AdapterPublisher, state_dict_nbytes
+from furlong.sync.relay import Relay
+from furlong.sync.transport import InProcessTransport
+from furlong.train import LocalTrainer, token_logprobs
 from furlong.train.trainer import collate
-from tests_support import SMALL, grpo
 
 TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

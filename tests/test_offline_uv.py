@@ -4,16 +4,14 @@ furlong's own builder and in buildah, real builds run in real sandboxes; off, th
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import run, spec
+
 from furlong.config import load_config
-from furlong.sandbox import buildah
+from furlong.sandbox import buildah, offline_uv, toolchain
 from furlong.sandbox import dockerfile as df
-from furlong.sandbox import offline_uv, toolchain
 from furlong.sandbox.buildah import Buildah
 from furlong.sandbox.images import ImageBuildError, ImageStore
 
@@ -97,7 +95,6 @@ def test_native_build_gets_the_toolchains_uv(uv_store: ImageStore, store: ImageS
         run(ImageStore(store.root).image(path, backend))
 
 
-@pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah (install.sh installs it)")
 def test_buildah_build_gets_the_toolchains_uv(uv_store: ImageStore, backend, tmp_path: Path):
     path = _task(tmp_path, BUILDAH)
     ref = run(uv_store.image(path, backend))

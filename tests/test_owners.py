@@ -7,22 +7,21 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import tarfile
 import uuid
 from pathlib import Path
 
 import pytest
-
+import skips
 from conftest import run, spec
+
 from furlong.sandbox import idmap, layers
 from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef
 from furlong.sandbox.flatten import flatten_to_tar
 from furlong.sandbox.layertar import LayerWriter
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ownership is kept only as root: as a user every "
-                                "stored file is the user's own, the sandbox's root (docs/images.md, USER)")
-needs_buildah = pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah (install.sh installs it)")
+pytestmark = skips.needs_root("ownership is kept only as root: as a user every stored file is the user's own, "
+                               "the sandbox's root (docs/images.md, USER)")
 
 
 def _task(tmp_path: Path, text: str) -> Path:
@@ -152,7 +151,6 @@ def test_native_build_files_are_root_owned_and_the_agent_writes_them(store, back
     assert _owners(store.root / image.layers[0].path, "d", "d/nonce") == ["0:0", "0:0"]  # on disk: root's
 
 
-@needs_buildah
 def test_buildah_build_keeps_useradd_and_chown_and_user_can_write_its_dir(store, backend, tmp_path: Path):
     """tasks-tb2/user-nonroot's shape: the agent runs as worker, owns /data and its home, not /etc."""
     path = _task(tmp_path, "FROM debian:bookworm\nRUN useradd -m --uid 1000 worker && mkdir /data && "
@@ -173,7 +171,6 @@ def test_buildah_build_keeps_useradd_and_chown_and_user_can_write_its_dir(store,
     assert res.stdout.split() == ["worker", "1000:1000", "1000:1000", "0:0", "0:0", "worker", "etc-refused"]
 
 
-@needs_buildah
 def test_a_parent_flattened_for_buildah_keeps_its_owners(store, tmp_path: Path):
     """An imported or natively built parent becomes a buildah image through a flattened tar; what buildah
     then exports (the built image's tree) still has the parent's owners."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import as_user
+import skips
 from furlong.sandbox.cgroups import VERIFIER_PIDS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,7 +125,7 @@ def test_missing_prerequisite_is_one_line(user, shared_tmp: Path):
     _one_error_line(furlong(user, "eval", "--tasks", str(task.parent), env=env), "apt-get install mmdebstrap")
 
 
-@pytest.mark.skipif(not ROOT, reason="making a user without a subuid range needs root")
+@skips.needs_root("making a user without a subuid range needs root")
 def test_no_subuid_range_is_one_line(shared_tmp: Path):
     tmp_path = shared_tmp
     name = f"furlong-t{os.getpid() % 100000}"
@@ -203,7 +204,7 @@ def test_sandbox_through_the_backend_is_limited(user):
     assert res.returncode == 0, res.stdout + res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     if out["cgroup"] is None:
-        pytest.skip("the bwrap launcher does not yet put a non-root user's sandbox in its delegated cgroup")
+        pytest.skip("this user's sandbox got no cgroup: no delegated cgroup (see `furlong sandbox delegate`)")
     assert 0 < out["inside"] <= 40 + VERIFIER_PIDS and 0 < out["agent"] <= 40 + 1, out  # the init side keeps its room
 
 
@@ -218,7 +219,8 @@ def test_no_cgroup_warns_once(user):
         res = python(name, "from furlong.sandbox import cgroups; print(cgroups.no_cgroup_warning() or '')")
         line = res.stdout.strip()
         if name is None and not line:
-            pytest.skip("this user has a delegated cgroup")
+            # CI's ordinary user has one by design; as root the test makes a user without one
+            skips.skip("root", "this user has a delegated cgroup: a user without one is made by root")
         assert len(line.splitlines()) == 1 and "RLIMIT_NPROC" in line and "no CPU cap" in line, res
     finally:
         if name:

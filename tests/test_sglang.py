@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import skips
 import torch
 
 from furlong.config import ConfigError, load_config
@@ -226,7 +227,7 @@ def test_config_and_factory(tiny_dir, tmp_path):
     assert not engine.server.running and (tmp_path / "sglang-server.log").is_file()
 
 
-@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="on a GPU machine the script really installs")
+@skips.skipif("gpu", shutil.which("nvidia-smi") is not None, "on a GPU machine the script really installs")
 def test_gpu_check_script_parses_and_refuses_without_a_gpu(tmp_path):
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

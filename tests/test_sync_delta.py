@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import zstandard as zstd
@@ -22,11 +21,11 @@ from furlong.sync import (
     delta_entropy_bound,
     encode_delta,
     encode_full,
+    kernels,
     read_update,
     xor_zstd_apply,
     xor_zstd_encode,
 )
-from furlong.sync import kernels
 from furlong.sync.update import pack_payload, unpack_payload
 
 Model = dict[str, torch.Tensor]
@@ -332,7 +331,6 @@ def test_incompatible_base(step: tuple[Model, Model, bytes]) -> None:
     assert_bit_equal(tied, before)
 
 
-@pytest.mark.skipif(not kernels.available(np.uint16), reason="numba is not installed")
 @pytest.mark.parametrize(("frac", "spread", "encoding"), [
     (1.0, 1, "dense"), (1.0, 6, "dense"), (1.0, 200, "dense"),  # 2-, 4- and 8-bit first value tiers
     (0.45, 1, "bitmap"), (0.45, 200, "bitmap")])
@@ -361,7 +359,6 @@ def test_compiled_path_matches_the_numpy_path_byte_for_byte(monkeypatch: pytest.
     assert torch.equal(slow.view(torch.int16), new["w"].view(torch.int16))
 
 
-@pytest.mark.skipif(not kernels.available(np.uint16), reason="numba is not installed")
 def test_compiled_apply_rolls_back_a_dense_section_broken_in_a_later_run() -> None:
     w = (torch.randn(3 << 20, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
     prev = {"w": w}
@@ -378,8 +375,6 @@ def test_undecodable_zstd_in_a_later_run_is_corrupt_and_rolled_back(monkeypatch:
                                                                     compiled: bool) -> None:
     """Garbage where a dense section's later runs should be (valid payload digest) is CorruptUpdate, a
     SyncError the relay recovers from, not zstd's own error; the runs already added are undone."""
-    if compiled and not kernels.available(np.uint16):
-        pytest.skip("numba is not installed")
     if not compiled:
         monkeypatch.setattr(kernels, "available", lambda dtype: False)
     w = (torch.randn(3 << 20, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
@@ -399,8 +394,6 @@ def test_escape_symbol_in_the_padding_of_a_dense_run_is_corrupt(monkeypatch: pyt
                                                                 compiled: bool) -> None:
     """A capped symbol hidden after the last word of a run (valid digest) would make the compiled escape
     pass write past the tensor; both paths refuse it and write nothing."""
-    if compiled and not kernels.available(np.uint16):
-        pytest.skip("numba is not installed")
     if not compiled:
         monkeypatch.setattr(kernels, "available", lambda dtype: False)
     g = torch.Generator().manual_seed(4)

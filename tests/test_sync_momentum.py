@@ -72,7 +72,6 @@ def test_chain_is_exact_and_predicted_links_are_smaller() -> None:
         assert len(p) < 0.85 * len(q), (len(p), len(q))
 
 
-@pytest.mark.skipif(not kernels.available(np.uint16), reason="numba is not installed")
 def test_compiled_and_numpy_paths_agree_byte_for_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     versions = adam_like_chain(3, n=(1 << 20) + 3, seed=1)
     compiled = run_chain(versions, True)

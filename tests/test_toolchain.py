@@ -10,8 +10,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
+import skips
 from conftest import run, spec
+from tests_support import make_task
+
 from furlong.config import load_config
 from furlong.sandbox import toolchain
 from furlong.sandbox.base import BASE_ENV, ImageRef, LayerRef, SandboxSpec
@@ -20,7 +22,6 @@ from furlong.sandbox.remote import create_body
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
 from furlong.tasks.verifier import verifier_env
-from tests_support import make_task
 
 TOOLCHAIN = toolchain.Toolchain("toolchain-x", LayerRef("toolchain-x", "toolchain-x/upper"), "uv, pytest")
 PYPROJECT = '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n' \
@@ -49,7 +50,7 @@ def test_the_layer_refuses_what_hides_or_lies_outside_its_home(tmp_path: Path):
     (tmp_path / "usr/bin/uv").symlink_to("/opt/furlong/toolchain/bin/uv")
     assert toolchain.stray_files(tmp_path) == [str(tmp_path / "usr/bin/ok"), str(tmp_path / "usr/bin/uv")]
     if os.geteuid() != 0:
-        pytest.skip("making a whiteout (a 0:0 character device) needs root")
+        skips.skip("root", "making a whiteout (a 0:0 character device) needs root")
     os.mknod(tmp_path / "usr/bin/gone", 0o600 | 0o020000, 0)
     assert toolchain.hidden_entries(tmp_path) == [str(tmp_path / "usr/bin/gone")]
 

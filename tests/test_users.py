@@ -14,23 +14,23 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
+import skips
 from conftest import run
+from test_image_import import LAYER_TAR, _bash_layer, _bash_paths, _oci_layout
+
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 from furlong.sandbox.imports import import_image
 from furlong.sandbox.users import ROOT, Identity, UserError, resolve_user
-from test_image_import import LAYER_TAR, _bash_layer, _bash_paths, _oci_layout
 
 PASSWD = "root:x:0:0:root:/root:/bin/bash\nworker:x:1000:1000::/home/worker:/bin/bash\n"
 GROUP = "root:x:0:\nworker:x:1000:\nstaff:x:50:worker,other\n"
 # a user made without useradd (whose chown furlong's layers would not keep): only the two files change
 ADD_WORKER = ("RUN echo 'worker:x:1000:1000::/home/worker:/bin/bash' >> /etc/passwd "
               "&& echo 'worker:x:1000:' >> /etc/group")
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and trusted.* xattrs need root")
-needs_buildah = pytest.mark.skipif(shutil.which("buildah") is None, reason="needs buildah (install.sh installs it)")
+needs_root = skips.needs_root("whiteouts and trusted.* xattrs need root")
 
 
 def _layer(root: Path, files: dict[str, str]) -> Path:
@@ -245,7 +245,6 @@ def test_the_agent_runs_as_the_user_with_its_supplementary_groups(user_import: I
     assert res.ok and res.stdout.split("\n")[:3] == ["1000", "Gid: 1000\t1000\t1000\t1000", "Groups: 50"], res
 
 
-@needs_buildah
 def test_buildah_carries_the_user_and_runs_later_steps_as_it(store: ImageStore, backend, tmp_path: Path):
     trailing = _dockerfile(tmp_path / "t", f"FROM debian:bookworm\n{ADD_WORKER}\nUSER worker\n")
     ref = run(store.image(trailing, backend))
@@ -263,7 +262,6 @@ def test_buildah_carries_the_user_and_runs_later_steps_as_it(store: ImageStore, 
     assert (store.root / numeric.layers[0].path / "tmp/built-as").read_text() == "1000\n1000\n"
 
 
-@needs_buildah
 def test_buildah_refuses_a_user_the_image_lacks(store: ImageStore, backend, tmp_path: Path):
     path = _dockerfile(tmp_path, "FROM debian:bookworm\nLABEL a=b\nUSER ghost\n")
     with pytest.raises(ImageBuildError) as err:
