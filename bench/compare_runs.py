@@ -37,7 +37,8 @@ def compare(a: Path, b: Path) -> dict:
     ma = [_untimed(json.loads(line)) for line in (a / "metrics.jsonl").read_text().splitlines()]
     mb = [_untimed(json.loads(line)) for line in (b / "metrics.jsonl").read_text().splitlines()]
     metric_diffs = [{"step": x.get("step"), "phase": x.get("phase"),
-                     "keys": sorted(k for k in x if x[k] != y.get(k))} for x, y in zip(ma, mb, strict=False) if x != y]
+                     "values": {k: [x[k], y.get(k)] for k in sorted(x) if x[k] != y.get(k)}}
+                    for x, y in zip(ma, mb, strict=False) if x != y]
     sa, sb = (_untimed(json.loads((r / "summary.json").read_text())) for r in (a, b))
     sa.pop("run_dir"), sb.pop("run_dir")
     sa.pop("hf_model"), sb.pop("hf_model")
