@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from pathlib import Path
 
@@ -383,3 +384,22 @@ def test_sampler_filters_and_reports_untruncated_logprobs() -> None:
         expected = torch.log_softmax(logits / torch.tensor([1.0, 1.0, 1.0, 0.5])[:, None], -1)
         assert torch.allclose(torch.tensor(logprobs), expected[torch.arange(4), torch.tensor(tokens)])
     assert seen[0] == {0, 1} and seen[1] == {0} and seen[2] == {0} and len(seen[3]) >= 2
+
+
+def test_the_reproducibility_figures_are_the_committed_results() -> None:
+    """docs/training.md#reproducibility cites bench/results/repro_*.json (bench/compare_runs.py) and
+    bench/results/deterministic_engine.json (bench/deterministic_engine.py); its figures are theirs."""
+    root = Path(__file__).resolve().parent.parent
+    doc = " ".join((root / "docs/training.md").read_text().split())
+    default, det, cost = (json.loads((root / "bench/results" / f"{name}.json").read_text())
+                          for name in ("repro_default", "repro_deterministic", "deterministic_engine"))
+    assert default["episodes_differing"] == 0 and default["weights_equal"] and default["summary_equal"]
+    hits = default["metric_rows_differing"][0]["values"]["engine_prefix_hit_rate"]
+    assert f"({hits[0]:.2f} vs {hits[1]:.2f} at step 0)" in doc
+    assert det["episodes_differing"] == 0 and det["summary_equal"] and det["weights_equal"]
+    assert {k for row in det["metric_rows_differing"] for k in row["values"]} <= {"engine_prefix_hit_rate",
+                                                                                  "engine_prefill_tokens"}
+    assert cost["deterministic"]["bit_equal_across_arrivals"] and not cost["default"]["bit_equal_across_arrivals"]
+    d, x = cost["default"], cost["deterministic"]
+    assert (f"{x['median_seconds']:.1f} s against {d['median_seconds']:.1f} s, "
+            f"{cost['deterministic_over_default_time']} x the time") in doc
