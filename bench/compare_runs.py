@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import finish, provenance  # noqa: E402
+from provenance import finish, provenance
 
 TIMING = ("time", "second", "_s", "wait", "idle", "per_s", "throughput", "wall")
 
@@ -32,7 +32,7 @@ def _untimed(row: dict) -> dict:
 
 def compare(a: Path, b: Path) -> dict:
     ea, eb = _episodes(a), _episodes(b)
-    same = lambda k: k in eb and all(ea[k][f] == eb[k][f] for f in ("response_sha", "reward", "turns"))  # noqa: E731
+    same = lambda k: k in eb and all(ea[k][f] == eb[k][f] for f in ("response_sha", "reward", "turns"))
     differ = sorted((k for k in ea if not same(k)), key=lambda k: ea[k]["start"])
     ma = [_untimed(json.loads(line)) for line in (a / "metrics.jsonl").read_text().splitlines()]
     mb = [_untimed(json.loads(line)) for line in (b / "metrics.jsonl").read_text().splitlines()]
