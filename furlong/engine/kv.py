@@ -178,8 +178,8 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
 class SoloBatch(Generic[Row]):
     """DecodeBatch's interface, but every row runs its own batch-1 forward on its own unpadded KV.
 
-    On CPU a matmul row's bits depend on how many rows share the call and where the row sits (oneDNN picks
-    a kernel per shape; measured on torch 2.13), and attention's sums on the padded width: in a shared batch
+    On CPU a matmul row's bits depend on how many rows share the call and where the row sits (the BLAS picks its kernel
+    per shape; measured with torch 2.13 here), and attention's sums on the padded width: in a shared batch
     a request's logprobs move by ~1e-6 with whatever else is running, so which requests arrive together
     (sandbox timing) reaches the trainer. Here a request's forwards have shapes set by its own tokens alone,
     so its logits are a function of the request and the weights: bit-reproducible, at the cost of one
