@@ -65,6 +65,13 @@ def test_gpu_settings_that_cannot_run_are_refused(overrides: list[str], words: s
     assert (cfg.train.ray.trainer_gpus, cfg.train.ray.engine_gpus) == (0.5, 0.5)
 
 
+@pytest.mark.parametrize("overrides", [["train.sync.engine=server", "train.sync.transport=http"], ["train.engine=vllm"], ["train.cluster=ray"]])
+def test_a_deterministic_engine_elsewhere_than_in_process_is_refused(overrides: list[str]):
+    with pytest.raises(ConfigError, match="train.hf.deterministic: only the in-process hf engine has it"):
+        load_config(None, ["train.hf.deterministic=true", *overrides])
+    assert load_config(None, ["train.hf.deterministic=true"]).train.hf.deterministic
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["train.ray.sandbox_hosts=2"], "sandbox host actors need train.cluster=ray"),
     (["train.cluster=ray", "train.ray.sandbox_hosts=2", "sandbox.backend=remote"], "drop sandbox.backend=remote"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from pathlib import Path
 
@@ -159,6 +160,38 @@ def test_seeded_sampling_is_reproducible_and_groups_share_prefill(model) -> None
     assert len({g.output_ids for g in group}) == 3
     for g in group:
         assert_matches_reference(model, p, g, 1.0)
+
+
+def test_deterministic_engine_gives_the_same_bits_whatever_the_arrival(model) -> None:
+    """deterministic=True: a seeded request's tokens and logprobs, to the bit, do not depend on what else
+    runs. The default engine's shared forwards move logprobs by ~1e-6 with the batch (measured: CPU matmul
+    bits depend on the rows sharing the call), which a sync run's trainer sees. Here the same requests arrive
+    one at a time, all at once, and in reverse order joining generations in flight; the last one is a
+    second turn (a prompt extending an earlier request's), which the default engine serves from its
+    prefix cache with KV another request's forwards computed."""
+    ps = prompts(5, seed=4)
+    sampling = [SamplingParams(max_new_tokens=24, seed=10 + i) for i in range(len(ps))]
+
+    async def serve(order: list[int], join_after: int) -> dict[int, Generation]:
+        async with HFEngine(model, eos_token_ids=(), deterministic=True) as engine:
+            first = await engine.generate(ps[0], sampling[0])  # the earlier turn the last request extends
+            requests = {**dict(enumerate(ps)), len(ps): ps[0] + list(first.output_ids) + ps[1][:7]}
+
+            async def one(k: int, i: int) -> tuple[int, Generation]:
+                await tokens_generated(engine, 24 + k * join_after)
+                return i, await engine.generate(requests[i], sampling[i % len(ps)])
+
+            if join_after < 0:  # one at a time
+                return {i: (await one(0, i))[1] for i in order}
+            return dict(await asyncio.gather(*(one(k, i) for k, i in enumerate(order))))
+
+    alone = run(serve(list(range(len(ps) + 1)), -1))
+    for order, join_after in ((list(range(len(ps) + 1)), 0), (list(range(len(ps), -1, -1)), 5)):
+        other = run(serve(order, join_after))
+        assert [other[i].output_ids for i in alone] == [g.output_ids for g in alone.values()]
+        assert [other[i].logprobs for i in alone] == [g.logprobs for g in alone.values()]  # exactly equal
+    for i, p in enumerate(ps):
+        assert_matches_reference(model, p, alone[i], 1.0)  # still the model's logprobs
 
 
 def test_stop_tokens_and_max_new_tokens(model, tiny_dir: Path) -> None:
@@ -351,3 +384,22 @@ def test_sampler_filters_and_reports_untruncated_logprobs() -> None:
         expected = torch.log_softmax(logits / torch.tensor([1.0, 1.0, 1.0, 0.5])[:, None], -1)
         assert torch.allclose(torch.tensor(logprobs), expected[torch.arange(4), torch.tensor(tokens)])
     assert seen[0] == {0, 1} and seen[1] == {0} and seen[2] == {0} and len(seen[3]) >= 2
+
+
+def test_the_reproducibility_figures_are_the_committed_results() -> None:
+    """docs/training.md#reproducibility cites bench/results/repro_*.json (bench/compare_runs.py) and
+    bench/results/deterministic_engine.json (bench/deterministic_engine.py); its figures are theirs."""
+    root = Path(__file__).resolve().parent.parent
+    doc = " ".join((root / "docs/training.md").read_text().split())
+    default, det, cost = (json.loads((root / "bench/results" / f"{name}.json").read_text())
+                          for name in ("repro_default", "repro_deterministic", "deterministic_engine"))
+    assert default["episodes_differing"] == 0 and default["weights_equal"] and default["summary_equal"]
+    hits = default["metric_rows_differing"][0]["values"]["engine_prefix_hit_rate"]
+    assert f"({hits[0]:.2f} vs {hits[1]:.2f} at step 0)" in doc
+    assert det["episodes_differing"] == 0 and det["summary_equal"] and det["weights_equal"]
+    assert {k for row in det["metric_rows_differing"] for k in row["values"]} <= {"engine_prefix_hit_rate",
+                                                                                  "engine_prefill_tokens"}
+    assert cost["deterministic"]["bit_equal_across_arrivals"] and not cost["default"]["bit_equal_across_arrivals"]
+    d, x = cost["default"], cost["deterministic"]
+    assert (f"{x['median_seconds']:.1f} s against {d['median_seconds']:.1f} s, "
+            f"{cost['deterministic_over_default_time']} x the time") in doc

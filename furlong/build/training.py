@@ -235,17 +235,18 @@ def shared_engine(cfg: Config, sft_dir: Path, run_path: Path):
     return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
 
 
-def phase_engine(model_dir: Path, shared=None, prefix_cache_mb: float = 256, device: str = "cpu"):
+def phase_engine(model_dir: Path, shared=None, prefix_cache_mb: float = 256, device: str = "cpu",
+                 deterministic: bool = False):
     """A phase's engine: the run's `shared` one (lent: closing it leaves it running), else a new hf engine over
     the model in `model_dir`."""
     if shared is not None:
         return Borrowed(shared)
-    return hf_engine(load_model(model_dir), prefix_cache_mb, device)
+    return hf_engine(load_model(model_dir), prefix_cache_mb, device, deterministic)
 
 
-def hf_engine(model, prefix_cache_mb: float, device: str = "cpu") -> HFEngine:
+def hf_engine(model, prefix_cache_mb: float, device: str = "cpu", deterministic: bool = False) -> HFEngine:
     # eos_token_ids=(): episodes stop on end-of-turn
-    return HFEngine(model.to(device), eos_token_ids=(), prefix_cache_mb=prefix_cache_mb)
+    return HFEngine(model.to(device), eos_token_ids=(), prefix_cache_mb=prefix_cache_mb, deterministic=deterministic)
 
 
 def _fresh_dir(t: TrainConfig, run_path: Path) -> DirectoryTransport:
@@ -271,7 +272,7 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     if t.engine == "sglang":
         return await _sglang_link(cfg, run_path, sft_dir)
     local = (lambda: Borrowed(shared)) if shared is not None else (
-        lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb, t.hf.device))
+        lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb, t.hf.device, t.hf.deterministic))
     if s.transport == "direct":
         return DirectLink(local())
     if s.engine == "inprocess":

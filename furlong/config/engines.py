@@ -73,6 +73,10 @@ class HFEngineConfig(_Node):
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the in-process engine's model runs (RL "
                                            "rollouts and held-out evals; with train.device=cuda, weights are "
                                            "copied GPU to GPU)")
+    deterministic: bool = Field(
+        False, description="each request prefilled and decoded in its own forwards, no prefix cache: a "
+                           "seeded request's tokens and logprobs do not depend on what else runs, so a sync "
+                           "run on one machine repeats bit for bit (slower; docs/training.md#reproducibility)")
 
 
 class RayConfig(_Node):

@@ -67,6 +67,15 @@ class TrainConfig(_Node):
         return self
 
     @model_validator(mode="after")
+    def _deterministic_engine_is_in_process(self) -> TrainConfig:
+        # Only the in-process hf engine has the mode; elsewhere the key would promise what the run lacks.
+        if self.hf.deterministic and (self.engine != "hf" or self.sync.engine == "server" or self.cluster == "ray"):
+            raise ValueError(f"train.hf.deterministic: only the in-process hf engine has it (train.engine=hf, "
+                             f"train.sync.engine=inprocess, train.cluster=local); got train.engine={self.engine}, "
+                             f"train.sync.engine={self.sync.engine}, train.cluster={self.cluster}")
+        return self
+
+    @model_validator(mode="after")
     def _ray_cluster_supports(self) -> TrainConfig:
         if self.cluster == "ray" and self.engine != "hf" and self.lora.enabled:
             # the actors' vLLM and SGLang servers take full-weight updates only (their LoRA paths are not wired)

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams, check_prompt
-from furlong.engine.kv import KV, DecodeBatch, PrefillRow, prefill
+from furlong.engine.kv import KV, DecodeBatch, PrefillRow, SoloBatch, prefill
 from furlong.engine.prefix import PrefixCache
 from furlong.engine.sampling import sample_next
 from furlong.model.loading import load_model
@@ -84,26 +84,32 @@ class HFEngine:
     def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | None = None, max_context: int | None = None,
                  seed: int = 0, weight_version: int = 0, prefix_cache_mb: float = 256,
-                 batch_prefill: bool = True, max_prefill_tokens: int = 8192) -> None:
+                 batch_prefill: bool = True, max_prefill_tokens: int = 8192, deterministic: bool = False) -> None:
         """`eos_token_ids` stop every request in addition to its own stop ids (None: the model's
         generation_config eos ids; () for none). `max_context` caps prompt + output (default: the model's
         max_position_embeddings). `prefix_cache_mb` bounds the prefix cache's KV (0: no cache);
         `batch_prefill` False prefills one distinct prompt per forward; a batched prefill forward holds at
-        most `max_prefill_tokens` padded tokens (one longer prompt goes alone)."""
+        most `max_prefill_tokens` padded tokens (one longer prompt goes alone). `deterministic` makes a seeded
+        request's tokens and logprobs a function of the request and the weights alone, whatever else is
+        running: each prompt is prefilled whole and alone (no prefix cache, no shared forwards; identical
+        prompts still share theirs, the same computation) and each row decodes in its own forward
+        (kv.SoloBatch); slower, see docs/training.md#reproducibility."""
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.eos_token_ids = frozenset(_default_eos(model) if eos_token_ids is None else eos_token_ids)
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 1 << 31))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.stats = EngineStats()
-        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))
-        self.batch_prefill = batch_prefill
+        self.deterministic = deterministic
+        # A cache hit's KV came from another request's forwards (other shapes, other bits): none when deterministic.
+        self.prefix_cache = PrefixCache(0 if deterministic else int(prefix_cache_mb * 2**20))
+        self.batch_prefill = batch_prefill and not deterministic
         self.max_prefill_tokens = max_prefill_tokens
         self._version = weight_version
         self._epoch = 0  # bumped by every weight update: KV from an older epoch is never cached
         self._seeds = random.Random(seed)  # RNG seeds for requests that bring none
         self._pending: list[_Request] = []
-        self._batch: DecodeBatch[_Request] = DecodeBatch()
+        self._batch: DecodeBatch[_Request] | SoloBatch[_Request] = SoloBatch() if deterministic else DecodeBatch()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="furlong-hf")
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()

@@ -173,3 +173,43 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     if pad == 0:
         return t
     return F.pad(t, (pad, 0)) if dim == -1 else F.pad(t, (0, 0, pad, 0))
+
+
+class SoloBatch(Generic[Row]):
+    """DecodeBatch's interface, but every row runs its own batch-1 forward on its own unpadded KV.
+
+    On CPU a matmul row's bits depend on how many rows share the call and where the row sits (the BLAS picks its kernel
+    per shape; measured with torch 2.13 here), and attention's sums on the padded width: in a shared batch
+    a request's logprobs move by ~1e-6 with whatever else is running, so which requests arrive together
+    (sandbox timing) reaches the trainer. Here a request's forwards have shapes set by its own tokens alone,
+    so its logits are a function of the request and the weights: bit-reproducible, at the cost of one
+    forward per row per step (HFEngine(deterministic=True))."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self.kvs: list[KV] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, rows: list[Row], kvs: list[KV]) -> None:
+        self.rows.extend(rows)
+        self.kvs.extend(kvs)
+
+    def row_kv(self, index: int) -> KV:
+        return [(k.clone(), v.clone()) for k, v in self.kvs[index]]
+
+    def step(self, model: PreTrainedModel, last_tokens: list[int]) -> torch.Tensor:
+        assert len(last_tokens) == len(self.rows)
+        device = self.kvs[0][0][0].device if self.kvs else model.device
+        logits = []
+        for i, token in enumerate(last_tokens):
+            position = self.kvs[i][0][0].shape[-2]
+            out, self.kvs[i] = _forward(model, torch.tensor([[token]], device=device), self.kvs[i],
+                                        position_ids=torch.tensor([[position]], device=device))
+            logits.append(out)
+        return torch.cat(logits)
+
+    def keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        self.kvs = [self.kvs[i] for i in keep]

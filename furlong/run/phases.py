@@ -74,7 +74,8 @@ async def eval_phase(name: str, model_dir: Path, cfg: Config, p: Pieces, run: Ru
         return done
     start = time.perf_counter()
     drop_episodes_after(run.path, name, -1)  # a killed eval restarts from scratch: its records go too
-    engine = phase_engine(model_dir, shared, cfg.train.hf.prefix_cache_mb, cfg.train.hf.device)
+    hf = cfg.train.hf
+    engine = phase_engine(model_dir, shared, hf.prefix_cache_mb, hf.device, hf.deterministic)
     async with p.env.open() as env:
         rollouts = Rollouts(engine, p.tokenizer, env, p.params, cfg.train.eval.concurrency,
                             EpisodeLog(run.path, name))
