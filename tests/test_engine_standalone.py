@@ -4,21 +4,26 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pytest
+
 from furlong.sync.serving import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
 from furlong.engine.remote import EngineProcess
-from furlong.engine.server import READY_PREFIX
+from furlong.engine.server import ENGINE_TOKEN_ENV, READY_PREFIX
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict, token: str) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.load(resp)
 
@@ -35,7 +40,9 @@ def test_engine_server_module_serves_alone_and_stops_cleanly(tiny_dir: Path, tmp
     # holds, and an unread full pipe would block the server): the CLI must not be among them
     cmd = [sys.executable, "-X", "importtime", "-m", "furlong.engine.server", "--model", str(tiny_dir), "--port", "0"]
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    # no token given: on loopback the server makes one, in the cache (mode 0600), and asks for it
+    env = {k: v for k, v in os.environ.items() if k != ENGINE_TOKEN_ENV} | {"FURLONG_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()  # the server prints its URL once it listens
@@ -47,7 +54,12 @@ def test_engine_server_module_serves_alone_and_stops_cleanly(tiny_dir: Path, tmp
         assert {k: health[k] for k in ("weight_version", "paused", "relay")} == {"weight_version": 0, "paused": False,
                                                                                 "relay": False}
         assert health["prefix_cache"]["prompt_tokens"] == 0
-        gen = _post(f"{url}/generate", {"input_ids": [5, 17, 99], "sampling": {"max_new_tokens": 4, "seed": 3}})
+        generated = tmp_path / "cache" / "engine-token"
+        assert generated.stat().st_mode & 0o777 == 0o600
+        body = {"input_ids": [5, 17, 99], "sampling": {"max_new_tokens": 4, "seed": 3}}
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            _post(f"{url}/generate", body, "a-guess")
+        gen = _post(f"{url}/generate", body, generated.read_text().strip())
         assert len(gen["output_ids"]) == len(gen["logprobs"]) == 4 and gen["prompt_len"] == 3
     finally:
         proc.terminate()

@@ -86,7 +86,7 @@ def test_prefix_index_finds_the_longest_recorded_conversation_a_prompt_extends()
 
 def test_new_episodes_go_to_the_instance_with_fewest_requests_in_flight(pair):
     async def main() -> None:
-        router = Router([RemoteEngine(p.url) for p in pair])
+        router = Router([RemoteEngine(p.url, token=p.token) for p in pair])
         try:
             long = asyncio.create_task(router.generate(_prompt(0), _sampling(0, tokens=400)))
             await asyncio.sleep(0)  # placed: its instance has one request in flight
@@ -106,7 +106,7 @@ def test_new_episodes_go_to_the_instance_with_fewest_requests_in_flight(pair):
 
 def test_later_turns_of_an_episode_stay_on_its_instance(pair):
     async def main() -> None:
-        router = Router([RemoteEngine(p.url) for p in pair])
+        router = Router([RemoteEngine(p.url, token=p.token) for p in pair])
         try:
             first = await router.generate(_prompt(0), _sampling(1))
             home = next(i for i in router.instances if i.requests)
@@ -135,7 +135,7 @@ def test_a_killed_instance_is_taken_out_and_its_requests_finish_elsewhere(tiny_d
     publisher, procs = fresh_pair
 
     async def main() -> None:
-        router = Router([RemoteEngine(p.url) for p in procs])
+        router = Router([RemoteEngine(p.url, token=p.token) for p in procs])
         try:
             assert (await router.sync())["engine_version"] == 0
             tasks = [asyncio.create_task(router.generate(_prompt(n), _sampling(n, tokens=200))) for n in range(6)]
@@ -145,7 +145,7 @@ def test_a_killed_instance_is_taken_out_and_its_requests_finish_elsewhere(tiny_d
             gens = await asyncio.gather(*tasks)
             dead, alive = router.instances
             assert not dead.live and alive.live and dead.failures == 3 and alive.retries == 3
-            survivor = RemoteEngine(procs[1].url)
+            survivor = RemoteEngine(procs[1].url, token=procs[1].token)
             directs = await asyncio.gather(*(survivor.generate(_prompt(n), _sampling(n, tokens=200)) for n in range(6)))
             for gen, direct in zip(gens, directs):  # each one complete, and wholly the survivor's sample
                 assert len(gen.output_ids) == len(gen.logprobs) == len(gen.token_weight_versions) == 200
@@ -170,7 +170,7 @@ def test_a_killed_instance_is_taken_out_and_its_requests_finish_elsewhere(tiny_d
 def test_a_hung_instance_fails_its_health_checks_and_its_request_is_restarted(pair):
     async def main() -> None:
         settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2)
-        router = Router([RemoteEngine(p.url) for p in pair], settings)
+        router = Router([RemoteEngine(p.url, token=p.token) for p in pair], settings)
         try:
             task = asyncio.create_task(router.generate(_prompt(0), _sampling(0, tokens=300)))
             await asyncio.sleep(0.1)
@@ -193,7 +193,7 @@ def test_slow_health_takes_out_one_of_two_but_never_the_last_live_instance(pair)
     serves the request it holds once it runs again."""
     async def main() -> None:
         settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2)
-        router = Router([RemoteEngine(p.url) for p in pair], settings)
+        router = Router([RemoteEngine(p.url, token=p.token) for p in pair], settings)
         first, last = router.instances
         try:
             await router.generate(_prompt(0), _sampling(0))  # starts the health polls
@@ -219,7 +219,7 @@ def test_slow_health_takes_out_one_of_two_but_never_the_last_live_instance(pair)
 def test_a_dead_last_instance_is_still_taken_out_by_its_health_polls(tiny_dir: Path, tmp_path: Path):
     async def main() -> None:
         proc = EngineProcess(tiny_dir, updates=None, log=tmp_path / "engine.log")
-        router = Router([RemoteEngine(proc.url)], RouterSettings(health_interval_s=0.2, health_timeout_s=0.5))
+        router = Router([RemoteEngine(proc.url, token=proc.token)], RouterSettings(health_interval_s=0.2, health_timeout_s=0.5))
         try:
             await router.generate(_prompt(0), _sampling(0))  # starts the health polls
             os.kill(proc.pid, signal.SIGKILL)
@@ -245,7 +245,7 @@ def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_bac
 
     async def main() -> None:
         settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2, readmit_after=3)
-        router = Router([RemoteEngine(p.url) for p in procs], settings)
+        router = Router([RemoteEngine(p.url, token=p.token) for p in procs], settings)
         out = router.instances[0]
         try:
             assert (await router.sync())["engine_version"] == 0

@@ -29,11 +29,13 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from furlong.paths import cache_dir
-    from furlong.sandbox.host.serve import e2b_key, host_token, serve
+    from furlong.sandbox.host.serve import e2b_key, serve
+    from furlong.sync.serving import server_token
 
     if args.capacity < 1:
         raise SandboxError(f"--capacity: expected at least 1, got {args.capacity}")
-    token = host_token(args.token_file, args.host, cache_dir() / "host-token", console.print)
+    token = server_token(args.token_file, args.host, cache_dir() / "host-token", console.print,
+                         "sandbox.host_token_file")
     key = None if args.e2b_key_file is None else e2b_key(args.e2b_key_file)
     cfg = config_of(args, {})
     if cfg.sandbox.backend != "bwrap":
@@ -67,14 +69,15 @@ def cmd_openenv(args: argparse.Namespace) -> int:
     from furlong.envs.harbor import HarborEnv
     from furlong.eval.openenv_app import serve
     from furlong.paths import cache_dir
-    from furlong.sandbox.host.serve import host_token
     from furlong.sandbox.images import ImageStore
     from furlong.sandbox.pool import FreshSandboxes, StoreImages
+    from furlong.sync.serving import server_token
     from furlong.tasks.suite import load_suite
 
     if args.capacity < 1:
         raise ValueError(f"--capacity: expected at least 1, got {args.capacity}")
-    token = host_token(args.token_file, args.host, cache_dir() / "openenv-token", console.print)
+    token = server_token(args.token_file, args.host, cache_dir() / "openenv-token", console.print,
+                         "openenv.token_file")
     cfg = config_of(args, {})
     backend, store = sandbox_pieces(cfg)
     suite = load_suite(args.tasks, split=args.split, per_family=args.per_family, backend=backend,

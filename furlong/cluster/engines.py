@@ -15,7 +15,7 @@ import json
 import os
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from furlong.engine.factory import make_engine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.engine.server import build_app, load_engine, open_transport
 from furlong.sync.relay import Relay
-from furlong.sync.serving import BackgroundServer
+from furlong.sync.serving import BackgroundServer, require_token_off_loopback
 from furlong.sync.transport import UPDATES_TOKEN_ENV
 
 CHILD_ENV = "FURLONG_ENGINE_ACTOR"  # the tag of the processes one engine actor started
@@ -46,7 +46,9 @@ class EngineSpec:
     prefix_cache_mb: float = 256
     lora: dict | None = None
     updates_token: str | None = None
-    engine_token: str | None = None  # every route of the engine server then needs it (the router sends it)
+    # every route of the engine server but /health needs it (the router sends it): one per spec, so actors
+    # bound to node addresses are never open, even where a caller forgot to give one
+    engine_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     device: str = "cpu"  # cuda: the actor's bundle holds a GPU (train.ray.engine_gpus)
     kind: str = "hf"  # train.engine: hf | vllm | sglang
     seed: int = 0  # vllm, sglang: seeds the requests that bring none
@@ -92,6 +94,7 @@ class EngineHost:
 
     def __init__(self, spec: EngineSpec, port: int, loopback: bool, work_dir: Path | None = None) -> None:
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        require_token_off_loopback(host, spec.engine_token, "EngineSpec.engine_token")
         ap = argparse.ArgumentParser()
         add_serve_arguments(ap)
         args = ap.parse_args(spec.argv(host, port))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -35,7 +36,8 @@ class RemoteEngine:
     """An engine served by `python -m furlong.engine.server` at `url`."""
 
     def __init__(self, url: str, *, timeout_s: float = 600.0, token: str | None = None) -> None:
-        """`token`: the server's FURLONG_ENGINE_TOKEN, sent as a bearer token with every request."""
+        """`token`: the server's bearer token (its --token-file's or FURLONG_ENGINE_TOKEN; EngineProcess.token),
+        sent with every request: every route but /health refuses a request without it (401)."""
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         # Many episodes generate at once; the server batches them, so do not cap connections below that.
@@ -130,6 +132,9 @@ def _unreachable(where: str, e: httpx.HTTPError) -> EngineUnavailable:
 
 
 def _check_status(resp: httpx.Response, where: str) -> None:
+    if resp.status_code == 401:  # say which setting holds the token, not just that it was refused
+        raise EngineRefused(f"{where}: HTTP 401: {resp.text[:500]} (RemoteEngine(url, token=...): the server's "
+                            "--token-file or $FURLONG_ENGINE_TOKEN)")
     if resp.status_code != 200:
         error = EngineRefused if 400 <= resp.status_code < 500 else EngineError
         raise error(f"{where}: HTTP {resp.status_code}: {resp.text[:500]}")
@@ -141,7 +146,8 @@ class EngineProcess:
     def __init__(self, model: Path, *, updates: str | None, log: Path, threads: int = 1,
                  lora: dict | None = None, start_timeout_s: float = 120.0, prefix_cache_mb: float = 256,
                  updates_token: str | None = None, engine_token: str | None = None, port: int = 0) -> None:
-        """`engine_token`: the bearer token the server then asks of every request (FURLONG_ENGINE_TOKEN);
+        """`engine_token`: the bearer token the server asks of every request but /health (FURLONG_ENGINE_TOKEN);
+        None: a fresh one, so the server is never open (`token`: the one its clients must send);
         `port`: 0 for any free one, or a given one (a server restarted at its predecessor's address)."""
         cmd = [sys.executable, "-m", "furlong.engine.server", "--model", str(model), "--threads", str(threads),
                "--prefix-cache-mb", str(prefix_cache_mb), "--port", str(port)]
@@ -155,8 +161,8 @@ class EngineProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if updates_token:  # in the environment, not argv: other users can read a process's command line
             env[UPDATES_TOKEN_ENV] = updates_token
-        if engine_token:
-            env[ENGINE_TOKEN_ENV] = engine_token
+        self.token = engine_token or secrets.token_urlsafe(24)
+        env[ENGINE_TOKEN_ENV] = self.token
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, env=env)
         self.url = self._wait_ready(start_timeout_s)
 

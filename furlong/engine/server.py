@@ -1,6 +1,6 @@
 """The hf engine in its own process, served over HTTP, with a weight-sync relay beside it.
 
-    furlong engine serve --model DIR --updates DIR_OR_URL [--host H] [--port P]
+    furlong engine serve --model DIR --updates DIR_OR_URL [--host H] [--port P] [--token-file FILE]
     (python -m furlong.engine.server takes the same flags)
 
 This is the shape a multi-host deployment takes: the trainer publishes updates to a directory
@@ -20,9 +20,11 @@ rebuilt tensors in. Routes (JSON):
   SGLang's shape (furlong.engine.handover)
 
 When the socket is listening the process prints one line, `furlong-engine listening on URL`,
-so a parent that asked for port 0 learns the port. With FURLONG_ENGINE_TOKEN set in its environment
-every route needs `Authorization: Bearer <token>` (else 401, nothing changed); without it, bind to
-loopback or a private network only. A malformed body gets 400.
+so a parent that asked for port 0 learns the port. Every route but /health needs `Authorization: Bearer
+<token>` (else 401, before the route runs: nothing changed). The token is --token-file's, else
+$FURLONG_ENGINE_TOKEN (how a parent passes one, out of the command line), else, on a loopback --host only,
+a fresh one written to the cache's engine-token; a non-loopback --host without a token is refused at start,
+as `furlong sandbox serve` refuses it. A malformed body gets 400.
 """
 
 from __future__ import annotations
@@ -46,12 +48,15 @@ from furlong.engine.handover import add_tensor_route
 from furlong.engine.hf import HFEngine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.model.loading import load_model
+from furlong.sandbox.base import SandboxError
 from furlong.sync.relay import Relay, SyncFailed
-from furlong.sync.serving import SERVER_KEEPALIVE_S, bound_socket, guarded_app
+from furlong.sync.serving import (SERVER_KEEPALIVE_S, bound_socket, check_token, guarded_app, read_token_file,
+                                  require_token_off_loopback, write_token)
 from furlong.sync.transport import UPDATES_TOKEN_ENV, DirectoryTransport, HttpTransport, Transport
 
 READY_PREFIX = "furlong-engine listening on "
-ENGINE_TOKEN_ENV = "FURLONG_ENGINE_TOKEN"  # the bearer token every route then requires
+ENGINE_TOKEN_ENV = "FURLONG_ENGINE_TOKEN"  # the bearer token every route but /health then requires
+OPEN_PATHS = frozenset({"/health"})  # liveness for routers and probes; it changes nothing
 
 
 class SamplingBody(BaseModel):
@@ -85,7 +90,7 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
         yield
         await engine.close()
 
-    app = guarded_app("furlong hf engine", token, lifespan=lifespan)
+    app = guarded_app("furlong hf engine", token, lifespan=lifespan, open_paths=OPEN_PATHS)
 
     @app.get("/health")
     async def health() -> dict:
@@ -143,15 +148,38 @@ def load_engine(args: argparse.Namespace) -> HFEngine:
                     prefix_cache_mb=args.prefix_cache_mb)
 
 
+def given_token(args: argparse.Namespace) -> str | None:
+    """The bearer token given to the server: --token-file's, else $FURLONG_ENGINE_TOKEN (EngineProcess and
+    `furlong train` pass theirs there, out of the command line); None: make one (loopback --host only)."""
+    if args.token_file is not None:
+        return read_token_file(args.token_file)
+    if env := os.environ.get(ENGINE_TOKEN_ENV):
+        return check_token(env, f"${ENGINE_TOKEN_ENV}")
+    require_token_off_loopback(args.host, None, "--token-file")
+    return None
+
+
+def made_token() -> str:
+    """A fresh token in the cache's engine-token, for the server's local clients to read."""
+    from furlong.paths import cache_dir
+
+    def say(line: str) -> None:  # on stderr: stdout is for the ready line
+        print(line, file=sys.stderr, flush=True)
+
+    return write_token(cache_dir() / "engine-token", say, "RemoteEngine(url, token=...)")
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the server never started."""
     import uvicorn
 
+    token = given_token(args)  # before the model loads: a refused --host or a bad token file fails at once
     torch.set_num_threads(args.threads)
     engine = load_engine(args)
+    token = token or made_token()  # only once the model loaded: a failed start leaves no file
     relay = Relay(open_transport(args.updates), engine) if args.updates else None
     sock = bound_socket(args.host, args.port)
-    app = build_app(engine, relay, os.environ.get(ENGINE_TOKEN_ENV) or None)
+    app = build_app(engine, relay, token)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                             timeout_keep_alive=SERVER_KEEPALIVE_S))
 
@@ -171,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m furlong.engine.server`: the flags of `furlong engine serve`, without the CLI."""
     ap = argparse.ArgumentParser(prog="python -m furlong.engine.server", description=__doc__.splitlines()[0])
     add_serve_arguments(ap)
-    return serve(ap.parse_args(argv))
+    try:
+        return serve(ap.parse_args(argv))
+    except (ValueError, SandboxError) as e:  # a refused --host or a bad token file: say which, no traceback
+        print(f"{ap.prog}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,8 +7,13 @@ furlong.engine.remote, furlong.engine.sglang).
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import os
+import secrets
 import socket
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
@@ -72,19 +77,79 @@ class BackgroundServer:
         self.close()
 
 
-def guarded_app(title: str, token: str | None, lifespan: Any = None) -> FastAPI:
-    """A FastAPI app whose every route needs `Authorization: Bearer <token>` when `token` is set (else 401,
-    nothing changed), and whose malformed bodies get 400 naming the first bad field (not FastAPI's 422)."""
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_token(token: str, where: str) -> str:
+    """`token`, if clients can send it as an HTTP header (printable ASCII, no spaces), else a ValueError naming
+    `where`: a token no client can send would lock every client out."""
+    if not (token.isascii() and token.isprintable() and " " not in token):
+        raise ValueError(f"{where}: expected a token of printable ASCII characters without spaces")
+    return token
+
+
+def require_token_off_loopback(host: str, token: str | None, flag: str) -> None:
+    """A server bound off loopback must ask for a token: anyone who reaches it could otherwise drive it."""
+    if not token and not is_loopback(host):
+        raise ValueError(f"--host {host} is not loopback: give {flag} (a file holding the bearer token)")
+
+
+def read_token_file(path: Path) -> str:
+    """The bearer token --token-file `path` holds (at least 16 characters, printable ASCII)."""
+    from furlong.sandbox.hosts import read_secret
+
+    return check_token(read_secret(path, "--token-file", "token"), f"--token-file {path}")
+
+
+def write_token(generated: Path, say: Callable[[str], None], clients: str) -> str:
+    """A fresh token, written (mode 0600) to `generated` for local clients to read; `clients`: where a
+    client's settings name that file (for the line `say` prints)."""
+    token = secrets.token_urlsafe(32)
+    generated.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(generated, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    say(f"no --token-file: generated a token in {generated} (clients: {clients})")
+    return token
+
+
+def server_token(token_file: Path | None, host: str, generated: Path, say: Callable[[str], None],
+                 clients: str) -> str:
+    """The bearer token of a server bound to `host`: read from token_file (--token-file); without one, only a
+    loopback host may start, with a fresh token written to `generated`, so nobody reachable over a network
+    meets an open server."""
+    if token_file is not None:
+        return read_token_file(token_file)
+    require_token_off_loopback(host, None, "--token-file")
+    return write_token(generated, say, clients)
+
+
+def guarded_app(title: str, token: str | None, lifespan: Any = None, open_paths: frozenset[str] = frozenset()
+                ) -> FastAPI:
+    """A FastAPI app whose every route but those in `open_paths` needs `Authorization: Bearer <token>` when
+    `token` is set (else 401, nothing changed: the check runs before the route), and whose malformed bodies
+    get 400 naming the first bad field (not FastAPI's 422)."""
     from fastapi import Depends, FastAPI, Header, HTTPException, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
     expected = f"Bearer {token}".encode()
 
-    def authorized(authorization: str = Header(default="")) -> None:
-        if token is not None and not hmac.compare_digest(authorization.encode(), expected):
+    def authorized(request: Request, authorization: str = Header(default="")) -> None:
+        # bytes compared in constant time; a header of non-ASCII bytes (latin-1 to Starlette) just differs
+        if token is not None and request.url.path not in open_paths and \
+                not hmac.compare_digest(authorization.encode(), expected):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
+    # FastAPI resolves a string annotation in the module's globals, where Request (imported here, lazily) is not
+    authorized.__annotations__["request"] = Request
     app = FastAPI(title=title, dependencies=[Depends(authorized)], lifespan=lifespan, openapi_url=None,
                   docs_url=None, redoc_url=None)
 

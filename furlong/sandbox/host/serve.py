@@ -1,44 +1,17 @@
-"""`furlong sandbox serve`: the host API on uvicorn, with its token rule and start-up lines."""
+"""`furlong sandbox serve`: the host API on uvicorn, with its start-up lines (its token rule, shared with the
+engine and OpenEnv servers: furlong.sync.serving.server_token)."""
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import os
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 
 from furlong.sandbox import cgroups
-from furlong.sandbox.base import SandboxBackend, SandboxError
+from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.host.app import make_app
 from furlong.sandbox.hosts import read_secret
 from furlong.sandbox.images import ImageStore
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def host_token(token_file: Path | None, host: str, generated: Path, say: Callable[[str], None]) -> str:
-    """The bearer token: read from token_file; without one, only a loopback host may start, with a fresh
-    token written (mode 0600) to `generated`, so nobody reachable over a network meets an open host."""
-    if token_file is not None:
-        return read_secret(token_file, "--token-file", "token")
-    if not _loopback(host):
-        raise SandboxError(f"--host {host} is not loopback: give --token-file (a file holding the bearer token)")
-    token = secrets.token_urlsafe(32)
-    generated.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(generated, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    say(f"no --token-file: generated a token in {generated} (clients: sandbox.host_token_file)")
-    return token
 
 
 def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, port: int, capacity: int,
