@@ -15,12 +15,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from furlong.gateway.app import make_app
     from furlong.gateway.build import make_engine_for, make_policy
     from furlong.paths import cache_dir
-    from furlong.sandbox.host.serve import host_token
+    from furlong.sync.serving import read_token_file, server_token
 
-    token = host_token(args.token_file, args.host, cache_dir() / "gateway-token", console.print)
-    engine_token = None
-    if args.engine_token_file is not None:
-        engine_token = args.engine_token_file.read_text().strip()
+    token = server_token(args.token_file, args.host, cache_dir() / "gateway-token", console.print,
+                         "the API key OpenAI and Anthropic clients send")
+    engine_token = None if args.engine_token_file is None else read_token_file(args.engine_token_file)
     engine = make_engine_for(args.model, args.engine, seed=args.seed, token=engine_token)
     policy = make_policy(args.model, engine, name=args.name, tool_format_name=args.tool_format,
                          default_max_tokens=args.max_tokens)
