@@ -352,12 +352,27 @@ def test_train_on_ray_with_vllm_engine_actors_advances_their_weights_and_leaves_
     assert (run / "summary.json").exists()
 
 
-def test_train_on_ray_runs_its_sandboxes_on_host_actors_and_leaves_nothing(tmp_path: Path):
-    run = tmp_path / "run"
+def _arenas() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("furlong-weights-")}
+
+
+@pytest.fixture(scope="module")
+def hosts_and_shared(tmp_path_factory: pytest.TempPathFactory):
+    """One `furlong train` on Ray with both sandbox host actors and the trainer actor's weights handed over
+    in place to two colocated engines (Ray, SFT and the evals once, not twice): the two tests below each
+    check their own half of it. The run's directory, its result, and the weight arenas before it."""
+    run = tmp_path_factory.mktemp("hosts-shared") / "run"
+    before = _arenas()
     res = _train("train.cluster=ray", "train.ray.sandbox_hosts=2", "train.ray.sandbox_host_cpus=0.5",
-                 "train.rl.steps=2", f"train.run_dir={run}", mark="hosts")
+                 "train.sync.transport=shared", "train.ray.engines=2", "train.ray.engine_cpus=0.5",
+                 "train.rl.steps=2", f"train.run_dir={run}", mark="hosts-shared")
+    return run, res, before
+
+
+def test_train_on_ray_runs_its_sandboxes_on_host_actors_and_leaves_nothing(hosts_and_shared):
+    run, res, _ = hosts_and_shared
     assert res.returncode == 0, res.stderr[-3000:]
-    assert not _left("hosts")  # the hosts' `furlong sandbox serve` processes and their sandboxes too
+    assert not _left("hosts-shared")  # the hosts' `furlong sandbox serve` processes and their sandboxes too
     hosts = json.loads((run / "sandbox_hosts.json").read_text())
     assert len(hosts) == 2 and not [h for h in hosts if "error" in h], hosts
     records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
@@ -367,17 +382,10 @@ def test_train_on_ray_runs_its_sandboxes_on_host_actors_and_leaves_nothing(tmp_p
     assert all(h["created"] > 0 for h in hosts), hosts
 
 
-def _arenas() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("furlong-weights-")}
-
-
-def test_train_on_ray_hands_the_trainer_actors_weights_to_colocated_engines_in_place(tmp_path: Path):
-    run = tmp_path / "run"
-    before = _arenas()
-    res = _train("train.cluster=ray", "train.sync.transport=shared", "train.ray.engines=2",
-                 "train.ray.engine_cpus=0.5", "train.rl.steps=2", f"train.run_dir={run}", mark="shared")
+def test_train_on_ray_hands_the_trainer_actors_weights_to_colocated_engines_in_place(hosts_and_shared):
+    run, res, before = hosts_and_shared
     assert res.returncode == 0, res.stderr[-3000:]
-    assert not _left("shared") and _arenas() <= before  # the actors, and the trainer actor's shared memory
+    assert not _left("hosts-shared") and _arenas() <= before  # the actors, and the trainer actor's shared memory
     assert not (run / "weights").exists()  # nothing was published
     records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["phase"] == "rl"]

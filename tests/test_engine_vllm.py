@@ -219,13 +219,17 @@ def test_grpo_learns_toy_task_on_vllm(engine, model_dir, loop):
 def test_train_smoke_with_the_vllm_engine(tmp_path):
     run = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/smoke.yaml",
-                          "train.engine=vllm", f"train.run_dir={run}"], capture_output=True, text=True, timeout=1500)
+                          # 2 RL steps, every group trained: step 1 samples from the weights step 0 pushed into
+                          # vLLM, so its logprob check below is one after an update
+                          "train.engine=vllm", "train.rl.steps=2", "train.rl.filter_zero_variance=false",
+                          f"train.run_dir={run}"],
+                         capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Exception ignored" not in res.stderr, res.stderr[-3000:]  # vLLM shut down once, cleanly
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval_episodes"] == 4 and summary["eval_infra_errors"] == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]
-    assert len(rl) == 4 and all(r["sync_pause_s"] > 0 for r in rl)
+    assert len(rl) == 2 and all(r["sync_pause_s"] > 0 for r in rl)
     # the engine's logprobs are the trainer's (fp32 both): a mismatch would show here first
     assert max(r["logprob_diff_max"] for r in rl) < 1e-3

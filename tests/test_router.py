@@ -49,23 +49,48 @@ def _start(model_dir: Path, tmp: Path, n: int = 2) -> list[EngineProcess]:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def engines(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two engine servers for the whole module (each start is seconds of importing torch), their relay's
+    updates directory and its publisher (v0 first). The tests that SIGKILL them run last of the module's."""
     tmp = tmp_path_factory.mktemp("pair")
-    _publish_v0(tiny_dir, tmp / "updates")
+    publisher = _publish_v0(tiny_dir, tmp / "updates")
     procs = _start(tiny_dir, tmp)
-    yield procs
+    yield tmp, publisher, procs
     for p in procs:
         p.stop()
 
 
 @pytest.fixture
-def fresh_pair(tiny_dir: Path, tmp_path: Path):
-    """Two engine servers of this test's own, and the publisher of their relay's updates (at v0)."""
-    publisher = _publish_v0(tiny_dir, tmp_path / "updates")
-    procs = _start(tiny_dir, tmp_path)
-    yield publisher, procs
-    for p in procs:
-        p.stop()
+def pair(engines, tiny_dir: Path) -> list[EngineProcess]:
+    """The module's two servers, running: one an earlier test killed (run alone or out of order) is started
+    again on the same updates, so no test depends on which ran before it."""
+    procs = engines[2]
+    for i, proc in enumerate(procs):
+        if proc._proc.poll() is not None:
+            _restart(engines, i, tiny_dir)
+    return procs
+
+
+@pytest.fixture
+def live_engine(engines, tiny_dir: Path) -> EngineProcess:
+    """A running server of the module's pair (the test that kills the last one left): one is started again
+    only if none runs."""
+    live = [p for p in engines[2] if p._proc.poll() is None]
+    return live[-1] if live else _restart(engines, 1, tiny_dir)
+
+
+def _restart(engines, i: int, tiny_dir: Path) -> EngineProcess:
+    tmp, _, procs = engines
+    procs[i].stop()
+    procs[i] = EngineProcess(tiny_dir, updates=str(tmp / "updates"), log=tmp / f"engine-{i}-again.log")
+    return procs[i]
+
+
+@pytest.fixture
+def publishing_pair(engines, pair: list[EngineProcess]) -> tuple[Publisher, list[EngineProcess]]:
+    """The module's running pair and the publisher of their relay's updates (at whatever version the
+    module's earlier tests left: a test reads it from the router's sync)."""
+    return engines[1], pair
 
 
 def test_prefix_index_finds_the_longest_recorded_conversation_a_prompt_extends():
@@ -131,42 +156,6 @@ def test_later_turns_of_an_episode_stay_on_its_instance(pair):
     asyncio.run(main())
 
 
-def test_a_killed_instance_is_taken_out_and_its_requests_finish_elsewhere(tiny_dir: Path, fresh_pair):
-    publisher, procs = fresh_pair
-
-    async def main() -> None:
-        router = Router([RemoteEngine(p.url, token=p.token) for p in procs])
-        try:
-            assert (await router.sync())["engine_version"] == 0
-            tasks = [asyncio.create_task(router.generate(_prompt(n), _sampling(n, tokens=200))) for n in range(6)]
-            await asyncio.sleep(0.3)
-            assert all(i.in_flight == 3 for i in router.instances)
-            os.kill(procs[0].pid, signal.SIGKILL)
-            gens = await asyncio.gather(*tasks)
-            dead, alive = router.instances
-            assert not dead.live and alive.live and dead.failures == 3 and alive.retries == 3
-            survivor = RemoteEngine(procs[1].url, token=procs[1].token)
-            directs = await asyncio.gather(*(survivor.generate(_prompt(n), _sampling(n, tokens=200)) for n in range(6)))
-            for gen, direct in zip(gens, directs):  # each one complete, and wholly the survivor's sample
-                assert len(gen.output_ids) == len(gen.logprobs) == len(gen.token_weight_versions) == 200
-                assert gen.weight_version == 0 and set(gen.token_weight_versions) == {0}
-                assert direct.output_ids == gen.output_ids
-                assert max(abs(a - b) for a, b in zip(direct.logprobs, gen.logprobs)) < 1e-4
-            await survivor.close()
-            # updates, pause and resume now reach the survivor only; the version is the live instances'
-            await asyncio.to_thread(publisher.publish, load_model(tiny_dir).state_dict(), 1)
-            report = await router.sync()
-            assert (report["engine_version"], report["instances_live"], router.weight_version) == (1, 1, 1)
-            await router.pause()
-            await router.resume()
-            after = await router.generate(_prompt(7), _sampling(7))
-            assert set(after.token_weight_versions) == {1} and router.metrics()["router_live"] == 1.0
-        finally:
-            await router.close()
-
-    asyncio.run(main())
-
-
 def test_a_hung_instance_fails_its_health_checks_and_its_request_is_restarted(pair):
     async def main() -> None:
         settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2)
@@ -216,9 +205,86 @@ def test_slow_health_takes_out_one_of_two_but_never_the_last_live_instance(pair)
     asyncio.run(main())
 
 
-def test_a_dead_last_instance_is_still_taken_out_by_its_health_polls(tiny_dir: Path, tmp_path: Path):
+async def _until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.05)
+
+
+def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_back(tiny_dir: Path, publishing_pair):
+    publisher, procs = publishing_pair
+
     async def main() -> None:
-        proc = EngineProcess(tiny_dir, updates=None, log=tmp_path / "engine.log")
+        settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2, readmit_after=3)
+        router = Router([RemoteEngine(p.url, token=p.token) for p in procs], settings)
+        out = router.instances[0]
+        try:
+            v = (await router.sync())["engine_version"]  # what the module's earlier tests published
+            os.kill(procs[0].pid, signal.SIGSTOP)
+            try:
+                await _until(lambda: not out.live, 30)
+                await asyncio.to_thread(publisher.publish, load_model(tiny_dir).state_dict(), v + 1)
+                report = await router.sync()  # reaches the live instance only
+                await router.pause()
+                assert report["instances_live"] == 1 and router.weight_version == v + 1 and out.engine.weight_version == v
+                await asyncio.sleep(1.0)
+                assert not out.live and out.readmitted == 0  # still stopped: no healthy polls
+            finally:
+                os.kill(procs[0].pid, signal.SIGCONT)
+            await _until(lambda: out.live, 30)
+            health = await out.engine.health()
+            assert out.readmitted == 1 and health["weight_version"] == v + 1 and health["paused"]
+            assert router.weight_version == v + 1 and router.metrics()["engine0_readmitted"] == 1.0
+            await router.resume()
+            served = out.requests
+            gen = await router.generate(_prompt(1), _sampling(1))  # a tie on load: the lowest index, engine0
+            assert out.requests == served + 1 and set(gen.token_weight_versions) == {v + 1}
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_killed_instance_is_taken_out_and_its_requests_finish_elsewhere(tiny_dir: Path, publishing_pair):
+    publisher, procs = publishing_pair
+
+    async def main() -> None:
+        router = Router([RemoteEngine(p.url, token=p.token) for p in procs])
+        try:
+            v = (await router.sync())["engine_version"]  # what the module's earlier tests published
+            tasks = [asyncio.create_task(router.generate(_prompt(n), _sampling(n, tokens=200))) for n in range(6)]
+            await asyncio.sleep(0.3)
+            assert all(i.in_flight == 3 for i in router.instances)
+            os.kill(procs[0].pid, signal.SIGKILL)
+            gens = await asyncio.gather(*tasks)
+            dead, alive = router.instances
+            assert not dead.live and alive.live and dead.failures == 3 and alive.retries == 3
+            survivor = RemoteEngine(procs[1].url, token=procs[1].token)
+            directs = await asyncio.gather(*(survivor.generate(_prompt(n), _sampling(n, tokens=200)) for n in range(6)))
+            for gen, direct in zip(gens, directs):  # each one complete, and wholly the survivor's sample
+                assert len(gen.output_ids) == len(gen.logprobs) == len(gen.token_weight_versions) == 200
+                assert gen.weight_version == v and set(gen.token_weight_versions) == {v}
+                assert direct.output_ids == gen.output_ids
+                assert max(abs(a - b) for a, b in zip(direct.logprobs, gen.logprobs)) < 1e-4
+            await survivor.close()
+            # updates, pause and resume now reach the survivor only; the version is the live instances'
+            await asyncio.to_thread(publisher.publish, load_model(tiny_dir).state_dict(), v + 1)
+            report = await router.sync()
+            assert (report["engine_version"], report["instances_live"], router.weight_version) == (v + 1, 1, v + 1)
+            await router.pause()
+            await router.resume()
+            after = await router.generate(_prompt(7), _sampling(7))
+            assert set(after.token_weight_versions) == {v + 1} and router.metrics()["router_live"] == 1.0
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_dead_last_instance_is_still_taken_out_by_its_health_polls(live_engine: EngineProcess):
+    async def main() -> None:
+        proc = live_engine
         router = Router([RemoteEngine(proc.url, token=proc.token)], RouterSettings(health_interval_s=0.2, health_timeout_s=0.5))
         try:
             await router.generate(_prompt(0), _sampling(0))  # starts the health polls
@@ -228,47 +294,6 @@ def test_a_dead_last_instance_is_still_taken_out_by_its_health_polls(tiny_dir: P
             assert "ConnectError" in router.instances[0].reason
         finally:
             proc.stop()
-            await router.close()
-
-    asyncio.run(main())
-
-
-async def _until(condition, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        await asyncio.sleep(0.05)
-
-
-def test_a_recovered_instance_catches_up_on_the_weights_it_missed_and_is_put_back(tiny_dir: Path, fresh_pair):
-    publisher, procs = fresh_pair
-
-    async def main() -> None:
-        settings = RouterSettings(health_interval_s=0.2, health_timeout_s=0.5, unhealthy_after=2, readmit_after=3)
-        router = Router([RemoteEngine(p.url, token=p.token) for p in procs], settings)
-        out = router.instances[0]
-        try:
-            assert (await router.sync())["engine_version"] == 0
-            os.kill(procs[0].pid, signal.SIGSTOP)
-            try:
-                await _until(lambda: not out.live, 30)
-                await asyncio.to_thread(publisher.publish, load_model(tiny_dir).state_dict(), 1)
-                report = await router.sync()  # reaches the live instance only
-                await router.pause()
-                assert report["instances_live"] == 1 and router.weight_version == 1 and out.engine.weight_version == 0
-                await asyncio.sleep(1.0)
-                assert not out.live and out.readmitted == 0  # still stopped: no healthy polls
-            finally:
-                os.kill(procs[0].pid, signal.SIGCONT)
-            await _until(lambda: out.live, 30)
-            health = await out.engine.health()
-            assert out.readmitted == 1 and health["weight_version"] == 1 and health["paused"]
-            assert router.weight_version == 1 and router.metrics()["engine0_readmitted"] == 1.0
-            await router.resume()
-            served = out.requests
-            gen = await router.generate(_prompt(1), _sampling(1))  # a tie on load: the lowest index, engine0
-            assert out.requests == served + 1 and set(gen.token_weight_versions) == {1}
-        finally:
             await router.close()
 
     asyncio.run(main())
