@@ -63,8 +63,12 @@ _BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
 
 def _bounds(info: FieldInfo) -> str:
     """The field's numeric constraints (pydantic keeps `Field(gt=0)` as annotated-types metadata)."""
-    found = [f"{sign} {getattr(m, attr)}" for m in info.metadata for attr, sign in _BOUNDS
-             if getattr(m, attr, None) is not None]
+    found = [
+        f"{sign} {getattr(m, attr)}"
+        for m in info.metadata
+        for attr, sign in _BOUNDS
+        if getattr(m, attr, None) is not None
+    ]
     return f", {', '.join(found)}" if found else ""
 
 
@@ -115,8 +119,10 @@ def _render_section(key: str, model: type[BaseModel]) -> str:
     if rows:
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
         for name, info in rows:
-            lines.append(f"| `{key}.{name}` | {_type_name(info.annotation)}{_bounds(info)} | {_default(info)} | "
-                         f"{_cell(info.description or '')} |")
+            lines.append(
+                f"| `{key}.{name}` | {_type_name(info.annotation)}{_bounds(info)} | {_default(info)} | "
+                f"{_cell(info.description or '')} |"
+            )
         lines.append("")
     if subsections:
         lines += ["Sections: " + ", ".join(f"`{key}.{name}`" for name in subsections) + ".", ""]

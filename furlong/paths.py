@@ -11,6 +11,18 @@ SHM = Path("/dev/shm")
 _ARENA = re.compile(r"furlong-weights-(\d+)-(\d+)-[0-9a-f]{16}")  # pid namespace, owner's pid, random part
 
 
+def read_secret(path: Path, flag: str, what: str) -> str:
+    """A secret of at least 16 characters from `path`, which the flag `flag` named (ValueError otherwise).
+    Here, at the bottom of the layers, so that every server and client reads token files alike."""
+    try:
+        secret = path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror}") from None
+    if len(secret) < 16:
+        raise ValueError(f"{flag} {path}: expected a {what} of at least 16 characters")
+    return secret
+
+
 def cache_dir() -> Path:
     """$FURLONG_CACHE; else ~/.cache/furlong, or /var/cache/furlong when running as root.
 
@@ -34,7 +46,8 @@ def check_traversable(path: Path, uid: int) -> None:
         if parent.exists() and parent.stat().st_uid != uid and not parent.stat().st_mode & 0o001:
             raise PermissionError(
                 f"the sandbox uid {uid} cannot traverse {parent} (mode {oct(parent.stat().st_mode & 0o777)}), "
-                f"so it cannot reach images under {path}; set FURLONG_CACHE to a directory outside it")
+                f"so it cannot reach images under {path}; set FURLONG_CACHE to a directory outside it"
+            )
 
 
 def layer_mounts_dir() -> Path:

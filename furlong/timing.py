@@ -38,5 +38,9 @@ class Clock:
 
     def timing(self) -> EpisodeTiming:
         parts = {k: self.spent.get(k, 0.0) for k in PARTS}
-        return EpisodeTiming(**parts, other=max(time.perf_counter() - self.start - sum(parts.values()), 0.0),
-                             started_at=self.started_at, ended_at=time.time())
+        return EpisodeTiming(
+            **parts,
+            other=max(time.perf_counter() - self.start - sum(parts.values()), 0.0),
+            started_at=self.started_at,
+            ended_at=time.time(),
+        )

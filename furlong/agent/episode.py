@@ -34,6 +34,7 @@ from furlong.timing import EpisodeTiming
 if TYPE_CHECKING:
     from furlong.config import AgentConfig
 
+
 @dataclass(frozen=True)
 class AgentParams:
     """The agent loop's limits and prompt: the config's `train.agent` keys of the same names
@@ -209,8 +210,13 @@ class ModelAgent:
         cut, call = self._open
         running = call is not None and not cut  # the step's time ran out during this call
         messages = [Message("tool", STEP_OVER)] if running else []
-        ids = continuation_ids(self.tokenizer, [*messages, Message("user", instruction)], close_turn=cut,
-                               end_of_turn=self.format.turn_ends, answered=_calling(call) if running and call else _ANSWER)
+        ids = continuation_ids(
+            self.tokenizer,
+            [*messages, Message("user", instruction)],
+            close_turn=cut,
+            end_of_turn=self.format.turn_ends,
+            answered=_calling(call) if running and call else _ANSWER,
+        )
         if len(self.trace.tokens) + len(ids) >= self.params.max_context_tokens:
             return False
         self.trace.add_context(ids)
@@ -248,10 +254,17 @@ class ModelAgent:
             deadline.reschedule(None)  # the clock stops while the engine works on this turn
             self._waiting_since = t
             try:
-                gen = await self.engine.generate(list(trace.tokens), SamplingParams(
-                    temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
-                    max_new_tokens=min(params.max_new_tokens, budget), stop_token_ids=stops,
-                    seed=None if self.sampling.seed is None else mix_seed(self.sampling.seed, turn)))
+                gen = await self.engine.generate(
+                    list(trace.tokens),
+                    SamplingParams(
+                        temperature=self.sampling.temperature,
+                        top_p=self.sampling.top_p,
+                        top_k=self.sampling.top_k,
+                        max_new_tokens=min(params.max_new_tokens, budget),
+                        stop_token_ids=stops,
+                        seed=None if self.sampling.seed is None else mix_seed(self.sampling.seed, turn),
+                    ),
+                )
             finally:
                 self.model_wait_s += time.perf_counter() - t
                 self._waiting_since = None
@@ -262,20 +275,23 @@ class ModelAgent:
                 await runner.reply(self.format.answer(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)))
             if gen.finish_reason != "stop":
                 return "truncated"  # cut off mid-turn: no well-formed turn to answer
-            answer = await self._answer(runner, self.tokenizer.decode(gen.output_ids, skip_special_tokens=False),
-                                        answers_only)
+            answer = await self._answer(
+                runner, self.tokenizer.decode(gen.output_ids, skip_special_tokens=False), answers_only
+            )
             if answer is None:
                 return "ok"
             answered, observations = answer
-            trace.add_context(continuation_ids(self.tokenizer, observations, end_of_turn=self.format.turn_ends,
-                                               answered=answered))
+            trace.add_context(
+                continuation_ids(self.tokenizer, observations, end_of_turn=self.format.turn_ends, answered=answered)
+            )
             self._open = None
             if runner.finished:
                 return "ok"
         return "truncated"
 
-    async def _answer(self, runner: ToolRunner, text: str,
-                      answers_only: bool = False) -> tuple[Message, list[Message]] | None:
+    async def _answer(
+        self, runner: ToolRunner, text: str, answers_only: bool = False
+    ) -> tuple[Message, list[Message]] | None:
         """The messages that answer a sampled turn, and the turn as the template sees it (a stub: only a
         call's name can matter to what follows it); None when the conversation is over. `answers_only`:
         the turn is an answer whatever it holds (an environment without tools)."""
@@ -313,18 +329,45 @@ def system_prompt(spec: EnvSpec, params: AgentParams) -> str:
     return getattr(spec, "system_prompt", None) or params.system_prompt
 
 
-async def run_episode(task: EnvSpec, engine: Engine, tokenizer, env: Environment | SandboxSource, params: AgentParams,
-                      sampling: SamplingParams, *, group_id: int = 0, step: int | None = None, attempt: int = 0,
-                      sample_id: int = 0) -> Episode:
+async def run_episode(
+    task: EnvSpec,
+    engine: Engine,
+    tokenizer,
+    env: Environment | SandboxSource,
+    params: AgentParams,
+    sampling: SamplingParams,
+    *,
+    group_id: int = 0,
+    step: int | None = None,
+    attempt: int = 0,
+    sample_id: int = 0,
+) -> Episode:
     """One RL episode through the one episode runner (furlong.agent.runner.run_outcome); never raises
     for the model's, the task's or the sandbox's fault: failures become the status."""
-    agent, outcome = await run_retrying(task, lambda: ModelAgent(engine, tokenizer, params, sampling, task.instruction),
-                                        env)
+    agent, outcome = await run_retrying(
+        task, lambda: ModelAgent(engine, tokenizer, params, sampling, task.instruction), env
+    )
     t = agent.trace
-    return Episode(task_id=task.id, group_id=group_id, step=step, attempt=attempt, sample_id=sample_id,
-                   prompt_len=agent.prompt_len, tokens=tuple(t.tokens), loss_mask=tuple(t.mask),
-                   rollout_logprobs=tuple(t.logprobs), token_weight_versions=tuple(t.versions),
-                   reward=outcome.reward, status=outcome.status, timing=outcome.timing, turns=agent.turns,
-                   error=outcome.error, tool_errors=agent.tool_errors, family=task.family,
-                   tampered_paths=outcome.tampered_paths, rewards=outcome.rewards, steps=outcome.steps,
-                   traceback=outcome.traceback)
+    return Episode(
+        task_id=task.id,
+        group_id=group_id,
+        step=step,
+        attempt=attempt,
+        sample_id=sample_id,
+        prompt_len=agent.prompt_len,
+        tokens=tuple(t.tokens),
+        loss_mask=tuple(t.mask),
+        rollout_logprobs=tuple(t.logprobs),
+        token_weight_versions=tuple(t.versions),
+        reward=outcome.reward,
+        status=outcome.status,
+        timing=outcome.timing,
+        turns=agent.turns,
+        error=outcome.error,
+        tool_errors=agent.tool_errors,
+        family=task.family,
+        tampered_paths=outcome.tampered_paths,
+        rewards=outcome.rewards,
+        steps=outcome.steps,
+        traceback=outcome.traceback,
+    )

@@ -91,8 +91,21 @@ from furlong.timing import Clock, EpisodeTiming
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AGENT_GRACE_S", "LOST_RETRIES", "STATUSES", "Agent", "AgentRun", "GuardedSandbox", "Outcome",
-           "SandboxSource", "describe", "environment", "run_outcome", "run_retrying", "sandbox_spec"]
+__all__ = [
+    "AGENT_GRACE_S",
+    "LOST_RETRIES",
+    "STATUSES",
+    "Agent",
+    "AgentRun",
+    "GuardedSandbox",
+    "Outcome",
+    "SandboxSource",
+    "describe",
+    "environment",
+    "run_outcome",
+    "run_retrying",
+    "sandbox_spec",
+]
 
 STATUSES = ("ok", "truncated", "timeout", "agent_broke_sandbox", "reward_tampered", "infra_error")
 AGENT_GRACE_S = 5.0  # past the agent timeout, for a command that was given the whole timeout to report back
@@ -163,8 +176,9 @@ async def run_outcome(spec: EnvSpec, agent: Agent, source: Environment | Sandbox
     try:
         outcome = await _phases(spec, agent, env, clock)
     except Exception as exc:  # noqa: BLE001 -- not the agent's (module docstring): the episode's, not the run's
-        log.warning("episode %s: the episode runner failed (infra_error, traceback in its record): %s", spec.id,
-                    describe(exc))
+        log.warning(
+            "episode %s: the episode runner failed (infra_error, traceback in its record): %s", spec.id, describe(exc)
+        )
         outcome = _unscored(clock, f"the episode runner failed: {describe(exc)}", lost=host_lost(exc), exc=exc)
     finally:
         await _close(env)
@@ -190,8 +204,9 @@ async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) ->
             clock.spent["model_wait"] = _engine_wait(agent)
         run = _joined([*runs, run])
         if failure is not None and host_lost(failure):
-            return _unscored(clock, f"sandbox host lost during the agent phase: {describe(failure)}", run, lost=True,
-                             exc=failure)
+            return _unscored(
+                clock, f"sandbox host lost during the agent phase: {describe(failure)}", run, lost=True, exc=failure
+            )
         if failure is not None and env.caused(failure):
             return _broke(clock, f"sandbox broke during the agent phase: {describe(failure)}", run, exc=failure)
         if failure is not None:
@@ -202,8 +217,9 @@ async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) ->
         except Exception as exc:  # noqa: BLE001 -- the scorer's own failure, never the agent's (module docstring)
             lost = host_lost(exc)
             if not lost:  # a scorer that fails for every episode must not go unnoticed in a running job
-                log.warning("episode %s: scoring failed (infra_error, traceback in its record): %s", spec.id,
-                            describe(exc))
+                log.warning(
+                    "episode %s: scoring failed (infra_error, traceback in its record): %s", spec.id, describe(exc)
+                )
             what = "sandbox host lost while scoring" if lost else "scoring failed"
             return _unscored(clock, f"{what}: {describe(exc)}", run, lost=lost, exc=exc)
         finally:
@@ -217,9 +233,13 @@ async def _phases(spec: EnvSpec, agent: Agent, env: EpisodeEnv, clock: Clock) ->
 def _joined(runs: list[AgentRun]) -> AgentRun:
     """The agent phases of an episode's steps as one: the last one's command, any one's time-out."""
     last = runs[-1]
-    return AgentRun(commands=sum(r.commands for r in runs), timed_out=any(r.timed_out for r in runs),
-                    truncated=any(r.truncated for r in runs), last_exit_code=last.last_exit_code,
-                    last_output=last.last_output)
+    return AgentRun(
+        commands=sum(r.commands for r in runs),
+        timed_out=any(r.timed_out for r in runs),
+        truncated=any(r.truncated for r in runs),
+        last_exit_code=last.last_exit_code,
+        last_output=last.last_output,
+    )
 
 
 def _scored(clock: Clock, run: AgentRun, score: Score) -> Outcome:
@@ -229,11 +249,25 @@ def _scored(clock: Clock, run: AgentRun, score: Score) -> Outcome:
     if score.reward is None:
         return _unscored(clock, score.error or "no reward", run, score)
     if score.tampered:
-        return Outcome(reward=0.0, status="reward_tampered", timing=clock.timing(), error=score.error,
-                       agent_timed_out=run.timed_out, rewards=score.rewards, **_records(run, score))
+        return Outcome(
+            reward=0.0,
+            status="reward_tampered",
+            timing=clock.timing(),
+            error=score.error,
+            agent_timed_out=run.timed_out,
+            rewards=score.rewards,
+            **_records(run, score),
+        )
     status = "timeout" if score.timed_out or run.timed_out else ("truncated" if run.truncated else "ok")
-    return Outcome(reward=score.reward, status=status, timing=clock.timing(), error=score.error,
-                   agent_timed_out=run.timed_out, rewards=score.rewards, **_records(run, score))
+    return Outcome(
+        reward=score.reward,
+        status=status,
+        timing=clock.timing(),
+        error=score.error,
+        agent_timed_out=run.timed_out,
+        rewards=score.rewards,
+        **_records(run, score),
+    )
 
 
 async def _agent_phase(spec: EnvSpec, agent: Agent, env: EpisodeEnv) -> tuple[AgentRun, Exception | None]:
@@ -279,17 +313,34 @@ def _engine_wait(agent: Agent) -> float:
 
 def _records(run: AgentRun | None, score: Score | None) -> dict[str, Any]:
     """The Outcome fields that say what the agent's last command and the scorer printed."""
-    return {"agent_exit_code": run.last_exit_code if run else None, "agent_output": run.last_output if run else None,
-            "verifier_exit_code": score.exit_code if score else None,
-            "verifier_output": score.output if score else None,
-            "tampered_paths": score.tampered_paths if score else (), "steps": score.steps if score else ()}
+    return {
+        "agent_exit_code": run.last_exit_code if run else None,
+        "agent_output": run.last_output if run else None,
+        "verifier_exit_code": score.exit_code if score else None,
+        "verifier_output": score.output if score else None,
+        "tampered_paths": score.tampered_paths if score else (),
+        "steps": score.steps if score else (),
+    }
 
 
-def _unscored(clock: Clock, error: str, run: AgentRun | None = None, score: Score | None = None,
-              lost: bool = False, exc: BaseException | None = None) -> Outcome:
-    return Outcome(reward=None, status="infra_error", timing=clock.timing(), error=error,
-                   agent_timed_out=bool(run and run.timed_out), lost=lost, traceback=_traceback(exc),
-                   **_records(run, score))
+def _unscored(
+    clock: Clock,
+    error: str,
+    run: AgentRun | None = None,
+    score: Score | None = None,
+    lost: bool = False,
+    exc: BaseException | None = None,
+) -> Outcome:
+    return Outcome(
+        reward=None,
+        status="infra_error",
+        timing=clock.timing(),
+        error=error,
+        agent_timed_out=bool(run and run.timed_out),
+        lost=lost,
+        traceback=_traceback(exc),
+        **_records(run, score),
+    )
 
 
 def _traceback(exc: BaseException | None) -> str | None:
@@ -305,8 +356,9 @@ def host_lost(exc: BaseException) -> bool:
 AgentT = TypeVar("AgentT", bound=Agent)  # run_retrying hands back the caller's own kind of agent
 
 
-async def run_retrying(spec: EnvSpec, new_agent: Callable[[], AgentT], source: Environment | SandboxSource,
-                       retries: int = LOST_RETRIES) -> tuple[AgentT, Outcome]:
+async def run_retrying(
+    spec: EnvSpec, new_agent: Callable[[], AgentT], source: Environment | SandboxSource, retries: int = LOST_RETRIES
+) -> tuple[AgentT, Outcome]:
     """`run_outcome` with a fresh agent, again while the episode's sandbox host was lost (at most `retries`
     more times); the last attempt's agent and outcome."""
     for attempt in range(retries + 1):
@@ -314,12 +366,21 @@ async def run_retrying(spec: EnvSpec, new_agent: Callable[[], AgentT], source: E
         outcome = await run_outcome(spec, agent, source)
         if not outcome.lost or attempt == retries:
             return agent, outcome
-        log.warning("episode %s: %s; running it again (attempt %d of %d)", spec.id, outcome.error, attempt + 2,
-                    retries + 1)
+        log.warning(
+            "episode %s: %s; running it again (attempt %d of %d)", spec.id, outcome.error, attempt + 2, retries + 1
+        )
     raise AssertionError("unreachable")
 
 
-def _broke(clock: Clock, error: str, run: AgentRun, score: Score | None = None,
-           exc: BaseException | None = None) -> Outcome:
-    return Outcome(reward=0.0, status="agent_broke_sandbox", timing=clock.timing(), error=error,
-                   agent_timed_out=run.timed_out, traceback=_traceback(exc), **_records(run, score))
+def _broke(
+    clock: Clock, error: str, run: AgentRun, score: Score | None = None, exc: BaseException | None = None
+) -> Outcome:
+    return Outcome(
+        reward=0.0,
+        status="agent_broke_sandbox",
+        timing=clock.timing(),
+        error=error,
+        agent_timed_out=run.timed_out,
+        traceback=_traceback(exc),
+        **_records(run, score),
+    )

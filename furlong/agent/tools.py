@@ -39,7 +39,9 @@ class ToolRunner:
     async def run(self, call: ToolCall) -> str:
         if call.name not in self.names:
             self.errors += 1
-            known = f"the only tool is {self.names[0]}" if len(self.names) == 1 else f"the tools: {', '.join(self.names)}"
+            known = (
+                f"the only tool is {self.names[0]}" if len(self.names) == 1 else f"the tools: {', '.join(self.names)}"
+            )
             return f"error: unknown tool {call.name!r}; {known}"
         t = time.perf_counter()
         try:

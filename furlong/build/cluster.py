@@ -32,9 +32,17 @@ def session(t: TrainConfig) -> RaySession | None:
         return None
     r = t.ray
     ranks = t.fsdp2.world_size if t.trainer == "fsdp2" else 1
-    roles = Roles(engines=r.engines, engine_cpus=r.engine_cpus, trainer_cpus=r.trainer_cpus, placement=r.placement,
-                  trainer_ranks=ranks, trainer_gpus=r.trainer_gpus, engine_gpus=r.engine_gpus,
-                  sandbox_hosts=r.sandbox_hosts, sandbox_cpus=r.sandbox_host_cpus)
+    roles = Roles(
+        engines=r.engines,
+        engine_cpus=r.engine_cpus,
+        trainer_cpus=r.trainer_cpus,
+        placement=r.placement,
+        trainer_ranks=ranks,
+        trainer_gpus=r.trainer_gpus,
+        engine_gpus=r.engine_gpus,
+        sandbox_hosts=r.sandbox_hosts,
+        sandbox_cpus=r.sandbox_host_cpus,
+    )
     return RaySession(roles, address=r.address, num_cpus=r.num_cpus, timeout_s=r.start_timeout_s)
 
 
@@ -42,8 +50,10 @@ def sandbox_hosts(cluster: RaySession, cfg: Config) -> SandboxHosts:
     """train.ray.sandbox_hosts host actors, serving sandboxes with the run's sandbox.* and images.* settings
     (as a bwrap host: the run's backend, remote, is how the driver reaches them)."""
     r = cfg.train.ray
-    settings = {"sandbox": cfg.sandbox.model_dump(mode="json", exclude={"backend", "hosts", "host_token_file"}),
-                "images": cfg.images.model_dump(mode="json")}
+    settings = {
+        "sandbox": cfg.sandbox.model_dump(mode="json", exclude={"backend", "hosts", "host_token_file"}),
+        "images": cfg.images.model_dump(mode="json"),
+    }
     spec = HostSpec(capacity=r.sandbox_host_capacity, settings=settings, token=secrets.token_urlsafe(32))
     return SandboxHosts(cluster, spec, r.sandbox_hosts, cpus=r.sandbox_host_cpus)
 
@@ -61,13 +71,25 @@ def trainer(cluster: RaySession, make: Callable[[], Trainer], t: TrainConfig) ->
 def ranks(cluster: RaySession, spec: WorkerSpec, t: TrainConfig) -> RayRanks:
     """train.trainer=fsdp2 on Ray: a rank actor in each of the session's trainer bundles."""
     slots = [cluster.slot("trainer", rank) for rank in range(t.fsdp2.world_size)]
-    return RayRanks(spec, t.fsdp2.world_size, cpus=t.ray.trainer_cpus, gpus=t.ray.trainer_gpus,
-                    timeout_s=t.fsdp2.timeout_s, slots=slots)
+    return RayRanks(
+        spec,
+        t.fsdp2.world_size,
+        cpus=t.ray.trainer_cpus,
+        gpus=t.ray.trainer_gpus,
+        timeout_s=t.fsdp2.timeout_s,
+        slots=slots,
+    )
 
 
-async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory: DirectoryTransport | None,
-                      publisher: Callable[[DirectoryTransport], Publisher], lora: dict | None,
-                      run_path: Path | None = None) -> PublishedLink | HandoverLink:
+async def engine_link(
+    cfg: Config,
+    cluster: RaySession,
+    sft_dir: Path,
+    directory: DirectoryTransport | None,
+    publisher: Callable[[DirectoryTransport], Publisher],
+    lora: dict | None,
+    run_path: Path | None = None,
+) -> PublishedLink | HandoverLink:
     """RL's engine actors (train.engine: hf, vllm or sglang in each), pulling from `directory`
     (train.sync.transport=directory: every node must see it), handed the trainer actor's weights in shared
     memory (shared: colocated; `directory` None), or, for any other transport, pulling from an UpdateServer
@@ -76,17 +98,36 @@ async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory
     t = cfg.train
     token = secrets.token_urlsafe(24)
     shared = directory is None
-    server = None if directory is None or t.sync.transport == "directory" else UpdateServer(
-        directory, host=cluster.serve_host, token=token)
+    server = (
+        None
+        if directory is None or t.sync.transport == "directory"
+        else UpdateServer(directory, host=cluster.serve_host, token=token)
+    )
     updates = None if directory is None else server.url if server else str(directory.root)  # None: no relay
-    spec = EngineSpec(sft_dir, updates, threads=t.torch_threads,
-                      prefix_cache_mb=t.hf.prefix_cache_mb, lora=lora, updates_token=token if server else None,
-                      engine_token=token, device="cuda" if t.ray.engine_gpus > 0 else "cpu", kind=t.engine,
-                      seed=t.seed, sglang=t.sglang if t.engine == "sglang" else None)
+    spec = EngineSpec(
+        sft_dir,
+        updates,
+        threads=t.torch_threads,
+        prefix_cache_mb=t.hf.prefix_cache_mb,
+        lora=lora,
+        updates_token=token if server else None,
+        engine_token=token,
+        device="cuda" if t.ray.engine_gpus > 0 else "cpu",
+        kind=t.engine,
+        seed=t.seed,
+        sglang=t.sglang if t.engine == "sglang" else None,
+    )
     try:
-        actors = await asyncio.to_thread(EngineActors, cluster, spec, t.ray.engines, cpus=t.ray.engine_cpus,
-                                         max_restarts=t.ray.max_restarts, gpus=t.ray.engine_gpus,
-                                         work_root=run_path)
+        actors = await asyncio.to_thread(
+            EngineActors,
+            cluster,
+            spec,
+            t.ray.engines,
+            cpus=t.ray.engine_cpus,
+            max_restarts=t.ray.max_restarts,
+            gpus=t.ray.engine_gpus,
+            work_root=run_path,
+        )
     except BaseException:
         if server:
             server.close()
@@ -103,8 +144,9 @@ async def engine_link(cfg: Config, cluster: RaySession, sft_dir: Path, directory
             server.close()
 
     if shared:  # the trainer actor's arena: a link given other tensors copies them into its own (CPU) one
-        return ActorHandoverLink(remote, engines, arena=Arena("cpu", DTYPES[t.sync.engine_dtype]),
-                                 cleanup=cleanup, actors=actors)
+        return ActorHandoverLink(
+            remote, engines, arena=Arena("cpu", DTYPES[t.sync.engine_dtype]), cleanup=cleanup, actors=actors
+        )
     assert directory is not None
     return ActorLink(remote, publisher(directory), remote.sync, cleanup, actors)
 

@@ -99,17 +99,28 @@ def extra_tools(env: EnvConfig) -> tuple[Tool, ...]:
 
 def scorer(env: EnvConfig) -> Scorer:
     """The reward functions and weights; the own reward's key is `tests` (Harbor) or `steps` (python)."""
-    fns = [RewardFn(name=name, weight=r.weight, timeout_s=r.timeout_s, command=r.command, params=r.params,
-                    python=load_object(r.python, f"train.env.rewards.{name}.python") if r.python else None)
-           for name, r in env.rewards.items()]
+    fns = [
+        RewardFn(
+            name=name,
+            weight=r.weight,
+            timeout_s=r.timeout_s,
+            command=r.command,
+            params=r.params,
+            python=load_object(r.python, f"train.env.rewards.{name}.python") if r.python else None,
+        )
+        for name, r in env.rewards.items()
+    ]
     if env.python is not None and (commands := [f.name for f in fns if f.command is not None]):
-        raise ConfigError(f"train.env.rewards: {commands} are commands, which run in a sandbox; a Python "
-                          "environment has none (use python: module:function)")
+        raise ConfigError(
+            f"train.env.rewards: {commands} are commands, which run in a sandbox; a Python "
+            "environment has none (use python: module:function)"
+        )
     return Scorer(fns, own_weight=env.tests_weight, own="steps" if env.python else "tests")
 
 
-def env_source(t: TrainConfig, backend: SandboxBackend,
-               network: TaskNetwork | None = None) -> HarborSource | PythonSource | PromptSource:
+def env_source(
+    t: TrainConfig, backend: SandboxBackend, network: TaskNetwork | None = None
+) -> HarborSource | PythonSource | PromptSource:
     """The run's instances: a Python environment's (train.env.python), a prompt dataset's rows
     (train.env.prompts), or the task families' (their generators run on `backend`): all their train
     instances, and train.eval.heldout_per_family held-out ones each (those that name no network mode with
@@ -121,8 +132,10 @@ def env_source(t: TrainConfig, backend: SandboxBackend,
     families = [load_family(t.tasks / name, backend) for name in t.families]
     for f in families:
         if len(f.seeds["heldout"]) < t.eval.heldout_per_family:
-            raise ConfigError(f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
-                              f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances")
+            raise ConfigError(
+                f"train.eval.heldout_per_family: {t.eval.heldout_per_family} requested, but family "
+                f"{f.name!r} has {len(f.seeds['heldout'])} held-out instances"
+            )
     return HarborSource(families, {"heldout": t.eval.heldout_per_family}, network)
 
 
@@ -140,8 +153,9 @@ def prompt_source(env: EnvConfig, limits: dict[str, int]) -> PromptSource:
     else:
         assert p.train_path is not None and p.heldout_path is not None  # PromptsConfig checked it
         tables = file_splits(p.train_path, p.heldout_path, p.format)
-    return PromptSource(tables, Fields(p.prompt_field, p.system_field, p.answer_field), p.family(),
-                        env.agent_timeout_s, limits)
+    return PromptSource(
+        tables, Fields(p.prompt_field, p.system_field, p.answer_field), p.family(), env.agent_timeout_s, limits
+    )
 
 
 @dataclass(frozen=True)
@@ -175,15 +189,21 @@ class RunEnv:
             yield HarborEnv(pools, self.tools, self.scorer, self.layers)
 
 
-def run_env(env: EnvConfig, backend: SandboxBackend, images: ImageLookup,
-            sessions: Callable[[], AbstractAsyncContextManager[Environment]] | None = None,
-            layers: LayerSource | None = None) -> RunEnv:
+def run_env(
+    env: EnvConfig,
+    backend: SandboxBackend,
+    images: ImageLookup,
+    sessions: Callable[[], AbstractAsyncContextManager[Environment]] | None = None,
+    layers: LayerSource | None = None,
+) -> RunEnv:
     """The run's environment; `sessions`: an OpenEnv server's (train.env.openenv), which brings its own
     tools and rewards; `layers`: the image store, where it is on this host."""
     if sessions is not None:
         if env.tools or env.rewards:
-            raise ConfigError("train.env.tools and train.env.rewards: an OpenEnv server (train.env.openenv) "
-                              "brings its own tools and rewards")
+            raise ConfigError(
+                "train.env.tools and train.env.rewards: an OpenEnv server (train.env.openenv) "
+                "brings its own tools and rewards"
+            )
         return RunEnv(backend, images, sessions=sessions)
     if env.prompts.active:
         reward = load_callable(env.prompts.reward or "", "train.env.prompts.reward")
@@ -191,8 +211,10 @@ def run_env(env: EnvConfig, backend: SandboxBackend, images: ImageLookup,
     tools, scoring = extra_tools(env), scorer(env)
     factory = load_object(env.python, "train.env.python") if env.python else None
     if env.demonstrations and isinstance(factory, type) and not callable(getattr(factory, "demonstrate", None)):
-        raise ConfigError(f"train.env.demonstrations: {env.python} has no demonstrate() method returning the "
-                          "Actions that solve an instance (docs/environments.md)")
+        raise ConfigError(
+            f"train.env.demonstrations: {env.python} has no demonstrate() method returning the "
+            "Actions that solve an instance (docs/environments.md)"
+        )
     if factory is None:
         try:
             HarborEnv(None, tools, scoring)  # type: ignore[arg-type]  # checks the tools beside bash

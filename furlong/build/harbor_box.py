@@ -67,13 +67,21 @@ class HarborBox:
     sandbox.network): the agent phase's from the start, the verifier phase's for the verifier's commands
     once the tests are uploaded, and harbor's switches are ignored."""
 
-    def __init__(self, task: Task, backend: SandboxBackend, images: Callable[[Task], Awaitable],
-                 network: NetworkPolicy = NO_NETWORK, phases: tuple[NetworkPolicy, ...] = (),
-                 follow_harbor: bool = True, bundled: BundledTests | None = None):
+    def __init__(
+        self,
+        task: Task,
+        backend: SandboxBackend,
+        images: Callable[[Task], Awaitable],
+        network: NetworkPolicy = NO_NETWORK,
+        phases: tuple[NetworkPolicy, ...] = (),
+        follow_harbor: bool = True,
+        bundled: BundledTests | None = None,
+    ):
         self.task, self.backend, self._images = task, backend, images
         self.follow_harbor = follow_harbor
-        self.network, self.phases = ((network, tuple(phases)) if follow_harbor
-                                     else (task.agent_network, (task.verifier_network,)))
+        self.network, self.phases = (
+            (network, tuple(phases)) if follow_harbor else (task.agent_network, (task.verifier_network,))
+        )
         self.box: Sandbox | None = None
         self.verifying = False
         self.bundled = bundled  # a separate verifier's box, whose image holds its tests
@@ -133,10 +141,21 @@ class HarborBox:
             return False
         return self.verifying or any(clean == d or clean.startswith(d + "/") for d in VERIFIER_DIRS)
 
-    async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
-                   timeout_sec: float | None = None, user: str | int | None = None) -> BoxResult:
-        res = await self._sandbox().exec(command, timeout_s=timeout_sec or DEFAULT_EXEC_TIMEOUT_S, cwd=cwd,
-                                         env=env, as_verifier=self.as_verifier(user))
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: float | None = None,
+        user: str | int | None = None,
+    ) -> BoxResult:
+        res = await self._sandbox().exec(
+            command,
+            timeout_s=timeout_sec or DEFAULT_EXEC_TIMEOUT_S,
+            cwd=cwd,
+            env=env,
+            as_verifier=self.as_verifier(user),
+        )
         code = res.exit_code if not res.timed_out else 124
         return BoxResult(stdout=res.stdout, stderr=res.stderr, return_code=code)
 
@@ -152,8 +171,9 @@ class HarborBox:
         if "/" + target.strip("/") == TESTS_DIR and not self.verifying:
             self.verifying = True  # the agent is done: harbor copies the tests in only now
             if not self.follow_harbor and self.task.verifier_network != self.task.agent_network:
-                await cast(NetworkSwitching, self._sandbox()).set_network(self.task.verifier_network,
-                                                                          verifier_only=True)
+                await cast(NetworkSwitching, self._sandbox()).set_network(
+                    self.task.verifier_network, verifier_only=True
+                )
         await self._sandbox().put_dir(Path(source), target, as_verifier=self._owner(target))
 
     async def download_file(self, source: str, target: Path | str) -> None:
@@ -199,8 +219,10 @@ def task_dir_of(environment_dir: Path) -> Path:
     for task_dir in parents:
         if (task_dir / "task.toml").is_file():
             return task_dir
-    raise FileNotFoundError(f"environment_dir {environment_dir}: expected <task>/environment (or a verifier's "
-                            f"<task>/tests, <task>/steps/<name>/tests) in a task with task.toml")
+    raise FileNotFoundError(
+        f"environment_dir {environment_dir}: expected <task>/environment (or a verifier's "
+        f"<task>/tests, <task>/steps/<name>/tests) in a task with task.toml"
+    )
 
 
 def box_task(task: Task, environment_dir: Path) -> tuple[Task, bool]:
@@ -208,8 +230,12 @@ def box_task(task: Task, environment_dir: Path) -> tuple[Task, bool]:
     verifier whose image holds its tests (its Dockerfile is in `environment_dir`)."""
     for phase in phases(task):
         sep = phase.separate
-        if sep is not None and sep.bundled_tests and sep.dockerfile is not None and \
-                sep.dockerfile.parent.resolve() == Path(environment_dir).resolve():
+        if (
+            sep is not None
+            and sep.bundled_tests
+            and sep.dockerfile is not None
+            and sep.dockerfile.parent.resolve() == Path(environment_dir).resolve()
+        ):
             return verifier_task(phase), True
     return task, False
 
@@ -234,8 +260,13 @@ def split_overrides(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in items if item.strip())
 
 
-def harbor_box(environment_dir: Path, network: NetworkPolicy = NO_NETWORK, phases: tuple[NetworkPolicy, ...] = (),
-               recipe: str | None = None, overrides: tuple[str, ...] = ()) -> HarborBox:
+def harbor_box(
+    environment_dir: Path,
+    network: NetworkPolicy = NO_NETWORK,
+    phases: tuple[NetworkPolicy, ...] = (),
+    recipe: str | None = None,
+    overrides: tuple[str, ...] = (),
+) -> HarborBox:
     """A HarborBox for the task around `environment_dir`, on the backend config `sandbox.backend` names
     (`recipe` and `overrides` as for `furlong eval`), with harbor's network policies (see HarborBox)."""
     cfg = load_config(Path(recipe) if recipe else None, list(overrides))

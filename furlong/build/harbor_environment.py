@@ -26,8 +26,9 @@ class FurlongEnvironment(BaseEnvironment):
         self._overrides = split_overrides(overrides)
         super().__init__(*args, **kwargs)  # validates the definition and the network policy
         phases = tuple(_ours(p) for p in self._phase_network_policies)
-        self._box = harbor_box(self.environment_dir, _ours(self._network_policy), phases, recipe=recipe,
-                               overrides=self._overrides)
+        self._box = harbor_box(
+            self.environment_dir, _ours(self._network_policy), phases, recipe=recipe, overrides=self._overrides
+        )
 
     @staticmethod
     def type() -> str:
@@ -37,10 +38,16 @@ class FurlongEnvironment(BaseEnvironment):
     def capabilities(self) -> EnvironmentCapabilities:
         # every network mode and allowlist entry, switched while the sandbox runs; no GPUs, no host mounts
         return EnvironmentCapabilities(
-            disable_internet=True, network_allowlist=True, network_allowlist_hostnames=True,
-            network_allowlist_wildcard_hostnames=True, network_allowlist_ipv4_addresses=True,
-            network_allowlist_ipv6_addresses=True, network_allowlist_ipv4_cidrs=True,
-            network_allowlist_ipv6_cidrs=True, dynamic_network_policy=True)
+            disable_internet=True,
+            network_allowlist=True,
+            network_allowlist_hostnames=True,
+            network_allowlist_wildcard_hostnames=True,
+            network_allowlist_ipv4_addresses=True,
+            network_allowlist_ipv6_addresses=True,
+            network_allowlist_ipv4_cidrs=True,
+            network_allowlist_ipv6_cidrs=True,
+            dynamic_network_policy=True,
+        )
 
     async def _apply_network_policy(self, network_policy: HarborPolicy) -> None:
         await self._box.set_network(_ours(network_policy))
@@ -48,8 +55,10 @@ class FurlongEnvironment(BaseEnvironment):
     def _validate_definition(self):
         task_dir_of(self.environment_dir)
         if (self.environment_dir / "docker-compose.yaml").exists():
-            raise ValueError(f"{self.environment_dir}: docker-compose tasks are not supported by furlong "
-                             "(one sandbox per trial); expected environment/Dockerfile or none")
+            raise ValueError(
+                f"{self.environment_dir}: docker-compose tasks are not supported by furlong "
+                "(one sandbox per trial); expected environment/Dockerfile or none"
+            )
 
     async def start(self, force_build: bool) -> None:
         await self._box.start()
@@ -57,10 +66,17 @@ class FurlongEnvironment(BaseEnvironment):
     async def stop(self, delete: bool):
         await self._box.stop()
 
-    async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
-                   timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
-        res = await self._box.exec(command, cwd=cwd, env=self._merge_env(env), timeout_sec=timeout_sec,
-                                   user=self._resolve_user(user))
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        res = await self._box.exec(
+            command, cwd=cwd, env=self._merge_env(env), timeout_sec=timeout_sec, user=self._resolve_user(user)
+        )
         return ExecResult(stdout=res.stdout, stderr=res.stderr, return_code=res.return_code)
 
     async def upload_file(self, source_path: Path | str, target_path: str):

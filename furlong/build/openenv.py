@@ -29,4 +29,5 @@ def openenv_environment(o: OpenEnvConfig) -> Callable[[], AbstractAsyncContextMa
     @contextlib.asynccontextmanager
     async def sessions():
         yield OpenEnvEnvironment(server, o.tool_name)
+
     return sessions

@@ -22,20 +22,34 @@ def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore | HostImages:
     """This machine's image store; with sandbox.backend=remote, the hosts' (they build the images)."""
     if s.backend == "remote":
         return HostImages(hosts(s))
-    pulls = Settings.from_env(prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file,
-                              timeout_s=i.pull_timeout_s)
+    pulls = Settings.from_env(
+        prefer_registry=i.prefer_registry, auth_file=i.registry_auth_file, timeout_s=i.pull_timeout_s
+    )
     egress = host_egress(i.trust_host_ca, i.host_ca_bundle, i.package_mirrors)
-    return ImageStore(host_uid=s.host_uid, mirror=s.debian_mirror, pulls=pulls, egress=egress,
-                      standin_versions=i.standins, offline_uv=i.offline_uv, ubuntu_standins=i.ubuntu_standins)
+    return ImageStore(
+        host_uid=s.host_uid,
+        mirror=s.debian_mirror,
+        pulls=pulls,
+        egress=egress,
+        standin_versions=i.standins,
+        offline_uv=i.offline_uv,
+        ubuntu_standins=i.ubuntu_standins,
+    )
 
 
 def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> SandboxBackend:
     """sandbox.backend over `store`, which resolves the images' layers (remote: the hosts of `store`); this
     machine's networked sandboxes borrow from it what its builds do (the hosts' follow their own config)."""
     local, remote = (None, store) if isinstance(store, HostImages) else (store, None)
-    return make_backend(s.backend, layers=local, host_uid=s.host_uid,
-                        output_cap=s.output_cap_bytes, seccomp=s.seccomp, images=remote,
-                        egress=local.egress if local else None)
+    return make_backend(
+        s.backend,
+        layers=local,
+        host_uid=s.host_uid,
+        output_cap=s.output_cap_bytes,
+        seccomp=s.seccomp,
+        images=remote,
+        egress=local.egress if local else None,
+    )
 
 
 def hosts(s: SandboxConfig) -> Hosts:
@@ -55,4 +69,5 @@ def network_default(s: SandboxConfig) -> TaskNetwork:
 
     def phase(mode: str) -> NetworkPolicy:
         return NetworkPolicy(mode, extra if mode == "packages" else ())  # type: ignore[arg-type]
+
     return TaskNetwork(agent=phase(s.network.agent), verifier=phase(s.network.verifier))

@@ -88,11 +88,19 @@ class Pieces:
 
 def check_devices(t: TrainConfig) -> None:
     """A CUDA device asked of this process (not of Ray actors, which get their own) must be here."""
-    asked = [f"{key}=cuda" for key, device in (("train.device", t.device if t.cluster == "local" else "cpu"),
-                                               ("train.hf.device", t.hf.device)) if device == "cuda"]
+    asked = [
+        f"{key}=cuda"
+        for key, device in (
+            ("train.device", t.device if t.cluster == "local" else "cpu"),
+            ("train.hf.device", t.hf.device),
+        )
+        if device == "cuda"
+    ]
     if asked and not torch.cuda.is_available():
-        raise ConfigError(f"{', '.join(asked)}: no CUDA device is visible to this process "
-                          f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
+        raise ConfigError(
+            f"{', '.join(asked)}: no CUDA device is visible to this process "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})"
+        )
 
 
 def pieces(cfg: Config) -> Pieces:
@@ -117,10 +125,18 @@ def pieces(cfg: Config) -> Pieces:
             source, sessions = openenv_source(cfg.openenv), openenv_environment(cfg.openenv)
         else:
             source, sessions = env_source(t, backend, network_default(cfg.sandbox)), None
-        return Pieces(tokenizer=tokenizer, backend=backend, store=store,
-                      env=run_env(t.env, backend, images, sessions, store if isinstance(store, ImageStore) else None),
-                      train_tasks=source.instances("train"), eval_tasks=source.instances("heldout"),
-                      params=AgentParams.of(t.agent), base_model=Path(base), cluster=cluster, hosts=hosts)
+        return Pieces(
+            tokenizer=tokenizer,
+            backend=backend,
+            store=store,
+            env=run_env(t.env, backend, images, sessions, store if isinstance(store, ImageStore) else None),
+            train_tasks=source.instances("train"),
+            eval_tasks=source.instances("heldout"),
+            params=AgentParams.of(t.agent),
+            base_model=Path(base),
+            cluster=cluster,
+            hosts=hosts,
+        )
     except BaseException:
         if hosts is not None:
             hosts.stop()
@@ -169,8 +185,9 @@ def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
     return wrap_lora(model, LoraSpec(rank=t.lora.rank, alpha=t.lora.alpha, targets=t.lora.targets), seed=seed)
 
 
-def trainer(t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True,
-            cluster: RaySession | None = None) -> Trainer:
+def trainer(
+    t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True, cluster: RaySession | None = None
+) -> Trainer:
     """The policy trainer (train.trainer) on train.device, in this process or (train.cluster=ray) in the
     session's actors; the KL reference is the SFT model itself (with LoRA too: fresh adapters start as the
     identity). `anchor` False: a finished RL phase, which trains no more."""
@@ -192,20 +209,23 @@ def local_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list
     return LocalTrainer(policy, config, ref_model=ref, demos=demos)
 
 
-def fsdp2_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list,
-                  cluster: RaySession | None = None) -> Trainer:
+def fsdp2_trainer(
+    t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list, cluster: RaySession | None = None
+) -> Trainer:
     """train.fsdp2.world_size ranks, each building the policy from `sft_dir`: processes on this host, or
     (train.cluster=ray) Ray actors placed in the run's cluster."""
     from furlong.model.lora import LoraSpec  # peft loads slowly: only LoRA runs need it
 
     ws = t.fsdp2.world_size
     if t.device == "cuda" and ws > torch.cuda.device_count():
-        raise ConfigError(f"train.fsdp2.world_size: {ws} ranks need {ws} GPUs (one each); "
-                          f"{torch.cuda.device_count()} visible")
+        raise ConfigError(
+            f"train.fsdp2.world_size: {ws} ranks need {ws} GPUs (one each); {torch.cuda.device_count()} visible"
+        )
     lo = t.lora
     lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets) if lo.enabled else None
-    spec = FSDP2Spec(sft_dir, config, lora=lora, lora_seed=t.seed, demos=tuple(demos), device=t.device,
-                     threads=t.torch_threads)
+    spec = FSDP2Spec(
+        sft_dir, config, lora=lora, lora_seed=t.seed, demos=tuple(demos), device=t.device, threads=t.torch_threads
+    )
     if cluster is None:
         return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)
     import furlong.build.cluster as ray_build
@@ -235,8 +255,9 @@ def shared_engine(cfg: Config, sft_dir: Path, run_path: Path):
     return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
 
 
-def phase_engine(model_dir: Path, shared=None, prefix_cache_mb: float = 256, device: str = "cpu",
-                 deterministic: bool = False):
+def phase_engine(
+    model_dir: Path, shared=None, prefix_cache_mb: float = 256, device: str = "cpu", deterministic: bool = False
+):
     """A phase's engine: the run's `shared` one (lent: closing it leaves it running), else a new hf engine over
     the model in `model_dir`."""
     if shared is not None:
@@ -257,13 +278,16 @@ def _fresh_dir(t: TrainConfig, run_path: Path) -> DirectoryTransport:
     return DirectoryTransport(root, keep=t.sync.keep)
 
 
-async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
-                      cluster: RaySession | None = None) -> WeightLink:
+async def weight_link(
+    cfg: Config, run_path: Path, sft_dir: Path, shared=None, cluster: RaySession | None = None
+) -> WeightLink:
     """RL's rollout engine and the link that keeps its weights current (train.engine, train.sync; with
     train.cluster=ray, engine actors)."""
     t, s = cfg.train, cfg.train.sync
-    publisher = lambda transport: Publisher(transport, full_every=s.full_every,  # noqa: E731
-                                            engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
+
+    def publisher(transport: Any) -> Publisher:
+        return Publisher(transport, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
+
     if cluster is not None:  # every train.engine: each actor's relay loads its engine (hf, vllm, sglang)
         import furlong.build.cluster as ray_build
 
@@ -271,8 +295,11 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
         return await ray_build.engine_link(cfg, cluster, sft_dir, published, publisher, lora_spec(t), run_path)
     if t.engine == "sglang":
         return await _sglang_link(cfg, run_path, sft_dir)
-    local = (lambda: Borrowed(shared)) if shared is not None else (
-        lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb, t.hf.device, t.hf.deterministic))
+    local = (
+        (lambda: Borrowed(shared))
+        if shared is not None
+        else (lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb, t.hf.device, t.hf.deterministic))
+    )
     if s.transport == "direct":
         return DirectLink(local())
     if s.engine == "inprocess":
@@ -295,9 +322,17 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     directory = _fresh_dir(t, run_path)
     token = secrets.token_urlsafe(24)
     server = UpdateServer(directory, token=token) if s.transport == "http" else None
-    processes = await start_engines(s.servers, sft_dir, server.url if server else str(directory.root), run_path,
-                                    t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb, token if server else None,
-                                    engine_token=token)
+    processes = await start_engines(
+        s.servers,
+        sft_dir,
+        server.url if server else str(directory.root),
+        run_path,
+        t.torch_threads,
+        lora_spec(t),
+        t.hf.prefix_cache_mb,
+        token if server else None,
+        engine_token=token,
+    )
     remote, _members = _remote_engines(processes, token)
 
     async def cleanup_remote() -> None:
@@ -308,8 +343,9 @@ async def weight_link(cfg: Config, run_path: Path, sft_dir: Path, shared=None,
     return PublishedLink(remote, publisher(directory), remote.sync, cleanup_remote)
 
 
-def _remote_engines(processes: list[EngineProcess], token: str,
-                    settings: RouterSettings = RouterSettings()) -> tuple[RemoteEngine | Router, list[RemoteEngine]]:
+def _remote_engines(
+    processes: list[EngineProcess], token: str, settings: RouterSettings = RouterSettings()
+) -> tuple[RemoteEngine | Router, list[RemoteEngine]]:
     """Clients of the engine processes: one is served directly, several sit behind a router."""
     members = [RemoteEngine(p.url, token=token) for p in processes]
     return (members[0] if len(members) == 1 else Router(members, settings)), members
@@ -320,15 +356,17 @@ async def _stop_engines(remote: RemoteEngine | Router, processes: list[EnginePro
     await asyncio.gather(*(asyncio.to_thread(p.stop) for p in processes))
 
 
-async def _engines_without_relay(cfg: Config, run_path: Path, sft_dir: Path
-                                 ) -> tuple[str, list[EngineProcess], RemoteEngine | Router, list[RemoteEngine]]:
+async def _engines_without_relay(
+    cfg: Config, run_path: Path, sft_dir: Path
+) -> tuple[str, list[EngineProcess], RemoteEngine | Router, list[RemoteEngine]]:
     """`train.sync.servers` engine servers that the link itself keeps current: the run's token, the processes,
     the engine (a router over several) and its members. The link takes a lost engine out and puts it back
     once it has loaded the live weights (readmit_after=0: there is no relay to catch up from)."""
     t = cfg.train
     token = secrets.token_urlsafe(24)  # the engines answer only this run
-    processes = await start_engines(t.sync.servers, sft_dir, None, run_path, t.torch_threads, lora_spec(t),
-                                    t.hf.prefix_cache_mb, engine_token=token)
+    processes = await start_engines(
+        t.sync.servers, sft_dir, None, run_path, t.torch_threads, lora_spec(t), t.hf.prefix_cache_mb, engine_token=token
+    )
     remote, members = _remote_engines(processes, token, RouterSettings(readmit_after=0))
     return token, processes, remote, members
 
@@ -337,42 +375,66 @@ async def _broadcast_link(cfg: Config, run_path: Path, sft_dir: Path) -> Broadca
     """train.sync.transport=broadcast: engine servers without a relay, joined to the trainer's group."""
     s = cfg.train.sync
     token, processes, remote, members = await _engines_without_relay(cfg, run_path, sft_dir)
-    return await BroadcastLink.open(remote, members, address=s.master_address, backend=s.backend,
-                                    dtype=DTYPES[s.engine_dtype],
-                                    bucket_bytes=int(s.bucket_mb * 2**20), secret=token,
-                                    cleanup=lambda: _stop_engines(remote, processes))
+    return await BroadcastLink.open(
+        remote,
+        members,
+        address=s.master_address,
+        backend=s.backend,
+        dtype=DTYPES[s.engine_dtype],
+        bucket_bytes=int(s.bucket_mb * 2**20),
+        secret=token,
+        cleanup=lambda: _stop_engines(remote, processes),
+    )
 
 
 async def _shared_link(cfg: Config, run_path: Path, sft_dir: Path) -> HandoverLink:
     """train.sync.transport=shared: engine servers on this host without a relay, each handed this process's
     copy of the weights in shared memory."""
     _, processes, remote, members = await _engines_without_relay(cfg, run_path, sft_dir)
-    return HandoverLink(remote, members, arena=Arena("cpu", DTYPES[cfg.train.sync.engine_dtype]),
-                        cleanup=lambda: _stop_engines(remote, processes))
+    return HandoverLink(
+        remote,
+        members,
+        arena=Arena("cpu", DTYPES[cfg.train.sync.engine_dtype]),
+        cleanup=lambda: _stop_engines(remote, processes),
+    )
 
 
 async def _sglang_link(cfg: Config, run_path: Path, sft_dir: Path) -> DirectLink:
     """An SGLang server (started or attached, train.sglang) that loads each step's full weights itself."""
     if cfg.train.lora.enabled or cfg.train.sync.transport != "direct":
-        raise ConfigError("train.engine=sglang supports full-weight updates only: set train.lora.enabled=false "
-                          "and train.sync.transport=direct (the server loads each step's checkpoint)")
-    engine = await asyncio.to_thread(make_engine, "sglang", sft_dir, seed=cfg.train.seed, sglang=cfg.train.sglang,
-                                     work_dir=run_path / "sglang")
+        raise ConfigError(
+            "train.engine=sglang supports full-weight updates only: set train.lora.enabled=false "
+            "and train.sync.transport=direct (the server loads each step's checkpoint)"
+        )
+    engine = await asyncio.to_thread(
+        make_engine, "sglang", sft_dir, seed=cfg.train.seed, sglang=cfg.train.sglang, work_dir=run_path / "sglang"
+    )
     return DirectLink(engine)  # any Engine with update_weights
 
 
-def scheduler(t: TrainConfig, rollouts: Rollouts, tasks: Sequence[EnvSpec], start: int, cursor: dict | None,
-              counted: int) -> Scheduler:
+def scheduler(
+    t: TrainConfig, rollouts: Rollouts, tasks: Sequence[EnvSpec], start: int, cursor: dict | None, counted: int
+) -> Scheduler:
     """The RL rollout side from step `start`. Sync and async are one loop: sync runs one step's groups at a time
     with zero lookahead, so the next step's episodes start only once this step's weights are in the engine.
     `cursor`/`counted`: where a resumed run's stream goes on, and the in-flight episodes its rows counted."""
     r = t.rl
     picked = tasks if r.families is None else [task for task in tasks if task.family in r.families]
     if not picked:
-        raise ConfigError(f"train.rl.families: no train task is of {list(r.families or ())} (the train tasks' "
-                          f"families: {sorted({str(task.family) for task in tasks})})")
-    return Scheduler(rollouts, GroupStream(picked, r.tasks_per_step, r.group_size, t.seed),
-                     temperature=r.temperature, steps_left=r.steps - start, first_step=start,
-                     inflight=r.inflight_groups(), lookahead=0 if r.mode == "sync" else r.max_staleness,
-                     max_staleness=r.max_staleness, requeue=r.stale_policy == "requeue", cursor=cursor,
-                     counted=counted)
+        raise ConfigError(
+            f"train.rl.families: no train task is of {list(r.families or ())} (the train tasks' "
+            f"families: {sorted({str(task.family) for task in tasks})})"
+        )
+    return Scheduler(
+        rollouts,
+        GroupStream(picked, r.tasks_per_step, r.group_size, t.seed),
+        temperature=r.temperature,
+        steps_left=r.steps - start,
+        first_step=start,
+        inflight=r.inflight_groups(),
+        lookahead=0 if r.mode == "sync" else r.max_staleness,
+        max_staleness=r.max_staleness,
+        requeue=r.stale_policy == "requeue",
+        cursor=cursor,
+        counted=counted,
+    )

@@ -16,11 +16,9 @@ from furlong.config import Config, load_config
 console = Console(stderr=True)
 
 
-
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="a YAML recipe (see recipes/)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. eval.concurrency=4")
-
 
 
 def config_of(args: argparse.Namespace, flags: dict[str, str]) -> Config:
@@ -32,7 +30,6 @@ def config_of(args: argparse.Namespace, flags: dict[str, str]) -> Config:
     return load_config(args.config, overrides)
 
 
-
 def sandbox_pieces(cfg: Config):
     from furlong.build import sandbox as build
 
@@ -41,14 +38,12 @@ def sandbox_pieces(cfg: Config):
     return build.sandbox_backend(cfg.sandbox, store), store
 
 
-
 def warn_limits() -> None:
     """One line at start when, as an ordinary user, sandboxes will have only rlimits."""
     from furlong.sandbox.cgroups import no_cgroup_warning
 
     if warning := no_cgroup_warning():
         console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
-
 
 
 def quiet_library_bars() -> None:
@@ -67,7 +62,6 @@ def build_base_image(store) -> None:
     """Builds (or finds) the base image up front, so a missing prerequisite is one line, not N episodes."""
     with console.status("building base image") as status:
         store.base(lambda msg: status.update(msg))
-
 
 
 def print_error(exc: BaseException) -> None:

@@ -27,10 +27,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from furlong.eval.run import print_table, summarize
     from furlong.tasks.suite import load_suite
 
-    cfg = config_of(args, {"tasks": "eval.tasks", "agent": "eval.agent", "concurrency": "eval.concurrency",
-                         "out": "eval.out", "split": "eval.split", "per_family": "eval.per_family",
-                         "model": "eval.model", "adapter": "eval.adapter", "engine": "eval.engine",
-                         "samples": "eval.samples", "temperature": "eval.temperature", "seed": "eval.seed"})
+    cfg = config_of(
+        args,
+        {
+            "tasks": "eval.tasks",
+            "agent": "eval.agent",
+            "concurrency": "eval.concurrency",
+            "out": "eval.out",
+            "split": "eval.split",
+            "per_family": "eval.per_family",
+            "model": "eval.model",
+            "adapter": "eval.adapter",
+            "engine": "eval.engine",
+            "samples": "eval.samples",
+            "temperature": "eval.temperature",
+            "seed": "eval.seed",
+        },
+    )
     e = cfg.eval
     check_model_flags(e)
     if cfg.train.env.python is not None or cfg.train.env.prompts.active:
@@ -38,7 +51,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if e.env == "openenv":
         return _eval_openenv(cfg)
     backend, store = sandbox_pieces(cfg)  # family generators run on the configured backend too
-    suite = load_suite(e.tasks, split=e.split, per_family=e.per_family, backend=backend, network=network_default(cfg.sandbox))
+    suite = load_suite(
+        e.tasks, split=e.split, per_family=e.per_family, backend=backend, network=network_default(cfg.sandbox)
+    )
     agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
     if e.verifier_toolchain:
         from furlong.sandbox.toolchain import opt_in_all
@@ -47,13 +62,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for broken in suite.broken:  # each is also an infra_error line in --out and the table
         console.print(f"[yellow]not loaded:[/yellow] {broken.error}", soft_wrap=True)
     build_base_image(store)
-    console.print(f"{len(suite.tasks)} tasks ({len(suite.broken)} not loaded) from {e.tasks}, agent {e.agent}, "
-                  f"{e.samples} sample(s) each, concurrency {e.concurrency}")
+    console.print(
+        f"{len(suite.tasks)} tasks ({len(suite.broken)} not loaded) from {e.tasks}, agent {e.agent}, "
+        f"{e.samples} sample(s) each, concurrency {e.concurrency}"
+    )
     results = asyncio.run(_eval_episodes(cfg, suite.entries, agent, backend, store))
     print_table(results, console)
     print(json.dumps(summarize(results)))
     return 0
-
 
 
 def _own_env_eval(cfg: Config) -> int:
@@ -67,8 +83,10 @@ def _own_env_eval(cfg: Config) -> int:
     splits = ("train", "heldout") if e.split == "all" else (e.split,)
     if t.env.prompts.active:
         if e.agent == "oracle" and t.env.prompts.answer_field is None:
-            raise ConfigError("--agent oracle answers a prompt row's reference answer: set "
-                              "train.env.prompts.answer_field, or use --agent noop or model")
+            raise ConfigError(
+                "--agent oracle answers a prompt row's reference answer: set "
+                "train.env.prompts.answer_field, or use --agent noop or model"
+            )
         source: PromptSource | PythonSource
         what: str | None
         source, what = prompt_source(t.env, {s: e.per_family for s in splits if e.per_family}), t.env.prompts.family()
@@ -85,14 +103,14 @@ def _own_env_eval(cfg: Config) -> int:
     async def episodes():
         async with env.open() as opened:
             try:
-                return await run_eval(instances, agent, None, None, e.concurrency, e.out, console, e.samples,
-                                      env=opened)
+                return await run_eval(
+                    instances, agent, None, None, e.concurrency, e.out, console, e.samples, env=opened
+                )
             finally:
                 if close := getattr(agent, "close", None):
                     await close()
 
     return _report(asyncio.run(episodes()))
-
 
 
 def _eval_openenv(cfg: Config) -> int:
@@ -111,8 +129,10 @@ def _eval_openenv(cfg: Config) -> int:
         if e.per_family is None or seen[spec.family] <= e.per_family:
             specs.append(spec)
     agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
-    console.print(f"{len(specs)} instances from {cfg.openenv.url}, agent {e.agent}, {e.samples} sample(s) each, "
-                  f"concurrency {e.concurrency}")
+    console.print(
+        f"{len(specs)} instances from {cfg.openenv.url}, agent {e.agent}, {e.samples} sample(s) each, "
+        f"concurrency {e.concurrency}"
+    )
 
     async def episodes():
         try:
@@ -125,7 +145,6 @@ def _eval_openenv(cfg: Config) -> int:
     return _report(asyncio.run(episodes()))
 
 
-
 def _report(results) -> int:
     """An eval's table, then its JSON summary on stdout."""
     from furlong.eval.run import print_table, summarize
@@ -133,7 +152,6 @@ def _report(results) -> int:
     print_table(results, console)
     print(json.dumps(summarize(results)))
     return 0
-
 
 
 def _model_agents(cfg: Config):
@@ -151,8 +169,18 @@ async def _eval_episodes(cfg: Config, entries, agent, backend, store):
 
     e = cfg.eval
     try:
-        return await run_eval(entries, agent, backend, store, e.concurrency, e.out, console, e.samples,
-                              extra_tools(cfg.train.env), scorer(cfg.train.env))
+        return await run_eval(
+            entries,
+            agent,
+            backend,
+            store,
+            e.concurrency,
+            e.out,
+            console,
+            e.samples,
+            extra_tools(cfg.train.env),
+            scorer(cfg.train.env),
+        )
     finally:
         if close := getattr(agent, "close", None):  # only the model agents hold an engine
             await close()

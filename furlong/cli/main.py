@@ -30,8 +30,10 @@ from furlong.sandbox.base import SandboxError
 def cmd_image(args: argparse.Namespace) -> int:
     cfg = config_of(args, {})
     if cfg.sandbox.backend == "remote":  # the hosts build with their own stores (docs/sandbox-hosts.md)
-        raise ConfigError("furlong image works on this machine's image store; with sandbox.backend=remote the "
-                          "hosts build and keep the images: run it on a host")
+        raise ConfigError(
+            "furlong image works on this machine's image store; with sandbox.backend=remote the "
+            "hosts build and keep the images: run it on a host"
+        )
     backend, store = sandbox_pieces(cfg)
     if args.image_command == "list":
         for directory, what in store.listing():
@@ -42,8 +44,9 @@ def cmd_image(args: argparse.Namespace) -> int:
 
         with console.status(f"importing {args.source}") as status:
             meta = import_image(store.root, args.name, args.source, lambda msg: status.update(msg))
-        console.print(f"imported {args.name} ({meta['kind']}, {meta['seconds']} s); a Dockerfile can now say "
-                      f"FROM {args.name}")
+        console.print(
+            f"imported {args.name} ({meta['kind']}, {meta['seconds']} s); a Dockerfile can now say FROM {args.name}"
+        )
         return 0
     if args.image_command == "pull":
         with console.status(f"pulling {args.ref}") as status:
@@ -56,13 +59,13 @@ def cmd_image(args: argparse.Namespace) -> int:
         from furlong.eval.run import prepare_images
         from furlong.tasks.suite import load_tasks
 
-        images = asyncio.run(prepare_images(load_tasks(args.tasks, split="all", backend=backend), store, backend,
-                                            console))
+        images = asyncio.run(
+            prepare_images(load_tasks(args.tasks, split="all", backend=backend), store, backend, console)
+        )
         failed = [v for v in images.values() if isinstance(v, str)]
         console.print(f"{len(images) - len(failed)} task images ready, {len(failed)} failed")
         return 1 if failed else 0
     return 0
-
 
 
 def _run_dir(cfg: Config, args: argparse.Namespace):
@@ -79,7 +82,6 @@ def _run_dir(cfg: Config, args: argparse.Namespace):
     return cfg, RunDir.create(path, cfg.model_dump(mode="json"))
 
 
-
 def _open_run(cfg: Config, args: argparse.Namespace):
     """The run directory, with the loggers train.log turns on (W&B)."""
     from furlong.build.training import attach_loggers
@@ -87,7 +89,6 @@ def _open_run(cfg: Config, args: argparse.Namespace):
     cfg, run = _run_dir(cfg, args)
     attach_loggers(cfg.train, run)
     return cfg, run
-
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -103,10 +104,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = asyncio.run(train(cfg, run, console))
     finally:
         run.close()
-    console.print(f"held-out pass@1: {summary['heldout_pass_at_1_before_rl']:.3f} after SFT -> "
-                  f"{summary['heldout_pass_at_1_after_rl']:.3f} after RL "
-                  f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each, "
-                  f"temperature {summary['eval_temperature']})")
+    console.print(
+        f"held-out pass@1: {summary['heldout_pass_at_1_before_rl']:.3f} after SFT -> "
+        f"{summary['heldout_pass_at_1_after_rl']:.3f} after RL "
+        f"({summary['improvement_points']:+.1f} points, {summary['eval_episodes']} episodes each, "
+        f"temperature {summary['eval_temperature']})"
+    )
     print(json.dumps(summary))
     return _no_update_verdict(summary, args.require_update)
 
@@ -116,10 +119,11 @@ def _no_update_verdict(summary: dict, required: bool) -> int:
     had equal rewards, e.g. a model that never finishes a turn), and fail under --require-update."""
     if summary["rl_steps_updated"] or not summary["rl_steps"]:
         return 0
-    console.print(f"[bold red]no RL step updated the policy[/] (0 of {summary['rl_steps']}: every group's rewards "
-                  "were equal); summary.json rl_steps_updated=0" + ("; --require-update: exit 1" if required else ""))
+    console.print(
+        f"[bold red]no RL step updated the policy[/] (0 of {summary['rl_steps']}: every group's rewards "
+        "were equal); summary.json rl_steps_updated=0" + ("; --require-update: exit 1" if required else "")
+    )
     return 1 if required else 0
-
 
 
 def _plan(path: Path) -> int:
@@ -129,7 +133,6 @@ def _plan(path: Path) -> int:
 
     print_plan(make_plan(load_spec(path)), Console(width=132))
     return 0
-
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -150,7 +153,6 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def cmd_report(args: argparse.Namespace) -> int:
     from furlong.report.build import report
 
@@ -159,8 +161,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         speedups = [float(k) for k in args.project_inference_speedup.split(",") if k.strip()]
     except ValueError:
-        raise ValueError(f"--project-inference-speedup: {args.project_inference_speedup!r} is not a list "
-                         "of numbers like 8,32") from None
+        raise ValueError(
+            f"--project-inference-speedup: {args.project_inference_speedup!r} is not a list of numbers like 8,32"
+        ) from None
     if any(k <= 0 for k in speedups):
         raise ValueError("--project-inference-speedup: every k must be > 0")
     written = report(args.run_dir, args.out, tuple(args.compare) if args.compare else None, speedups)
@@ -171,7 +174,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def cmd_model(args: argparse.Namespace) -> int:
     from furlong.model.tiny import init_tiny
 
@@ -179,7 +181,6 @@ def cmd_model(args: argparse.Namespace) -> int:
         path = init_tiny(args.out, seed=args.seed)
     print(path)
     return 0
-
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
@@ -193,10 +194,12 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         written = import_instances(args.instances, args.repo_dir, args.out, options)
     for task in written:
         print(task)
-    console.print(f"{len(written)} tasks in {args.out}; check them with `furlong eval --tasks {args.out}` "
-                  "(the oracle must resolve every one) and `--agent noop` (none)", soft_wrap=True)
+    console.print(
+        f"{len(written)} tasks in {args.out}; check them with `furlong eval --tasks {args.out}` "
+        "(the oracle must resolve every one) and `--agent noop` (none)",
+        soft_wrap=True,
+    )
     return 0
-
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -205,12 +208,21 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"eval": cmd_eval, "image": cmd_image, "train": cmd_train, "sft": cmd_sft, "model": cmd_model,
-                "engine": cmd_engine, "sandbox": cmd_sandbox, "report": cmd_report, "openenv": cmd_openenv,
-                "tasks": cmd_tasks, "gateway": cmd_gateway}
+    handlers = {
+        "eval": cmd_eval,
+        "image": cmd_image,
+        "train": cmd_train,
+        "sft": cmd_sft,
+        "model": cmd_model,
+        "engine": cmd_engine,
+        "sandbox": cmd_sandbox,
+        "report": cmd_report,
+        "openenv": cmd_openenv,
+        "tasks": cmd_tasks,
+        "gateway": cmd_gateway,
+    }
     try:
         return handlers[args.command](args)
     except (ConfigError, EngineUnavailable, ValueError, PermissionError, FileExistsError, FileNotFoundError) as exc:
@@ -219,4 +231,3 @@ def main(argv: list[str] | None = None) -> int:
     except SandboxError as exc:  # an image build or sandbox start the host cannot do: its message says why
         print_error(exc)
         return 1
-

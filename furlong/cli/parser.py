@@ -22,10 +22,13 @@ one family per --tasks (or a directory holding only the run's families); the sam
 the engine's batches, and so its sampled tokens, the same."""
 
 
-
 def _eval_parser(sub) -> None:
-    ev = sub.add_parser("eval", help="run an agent on tasks, each in a fresh sandbox, and score it",
-                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=REPRODUCE_HELP)
+    ev = sub.add_parser(
+        "eval",
+        help="run an agent on tasks, each in a fresh sandbox, and score it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=REPRODUCE_HELP,
+    )
     ev.add_argument("--tasks", type=Path, help="a task, a task family, or a directory of them (eval.tasks)")
     ev.add_argument("--agent", choices=["oracle", "noop", "model"], help="eval.agent (model: --model DIR)")
     ev.add_argument("--model", type=Path, help="--agent model: a local Hugging Face checkpoint (eval.model)")
@@ -33,14 +36,14 @@ def _eval_parser(sub) -> None:
     ev.add_argument("--engine", choices=["hf", "vllm"], help="--agent model: inference engine (eval.engine)")
     ev.add_argument("--samples", type=int, help="episodes per task; pass@k for powers of 2 up to it (eval.samples)")
     ev.add_argument("--temperature", type=float, help="--agent model: sampling temperature (eval.temperature)")
-    ev.add_argument("--seed", type=int, help="--agent model: sampling seeds derive from it, the task id and the "
-                                             "sample (eval.seed)")
+    ev.add_argument(
+        "--seed", type=int, help="--agent model: sampling seeds derive from it, the task id and the sample (eval.seed)"
+    )
     ev.add_argument("--concurrency", type=int, help="episodes at once (eval.concurrency)")
     ev.add_argument("--out", type=Path, help="write one JSON line per episode here (eval.out)")
     ev.add_argument("--split", choices=["train", "heldout", "all"], help="family instances to use (eval.split)")
     ev.add_argument("--per-family", type=int, help="instances per task family (eval.per_family)")
     add_common(ev)
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,10 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="the whole loop: tiny model, SFT, GRPO in sandboxes, held-out eval")
     tr.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a killed run from its last checkpoint")
-    tr.add_argument("--require-update", action="store_true",
-                    help="exit 1 when no RL step updated the policy (for CI: a run that trained nothing)")
-    tr.add_argument("--plan", type=Path, metavar="CLUSTER.yaml",
-                    help="dry run: print where each role would run, memory per rank, bytes per update; start nothing")
+    tr.add_argument(
+        "--require-update",
+        action="store_true",
+        help="exit 1 when no RL step updated the policy (for CI: a run that trained nothing)",
+    )
+    tr.add_argument(
+        "--plan",
+        type=Path,
+        metavar="CLUSTER.yaml",
+        help="dry run: print where each role would run, memory per rank, bytes per update; start nothing",
+    )
     add_common(tr)
     sft = sub.add_parser("sft", help="only the warm-start: SFT on oracle demonstrations of the train tasks")
     add_common(sft)
@@ -89,10 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="a run's report: report.md and a self-contained report.html with plots")
     rep.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="a run directory (finished or running)")
     rep.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report)")
-    rep.add_argument("--compare", type=Path, nargs=2, metavar=("RUN_A", "RUN_B"),
-                     help="mean episode time A/B with a 90%% interval, and the difference per component")
-    rep.add_argument("--project-inference-speedup", metavar="K,K", default="",
-                     help="projected episode and step time if inference were k times faster, e.g. 8,32")
+    rep.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        metavar=("RUN_A", "RUN_B"),
+        help="mean episode time A/B with a 90%% interval, and the difference per component",
+    )
+    rep.add_argument(
+        "--project-inference-speedup",
+        metavar="K,K",
+        default="",
+        help="projected episode and step time if inference were k times faster, e.g. 8,32",
+    )
 
     _sandbox_parser(sub)
     _openenv_parser(sub)
@@ -101,22 +120,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
 def _tasks_parser(sub) -> None:
     tk = sub.add_parser("tasks", help="task utilities")
     tk_sub = tk.add_subparsers(dest="tasks_command", required=True)
-    swe = tk_sub.add_parser("import-swe", help="SWE-bench-style instances (JSONL) into Harbor task directories, "
-                                               "graded as SWE-bench grades them (docs/swe.md)")
+    swe = tk_sub.add_parser(
+        "import-swe",
+        help="SWE-bench-style instances (JSONL) into Harbor task directories, "
+        "graded as SWE-bench grades them (docs/swe.md)",
+    )
     swe.add_argument("instances", type=Path, metavar="INSTANCES.jsonl", help="one SWE-bench instance per line")
-    swe.add_argument("--repo-dir", type=Path, required=True,
-                     help="a local git repository holding every base_commit, or a directory of them as OWNER/NAME")
+    swe.add_argument(
+        "--repo-dir",
+        type=Path,
+        required=True,
+        help="a local git repository holding every base_commit, or a directory of them as OWNER/NAME",
+    )
     swe.add_argument("--out", type=Path, required=True, help="write one task directory per instance here")
-    swe.add_argument("--base-image", default=None,
-                     help="the images' FROM, with python3 and git (default debian:bookworm-slim: furlong's base)")
-    swe.add_argument("--test-cmd", default=None, help="the test command, before the test files "
-                                                      "(default: swebench's 'pytest --no-header -rA --tb=no -p "
-                                                      "no:cacheprovider')")
-
+    swe.add_argument(
+        "--base-image",
+        default=None,
+        help="the images' FROM, with python3 and git (default debian:bookworm-slim: furlong's base)",
+    )
+    swe.add_argument(
+        "--test-cmd",
+        default=None,
+        help="the test command, before the test files "
+        "(default: swebench's 'pytest --no-header -rA --tb=no -p "
+        "no:cacheprovider')",
+    )
 
 
 def _sandbox_parser(sub) -> None:
@@ -124,9 +155,12 @@ def _sandbox_parser(sub) -> None:
     sb_sub = sb.add_subparsers(dest="sandbox_command", required=True)
     dg = sb_sub.add_parser("delegate", help="as root, once: give USER cgroups for per-sandbox limits")
     dg.add_argument("--user", required=True, help="the user who will run furlong")
-    sb_sub.add_parser("tidy", help="remove the sandbox cgroups dead furlong processes left; as root, also detach "
-                                   "the image-layer views earlier versions left mounted (they slow every sandbox "
-                                   "start), keeping the image store's own")
+    sb_sub.add_parser(
+        "tidy",
+        help="remove the sandbox cgroups dead furlong processes left; as root, also detach "
+        "the image-layer views earlier versions left mounted (they slow every sandbox "
+        "start), keeping the image store's own",
+    )
     sv = sb_sub.add_parser("serve", help="serve sandboxes over HTTP (/v1) to other machines (docs/sandbox-hosts.md)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8790, help="port (default 8790)")
@@ -134,28 +168,42 @@ def _sandbox_parser(sub) -> None:
     sv.add_argument("--capacity", type=int, default=8, help="most sandboxes at once; past it, 429 (default 8)")
     sv.add_argument("--idle-s", type=float, default=600.0, help="reap a sandbox unused this long (default 600)")
     sv.add_argument("--lifetime-s", type=float, default=3600.0, help="reap a sandbox this old (default 3600)")
-    sv.add_argument("--allow-network", action="store_true",
-                    help="give network to the sandboxes of tasks that declare it (default: refuse them)")
-    sv.add_argument("--e2b-key-file", type=Path,
-                    help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file")
+    sv.add_argument(
+        "--allow-network",
+        action="store_true",
+        help="give network to the sandboxes of tasks that declare it (default: refuse them)",
+    )
+    sv.add_argument(
+        "--e2b-key-file",
+        type=Path,
+        help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file",
+    )
     add_common(sv)  # its sandboxes' and builds' settings: sandbox.*, images.* (e.g. images.trust_host_ca=true)
-
 
 
 def _openenv_parser(sub) -> None:
     oe = sub.add_parser("openenv", help="OpenEnv environments (docs/openenv.md)")
     oe_sub = oe.add_subparsers(dest="openenv_command", required=True)
-    sv = oe_sub.add_parser("serve", help="serve furlong tasks as an OpenEnv environment: one sandbox per session, "
-                                         "scored by the task's tests")
+    sv = oe_sub.add_parser(
+        "serve",
+        help="serve furlong tasks as an OpenEnv environment: one sandbox per session, scored by the task's tests",
+    )
     sv.add_argument("--tasks", type=Path, required=True, help="a task, a task family, or a directory of them")
-    sv.add_argument("--split", choices=["train", "heldout", "all"], default="all",
-                    help="which instances of task families to serve (default all)")
+    sv.add_argument(
+        "--split",
+        choices=["train", "heldout", "all"],
+        default="all",
+        help="which instances of task families to serve (default all)",
+    )
     sv.add_argument("--per-family", type=int, help="instances of each family and split (default: all)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     sv.add_argument("--token-file", type=Path, help="file holding the bearer token (needed off loopback)")
     sv.add_argument("--capacity", type=int, default=8, help="most sessions (sandboxes) at once (default 8)")
     sv.add_argument("--idle-s", type=float, default=600.0, help="reap a session unused this long (default 600)")
-    sv.add_argument("--allow-network", action="store_true",
-                    help="serve tasks that declare network, with network (default: refuse them)")
+    sv.add_argument(
+        "--allow-network",
+        action="store_true",
+        help="serve tasks that declare network, with network (default: refuse them)",
+    )
     add_common(sv)

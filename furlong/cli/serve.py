@@ -26,7 +26,6 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _serve(args: argparse.Namespace) -> int:
     from furlong.paths import cache_dir
     from furlong.sandbox.host.serve import e2b_key, serve
@@ -34,17 +33,28 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.capacity < 1:
         raise SandboxError(f"--capacity: expected at least 1, got {args.capacity}")
-    token = server_token(args.token_file, args.host, cache_dir() / "host-token", console.print,
-                         "sandbox.host_token_file")
+    token = server_token(
+        args.token_file, args.host, cache_dir() / "host-token", console.print, "sandbox.host_token_file"
+    )
     key = None if args.e2b_key_file is None else e2b_key(args.e2b_key_file)
     cfg = config_of(args, {})
     if cfg.sandbox.backend != "bwrap":
         raise SandboxError(f"sandbox.backend={cfg.sandbox.backend}: a host serves its own (bwrap) sandboxes")
     backend, store = sandbox_pieces(cfg)
-    serve(backend, store, token, host=args.host, port=args.port, capacity=args.capacity, idle_s=args.idle_s,
-          lifetime_s=args.lifetime_s, say=console.print, e2b_api_key=key, allow_network=args.allow_network)
+    serve(
+        backend,
+        store,
+        token,
+        host=args.host,
+        port=args.port,
+        capacity=args.capacity,
+        idle_s=args.idle_s,
+        lifetime_s=args.lifetime_s,
+        say=console.print,
+        e2b_api_key=key,
+        allow_network=args.allow_network,
+    )
     return 0
-
 
 
 def _tidy() -> int:
@@ -63,7 +73,6 @@ def _tidy() -> int:
     return 0
 
 
-
 def cmd_openenv(args: argparse.Namespace) -> int:
     from furlong.build.sandbox import network_default
     from furlong.envs.harbor import HarborEnv
@@ -76,18 +85,27 @@ def cmd_openenv(args: argparse.Namespace) -> int:
 
     if args.capacity < 1:
         raise ValueError(f"--capacity: expected at least 1, got {args.capacity}")
-    token = server_token(args.token_file, args.host, cache_dir() / "openenv-token", console.print,
-                         "openenv.token_file")
+    token = server_token(args.token_file, args.host, cache_dir() / "openenv-token", console.print, "openenv.token_file")
     cfg = config_of(args, {})
     backend, store = sandbox_pieces(cfg)
-    suite = load_suite(args.tasks, split=args.split, per_family=args.per_family, backend=backend,
-                       network=network_default(cfg.sandbox))
+    suite = load_suite(
+        args.tasks, split=args.split, per_family=args.per_family, backend=backend, network=network_default(cfg.sandbox)
+    )
     for broken in suite.broken:
         console.print(f"[yellow]not served:[/yellow] {broken.error}", soft_wrap=True)
     build_base_image(store)
     # this host's image store, where it is one: a separate verifier's image shows its own tests
     layers = store if isinstance(store, ImageStore) else None
     env = HarborEnv(FreshSandboxes(backend, StoreImages(store, backend)), layers=layers)
-    serve(suite.tasks, env, token, host=args.host, port=args.port, capacity=args.capacity, idle_s=args.idle_s,
-          allow_network=args.allow_network, say=console.print)
+    serve(
+        suite.tasks,
+        env,
+        token,
+        host=args.host,
+        port=args.port,
+        capacity=args.capacity,
+        idle_s=args.idle_s,
+        allow_network=args.allow_network,
+        say=console.print,
+    )
     return 0

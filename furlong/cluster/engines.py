@@ -55,8 +55,20 @@ class EngineSpec:
     sglang: SGLangConfig | None = None  # kind sglang: how to start its server (never `url`: each actor owns one)
 
     def argv(self, host: str, port: int) -> list[str]:
-        out = ["--model", str(self.model), "--host", host, "--port", str(port), "--threads", str(self.threads),
-               "--prefix-cache-mb", str(self.prefix_cache_mb), "--device", self.device]
+        out = [
+            "--model",
+            str(self.model),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--threads",
+            str(self.threads),
+            "--prefix-cache-mb",
+            str(self.prefix_cache_mb),
+            "--device",
+            self.device,
+        ]
         out += ["--updates", self.updates] if self.updates else []
         return out + (["--lora", json.dumps(self.lora)] if self.lora else [])
 
@@ -106,8 +118,12 @@ class EngineHost:
             engine = open_engine(spec, args, work_dir or Path.cwd() / "engine")
             relay = Relay(open_transport(args.updates), engine) if args.updates else None
             # build_app serves any Engine with update_weights (its docstring), though typed for the hf engine
-            self._server = BackgroundServer(build_app(engine, relay, token=spec.engine_token),  # type: ignore[arg-type]
-                                            host, port, name="furlong-engine")
+            self._server = BackgroundServer(
+                build_app(engine, relay, token=spec.engine_token),  # type: ignore[arg-type]
+                host,
+                port,
+                name="furlong-engine",
+            )
         except BaseException:
             self.close()
             raise
@@ -138,16 +154,27 @@ def free_port() -> int:
 class EngineActors:
     """`count` engine actors in the session's engine bundles; `urls` once every one is serving."""
 
-    def __init__(self, session: RaySession, spec: EngineSpec, count: int, *, cpus: float, max_restarts: int,
-                 gpus: float = 0.0, work_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        session: RaySession,
+        spec: EngineSpec,
+        count: int,
+        *,
+        cpus: float,
+        max_restarts: int,
+        gpus: float = 0.0,
+        work_root: Path | None = None,
+    ) -> None:
         """`work_root`: engine I keeps what it writes (an SGLang server's log, its staged updates) in
         work_root/engine-I; it must be a path the actor's node sees (the run directory is)."""
         actor = ray.remote(EngineHost)
         # Any: ray's types give an actor handle's methods no .remote()
-        self.handles: list[Any] = [actor.options(num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts,
-                                      scheduling_strategy=session.slot("engine", i)).remote(
-                            spec, free_port(), session.local, work_root / f"engine-{i}" if work_root else None)
-                        for i in range(count)]
+        self.handles: list[Any] = [
+            actor.options(
+                num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts, scheduling_strategy=session.slot("engine", i)
+            ).remote(spec, free_port(), session.local, work_root / f"engine-{i}" if work_root else None)
+            for i in range(count)
+        ]
         try:
             self.urls: list[str] = ray.get([h.url.remote() for h in self.handles], timeout=session.timeout_s)
         except BaseException:

@@ -91,7 +91,7 @@ def _compress(names: list[str]) -> str:
 
 
 def _trainer_slots(spec: ClusterSpec) -> list[tuple[Node, int]]:
-    return [(n, g) for n in nodes(spec) for g in range(n.group.gpus)][:spec.trainer.gpus]
+    return [(n, g) for n in nodes(spec) for g in range(n.group.gpus)][: spec.trainer.gpus]
 
 
 def place(spec: ClusterSpec) -> tuple[list[Assignment], list[Node], list[str]]:
@@ -106,8 +106,8 @@ def place(spec: ClusterSpec) -> tuple[list[Assignment], list[Node], list[str]]:
         raise ValueError(f"trainer.gpus + rollout.gpus = {need} but the nodes have {len(slots)} GPUs")
     if r.gpus % r.tp:
         raise ValueError(f"rollout.gpus ({r.gpus}) is not a multiple of rollout.tp ({r.tp})")
-    trainer = slots[:t.gpus]
-    rest = trainer if spec.colocate else slots[t.gpus:]
+    trainer = slots[: t.gpus]
+    rest = trainer if spec.colocate else slots[t.gpus :]
     out = [Assignment("trainer", _ranges(trainer), _trainer_layout(spec))]
     engines, free, notes = [], list(rest), list[str]()
     for i in range(r.gpus // r.tp):
@@ -120,8 +120,13 @@ def place(spec: ClusterSpec) -> tuple[list[Assignment], list[Node], list[str]]:
     for i, block in enumerate(engines):
         out.append(Assignment(f"engine {i}", _ranges(block), f"{kind}, {r.dtype} weights, {r.kv_dtype} KV"))
     engine_nodes = list(dict.fromkeys(n for block in engines for n, _ in block))
-    out.append(Assignment("relay", _compress([n.name for n in engine_nodes]) + " (cpu)",
-                          "one per engine node: pulls each update once, loads the node's engines"))
+    out.append(
+        Assignment(
+            "relay",
+            _compress([n.name for n in engine_nodes]) + " (cpu)",
+            "one per engine node: pulls each update once, loads the node's engines",
+        )
+    )
     out.append(_sandboxes(spec, notes))
     return out, engine_nodes, notes
 
@@ -149,8 +154,10 @@ def _trainer_layout(spec: ClusterSpec) -> str:
     per_node = max(g.gpus for g in spec.nodes)
     where = "inside a node" if t.tp <= per_node else "ACROSS nodes (slow)"
     split = f" (layers {'/'.join(map(str, t.pp_layers))})" if t.pp_layers else ""
-    return (f"tp{t.tp} pp{t.pp}{split} cp{t.cp} ep{t.ep} dp{dp}, shard={t.shard}; TP groups {where}, "
-            f"stage s on GPUs s*{t.gpus // t.pp}..")
+    return (
+        f"tp{t.tp} pp{t.pp}{split} cp{t.cp} ep{t.ep} dp{dp}, shard={t.shard}; TP groups {where}, "
+        f"stage s on GPUs s*{t.gpus // t.pp}.."
+    )
 
 
 def _sandboxes(spec: ClusterSpec, notes: list[str]) -> Assignment:
@@ -163,12 +170,16 @@ def _sandboxes(spec: ClusterSpec, notes: list[str]) -> Assignment:
         return Assignment("sandboxes", "-", "no CPU node")
     room = sum(min(int(n.group.cpus // s.cpus), int(n.group.memory_gib // s.memory_gib)) for n in hosts)
     if room < s.concurrent:
-        notes.append(f"does not fit: sandboxes: {s.concurrent} x ({s.cpus:g} CPU, {s.memory_gib:g} GiB) but the "
-                     f"CPU nodes hold {room}")
+        notes.append(
+            f"does not fit: sandboxes: {s.concurrent} x ({s.cpus:g} CPU, {s.memory_gib:g} GiB) but the "
+            f"CPU nodes hold {room}"
+        )
     per_host = math.ceil(s.concurrent / len(hosts))
-    return Assignment("sandboxes", _compress([n.name for n in hosts]),
-                      f"{s.concurrent} at once, ~{per_host} per host ({s.cpus:g} CPU, {s.memory_gib:g} GiB each; "
-                      f"room for {room})")
+    return Assignment(
+        "sandboxes",
+        _compress([n.name for n in hosts]),
+        f"{s.concurrent} at once, ~{per_host} per host ({s.cpus:g} CPU, {s.memory_gib:g} GiB each; room for {room})",
+    )
 
 
 def _stage_params(spec: ClusterSpec, p: ModelParams) -> list[tuple[int, int, int]]:
@@ -179,7 +190,7 @@ def _stage_params(spec: ClusterSpec, p: ModelParams) -> list[tuple[int, int, int
     sizes = list(spec.trainer.pp_layers) or [n // pp + (1 if s < n % pp else 0) for s in range(pp)]
     out, start = [], 0
     for s, size in enumerate(sizes):
-        layers = p.layers[start:start + size]
+        layers = p.layers[start : start + size]
         dense = sum(lp.dense for lp in layers) + (p.embedding if s == 0 else 0) + (p.head if s == pp - 1 else 0)
         out.append((dense, sum(lp.experts for lp in layers), size))
         start += size
@@ -209,8 +220,13 @@ def _rank_terms(spec: ClusterSpec, p: ModelParams, stage: int) -> list[Term]:
     state = (4 if t.master_weights else 0) + 2 * DTYPE_BYTES[t.moment_dtype]
     full = t.shard == "full"
     split = f" / dp{dp} (experts / edp{edp})"
-    terms = [Term("parameters", (sharded if full else rank) * pb,
-                  f"({dense:,} / tp{t.tp} + {experts:,} / ep{t.ep}){split if full else ''} x {pb} B")]
+    terms = [
+        Term(
+            "parameters",
+            (sharded if full else rank) * pb,
+            f"({dense:,} / tp{t.tp} + {experts:,} / ep{t.ep}){split if full else ''} x {pb} B",
+        )
+    ]
     if t.lora_rank:
         trainable = opt = lora_params(m, t.lora_rank, t.lora_targets) / (t.tp * t.pp)
         terms.append(Term("LoRA adapters", trainable * pb, f"r{t.lora_rank} x (in + out) per target / tp / pp"))
@@ -218,11 +234,15 @@ def _rank_terms(spec: ClusterSpec, p: ModelParams, stage: int) -> list[Term]:
         trainable, opt = (sharded if full else rank), (rank if t.shard == "none" else sharded)
     terms.append(Term("gradients", trainable * gb, f"trainable params held x {gb} B"))
     on_gpu = t.optimizer_offload == "none"
-    terms.append(Term("optimizer" + ("" if on_gpu else f" (offloaded to {t.optimizer_offload})"),
-                      opt * state if on_gpu else 0,
-                      f"{'fp32 master + ' if t.master_weights else ''}2 Adam moments = {state} B x trainable params"
-                      + (split if t.shard != "none" and not t.lora_rank else "")
-                      + ("" if on_gpu else f"; {opt * state / GIB:,.1f} GiB held there")))
+    terms.append(
+        Term(
+            "optimizer" + ("" if on_gpu else f" (offloaded to {t.optimizer_offload})"),
+            opt * state if on_gpu else 0,
+            f"{'fp32 master + ' if t.master_weights else ''}2 Adam moments = {state} B x trainable params"
+            + (split if t.shard != "none" and not t.lora_rank else "")
+            + ("" if on_gpu else f"; {opt * state / GIB:,.1f} GiB held there"),
+        )
+    )
     terms.append(_activations(spec, p, stage, n_layers))
     if stage == t.pp - 1:
         tokens = t.seq_len * t.micro_batch / t.cp
@@ -240,8 +260,11 @@ def _activations(spec: ClusterSpec, p: ModelParams, stage: int, n_layers: int) -
     per_layer = [activation_elements(m, i) for i in range(first, first + n_layers)]
     if t.activation_checkpointing:
         saved = tokens * 2 * (n_layers * in_flight * m.hidden + max(per_layer)) / t.tp
-        return Term("activations (checkpointed)", saved,
-                    f"seq/cp x mb x 2 B x (layers {n_layers} x in-flight {in_flight} x hidden + one layer) / tp")
+        return Term(
+            "activations (checkpointed)",
+            saved,
+            f"seq/cp x mb x 2 B x (layers {n_layers} x in-flight {in_flight} x hidden + one layer) / tp",
+        )
     saved = tokens * 2 * in_flight * sum(per_layer) / t.tp
     return Term("activations", saved, f"seq/cp x mb x 2 B x in-flight {in_flight} x saved values per layer / tp")
 
@@ -255,11 +278,19 @@ def engine_memory(spec: ClusterSpec, p: ModelParams) -> Memory:
     budget = gpu * r.memory_fraction
     per_token = kv_bytes_per_token(m, DTYPE_BYTES[r.kv_dtype], r.tp, r.dp_attention)
     kv = max(budget - weights, 0)
-    return Memory("engine GPU", (
-        Term("weights", weights, f"(non-expert / {dense_split} + experts / {r.ep if r.ep > 1 else r.tp}) x {wb} B"),
-        Term("KV cache", kv, f"memory_fraction {r.memory_fraction} x GPU - weights = {kv / per_token:,.0f} tokens "
-                             f"at {per_token:,.0f} B/token"),
-    ), budget)
+    return Memory(
+        "engine GPU",
+        (
+            Term("weights", weights, f"(non-expert / {dense_split} + experts / {r.ep if r.ep > 1 else r.tp}) x {wb} B"),
+            Term(
+                "KV cache",
+                kv,
+                f"memory_fraction {r.memory_fraction} x GPU - weights = {kv / per_token:,.0f} tokens "
+                f"at {per_token:,.0f} B/token",
+            ),
+        ),
+        budget,
+    )
 
 
 def make_plan(spec: ClusterSpec) -> Plan:
@@ -267,20 +298,26 @@ def make_plan(spec: ClusterSpec) -> Plan:
     placement, engine_nodes, problems = place(spec)
     trainer, engine = trainer_memory(spec, p), engine_memory(spec, p)
     if not trainer.fits:
-        problems.append(f"does not fit: trainer rank needs {trainer.total / GIB:,.1f} GiB but a GPU has "
-                        f"{trainer.capacity / GIB:,.1f} GiB (after reserved_gib)")
+        problems.append(
+            f"does not fit: trainer rank needs {trainer.total / GIB:,.1f} GiB but a GPU has "
+            f"{trainer.capacity / GIB:,.1f} GiB (after reserved_gib)"
+        )
     weights = engine.terms[0].bytes
     if weights > engine.capacity:
-        problems.append(f"does not fit: engine GPU weights need {weights / GIB:,.1f} GiB but memory_fraction x GPU "
-                        f"is {engine.capacity / GIB:,.1f} GiB")
+        problems.append(
+            f"does not fit: engine GPU weights need {weights / GIB:,.1f} GiB but memory_fraction x GPU "
+            f"is {engine.capacity / GIB:,.1f} GiB"
+        )
     trainer_nodes = {n.name for n, _ in _trainer_slots(spec)}
     remote = sum(n.name not in trainer_nodes for n in engine_nodes)
     relays = Relays(len(engine_nodes) - remote, remote, engine_nodes[0].group if engine_nodes else spec.nodes[0])
     paths = sync_paths(spec, p, relays)
     step = None
     if spec.step:
-        kv_tokens = engine.terms[1].bytes / kv_bytes_per_token(spec.model, DTYPE_BYTES[spec.rollout.kv_dtype],
-                                                               spec.rollout.tp, spec.rollout.dp_attention)
+        kv_tokens = engine.terms[1].bytes / kv_bytes_per_token(
+            spec.model, DTYPE_BYTES[spec.rollout.kv_dtype], spec.rollout.tp, spec.rollout.dp_attention
+        )
         step = step_time(spec, p, kv_tokens, next(x.seconds for x in paths if x.kind == spec.sync), problems)
-    return Plan(spec, p, tuple(placement), trainer, engine, tuple(weight_updates(spec, p, relays)), paths, step,
-                tuple(problems))
+    return Plan(
+        spec, p, tuple(placement), trainer, engine, tuple(weight_updates(spec, p, relays)), paths, step, tuple(problems)
+    )

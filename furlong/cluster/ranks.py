@@ -54,9 +54,18 @@ class RayRanks:
     """`world_size` rank actors (`cpus` logical CPUs each) in a placement group of `strategy` (PACK: one
     node where it fits). `call_timeout_s` as LocalRanks: a call that takes longer fails the group."""
 
-    def __init__(self, spec: WorkerSpec, world_size: int, *, cpus: float = 1.0, gpus: float = 0.0,
-                 strategy: str = "PACK", timeout_s: float = 300.0, call_timeout_s: float | None = None,
-                 slots: list[PlacementGroupSchedulingStrategy] | None = None) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        world_size: int,
+        *,
+        cpus: float = 1.0,
+        gpus: float = 0.0,
+        strategy: str = "PACK",
+        timeout_s: float = 300.0,
+        call_timeout_s: float | None = None,
+        slots: list[PlacementGroupSchedulingStrategy] | None = None,
+    ) -> None:
         """`slots`: a bundle per rank in placement groups the caller owns (a run's RaySession); else the
         ranks get a group of their own, removed with them."""
         if world_size < 1:
@@ -69,15 +78,22 @@ class RayRanks:
         try:
             if self._group is not None:
                 if not self._group.wait(timeout_s):
-                    raise TimeoutError(f"rank placement group ({world_size} x {cpus} CPU, {strategy}) not ready "
-                                       f"within {timeout_s:g} s: the cluster has {ray.cluster_resources()}")
-                slots = [PlacementGroupSchedulingStrategy(placement_group=self._group, placement_group_bundle_index=r)
-                         for r in range(world_size)]
+                    raise TimeoutError(
+                        f"rank placement group ({world_size} x {cpus} CPU, {strategy}) not ready "
+                        f"within {timeout_s:g} s: the cluster has {ray.cluster_resources()}"
+                    )
+                slots = [
+                    PlacementGroupSchedulingStrategy(placement_group=self._group, placement_group_bundle_index=r)
+                    for r in range(world_size)
+                ]
             host = ray.remote(RankHost)
             assert slots is not None
-            self._actors = [host.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0,
-                                         scheduling_strategy=slots[rank]).remote(spec, rank, world_size)
-                            for rank in range(world_size)]
+            self._actors = [
+                host.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=slots[rank]).remote(
+                    spec, rank, world_size
+                )
+                for rank in range(world_size)
+            ]
             addr, port = ray.get(self._actors[0].endpoint.remote(), timeout=timeout_s)
             self._gather([a.join.remote(addr, port, timeout_s) for a in self._actors], timeout_s)
         except BaseException:

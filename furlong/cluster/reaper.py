@@ -72,8 +72,9 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def sweep(tag: str, spare: tuple[int, ...] = (), grace_s: float = 5.0, var: str = TAG_ENV,
-          known: dict[int, int] | None = None) -> int:
+def sweep(
+    tag: str, spare: tuple[int, ...] = (), grace_s: float = 5.0, var: str = TAG_ENV, known: dict[int, int] | None = None
+) -> int:
     """SIGTERM every tagged process, its descendants and those of `known` (pid -> start time) still
     running, SIGKILL what is left after `grace_s`; how many did not stop."""
     now = family(tag, spare, var)
@@ -85,8 +86,9 @@ def sweep(tag: str, spare: tuple[int, ...] = (), grace_s: float = 5.0, var: str 
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while (pids := [p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)]) and \
-                time.monotonic() < deadline:
+        while (
+            pids := [p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)]
+        ) and time.monotonic() < deadline:
             time.sleep(0.05)
         if not pids:
             break
@@ -106,9 +108,12 @@ class Watchdog:
     def __init__(self, tag: str, var: str = TAG_ENV) -> None:
         env = {k: v for k, v in os.environ.items() if k != var}  # not its own prey
         # its own session: a signal to the driver's process group must not take the watchdog with it
-        self._proc = subprocess.Popen([sys.executable, "-m", "furlong.cluster.reaper", tag, str(os.getpid()), var],
-                                      stdin=subprocess.PIPE,
-                                      env=env, start_new_session=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "furlong.cluster.reaper", tag, str(os.getpid()), var],
+            stdin=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self._proc.stdin:
@@ -120,8 +125,13 @@ class Watchdog:
             self._proc.wait()
 
 
-def sweep_until_gone(tag: str, spare: tuple[int, ...] = (), timeout_s: float = 45.0, var: str = TAG_ENV,
-                     known: dict[int, int] | None = None) -> int:
+def sweep_until_gone(
+    tag: str,
+    spare: tuple[int, ...] = (),
+    timeout_s: float = 45.0,
+    var: str = TAG_ENV,
+    known: dict[int, int] | None = None,
+) -> int:
     """Sweeps again while tagged processes remain: a raylet being stopped can still start an agent after
     the pids were read; how many are left at the timeout."""
     deadline = time.monotonic() + timeout_s

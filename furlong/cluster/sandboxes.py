@@ -50,11 +50,28 @@ class SandboxHost:
         self.url = f"http://{host}:{port}"
         self._guard = ChildGuard()
         with (self._dir / "serve.log").open("wb") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "sandbox", "serve",
-                                           "--config", str(recipe),
-                                           "--host", host, "--port", str(port), "--token-file", str(token_file),
-                                           "--capacity", str(spec.capacity), "--allow-network"],
-                                          stdout=log, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "furlong.cli",
+                    "sandbox",
+                    "serve",
+                    "--config",
+                    str(recipe),
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--token-file",
+                    str(token_file),
+                    "--capacity",
+                    str(spec.capacity),
+                    "--allow-network",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             self._wait(spec.start_timeout_s)
         except BaseException:
@@ -65,8 +82,10 @@ class SandboxHost:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"furlong sandbox serve exited {self._proc.returncode} on {self.url}: "
-                                   f"{(self._dir / 'serve.log').read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"furlong sandbox serve exited {self._proc.returncode} on {self.url}: "
+                    f"{(self._dir / 'serve.log').read_text(errors='replace')[-2000:]}"
+                )
             try:
                 if httpx.get(f"{self.url}/v1/health", timeout=2.0, trust_env=False).status_code == 200:
                     return
@@ -101,11 +120,16 @@ class SandboxHosts:
         actor = ray.remote(SandboxHost)
         self.token = spec.token
         # Any: ray's types give an actor handle's methods no .remote()
-        self.handles: list[Any] = [actor.options(num_cpus=cpus, max_restarts=0, scheduling_strategy=session.slot("sandbox", i))
-                        .remote(spec, session.local) for i in range(count)]
+        self.handles: list[Any] = [
+            actor.options(num_cpus=cpus, max_restarts=0, scheduling_strategy=session.slot("sandbox", i)).remote(
+                spec, session.local
+            )
+            for i in range(count)
+        ]
         try:
-            self.urls: list[str] = ray.get([h.address.remote() for h in self.handles],
-                                           timeout=spec.start_timeout_s + session.timeout_s)
+            self.urls: list[str] = ray.get(
+                [h.address.remote() for h in self.handles], timeout=spec.start_timeout_s + session.timeout_s
+            )
         except BaseException:
             self.stop()
             raise
@@ -116,8 +140,9 @@ class SandboxHosts:
         out = []
         for url in self.urls:
             try:
-                r = httpx.get(f"{url}/v1/metrics", headers={"Authorization": f"Bearer {self.token}"}, timeout=10,
-                              trust_env=False)
+                r = httpx.get(
+                    f"{url}/v1/metrics", headers={"Authorization": f"Bearer {self.token}"}, timeout=10, trust_env=False
+                )
                 out.append({"url": url, **r.raise_for_status().json()})
             except httpx.HTTPError as exc:
                 out.append({"url": url, "error": repr(exc)})
@@ -128,4 +153,3 @@ class SandboxHosts:
         ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
         for h in self.handles:
             ray.kill(h, no_restart=True)
-

@@ -49,8 +49,11 @@ class Roles:
 
     @property
     def cpus(self) -> float:
-        return (self.trainer_ranks * self.trainer_cpus + self.engines * self.engine_cpus
-                + self.sandbox_hosts * self.sandbox_cpus)
+        return (
+            self.trainer_ranks * self.trainer_cpus
+            + self.engines * self.engine_cpus
+            + self.sandbox_hosts * self.sandbox_cpus
+        )
 
     @property
     def gpus(self) -> float:
@@ -61,8 +64,11 @@ class Roles:
         whatever the placement, have a group of their own (SPREAD), so they need not share the GPU nodes."""
         trainer = [bundle(self.trainer_cpus, self.trainer_gpus)] * self.trainer_ranks
         engines = [bundle(self.engine_cpus, self.engine_gpus)] * self.engines
-        hosts = {"sandboxes": ([bundle(self.sandbox_cpus, 0.0)] * self.sandbox_hosts, "SPREAD")} \
-            if self.sandbox_hosts else {}
+        hosts = (
+            {"sandboxes": ([bundle(self.sandbox_cpus, 0.0)] * self.sandbox_hosts, "SPREAD")}
+            if self.sandbox_hosts
+            else {}
+        )
         if self.placement == "colocated":
             return {"run": (trainer + engines, "STRICT_PACK"), **hosts}
         if self.placement == "disaggregated":
@@ -75,11 +81,18 @@ def _start_local(num_cpus: int, namespace: str, env: dict[str, str]) -> None:
     start, the error carries the tails of its session's process logs (Ray's own says only "timed out")."""
     since = time.time()
     try:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 namespace=namespace, runtime_env={"env_vars": env})
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            namespace=namespace,
+            runtime_env={"env_vars": env},
+        )
     except Exception as exc:
-        raise RuntimeError(f"train.cluster=ray: the local Ray cluster did not start ({exc}); "
-                           f"{startup_logs(since)}") from exc
+        raise RuntimeError(
+            f"train.cluster=ray: the local Ray cluster did not start ({exc}); {startup_logs(since)}"
+        ) from exc
 
 
 def startup_logs(since: float, root: Path | None = None, lines: int = 5) -> str:
@@ -99,8 +112,14 @@ def startup_logs(since: float, root: Path | None = None, lines: int = 5) -> str:
     return "; ".join(parts)
 
 
-STARTUP_LOGS = ("gcs_server.err", "gcs_server.out", "raylet.err", "raylet.out", "runtime_env_agent.err",
-                "dashboard_agent.err")
+STARTUP_LOGS = (
+    "gcs_server.err",
+    "gcs_server.out",
+    "raylet.err",
+    "raylet.out",
+    "runtime_env_agent.err",
+    "dashboard_agent.err",
+)
 
 
 def bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -111,24 +130,31 @@ def place(roles: Roles, prefix: str, timeout_s: float) -> dict[str, PlacementGro
     """The roles' placement groups on the connected cluster, each ready (else TimeoutError, all removed)."""
     have = ray.cluster_resources().get("GPU", 0.0)
     if roles.gpus > have:  # a placement group would wait out timeout_s for GPUs that never come
-        raise ValueError(f"train.ray: the roles reserve {roles.gpus:g} GPUs (trainer_gpus x ranks + engine_gpus x "
-                         f"engines) but the cluster has {have:g}")
-    groups = {name: placement_group(bundles, strategy=strategy, name=f"{prefix}-{name}")
-              for name, (bundles, strategy) in roles.groups().items()}
+        raise ValueError(
+            f"train.ray: the roles reserve {roles.gpus:g} GPUs (trainer_gpus x ranks + engine_gpus x "
+            f"engines) but the cluster has {have:g}"
+        )
+    groups = {
+        name: placement_group(bundles, strategy=strategy, name=f"{prefix}-{name}")
+        for name, (bundles, strategy) in roles.groups().items()
+    }
     for name, group in groups.items():
         if not group.wait(timeout_s):
             for g in groups.values():
                 remove_placement_group(g)
-            raise TimeoutError(f"placement group {name!r} ({roles.groups()[name][0]}) not ready within "
-                               f"{timeout_s:g} s: the cluster has {ray.cluster_resources()}")
+            raise TimeoutError(
+                f"placement group {name!r} ({roles.groups()[name][0]}) not ready within "
+                f"{timeout_s:g} s: the cluster has {ray.cluster_resources()}"
+            )
     return groups
 
 
 class RaySession:
     """Ray started or joined, the placement groups ready; `slot(role, i)` schedules an actor in its bundle."""
 
-    def __init__(self, roles: Roles, *, address: str | None = None, num_cpus: float | None = None,
-                 timeout_s: float = 180.0) -> None:
+    def __init__(
+        self, roles: Roles, *, address: str | None = None, num_cpus: float | None = None, timeout_s: float = 180.0
+    ) -> None:
         self.roles, self.timeout_s, self.local = roles, timeout_s, address is None
         self.tag = f"furlong-{os.getpid()}-{secrets.token_hex(4)}"
         self._watchdog = Watchdog(self.tag) if self.local else None

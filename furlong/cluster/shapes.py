@@ -24,17 +24,30 @@ def attention_linears(m: ModelSpec) -> list[Linear]:
     a, h = m.attention, m.hidden
     if a.kind == "gqa":
         q, kv = m.heads * m.hd, m.kv * m.hd
-        return [Linear("q", h, q, bias=a.qkv_bias), Linear("k", h, kv, bias=a.qkv_bias),
-                Linear("v", h, kv, bias=a.qkv_bias), Linear("o", q, h)]
+        return [
+            Linear("q", h, q, bias=a.qkv_bias),
+            Linear("k", h, kv, bias=a.qkv_bias),
+            Linear("v", h, kv, bias=a.qkv_bias),
+            Linear("o", q, h),
+        ]
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    qs = ([Linear("q_a", h, a.q_lora_rank), Linear("q_b", a.q_lora_rank, m.heads * qk)] if a.q_lora_rank
-          else [Linear("q", h, m.heads * qk)])
-    out = [*qs, Linear("kv_a", h, a.kv_lora_rank + a.qk_rope_head_dim),
-           Linear("kv_b", a.kv_lora_rank, m.heads * (a.qk_nope_head_dim + a.v_head_dim)),
-           Linear("o", m.heads * a.v_head_dim, h)]
+    qs = (
+        [Linear("q_a", h, a.q_lora_rank), Linear("q_b", a.q_lora_rank, m.heads * qk)]
+        if a.q_lora_rank
+        else [Linear("q", h, m.heads * qk)]
+    )
+    out = [
+        *qs,
+        Linear("kv_a", h, a.kv_lora_rank + a.qk_rope_head_dim),
+        Linear("kv_b", a.kv_lora_rank, m.heads * (a.qk_nope_head_dim + a.v_head_dim)),
+        Linear("o", m.heads * a.v_head_dim, h),
+    ]
     if a.index_heads:  # DSA's lightning indexer reads the q latent
-        out += [Linear("index_q", a.q_lora_rank or h, a.index_heads * a.index_head_dim),
-                Linear("index_k", h, a.index_head_dim), Linear("index_w", h, a.index_heads)]
+        out += [
+            Linear("index_q", a.q_lora_rank or h, a.index_heads * a.index_head_dim),
+            Linear("index_k", h, a.index_head_dim),
+            Linear("index_w", h, a.index_heads),
+        ]
     return out
 
 
@@ -52,11 +65,18 @@ def mlp_linears(m: ModelSpec, moe_layer: bool) -> list[Linear]:
         return [Linear("gate", h, m.ffn), Linear("up", h, m.ffn), Linear("down", m.ffn, h)]
     e = m.moe
     assert e is not None, "an MoE layer implies the model's moe section"
-    out = [Linear("router", h, e.experts), Linear("expert_gate", h, e.ffn, e.experts),
-           Linear("expert_up", h, e.ffn, e.experts), Linear("expert_down", e.ffn, h, e.experts)]
+    out = [
+        Linear("router", h, e.experts),
+        Linear("expert_gate", h, e.ffn, e.experts),
+        Linear("expert_up", h, e.ffn, e.experts),
+        Linear("expert_down", e.ffn, h, e.experts),
+    ]
     if e.shared_ffn:
-        out += [Linear("shared_gate", h, e.shared_ffn), Linear("shared_up", h, e.shared_ffn),
-                Linear("shared_down", e.shared_ffn, h)]
+        out += [
+            Linear("shared_gate", h, e.shared_ffn),
+            Linear("shared_up", h, e.shared_ffn),
+            Linear("shared_down", e.shared_ffn, h),
+        ]
     return out
 
 
@@ -95,8 +115,9 @@ def model_params(m: ModelSpec) -> ModelParams:
     embedding, head = m.vocab * m.hidden, m.hidden + (0 if m.tie_embeddings else m.vocab * m.hidden)
     experts = sum(lp.experts for lp in layers)
     total = embedding + head + sum(lp.dense + lp.experts for lp in layers)
-    return ModelParams(total, total - experts + sum(lp.active_experts for lp in layers), experts, embedding, head,
-                       layers)
+    return ModelParams(
+        total, total - experts + sum(lp.active_experts for lp in layers), experts, embedding, head, layers
+    )
 
 
 def mtp_params(m: ModelSpec) -> int:
@@ -119,8 +140,9 @@ def activation_elements(m: ModelSpec, layer: int) -> int:
         attn = 2 * h + 2 * m.heads * m.hd + 2 * m.kv * m.hd + m.heads * m.hd
     else:
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-        attn = (2 * h + a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + 2 * m.heads * qk
-                + 2 * m.heads * a.v_head_dim)
+        attn = (
+            2 * h + a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + 2 * m.heads * qk + 2 * m.heads * a.v_head_dim
+        )
     if not is_moe(m, layer):
         return attn + 2 * h + 3 * m.ffn
     e = m.moe

@@ -35,11 +35,13 @@ def _step_table(step: StepTime) -> Table:
 
 def print_plan(plan: Plan, console: Console) -> None:
     s, p, m = plan.spec, plan.params, plan.spec.model
-    kind = (f"MoE, {m.moe.experts} experts, {m.moe.active} active" if m.moe else "dense")
+    kind = f"MoE, {m.moe.experts} experts, {m.moe.active} active" if m.moe else "dense"
     mtp = f", +{mtp_params(m) / 1e9:.2f}B in {m.mtp_layers} MTP layer(s)" if m.mtp_layers else ""
-    console.print(f"[bold]{m.name}[/bold]: {kind}, {m.layers} layers, hidden {m.hidden}, {m.attention.kind} "
-                  f"attention; {p.total:,} parameters ({p.total / 1e9:.2f}B), {p.active / 1e9:.2f}B active per "
-                  f"token{mtp}")
+    console.print(
+        f"[bold]{m.name}[/bold]: {kind}, {m.layers} layers, hidden {m.hidden}, {m.attention.kind} "
+        f"attention; {p.total:,} parameters ({p.total / 1e9:.2f}B), {p.active / 1e9:.2f}B active per "
+        f"token{mtp}"
+    )
     placement = Table(title="placement", title_justify="left")
     for col in ("role", "devices (node:gpus)", "detail"):
         placement.add_column(col, overflow="fold")
@@ -55,8 +57,11 @@ def print_plan(plan: Plan, console: Console) -> None:
         updates.add_row(u.what, f"{u.bytes / GIB:,.2f}", u.link, f"{u.seconds:.2f}" if u.seconds else "")
     console.print(updates)
     if len(plan.paths) > 1:
-        console.print("per update: " + "; ".join(f"{x.kind} {x.sent / GIB:,.2f} GiB to each relay, {x.seconds:,.1f} s"
-                                                 for x in plan.paths), soft_wrap=True)
+        console.print(
+            "per update: "
+            + "; ".join(f"{x.kind} {x.sent / GIB:,.2f} GiB to each relay, {x.seconds:,.1f} s" for x in plan.paths),
+            soft_wrap=True,
+        )
     if plan.step:
         console.print(_step_table(plan.step))
     for line in plan.problems:

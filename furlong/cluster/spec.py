@@ -105,7 +105,8 @@ class Trainer(_Strict):
     cp: int = Field(1, ge=1, description="context parallel: each rank holds seq_len / cp tokens")
     ep: int = Field(1, ge=1, description="expert parallel: each rank holds experts / ep")
     shard: Literal["none", "optimizer", "full"] = Field(
-        "full", description="over data parallel: none (DDP), optimizer (ZeRO-1), full (FSDP: params, grads too)")
+        "full", description="over data parallel: none (DDP), optimizer (ZeRO-1), full (FSDP: params, grads too)"
+    )
     param_dtype: Dtype = "bf16"
     grad_dtype: Dtype = "fp32"
     master_weights: bool = Field(True, description="fp32 master copy of each parameter")
@@ -157,7 +158,8 @@ class Step(_Strict):
     """One RL step, for the time estimate: every input is printed beside the term it feeds."""
 
     mode: Literal["sync", "async"] = Field(
-        "sync", description="sync: rollout, then train, then weight sync; async: the next rollout overlaps them")
+        "sync", description="sync: rollout, then train, then weight sync; async: the next rollout overlaps them"
+    )
     prompts: int = Field(ge=1, description="prompts per step")
     group_size: int = Field(1, ge=1, description="samples per prompt")
     prompt_tokens: int = Field(ge=0, description="mean prompt tokens per sample")
@@ -204,27 +206,46 @@ def hf_model(path: Path) -> dict:
 
 
 def _hf_fields(c: dict) -> dict:
-    spec: dict = {"name": c.get("_name_or_path") or c.get("model_type", "model"), "layers": c["num_hidden_layers"],
-                  "hidden": c["hidden_size"], "heads": c["num_attention_heads"], "vocab": c["vocab_size"],
-                  "kv_heads": c.get("num_key_value_heads") or 0, "ffn": c["intermediate_size"],
-                  "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
-                  "mtp_layers": c.get("num_nextn_predict_layers", 0)}
+    spec: dict = {
+        "name": c.get("_name_or_path") or c.get("model_type", "model"),
+        "layers": c["num_hidden_layers"],
+        "hidden": c["hidden_size"],
+        "heads": c["num_attention_heads"],
+        "vocab": c["vocab_size"],
+        "kv_heads": c.get("num_key_value_heads") or 0,
+        "ffn": c["intermediate_size"],
+        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "mtp_layers": c.get("num_nextn_predict_layers", 0),
+    }
     mt = c.get("model_type", "")
     if "kv_lora_rank" in c:
-        spec["attention"] = {"kind": "mla", "q_lora_rank": c.get("q_lora_rank") or 0,
-                             "kv_lora_rank": c["kv_lora_rank"], "qk_nope_head_dim": c["qk_nope_head_dim"],
-                             "qk_rope_head_dim": c["qk_rope_head_dim"], "v_head_dim": c["v_head_dim"],
-                             "index_heads": c.get("index_n_heads", 0), "index_head_dim": c.get("index_head_dim", 0),
-                             "index_topk": c.get("index_topk", 0) if c.get("index_n_heads") else 0}
+        spec["attention"] = {
+            "kind": "mla",
+            "q_lora_rank": c.get("q_lora_rank") or 0,
+            "kv_lora_rank": c["kv_lora_rank"],
+            "qk_nope_head_dim": c["qk_nope_head_dim"],
+            "qk_rope_head_dim": c["qk_rope_head_dim"],
+            "v_head_dim": c["v_head_dim"],
+            "index_heads": c.get("index_n_heads", 0),
+            "index_head_dim": c.get("index_head_dim", 0),
+            "index_topk": c.get("index_topk", 0) if c.get("index_n_heads") else 0,
+        }
     else:
         spec["head_dim"] = c.get("head_dim") or 0
-        spec["attention"] = {"qkv_bias": bool(c.get("attention_bias", mt == "qwen2")),  # Qwen2's are implicit
-                             "qk_norm": mt.startswith("qwen3")}
+        spec["attention"] = {
+            "qkv_bias": bool(c.get("attention_bias", mt == "qwen2")),  # Qwen2's are implicit
+            "qk_norm": mt.startswith("qwen3"),
+        }
     experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
     if experts:
         shared = c.get("shared_expert_intermediate_size") or c.get("n_shared_experts", 0) * c["moe_intermediate_size"]
-        spec["moe"] = {"experts": experts, "active": c["num_experts_per_tok"], "ffn": c["moe_intermediate_size"],
-                       "shared_ffn": shared, "dense_layers": c.get("first_k_dense_replace", 0)}
+        spec["moe"] = {
+            "experts": experts,
+            "active": c["num_experts_per_tok"],
+            "ffn": c["moe_intermediate_size"],
+            "shared_ffn": shared,
+            "dense_layers": c.get("first_k_dense_replace", 0),
+        }
     return spec
 
 

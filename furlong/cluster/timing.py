@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from furlong.cluster.shapes import ModelParams, kv_bytes_per_token
 from furlong.cluster.spec import DTYPE_BYTES, ClusterSpec, ModelSpec, Step
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def _step(spec: ClusterSpec) -> Step:
@@ -73,8 +73,9 @@ def decode_step(spec: ClusterSpec, p: ModelParams, batch: float, ctx: float) -> 
     compute = tokens * (2 * p.active + attention_flops(m, ctx)) / (r.tp * st.gpu_tflops * 1e12 * st.mfu)
     bound = "memory" if memory >= compute else "compute"
     routed = f" (experts touched {touched:.0%})" if m.moe else ""
-    return max(memory, compute), (f"{weights / GIB:,.1f} GiB weights{routed} + {kv / GIB:,.2f} GiB KV per GPU; "
-                                  f"{bound}-bound")
+    return max(memory, compute), (
+        f"{weights / GIB:,.1f} GiB weights{routed} + {kv / GIB:,.2f} GiB KV per GPU; {bound}-bound"
+    )
 
 
 def _in_flight(spec: ClusterSpec, kv_tokens_per_gpu: float, problems: list[str]) -> int:
@@ -89,8 +90,10 @@ def _in_flight(spec: ClusterSpec, kv_tokens_per_gpu: float, problems: list[str])
     per_engine = kv_tokens_per_gpu * (r.tp if r.dp_attention else 1)
     room = int(r.gpus // r.tp * per_engine // final)
     if want > room:
-        problems.append(f"does not fit: KV cache: {want} samples of {final:,} tokens in flight but the engines "
-                        f"hold {room}; the step time assumes {max(room, 1)}")
+        problems.append(
+            f"does not fit: KV cache: {want} samples of {final:,} tokens in flight but the engines "
+            f"hold {room}; the step time assumes {max(room, 1)}"
+        )
         return max(room, 1)
     return want
 
@@ -113,18 +116,31 @@ def _rollout(spec: ClusterSpec, p: ModelParams, in_flight: int) -> list[TimeTerm
     latency = prefill + decode + st.env_seconds
     if st.mode == "sync":
         waves = math.ceil(samples / in_flight)
-        rollout = TimeTerm("rollout", waves * latency, f"{waves} wave(s) of {in_flight} samples x latency "
-                                                       f"{latency:,.1f} s (prefill + decode + environment)")
+        rollout = TimeTerm(
+            "rollout",
+            waves * latency,
+            f"{waves} wave(s) of {in_flight} samples x latency {latency:,.1f} s (prefill + decode + environment)",
+        )
     else:
-        rollout = TimeTerm("rollout", samples * latency / in_flight,
-                           f"{samples} samples x latency {latency:,.1f} s / {in_flight} in flight (steady state)")
+        rollout = TimeTerm(
+            "rollout",
+            samples * latency / in_flight,
+            f"{samples} samples x latency {latency:,.1f} s / {in_flight} in flight (steady state)",
+        )
     return [
-        TimeTerm("prefill, per sample", prefill, f"{prefilled:,} tokens x (2 x active + attention) FLOPs / "
-                                                 f"(tp{r.tp} x {st.gpu_tflops:g} TFLOP/s x mfu {st.mfu:g})"),
-        TimeTerm("decode, per sample", decode,
-                 f"{st.response_tokens:,} tokens / accept {st.spec_accept:g} x {step * 1e3:,.1f} ms a step; "
-                 f"batch {batch:,.1f} of {per_engine:,.1f} in flight per engine, mean context {ctx:,.0f}: "
-                 f"{detail} at {st.gpu_hbm_tbs:g} TB/s x mbu {st.mbu:g}"),
+        TimeTerm(
+            "prefill, per sample",
+            prefill,
+            f"{prefilled:,} tokens x (2 x active + attention) FLOPs / "
+            f"(tp{r.tp} x {st.gpu_tflops:g} TFLOP/s x mfu {st.mfu:g})",
+        ),
+        TimeTerm(
+            "decode, per sample",
+            decode,
+            f"{st.response_tokens:,} tokens / accept {st.spec_accept:g} x {step * 1e3:,.1f} ms a step; "
+            f"batch {batch:,.1f} of {per_engine:,.1f} in flight per engine, mean context {ctx:,.0f}: "
+            f"{detail} at {st.gpu_hbm_tbs:g} TB/s x mbu {st.mbu:g}",
+        ),
         TimeTerm("environment, per sample", st.env_seconds, "step.env_seconds (tools, sandbox)"),
         rollout,
     ]
@@ -138,13 +154,17 @@ def _train(spec: ClusterSpec, p: ModelParams) -> TimeTerm:
     tokens = st.prompts * st.group_size * per_sample
     passes = (2 if t.lora_rank else 3) + (1 if t.activation_checkpointing else 0) + st.logprob_passes
     flops = passes * tokens * (2 * p.active + attention_flops(m, per_sample / 2))
-    return TimeTerm("train", flops / (t.gpus * st.gpu_tflops * 1e12 * st.mfu),
-                    f"{passes} passes x {tokens:,} tokens x (2 x {p.active / 1e9:.1f}B active + attention) / "
-                    f"({t.gpus} GPUs x {st.gpu_tflops:g} TFLOP/s x mfu {st.mfu:g})")
+    return TimeTerm(
+        "train",
+        flops / (t.gpus * st.gpu_tflops * 1e12 * st.mfu),
+        f"{passes} passes x {tokens:,} tokens x (2 x {p.active / 1e9:.1f}B active + attention) / "
+        f"({t.gpus} GPUs x {st.gpu_tflops:g} TFLOP/s x mfu {st.mfu:g})",
+    )
 
 
-def step_time(spec: ClusterSpec, p: ModelParams, kv_tokens_per_gpu: float, sync_seconds: float,
-              problems: list[str]) -> StepTime:
+def step_time(
+    spec: ClusterSpec, p: ModelParams, kv_tokens_per_gpu: float, sync_seconds: float, problems: list[str]
+) -> StepTime:
     """The step's terms and total; a KV cache too small for the samples in flight is added to `problems`."""
     in_flight = _in_flight(spec, kv_tokens_per_gpu, problems)
     terms = _rollout(spec, p, in_flight)

@@ -33,8 +33,10 @@ class TrainerHost:
 
     def engine_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         # copies: the live tensors move on with the next step, and the reply is pickled after this returns
-        return ({k: v.detach().to("cpu", copy=True) for k, v in self._trainer.engine_weights().items()},
-                self._trainer.version)
+        return (
+            {k: v.detach().to("cpu", copy=True) for k, v in self._trainer.engine_weights().items()},
+            self._trainer.version,
+        )
 
     def share_weights(self) -> tuple[tuple[str, ...], int, int]:
         """The current engine weights copied into the arena: their names, bytes and version."""
@@ -59,13 +61,21 @@ class RayTrainer:
     engine_weights are SharedWeights: the actor's copy in shared memory, which engines on its node open in
     place (furlong.sync.handover); without, a copy sent to the driver."""
 
-    def __init__(self, session: RaySession, make: Callable[[], Trainer], *, threads: int = 1,
-                 arena: Arena | None = None) -> None:
+    def __init__(
+        self, session: RaySession, make: Callable[[], Trainer], *, threads: int = 1, arena: Arena | None = None
+    ) -> None:
         # Any: ray's types give an actor handle's methods no .remote()
-        self._actor = cast(Any, ray.remote(TrainerHost).options(num_cpus=session.roles.trainer_cpus,
-                                                      num_gpus=session.roles.trainer_gpus, max_restarts=0,
-                                                      scheduling_strategy=session.slot("trainer")).remote(
-                                                          make, threads, arena))
+        self._actor = cast(
+            Any,
+            ray.remote(TrainerHost)
+            .options(
+                num_cpus=session.roles.trainer_cpus,
+                num_gpus=session.roles.trainer_gpus,
+                max_restarts=0,
+                scheduling_strategy=session.slot("trainer"),
+            )
+            .remote(make, threads, arena),
+        )
         self._device = torch.device(ray.get(self._actor.device.remote(), timeout=session.timeout_s))
         self._shared = arena is not None
         self.version = 0

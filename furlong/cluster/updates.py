@@ -64,8 +64,14 @@ def _copy(spec: ClusterSpec, p: ModelParams) -> tuple[float, float, str]:
         return full, full, what
     d = spec.delta
     sent = delta_bytes(p.total, d)
-    return sent, full, (f"delta, {d.changed_fraction:.1%} changed: {position_bits(d.changed_fraction):.2f} "
-                        f"position bits + {d.changed_fraction:.3f} x {d.value_bits:g} value bits per param")
+    return (
+        sent,
+        full,
+        (
+            f"delta, {d.changed_fraction:.1%} changed: {position_bits(d.changed_fraction):.2f} "
+            f"position bits + {d.changed_fraction:.3f} x {d.value_bits:g} value bits per param"
+        ),
+    )
 
 
 def weight_updates(spec: ClusterSpec, p: ModelParams, relays: Relays) -> list[Transfer]:
@@ -78,20 +84,50 @@ def weight_updates(spec: ClusterSpec, p: ModelParams, relays: Relays) -> list[Tr
     out = [Transfer(what, sent, "one copy", 0.0)]
     if spec.sync == "delta":
         d = spec.delta
-        out.append(Transfer(f"encode on the trainer ({d.encoders} core{'s' * (d.encoders > 1)})", loaded,
-                            f"CPU, {d.encode_gbs:g} GB/s a core", loaded / (d.encode_gbs * 1e9 * d.encoders)))
+        out.append(
+            Transfer(
+                f"encode on the trainer ({d.encoders} core{'s' * (d.encoders > 1)})",
+                loaded,
+                f"CPU, {d.encode_gbs:g} GB/s a core",
+                loaded / (d.encode_gbs * 1e9 * d.encoders),
+            )
+        )
     if relays.local:
-        out.append(Transfer(f"trainer -> {relays.local} relays on its own nodes", sent * relays.local,
-                            "host memory (same node)", 0.0))
+        out.append(
+            Transfer(
+                f"trainer -> {relays.local} relays on its own nodes",
+                sent * relays.local,
+                "host memory (same node)",
+                0.0,
+            )
+        )
     if relays.remote:
-        out.append(Transfer(f"trainer -> {relays.remote} relays", sent * relays.remote,
-                            f"network, {node.network_gbs:g} GB/s per node", sent / (node.network_gbs * 1e9)))
+        out.append(
+            Transfer(
+                f"trainer -> {relays.remote} relays",
+                sent * relays.remote,
+                f"network, {node.network_gbs:g} GB/s per node",
+                sent / (node.network_gbs * 1e9),
+            )
+        )
     if spec.sync == "delta":
         d = spec.delta
-        out.append(Transfer("apply on each relay", loaded, f"CPU, {d.apply_gbs:g} GB/s a core",
-                            loaded / (d.apply_gbs * 1e9 * d.encoders)))
-    out.append(Transfer(f"relays -> {engines} engines", loaded * engines,
-                        f"GPU links, {node.gpu_link_gbs:g} GB/s", loaded / r.tp / (node.gpu_link_gbs * 1e9)))
+        out.append(
+            Transfer(
+                "apply on each relay",
+                loaded,
+                f"CPU, {d.apply_gbs:g} GB/s a core",
+                loaded / (d.apply_gbs * 1e9 * d.encoders),
+            )
+        )
+    out.append(
+        Transfer(
+            f"relays -> {engines} engines",
+            loaded * engines,
+            f"GPU links, {node.gpu_link_gbs:g} GB/s",
+            loaded / r.tp / (node.gpu_link_gbs * 1e9),
+        )
+    )
     return out
 
 

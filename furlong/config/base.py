@@ -26,7 +26,11 @@ def section_class(annotation: Any) -> type[BaseModel] | None:
 def mapped_class(annotation: Any) -> type[BaseModel] | None:
     """The section class of a mapping of names to sections (`train.env.rewards.NAME`), else None."""
     args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is dict and len(args) == 2 and inspect.isclass(args[1]) \
-            and issubclass(args[1], BaseModel):
+    if (
+        typing.get_origin(annotation) is dict
+        and len(args) == 2
+        and inspect.isclass(args[1])
+        and issubclass(args[1], BaseModel)
+    ):
         return args[1]
     return None

@@ -24,18 +24,23 @@ class Config(_Node):
     sandbox: SandboxConfig = Field(SandboxConfig(), description="sandboxes, for every command")
     images: ImagesConfig = Field(ImagesConfig(), description="base images from registries")
     eval: EvalConfig = Field(EvalConfig(), description="`furlong eval`")
-    openenv: OpenEnvConfig = Field(OpenEnvConfig(), description="the OpenEnv server of train.env.openenv "
-                                   "and eval.env=openenv")
+    openenv: OpenEnvConfig = Field(
+        OpenEnvConfig(), description="the OpenEnv server of train.env.openenv and eval.env=openenv"
+    )
     train: TrainConfig = Field(TrainConfig(), description="`furlong train` and `furlong sft`")
 
     @model_validator(mode="after")
     def _sandbox_hosts_on_ray(self) -> Config:
         if self.train.ray.sandbox_hosts and self.train.cluster != "ray":
-            raise ValueError("train.ray.sandbox_hosts: sandbox host actors need train.cluster=ray (local mode: "
-                             "start hosts with `furlong sandbox serve` and set sandbox.backend=remote)")
+            raise ValueError(
+                "train.ray.sandbox_hosts: sandbox host actors need train.cluster=ray (local mode: "
+                "start hosts with `furlong sandbox serve` and set sandbox.backend=remote)"
+            )
         if self.train.ray.sandbox_hosts and self.sandbox.backend == "remote":
-            raise ValueError("train.ray.sandbox_hosts: the run's sandboxes go to its own host actors; drop "
-                             "sandbox.backend=remote (and sandbox.hosts), or set train.ray.sandbox_hosts=0")
+            raise ValueError(
+                "train.ray.sandbox_hosts: the run's sandboxes go to its own host actors; drop "
+                "sandbox.backend=remote (and sandbox.hosts), or set train.ray.sandbox_hosts=0"
+            )
         return self
 
 
@@ -81,8 +86,10 @@ def load_config(recipe: Path | None = None, overrides: Sequence[str] = ()) -> Co
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r}){_nearest(e)}"
-                    for e in exc.errors()]
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r}){_nearest(e)}"
+            for e in exc.errors()
+        ]
         where = f" in {recipe}" if recipe else ""
         sep = " " if len(problems) == 1 else "\n  "  # one problem, one line
         raise ConfigError(f"invalid config{where}:{sep}" + "\n  ".join(problems)) from None

@@ -28,8 +28,10 @@ class ModelConfig(_Node):
     seed: int = Field(0, description="seed of the tiny model's initial weights (model.path null)")
 
 
-DEFAULT_SYSTEM_PROMPT = ("You are an agent in a Linux terminal. Use the bash tool to complete the task. "
-                         "When the task is done, reply without a tool call.")
+DEFAULT_SYSTEM_PROMPT = (
+    "You are an agent in a Linux terminal. Use the bash tool to complete the task. "
+    "When the task is done, reply without a tool call."
+)
 
 
 class AgentConfig(_Node):
@@ -40,25 +42,34 @@ class AgentConfig(_Node):
     max_new_tokens: int = Field(96, ge=1, description="per model turn")
     command_timeout_s: float = Field(10.0, gt=0, description="one bash tool call")
     observation_chars: int = Field(400, ge=32, description="a tool result beyond this is cut, keeping head and tail")
-    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="the first message of every episode and "
-                               "SFT demonstration")
-    tool_schema_in_prompt: bool = Field(False, description="render the environment's tool schemas (Harbor: bash) into the prompt "
-                                        "(tiny models do better without it; chat models trained on tools, with it)")
+    system_prompt: str = Field(
+        DEFAULT_SYSTEM_PROMPT, description="the first message of every episode and SFT demonstration"
+    )
+    tool_schema_in_prompt: bool = Field(
+        False,
+        description="render the environment's tool schemas (Harbor: bash) into the prompt "
+        "(tiny models do better without it; chat models trained on tools, with it)",
+    )
     tool_format: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "harmony"] = Field(
-        "auto", description="how the model writes tool calls and ends its turns (docs/models.md#tool-call-formats); "
-                            "auto: read from the tokenizer's chat template, an error when it cannot tell")
+        "auto",
+        description="how the model writes tool calls and ends its turns (docs/models.md#tool-call-formats); "
+        "auto: read from the tokenizer's chat template, an error when it cannot tell",
+    )
 
 
 class SFTConfig(_Node):
     """A short warm-start: enough to learn the tool-call format, leaving the policy noisy for RL to sharpen."""
 
     families: tuple[str, ...] | None = Field(
-        DEFAULT_SFT_FAMILIES, description="the families whose oracle demonstrations SFT shows the model (each "
+        DEFAULT_SFT_FAMILIES,
+        description="the families whose oracle demonstrations SFT shows the model (each "
         "one of train.families); the others are reward-only: RL learns them from the verifier alone. "
-        "null: all of train.families, which is also what setting train.families alone means")
+        "null: all of train.families, which is also what setting train.families alone means",
+    )
     instances_per_family: int = Field(128, ge=1, description="train instances of each family demonstrated")
-    epochs: int = Field(4, ge=0, description="passes over the demonstrations; 0: no SFT (the anchor may still "
-                        "use them)")
+    epochs: int = Field(
+        4, ge=0, description="passes over the demonstrations; 0: no SFT (the anchor may still use them)"
+    )
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
     batch_size: int = Field(8, ge=1, description="demonstrations per optimizer step")
     concurrency: int = Field(16, ge=1, description="oracle solutions replayed at once, each in its own sandbox")
@@ -66,9 +77,11 @@ class SFTConfig(_Node):
 
 class RLConfig(_Node):
     families: tuple[str, ...] | None = Field(
-        DEFAULT_RL_FAMILIES, description="the families RL draws its train tasks from (each one of "
+        DEFAULT_RL_FAMILIES,
+        description="the families RL draws its train tasks from (each one of "
         "train.families); null: all of them, which is also what setting train.families or train.sft.families "
-        "alone means. Held-out evals always cover every family")
+        "alone means. Held-out evals always cover every family",
+    )
     steps: int = Field(20, ge=0, description="RL steps (each: one batch, one or more optimizer steps)")
     tasks_per_step: int = Field(16, ge=1, description="GRPO groups per step, one task each")
     group_size: int = Field(8, ge=2, description="episodes per group (the advantage baseline is their mean)")
@@ -79,7 +92,8 @@ class RLConfig(_Node):
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon: coordinates whose gradient is below it move less")
     warmup_steps: int = Field(5, ge=0, description="optimizer steps of linear lr warm-up")
     lr_decay: Literal["constant", "cosine"] = Field(
-        "cosine", description="after warm-up: keep lr, or follow a cosine to min_lr_ratio * lr at the last step")
+        "cosine", description="after warm-up: keep lr, or follow a cosine to min_lr_ratio * lr at the last step"
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay ends at this fraction of lr")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0: no clipping (the norm is logged)")
     minibatches: int = Field(1, ge=1, description="optimizer steps per pass over a step's episodes")
@@ -87,14 +101,26 @@ class RLConfig(_Node):
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 (1 - clip_low)")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 (1 + clip_high; DAPO's clip-higher)")
     tis_cap: float = Field(2.0, gt=0, description="tis: truncation of the train/rollout importance weight")
-    kl_coef: float = Field(0.05, ge=0, description="k3 KL penalty to the SFT model (a frozen copy is kept); "
-                           "keeps the tool-call format the SFT taught while RL learns (docs/training.md#stability)")
-    sft_coef: float = Field(1.0, ge=0, description="demonstration anchor (PPO-ptx): each optimizer step adds this "
-                            "times the NLL of sft_batch of SFT's demonstrations, so a demonstrated skill that RL "
-                            "erodes is pulled back even when its groups all fail (docs/training.md#stability)")
+    kl_coef: float = Field(
+        0.05,
+        ge=0,
+        description="k3 KL penalty to the SFT model (a frozen copy is kept); "
+        "keeps the tool-call format the SFT taught while RL learns (docs/training.md#stability)",
+    )
+    sft_coef: float = Field(
+        1.0,
+        ge=0,
+        description="demonstration anchor (PPO-ptx): each optimizer step adds this "
+        "times the NLL of sft_batch of SFT's demonstrations, so a demonstrated skill that RL "
+        "erodes is pulled back even when its groups all fail (docs/training.md#stability)",
+    )
     sft_batch: int = Field(16, ge=1, description="demonstrations per optimizer step for the anchor (sft_coef)")
-    negative_weight: float = Field(0.1, ge=0, le=1, description="scale of negative advantages; < 1 sharpens "
-                                   "(1: plain GRPO; see docs/training.md#results)")
+    negative_weight: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="scale of negative advantages; < 1 sharpens (1: plain GRPO; see docs/training.md#results)",
+    )
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
     adv_eps: float = Field(1e-6, gt=0, description="normalize_std: advantages are divided by (group std + this)")
     filter_zero_variance: bool = Field(True, description="drop groups whose rewards are all equal (no signal)")
@@ -103,20 +129,34 @@ class RLConfig(_Node):
     concurrency: int = Field(16, ge=1, description="episodes (sandboxes) at once; the engine batches their turns")
     checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints (the last step always saves)")
     time_budget_s: float | None = Field(
-        None, gt=0, description="stop RL after the step whose end crosses this many seconds of RL step time "
-                                "(resumed runs included); null: run all `steps`")
+        None,
+        gt=0,
+        description="stop RL after the step whose end crosses this many seconds of RL step time "
+        "(resumed runs included); null: run all `steps`",
+    )
     mode: Literal["sync", "async"] = Field(
-        "sync", description="async: rollouts keep running while the trainer trains (furlong.rollout.scheduler)")
+        "sync", description="async: rollouts keep running while the trainer trains (furlong.rollout.scheduler)"
+    )
     max_inflight_groups: int | None = Field(
-        None, ge=1, description="async: GRPO groups running or waiting at once; null: 2 * tasks_per_step "
-                                "(sync always runs one step's groups)")
-    max_staleness: int = Field(2, ge=0, description="async: most weight versions between a trained episode's "
-                                                    "oldest sampled token and the version being trained")
+        None,
+        ge=1,
+        description="async: GRPO groups running or waiting at once; null: 2 * tasks_per_step "
+        "(sync always runs one step's groups)",
+    )
+    max_staleness: int = Field(
+        2,
+        ge=0,
+        description="async: most weight versions between a trained episode's "
+        "oldest sampled token and the version being trained",
+    )
     stale_policy: Literal["drop", "requeue"] = Field(
-        "requeue", description="a group past max_staleness: drop it (the next group of the stream runs instead) "
-                               "or re-run its task")
+        "requeue",
+        description="a group past max_staleness: drop it (the next group of the stream runs instead) "
+        "or re-run its task",
+    )
     off_policy: Literal["tis", "masked_is", "decoupled_ppo"] = Field(
-        "tis", description="correction for rollout/train policy mismatch (see furlong.train.grpo)")
+        "tis", description="correction for rollout/train policy mismatch (see furlong.train.grpo)"
+    )
     mask_level: Literal["token", "sequence"] = Field("token", description="masked_is: drop tokens or whole episodes")
     is_low: float = Field(0.5, gt=0, description="masked_is: keep tokens whose train/rollout ratio >= this")
     is_high: float = Field(2.0, gt=0, description="masked_is: ... and <= this")
@@ -140,8 +180,9 @@ class LoraConfig(_Node):
     enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
     rank: int = Field(8, ge=1, description="adapter rank")
     alpha: int = Field(16, ge=1, description="adapter scale numerator (scale = alpha / rank)")
-    targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"), description="module names "
-                                     "that get adapters")
+    targets: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), description="module names that get adapters"
+    )
 
 
 class FSDP2Config(_Node):
@@ -149,5 +190,6 @@ class FSDP2Config(_Node):
     "FSDP2")."""
 
     world_size: int = Field(2, ge=1, description="rank processes (train.device=cuda: one GPU each)")
-    timeout_s: float = Field(600.0, gt=0, description="a rank's start, and a collective whose peer is gone, "
-                             "fail after this long")
+    timeout_s: float = Field(
+        600.0, gt=0, description="a rank's start, and a collective whose peer is gone, fail after this long"
+    )

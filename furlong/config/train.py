@@ -27,26 +27,37 @@ from furlong.config.policy import (
 
 class TrainConfig(_Node):
     tasks: Path = Field(BUNDLED_TASKS, description="the directory that holds train.families")
-    families: tuple[str, ...] = Field(DEFAULT_FAMILIES, description="task families (directories under "
-                                      "train.tasks) that SFT, RL and the held-out evals use")
+    families: tuple[str, ...] = Field(
+        DEFAULT_FAMILIES,
+        description="task families (directories under train.tasks) that SFT, RL and the held-out evals use",
+    )
     run_dir: Path | None = Field(None, description="null: runs/<date-time>")
     seed: int = Field(0, description="the run's seed: group order, minibatch shuffles, SFT order, LoRA init")
     engine: Literal["hf", "vllm", "sglang"] = Field(
-        "hf", description="hf (in-process); vllm: rollouts and evals (the vllm extra; furlong.engine.vllm); "
-                          "sglang: RL rollouts on an SGLang server, evals stay on hf (train.sglang)")
+        "hf",
+        description="hf (in-process); vllm: rollouts and evals (the vllm extra; furlong.engine.vllm); "
+        "sglang: RL rollouts on an SGLang server, evals stay on hf (train.sglang)",
+    )
     sglang: SGLangConfig = Field(SGLangConfig(), description="train.engine=sglang: the server")
     cluster: Literal["local", "ray"] = Field(
-        "local", description="local: every role in this process (or engine processes, train.sync.engine); "
-                             "ray: the RL trainer and engines as Ray actors (train.ray; their count is "
-                             "train.ray.engines, train.sync.engine and servers are not used; each actor runs "
-                             "train.engine's server: hf, vllm or sglang)")
+        "local",
+        description="local: every role in this process (or engine processes, train.sync.engine); "
+        "ray: the RL trainer and engines as Ray actors (train.ray; their count is "
+        "train.ray.engines, train.sync.engine and servers are not used; each actor runs "
+        "train.engine's server: hf, vllm or sglang)",
+    )
     ray: RayConfig = Field(RayConfig(), description="train.cluster=ray: the cluster, its placement and resources")
     torch_threads: int = Field(1, ge=1, description="1 is fastest for the tiny model on a shared 2-core box")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer keeps and trains the policy "
-                                           "(and its KL reference, and the SFT warm start: on Ray only if the driver's node "
-                                           "has a GPU too, else on its CPU)")
-    trainer: Literal["local", "fsdp2"] = Field("local", description="local: the policy in this process; fsdp2: "
-                                               "sharded over train.fsdp2.world_size rank processes")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="where the trainer keeps and trains the policy "
+        "(and its KL reference, and the SFT warm start: on Ray only if the driver's node "
+        "has a GPU too, else on its CPU)",
+    )
+    trainer: Literal["local", "fsdp2"] = Field(
+        "local",
+        description="local: the policy in this process; fsdp2: sharded over train.fsdp2.world_size rank processes",
+    )
     fsdp2: FSDP2Config = Field(FSDP2Config(), description="train.trainer=fsdp2: its ranks")
     model: ModelConfig = Field(ModelConfig(), description="the starting checkpoint")
     agent: AgentConfig = Field(AgentConfig(), description="the agent loop's limits and prompt")
@@ -62,36 +73,48 @@ class TrainConfig(_Node):
     @model_validator(mode="after")
     def _vllm_engine_supports(self) -> TrainConfig:
         if self.engine == "vllm" and self.sync.engine == "server":
-            raise ValueError("train.engine=vllm runs vLLM's own engine process: set train.sync.engine=inprocess "
-                             "(sync.engine=server is the hf engine server)")
+            raise ValueError(
+                "train.engine=vllm runs vLLM's own engine process: set train.sync.engine=inprocess "
+                "(sync.engine=server is the hf engine server)"
+            )
         return self
 
     @model_validator(mode="after")
     def _deterministic_engine_is_in_process(self) -> TrainConfig:
         # Only the in-process hf engine has the mode; elsewhere the key would promise what the run lacks.
         if self.hf.deterministic and (self.engine != "hf" or self.sync.engine == "server" or self.cluster == "ray"):
-            raise ValueError(f"train.hf.deterministic: only the in-process hf engine has it (train.engine=hf, "
-                             f"train.sync.engine=inprocess, train.cluster=local); got train.engine={self.engine}, "
-                             f"train.sync.engine={self.sync.engine}, train.cluster={self.cluster}")
+            raise ValueError(
+                f"train.hf.deterministic: only the in-process hf engine has it (train.engine=hf, "
+                f"train.sync.engine=inprocess, train.cluster=local); got train.engine={self.engine}, "
+                f"train.sync.engine={self.sync.engine}, train.cluster={self.cluster}"
+            )
         return self
 
     @model_validator(mode="after")
     def _ray_cluster_supports(self) -> TrainConfig:
         if self.cluster == "ray" and self.engine != "hf" and self.lora.enabled:
             # the actors' vLLM and SGLang servers take full-weight updates only (their LoRA paths are not wired)
-            raise ValueError(f"train.cluster=ray with train.engine={self.engine} loads full weights into each "
-                             f"engine actor's server: set train.lora.enabled=false, or train.engine=hf")
+            raise ValueError(
+                f"train.cluster=ray with train.engine={self.engine} loads full weights into each "
+                f"engine actor's server: set train.lora.enabled=false, or train.engine=hf"
+            )
         if self.cluster == "ray" and self.engine == "sglang" and self.sglang.url is not None:
-            raise ValueError("train.cluster=ray starts an SGLang server in each engine actor: drop train.sglang.url "
-                             "(attaching to a running server is local mode's)")
+            raise ValueError(
+                "train.cluster=ray starts an SGLang server in each engine actor: drop train.sglang.url "
+                "(attaching to a running server is local mode's)"
+            )
         if self.cluster == "ray" and (self.device == "cuda") != (self.ray.trainer_gpus > 0):
-            raise ValueError(f"train.cluster=ray: train.device={self.device} needs train.ray.trainer_gpus "
-                             f"{'> 0 (the trainer actor must hold a GPU)' if self.device == 'cuda' else '= 0'} "
-                             f"(got {self.ray.trainer_gpus:g})")
+            raise ValueError(
+                f"train.cluster=ray: train.device={self.device} needs train.ray.trainer_gpus "
+                f"{'> 0 (the trainer actor must hold a GPU)' if self.device == 'cuda' else '= 0'} "
+                f"(got {self.ray.trainer_gpus:g})"
+            )
         if self.cluster == "ray" and self.sync.transport == "broadcast":
-            raise ValueError("train.cluster=ray: engine actors take updates from files, HTTP or shared memory "
-                             "(train.sync.transport=directory, http or shared); the broadcast transport is for "
-                             "train.sync.engine=server")
+            raise ValueError(
+                "train.cluster=ray: engine actors take updates from files, HTTP or shared memory "
+                "(train.sync.transport=directory, http or shared); the broadcast transport is for "
+                "train.sync.engine=server"
+            )
         return self
 
     @model_validator(mode="after")
@@ -100,16 +123,22 @@ class TrainConfig(_Node):
         if self.sync.transport != "shared":
             return self
         if self.cluster == "local" and (self.sync.engine != "server" or self.engine != "hf"):
-            raise ValueError("train.sync.transport=shared hands the weights to engine server processes on this host: "
-                             "set train.sync.engine=server (with train.engine=hf); in one process, transport=direct "
-                             "already copies them in place")
+            raise ValueError(
+                "train.sync.transport=shared hands the weights to engine server processes on this host: "
+                "set train.sync.engine=server (with train.engine=hf); in one process, transport=direct "
+                "already copies them in place"
+            )
         if self.cluster == "ray" and self.ray.placement != "colocated":
-            raise ValueError("train.sync.transport=shared needs the engines on the trainer's node: set "
-                             "train.ray.placement=colocated, or a transport that crosses nodes (http)")
+            raise ValueError(
+                "train.sync.transport=shared needs the engines on the trainer's node: set "
+                "train.ray.placement=colocated, or a transport that crosses nodes (http)"
+            )
         if self.cluster == "ray" and self.trainer == "fsdp2" and self.ray.address is not None:
-            raise ValueError("train.sync.transport=shared with train.trainer=fsdp2: the driver holds the gathered "
-                             "weights, so it must share the engines' node; joining a cluster (train.ray.address) "
-                             "cannot promise that: use transport=http there")
+            raise ValueError(
+                "train.sync.transport=shared with train.trainer=fsdp2: the driver holds the gathered "
+                "weights, so it must share the engines' node; joining a cluster (train.ray.address) "
+                "cannot promise that: use transport=http there"
+            )
         return self
 
     @model_validator(mode="after")
@@ -140,9 +169,12 @@ class TrainConfig(_Node):
         object.__setattr__(self, "families", (family,))
         if self.env.demonstrable():
             return
-        what = ("a Python environment has no oracle demonstrations unless it gives its own "
-                "(train.env.demonstrations: true, docs/environments.md)" if self.env.python else
-                "the prompt dataset has no answers to demonstrate (train.env.prompts.answer_field)")
+        what = (
+            "a Python environment has no oracle demonstrations unless it gives its own "
+            "(train.env.demonstrations: true, docs/environments.md)"
+            if self.env.python
+            else "the prompt dataset has no answers to demonstrate (train.env.prompts.answer_field)"
+        )
         for name, value in (("families", self.sft.families), ("epochs", self.sft.epochs)):
             if name in self.sft.model_fields_set and value:
                 raise ValueError(f"train.sft.{name}: {what}; drop it")
@@ -154,8 +186,10 @@ class TrainConfig(_Node):
     @model_validator(mode="after")
     def _openenv_has_no_demos(self) -> TrainConfig:
         if self.env.openenv and (self.sft.epochs or self.rl.sft_coef):
-            raise ValueError("train.env.openenv: an OpenEnv server has no oracle solutions to demonstrate; set "
-                             "train.sft.epochs=0 and train.rl.sft_coef=0 (start from a trained train.model.path)")
+            raise ValueError(
+                "train.env.openenv: an OpenEnv server has no oracle solutions to demonstrate; set "
+                "train.sft.epochs=0 and train.rl.sft_coef=0 (start from a trained train.model.path)"
+            )
         if self.env.openenv and "families" not in self.rl.model_fields_set:  # the default's are Harbor's
             object.__setattr__(self, "rl", self.rl.model_copy(update={"families": None}))
         return self

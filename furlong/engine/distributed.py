@@ -89,27 +89,41 @@ class DistributedReceiver:
         if spec.group_name in self.groups:
             raise Refused(400, f"group {spec.group_name!r} exists; destroy it first")
         if self._secret is not None and spec.auth_nonce is None:
-            raise Refused(400, "auth_nonce: this engine has a token, so it joins only an authenticated group "
-                               "(anyone who reaches the store could otherwise take a rank)")
+            raise Refused(
+                400,
+                "auth_nonce: this engine has a token, so it joins only an authenticated group "
+                "(anyone who reaches the store could otherwise take a rank)",
+            )
         if self._secret is None and spec.auth_nonce is not None:
-            raise Refused(400, "auth_nonce: this engine was started without a token (FURLONG_ENGINE_TOKEN), so it "
-                               "cannot prove the run's secret")
+            raise Refused(
+                400,
+                "auth_nonce: this engine was started without a token (FURLONG_ENGINE_TOKEN), so it "
+                "cannot prove the run's secret",
+            )
         try:
-            self.groups[spec.group_name] = await asyncio.to_thread(WeightGroup, spec, spec.rank_offset,
-                                                                   self.timeout_s, None, self._secret)
+            self.groups[spec.group_name] = await asyncio.to_thread(
+                WeightGroup, spec, spec.rank_offset, self.timeout_s, None, self._secret
+            )
         except RuntimeError as e:  # the rendezvous failed or timed out, or a member did not prove the secret
             raise Refused(500, f"could not join group {spec.group_name!r}: {e}") from None
-        return {"success": True, "message": f"joined {spec.group_name!r} as rank {spec.rank_offset} "
-                                            f"of {spec.world_size}"}
+        return {
+            "success": True,
+            "message": f"joined {spec.group_name!r} as rank {spec.rank_offset} of {spec.world_size}",
+        }
 
     def _check(self, body: UpdateBody) -> tuple[WeightGroup, Manifest, int | None]:
         group = self.groups.get(body.group_name)
         if group is None:
             raise Refused(400, f"group_name: no group {body.group_name!r} (POST /init_weights_update_group first)")
         try:
-            manifest = Manifest(names=tuple(body.names), dtypes=tuple(body.dtypes),
-                                shapes=tuple(tuple(s) for s in body.shapes), group_name=body.group_name,
-                                weight_version=body.weight_version, load_format=body.load_format)
+            manifest = Manifest(
+                names=tuple(body.names),
+                dtypes=tuple(body.dtypes),
+                shapes=tuple(tuple(s) for s in body.shapes),
+                group_name=body.group_name,
+                weight_version=body.weight_version,
+                load_format=body.load_format,
+            )
             version = None if body.weight_version is None else int(body.weight_version)
         except ValueError as e:
             raise Refused(400, str(e)) from None
@@ -139,9 +153,13 @@ class DistributedReceiver:
                 return {"success": True, "message": f"staged {len(tensors)} tensors", "receive_s": received - start}
             staged = self._staged.pop(name)
             await self.engine.update_weights(staged, version)
-        return {"success": True, "message": f"loaded {len(staged)} tensors at version {version}",
-                "weight_version": str(version), "receive_s": received - start,
-                "load_s": time.perf_counter() - received}
+        return {
+            "success": True,
+            "message": f"loaded {len(staged)} tensors at version {version}",
+            "weight_version": str(version),
+            "receive_s": received - start,
+            "load_s": time.perf_counter() - received,
+        }
 
     async def destroy(self, body: DestroyGroupBody) -> dict:
         group = self.groups.pop(body.group_name, None)

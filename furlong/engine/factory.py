@@ -30,13 +30,23 @@ def check_checkpoint(path: Path | str, what: str = "model", needs: str = "config
     if not p.is_dir():
         raise EngineUnavailable(f"{what} {p}: not a directory (expected a local Hugging Face checkpoint directory)")
     if not (p / needs).is_file():
-        raise EngineUnavailable(f"{what} {p}: no {needs} in it (expected a Hugging Face "
-                                f"{'PEFT adapter' if needs == 'adapter_config.json' else 'checkpoint'} directory)")
+        raise EngineUnavailable(
+            f"{what} {p}: no {needs} in it (expected a Hugging Face "
+            f"{'PEFT adapter' if needs == 'adapter_config.json' else 'checkpoint'} directory)"
+        )
     return p
 
 
-def make_engine(kind: str, model_dir: Path | str, *, adapter: Path | str | None = None, dtype: str = "float32",
-                seed: int = 0, sglang: SGLangConfig | None = None, work_dir: Path | None = None) -> Engine:
+def make_engine(
+    kind: str,
+    model_dir: Path | str,
+    *,
+    adapter: Path | str | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    sglang: SGLangConfig | None = None,
+    work_dir: Path | None = None,
+) -> Engine:
     """An engine serving the checkpoint at `model_dir`, with the PEFT adapter at `adapter` applied if given.
     `dtype` is the weights' dtype (float32 keeps logprobs equal to the trainer's); `seed` seeds the requests
     that bring no seed of their own. sglang: `sglang` settings (default: start `python -m
@@ -71,7 +81,9 @@ def _hf_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> 
 
 def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> Engine:
     if importlib.util.find_spec("vllm") is None:
-        raise EngineUnavailable("engine 'vllm': vllm is not installed (the furlong[vllm] extra: bash install.sh --vllm; docs/engines.md)")
+        raise EngineUnavailable(
+            "engine 'vllm': vllm is not installed (the furlong[vllm] extra: bash install.sh --vllm; docs/engines.md)"
+        )
     try:
         module = importlib.import_module("furlong.engine.vllm")
     except ModuleNotFoundError as exc:  # vllm is there, but this furlong has no backend for it (or a dep is missing)
@@ -80,12 +92,23 @@ def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -
     return module.VLLMEngine.start(model_dir, dtype=dtype, seed=seed, eos_token_ids=(), adapter=adapter)
 
 
-def _sglang_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int, sglang: SGLangConfig | None,
-                   work_dir: Path | None) -> Engine:
+def _sglang_engine(
+    model_dir: Path, adapter: Path | None, dtype: str, seed: int, sglang: SGLangConfig | None, work_dir: Path | None
+) -> Engine:
     from furlong.engine.sglang_launch import open_sglang
 
     s = sglang or SGLangConfig()
-    return open_sglang(model_dir, work_dir=work_dir or Path(tempfile.mkdtemp(prefix="furlong-sglang-")),
-                       adapter=adapter, dtype=dtype, seed=seed, url=s.url, python=s.python,
-                       module=s.launch_module, port=s.port, extra_args=s.extra_args,
-                       start_timeout_s=s.start_timeout_s, weights_via=s.weights_via)
+    return open_sglang(
+        model_dir,
+        work_dir=work_dir or Path(tempfile.mkdtemp(prefix="furlong-sglang-")),
+        adapter=adapter,
+        dtype=dtype,
+        seed=seed,
+        url=s.url,
+        python=s.python,
+        module=s.launch_module,
+        port=s.port,
+        extra_args=s.extra_args,
+        start_timeout_s=s.start_timeout_s,
+        weights_via=s.weights_via,
+    )

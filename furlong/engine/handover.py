@@ -35,8 +35,11 @@ class TensorBody(BaseModel):
 def _opened(body: TensorBody, engine) -> tuple[dict, int]:
     """The tensors (views of the sender's memory) and the version, once everything is checked."""
     if len(body.serialized_named_tensors) != 1:
-        raise Refused(400, f"serialized_named_tensors: expected one entry (this engine has no tensor parallelism), "
-                           f"got {len(body.serialized_named_tensors)}")
+        raise Refused(
+            400,
+            f"serialized_named_tensors: expected one entry (this engine has no tensor parallelism), "
+            f"got {len(body.serialized_named_tensors)}",
+        )
     if body.load_format is not None:
         raise Refused(400, f"load_format: only null (a list of named tensors) is served, got {body.load_format!r}")
     try:
@@ -61,8 +64,12 @@ async def _load(body: TensorBody, engine) -> dict:
     await engine.update_weights(named, version)
     count = len(named)
     del named  # the views: the trainer's memory is released here as soon as it is copied
-    return {"success": True, "message": f"loaded {count} tensors at version {version}",
-            "weight_version": str(version), "load_s": time.perf_counter() - start}
+    return {
+        "success": True,
+        "message": f"loaded {count} tensors at version {version}",
+        "weight_version": str(version),
+        "load_s": time.perf_counter() - start,
+    }
 
 
 def add_tensor_route(app: FastAPI, engine) -> None:

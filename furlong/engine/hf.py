@@ -71,20 +71,32 @@ class _Request:
 
     def result(self, current_version: int) -> Generation:
         return Generation(
-            output_ids=tuple(self.output_ids), logprobs=tuple(self.logprobs),
+            output_ids=tuple(self.output_ids),
+            logprobs=tuple(self.logprobs),
             finish_reason=self.finish or "abort",
             weight_version=min(self.versions, default=current_version),
-            token_weight_versions=tuple(self.versions), prompt_len=len(self.prompt),
+            token_weight_versions=tuple(self.versions),
+            prompt_len=len(self.prompt),
         )
 
 
 class HFEngine:
     """Token-in/token-out engine over an in-process HF model. Use one per event loop."""
 
-    def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64,
-                 eos_token_ids: Sequence[int] | None = None, max_context: int | None = None,
-                 seed: int = 0, weight_version: int = 0, prefix_cache_mb: float = 256,
-                 batch_prefill: bool = True, max_prefill_tokens: int = 8192, deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int = 64,
+        eos_token_ids: Sequence[int] | None = None,
+        max_context: int | None = None,
+        seed: int = 0,
+        weight_version: int = 0,
+        prefix_cache_mb: float = 256,
+        batch_prefill: bool = True,
+        max_prefill_tokens: int = 8192,
+        deterministic: bool = False,
+    ) -> None:
         """`eos_token_ids` stop every request in addition to its own stop ids (None: the model's
         generation_config eos ids; () for none). `max_context` caps prompt + output (default: the model's
         max_position_embeddings). `prefix_cache_mb` bounds the prefix cache's KV (0: no cache);
@@ -189,8 +201,9 @@ class HFEngine:
         for name, shape in shapes.items():
             shape = tuple(shape.shape if isinstance(shape, torch.Tensor) else shape)
             if shape != tuple(targets[name].shape):
-                raise EngineError(f"update_weights: {name} has shape {shape}, model expects "
-                                  f"{tuple(targets[name].shape)}")
+                raise EngineError(
+                    f"update_weights: {name} has shape {shape}, model expects {tuple(targets[name].shape)}"
+                )
         return dict(shapes), targets
 
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -311,7 +324,7 @@ class HFEngine:
         todo = []
         for group in members:
             hit = self.prefix_cache.lookup(group[0].prompt)
-            todo.append(PrefillRow(group[0].prompt[hit.tokens:], hit.kv))
+            todo.append(PrefillRow(group[0].prompt[hit.tokens :], hit.kv))
             self.stats.cached_tokens += hit.tokens
         self.stats.prompt_tokens += sum(len(r.prompt) for r in admitted)
         self.stats.prefill_tokens += sum(len(row.tokens) for row in todo)
@@ -322,7 +335,7 @@ class HFEngine:
             for j, i in enumerate(chunk):
                 rows += members[i]
                 kvs += [chunk_kvs[j]] * len(members[i])
-                logits_rows.append(logits[j: j + 1].expand(len(members[i]), -1))
+                logits_rows.append(logits[j : j + 1].expand(len(members[i]), -1))
         self._batch.add(rows, kvs)
         self._sample(rows, torch.cat(logits_rows), version)
 
@@ -355,8 +368,9 @@ class HFEngine:
             r.versions.append(version)
             if token in self.eos_token_ids or token in r.sampling.stop_token_ids:
                 r.finish = "stop"
-            elif (len(r.output_ids) >= r.sampling.max_new_tokens
-                  or len(r.prompt) + len(r.output_ids) >= self.max_context):
+            elif (
+                len(r.output_ids) >= r.sampling.max_new_tokens or len(r.prompt) + len(r.output_ids) >= self.max_context
+            ):
                 r.finish = "length"
 
     def _drop_cancelled(self) -> None:

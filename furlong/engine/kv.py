@@ -38,15 +38,25 @@ def _adopt(kv: KV) -> DynamicCache:
     return cache
 
 
-def _forward(model: PreTrainedModel, input_ids: torch.Tensor, kv: KV | None,
-             attention_mask: torch.Tensor | None = None,
-             position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, KV]:
+def _forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    kv: KV | None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, KV]:
     """Last-position logits [B, V] (fp32) and the grown cache. No config on the cache on purpose: every layer
     keeps its full history, which the padding arithmetic here assumes (sliding windows are applied by the
     attention mask instead)."""
     cache = _adopt(kv) if kv else DynamicCache()
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     return out.logits[:, -1, :].float(), _cache_tensors(out.past_key_values)
 
 
@@ -73,17 +83,23 @@ def prefill(model: PreTrainedModel, rows: list[PrefillRow]) -> tuple[torch.Tenso
     positions = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     for i, r in enumerate(rows):
         ids[i, : len(r.tokens)] = torch.tensor(r.tokens, device=device)
-        mask[i, past - r.cached_len: past + len(r.tokens)] = 1
+        mask[i, past - r.cached_len : past + len(r.tokens)] = 1
         # Pad positions keep counting: their outputs are discarded, and positions stay in range.
         positions[i] = torch.arange(r.cached_len, r.cached_len + width, device=device)
     last = sorted({len(r.tokens) - 1 for r in rows})
     cache = _adopt(_left_packed([r.cached for r in rows], past)) if past else DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=torch.tensor(last, device=device))
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=torch.tensor(last, device=device),
+    )
     kv = _cache_tensors(out.past_key_values)
     logits = torch.stack([out.logits[i, last.index(len(r.tokens) - 1)] for i, r in enumerate(rows)]).float()
     spans = [(past - r.cached_len, past + len(r.tokens)) for r in rows]
-    return logits, [[(k[i: i + 1, :, a:b], v[i: i + 1, :, a:b]) for k, v in kv] for i, (a, b) in enumerate(spans)]
+    return logits, [[(k[i : i + 1, :, a:b], v[i : i + 1, :, a:b]) for k, v in kv] for i, (a, b) in enumerate(spans)]
 
 
 def _left_packed(kvs: Sequence[KV | None], width: int) -> KV:
@@ -95,8 +111,8 @@ def _left_packed(kvs: Sequence[KV | None], width: int) -> KV:
         v = v0.new_zeros(len(kvs), v0.shape[1], width, v0.shape[3])
         for i, kv in enumerate(kvs):
             if kv is not None and (n := kv[layer][0].shape[-2]):
-                k[i, :, width - n:] = kv[layer][0][0]
-                v[i, :, width - n:] = kv[layer][1][0]
+                k[i, :, width - n :] = kv[layer][0][0]
+                v[i, :, width - n :] = kv[layer][1][0]
         out.append((k, v))
     return out
 
@@ -119,14 +135,18 @@ class DecodeBatch(Generic[Row]):
         kv = _left_packed(kvs, width)
         mask = torch.zeros(len(rows), width, dtype=torch.long, device=kv[0][0].device)
         for i, n in enumerate(lengths):
-            mask[i, width - n:] = 1
+            mask[i, width - n :] = 1
         if self.kv is None or self.mask is None:
             self.rows, self.kv, self.mask = list(rows), kv, mask
             return
         width = max(self.mask.shape[1], width)
-        self.kv = [(torch.cat([_left_pad(k0, width), _left_pad(k1, width)]),
-                    torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
-                   for (k0, v0), (k1, v1) in zip(self.kv, kv, strict=True)]
+        self.kv = [
+            (
+                torch.cat([_left_pad(k0, width), _left_pad(k1, width)]),
+                torch.cat([_left_pad(v0, width), _left_pad(v1, width)]),
+            )
+            for (k0, v0), (k1, v1) in zip(self.kv, kv, strict=True)
+        ]
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
         self.rows.extend(rows)
 
@@ -135,8 +155,10 @@ class DecodeBatch(Generic[Row]):
         assert self.kv is not None and self.mask is not None
         n = int(self.mask[index].sum())
         width = self.mask.shape[1]
-        return [(k[index: index + 1, :, width - n:].clone(), v[index: index + 1, :, width - n:].clone())
-                for k, v in self.kv]
+        return [
+            (k[index : index + 1, :, width - n :].clone(), v[index : index + 1, :, width - n :].clone())
+            for k, v in self.kv
+        ]
 
     def step(self, model: PreTrainedModel, last_tokens: list[int]) -> torch.Tensor:
         """Feed each row its last sampled token; return next-token logits [B, V]."""
@@ -161,8 +183,7 @@ class DecodeBatch(Generic[Row]):
         mask = self.mask.index_select(0, index)
         lead = int((mask.shape[1] - mask.sum(dim=1)).min())  # pad columns shared by every remaining row
         self.mask = mask[:, lead:]
-        self.kv = [(k.index_select(0, index)[:, :, lead:], v.index_select(0, index)[:, :, lead:])
-                   for k, v in self.kv]
+        self.kv = [(k.index_select(0, index)[:, :, lead:], v.index_select(0, index)[:, :, lead:]) for k, v in self.kv]
         self.rows = [self.rows[i] for i in keep]
 
 
@@ -205,8 +226,12 @@ class SoloBatch(Generic[Row]):
         logits = []
         for i, token in enumerate(last_tokens):
             position = self.kvs[i][0][0].shape[-2]
-            out, self.kvs[i] = _forward(model, torch.tensor([[token]], device=device), self.kvs[i],
-                                        position_ids=torch.tensor([[position]], device=device))
+            out, self.kvs[i] = _forward(
+                model,
+                torch.tensor([[token]], device=device),
+                self.kvs[i],
+                position_ids=torch.tensor([[position]], device=device),
+            )
             logits.append(out)
         return torch.cat(logits)
 

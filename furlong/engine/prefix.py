@@ -102,8 +102,11 @@ def prefix_metrics(engine: object) -> dict[str, float]:
     stats = getattr(engine, "stats", None)
     if stats is None or not hasattr(stats, "prefix_hit_rate"):
         return {}
-    return {"engine_prefix_hit_rate": stats.prefix_hit_rate, "engine_prompt_tokens": stats.prompt_tokens,
-            "engine_prefill_tokens": stats.prefill_tokens}
+    return {
+        "engine_prefix_hit_rate": stats.prefix_hit_rate,
+        "engine_prompt_tokens": stats.prompt_tokens,
+        "engine_prefill_tokens": stats.prefill_tokens,
+    }
 
 
 _WIDTH = 4  # bytes per token id in a key

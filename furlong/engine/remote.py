@@ -41,9 +41,13 @@ class RemoteEngine:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         # Many episodes generate at once; the server batches them, so do not cap connections below that.
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, trust_env=False, headers=headers,
-                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
-                                                             keepalive_expiry=CLIENT_KEEPALIVE_S))
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=timeout_s,
+            trust_env=False,
+            headers=headers,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=CLIENT_KEEPALIVE_S),
+        )
         self._version = 0
 
     @property
@@ -61,14 +65,26 @@ class RemoteEngine:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None) -> Generation:
         s = sampling or SamplingParams()
-        body = {"input_ids": [int(t) for t in input_ids],
-                "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                             "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids),
-                             "seed": s.seed}}
+        body = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling": {
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k,
+                "max_new_tokens": s.max_new_tokens,
+                "stop_token_ids": list(s.stop_token_ids),
+                "seed": s.seed,
+            },
+        }
         out = await self._post("/generate", body)
-        gen = Generation(output_ids=tuple(out["output_ids"]), logprobs=tuple(out["logprobs"]),
-                         finish_reason=out["finish_reason"], weight_version=out["weight_version"],
-                         token_weight_versions=tuple(out["token_weight_versions"]), prompt_len=out["prompt_len"])
+        gen = Generation(
+            output_ids=tuple(out["output_ids"]),
+            logprobs=tuple(out["logprobs"]),
+            finish_reason=out["finish_reason"],
+            weight_version=out["weight_version"],
+            token_weight_versions=tuple(out["token_weight_versions"]),
+            prompt_len=out["prompt_len"],
+        )
         self._version = max(self._version, gen.weight_version)
         return gen
 
@@ -133,8 +149,10 @@ def _unreachable(where: str, e: httpx.HTTPError) -> EngineUnavailable:
 
 def _check_status(resp: httpx.Response, where: str) -> None:
     if resp.status_code == 401:  # say which setting holds the token, not just that it was refused
-        raise EngineRefused(f"{where}: HTTP 401: {resp.text[:500]} (RemoteEngine(url, token=...): the server's "
-                            "--token-file or $FURLONG_ENGINE_TOKEN)")
+        raise EngineRefused(
+            f"{where}: HTTP 401: {resp.text[:500]} (RemoteEngine(url, token=...): the server's "
+            "--token-file or $FURLONG_ENGINE_TOKEN)"
+        )
     if resp.status_code != 200:
         error = EngineRefused if 400 <= resp.status_code < 500 else EngineError
         raise error(f"{where}: HTTP {resp.status_code}: {resp.text[:500]}")
@@ -143,14 +161,36 @@ def _check_status(resp: httpx.Response, where: str) -> None:
 class EngineProcess:
     """Starts `python -m furlong.engine.server` and stops it; its stderr goes to `log`."""
 
-    def __init__(self, model: Path, *, updates: str | None, log: Path, threads: int = 1,
-                 lora: dict | None = None, start_timeout_s: float = 120.0, prefix_cache_mb: float = 256,
-                 updates_token: str | None = None, engine_token: str | None = None, port: int = 0) -> None:
+    def __init__(
+        self,
+        model: Path,
+        *,
+        updates: str | None,
+        log: Path,
+        threads: int = 1,
+        lora: dict | None = None,
+        start_timeout_s: float = 120.0,
+        prefix_cache_mb: float = 256,
+        updates_token: str | None = None,
+        engine_token: str | None = None,
+        port: int = 0,
+    ) -> None:
         """`engine_token`: the bearer token the server asks of every request but /health (FURLONG_ENGINE_TOKEN);
         None: a fresh one, so the server is never open (`token`: the one its clients must send);
         `port`: 0 for any free one, or a given one (a server restarted at its predecessor's address)."""
-        cmd = [sys.executable, "-m", "furlong.engine.server", "--model", str(model), "--threads", str(threads),
-               "--prefix-cache-mb", str(prefix_cache_mb), "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "furlong.engine.server",
+            "--model",
+            str(model),
+            "--threads",
+            str(threads),
+            "--prefix-cache-mb",
+            str(prefix_cache_mb),
+            "--port",
+            str(port),
+        ]
         if updates:
             cmd += ["--updates", updates]
         if lora:
@@ -178,7 +218,7 @@ class EngineProcess:
             for raw in self._proc.stdout:
                 line = raw.decode(errors="replace").strip()
                 if line.startswith(READY_PREFIX):
-                    found.append(line[len(READY_PREFIX):])
+                    found.append(line[len(READY_PREFIX) :])
                     return
 
         reader = threading.Thread(target=read, daemon=True)
@@ -186,8 +226,10 @@ class EngineProcess:
         reader.join(timeout_s)
         if not found:
             self.stop()
-            raise EngineError(f"engine server did not start within {timeout_s:.0f} s "
-                              f"(exit code {self._proc.returncode}); see {self.log}")
+            raise EngineError(
+                f"engine server did not start within {timeout_s:.0f} s "
+                f"(exit code {self._proc.returncode}); see {self.log}"
+            )
         return found[0]
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -205,4 +247,3 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-

@@ -171,13 +171,17 @@ class Router:
         self._watch()
         reports = [r for _, r in await self._fan_out(lambda i: i.engine.sync())]
         lowest = min(reports, key=lambda r: r["engine_version"])
-        return {"engine_version_before": min(r["engine_version_before"] for r in reports),
-                "engine_version": lowest["engine_version"], "applied": tuple(lowest["applied"]),
-                "bytes_pulled": sum(r["bytes_pulled"] for r in reports),
-                "pushed_tensors": max(r["pushed_tensors"] for r in reports),
-                **{k: max(r[k] for r in reports) for k in ("stage_s", "drain_s", "pause_s")},
-                "recovered": any(r["recovered"] for r in reports),
-                "faults": tuple(f for r in reports for f in r["faults"]), "instances_live": len(reports)}
+        return {
+            "engine_version_before": min(r["engine_version_before"] for r in reports),
+            "engine_version": lowest["engine_version"],
+            "applied": tuple(lowest["applied"]),
+            "bytes_pulled": sum(r["bytes_pulled"] for r in reports),
+            "pushed_tensors": max(r["pushed_tensors"] for r in reports),
+            **{k: max(r[k] for r in reports) for k in ("stage_s", "drain_s", "pause_s")},
+            "recovered": any(r["recovered"] for r in reports),
+            "faults": tuple(f for r in reports for f in r["faults"]),
+            "instances_live": len(reports),
+        }
 
     async def close(self) -> None:
         if self._watcher is not None:
@@ -190,10 +194,17 @@ class Router:
         placements (all since the router started, but in_flight) and whether it is live."""
         out: dict[str, float] = {"router_live": float(len(self.live()))}
         for i in self.instances:
-            out.update({f"engine{i.index}_live": float(i.live), f"engine{i.index}_requests": i.requests,
-                        f"engine{i.index}_in_flight": i.in_flight, f"engine{i.index}_failures": i.failures,
-                        f"engine{i.index}_retries": i.retries, f"engine{i.index}_sticky": i.sticky,
-                        f"engine{i.index}_readmitted": i.readmitted})
+            out.update(
+                {
+                    f"engine{i.index}_live": float(i.live),
+                    f"engine{i.index}_requests": i.requests,
+                    f"engine{i.index}_in_flight": i.in_flight,
+                    f"engine{i.index}_failures": i.failures,
+                    f"engine{i.index}_retries": i.retries,
+                    f"engine{i.index}_sticky": i.sticky,
+                    f"engine{i.index}_readmitted": i.readmitted,
+                }
+            )
         return out
 
     # -- membership, for a weight link that manages it (furlong.train.weights.BroadcastLink) ---------------
@@ -232,8 +243,11 @@ class Router:
         loaded (fewest in flight, then fewest served, then lowest index); and the matched index entry."""
         usable = [i for i in self.live() if i.index not in tried]
         if not usable:
-            raise EngineError(f"no live engine instance left to serve the request (tried {len(tried)}; "
-                              + "; ".join(f"{i.name}: {i.reason}" for i in self.instances if not i.live) + ")")
+            raise EngineError(
+                f"no live engine instance left to serve the request (tried {len(tried)}; "
+                + "; ".join(f"{i.name}: {i.reason}" for i in self.instances if not i.live)
+                + ")"
+            )
         found = self.prefixes.lookup(hashes, lambda n: any(i.index == n for i in usable))
         if found is not None:
             inst = self.instances[found[1]]
@@ -324,8 +338,9 @@ class Router:
         them (a hung one fails them at the client's timeout, a dead one at once: refused connections)."""
         if isinstance(error, EngineTimedOut) and self.live() == [inst]:
             if inst.strikes == self.settings.unhealthy_after:  # once per slow streak
-                log.warning("router: %s answers /health slowly (%s); kept in as the last live instance",
-                            inst.name, error)
+                log.warning(
+                    "router: %s answers /health slowly (%s); kept in as the last live instance", inst.name, error
+                )
             return
         self._take_out(inst, f"{inst.strikes} health checks failed, the last: {error}")
 
@@ -347,5 +362,6 @@ class Router:
                 return
             inst.live, inst.reason, inst.down = True, "", asyncio.Event()
         inst.readmitted += 1
-        log.warning("router: %s put back at weight version %d; %d live", inst.name,
-                    inst.engine.weight_version, len(self.live()))
+        log.warning(
+            "router: %s put back at weight version %d; %d live", inst.name, inst.engine.weight_version, len(self.live())
+        )

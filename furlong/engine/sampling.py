@@ -10,8 +10,9 @@ import torch
 from furlong.engine.base import SamplingParams
 
 
-def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams],
-                rngs: Sequence[random.Random]) -> tuple[list[int], list[float]]:
+def sample_next(
+    logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]
+) -> tuple[list[int], list[float]]:
     """One token per row of `logits` [B, V], and its logprob under that row's sampling distribution.
 
     The logprob is log_softmax(logits / temperature) at the chosen id, taken *before* top-k / top-p
@@ -19,8 +20,9 @@ def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams],
     sampler detail it cannot see. Greedy rows (temperature 0) report log_softmax(logits) (temperature 1).
     """
     logits = logits.float()
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         dtype=logits.dtype, device=logits.device)
+    temps = torch.tensor(
+        [p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype, device=logits.device
+    )
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]

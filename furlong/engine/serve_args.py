@@ -14,9 +14,12 @@ def add_serve_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", type=Path, required=True, help="a local Hugging Face checkpoint directory")
     ap.add_argument("--updates", help="published weight updates: a directory or an UpdateServer URL")
     ap.add_argument("--host", default="127.0.0.1", help="off loopback only with a token (--token-file)")
-    ap.add_argument("--token-file", type=Path,
-                    help="file holding the bearer token every route but /health then needs (needed off loopback; "
-                         "default: $FURLONG_ENGINE_TOKEN, else a fresh token in the cache's engine-token)")
+    ap.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the bearer token every route but /health then needs (needed off loopback; "
+        "default: $FURLONG_ENGINE_TOKEN, else a fresh token in the cache's engine-token)",
+    )
     ap.add_argument("--port", type=int, default=0, help="0: any free port (printed when ready)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")

@@ -48,10 +48,17 @@ from furlong.engine.handover import add_tensor_route
 from furlong.engine.hf import HFEngine
 from furlong.engine.serve_args import add_serve_arguments
 from furlong.model.loading import load_model
-from furlong.sandbox.base import SandboxError
+from furlong.paths import cache_dir
 from furlong.sync.relay import Relay, SyncFailed
-from furlong.sync.serving import (SERVER_KEEPALIVE_S, bound_socket, check_token, guarded_app, read_token_file,
-                                  require_token_off_loopback, write_token)
+from furlong.sync.serving import (
+    SERVER_KEEPALIVE_S,
+    bound_socket,
+    check_token,
+    guarded_app,
+    read_token_file,
+    require_token_off_loopback,
+    write_token,
+)
 from furlong.sync.transport import UPDATES_TOKEN_ENV, DirectoryTransport, HttpTransport, Transport
 
 READY_PREFIX = "furlong-engine listening on "
@@ -95,12 +102,20 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
     @app.get("/health")
     async def health() -> dict:
         s, cache = getattr(engine, "stats", None), getattr(engine, "prefix_cache", None)
-        return {"weight_version": engine.weight_version, "paused": getattr(engine, "paused", False),
-                "relay": relay is not None,
-                "prefix_cache": None if s is None or cache is None else
-                {"prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens, "hit_rate": s.prefix_hit_rate,
-                 "bytes": cache.nbytes},
-                "weight_groups": sorted(receiver.groups)}
+        return {
+            "weight_version": engine.weight_version,
+            "paused": getattr(engine, "paused", False),
+            "relay": relay is not None,
+            "prefix_cache": None
+            if s is None or cache is None
+            else {
+                "prompt_tokens": s.prompt_tokens,
+                "reused_tokens": s.reused_tokens,
+                "hit_rate": s.prefix_hit_rate,
+                "bytes": cache.nbytes,
+            },
+            "weight_groups": sorted(receiver.groups),
+        }
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> dict:
@@ -144,8 +159,12 @@ def load_engine(args: argparse.Namespace) -> HFEngine:
 
         spec = json.loads(args.lora)
         model = wrap_lora(model, LoraSpec(rank=spec["rank"], alpha=spec["alpha"], targets=tuple(spec["targets"])))
-    return HFEngine(model.to(args.device), eos_token_ids=(), max_batch_size=args.max_batch_size,
-                    prefix_cache_mb=args.prefix_cache_mb)
+    return HFEngine(
+        model.to(args.device),
+        eos_token_ids=(),
+        max_batch_size=args.max_batch_size,
+        prefix_cache_mb=args.prefix_cache_mb,
+    )
 
 
 def given_token(args: argparse.Namespace) -> str | None:
@@ -161,7 +180,6 @@ def given_token(args: argparse.Namespace) -> str | None:
 
 def made_token() -> str:
     """A fresh token in the cache's engine-token, for the server's local clients to read."""
-    from furlong.paths import cache_dir
 
     def say(line: str) -> None:  # on stderr: stdout is for the ready line
         print(line, file=sys.stderr, flush=True)
@@ -180,8 +198,9 @@ def serve(args: argparse.Namespace) -> int:
     relay = Relay(open_transport(args.updates), engine) if args.updates else None
     sock = bound_socket(args.host, args.port)
     app = build_app(engine, relay, token)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                            timeout_keep_alive=SERVER_KEEPALIVE_S))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=SERVER_KEEPALIVE_S)
+    )
 
     async def run() -> None:
         serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -201,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_arguments(ap)
     try:
         return serve(ap.parse_args(argv))
-    except (ValueError, SandboxError) as e:  # a refused --host or a bad token file: say which, no traceback
+    except ValueError as e:  # a refused --host or a bad token file: say which, no traceback
         print(f"{ap.prog}: {e}", file=sys.stderr)
         return 2
 

@@ -44,9 +44,15 @@ INITIAL_VERSION_LABEL = "default"  # ServerArgs.weight_version when --weight-ver
 def sampling_params(s: SamplingParams) -> dict[str, Any]:
     """furlong's SamplingParams as SGLang's `sampling_params` (sampling/sampling_params.py): top_k -1 is
     SGLang's "no top-k", and a temperature of 0 is its greedy switch as it is ours."""
-    out: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1,
-                           "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids),
-                           "skip_special_tokens": False, "no_stop_trim": True}
+    out: dict[str, Any] = {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "max_new_tokens": s.max_new_tokens,
+        "stop_token_ids": list(s.stop_token_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
     if s.seed is not None:  # reproducible per request only with SGLang's --enable-deterministic-inference
         out["sampling_seed"] = s.seed
     return out
@@ -59,8 +65,10 @@ def parse_version(label: Any) -> int:
     try:
         return int(label)
     except (TypeError, ValueError):
-        raise EngineError(f"SGLang weight_version {label!r} is not an integer (start the server with "
-                          "--weight-version 0, or let furlong launch it)") from None
+        raise EngineError(
+            f"SGLang weight_version {label!r} is not an integer (start the server with "
+            "--weight-version 0, or let furlong launch it)"
+        ) from None
 
 
 def parse_generation(out: Any, prompt_len: int, sent_version: int) -> Generation:
@@ -75,17 +83,24 @@ def parse_generation(out: Any, prompt_len: int, sent_version: int) -> Generation
     ids = [int(t[1]) for t in triples]
     logprobs = [t[0] for t in triples]
     if "output_ids" in out and list(out["output_ids"]) != ids:
-        raise EngineError(f"SGLang /generate: output_ids {out['output_ids'][:8]}... disagree with the ids of "
-                          f"output_token_logprobs {ids[:8]}...")
+        raise EngineError(
+            f"SGLang /generate: output_ids {out['output_ids'][:8]}... disagree with the ids of "
+            f"output_token_logprobs {ids[:8]}..."
+        )
     if any(lp is None for lp in logprobs):
         raise EngineError("SGLang /generate: an output token has no logprob")
     reason = meta.get("finish_reason") or {}
     finish = _FINISH.get(reason.get("type") or "") if isinstance(reason, dict) else None
     if finish is None:
         raise EngineError(f"SGLang /generate: unknown finish_reason {reason!r}")
-    return Generation(output_ids=tuple(ids), logprobs=tuple(float(lp) for lp in logprobs), finish_reason=finish,
-                      weight_version=sent_version, token_weight_versions=(sent_version,) * len(ids),
-                      prompt_len=prompt_len)
+    return Generation(
+        output_ids=tuple(ids),
+        logprobs=tuple(float(lp) for lp in logprobs),
+        finish_reason=finish,
+        weight_version=sent_version,
+        token_weight_versions=(sent_version,) * len(ids),
+        prompt_len=prompt_len,
+    )
 
 
 def is_adapter_state(state_dict: Mapping[str, Any]) -> bool:
@@ -98,19 +113,29 @@ class SGLangEngine:
     `weights_via="tensor"`, through /update_weights_from_tensor (same host only). LoRA-only updates become a
     new adapter (/load_lora_adapter) that later requests select. `server` is stopped by close()."""
 
-    def __init__(self, url: str, *, staging_dir: Path | None = None, base_model_dir: Path | None = None,
-                 weights_via: str = "disk", timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
-                 server: Any = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        staging_dir: Path | None = None,
+        base_model_dir: Path | None = None,
+        weights_via: str = "disk",
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        server: Any = None,
+    ) -> None:
         if weights_via not in ("disk", "tensor"):
             raise ValueError(f"weights_via must be 'disk' or 'tensor', got {weights_via!r}")
         self.url = url.rstrip("/")
         self.staging_dir, self.base_model_dir, self.weights_via = staging_dir, base_model_dir, weights_via
         self.server = server
         # A refused or dead connection fails within connect_timeout_s; only a generation may take long.
-        self._client = httpx.AsyncClient(base_url=self.url, trust_env=False,
-                                         timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
-                                                             keepalive_expiry=CLIENT_KEEPALIVE_S))
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            trust_env=False,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=CLIENT_KEEPALIVE_S),
+        )
         self._version = 0
         self._lora: str | None = None  # adapter name sent as `lora_path` with every request
         self._adapter_config: dict | None = None
@@ -146,8 +171,12 @@ class SGLangEngine:
         prompt = [int(t) for t in input_ids]
         if not prompt:
             raise EngineError("input_ids is empty")
-        body: dict[str, Any] = {"input_ids": prompt, "sampling_params": sampling_params(s), "return_logprob": True,
-                                "logprob_start_len": -1}  # -1: logprobs of the output tokens only
+        body: dict[str, Any] = {
+            "input_ids": prompt,
+            "sampling_params": sampling_params(s),
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }  # -1: logprobs of the output tokens only
         if self._lora is not None:
             body["lora_path"] = self._lora  # a loaded adapter's name selects it for this request
         sent = self._version
@@ -177,8 +206,12 @@ class SGLangEngine:
         """POST /update_weights_from_tensor (UpdateWeightsFromTensorReqInput), one serialized copy for a
         tp_size 1 server. Tensors are cloned: sharing them would move the trainer's own storage to shm."""
         named = [(k, v.detach().clone()) for k, v in state_dict.items()]
-        body = {"serialized_named_tensors": [serialize_named_tensors(named)], "flush_cache": True,
-                "abort_all_requests": False, "weight_version": str(version)}
+        body = {
+            "serialized_named_tensors": [serialize_named_tensors(named)],
+            "flush_cache": True,
+            "abort_all_requests": False,
+            "weight_version": str(version),
+        }
         return await self._timed_update("/update_weights_from_tensor", body, version)
 
     async def _timed_update(self, route: str, body: dict, version: int) -> dict:
@@ -225,8 +258,10 @@ class SGLangEngine:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         # clone(): tied tensors (embeddings / lm_head) share storage, which safetensors refuses to save.
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()},
-                  str(out / "model.safetensors"))
+        save_file(
+            {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()},
+            str(out / "model.safetensors"),
+        )
         for name in ("config.json", "generation_config.json"):
             if self.base_model_dir is not None and (self.base_model_dir / name).is_file():
                 shutil.copy(self.base_model_dir / name, out / name)
@@ -247,8 +282,10 @@ class SGLangEngine:
         out = self.staging_dir / f"v{version}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()},
-                  str(out / "adapter_model.safetensors"))
+        save_file(
+            {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()},
+            str(out / "adapter_model.safetensors"),
+        )
         (out / "adapter_config.json").write_text(json.dumps(self._adapter_config))
         previous = self._lora
         start = time.perf_counter()
@@ -263,8 +300,7 @@ class SGLangEngine:
         """POST /load_lora_adapter (LoadLoRAAdapterReqInput: lora_name, lora_path, pinned). The server must
         run with --enable-lora (and --max-lora-rank / --lora-target-modules if none was given at start)."""
         self._remember_adapter_config(Path(path))
-        out = await self._post_json("/load_lora_adapter", {"lora_name": name, "lora_path": str(path),
-                                                            "pinned": pinned})
+        out = await self._post_json("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "pinned": pinned})
         if not out.get("success", False):
             raise EngineError(f"SGLang could not load LoRA adapter {name!r} from {path}: {out.get('error_message')}")
         return out

@@ -49,8 +49,23 @@ class SGLangLaunch:
     env: dict[str, str] = field(default_factory=dict)
 
     def command(self, port: int) -> list[str]:
-        cmd = [self.python, "-m", self.module, "--model-path", str(self.model_dir), "--host", self.host,
-               "--port", str(port), "--dtype", self.dtype, "--random-seed", str(self.seed), "--weight-version", "0"]
+        cmd = [
+            self.python,
+            "-m",
+            self.module,
+            "--model-path",
+            str(self.model_dir),
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--random-seed",
+            str(self.seed),
+            "--weight-version",
+            "0",
+        ]
         if self.lora_paths or self.max_lora_rank:
             cmd.append("--enable-lora")
         if self.max_lora_rank:
@@ -90,8 +105,9 @@ class SGLangServer:
         env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
         env.update(launch.env, PYTHONUNBUFFERED="1")
         with open(launch.log, "ab") as log:
-            self._proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         try:
             self._wait_healthy(launch.start_timeout_s)
         except BaseException:
@@ -103,9 +119,12 @@ class SGLangServer:
             raise self._failure(f"not healthy at {self.url}/health within {timeout_s:.0f} s")
 
         with httpx.Client(trust_env=False, timeout=5.0) as client:
-            Retrying(stop=stop_after_delay(timeout_s), wait=wait_fixed(0.25),
-                     retry=retry_if_result(lambda healthy: not healthy), retry_error_callback=give_up)(
-                self._healthy, client)
+            Retrying(
+                stop=stop_after_delay(timeout_s),
+                wait=wait_fixed(0.25),
+                retry=retry_if_result(lambda healthy: not healthy),
+                retry_error_callback=give_up,
+            )(self._healthy, client)
 
     def _healthy(self, client: httpx.Client) -> bool:
         code = self._proc.poll()
@@ -117,8 +136,10 @@ class SGLangServer:
             return False  # not listening yet
 
     def _failure(self, what: str) -> EngineError:
-        return EngineError(f"SGLang server {what}\n  command: {' '.join(self.cmd)}\n"
-                           f"  last lines of {self.launch.log}:\n{log_tail(self.launch.log)}")
+        return EngineError(
+            f"SGLang server {what}\n  command: {' '.join(self.cmd)}\n"
+            f"  last lines of {self.launch.log}:\n{log_tail(self.launch.log)}"
+        )
 
     @property
     def running(self) -> bool:
@@ -145,24 +166,45 @@ class SGLangServer:
         self.stop()
 
 
-def open_sglang(model_dir: Path, *, work_dir: Path, adapter: Path | None = None, dtype: str = "float32",
-                seed: int = 0, url: str | None = None, python: str | None = None,
-                module: str = "sglang.launch_server", port: int = 0, extra_args: tuple[str, ...] = (),
-                start_timeout_s: float = 600.0, weights_via: str = "disk",
-                max_lora_rank: int | None = None) -> SGLangEngine:
+def open_sglang(
+    model_dir: Path,
+    *,
+    work_dir: Path,
+    adapter: Path | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    url: str | None = None,
+    python: str | None = None,
+    module: str = "sglang.launch_server",
+    port: int = 0,
+    extra_args: tuple[str, ...] = (),
+    start_timeout_s: float = 600.0,
+    weights_via: str = "disk",
+    max_lora_rank: int | None = None,
+) -> SGLangEngine:
     """An SGLangEngine for `model_dir`: attached to the server at `url`, or on a server started here (its log
     is work_dir/sglang-server.log; updates are staged under work_dir/weights). `adapter` (a PEFT directory)
     is loaded at start as "adapter" and selected; an attached server must have been started with it."""
     server = None
     if url is None:
-        launch = SGLangLaunch(model_dir=model_dir, log=work_dir / "sglang-server.log", python=python or sys.executable,
-                              module=module, port=port, dtype=dtype, seed=seed, extra_args=extra_args,
-                              lora_paths=(("adapter", adapter),) if adapter else (), max_lora_rank=max_lora_rank,
-                              start_timeout_s=start_timeout_s)
+        launch = SGLangLaunch(
+            model_dir=model_dir,
+            log=work_dir / "sglang-server.log",
+            python=python or sys.executable,
+            module=module,
+            port=port,
+            dtype=dtype,
+            seed=seed,
+            extra_args=extra_args,
+            lora_paths=(("adapter", adapter),) if adapter else (),
+            max_lora_rank=max_lora_rank,
+            start_timeout_s=start_timeout_s,
+        )
         server = SGLangServer(launch)
         url = server.url
-    engine = SGLangEngine(url, staging_dir=work_dir / "weights", base_model_dir=model_dir, weights_via=weights_via,
-                          server=server)
+    engine = SGLangEngine(
+        url, staging_dir=work_dir / "weights", base_model_dir=model_dir, weights_via=weights_via, server=server
+    )
     if adapter is not None:
         engine.select_lora("adapter", Path(adapter))
     return engine

@@ -57,35 +57,55 @@ def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.float32) for f in files for k, v in load_file(f).items()}
 
 
-def _engine_args(model_dir: Path, dtype: str, seed: int, max_model_len: int | None,
-                 adapter: ServedAdapter | None = None) -> Any:
+def _engine_args(
+    model_dir: Path, dtype: str, seed: int, max_model_len: int | None, adapter: ServedAdapter | None = None
+) -> Any:
     from transformers import AutoConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     context = max_model_len or int(AutoConfig.from_pretrained(model_dir).max_position_embeddings)
     # LoRA: one adapter per batch (every request runs the current one); two held on the CPU, so the next
     # version loads before the old one is removed
-    lora: dict[str, Any] = ({"enable_lora": True, "max_lora_rank": adapter.max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
-            if adapter is not None else {})
+    lora: dict[str, Any] = (
+        {"enable_lora": True, "max_lora_rank": adapter.max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
+        if adapter is not None
+        else {}
+    )
     return AsyncEngineArgs(
-        model=str(model_dir), dtype=cast(Any, dtype), seed=seed, max_model_len=context,
+        model=str(model_dir),
+        dtype=cast(Any, dtype),
+        seed=seed,
+        max_model_len=context,
         # A chunked prefill discards the token sampled for the partial prompt and rewinds a seeded request's
         # generator, which the CPU build cannot do ("CPU Generator does not use offset" killed the engine in
         # an RL run): whole prompts only, so the step budget must hold the longest one.
-        enable_chunked_prefill=False, max_num_batched_tokens=context,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=context,
         logprobs_mode="processed_logprobs",
         enforce_eager=True,  # compiling a 4M-param model costs more than it ever saves
         skip_tokenizer_init=True,  # token ids in and out: the tokenizer lives in the agent loop
         distributed_executor_backend="uni",  # the worker inside the engine-core process: one spawn, not two
-        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True, **lora)
+        worker_extension_cls=WORKER_EXTENSION,
+        disable_log_stats=True,
+        **lora,
+    )
 
 
 class VLLMEngine:
     """Token-in/token-out engine over vLLM's AsyncLLM. Build with `VLLMEngine.start(model_dir)`."""
 
-    def __init__(self, llm: Any, model_dir: Path, *, eos_token_ids: Sequence[int], max_context: int,
-                 vocab_size: int, seed: int = 0, weight_version: int = 0,
-                 adapter: ServedAdapter | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        model_dir: Path,
+        *,
+        eos_token_ids: Sequence[int],
+        max_context: int,
+        vocab_size: int,
+        seed: int = 0,
+        weight_version: int = 0,
+        adapter: ServedAdapter | None = None,
+    ) -> None:
         self.llm, self.model_dir = llm, model_dir
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context, self.vocab_size = max_context, vocab_size
@@ -111,14 +131,24 @@ class VLLMEngine:
         self.last_update: dict[str, float] = {}  # the last update's cost, sync_* metrics (see DirectLink)
 
     @classmethod
-    def start(cls, model_dir: Path | str, *, dtype: str = "float32", seed: int = 0,
-              eos_token_ids: Sequence[int] | None = None, max_model_len: int | None = None,
-              kv_cache_gib: int = 1, adapter: Path | str | None = None) -> VLLMEngine:
+    def start(
+        cls,
+        model_dir: Path | str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        eos_token_ids: Sequence[int] | None = None,
+        max_model_len: int | None = None,
+        kv_cache_gib: int = 1,
+        adapter: Path | str | None = None,
+    ) -> VLLMEngine:
         """Start vLLM on a local Hugging Face directory (blocks until it is ready: 15-70 s on 2 cores).
         `eos_token_ids` stop every request in addition to its own stop ids (None: generation_config's).
         `adapter`: a PEFT LoRA directory every request runs (updates then replace its tensors only)."""
         if not vllm_available():
-            raise EngineError("train.engine=vllm needs vLLM: install the extra (bash install.sh --vllm; docs/engines.md)")
+            raise EngineError(
+                "train.engine=vllm needs vLLM: install the extra (bash install.sh --vllm; docs/engines.md)"
+            )
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise EngineError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
@@ -137,18 +167,26 @@ class VLLMEngine:
             raise EngineError(f"vLLM failed to start on {model_dir}: {e!r}") from e
         cfg = llm.model_config
         eos = _generation_eos(model_dir) if eos_token_ids is None else eos_token_ids
-        return cls(llm, model_dir, eos_token_ids=eos, max_context=cfg.max_model_len,
-                   vocab_size=cfg.get_vocab_size(), seed=seed, adapter=served)
+        return cls(
+            llm,
+            model_dir,
+            eos_token_ids=eos,
+            max_context=cfg.max_model_len,
+            vocab_size=cfg.get_vocab_size(),
+            seed=seed,
+            adapter=served,
+        )
 
     weight_version = property(lambda self: self._version, doc="the version of the weights loaded last")
     paused = property(lambda self: not self._resumed.is_set(), doc="between pause() and resume()")
 
     def _check(self, input_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
-        prompt = check_prompt(input_ids, closed=self._closed, vocab_size=self.vocab_size,
-                              max_context=self.max_context)
+        prompt = check_prompt(input_ids, closed=self._closed, vocab_size=self.vocab_size, max_context=self.max_context)
         if sampling.top_k > 0 or sampling.top_p < 1:
-            raise EngineError("the vllm engine reports logprobs after top-k/top-p truncation, and the contract "
-                              "wants them before: sample with top_k=0, top_p=1")
+            raise EngineError(
+                "the vllm engine reports logprobs after top-k/top-p truncation, and the contract "
+                "wants them before: sample with top_k=0, top_p=1"
+            )
         return prompt
 
     def _params(self, prompt: list[int], s: SamplingParams) -> Any:
@@ -156,10 +194,15 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         return VSamplingParams(
-            temperature=s.temperature, max_tokens=min(s.max_new_tokens, self.max_context - len(prompt)),
-            seed=s.seed if s.seed is not None else self._seeds.getrandbits(63), logprobs=0,
-            stop_token_ids=[*s.stop_token_ids, *self.eos_token_ids], ignore_eos=True,  # eos: ours, above
-            detokenize=False, output_kind=RequestOutputKind.DELTA)
+            temperature=s.temperature,
+            max_tokens=min(s.max_new_tokens, self.max_context - len(prompt)),
+            seed=s.seed if s.seed is not None else self._seeds.getrandbits(63),
+            logprobs=0,
+            stop_token_ids=[*s.stop_token_ids, *self.eos_token_ids],
+            ignore_eos=True,  # eos: ours, above
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
 
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams | None = None) -> Generation:
         sampling = sampling or SamplingParams()
@@ -181,17 +224,26 @@ class VLLMEngine:
         versions: list[int] = []
         finish: str | None = None
         # Closing this generator early (a cancelled caller) makes AsyncLLM abort the request.
-        async for out in self.llm.generate({"prompt_token_ids": prompt}, self._params(prompt, sampling),
-                                           request_id=f"furlong-{next(self._ids)}", lora_request=self._lora):
+        async for out in self.llm.generate(
+            {"prompt_token_ids": prompt},
+            self._params(prompt, sampling),
+            request_id=f"furlong-{next(self._ids)}",
+            lora_request=self._lora,
+        ):
             c = out.outputs[0]
             new = list(c.token_ids)
             ids += new
             logprobs += [step[t].logprob for step, t in zip(c.logprobs or [], new, strict=True)]
             versions += [self._version] * len(new)
             finish = c.finish_reason or finish
-        return Generation(output_ids=tuple(ids), logprobs=tuple(logprobs), finish_reason=_FINISH.get(finish, "abort"),
-                          weight_version=min(versions, default=self._version),
-                          token_weight_versions=tuple(versions), prompt_len=len(prompt))
+        return Generation(
+            output_ids=tuple(ids),
+            logprobs=tuple(logprobs),
+            finish_reason=_FINISH.get(finish, "abort"),
+            weight_version=min(versions, default=self._version),
+            token_weight_versions=tuple(versions),
+            prompt_len=len(prompt),
+        )
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load (a subset of) the checkpoint's tensors in place, between scheduler steps (with an adapter: a
@@ -238,8 +290,13 @@ class VLLMEngine:
             await self._held_update(lambda: adapter.write(tensors, lora_id), load, adapter.discard, version)
             self.last_update["sync_engine_bytes"] = _nbytes(tensors)
 
-    async def _held_update(self, stage: Callable[[], str], load: Callable[[str], Awaitable[None]],
-                           discard: Callable[[str], None], version: int) -> None:
+    async def _held_update(
+        self,
+        stage: Callable[[], str],
+        load: Callable[[str], Awaitable[None]],
+        discard: Callable[[str], None],
+        version: int,
+    ) -> None:
         """Stage (write the update's file) while generations go on, hold new requests, wait for the ones in
         flight, then `load`; `discard` drops what was staged if the load never happens or fails."""
         start = time.perf_counter()
@@ -258,8 +315,11 @@ class VLLMEngine:
         finally:
             self._open.set()
         end = time.perf_counter()  # new requests were held from start to end
-        self.last_update = {"sync_stage_s": staged - start, "sync_drain_s": drained - staged,
-                            "sync_pause_s": end - start}
+        self.last_update = {
+            "sync_stage_s": staged - start,
+            "sync_drain_s": drained - staged,
+            "sync_pause_s": end - start,
+        }
 
     def _checked_tensors(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Everything checked before anything is loaded; cast to the checkpoint's layout for vLLM's loader."""
@@ -271,8 +331,10 @@ class VLLMEngine:
             if name not in self._weights:
                 raise EngineError(f"update_weights: unknown tensor {name!r} (not in {self.model_dir})")
             if tuple(tensor.shape) != tuple(self._weights[name].shape):
-                raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, model expects "
-                                  f"{tuple(self._weights[name].shape)}")
+                raise EngineError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, model expects "
+                    f"{tuple(self._weights[name].shape)}"
+                )
             out[name] = tensor.detach().to("cpu", torch.float32).contiguous()
         return out
 

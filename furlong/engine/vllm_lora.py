@@ -43,8 +43,9 @@ class ServedAdapter:
             self.config = json.loads((source / CONFIG).read_text())
             self.rank = int(self.config["r"])
         except (ValueError, KeyError, TypeError) as e:
-            raise EngineError(f"adapter {source}/{CONFIG}: expected a PEFT LoRA config with an integer 'r' "
-                              f"({e!r})") from e
+            raise EngineError(
+                f"adapter {source}/{CONFIG}: expected a PEFT LoRA config with an integer 'r' ({e!r})"
+            ) from e
         self.tensors = {k: v.to(torch.float32) for k, v in load_file(source / WEIGHTS).items()}
         self._work = Path(tempfile.mkdtemp(prefix="furlong-vllm-lora-", dir=shm_dir()))
 
@@ -61,11 +62,15 @@ class ServedAdapter:
         out = {}
         for name, tensor in state_dict.items():
             if name not in self.tensors:
-                raise EngineError(f"update_weights: {name!r} is not a tensor of the adapter {self.source} (this "
-                                  f"engine serves a LoRA adapter and takes its lora_A/lora_B tensors only)")
+                raise EngineError(
+                    f"update_weights: {name!r} is not a tensor of the adapter {self.source} (this "
+                    f"engine serves a LoRA adapter and takes its lora_A/lora_B tensors only)"
+                )
             if tuple(tensor.shape) != tuple(self.tensors[name].shape):
-                raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the adapter has "
-                                  f"{tuple(self.tensors[name].shape)}")
+                raise EngineError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the adapter has "
+                    f"{tuple(self.tensors[name].shape)}"
+                )
             out[name] = tensor.detach().to("cpu", torch.float32).contiguous()
         return out
 

@@ -21,8 +21,10 @@ class FurlongWorkerExtension:
 
         tensors = load_file(path)
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            self.model_runner.reload_weights(weights_iterator=iter(tensors.items()),  # type: ignore[attr-defined]
-                                             is_checkpoint_format=True)
+            self.model_runner.reload_weights(  # type: ignore[attr-defined]
+                weights_iterator=iter(tensors.items()),
+                is_checkpoint_format=True,
+            )
         _retie(self.model_runner.get_model(), self.vllm_config)  # type: ignore[attr-defined]
         return len(tensors)
 

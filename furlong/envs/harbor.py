@@ -115,8 +115,15 @@ class GuardedSandbox:
     def agent_uid(self) -> int:
         return getattr(self.inner, "agent_uid", 0)
 
-    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None,
-                   as_verifier: bool = False, on_output: Callable[[str, bytes], None] | None = None):
+    async def exec(
+        self,
+        cmd: str,
+        timeout_s: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        as_verifier: bool = False,
+        on_output: Callable[[str, bytes], None] | None = None,
+    ):
         if on_output is None:
             return await self._call("exec", cmd, timeout_s, cwd, env, as_verifier=as_verifier)
         failed: list[Exception] = []
@@ -127,6 +134,7 @@ class GuardedSandbox:
                     on_output(stream, data)
                 except Exception as exc:  # noqa: BLE001 -- raised below, outside _call: the caller's, not the sandbox's
                     failed.append(exc)
+
         result = await self._call("exec", cmd, timeout_s, cwd, env, as_verifier=as_verifier, on_output=relay)
         if failed:
             raise failed[0]
@@ -182,8 +190,16 @@ class HarborEpisode:
     """One task's opened sandbox (furlong.envs.base.EpisodeEnv): its steps in order (one, for most tasks),
     each scored by its tests in this sandbox or in a separate verifier's (furlong.envs.separate, .steps)."""
 
-    def __init__(self, task: Task, sandbox: Sandbox, image: ImageRef, sandboxes: SandboxSource,
-                 tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY, bundled: BundledTests | None = None):
+    def __init__(
+        self,
+        task: Task,
+        sandbox: Sandbox,
+        image: ImageRef,
+        sandboxes: SandboxSource,
+        tools: Sequence[Tool] = (),
+        scorer: Scorer = TESTS_ONLY,
+        bundled: BundledTests | None = None,
+    ):
         self.task, self.image, self.sandboxes, self.scorer = task, image, sandboxes, scorer
         self.bundled = bundled or BundledTests(None)
         self.guard = GuardedSandbox(sandbox)
@@ -212,8 +228,9 @@ class HarborEpisode:
 
     async def score(self, usage: Usage = NO_USAGE) -> Score:
         phase = self.phases[self.index]
-        if phase.separate is None and (problem := await phase_network(self.guard.inner, phase.verifier_network,
-                                                                      phase.agent_network)):
+        if phase.separate is None and (
+            problem := await phase_network(self.guard.inner, phase.verifier_network, phase.agent_network)
+        ):
             return Score(reward=None, error=problem, steps=tuple(self.done))
         guard, rewards = GuardedSandbox(self.guard.inner), self.scorer.start()
         last = self.index == len(self.phases) - 1
@@ -224,8 +241,14 @@ class HarborEpisode:
         if problem:
             return dataclasses.replace(await self._no_reward(verdict, problem), steps=tuple(self.done))
         assert verdict is not None  # no problem means the tests left a reward
-        score = Score(reward=verdict.reward, rewards=verdict.rewards, timed_out=verdict.timed_out,
-                      error=verdict.problem, tampered=verdict.tampered, **_record(verdict))
+        score = Score(
+            reward=verdict.reward,
+            rewards=verdict.rewards,
+            timed_out=verdict.timed_out,
+            error=verdict.problem,
+            tampered=verdict.tampered,
+            **_record(verdict),
+        )
         if self.task.steps:
             score = await self._stepped(score)
             if score.next_step is not None:
@@ -234,9 +257,13 @@ class HarborEpisode:
             return score  # tampered: 0 whatever the reward functions say
         return await self.scorer.settle(score, rewards, self._reward_control)
 
-    async def _verify(self, guard: GuardedSandbox, rewards: Callable[..., Awaitable[None]] | None,
-                      release: Callable[[], Awaitable[None]] | None,
-                      usage: Usage | None = None) -> tuple[Verdict | None, str]:
+    async def _verify(
+        self,
+        guard: GuardedSandbox,
+        rewards: Callable[..., Awaitable[None]] | None,
+        release: Callable[[], Awaitable[None]] | None,
+        usage: Usage | None = None,
+    ) -> tuple[Verdict | None, str]:
         """The current step's tests on the work in `guard` (the agent's sandbox, or a control's):
         in it, or in a separate verifier's sandbox that gets its artifacts (`release`: the agent's
         sandbox is done with once they are out). `usage`: the agent's; None: a control run, no agent."""
@@ -275,17 +302,26 @@ class HarborEpisode:
             except HostLost:
                 raise
             except Exception as exc:  # noqa: BLE001 -- the agent's sandbox broke between its steps: its doing
-                return Score(reward=None, agent_broke_env=True, steps=tuple(self.done),
-                             error=f"the sandbox broke before step {self.task.steps[self.index].name!r}: "
-                                   f"{describe(exc)}")
+                return Score(
+                    reward=None,
+                    agent_broke_env=True,
+                    steps=tuple(self.done),
+                    error=f"the sandbox broke before step {self.task.steps[self.index].name!r}: {describe(exc)}",
+                )
             if failure is None:
                 return dataclasses.replace(score, steps=tuple(self.done), next_step=self.phases[self.index])
             self.done.append(failed_step(self.task.steps[self.index], failure))
             stop = failure
         rewards = aggregate(self.task.reward_strategy, self.done)
-        return dataclasses.replace(score, reward=rewards["reward"], rewards=rewards, error=stop or score.error,
-                                   timed_out=self._timed_out,
-                                   tampered_paths=self._tampered_paths, steps=tuple(self.done))
+        return dataclasses.replace(
+            score,
+            reward=rewards["reward"],
+            rewards=rewards,
+            error=stop or score.error,
+            timed_out=self._timed_out,
+            tampered_paths=self._tampered_paths,
+            steps=tuple(self.done),
+        )
 
     async def _no_reward(self, verdict: Verdict | None, problem: str) -> Score:
         """No reward from the agent's work: the same step scored where no agent ran says whose fault."""
@@ -297,10 +333,15 @@ class HarborEpisode:
         except Exception as exc:  # noqa: BLE001  # any start failure is recorded as the control problem
             control_problem = f"sandbox did not start: {describe(exc)}"
         if control_problem:
-            return Score(reward=None, error=f"task bug: {problem}; with no agent either: {control_problem}",
-                         **_record(verdict))
-        return Score(reward=None, agent_broke_env=True, **_record(verdict),
-                     error=f"verifier failed in the agent's sandbox ({problem}) but not in a fresh one")
+            return Score(
+                reward=None, error=f"task bug: {problem}; with no agent either: {control_problem}", **_record(verdict)
+            )
+        return Score(
+            reward=None,
+            agent_broke_env=True,
+            **_record(verdict),
+            error=f"verifier failed in the agent's sandbox ({problem}) but not in a fresh one",
+        )
 
     async def _control_run(self, fns: Sequence[RewardFn] = ()) -> tuple[RewardRun, str]:
         """The current step's tests (then `fns`, on an episode without tool calls or answers) on a fresh
@@ -342,8 +383,12 @@ class HarborSource:
     `limits[split]` of each family (all where a split has no limit); those that name no network mode get
     `network`'s phases (None: offline)."""
 
-    def __init__(self, families: Sequence[Family], limits: Mapping[str, int | None] | None = None,
-                 network: TaskNetwork | None = None):
+    def __init__(
+        self,
+        families: Sequence[Family],
+        limits: Mapping[str, int | None] | None = None,
+        network: TaskNetwork | None = None,
+    ):
         self.families, self.limits, self.network = tuple(families), dict(limits or {}), network
 
     def instances(self, split: str) -> list[Task]:
@@ -355,8 +400,13 @@ class HarborEnv:
     """Harbor tasks, each episode in a sandbox from `sandboxes` (furlong.envs.base.Environment), with the
     user's extra `tools` beside bash and `scorer`'s reward functions beside the tests."""
 
-    def __init__(self, sandboxes: SandboxSource, tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY,
-                 layers: LayerSource | None = None):
+    def __init__(
+        self,
+        sandboxes: SandboxSource,
+        tools: Sequence[Tool] = (),
+        scorer: Scorer = TESTS_ONLY,
+        layers: LayerSource | None = None,
+    ):
         self.sandboxes, self.tools, self.scorer = sandboxes, tuple(tools), scorer
         self.bundled = BundledTests(layers)  # `layers`: where a separate verifier's image shows its own tests
         check_tools(BASH_TOOL_SCHEMAS, self.tools, has_sandbox=True)  # a clash fails here, not in every episode
@@ -388,9 +438,14 @@ class HarborEnv:
         return episode
 
 
-async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
-                         rewards: Callable[..., Awaitable[None]] | None = None,
-                         view: EpisodeView | None = None, tests: bytes | None = None) -> tuple[Verdict | None, str]:
+async def verifier_phase(
+    task: Task,
+    sandbox: GuardedSandbox,
+    image: ImageRef,
+    rewards: Callable[..., Awaitable[None]] | None = None,
+    view: EpisodeView | None = None,
+    tests: bytes | None = None,
+) -> tuple[Verdict | None, str]:
     """The verdict (None if a sandbox call failed), and what went wrong when the tests left no reward
     ("" when they did). `rewards(view, env)` runs right after the tests, inside their integrity check, with
     the tests' environment (furlong.tasks.verifier.verifier_env: the image's verifier toolchain's included).
@@ -402,8 +457,15 @@ async def verifier_phase(task: Task, sandbox: GuardedSandbox, image: ImageRef,
         await rewards(dataclasses.replace(view, tests=verdict.reward), env)
 
     try:
-        verdict = await verify(task, sandbox, image.workdir, verifier_uid=sandbox.verifier_uid, env=env,
-                               after_tests=after if rewards is not None else None, tests=tests)
+        verdict = await verify(
+            task,
+            sandbox,
+            image.workdir,
+            verifier_uid=sandbox.verifier_uid,
+            env=env,
+            after_tests=after if rewards is not None else None,
+            tests=tests,
+        )
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
     except Exception as exc:  # noqa: BLE001  # a verifier failure is reported with the episode
@@ -451,5 +513,8 @@ async def close_quietly(sandbox: Sandbox) -> None:
 
 
 def _record(verdict: Verdict | None) -> dict[str, Any]:
-    return {"exit_code": verdict.exit_code if verdict else None, "output": verdict.output_tail if verdict else None,
-            "tampered_paths": verdict.tampered_paths if verdict else ()}
+    return {
+        "exit_code": verdict.exit_code if verdict else None,
+        "output": verdict.output_tail if verdict else None,
+        "tampered_paths": verdict.tampered_paths if verdict else (),
+    }

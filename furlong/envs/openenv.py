@@ -117,8 +117,14 @@ class Session(GenericEnvClient):
 class OpenEnvSource:
     """The server's instances per split: its own tasks where it has the task API, else seeded resets."""
 
-    def __init__(self, server: OpenEnvServer, limits: Mapping[str, int], splits: Mapping[str, str],
-                 instruction: str = "", agent_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        server: OpenEnvServer,
+        limits: Mapping[str, int],
+        splits: Mapping[str, str],
+        instruction: str = "",
+        agent_timeout_s: float = 600.0,
+    ):
         self.server, self.limits, self.splits = server, dict(limits), dict(splits)
         self.instruction, self.agent_timeout_s = instruction, agent_timeout_s
 
@@ -126,30 +132,48 @@ class OpenEnvSource:
         if split == "all":
             return self.instances("train") + self.instances("heldout")
         limit = self.limits.get(split, 0)
-        with httpx.Client(base_url=self.server.http_url, headers=self.server.headers,
-                          timeout=self.server.connect_timeout_s) as http:
+        with httpx.Client(
+            base_url=self.server.http_url, headers=self.server.headers, timeout=self.server.connect_timeout_s
+        ) as http:
             name = _json(http.get("/list_environments"))[0]
             count = http.post(f"/{name}/num_tasks", json={"split": self.splits.get(split, split)})
             if count.status_code in (404, 501):  # no task API: instances are seeds
                 first = 0 if split == "train" else HELDOUT_SEED_BASE
-                return [self._spec(f"{name}/{split}/seed-{first + k}", name, split, {"seed": first + k}, seed=first + k)
-                        for k in range(limit)]
+                return [
+                    self._spec(f"{name}/{split}/seed-{first + k}", name, split, {"seed": first + k}, seed=first + k)
+                    for k in range(limit)
+                ]
             n = min(limit, int(_json(count)["num_tasks"]))
-            tasks = _json(http.post(f"/{name}/task_range", json={"split": self.splits.get(split, split),
-                                                                   "start": 0, "stop": n}))["tasks"]
+            tasks = _json(
+                http.post(f"/{name}/task_range", json={"split": self.splits.get(split, split), "start": 0, "stop": n})
+            )["tasks"]
         return [self._task_spec(name, split, k, task) for k, task in enumerate(tasks)]
 
     def _task_spec(self, name: str, split: str, index: int, task: Any) -> OpenEnvSpec:
         info = task if isinstance(task, dict) else {}
         spec_id = str(info.get("id", f"{name}/{split}/{index}"))
         timeout = float(info.get("agent_timeout_s") or self.agent_timeout_s)
-        return self._spec(spec_id, str(info.get("family") or name), split,
-                          {"split": self.splits.get(split, split), "index": index}, timeout, info.get("seed"))
+        return self._spec(
+            spec_id,
+            str(info.get("family") or name),
+            split,
+            {"split": self.splits.get(split, split), "index": index},
+            timeout,
+            info.get("seed"),
+        )
 
-    def _spec(self, spec_id: str, family: str, split: str, reset: dict, timeout: float | None = None,
-              seed: int | None = None) -> OpenEnvSpec:
-        return OpenEnvSpec(id=spec_id, family=family, split=split, reset=tuple(sorted(reset.items())),
-                           instruction=self.instruction, agent_timeout_s=timeout or self.agent_timeout_s, seed=seed)
+    def _spec(
+        self, spec_id: str, family: str, split: str, reset: dict, timeout: float | None = None, seed: int | None = None
+    ) -> OpenEnvSpec:
+        return OpenEnvSpec(
+            id=spec_id,
+            family=family,
+            split=split,
+            reset=tuple(sorted(reset.items())),
+            instruction=self.instruction,
+            agent_timeout_s=timeout or self.agent_timeout_s,
+            seed=seed,
+        )
 
 
 class OpenEnvEnvironment:
@@ -188,8 +212,12 @@ class OpenEnvEnvironment:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.server.connect_timeout_s
         while True:
-            session = Session(base_url=self.server.url, connect_timeout_s=self.server.connect_timeout_s,
-                              message_timeout_s=self.server.message_timeout_s, headers=self.server.headers)
+            session = Session(
+                base_url=self.server.url,
+                connect_timeout_s=self.server.connect_timeout_s,
+                message_timeout_s=self.server.message_timeout_s,
+                headers=self.server.headers,
+            )
             try:
                 return session, await session.reset(**dict(spec.reset))
             except ServerRefused as exc:
@@ -203,8 +231,9 @@ class OpenEnvEnvironment:
 
     async def _action_schema(self) -> dict:
         if self._schema is None:
-            async with httpx.AsyncClient(base_url=self.server.http_url, headers=self.server.headers,
-                                         timeout=self.server.connect_timeout_s) as http:
+            async with httpx.AsyncClient(
+                base_url=self.server.http_url, headers=self.server.headers, timeout=self.server.connect_timeout_s
+            ) as http:
                 self._schema = _json(await http.get("/schema"))["action"]
         return self._schema
 
@@ -214,12 +243,20 @@ class OpenEnvEpisode:
 
     note = None
 
-    def __init__(self, session: Session, first: dict, action_schema: dict | None, tool_name: str,
-                 reward: float | None, done: bool):
+    def __init__(
+        self,
+        session: Session,
+        first: dict,
+        action_schema: dict | None,
+        tool_name: str,
+        reward: float | None,
+        done: bool,
+    ):
         self.session, self.tools = session, self
         self.listed = action_schema is None  # the server's own tools, furlong's convention
-        self.schemas: Sequence[dict] = (tuple(first["tools"]) if self.listed
-                                        else (_schema_tool(tool_name, action_schema or {}),))
+        self.schemas: Sequence[dict] = (
+            tuple(first["tools"]) if self.listed else (_schema_tool(tool_name, action_schema or {}),)
+        )
         self.opening = str(first.get("instruction", "")) if self.listed else _text(first)
         self.reward, self.done, self.last = reward, done, first
         self.seconds, self.calls = 0.0, 0
@@ -265,15 +302,20 @@ class OpenEnvEpisode:
             return Score(reward=None, agent_broke_env=True, error=error or "the agent broke the server's sandbox")
         if self.reward is None and (self.done or status == "infra_error"):
             return Score(reward=None, error=error or "the environment ended the episode without a reward")
-        return Score(reward=float(self.reward or 0.0), error=error, timed_out=status == "timeout",
-                     tampered=status == "reward_tampered")
+        return Score(
+            reward=float(self.reward or 0.0),
+            error=error,
+            timed_out=status == "timeout",
+            tampered=status == "reward_tampered",
+        )
 
     async def close(self) -> None:
         await _close_quietly(self.session)
 
 
-def environment_server(url: str | None, token: str | None, connect_timeout_s: float,
-                       message_timeout_s: float) -> OpenEnvServer:
+def environment_server(
+    url: str | None, token: str | None, connect_timeout_s: float, message_timeout_s: float
+) -> OpenEnvServer:
     if not url:
         raise ValueError("openenv.url: the OpenEnv server's base URL is needed (e.g. http://127.0.0.1:8000)")
     return OpenEnvServer(url, token, connect_timeout_s, message_timeout_s)
@@ -291,8 +333,10 @@ def _schema_tool(name: str, action: dict) -> dict:
     params["required"] = [k for k in action.get("required", []) if k != "metadata"]
     params.setdefault("type", "object")
     description = action.get("description") or "Take one action in the environment; returns its observation."
-    return {"type": "function", "function": {"name": name, "description": " ".join(description.split()),
-                                             "parameters": params}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": " ".join(description.split()), "parameters": params},
+    }
 
 
 def _text(observation: dict) -> str:

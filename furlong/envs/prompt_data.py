@@ -40,8 +40,9 @@ def read_dataset(path: Path, fmt: Format = "auto") -> dict[str, Table]:
         raise DatasetError(f"{path}: no such file or directory")
     kind = fmt if fmt != "auto" else ("hf" if path.is_dir() else SUFFIXES.get(path.suffix.lower()))
     if kind is None:
-        raise DatasetError(f"{path}: cannot tell the format from the suffix {path.suffix!r}; set format to "
-                           "jsonl, parquet or hf")
+        raise DatasetError(
+            f"{path}: cannot tell the format from the suffix {path.suffix!r}; set format to jsonl, parquet or hf"
+        )
     if kind != "hf" and path.is_dir():
         raise DatasetError(f"{path}: a directory, but format {kind} reads a file")
     readers = {"jsonl": _jsonl, "parquet": _parquet, "hf": _hf}
@@ -59,8 +60,9 @@ def _jsonl(path: Path) -> dict[str, Table]:
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{path} line {n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(value, dict):
-                raise DatasetError(f"{path} line {n}: expected a JSON object (one row per line), got "
-                                   f"{type(value).__name__}")
+                raise DatasetError(
+                    f"{path} line {n}: expected a JSON object (one row per line), got {type(value).__name__}"
+                )
             rows.append(Row(f"{path} line {n}", value))
     return {"": rows}
 
@@ -97,8 +99,9 @@ def _numbered(path: Path, rows: list[dict], part: str = "") -> Table:
     return [Row(f"{path} {part}row {n}", values) for n, values in enumerate(rows, 1)]
 
 
-def split_table(rows: Table, field: str | None, values: Mapping[str, str], heldout_fraction: float | None,
-                source: str) -> dict[str, Table]:
+def split_table(
+    rows: Table, field: str | None, values: Mapping[str, str], heldout_fraction: float | None, source: str
+) -> dict[str, Table]:
     """One table's rows as {"train": ..., "heldout": ...}: by the value of the column `field` (`values`: the
     value of each split; rows of any other value are left out), or `heldout_fraction` of them drawn."""
     if field is not None:
@@ -106,34 +109,44 @@ def split_table(rows: Table, field: str | None, values: Mapping[str, str], heldo
         parts: dict[str, Table] = {"train": [], "heldout": []}
         for row in rows:
             if field not in row.values:
-                raise DatasetError(f"{row.where}: no field {field!r} (split_field: the row's split, one of "
-                                   f"{sorted(split_of)})")
+                raise DatasetError(
+                    f"{row.where}: no field {field!r} (split_field: the row's split, one of {sorted(split_of)})"
+                )
             if (split := split_of.get(str(row.values[field]))) is not None:
                 parts[split].append(row)
         return parts
     if heldout_fraction is None:
-        raise DatasetError(f"{source}: one table holds both splits; say which rows are held out (split_field or "
-                           "heldout_fraction), or give train_path and heldout_path")
+        raise DatasetError(
+            f"{source}: one table holds both splits; say which rows are held out (split_field or "
+            "heldout_fraction), or give train_path and heldout_path"
+        )
     order = list(range(len(rows)))
     random.Random(HELDOUT_DRAW_SEED).shuffle(order)
-    held = set(order[:round(heldout_fraction * len(rows))])
-    return {"train": [r for i, r in enumerate(rows) if i not in held],
-            "heldout": [r for i, r in enumerate(rows) if i in held]}
+    held = set(order[: round(heldout_fraction * len(rows))])
+    return {
+        "train": [r for i, r in enumerate(rows) if i not in held],
+        "heldout": [r for i, r in enumerate(rows) if i in held],
+    }
 
 
-def dataset_splits(path: Path, fmt: Format, field: str | None, values: Mapping[str, str],
-                   heldout_fraction: float | None) -> dict[str, Table]:
+def dataset_splits(
+    path: Path, fmt: Format, field: str | None, values: Mapping[str, str], heldout_fraction: float | None
+) -> dict[str, Table]:
     """Train and held-out rows of one dataset: a DatasetDict's splits named by `values`, else split_table."""
     tables = read_dataset(path, fmt)
     if "" in tables:
         return split_table(tables[""], field, values, heldout_fraction, str(path))
     if field is not None or heldout_fraction is not None:
-        raise DatasetError(f"{path}: a DatasetDict with splits {sorted(tables)}: its splits are its own (named by "
-                           f"splits: {dict(values)}); drop split_field and heldout_fraction")
+        raise DatasetError(
+            f"{path}: a DatasetDict with splits {sorted(tables)}: its splits are its own (named by "
+            f"splits: {dict(values)}); drop split_field and heldout_fraction"
+        )
     missing = [name for name in values.values() if name not in tables]
     if missing:
-        raise DatasetError(f"{path}: a DatasetDict without the splits {missing} (it has {sorted(tables)}); name "
-                           "its train and held-out splits in splits, e.g. {train: train, heldout: test}")
+        raise DatasetError(
+            f"{path}: a DatasetDict without the splits {missing} (it has {sorted(tables)}); name "
+            "its train and held-out splits in splits, e.g. {train: train, heldout: test}"
+        )
     return {split: tables[name] for split, name in values.items()}
 
 
@@ -143,8 +156,10 @@ def file_splits(train: Path, heldout: Path, fmt: Format) -> dict[str, Table]:
     for split, path in (("train", train), ("heldout", heldout)):
         tables = read_dataset(path, fmt)
         if "" not in tables:
-            raise DatasetError(f"{path}: a DatasetDict with splits {sorted(tables)}; give it as path (its splits "
-                               "named by splits), not as train_path or heldout_path")
+            raise DatasetError(
+                f"{path}: a DatasetDict with splits {sorted(tables)}; give it as path (its splits "
+                "named by splits), not as train_path or heldout_path"
+            )
         parts[split] = tables[""]
     return parts
 
@@ -160,8 +175,9 @@ def text_field(row: Row, field: str, what: str, required: bool, numbers: bool = 
     if numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):
-        raise DatasetError(f"{row.where}: field {field!r} is {type(value).__name__} {_short(value)}, expected "
-                           f"{what}, a string")
+        raise DatasetError(
+            f"{row.where}: field {field!r} is {type(value).__name__} {_short(value)}, expected {what}, a string"
+        )
     if required and not value.strip():
         raise DatasetError(f"{row.where}: field {field!r} is empty (expected {what})")
     return value
@@ -170,4 +186,3 @@ def text_field(row: Row, field: str, what: str, required: bool, numbers: bool = 
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-

@@ -60,22 +60,41 @@ def prompt_row(row: Row, fields: Fields, family: str, split: str, index: int, ag
     """`row` checked against `fields`: DatasetError naming its file, row and field when it does not fit."""
     prompt = text_field(row, fields.prompt, "the prompt", required=True)
     system = text_field(row, fields.system, "the system message", required=False) if fields.system else None
-    answer = text_field(row, fields.answer, "the reference answer", required=False,
-                        numbers=True) if fields.answer else None
-    return PromptRow(id=f"{family}/{split}-{index}", instruction=prompt or "", family=family, split=split,
-                     where=row.where, values=row.values, system_prompt=system, answer=answer,
-                     agent_timeout_s=agent_timeout_s)
+    answer = (
+        text_field(row, fields.answer, "the reference answer", required=False, numbers=True) if fields.answer else None
+    )
+    return PromptRow(
+        id=f"{family}/{split}-{index}",
+        instruction=prompt or "",
+        family=family,
+        split=split,
+        where=row.where,
+        values=row.values,
+        system_prompt=system,
+        answer=answer,
+        agent_timeout_s=agent_timeout_s,
+    )
 
 
 class PromptSource:
     """The rows of each split as instances (an EnvSource), checked when it is made; held-out rows capped at
     `limits["heldout"]` (the first ones), where given."""
 
-    def __init__(self, tables: Mapping[str, Sequence[Row]], fields: Fields, family: str, agent_timeout_s: float,
-                 limits: Mapping[str, int] | None = None):
+    def __init__(
+        self,
+        tables: Mapping[str, Sequence[Row]],
+        fields: Fields,
+        family: str,
+        agent_timeout_s: float,
+        limits: Mapping[str, int] | None = None,
+    ):
         self.family, self.limits = family, dict(limits or {})
-        self.rows = {split: [prompt_row(r, fields, family, split, k, agent_timeout_s)
-                             for k, r in enumerate(tables.get(split, ()))] for split in SPLITS}
+        self.rows = {
+            split: [
+                prompt_row(r, fields, family, split, k, agent_timeout_s) for k, r in enumerate(tables.get(split, ()))
+            ]
+            for split in SPLITS
+        }
         for split in SPLITS:
             if not self.rows[split]:
                 raise DatasetError(f"prompt dataset {family!r}: no {split} rows (check its split settings)")
@@ -135,12 +154,14 @@ class PromptEpisode:
         """The reward function on the completion ("" if the agent never answered) and a copy of the row."""
         env, completion = self.opened_by, self.completion or ""
         try:
-            value = await call_user(env.reward, completion, copy.deepcopy(dict(self.spec.values)),
-                                    timeout_s=env.timeout_s)
+            value = await call_user(
+                env.reward, completion, copy.deepcopy(dict(self.spec.values)), timeout_s=env.timeout_s
+            )
             return Score(reward=finite_number(value, "the reward function"))
         except TimeoutError:
-            return Score(reward=None, error=f"the reward function timed out after {env.timeout_s:g}s "
-                                            f"({self.spec.where})")
+            return Score(
+                reward=None, error=f"the reward function timed out after {env.timeout_s:g}s ({self.spec.where})"
+            )
         except RewardFailed as exc:
             return Score(reward=None, error=f"{exc} ({self.spec.where})")
         except Exception as exc:  # noqa: BLE001 -- user code: any failure is this episode's error, not a crash

@@ -42,8 +42,7 @@ class VerifierSandbox:
     def __init__(self, guard: Any, workdir: str):
         self._guard, self.workdir = guard, workdir
 
-    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
-                   env: dict[str, str] | None = None):
+    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None):
         return await self._guard.exec(cmd, timeout_s=timeout_s, cwd=cwd or self.workdir, env=env, as_verifier=True)
 
     async def read_file(self, path: str) -> bytes:
@@ -147,8 +146,9 @@ async def value_of(fn: RewardFn, view: EpisodeView, verifier_env: Mapping[str, s
     try:
         return finite_number(float(lines[-1]), f"reward command {fn.name!r}")
     except (IndexError, ValueError):
-        raise RewardFailed(f"reward command {fn.name!r}: its last line of output is not a number; "
-                           f"output:\n{tail}") from None
+        raise RewardFailed(
+            f"reward command {fn.name!r}: its last line of output is not a number; output:\n{tail}"
+        ) from None
 
 
 @dataclass
@@ -198,8 +198,11 @@ class Scorer:
         if not run.failures:
             assert score.reward is not None
             reward = self.own_weight * score.reward + sum(f.weight * run.values[f.name] for f in self.fns)
-            rewards = {**{k: v for k, v in score.rewards.items() if k != "reward"}, self.own: score.reward,
-                       **run.values}
+            rewards = {
+                **{k: v for k, v in score.rewards.items() if k != "reward"},
+                self.own: score.reward,
+                **run.values,
+            }
             return dataclasses.replace(score, reward=reward, rewards=rewards)
         failed = [f for f in self.fns if f.name in run.failures]
         detail = "\n".join(f"[{name}] {text}" for name, text in run.failures.items())
@@ -208,15 +211,26 @@ class Scorer:
         except HostLost:
             raise
         except Exception as exc:  # noqa: BLE001  # a user reward function's failure is recorded as the score's error
-            return dataclasses.replace(score, reward=None, error=f"reward function failed ({detail}); the episode "
-                                       f"that would say whose fault it is did not start: {describe(exc)}")
+            return dataclasses.replace(
+                score,
+                reward=None,
+                error=f"reward function failed ({detail}); the episode "
+                f"that would say whose fault it is did not start: {describe(exc)}",
+            )
         names = ", ".join(repr(f.name) for f in failed)
         if any(f.name not in again.failures for f in failed):
-            return dataclasses.replace(score, reward=None, agent_broke_env=True,
-                                       error=f"reward function {names} failed in this episode but not in one no "
-                                             f"agent touched:\n{detail}")
-        return dataclasses.replace(score, reward=None, error=f"reward function {names} failed, and failed with no "
-                                                             f"agent too (a bug in it; never a reward):\n{detail}")
+            return dataclasses.replace(
+                score,
+                reward=None,
+                agent_broke_env=True,
+                error=f"reward function {names} failed in this episode but not in one no agent touched:\n{detail}",
+            )
+        return dataclasses.replace(
+            score,
+            reward=None,
+            error=f"reward function {names} failed, and failed with no "
+            f"agent too (a bug in it; never a reward):\n{detail}",
+        )
 
 
 TESTS_ONLY = Scorer()  # no reward functions: a Harbor episode's reward is its tests'

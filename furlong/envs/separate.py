@@ -47,8 +47,9 @@ def verifier_task(phase: Task) -> Task:
     assert sep is not None
     # no agent runs there: every command (the artifacts' placing, the tests) has the tests' network
     tests = TaskNetwork(agent=phase.verifier_network, verifier=phase.verifier_network)
-    return dataclasses.replace(phase, dockerfile=sep.dockerfile, network=tests, limits=sep.limits,
-                               syscalls=sep.syscalls)
+    return dataclasses.replace(
+        phase, dockerfile=sep.dockerfile, network=tests, limits=sep.limits, syscalls=sep.syscalls
+    )
 
 
 class BundledTests:
@@ -67,8 +68,9 @@ class BundledTests:
             dirs = [self.layers.layer_dir(layer) for layer in image.layers]
             tests = await asyncio.to_thread(subtree_tar, dirs, TESTS_DIR.strip("/"), 0o700)
             if tests is None:
-                raise VerifierUnavailable(f"the verifier's image has no {TESTS_DIR} directory (tests/Dockerfile "
-                                          f"should COPY the tests there)")
+                raise VerifierUnavailable(
+                    f"the verifier's image has no {TESTS_DIR} directory (tests/Dockerfile should COPY the tests there)"
+                )
             self._cache[image.digest] = tests
         return self._cache[image.digest]
 
@@ -101,9 +103,14 @@ async def start_verifier(phase: Task, sandboxes, bundled: BundledTests) -> Verif
 Wrapped = TypeVar("Wrapped", bound=Sandbox)  # what `wrap` makes of the verifier's sandbox
 
 
-async def hand_over(phase: Task, agent_box: Sandbox, release: Callable[[], Awaitable[None]] | None,
-                    sandboxes, bundled: BundledTests, wrap: Callable[[Sandbox], Wrapped]
-                    ) -> tuple[VerifierBox | None, Wrapped | None, str]:
+async def hand_over(
+    phase: Task,
+    agent_box: Sandbox,
+    release: Callable[[], Awaitable[None]] | None,
+    sandboxes,
+    bundled: BundledTests,
+    wrap: Callable[[Sandbox], Wrapped],
+) -> tuple[VerifierBox | None, Wrapped | None, str]:
     """The agent's artifacts collected and placed in a new verifier sandbox: (that sandbox, the wrapped
     sandbox the tests are to use, "") or (None, None, what went wrong) where it may be the agent's doing.
     `release` (the agent's sandbox's last use, as Harbor stops it) runs once the artifacts are out.

@@ -33,14 +33,21 @@ from furlong.envs.base import ToolArgumentError, Toolbox, ToolError, describe
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
-_TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int, "number": (int, float),
-                                              "boolean": bool, "array": list, "object": dict}
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+}
 
 
 async def call_user(fn: Callable, *args: Any, timeout_s: float) -> Any:
     """`fn(*args)` of user code, sync or async, at most `timeout_s` (TimeoutError past it). A sync function
     runs in a thread so that a slow one does not stall every other episode; one that never returns keeps
     its thread (Python cannot stop a thread), the episode goes on."""
+
     async def go() -> Any:
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):  # a def or an object
             return await fn(*args)
@@ -118,8 +125,10 @@ class Tool:
 
     @property
     def schema(self) -> dict:
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": dict(self.parameters)}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)},
+        }
 
     def check(self, arguments: Any) -> None:
         check_arguments(self.name, self.parameters, arguments)
@@ -159,8 +168,7 @@ class AgentSandbox:
     def __init__(self, guard: Any):
         self._guard = guard
 
-    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
-                   env: dict[str, str] | None = None):
+    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None, env: dict[str, str] | None = None):
         return await self._guard.exec(cmd, timeout_s=timeout_s, cwd=cwd, env=env)
 
     async def read_file(self, path: str) -> bytes:
@@ -227,8 +235,9 @@ class ToolSet:
             if name not in self.names:
                 raise ToolArgumentError(f"unknown tool {name!r}; the tools: {', '.join(sorted(self.names))}")
             tool = self.extra.get(name)
-            observation = await (self._extra(tool, arguments, timeout_s) if tool else
-                                 self.own.call(name, arguments, timeout_s))
+            observation = await (
+                self._extra(tool, arguments, timeout_s) if tool else self.own.call(name, arguments, timeout_s)
+            )
         except ToolError as exc:
             self.steps.append(ToolStep(name, shown, f"error: {exc}"))
             raise
@@ -250,8 +259,9 @@ class ToolSet:
     async def _extra(self, tool: Tool, arguments: dict, timeout_s: float) -> str:
         tool.check(arguments)
         if tool.command is not None:
-            command = tool.command.format_map({k: shlex.quote(v if isinstance(v, str) else json.dumps(v))
-                                               for k, v in arguments.items()})
+            command = tool.command.format_map(
+                {k: shlex.quote(v if isinstance(v, str) else json.dumps(v)) for k, v in arguments.items()}
+            )
             return exec_observation(await self.sandbox.exec(command, timeout_s=timeout_s), timeout_s)
         view = AgentSandbox(self.sandbox) if self.sandbox is not None else None
         assert tool.python is not None, "a Tool runs a command or a Python function"

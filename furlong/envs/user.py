@@ -100,8 +100,15 @@ class PythonSource:
     """The instances of a Python environment (an EnvSource): seeds 0..counts[split]-1 of each split, their
     instructions from `reset`, under the family `name`. Checks the extra tools against the environment's."""
 
-    def __init__(self, factory: Callable[[], Any], name: str, counts: dict[str, int], agent_timeout_s: float,
-                 tools: Sequence[Tool] = (), timeout_s: float = 60.0):
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        name: str,
+        counts: dict[str, int],
+        agent_timeout_s: float,
+        tools: Sequence[Tool] = (),
+        timeout_s: float = 60.0,
+    ):
         self.factory, self.name, self.counts = factory, name, dict(counts)
         self.agent_timeout_s, self.tools, self.timeout_s = agent_timeout_s, tuple(tools), timeout_s
 
@@ -116,8 +123,9 @@ class PythonSource:
             found = []
             for seed in range(self.counts.get(split, 0)):
                 instruction = await reset(env, seed, split, self.timeout_s)
-                found.append(Instance(f"{self.name}/{split}-{seed}", instruction, self.name, split, seed,
-                                      self.agent_timeout_s))
+                found.append(
+                    Instance(f"{self.name}/{split}-{seed}", instruction, self.name, split, seed, self.agent_timeout_s)
+                )
             return found
         finally:
             await close_env(env)
@@ -127,8 +135,13 @@ class PythonEnv:
     """Opens each episode of a Python environment: a new object from `factory`, reset to the instance
     (furlong.envs.base.Environment). `timeout_s`: the most `reset` may take."""
 
-    def __init__(self, factory: Callable[[], Any], tools: Sequence[Tool] = (), scorer: Scorer = STEPS_ONLY,
-                 timeout_s: float = 60.0):
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        tools: Sequence[Tool] = (),
+        scorer: Scorer = STEPS_ONLY,
+        timeout_s: float = 60.0,
+    ):
         self.factory, self.tools, self.scorer, self.timeout_s = factory, tuple(tools), scorer, timeout_s
 
     def reserve(self, spec: Instance) -> None:
@@ -149,14 +162,18 @@ class PythonEnv:
         try:
             demonstrate = getattr(env, "demonstrate", None)
             if not callable(demonstrate):
-                raise TypeError(f"train.env.demonstrations: {type(env).__name__} has no demonstrate() method "
-                                "returning the Actions that solve its instance (docs/environments.md)")
+                raise TypeError(
+                    f"train.env.demonstrations: {type(env).__name__} has no demonstrate() method "
+                    "returning the Actions that solve its instance (docs/environments.md)"
+                )
             actions = await call_user(demonstrate, timeout_s=self.timeout_s)
         finally:
             await close_env(env)
         if not isinstance(actions, (list, tuple)) or not all(isinstance(a, Action) for a in actions):
-            raise TypeError(f"train.env.demonstrations: {type(env).__name__}.demonstrate() gave {actions!r}, "
-                            "not a list of furlong.envs.user.Action")
+            raise TypeError(
+                f"train.env.demonstrations: {type(env).__name__}.demonstrate() gave {actions!r}, "
+                "not a list of furlong.envs.user.Action"
+            )
         return list(actions)
 
     async def _reset(self, spec: Instance) -> Any:
@@ -171,8 +188,10 @@ class PythonEnv:
             raise EnvUnavailable(f"the environment did not reset to {spec.id}: {describe(exc)}") from exc
         if instruction != spec.instruction:
             await close_env(env)
-            raise EnvUnavailable(f"reset({spec.seed}, {spec.split!r}) gave another instruction than when the "
-                                 f"instances were listed: reset must be a function of seed and split")
+            raise EnvUnavailable(
+                f"reset({spec.seed}, {spec.split!r}) gave another instruction than when the "
+                f"instances were listed: reset must be a function of seed and split"
+            )
         return env
 
 
@@ -218,8 +237,10 @@ def _checked(result: Any) -> tuple[str, float, bool]:
     observation, reward, done = result
     number = isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward)
     if not isinstance(observation, str) or not number or not isinstance(done, bool):
-        raise ToolError(f"the environment's step returned ({type(observation).__name__}, {reward!r}, "
-                        f"{type(done).__name__}), not (text, a finite number, bool)")
+        raise ToolError(
+            f"the environment's step returned ({type(observation).__name__}, {reward!r}, "
+            f"{type(done).__name__}), not (text, a finite number, bool)"
+        )
     return observation, float(reward), done
 
 
@@ -250,8 +271,16 @@ class PythonEpisode:
         if not scorer.active:
             return own
         rewards = scorer.start()
-        await rewards.run(EpisodeView(self.spec, tuple(self.tools.steps), tuple(self.tools.answers), env=self.env,
-                                      tests=own.reward, usage=usage))
+        await rewards.run(
+            EpisodeView(
+                self.spec,
+                tuple(self.tools.steps),
+                tuple(self.tools.answers),
+                env=self.env,
+                tests=own.reward,
+                usage=usage,
+            )
+        )
         return await scorer.settle(own, rewards, self._control)
 
     async def _control(self, fns: Sequence[RewardFn]) -> RewardRun:

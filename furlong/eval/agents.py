@@ -59,15 +59,21 @@ class OracleAgent:
         if as_root:
             await sandbox.exec(f"mkdir -p {SOLUTION_DIR}", timeout_s=30, cwd="/", as_verifier=True)
         if task.solution.parent == task.path:  # Terminal-Bench: a lone solution.sh beside task.yaml
-            await sandbox.write_file(f"{SOLUTION_DIR}/{task.solution.name}", task.solution.read_bytes(), 0o755,
-                                     as_verifier=as_root)
+            await sandbox.write_file(
+                f"{SOLUTION_DIR}/{task.solution.name}", task.solution.read_bytes(), 0o755, as_verifier=as_root
+            )
         else:
             await sandbox.put_dir(task.solution.parent, SOLUTION_DIR, as_verifier=as_root)
-        res = await sandbox.exec(f"bash {SOLUTION_DIR}/{task.solution.name}", timeout_s=timeout_s,
-                                 env=dict(task.solution_env) or None)
+        res = await sandbox.exec(
+            f"bash {SOLUTION_DIR}/{task.solution.name}", timeout_s=timeout_s, env=dict(task.solution_env) or None
+        )
         # Recorded so a 0 reward can be traced to a solution that failed, not only to the tests.
-        return AgentRun(commands=1, timed_out=res.timed_out, last_exit_code=res.exit_code,
-                        last_output=output_tail(res.stdout, res.stderr))
+        return AgentRun(
+            commands=1,
+            timed_out=res.timed_out,
+            last_exit_code=res.exit_code,
+            last_output=output_tail(res.stdout, res.stderr),
+        )
 
 
 class AnswerAgent:

@@ -46,22 +46,54 @@ class EpisodeResult:
     traceback: str | None = None  # where an exception decided the outcome (furlong.agent.runner.Outcome)
 
     @classmethod
-    def of(cls, task: Task, agent: str, outcome: Outcome, sample: int = 0, turns: int | None = None,
-           tokens_response: int | None = None, response_sha: str | None = None) -> EpisodeResult:
-        return cls(task=task.id, agent=agent, reward=outcome.reward, status=outcome.status, timing=outcome.timing,
-                   error=outcome.error, agent_timed_out=outcome.agent_timed_out, rewards=outcome.rewards,
-                   family=task.family, seed=task.seed, split=task.split,
-                   verifier_exit_code=outcome.verifier_exit_code, verifier_output=outcome.verifier_output,
-                   agent_exit_code=outcome.agent_exit_code, agent_output=outcome.agent_output,
-                   image_note=outcome.image_note, sample=sample, turns=turns, tokens_response=tokens_response,
-                   response_sha=response_sha, tampered_paths=outcome.tampered_paths, steps=outcome.steps,
-                   traceback=outcome.traceback)
+    def of(
+        cls,
+        task: Task,
+        agent: str,
+        outcome: Outcome,
+        sample: int = 0,
+        turns: int | None = None,
+        tokens_response: int | None = None,
+        response_sha: str | None = None,
+    ) -> EpisodeResult:
+        return cls(
+            task=task.id,
+            agent=agent,
+            reward=outcome.reward,
+            status=outcome.status,
+            timing=outcome.timing,
+            error=outcome.error,
+            agent_timed_out=outcome.agent_timed_out,
+            rewards=outcome.rewards,
+            family=task.family,
+            seed=task.seed,
+            split=task.split,
+            verifier_exit_code=outcome.verifier_exit_code,
+            verifier_output=outcome.verifier_output,
+            agent_exit_code=outcome.agent_exit_code,
+            agent_output=outcome.agent_output,
+            image_note=outcome.image_note,
+            sample=sample,
+            turns=turns,
+            tokens_response=tokens_response,
+            response_sha=response_sha,
+            tampered_paths=outcome.tampered_paths,
+            steps=outcome.steps,
+            traceback=outcome.traceback,
+        )
 
     @classmethod
     def unloadable(cls, broken: BrokenTask, agent: str) -> EpisodeResult:
         """A task (or family) that could not be loaded: an infra_error episode that never started."""
-        return cls(task=broken.id, agent=agent, reward=None, status="infra_error", timing=EpisodeTiming(),
-                   error=broken.error, family=broken.family)
+        return cls(
+            task=broken.id,
+            agent=agent,
+            reward=None,
+            status="infra_error",
+            timing=EpisodeTiming(),
+            error=broken.error,
+            family=broken.family,
+        )
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -69,13 +101,21 @@ class EpisodeResult:
         return out
 
 
-async def run_agent(task: Task, new_agent: Callable[[], Agent], sandboxes: Environment | SandboxSource,
-                    sample: int = 0) -> EpisodeResult:
+async def run_agent(
+    task: Task, new_agent: Callable[[], Agent], sandboxes: Environment | SandboxSource, sample: int = 0
+) -> EpisodeResult:
     """Never raises for an agent's, a task's or the sandbox's fault: a failure becomes the status. An
     episode whose sandbox host was lost runs again with `new_agent()` (furlong.agent.runner.run_retrying)."""
     agent, outcome = await run_retrying(task, new_agent, sandboxes)
-    return EpisodeResult.of(task, agent.name, outcome, sample, getattr(agent, "turns", None),
-                            getattr(agent, "response_len", None), getattr(agent, "response_sha", None))
+    return EpisodeResult.of(
+        task,
+        agent.name,
+        outcome,
+        sample,
+        getattr(agent, "turns", None),
+        getattr(agent, "response_len", None),
+        getattr(agent, "response_sha", None),
+    )
 
 
 async def run_task_episode(task: Task, agent: Agent, backend, image: ImageRef) -> EpisodeResult:

@@ -22,8 +22,9 @@ def check_model_flags(e: EvalConfig) -> None:
     """Before any image is built: the flags make sense and the directories are checkpoints (one-line errors)."""
     if e.agent != "model":
         if e.model is not None or e.adapter is not None:
-            raise ValueError(f"--model/--adapter (eval.model, eval.adapter) are only used with --agent model, "
-                             f"not --agent {e.agent}")
+            raise ValueError(
+                f"--model/--adapter (eval.model, eval.adapter) are only used with --agent model, not --agent {e.agent}"
+            )
         return
     if e.model is None:
         raise ValueError("--agent model needs --model DIR (eval.model): a local Hugging Face checkpoint directory")

@@ -42,8 +42,13 @@ class BearerToken:
             await send({"type": "websocket.close", "code": 1008})
             return
         body = json.dumps({"detail": "Authorization: expected 'Bearer <token>'"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     def _allowed(self, scope) -> bool:
@@ -51,25 +56,50 @@ class BearerToken:
         return hmac.compare_digest(given, self.expected)
 
 
-def make_app(tasks: Sequence[Task], sandboxes: Environment | SandboxSource, token: str, *, capacity: int,
-             idle_s: float, allow_network: bool = False):
+def make_app(
+    tasks: Sequence[Task],
+    sandboxes: Environment | SandboxSource,
+    token: str,
+    *,
+    capacity: int,
+    idle_s: float,
+    allow_network: bool = False,
+):
     """`capacity` sessions at most (past it, the package's CAPACITY_REACHED error); one idle `idle_s`
     is reaped by the package's reaper, which closes it and so its sandbox."""
     if not tasks:
         raise ValueError("no tasks to serve")
     book = TaskBook(tasks, sandboxes, allow_network)
-    app = create_fastapi_app(functools.partial(TaskSession, book), TaskAction, TaskObservation,
-                             concurrency_config=ConcurrencyConfig(max_concurrent_envs=capacity, session_timeout=idle_s),
-                             env_name=ENV_NAME, state_cls=TaskState, mode=ServerMode.PRODUCTION)
+    app = create_fastapi_app(
+        functools.partial(TaskSession, book),
+        TaskAction,
+        TaskObservation,
+        concurrency_config=ConcurrencyConfig(max_concurrent_envs=capacity, session_timeout=idle_s),
+        env_name=ENV_NAME,
+        state_cls=TaskState,
+        mode=ServerMode.PRODUCTION,
+    )
     return BearerToken(app, token)
 
 
-def serve(tasks: Sequence[Task], sandboxes: Environment | SandboxSource, token: str, *, host: str, port: int,
-          capacity: int, idle_s: float, allow_network: bool, say: Callable[[str], None]) -> None:
+def serve(
+    tasks: Sequence[Task],
+    sandboxes: Environment | SandboxSource,
+    token: str,
+    *,
+    host: str,
+    port: int,
+    capacity: int,
+    idle_s: float,
+    allow_network: bool,
+    say: Callable[[str], None],
+) -> None:
     import uvicorn
 
     app = make_app(tasks, sandboxes, token, capacity=capacity, idle_s=idle_s, allow_network=allow_network)
-    say(f"OpenEnv server on http://{host}:{port} (WebSocket sessions at /ws): {len(tasks)} tasks, capacity "
+    say(
+        f"OpenEnv server on http://{host}:{port} (WebSocket sessions at /ws): {len(tasks)} tasks, capacity "
         f"{capacity}, idle sessions reaped after {idle_s:g} s, network "
-        f"{'for tasks that declare it' if allow_network else 'never'}")
+        f"{'for tasks that declare it' if allow_network else 'never'}"
+    )
     uvicorn.run(app, host=host, port=port, log_level="warning", ws_max_size=16 * 2**20)

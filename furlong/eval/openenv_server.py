@@ -42,10 +42,10 @@ class TaskAction(Action):
     command: str | None = Field(None, description="a bash command to run in the task's sandbox")
     tool: str | None = Field(None, description="a tool to call instead (the reset observation's `tools`)")
     arguments: dict[str, Any] = Field(default_factory=dict, description="the tool call's arguments")
-    timeout_s: float | None = Field(None, gt=0, description="this call's time limit (default: the agent "
-                                    "time left)")
-    done: bool = Field(False, description="the agent is finished: run the task's tests; this step's "
-                       "observation carries the reward")
+    timeout_s: float | None = Field(None, gt=0, description="this call's time limit (default: the agent time left)")
+    done: bool = Field(
+        False, description="the agent is finished: run the task's tests; this step's observation carries the reward"
+    )
 
     @model_validator(mode="after")
     def _one_thing(self) -> TaskAction:
@@ -61,11 +61,15 @@ class TaskAction(Action):
 class TaskObservation(Observation):
     task_id: str = Field("", description="the task of this episode")
     instruction: str = Field("", description="reset, and a multi-step task's next step: what the agent is told")
-    tools: list[dict[str, Any]] = Field(default_factory=list, description="reset: the tools it may call "
-                                        "(OpenAI function schemas)")
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list, description="reset: the tools it may call (OpenAI function schemas)"
+    )
     output: str = Field("", description="what the command or tool call returned")
-    status: str | None = Field(None, description="at the end: furlong's episode status (ok, timeout, "
-                               "agent_broke_sandbox, reward_tampered, infra_error...)")
+    status: str | None = Field(
+        None,
+        description="at the end: furlong's episode status (ok, timeout, "
+        "agent_broke_sandbox, reward_tampered, infra_error...)",
+    )
     error: str | None = Field(None, description="at the end: why, when the status is not ok")
 
 
@@ -76,8 +80,7 @@ class TaskState(State):
 class TaskBook:
     """The served tasks, shared by every session: picked by id, by split and index, or in turn."""
 
-    def __init__(self, tasks: Sequence[Task], sandboxes: TaskEnvironment | SandboxSource,
-                 allow_network: bool = False):
+    def __init__(self, tasks: Sequence[Task], sandboxes: TaskEnvironment | SandboxSource, allow_network: bool = False):
         self.tasks, self.sandboxes, self.allow_network = list(tasks), sandboxes, allow_network
         self.by_id = {t.id: t for t in self.tasks}
         self._turn = itertools.cycle(range(len(self.tasks)))
@@ -110,8 +113,13 @@ class TaskBook:
 
 
 def describe_task(task: Task) -> dict[str, Any]:
-    return {"id": task.id, "family": task.family, "split": task.split, "seed": task.seed,
-            "agent_timeout_s": task.agent_timeout_s}
+    return {
+        "id": task.id,
+        "family": task.family,
+        "split": task.split,
+        "seed": task.seed,
+        "agent_timeout_s": task.agent_timeout_s,
+    }
 
 
 class RemoteAgent:
@@ -179,8 +187,7 @@ class ServedEpisode:
             return self.final()
         names = [s["function"]["name"] for s in self.agent.schemas]
         log.info("episode of %s started (tools: %s)", self.task.id, ", ".join(names))
-        return TaskObservation(task_id=self.task.id, instruction=self.task.instruction,
-                               tools=list(self.agent.schemas))
+        return TaskObservation(task_id=self.task.id, instruction=self.task.instruction, tools=list(self.agent.schemas))
 
     async def act(self, action: TaskAction) -> TaskObservation:
         if self.outcome.done():
@@ -203,8 +210,9 @@ class ServedEpisode:
 
     async def _call(self, action: TaskAction) -> str | None:
         """What the call returned; None if the episode ended first."""
-        name, arguments = ("bash", {"command": action.command}) if action.command is not None else (
-            action.tool, action.arguments)
+        name, arguments = (
+            ("bash", {"command": action.command}) if action.command is not None else (action.tool, action.arguments)
+        )
         names = [s["function"]["name"] for s in self.agent.schemas]
         if name not in names:
             return f"error: unknown tool {name!r}; the tools: {', '.join(names)}"
@@ -221,10 +229,22 @@ class ServedEpisode:
             raise RuntimeError("the episode is over: reset for a new one")
         self.reported = True
         o: Outcome = self.outcome.result()
-        meta = {"rewards": o.rewards, "verifier_exit_code": o.verifier_exit_code, "tampered_paths": o.tampered_paths,
-                "agent_timed_out": o.agent_timed_out, "timing": dataclasses.asdict(o.timing)}
-        return TaskObservation(task_id=self.task.id, output=output, status=o.status, error=o.error, done=True,
-                               reward=o.reward, metadata=meta)
+        meta = {
+            "rewards": o.rewards,
+            "verifier_exit_code": o.verifier_exit_code,
+            "tampered_paths": o.tampered_paths,
+            "agent_timed_out": o.agent_timed_out,
+            "timing": dataclasses.asdict(o.timing),
+        }
+        return TaskObservation(
+            task_id=self.task.id,
+            output=output,
+            status=o.status,
+            error=o.error,
+            done=True,
+            reward=o.reward,
+            metadata=meta,
+        )
 
     async def stop(self) -> None:
         """Cancels the episode if it runs; the runner closes its sandbox either way."""
@@ -248,8 +268,14 @@ class TaskSession(Environment):
         self.steps = 0
         self.episode_id: str | None = None
 
-    async def reset_async(self, seed: int | None = None, episode_id: str | None = None, task_id: str | None = None,
-                          split: str | None = None, index: int | None = None) -> TaskObservation:
+    async def reset_async(
+        self,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        task_id: str | None = None,
+        split: str | None = None,
+        index: int | None = None,
+    ) -> TaskObservation:
         task = self.book.pick(task_id, split, index)  # a bad request raises before anything starts
         await self._stop()
         self.episode, self.steps, self.episode_id = ServedEpisode(task, self.book.sandboxes), 0, episode_id
@@ -273,8 +299,12 @@ class TaskSession(Environment):
         return TaskState(episode_id=self.episode_id, step_count=self.steps, task_id=task)
 
     def get_metadata(self) -> EnvironmentMetadata:
-        return EnvironmentMetadata(name="furlong", description=f"{len(self.book.tasks)} furlong tasks, each "
-                                   "episode in a fresh sandbox, scored by the task's tests", version="1")
+        return EnvironmentMetadata(
+            name="furlong",
+            description=f"{len(self.book.tasks)} furlong tasks, each "
+            "episode in a fresh sandbox, scored by the task's tests",
+            version="1",
+        )
 
     def list_splits(self) -> list[str]:
         return list(SPLITS)

@@ -52,7 +52,9 @@ def pass_at_k_summary(tasks: Sequence[tuple[str, str | None, Sequence[Scored]]],
     per_task = {task: {"family": family, **task_pass_at_k(episodes, ks)} for task, family, episodes in tasks}
     families = sorted({row["family"] for row in per_task.values() if row["family"] is not None})
     return {
-        "samples": samples, "ks": list(ks), "pass_at_k": mean_pass_at_k(per_task.values(), ks),
+        "samples": samples,
+        "ks": list(ks),
+        "pass_at_k": mean_pass_at_k(per_task.values(), ks),
         "per_family": {f: mean_pass_at_k((r for r in per_task.values() if r["family"] == f), ks) for f in families},
         "per_task": per_task,
     }

@@ -41,8 +41,10 @@ async def prepare_images(tasks: list[Task], store: ImageStore, backend, console:
     wanted = list(dict.fromkeys(s for t in tasks for s in (t.image_source, *verifier_dockerfiles(t))))
     with console.status("preparing images") as status:
         for n, source in enumerate(wanted, 1):
+
             def progress(msg: str, n=n) -> None:
                 status.update(f"image {n}/{len(wanted)}: {msg}")
+
             try:
                 images[source] = await store.image(source, backend, progress)
             except Exception as exc:  # noqa: BLE001  # one bad Dockerfile must not stop the others
@@ -64,6 +66,7 @@ def _lines(out: Path | None) -> Iterator[Callable[[EpisodeResult], None]]:
         if sink:
             sink.write(json.dumps(res.to_json()) + "\n")
             sink.flush()
+
     try:
         yield record
     finally:
@@ -71,10 +74,19 @@ def _lines(out: Path | None) -> Iterator[Callable[[EpisodeResult], None]]:
             sink.close()
 
 
-async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent | EpisodeAgents, backend,
-                   store: ImageStore, concurrency: int, out: Path | None, console: Console, samples: int = 1,
-                   tools: Sequence[Tool] = (), scorer: Scorer = TESTS_ONLY,
-                   env: Environment | None = None) -> list[EpisodeResult]:
+async def run_eval(
+    entries: Sequence[Task | BrokenTask | Instance],
+    agent: Agent | EpisodeAgents,
+    backend,
+    store: ImageStore,
+    concurrency: int,
+    out: Path | None,
+    console: Console,
+    samples: int = 1,
+    tools: Sequence[Tool] = (),
+    scorer: Scorer = TESTS_ONLY,
+    env: Environment | None = None,
+) -> list[EpisodeResult]:
     """`samples` episodes of every task, in `entries`' order. A BrokenTask (one that did not load) is an
     infra_error line of its own, written first; the others' lines are written as each episode ends.
     `tools` and `scorer`: the user's extra tools and reward functions (train.env), as in training. `env`:
@@ -88,16 +100,27 @@ async def run_eval(entries: Sequence[Task | BrokenTask | Instance], agent: Agent
         if env is None:
             harbor = cast(list[Task], tasks)  # env None: the entries are Harbor tasks
             images = await prepare_images(harbor, store, backend, console) if tasks else {}
-            env = HarborEnv(FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)), tools, scorer,
-                            store if isinstance(store, ImageStore) else None)
+            env = HarborEnv(
+                FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)),
+                tools,
+                scorer,
+                store if isinstance(store, ImageStore) else None,
+            )
         jobs = [(task, k) for task in tasks for k in range(samples)]
         results += await _episodes(jobs, agent, env, concurrency, record, console, len(results) + len(jobs))
     order = {e.id: i for i, e in enumerate(entries)}
     return sorted(results, key=lambda r: (order[r.task], r.sample))
 
 
-async def run_env_eval(specs: Sequence, agent: Agent | EpisodeAgents, env: Environment, concurrency: int,
-                       out: Path | None, console: Console, samples: int = 1) -> list[EpisodeResult]:
+async def run_env_eval(
+    specs: Sequence,
+    agent: Agent | EpisodeAgents,
+    env: Environment,
+    concurrency: int,
+    out: Path | None,
+    console: Console,
+    samples: int = 1,
+) -> list[EpisodeResult]:
     """`samples` episodes of each of an environment's own instances (an OpenEnv server's), in order."""
     with _lines(out) as record:
         jobs = [(spec, k) for spec in specs for k in range(samples)]
@@ -106,9 +129,15 @@ async def run_env_eval(specs: Sequence, agent: Agent | EpisodeAgents, env: Envir
     return sorted(results, key=lambda r: (order[r.task], r.sample))
 
 
-async def _episodes(jobs: list[tuple[Task | Instance, int]], agent: Agent | EpisodeAgents, sandboxes: Environment,
-                    concurrency: int, record: Callable[[EpisodeResult], None], console: Console,
-                    total: int) -> list[EpisodeResult]:
+async def _episodes(
+    jobs: list[tuple[Task | Instance, int]],
+    agent: Agent | EpisodeAgents,
+    sandboxes: Environment,
+    concurrency: int,
+    record: Callable[[EpisodeResult], None],
+    console: Console,
+    total: int,
+) -> list[EpisodeResult]:
     sem = asyncio.Semaphore(concurrency)
     results: list[EpisodeResult] = []
 
@@ -116,8 +145,13 @@ async def _episodes(jobs: list[tuple[Task | Instance, int]], agent: Agent | Epis
         async with sem:
             return await run_agent(task, lambda: agent_for(agent, task, sample), sandboxes, sample)
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("pass {task.fields[passed]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("pass {task.fields[passed]}"),
+    )
     with Progress(*columns, console=console, transient=False) as bar:
         job = bar.add_task(f"eval {agent.name}", total=total, completed=total - len(jobs), passed=0)
         # an Instance has what a Task's result reads (id, family, seed, split)
@@ -131,11 +165,13 @@ async def _episodes(jobs: list[tuple[Task | Instance, int]], agent: Agent | Epis
 
 def _prebuilt(images: dict):
     """Task -> the image prepare_images built; a failed build is the episode's infra_error."""
+
     async def lookup(task: Task) -> ImageRef:
         image = images[task.image_source]
         if isinstance(image, str):
             raise SandboxError(image)
         return image
+
     return lookup
 
 
@@ -146,13 +182,23 @@ def summarize(results: list[EpisodeResult]) -> dict:
     s = outcome_summary([Scored(r.family, r.reward, r.status) for r in results])
     pk = pass_at_k_summary(_by_task(results), max((r.sample for r in results), default=0) + 1)
     return {
-        "episodes": s["episodes"], "scored": s["scored"], "infra_errors": s["infra_errors"],
-        "pass_rate": s["pass_at_1"], "mean_reward": s["mean_reward"], "status": s["status"],
-        "per_family": {name: {**rates, "pass_at_k": pk["per_family"].get(name, {})}
-                       for name, rates in s["per_family"].items()},
-        "samples": pk["samples"], "ks": pk["ks"], "pass_at_k": pk["pass_at_k"], "per_task": pk["per_task"],
-        "mean_timing_s": {k: mean([getattr(r.timing, k) for r in results])
-                          for k in ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")},
+        "episodes": s["episodes"],
+        "scored": s["scored"],
+        "infra_errors": s["infra_errors"],
+        "pass_rate": s["pass_at_1"],
+        "mean_reward": s["mean_reward"],
+        "status": s["status"],
+        "per_family": {
+            name: {**rates, "pass_at_k": pk["per_family"].get(name, {})} for name, rates in s["per_family"].items()
+        },
+        "samples": pk["samples"],
+        "ks": pk["ks"],
+        "pass_at_k": pk["pass_at_k"],
+        "per_task": pk["per_task"],
+        "mean_timing_s": {
+            k: mean([getattr(r.timing, k) for r in results])
+            for k in ("sandbox_start", "model_wait", "agent_commands", "verifier", "other")
+        },
     }
 
 
@@ -175,16 +221,30 @@ def print_table(results: list[EpisodeResult], console: Console) -> None:
         t = r.timing
         reward = "-" if r.reward is None else f"{r.reward:g}"
         style = "green" if r.reward == 1.0 else STATUS_STYLE.get(r.status)
-        table.add_row(r.task, str(r.sample), reward, r.status, f"{t.sandbox_start:.3f}", f"{t.agent_commands:.3f}",
-                      f"{t.verifier:.3f}", f"{t.other:.3f}", (r.error or "")[:60], style=style)
+        table.add_row(
+            r.task,
+            str(r.sample),
+            reward,
+            r.status,
+            f"{t.sandbox_start:.3f}",
+            f"{t.agent_commands:.3f}",
+            f"{t.verifier:.3f}",
+            f"{t.other:.3f}",
+            (r.error or "")[:60],
+            style=style,
+        )
     console.print(table)
     s = summarize(results)
-    console.print(f"episodes {s['episodes']}  scored {s['scored']}  pass rate {s['pass_rate']:.3f}  "
-                  f"mean reward {s['mean_reward']:.3f}  infra errors (unscored) {s['infra_errors']}")
+    console.print(
+        f"episodes {s['episodes']}  scored {s['scored']}  pass rate {s['pass_rate']:.3f}  "
+        f"mean reward {s['mean_reward']:.3f}  infra errors (unscored) {s['infra_errors']}"
+    )
     console.print("status  " + "  ".join(f"{k} {v}" for k, v in s["status"].items()))
     for name, f in s["per_family"].items():
-        console.print(f"family {name}: pass rate {f['pass_at_1']:.3f} over {f['scored']} scored, "
-                      f"{f['infra_errors']} infra errors" + _pass_at_k_text(f["pass_at_k"], s["samples"]))
+        console.print(
+            f"family {name}: pass rate {f['pass_at_1']:.3f} over {f['scored']} scored, "
+            f"{f['infra_errors']} infra errors" + _pass_at_k_text(f["pass_at_k"], s["samples"])
+        )
     if s["samples"] > 1:
         console.print(f"all tasks, {s['samples']} samples each:" + _pass_at_k_text(s["pass_at_k"], s["samples"]))
 

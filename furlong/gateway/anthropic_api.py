@@ -44,8 +44,13 @@ def _user(blocks: list[Mapping[str, Any]], where: str) -> list[dict[str, Any]]:
             if not isinstance(b.get("tool_use_id"), str):
                 raise RequestError(f"{where}[{i}].tool_use_id", "expected the id of the tool_use it answers")
             result = _text(b.get("content"), f"{where}[{i}].content")
-            out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                        "content": f"Error: {result}" if b.get("is_error") else result})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": b["tool_use_id"],
+                    "content": f"Error: {result}" if b.get("is_error") else result,
+                }
+            )
         else:
             text.append(_text(b.get("text"), f"{where}[{i}].text"))
     if text or not out:
@@ -59,11 +64,15 @@ def _assistant(blocks: list[Mapping[str, Any]], where: str) -> dict[str, Any]:
         if b["type"] == "tool_result":
             raise RequestError(f"{where}[{i}]", "tool_result blocks belong to user turns")
         if b["type"] == "tool_use":
-            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) \
-                    or not isinstance(b.get("input"), Mapping):
+            if (
+                not isinstance(b.get("id"), str)
+                or not isinstance(b.get("name"), str)
+                or not isinstance(b.get("input"), Mapping)
+            ):
                 raise RequestError(f"{where}[{i}]", "a tool_use block needs id, name and input (an object)")
-            calls.append({"id": b["id"], "type": "function",
-                          "function": {"name": b["name"], "arguments": dict(b["input"])}})
+            calls.append(
+                {"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": dict(b["input"])}}
+            )
         else:
             text.append(_text(b.get("text"), f"{where}[{i}].text"))
     return {"role": "assistant", "content": "".join(text), "tool_calls": calls}
@@ -78,14 +87,28 @@ def _tools(tools: Any) -> tuple[Mapping[str, Any], ...]:
     for i, t in enumerate(tools):
         if not isinstance(t, Mapping) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
             raise RequestError(f"tools[{i}]", "expected a custom tool: name, description, input_schema")
-        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                     "parameters": t.get("input_schema", {})}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema", {}),
+                },
+            }
+        )
     return tuple(out)
 
 
 def parse_messages(body: Mapping[str, Any]) -> ChatRequest:
-    _refuse(body, {"thinking": lambda v: isinstance(v, Mapping) and v.get("type") == "disabled",
-                   "mcp_servers": lambda v: not v, "container": lambda v: False})
+    _refuse(
+        body,
+        {
+            "thinking": lambda v: isinstance(v, Mapping) and v.get("type") == "disabled",
+            "mcp_servers": lambda v: not v,
+            "container": lambda v: False,
+        },
+    )
     raw = _get(body, "messages", list)
     if not raw:
         raise RequestError("messages", "expected a non-empty list of messages")
@@ -96,27 +119,40 @@ def parse_messages(body: Mapping[str, Any]) -> ChatRequest:
         if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
             raise RequestError(f"{where}.role", "expected user or assistant")
         blocks = _blocks(m.get("content"), f"{where}.content")
-        messages += _user(blocks, f"{where}.content") if m["role"] == "user" else [_assistant(blocks, f"{where}.content")]
+        messages += (
+            _user(blocks, f"{where}.content") if m["role"] == "user" else [_assistant(blocks, f"{where}.content")]
+        )
     check_tool_results(messages, "messages")
     choice = body.get("tool_choice") or {"type": "auto"}
     if not isinstance(choice, Mapping) or choice.get("type") not in ("auto", "none"):
-        raise RequestError("tool_choice", 'expected {"type": "auto"} or {"type": "none"} ("any" and a named '
-                                          "tool cannot be enforced on what the model samples)")
+        raise RequestError(
+            "tool_choice",
+            'expected {"type": "auto"} or {"type": "none"} ("any" and a named '
+            "tool cannot be enforced on what the model samples)",
+        )
     max_tokens = _positive(body, "max_tokens")
     if max_tokens is None:
         raise RequestError("max_tokens", "required (a positive integer)")
     return ChatRequest(
-        messages=tuple(messages), tools=_tools(body.get("tools")),
-        temperature=_number(body, "temperature", 1.0, 0.0, 1.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=int(_get(body, "top_k", int, 0)), max_tokens=max_tokens, stop=_stops(body, "stop_sequences"),
-        stream=bool(_get(body, "stream", bool, False)), tool_choice=choice["type"],
-        model=str(_get(body, "model", str, "")))
+        messages=tuple(messages),
+        tools=_tools(body.get("tools")),
+        temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=int(_get(body, "top_k", int, 0)),
+        max_tokens=max_tokens,
+        stop=_stops(body, "stop_sequences"),
+        stream=bool(_get(body, "stream", bool, False)),
+        tool_choice=choice["type"],
+        model=str(_get(body, "model", str, "")),
+    )
 
 
 def _content(reply: Reply) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = [{"type": "text", "text": reply.content}] if reply.content else []
-    return blocks + [{"type": "tool_use", "id": cid, "name": c.name, "input": c.arguments}
-                     for cid, c in zip(reply.call_ids, reply.tool_calls, strict=True)]
+    return blocks + [
+        {"type": "tool_use", "id": cid, "name": c.name, "input": c.arguments}
+        for cid, c in zip(reply.call_ids, reply.tool_calls, strict=True)
+    ]
 
 
 def _stop_reason(reply: Reply) -> str:
@@ -128,18 +164,31 @@ def _stop_reason(reply: Reply) -> str:
 
 
 def message(reply: Reply, req: ChatRequest, rid: str) -> dict[str, Any]:
-    return {"id": rid, "type": "message", "role": "assistant", "model": req.model, "content": _content(reply),
-            "stop_reason": _stop_reason(reply), "stop_sequence": reply.stop_sequence,
-            "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}}
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": _content(reply),
+        "stop_reason": _stop_reason(reply),
+        "stop_sequence": reply.stop_sequence,
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens},
+    }
 
 
 def events(reply: Reply, req: ChatRequest, rid: str) -> Iterator[str]:
     """The message as Anthropic's streaming events, one content block at a time."""
+
     def event(kind: str, data: dict[str, Any]) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-    head = {**message(reply, req, rid), "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}
+    head = {
+        **message(reply, req, rid),
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0},
+    }
     yield event("message_start", {"message": head})
     for i, block in enumerate(_content(reply)):
         if block["type"] == "text":
@@ -147,9 +196,16 @@ def events(reply: Reply, req: ChatRequest, rid: str) -> Iterator[str]:
             yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": block["text"]}})
         else:
             yield event("content_block_start", {"index": i, "content_block": {**block, "input": {}}})
-            yield event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
-                                                                      "partial_json": json.dumps(block["input"])}})
+            yield event(
+                "content_block_delta",
+                {"index": i, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}},
+            )
         yield event("content_block_stop", {"index": i})
-    yield event("message_delta", {"delta": {"stop_reason": _stop_reason(reply), "stop_sequence": reply.stop_sequence},
-                                  "usage": {"output_tokens": reply.completion_tokens}})
+    yield event(
+        "message_delta",
+        {
+            "delta": {"stop_reason": _stop_reason(reply), "stop_sequence": reply.stop_sequence},
+            "usage": {"output_tokens": reply.completion_tokens},
+        },
+    )
     yield event("message_stop", {})

@@ -35,7 +35,8 @@ def _openai_error(status: int, message: str, param: str | None = None) -> JSONRe
 
 def _anthropic_error(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = {401: "authentication_error", 413: "request_too_large", 503: "overloaded_error"}.get(
-        status, "invalid_request_error")
+        status, "invalid_request_error"
+    )
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
 
 
@@ -72,10 +73,14 @@ def make_app(policy: Policy, token: str, *, max_body_bytes: int = MAX_BODY_BYTES
     sessions = Sessions(token, policy.trajectory)
     app.state.sessions = sessions
 
-    async def serve(request: Request, parse: Callable[[dict[str, Any]], ChatRequest],
-                    error: Callable[..., JSONResponse],
-                    answer: Callable[[Reply, ChatRequest, str], Any],
-                    stream: Callable[[Reply, ChatRequest, str], Iterator[str]], prefix: str) -> Response:
+    async def serve(
+        request: Request,
+        parse: Callable[[dict[str, Any]], ChatRequest],
+        error: Callable[..., JSONResponse],
+        answer: Callable[[Reply, ChatRequest, str], Any],
+        stream: Callable[[Reply, ChatRequest, str], Iterator[str]],
+        prefix: str,
+    ) -> Response:
         session = sessions.for_key(_key(request))
         if session is None:
             return error(401, "invalid API key (or its episode has ended)")
@@ -96,20 +101,23 @@ def make_app(policy: Policy, token: str, *, max_body_bytes: int = MAX_BODY_BYTES
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await serve(request, openai_api.parse_chat, _openai_error, openai_api.completion,
-                           openai_api.chunks, "chatcmpl-")
+        return await serve(
+            request, openai_api.parse_chat, _openai_error, openai_api.completion, openai_api.chunks, "chatcmpl-"
+        )
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await serve(request, anthropic_api.parse_messages, _anthropic_error, anthropic_api.message,
-                           anthropic_api.events, "msg_")
+        return await serve(
+            request, anthropic_api.parse_messages, _anthropic_error, anthropic_api.message, anthropic_api.events, "msg_"
+        )
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if sessions.for_key(_key(request)) is None:
             return _openai_error(401, "invalid API key (or its episode has ended)")
-        return JSONResponse({"object": "list", "data": [{"id": policy.name, "object": "model", "created": 0,
-                                                         "owned_by": "furlong"}]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": policy.name, "object": "model", "created": 0, "owned_by": "furlong"}]}
+        )
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -141,8 +149,7 @@ def _episode_routes(app: FastAPI, sessions: Sessions) -> None:
             return _openai_error(*body)
         wanted = body.get("episode_id")
         if wanted is not None and (not isinstance(wanted, str) or not wanted or len(wanted) > 128):
-            return _openai_error(400, "episode_id: expected a non-empty string of at most 128 characters",
-                                 "episode_id")
+            return _openai_error(400, "episode_id: expected a non-empty string of at most 128 characters", "episode_id")
         try:
             episode_id, key = sessions.mint(wanted)
         except KeyError:
@@ -156,8 +163,7 @@ def _episode_routes(app: FastAPI, sessions: Sessions) -> None:
         session = sessions.get(episode_id)
         if session is None:
             return _openai_error(404, f"no episode {episode_id!r}")
-        return JSONResponse({"episode_id": episode_id, "ended": session.ended,
-                             **session.trajectory.record_dict()})
+        return JSONResponse({"episode_id": episode_id, "ended": session.ended, **session.trajectory.record_dict()})
 
     @app.post("/v1/episodes/{episode_id}/end")
     async def end(episode_id: str, request: Request) -> Response:

@@ -19,9 +19,22 @@ def make_engine_for(model_dir: Path, engine: str, *, seed: int = 0, token: str |
     return make_engine(engine, model_dir, seed=seed)
 
 
-def make_policy(model_dir: Path, engine: Engine, *, name: str | None = None, tool_format_name: str = "auto",
-                max_context: int | None = None, default_max_tokens: int = 512) -> Policy:
+def make_policy(
+    model_dir: Path,
+    engine: Engine,
+    *,
+    name: str | None = None,
+    tool_format_name: str = "auto",
+    max_context: int | None = None,
+    default_max_tokens: int = 512,
+) -> Policy:
     tokenizer = load_tokenizer(model_dir)
     context = max_context or int(getattr(engine, "max_context", 0) or tokenizer.model_max_length)
-    return Policy(engine=engine, tokenizer=tokenizer, fmt=tool_format(tokenizer, tool_format_name),
-                  name=name or Path(model_dir).name, max_context=context, default_max_tokens=default_max_tokens)
+    return Policy(
+        engine=engine,
+        tokenizer=tokenizer,
+        fmt=tool_format(tokenizer, tool_format_name),
+        name=name or Path(model_dir).name,
+        max_context=context,
+        default_max_tokens=default_max_tokens,
+    )

@@ -50,15 +50,27 @@ def _call(c: Any, where: str) -> dict[str, Any]:
     fn = c.get("function") if isinstance(c, Mapping) else None
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
         raise RequestError(where, 'expected {"id": ..., "type": "function", "function": {"name", "arguments"}}')
-    return {"id": c["id"], "type": "function",
-            "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments", {}), f"{where}.arguments")}}
+    return {
+        "id": c["id"],
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments", {}), f"{where}.arguments")},
+    }
 
 
 def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
-    _refuse(body, {"n": lambda v: v == 1, "audio": lambda v: False, "modalities": lambda v: v == ["text"],
-                   "top_logprobs": lambda v: v == 0, "prediction": lambda v: False,
-                   "response_format": lambda v: isinstance(v, Mapping) and v.get("type") == "text",
-                   "logit_bias": lambda v: not v, "parallel_tool_calls": lambda v: True})
+    _refuse(
+        body,
+        {
+            "n": lambda v: v == 1,
+            "audio": lambda v: False,
+            "modalities": lambda v: v == ["text"],
+            "top_logprobs": lambda v: v == 0,
+            "prediction": lambda v: False,
+            "response_format": lambda v: isinstance(v, Mapping) and v.get("type") == "text",
+            "logit_bias": lambda v: not v,
+            "parallel_tool_calls": lambda v: True,
+        },
+    )
     messages = _get(body, "messages", list)
     if not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
@@ -66,22 +78,36 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
     check_tool_results(parsed, "messages")
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none"):
-        raise RequestError("tool_choice", "expected auto or none (required and a named function cannot be "
-                                          "enforced on what the model samples)")
+        raise RequestError(
+            "tool_choice",
+            "expected auto or none (required and a named function cannot be enforced on what the model samples)",
+        )
     options = _get(body, "stream_options", Mapping, {})
     return ChatRequest(
-        messages=parsed, tools=_tool_schemas(body.get("tools")),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        max_tokens=_positive(body, "max_completion_tokens", "max_tokens"), stop=_stops(body, "stop"),
-        seed=_get(body, "seed", int), logprobs=bool(_get(body, "logprobs", bool, False)),
-        stream=bool(_get(body, "stream", bool, False)), include_usage=bool(options.get("include_usage", False)),
-        tool_choice=choice, model=str(_get(body, "model", str, "")))
+        messages=parsed,
+        tools=_tool_schemas(body.get("tools")),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        max_tokens=_positive(body, "max_completion_tokens", "max_tokens"),
+        stop=_stops(body, "stop"),
+        seed=_get(body, "seed", int),
+        logprobs=bool(_get(body, "logprobs", bool, False)),
+        stream=bool(_get(body, "stream", bool, False)),
+        include_usage=bool(options.get("include_usage", False)),
+        tool_choice=choice,
+        model=str(_get(body, "model", str, "")),
+    )
 
 
 def _tool_calls(reply: Reply) -> list[dict[str, Any]]:
-    return [{"id": cid, "type": "function",
-             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-            for cid, call in zip(reply.call_ids, reply.tool_calls, strict=True)]
+    return [
+        {
+            "id": cid,
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)},
+        }
+        for cid, call in zip(reply.call_ids, reply.tool_calls, strict=True)
+    ]
 
 
 def _finish(reply: Reply) -> str:
@@ -89,23 +115,40 @@ def _finish(reply: Reply) -> str:
 
 
 def _logprobs(reply: Reply) -> dict[str, Any]:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(reply.token_texts, reply.logprobs, strict=True)]}
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(reply.token_texts, reply.logprobs, strict=True)
+        ]
+    }
 
 
 def _usage(reply: Reply) -> dict[str, int]:
-    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
-            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
 
 
 def completion(reply: Reply, req: ChatRequest, rid: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
     if reply.tool_calls:
         message["tool_calls"] = _tool_calls(reply)
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": _finish(reply),
-                              "logprobs": _logprobs(reply) if req.logprobs else None}
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
-            "choices": [choice], "usage": _usage(reply)}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "finish_reason": _finish(reply),
+        "logprobs": _logprobs(reply) if req.logprobs else None,
+    }
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": [choice],
+        "usage": _usage(reply),
+    }
 
 
 def chunks(reply: Reply, req: ChatRequest, rid: str) -> Iterator[str]:
@@ -113,8 +156,11 @@ def chunks(reply: Reply, req: ChatRequest, rid: str) -> Iterator[str]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model}
 
     def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        return "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                           **extra}]}) + "\n\n"
+        return (
+            "data: "
+            + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]})
+            + "\n\n"
+        )
 
     yield event({"role": "assistant", "content": ""})
     if reply.content:

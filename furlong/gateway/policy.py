@@ -41,8 +41,10 @@ class Policy:
         room = self.max_context - len(ids)
         if room < 1:
             traj.abandon()
-            raise RequestError("messages", f"the conversation is {len(ids)} tokens: no room left in the "
-                                           f"{self.max_context}-token context")
+            raise RequestError(
+                "messages",
+                f"the conversation is {len(ids)} tokens: no room left in the {self.max_context}-token context",
+            )
         try:
             gen = await self.engine.generate(ids, self._sampling(req, room))
         except BaseException:
@@ -53,9 +55,14 @@ class Policy:
 
     def _sampling(self, req: ChatRequest, room: int) -> SamplingParams:
         stops = tuple(end_of_turn_id(self.tokenizer, m) for m in self.fmt.stops)
-        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                              max_new_tokens=min(req.max_tokens or self.default_max_tokens, room),
-                              stop_token_ids=stops, seed=req.seed)
+        return SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_new_tokens=min(req.max_tokens or self.default_max_tokens, room),
+            stop_token_ids=stops,
+            seed=req.seed,
+        )
 
     def _cut(self, gen: Generation, stops: tuple[str, ...]) -> tuple[Generation, str | None]:
         """The generation up to the token where a stop string first completes, and that string."""
@@ -68,32 +75,48 @@ class Policy:
             if hit is not None:
                 n = k + 1
                 versions = gen.token_weight_versions[:n] if gen.token_weight_versions else ()
-                return Generation(gen.output_ids[:n], gen.logprobs[:n], "stop", gen.weight_version, versions,
-                                  gen.prompt_len), hit
+                return Generation(
+                    gen.output_ids[:n], gen.logprobs[:n], "stop", gen.weight_version, versions, gen.prompt_len
+                ), hit
         return gen, None
 
     def _decode(self, ids: Any) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
-    def _record(self, traj: Trajectory, req: ChatRequest, gen: Generation, stopped_by: str | None,
-                prompt_tokens: int) -> Reply:
+    def _record(
+        self, traj: Trajectory, req: ChatRequest, gen: Generation, stopped_by: str | None, prompt_tokens: int
+    ) -> Reply:
         text = self._decode(gen.output_ids)
         marker = next((m for m in self.fmt.stops if text.endswith(m)), None)
-        raw = text[:-len(marker)] if marker else text
+        raw = text[: -len(marker)] if marker else text
         if stopped_by is not None:
-            raw = raw[:raw.index(stopped_by)] if stopped_by in raw else raw
+            raw = raw[: raw.index(stopped_by)] if stopped_by in raw else raw
         parsed = self.fmt.parse(text, req.tools) if req.tools and req.tool_choice != "none" else []
         malformed = isinstance(parsed, ToolCallError)
         calls = () if isinstance(parsed, ToolCallError) else tuple(parsed)
         traj.malformed_calls += malformed
         content = self.fmt.answer(content_outside_calls(raw, bool(calls)))
         call_ids = tuple(f"call_{secrets.token_hex(8)}" for _ in calls)
-        message = {"role": "assistant", "content": content,
-                   "tool_calls": [{"id": i, **c.to_dict()} for i, c in zip(call_ids, calls, strict=True)]}
-        traj.record(gen, message, self._decode(gen.output_ids[:-1]) if marker else self._decode(gen.output_ids),
-                    ended=marker is not None)
-        return Reply(content=content, tool_calls=calls, call_ids=call_ids,
-                     finish_reason="length" if gen.finish_reason == "length" and not stopped_by else "stop",
-                     logprobs=gen.logprobs, token_texts=tuple(self._decode([t]) for t in gen.output_ids),
-                     prompt_tokens=prompt_tokens, completion_tokens=gen.num_tokens, malformed_call=malformed,
-                     stop_sequence=stopped_by)
+        message = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [{"id": i, **c.to_dict()} for i, c in zip(call_ids, calls, strict=True)],
+        }
+        traj.record(
+            gen,
+            message,
+            self._decode(gen.output_ids[:-1]) if marker else self._decode(gen.output_ids),
+            ended=marker is not None,
+        )
+        return Reply(
+            content=content,
+            tool_calls=calls,
+            call_ids=call_ids,
+            finish_reason="length" if gen.finish_reason == "length" and not stopped_by else "stop",
+            logprobs=gen.logprobs,
+            token_texts=tuple(self._decode([t]) for t in gen.output_ids),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=gen.num_tokens,
+            malformed_call=malformed,
+            stop_sequence=stopped_by,
+        )

@@ -126,8 +126,10 @@ def check_tool_results(messages: Sequence[Mapping[str, Any]], where: str) -> Non
         for call in m.get("tool_calls") or ():
             made.add(call["id"])
         if m["role"] == "tool" and m.get("tool_call_id") not in made:
-            raise RequestError(f"{where}[{i}].tool_call_id",
-                               f"{m.get('tool_call_id')!r} answers no tool call made earlier in the conversation")
+            raise RequestError(
+                f"{where}[{i}].tool_call_id",
+                f"{m.get('tool_call_id')!r} answers no tool call made earlier in the conversation",
+            )
 
 
 def _tool_schemas(tools: Any, key: str = "tools") -> tuple[Mapping[str, Any], ...]:
@@ -138,8 +140,12 @@ def _tool_schemas(tools: Any, key: str = "tools") -> tuple[Mapping[str, Any], ..
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(fn, Mapping) or tool.get("type", "function") != "function" \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
+        if (
+            not isinstance(fn, Mapping)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
             raise RequestError(f"{key}[{i}]", 'expected {"type": "function", "function": {"name": ..., ...}}')
         out.append({"type": "function", "function": dict(fn)})
     return tuple(out)

@@ -34,8 +34,10 @@ if TYPE_CHECKING:
 def canonical(message: Mapping[str, Any]) -> tuple[Any, ...]:
     """What must be equal for a resent message to count as the same turn: whitespace around content and the
     JSON spelling of arguments are the harness's business, not a new conversation."""
-    calls = tuple((c["function"]["name"], repr(sorted(c["function"]["arguments"].items())))
-                  for c in message.get("tool_calls") or ())
+    calls = tuple(
+        (c["function"]["name"], repr(sorted(c["function"]["arguments"].items())))
+        for c in message.get("tool_calls") or ()
+    )
     return message["role"], (message.get("content") or "").strip(), calls, message.get("tool_call_id")
 
 
@@ -84,15 +86,19 @@ class Trajectory:
             seg.append(render_prompt_ids(self.tokenizer, messages, tools or None))
             return list(seg.ids)
         self._undo = (seg, len(seg.ids), seg.open_turn, len(seg.messages))
-        seg.append(continuation_ids(self.tokenizer, new, close_turn=seg.open_turn, end_of_turn=self.fmt.turn_ends,
-                                    answered=seg.messages[-1]))
+        seg.append(
+            continuation_ids(
+                self.tokenizer, new, close_turn=seg.open_turn, end_of_turn=self.fmt.turn_ends, answered=seg.messages[-1]
+            )
+        )
         seg.messages += new
         seg.raw += new
         seg.open_turn = False
         return list(seg.ids)
 
-    def _appended(self, seg: Segment | None, messages: Sequence[Mapping[str, Any]],
-                  tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]] | None:
+    def _appended(
+        self, seg: Segment | None, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+    ) -> list[Mapping[str, Any]] | None:
         """The messages this request adds to `seg`'s conversation; None when it is not an extension."""
         if seg is None or tuple(tools) != seg.tools or not seg.turns or len(messages) <= len(seg.messages):
             return None
@@ -100,7 +106,7 @@ class Trajectory:
             return None
         if any(canonical(a) != canonical(b) for a, b in zip(seg.messages, messages, strict=False)):
             return None
-        new = list(messages[len(seg.messages):])
+        new = list(messages[len(seg.messages) :])
         return None if any(m["role"] == "assistant" for m in new) else new
 
     def abandon(self) -> None:
@@ -132,11 +138,17 @@ class Trajectory:
 
     def record_dict(self) -> dict[str, Any]:
         mismatch, drift = zip(*(self._drift(s) for s in self.segments), strict=True) if self.segments else ((), ())
-        return {"segments": [{"ids": s.ids, "mask": s.mask, "logprobs": s.logprobs, "versions": s.versions,
-                              "turns": s.turns} for s in self.segments],
-                "requests": self.requests, "gateway_history_rewrites": self.history_rewrites,
-                "malformed_calls": self.malformed_calls, "tito_mismatch_tokens": sum(mismatch),
-                "retokenize_drift_tokens": sum(drift)}
+        return {
+            "segments": [
+                {"ids": s.ids, "mask": s.mask, "logprobs": s.logprobs, "versions": s.versions, "turns": s.turns}
+                for s in self.segments
+            ],
+            "requests": self.requests,
+            "gateway_history_rewrites": self.history_rewrites,
+            "malformed_calls": self.malformed_calls,
+            "tito_mismatch_tokens": sum(mismatch),
+            "retokenize_drift_tokens": sum(drift),
+        }
 
     def _drift(self, seg: Segment) -> tuple[int, int]:
         """(tito mismatch, naive re-tokenization drift) of one segment, over its ids up to the last turn."""
@@ -148,19 +160,22 @@ class Trajectory:
         expected: list[int] = []
         pos = 0
         for start, stop in seg.turns:
-            span = str(self.tokenizer.decode(seg.ids[start:stop], skip_special_tokens=False,
-                                             clean_up_tokenization_spaces=False))
+            span = str(
+                self.tokenizer.decode(
+                    seg.ids[start:stop], skip_special_tokens=False, clean_up_tokenization_spaces=False
+                )
+            )
             at = text.find(span, pos)
             if at < 0:  # the render does not contain what was sampled: all of it differs
                 return end, _differ(stored, encode(self.tokenizer, text))
             expected += encode(self.tokenizer, text[pos:at]) + seg.ids[start:stop]
             pos = at + len(span)
-        return _differ(stored, expected), _differ(stored, encode(self.tokenizer, text)[:len(stored)])
+        return _differ(stored, expected), _differ(stored, encode(self.tokenizer, text)[: len(stored)])
 
 
 def _through_last_turn(raw: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     last = max(i for i, m in enumerate(raw) if m["role"] == "assistant")
-    return list(raw[:last + 1])
+    return list(raw[: last + 1])
 
 
 def _differ(a: Sequence[int], b: Sequence[int]) -> int:

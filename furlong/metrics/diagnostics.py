@@ -65,9 +65,13 @@ class StepWindow:
 
     def diagnostics(self, episodes: Sequence[Episode], trained_version: int, train_seconds: float) -> dict:
         wall = max(time.perf_counter() - self._t0, 1e-9)
-        out = {**sample_lag(episodes, trained_version), "group_wait_frac": group_wait(episodes),
-               "kv_held_tool_wait_frac": kv_held_tool_wait(episodes),
-               "trainer_idle_frac": _clip01(1.0 - train_seconds / wall), **family_pass_rates(episodes)}
+        out = {
+            **sample_lag(episodes, trained_version),
+            "group_wait_frac": group_wait(episodes),
+            "kv_held_tool_wait_frac": kv_held_tool_wait(episodes),
+            "trainer_idle_frac": _clip01(1.0 - train_seconds / wall),
+            **family_pass_rates(episodes),
+        }
         if self._meter is not None:
             out["engine_idle_frac"] = _clip01(1.0 - (self._meter.busy_seconds() - self._busy0) / wall)
         return out

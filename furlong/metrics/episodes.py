@@ -30,13 +30,26 @@ def episode_record(e: Episode, phase: str, step: int | None) -> dict:
     # measured from the oldest)
     last = max((v for v, m in zip(e.token_weight_versions, e.loss_mask) if m), default=None)
     return {
-        "phase": phase, "step": step, "task": e.task_id, "family": e.family, "group": e.group_id,
-        "attempt": e.attempt, "sample": e.sample_id, "status": e.status, "reward": e.reward, "turns": e.turns,
-        "version_first": e.oldest_version, "version_last": last,
-        "tokens_prompt": e.prompt_len, "tokens_response": e.response_len, "tokens_total": len(e.tokens),
+        "phase": phase,
+        "step": step,
+        "task": e.task_id,
+        "family": e.family,
+        "group": e.group_id,
+        "attempt": e.attempt,
+        "sample": e.sample_id,
+        "status": e.status,
+        "reward": e.reward,
+        "turns": e.turns,
+        "version_first": e.oldest_version,
+        "version_last": last,
+        "tokens_prompt": e.prompt_len,
+        "tokens_response": e.response_len,
+        "tokens_total": len(e.tokens),
         "response_sha": e.response_sha,
-        "time": {k: getattr(t, k) for k in COMPONENTS}, "seconds": t.total,
-        "start": t.started_at, "end": t.ended_at,
+        "time": {k: getattr(t, k) for k in COMPONENTS},
+        "seconds": t.total,
+        "start": t.started_at,
+        "end": t.ended_at,
         "error": e.error,  # what went wrong: for an infra_error (never scored) the only trace of why
         "traceback": e.traceback,  # where an exception decided the outcome: where it was raised, with its causes
         "tampered_paths": list(e.tampered_paths),  # furlong.tasks.integrity: what the agent changed that tests run
@@ -82,7 +95,9 @@ def drop_episodes_after(run_path: Path, phase: str, step: int) -> None:
     path = Path(run_path) / FILENAME
     if not path.exists():
         return
-    keep = [r for r in read_jsonl(path) if not (r.get("phase") == phase and (r.get("step") is None or r["step"] > step))]
+    keep = [
+        r for r in read_jsonl(path) if not (r.get("phase") == phase and (r.get("step") is None or r["step"] > step))
+    ]
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     os.replace(tmp, path)

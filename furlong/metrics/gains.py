@@ -16,17 +16,25 @@ from furlong.metrics.stats import bootstrap_mean, bootstrap_paired_diff
 
 def eval_passes(run_path: Path, phase: str) -> dict[str, tuple[str, bool]]:
     """task -> (family, passed) for every scored episode of an eval phase."""
-    return {r["task"]: (r.get("family") or "", passed(r["reward"]))
-            for r in read_jsonl(Path(run_path) / FILENAME) if r.get("phase") == phase and r.get("reward") is not None}
+    return {
+        r["task"]: (r.get("family") or "", passed(r["reward"]))
+        for r in read_jsonl(Path(run_path) / FILENAME)
+        if r.get("phase") == phase and r.get("reward") is not None
+    }
 
 
 def _gain(pairs: list[tuple[bool, bool]]) -> dict:
     before, after = [float(b) for b, _ in pairs], [float(a) for _, a in pairs]
     gain = bootstrap_paired_diff(after, before)
     b, a = bootstrap_mean(before), bootstrap_mean(after)
-    return {"instances": len(pairs), "before": round(b.value, 4), "after": round(a.value, 4),
-            "after_ci90": [round(a.lo, 4), round(a.hi, 4)],
-            "gain_points": round(100 * gain.value, 2), "gain_ci90": [round(100 * gain.lo, 2), round(100 * gain.hi, 2)]}
+    return {
+        "instances": len(pairs),
+        "before": round(b.value, 4),
+        "after": round(a.value, 4),
+        "after_ci90": [round(a.lo, 4), round(a.hi, 4)],
+        "gain_points": round(100 * gain.value, 2),
+        "gain_ci90": [round(100 * gain.lo, 2), round(100 * gain.hi, 2)],
+    }
 
 
 def heldout_gains(run_path: Path, groups: dict[str, tuple[str, ...]]) -> dict:

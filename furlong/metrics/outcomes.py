@@ -37,10 +37,13 @@ def status_counts(statuses: Iterable[str]) -> dict[str, int]:
 def rates(episodes: list[Scored]) -> dict:
     """pass@1 over scored episodes, with the episodes, scored and infra_error counts beside it."""
     scored = [e.reward for e in episodes if e.reward is not None]
-    return {"pass_at_1": sum(map(passed, scored)) / len(scored) if scored else 0.0,
-            "mean_reward": sum(scored) / len(scored) if scored else 0.0,
-            "episodes": len(episodes), "scored": len(scored),
-            "infra_errors": sum(e.status == "infra_error" for e in episodes)}
+    return {
+        "pass_at_1": sum(map(passed, scored)) / len(scored) if scored else 0.0,
+        "mean_reward": sum(scored) / len(scored) if scored else 0.0,
+        "episodes": len(episodes),
+        "scored": len(scored),
+        "infra_errors": sum(e.status == "infra_error" for e in episodes),
+    }
 
 
 def outcome_summary(episodes: list[Scored]) -> dict:
@@ -49,5 +52,8 @@ def outcome_summary(episodes: list[Scored]) -> dict:
     for e in episodes:
         if e.family is not None:
             families.setdefault(e.family, []).append(e)
-    return {**rates(episodes), "status": status_counts(e.status for e in episodes),
-            "per_family": {name: rates(group) for name, group in sorted(families.items())}}
+    return {
+        **rates(episodes),
+        "status": status_counts(e.status for e in episodes),
+        "per_family": {name: rates(group) for name, group in sorted(families.items())},
+    }

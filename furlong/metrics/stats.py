@@ -39,8 +39,10 @@ def point(value: float) -> Estimate:
 
 def _resampled_means(x: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
     rows = max(1, _CHUNK // max(len(x), 1))
-    parts = [x[rng.integers(0, len(x), size=(min(rows, resamples - done), len(x)))].mean(axis=1)
-             for done in range(0, resamples, rows)]
+    parts = [
+        x[rng.integers(0, len(x), size=(min(rows, resamples - done), len(x)))].mean(axis=1)
+        for done in range(0, resamples, rows)
+    ]
     return np.concatenate(parts)
 
 
@@ -49,8 +51,9 @@ def _interval(value: float, draws: np.ndarray, n: int, level: float) -> Estimate
     return Estimate(float(value), float(lo), float(hi), n)
 
 
-def bootstrap_mean(values: Sequence[float] | np.ndarray, resamples: int = RESAMPLES, level: float = LEVEL,
-                   seed: int = SEED) -> Estimate:
+def bootstrap_mean(
+    values: Sequence[float] | np.ndarray, resamples: int = RESAMPLES, level: float = LEVEL, seed: int = SEED
+) -> Estimate:
     """The mean of `values` and its percentile-bootstrap interval (NONE for no values)."""
     x = np.asarray(values, dtype=float)
     if len(x) == 0:
@@ -59,8 +62,9 @@ def bootstrap_mean(values: Sequence[float] | np.ndarray, resamples: int = RESAMP
     return _interval(x.mean(), draws, len(x), level)
 
 
-def bootstrap_ratio(a: Sequence[float], b: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL,
-                    seed: int = SEED) -> Estimate:
+def bootstrap_ratio(
+    a: Sequence[float], b: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL, seed: int = SEED
+) -> Estimate:
     """mean(a) / mean(b), the two samples resampled independently (two runs' episodes)."""
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if len(x) == 0 or len(y) == 0 or y.mean() == 0:
@@ -71,8 +75,9 @@ def bootstrap_ratio(a: Sequence[float], b: Sequence[float], resamples: int = RES
     return _interval(x.mean() / y.mean(), num[ok] / den[ok], min(len(x), len(y)), level)
 
 
-def bootstrap_diff(a: Sequence[float], b: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL,
-                   seed: int = SEED) -> Estimate:
+def bootstrap_diff(
+    a: Sequence[float], b: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL, seed: int = SEED
+) -> Estimate:
     """mean(a) - mean(b), the two samples resampled independently."""
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if len(x) == 0 or len(y) == 0:
@@ -82,8 +87,9 @@ def bootstrap_diff(a: Sequence[float], b: Sequence[float], resamples: int = RESA
     return _interval(x.mean() - y.mean(), draws, min(len(x), len(y)), level)
 
 
-def bootstrap_paired_diff(after: Sequence[float], before: Sequence[float], resamples: int = RESAMPLES,
-                          level: float = LEVEL, seed: int = SEED) -> Estimate:
+def bootstrap_paired_diff(
+    after: Sequence[float], before: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL, seed: int = SEED
+) -> Estimate:
     """mean(after - before) over matched pairs (the same held-out instances scored twice), pairs
     resampled together: much tighter than independent resampling when the two are correlated."""
     x, y = np.asarray(after, dtype=float), np.asarray(before, dtype=float)

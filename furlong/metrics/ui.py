@@ -12,8 +12,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 @contextmanager
 def progress_bar(console: Console, description: str, total: int, completed: int = 0) -> Iterator[Callable[..., None]]:
     """Yields `advance(note="")`: one unit done, with an optional note shown beside the bar."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+    )
     with Progress(*columns, console=console, transient=False) as bar:
         job = bar.add_task(description, total=total, completed=completed, note="")
 

@@ -17,8 +17,9 @@ ID_FILE = "wandb-run-id"  # in the run directory
 
 
 class WandbLog:
-    def __init__(self, run_path: Path, project: str, mode: Literal["offline", "online"], directory: Path | None,
-                 config: dict):
+    def __init__(
+        self, run_path: Path, project: str, mode: Literal["offline", "online"], directory: Path | None, config: dict
+    ):
         import wandb  # only when enabled: a run without W&B never pays its import (~2 s)
 
         id_file = Path(run_path) / ID_FILE
@@ -27,10 +28,17 @@ class WandbLog:
         root = Path(directory or run_path)
         root.mkdir(parents=True, exist_ok=True)
         # console off: wandb must not wrap stdout, whose last line is the run's summary JSON
-        settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
-                                  x_disable_stats=True)
-        self.run = wandb.init(project=project, mode=mode, dir=str(root), id=run_id, resume="allow",
-                              name=Path(run_path).name, config=config, settings=settings)
+        settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False, x_disable_stats=True)
+        self.run = wandb.init(
+            project=project,
+            mode=mode,
+            dir=str(root),
+            id=run_id,
+            resume="allow",
+            name=Path(run_path).name,
+            config=config,
+            settings=settings,
+        )
         self._phases: set[str] = set()
 
     def log(self, phase: str, step: int, metrics: dict[str, Any]) -> None:

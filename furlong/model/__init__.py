@@ -31,8 +31,13 @@ if TYPE_CHECKING:
     from furlong.model.loading import ModelLoadError, load_model, load_tokenizer
     from furlong.model.tiny import TinySpec, init_tiny
 
-_LAZY = {"ModelLoadError": "loading", "load_model": "loading", "load_tokenizer": "loading",
-         "TinySpec": "tiny", "init_tiny": "tiny"}
+_LAZY = {
+    "ModelLoadError": "loading",
+    "load_model": "loading",
+    "load_tokenizer": "loading",
+    "TinySpec": "tiny",
+    "init_tiny": "tiny",
+}
 
 __all__ = [
     "ChatTemplateError",

@@ -68,12 +68,20 @@ def _dicts(messages: Sequence[MessageLike]) -> list[dict[str, Any]]:
     return [m.to_dict() if isinstance(m, Message) else dict(m) for m in messages]
 
 
-def render_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[MessageLike],
-                tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False) -> str:
+def render_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[MessageLike],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
     if not tokenizer.chat_template:
         raise ChatTemplateError("tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(_dicts(messages), tools=[dict(t) for t in tools] if tools else None,
-                                         add_generation_prompt=add_generation_prompt, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        _dicts(messages),
+        tools=[dict(t) for t in tools] if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+    )
     assert isinstance(text, str)
     return text
 
@@ -83,8 +91,11 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[MessageLike],
-                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+def render_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[MessageLike],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
     """The episode's first ids: system (+ tool schemas) and user messages, ending in the generation prompt."""
     return encode(tokenizer, render_text(tokenizer, messages, tools, add_generation_prompt=True))
 
@@ -108,8 +119,12 @@ def _turn_end(text: str, end_of_turn: EndOfTurn) -> int:
     return at + len(marker)
 
 
-def continuation_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[MessageLike],
-                      end_of_turn: EndOfTurn = END_OF_TURN, answered: MessageLike = _STUB[2]) -> str:
+def continuation_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[MessageLike],
+    end_of_turn: EndOfTurn = END_OF_TURN,
+    answered: MessageLike = _STUB[2],
+) -> str:
     """What the template writes after an assistant turn's end marker, for `messages` (tool results or user
     turns) followed by the next generation prompt. `answered` stands for the turn they answer: a template
     may read it (harmony names a tool result after the call it answers).
@@ -124,19 +139,25 @@ def continuation_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mes
         raise ValueError("assistant turns are sampled, not rendered: pass only tool / user messages")
     stub = [*_STUB[:2], answered]
     head = render_text(tokenizer, stub)
-    body = head[:_last_marker(head, end_of_turn)[0]]  # the answered turn, up to its end marker
+    body = head[: _last_marker(head, end_of_turn)[0]]  # the answered turn, up to its end marker
     full = render_text(tokenizer, [*stub, *messages], add_generation_prompt=True)
-    rest = full[len(body):] if full.startswith(body) else ""
+    rest = full[len(body) :] if full.startswith(body) else ""
     marker = next((m for m in _markers(end_of_turn) if rest.startswith(m)), None)
     if marker is None:
-        raise ChatTemplateError("chat template rewrites earlier turns when later ones are added; "
-                                "incremental (TITO) rendering would disagree with a full render")
-    return rest[len(marker):]
+        raise ChatTemplateError(
+            "chat template rewrites earlier turns when later ones are added; "
+            "incremental (TITO) rendering would disagree with a full render"
+        )
+    return rest[len(marker) :]
 
 
-def continuation_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[MessageLike],
-                     close_turn: bool = False, end_of_turn: EndOfTurn = END_OF_TURN,
-                     answered: MessageLike = _STUB[2]) -> list[int]:
+def continuation_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[MessageLike],
+    close_turn: bool = False,
+    end_of_turn: EndOfTurn = END_OF_TURN,
+    answered: MessageLike = _STUB[2],
+) -> list[int]:
     """Ids to append after the sampled ids of an assistant turn: the answering messages (usually role "tool")
     and the next generation prompt. `close_turn=True` first appends the end-of-turn id, for a turn that was
     cut off (finish_reason "length") before the model wrote it."""
@@ -144,15 +165,16 @@ def continuation_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mess
     return [end_of_turn_id(tokenizer, end_of_turn), *ids] if close_turn else ids
 
 
-def assistant_ids(tokenizer: PreTrainedTokenizerBase, message: MessageLike,
-                  end_of_turn: EndOfTurn = END_OF_TURN) -> list[int]:
+def assistant_ids(
+    tokenizer: PreTrainedTokenizerBase, message: MessageLike, end_of_turn: EndOfTurn = END_OF_TURN
+) -> list[int]:
     """The ids a model would emit for `message` after the generation prompt, end-of-turn included. For SFT
     data and tests; in RL the sampled ids are used as they are."""
     prompt = render_text(tokenizer, _STUB[:2], add_generation_prompt=True)
     full = render_text(tokenizer, [*_STUB[:2], message])
     if not full.startswith(prompt):
         raise ChatTemplateError("generation prompt is not a prefix of the rendered assistant turn")
-    return encode(tokenizer, full[len(prompt):_turn_end(full, end_of_turn)])
+    return encode(tokenizer, full[len(prompt) : _turn_end(full, end_of_turn)])
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, end_of_turn: EndOfTurn = END_OF_TURN) -> int:

@@ -35,17 +35,56 @@ TASK_NOUNS = (
     "spoon squirrel stable summer sunset thunder ticket tiger timber tomato tunnel turtle velvet violet walnut "
     "whistle willow window winter wizard yellow zebra"
 ).split()
-FILES = ("data.txt", "notes.md", "input.csv", "main.py", "main.c", "config.json", "app.log", "README.md",
-         "out.txt", "numbers.txt", "words.txt", "report.json", "setup.sh", "Makefile", "server.log")
+FILES = (
+    "data.txt",
+    "notes.md",
+    "input.csv",
+    "main.py",
+    "main.c",
+    "config.json",
+    "app.log",
+    "README.md",
+    "out.txt",
+    "numbers.txt",
+    "words.txt",
+    "report.json",
+    "setup.sh",
+    "Makefile",
+    "server.log",
+)
 DIRS = ("/app", "/tmp", "/home/user", "/var/log", "/etc", "src", "build", "data", "tests", "/app/output")
 SHELL = (
-    "ls -la {d}", "cat {f}", "head -n {n} {f}", "tail -n {n} {f}", "wc -l {f}", "grep -n '{w}' {f}",
-    "grep -rn '{w}' {d}", "sort {f} | uniq -c | sort -rn | head -n {n}", "find {d} -name '*.py' -type f",
-    "sed -i 's/{w}/{w2}/g' {f}", "awk '{{print $1}}' {f} | sort -n", "mkdir -p {d}/{w}", "cp {f} {d}/",
-    "mv {f} {d}/{f}.bak", "rm -f {f}", "echo '{w} {n}' > {f}", "echo \"{w}\" >> {f}", "python3 {f}",
-    "python3 -c 'print(sum(range({n})))'", "gcc -O2 -o main main.c && ./main", "chmod +x setup.sh",
-    "cd {d} && ls", "du -sh {d}", "tr 'a-z' 'A-Z' < {f}", "cut -d, -f{n} {f}", "diff {f} out.txt",
-    "tar -czf backup.tar.gz {d}", "cat {f} | jq '.{w}'", "pwd", "whoami", "export PATH=$PATH:{d}",
+    "ls -la {d}",
+    "cat {f}",
+    "head -n {n} {f}",
+    "tail -n {n} {f}",
+    "wc -l {f}",
+    "grep -n '{w}' {f}",
+    "grep -rn '{w}' {d}",
+    "sort {f} | uniq -c | sort -rn | head -n {n}",
+    "find {d} -name '*.py' -type f",
+    "sed -i 's/{w}/{w2}/g' {f}",
+    "awk '{{print $1}}' {f} | sort -n",
+    "mkdir -p {d}/{w}",
+    "cp {f} {d}/",
+    "mv {f} {d}/{f}.bak",
+    "rm -f {f}",
+    "echo '{w} {n}' > {f}",
+    'echo "{w}" >> {f}',
+    "python3 {f}",
+    "python3 -c 'print(sum(range({n})))'",
+    "gcc -O2 -o main main.c && ./main",
+    "chmod +x setup.sh",
+    "cd {d} && ls",
+    "du -sh {d}",
+    "tr 'a-z' 'A-Z' < {f}",
+    "cut -d, -f{n} {f}",
+    "diff {f} out.txt",
+    "tar -czf backup.tar.gz {d}",
+    "cat {f} | jq '.{w}'",
+    "pwd",
+    "whoami",
+    "export PATH=$PATH:{d}",
 )
 INSTRUCTIONS = (
     "Create a file named {f} in {d} that contains the {w} of every line.",
@@ -62,18 +101,19 @@ INSTRUCTIONS = (
 
 
 def _fill(template: str, rng: random.Random) -> str:
-    return template.format(f=rng.choice(FILES), d=rng.choice(DIRS), w=rng.choice(WORDS),
-                           w2=rng.choice(WORDS), n=rng.randint(1, 1000))
+    return template.format(
+        f=rng.choice(FILES), d=rng.choice(DIRS), w=rng.choice(WORDS), w2=rng.choice(WORDS), n=rng.randint(1, 1000)
+    )
 
 
 def _python_snippet(rng: random.Random) -> str:
     name, arg, w = rng.choice(WORDS), rng.choice(WORDS), rng.choice(WORDS)
     return (
         f"def {name}_{w}({arg}: list[int]) -> int:\n"
-        f"    \"\"\"Return the {w} of {arg}.\"\"\"\n"
+        f'    """Return the {w} of {arg}."""\n'
         f"    total = 0\n    for x in {arg}:\n        if x % {rng.randint(2, 9)} == 0:\n"
         f"            total += x\n    return total\n\n\n"
-        f"if __name__ == \"__main__\":\n    print({name}_{w}([{', '.join(str(rng.randint(0, 99)) for _ in range(5))}]))"
+        f'if __name__ == "__main__":\n    print({name}_{w}([{", ".join(str(rng.randint(0, 99)) for _ in range(5))}]))'
         "\n"
     )
 
@@ -83,7 +123,7 @@ def _c_snippet(rng: random.Random) -> str:
     return (
         "#include <stdio.h>\n#include <stdlib.h>\n\n"
         f"int {w}(int n) {{\n    int s = 0;\n    for (int i = 0; i < n; i++) {{\n        s += i * {n};\n    }}\n"
-        f"    return s;\n}}\n\nint main(void) {{\n    printf(\"%d\\n\", {w}({n}));\n    return 0;\n}}\n"
+        f'    return s;\n}}\n\nint main(void) {{\n    printf("%d\\n", {w}({n}));\n    return 0;\n}}\n'
     )
 
 
@@ -103,7 +143,12 @@ def _chat_episode(rng: random.Random) -> str:
 
 def _noun_lines(rng: random.Random) -> str:
     nouns = rng.sample(TASK_NOUNS, 6)
-    return "\n".join(f"echo {a} > /app/{b}{rng.randint(1, 99)}.txt; mkdir -p /app/{a}/{b}" for a, b in itertools.pairwise(nouns)) + "\n"
+    return (
+        "\n".join(
+            f"echo {a} > /app/{b}{rng.randint(1, 99)}.txt; mkdir -p /app/{a}/{b}" for a, b in itertools.pairwise(nouns)
+        )
+        + "\n"
+    )
 
 
 GENERATORS = (

@@ -23,8 +23,12 @@ def _local_dir(path: Path | str, needs: tuple[str, ...]) -> Path:
     return p
 
 
-def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               attn_implementation: str | None = "sdpa") -> PreTrainedModel:
+def load_model(
+    path: Path | str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = "sdpa",
+) -> PreTrainedModel:
     """A causal LM in eval mode. fp32 by default: the engine's logprobs must match the trainer's exactly."""
     p = _local_dir(path, ("config.json",))
     model = AutoModelForCausalLM.from_pretrained(
@@ -38,6 +42,5 @@ def load_tokenizer(path: Path | str, require_chat_template: bool = True) -> PreT
     p = _local_dir(path, ())
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     if require_chat_template and not tokenizer.chat_template:
-        raise ModelLoadError(f"{p}: tokenizer has no chat template (pass require_chat_template=False for a "
-                             "base model)")
+        raise ModelLoadError(f"{p}: tokenizer has no chat template (pass require_chat_template=False for a base model)")
     return tokenizer

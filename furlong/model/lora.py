@@ -36,8 +36,14 @@ class LoraSpec:
     dropout: float = 0.0
 
     def peft_config(self) -> LoraConfig:
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(self.targets),
-                          lora_dropout=self.dropout, bias="none", task_type=TaskType.CAUSAL_LM)
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=list(self.targets),
+            lora_dropout=self.dropout,
+            bias="none",
+            task_type=TaskType.CAUSAL_LM,
+        )
 
 
 def wrap_lora(model: PreTrainedModel, spec: LoraSpec = LoraSpec(), *, seed: int | None = 0) -> PeftModel:

@@ -47,8 +47,12 @@ def cache_root() -> Path:
 
 def spec_fingerprint(spec: TinySpec, seed: int) -> dict:
     # The stdlib corpus depends on the interpreter version, so it is part of the identity.
-    return {"format": FORMAT_VERSION, "seed": seed, "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
-            **asdict(spec)}
+    return {
+        "format": FORMAT_VERSION,
+        "seed": seed,
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        **asdict(spec),
+    }
 
 
 def spec_hash(spec: TinySpec, seed: int) -> str:
@@ -56,8 +60,7 @@ def spec_hash(spec: TinySpec, seed: int) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def init_tiny(out_dir: Path | str | None = None, seed: int = 0, spec: TinySpec | None = None,
-              **overrides: int) -> Path:
+def init_tiny(out_dir: Path | str | None = None, seed: int = 0, spec: TinySpec | None = None, **overrides: int) -> Path:
     """Build (or reuse) the tiny checkpoint and return its directory.
 
     `overrides` replace TinySpec fields (e.g. `num_layers=2`). The default directory is
@@ -89,8 +92,9 @@ def init_tiny(out_dir: Path | str | None = None, seed: int = 0, spec: TinySpec |
 def _check_existing(out: Path, fingerprint: dict) -> Path:
     marker = out / MARKER
     if not marker.is_file():
-        raise FileExistsError(f"{out} exists but is not a furlong tiny model (no {MARKER}); remove it or pick "
-                              "another directory")
+        raise FileExistsError(
+            f"{out} exists but is not a furlong tiny model (no {MARKER}); remove it or pick another directory"
+        )
     found = json.loads(marker.read_text())
     if found != fingerprint:
         raise FileExistsError(f"{out} holds a tiny model built from a different spec: {found} != {fingerprint}")
@@ -133,6 +137,5 @@ def build_model(spec: TinySpec, seed: int, vocab_size: int, eos_id: int, pad_id:
     )
     torch.manual_seed(seed)  # initialisation is the only randomness
     model = Qwen3ForCausalLM(config).float().eval()
-    model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id,
-                                               bos_token_id=None)
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, bos_token_id=None)
     return model

@@ -21,8 +21,14 @@ class Written:
 
 
 def run_sections(run: RunData, speedups: list[float]) -> list[Section]:
-    sections = [overview(run), reward_per_step(run), family_halves(run), time_breakdown(run), sample_lag(run),
-                fractions(run)]
+    sections = [
+        overview(run),
+        reward_per_step(run),
+        family_halves(run),
+        time_breakdown(run),
+        sample_lag(run),
+        fractions(run),
+    ]
     if speedups:
         sections.append(projection(run, speedups))
     return sections
@@ -48,8 +54,9 @@ def write_report(out: Path, title: str, sections: list[Section]) -> Written:
     return Written(out, tuple(i.name for i in images), tuple(m for s in sections for m in s.missing))
 
 
-def report(run_dir: Path | None, out: Path | None, compare_runs: tuple[Path, Path] | None,
-           speedups: list[float]) -> Written:
+def report(
+    run_dir: Path | None, out: Path | None, compare_runs: tuple[Path, Path] | None, speedups: list[float]
+) -> Written:
     """The report of `run_dir` (with a comparison section if `compare_runs`), or a comparison alone."""
     sections: list[Section] = []
     if run_dir is not None:

@@ -58,5 +58,11 @@ def load_run(path: Path) -> RunData:
     for row in read_jsonl(path / "metrics.jsonl"):
         if row.get("phase") == "rl" and isinstance(row.get("step"), int):
             rows[row["step"]] = row  # a step logged twice (an older resume) counts once, the last time
-    return RunData(path=path, config=config or {}, state=state, summary=summary,
-                   rl_rows=[rows[s] for s in sorted(rows)], episodes=read_jsonl(path / FILENAME))
+    return RunData(
+        path=path,
+        config=config or {},
+        state=state,
+        summary=summary,
+        rl_rows=[rows[s] for s in sorted(rows)],
+        episodes=read_jsonl(path / FILENAME),
+    )

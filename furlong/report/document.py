@@ -56,13 +56,17 @@ def _html(block: Block) -> str:
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in block.rows)
         return f"<table><tr>{head}</tr>{body}</table>"
     data = base64.b64encode(block.png).decode()
-    return (f'<figure><img alt="{html.escape(block.caption)}" src="data:image/png;base64,{data}">'
-            f"<figcaption>{html.escape(block.caption)}</figcaption></figure>")
+    return (
+        f'<figure><img alt="{html.escape(block.caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{html.escape(block.caption)}</figcaption></figure>"
+    )
 
 
-STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto;padding:0 1em}"
-         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-         "img{max-width:100%}figcaption{font-style:italic;color:#555}")
+STYLE = (
+    "body{font-family:sans-serif;max-width:1000px;margin:2em auto;padding:0 1em}"
+    "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+    "img{max-width:100%}figcaption{font-style:italic;color:#555}"
+)
 
 
 def markdown(blocks: list[Block]) -> str:
@@ -71,5 +75,7 @@ def markdown(blocks: list[Block]) -> str:
 
 def html_page(title: str, blocks: list[Block]) -> str:
     body = "\n".join(_html(b) for b in blocks)
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n"
+    )

@@ -42,19 +42,32 @@ def overview(run: RunData) -> Section:
     s = Section([Heading(f"furlong report: {run.name}", 1)])
     steps = run.config.get("train", {}).get("rl", {}).get("steps", "?")
     state = "finished" if run.summary else "in progress, or stopped before it finished (no summary.json)"
-    s.blocks.append(Para(f"Run {run.path}: {state}. RL steps logged: {len(run.rl_rows)} of {steps}. "
-                         f"Phases done: {', '.join(run.state.get('phases', {})) or 'none'}. "
-                         "Every interval is a 90% percentile bootstrap (2000 resamples, seed 0)."))
+    s.blocks.append(
+        Para(
+            f"Run {run.path}: {state}. RL steps logged: {len(run.rl_rows)} of {steps}. "
+            f"Phases done: {', '.join(run.state.get('phases', {})) or 'none'}. "
+            "Every interval is a 90% percentile bootstrap (2000 resamples, seed 0)."
+        )
+    )
     order = ("eval_before", "rl", "eval_after")
-    phases = sorted({e.get("phase", "?") for e in run.episodes}, key=lambda p: (p not in order, order.index(p) if p in order else 0, p))
+    phases = sorted(
+        {e.get("phase", "?") for e in run.episodes},
+        key=lambda p: (p not in order, order.index(p) if p in order else 0, p),
+    )
     rows = []
     for phase in phases:
         eps = run.phase_episodes(phase)
         statuses: dict[str, int] = {}
         for e in eps:
             statuses[e.get("status", "?")] = statuses.get(e.get("status", "?"), 0) + 1
-        rows.append((phase, str(len(eps)), ", ".join(f"{k} {v}" for k, v in sorted(statuses.items())),
-                     bootstrap_mean([passed(e) for e in scored(eps)]).text()))
+        rows.append(
+            (
+                phase,
+                str(len(eps)),
+                ", ".join(f"{k} {v}" for k, v in sorted(statuses.items())),
+                bootstrap_mean([passed(e) for e in scored(eps)]).text(),
+            )
+        )
     if rows:
         s.blocks.append(Table(("phase", "episodes", "statuses", "pass@1 [90% CI]"), tuple(rows)))
     else:
@@ -82,12 +95,24 @@ def reward_per_step(run: RunData) -> Section:
         s.missing.append("reward and pass rate per step: no RL step logged yet")
         return s
     x = list(reward)
-    s.blocks.append(Image("reward_per_step.png", plots.lines(x, {"mean reward": list(reward.values()),
-                                                                  "pass rate": list(rate.values())},
-                                                              "RL reward and pass rate", "per episode"),
-                          "Mean reward and pass rate per RL step (scored episodes), 90% bootstrap band"))
-    s.blocks.append(Table(("step", "episodes", "mean reward [90% CI]", "pass rate [90% CI]"),
-                          tuple((str(k), str(n[k]), reward[k].text(), rate[k].text()) for k in x)))
+    s.blocks.append(
+        Image(
+            "reward_per_step.png",
+            plots.lines(
+                x,
+                {"mean reward": list(reward.values()), "pass rate": list(rate.values())},
+                "RL reward and pass rate",
+                "per episode",
+            ),
+            "Mean reward and pass rate per RL step (scored episodes), 90% bootstrap band",
+        )
+    )
+    s.blocks.append(
+        Table(
+            ("step", "episodes", "mean reward [90% CI]", "pass rate [90% CI]"),
+            tuple((str(k), str(n[k]), reward[k].text(), rate[k].text()) for k in x),
+        )
+    )
     return s
 
 
@@ -112,22 +137,31 @@ def family_halves(run: RunData) -> Section:
         for label, keep in (("RL first half (step means)", first), ("RL second half (step means)", second)):
             rows = [r for r in run.rl_rows if r["step"] in keep]
             fams = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("pass_rate/")})
-            series[label] = {f: bootstrap_mean([r[f"pass_rate/{f}"] for r in rows if f"pass_rate/{f}" in r])
-                             for f in fams}
+            series[label] = {
+                f: bootstrap_mean([r[f"pass_rate/{f}"] for r in rows if f"pass_rate/{f}" in r]) for f in fams
+            }
     elif run.summary:
         for key, label in (("per_family_before", "held-out before RL"), ("per_family_after", "held-out after RL")):
             series[label] = {f: point(v["pass_at_1"]) for f, v in run.summary.get(key, {}).items()}
-        s.missing.append(f"per-family pass rate during RL: {NO_RECORDS}, no per-family step metrics; "
-                         "held-out rates from summary.json shown")
+        s.missing.append(
+            f"per-family pass rate during RL: {NO_RECORDS}, no per-family step metrics; "
+            "held-out rates from summary.json shown"
+        )
     if not any(series.values()):
         s.missing.append("per-family pass rates: no episodes recorded yet")
         return s
     fams = sorted({f for v in series.values() for f in v})
     filled = {k: [v.get(f, Estimate(np.nan, np.nan, np.nan, 0)) for f in fams] for k, v in series.items()}
-    s.blocks.append(Image("family_pass_rate.png", plots.grouped_bars(fams, filled, "Pass rate per family", "pass rate"),
-                          "Pass rate per family: RL steps split in halves, and held-out evals; 90% bootstrap whiskers"))
-    s.blocks.append(Table(("family", *series), tuple((f, *(v[i].text() for v in filled.values()))
-                                                    for i, f in enumerate(fams))))
+    s.blocks.append(
+        Image(
+            "family_pass_rate.png",
+            plots.grouped_bars(fams, filled, "Pass rate per family", "pass rate"),
+            "Pass rate per family: RL steps split in halves, and held-out evals; 90% bootstrap whiskers",
+        )
+    )
+    s.blocks.append(
+        Table(("family", *series), tuple((f, *(v[i].text() for v in filled.values())) for i, f in enumerate(fams)))
+    )
     return s
 
 

@@ -53,8 +53,9 @@ def grouped_bars(labels: Sequence[str], series: Mapping[str, Sequence[Estimate]]
     return _png(fig)
 
 
-def stacked_bars(labels: Sequence[str], parts: dict[str, Sequence[float]], totals: Sequence[Estimate],
-                 title: str) -> bytes:
+def stacked_bars(
+    labels: Sequence[str], parts: dict[str, Sequence[float]], totals: Sequence[Estimate], title: str
+) -> bytes:
     """Mean seconds per component stacked per label, the total's interval as a whisker on top."""
     fig, ax = plt.subplots(figsize=SIZE)
     bottom = np.zeros(len(labels))

@@ -41,13 +41,24 @@ def time_breakdown(run: RunData) -> Section:
         s.missing.append(f"per-episode timing and the breakdown by phase: {NO_RECORDS}; RL per-step means shown")
     est = {g: {k: bootstrap_mean(v) for k, v in samples.items()} for g, samples in groups.items()}
     labels = list(est)
-    s.blocks.append(Image("time_breakdown.png", plots.stacked_bars(
-        labels, {k: [est[g][k].value for g in labels] for k in COMPONENTS}, [est[g]["total"] for g in labels],
-        "Where an episode's time goes"), "Mean seconds per episode by component, overall and by phase; "
-                                         "whisker: 90% bootstrap interval of the total"))
-    s.blocks.append(Table(("phase", "n", *COMPONENTS, "total"),
-                          tuple((g, str(est[g]["total"].n), *(est[g][k].text() for k in (*COMPONENTS, "total")))
-                                for g in labels)))
+    s.blocks.append(
+        Image(
+            "time_breakdown.png",
+            plots.stacked_bars(
+                labels,
+                {k: [est[g][k].value for g in labels] for k in COMPONENTS},
+                [est[g]["total"] for g in labels],
+                "Where an episode's time goes",
+            ),
+            "Mean seconds per episode by component, overall and by phase; whisker: 90% bootstrap interval of the total",
+        )
+    )
+    s.blocks.append(
+        Table(
+            ("phase", "n", *COMPONENTS, "total"),
+            tuple((g, str(est[g]["total"].n), *(est[g][k].text() for k in (*COMPONENTS, "total"))) for g in labels),
+        )
+    )
     return s
 
 
@@ -73,18 +84,36 @@ def sample_lag(run: RunData) -> Section:
         why = NO_RECORDS if not run.episodes else "no RL episode recorded with its step's metrics yet"
         s.missing.append(f"sample-lag histogram and lag by episode length: {why}")
         return s
-    s.blocks.append(Image("sample_lag_hist.png", plots.histogram(lags, "Sample lag", "trained version - oldest token version"),
-                          "Sample lag of RL episodes (weight versions between sampling and training)"))
+    s.blocks.append(
+        Image(
+            "sample_lag_hist.png",
+            plots.histogram(lags, "Sample lag", "trained version - oldest token version"),
+            "Sample lag of RL episodes (weight versions between sampling and training)",
+        )
+    )
     order = np.argsort(seconds, kind="stable")
-    buckets = [(f"q{i}", [lags[j] for j in idx], [seconds[j] for j in idx])
-               for i, idx in enumerate(np.array_split(order, 4), start=1) if len(idx)]
+    buckets = [
+        (f"q{i}", [lags[j] for j in idx], [seconds[j] for j in idx])
+        for i, idx in enumerate(np.array_split(order, 4), start=1)
+        if len(idx)
+    ]
     est = [bootstrap_mean(b[1]) for b in buckets]
-    s.blocks.append(Image("lag_by_length.png", plots.grouped_bars([b[0] for b in buckets], {"sample lag": est},
-                                                                    "Sample lag by episode duration quartile", "lag"),
-                          "Mean sample lag per quartile of episode duration (q1 shortest), 90% bootstrap whiskers"))
-    rows = [("all", f"{min(seconds):.2f}-{max(seconds):.2f}", str(len(lags)), bootstrap_mean(lags).text(), f"{max(lags):g}")]
-    rows += [(name, f"{min(sec):.2f}-{max(sec):.2f}", str(len(lag)), e.text(), f"{max(lag):g}")
-             for (name, lag, sec), e in zip(buckets, est)]
+    s.blocks.append(
+        Image(
+            "lag_by_length.png",
+            plots.grouped_bars(
+                [b[0] for b in buckets], {"sample lag": est}, "Sample lag by episode duration quartile", "lag"
+            ),
+            "Mean sample lag per quartile of episode duration (q1 shortest), 90% bootstrap whiskers",
+        )
+    )
+    rows = [
+        ("all", f"{min(seconds):.2f}-{max(seconds):.2f}", str(len(lags)), bootstrap_mean(lags).text(), f"{max(lags):g}")
+    ]
+    rows += [
+        (name, f"{min(sec):.2f}-{max(sec):.2f}", str(len(lag)), e.text(), f"{max(lag):g}")
+        for (name, lag, sec), e in zip(buckets, est)
+    ]
     s.blocks.append(Table(("episodes", "duration s", "n", "mean lag [90% CI]", "max lag"), tuple(rows)))
     return s
 
@@ -93,8 +122,11 @@ def fractions(run: RunData) -> Section:
     s = Section([Heading("Group wait, KV held during tool waits, idle fractions")])
     series = {k: [(int(r["step"]), float(r[k])) for r in run.rl_rows if k in r] for k in FRACTIONS}
     if not series["trainer_idle_frac"]:  # older runs: the trainer's share follows from the logged seconds
-        series["trainer_idle_frac"] = [(int(r["step"]), 1.0 - r["seconds"] / r["step_seconds"])
-                                       for r in run.rl_rows if r.get("step_seconds") and "seconds" in r]
+        series["trainer_idle_frac"] = [
+            (int(r["step"]), 1.0 - r["seconds"] / r["step_seconds"])
+            for r in run.rl_rows
+            if r.get("step_seconds") and "seconds" in r
+        ]
     absent = [k for k, v in series.items() if not v]
     if absent:
         s.missing.append(f"per-step {', '.join(absent)}: not in metrics.jsonl (a run from before these diagnostics)")
@@ -103,9 +135,25 @@ def fractions(run: RunData) -> Section:
         return s
     steps = sorted({st for v in series.values() for st, _ in v})
     lines = {k: [Estimate(dict(v).get(st, np.nan), np.nan, np.nan, 1) for st in steps] for k, v in series.items()}
-    s.blocks.append(Image("fractions.png", plots.lines(steps, lines, "Fractions per RL step", "fraction"),
-                          "Group wait, KV held during tool waits, engine and trainer idle, per RL step"))
-    s.blocks.append(Table(("fraction", "mean over steps [90% CI]", "min", "max"),
-                          tuple((k, bootstrap_mean([x for _, x in v]).text(), f"{min(x for _, x in v):.3g}",
-                                 f"{max(x for _, x in v):.3g}") for k, v in series.items())))
+    s.blocks.append(
+        Image(
+            "fractions.png",
+            plots.lines(steps, lines, "Fractions per RL step", "fraction"),
+            "Group wait, KV held during tool waits, engine and trainer idle, per RL step",
+        )
+    )
+    s.blocks.append(
+        Table(
+            ("fraction", "mean over steps [90% CI]", "min", "max"),
+            tuple(
+                (
+                    k,
+                    bootstrap_mean([x for _, x in v]).text(),
+                    f"{min(x for _, x in v):.3g}",
+                    f"{max(x for _, x in v):.3g}",
+                )
+                for k, v in series.items()
+            ),
+        )
+    )
     return s

@@ -11,11 +11,13 @@ from furlong.report.document import Heading, Para, Table
 from furlong.report.parts import Section, by_step
 from furlong.report.timing import component_samples
 
-ASSUMPTION = ("Assumption: only model_wait (time an episode waits on generation) shrinks, by k; sandbox start, "
-              "agent commands, verifier and other time per episode stay as measured, and so do each step's "
-              "training and weight-sync seconds. A step's rollout wall time (step seconds - train - sync) is "
-              "scaled by the step's projected/measured mean episode time. Queueing effects (e.g. more "
-              "episodes in flight at once) are not modelled.")
+ASSUMPTION = (
+    "Assumption: only model_wait (time an episode waits on generation) shrinks, by k; sandbox start, "
+    "agent commands, verifier and other time per episode stay as measured, and so do each step's "
+    "training and weight-sync seconds. A step's rollout wall time (step seconds - train - sync) is "
+    "scaled by the step's projected/measured mean episode time. Queueing effects (e.g. more "
+    "episodes in flight at once) are not modelled."
+)
 
 
 def _episode_samples(run: RunData) -> dict[str, list[float]]:
@@ -31,10 +33,16 @@ def compare(a: RunData, b: RunData) -> Section:
         return s
     ratio = bootstrap_ratio(sa["total"], sb["total"])
     unit = lambda r: "episodes" if r.episodes else "per-step means (no episodes.jsonl)"  # noqa: E731
-    s.blocks.append(Para(f"Mean episode time A / B: {ratio.text()} (90% bootstrap interval, each run resampled "
-                         f"independently; A: {len(sa['total'])} {unit(a)}, B: {len(sb['total'])} {unit(b)})."))
-    rows = tuple((k, bootstrap_mean(sa[k]).text(), bootstrap_mean(sb[k]).text(), bootstrap_diff(sa[k], sb[k]).text())
-                 for k in (*COMPONENTS, "total"))
+    s.blocks.append(
+        Para(
+            f"Mean episode time A / B: {ratio.text()} (90% bootstrap interval, each run resampled "
+            f"independently; A: {len(sa['total'])} {unit(a)}, B: {len(sb['total'])} {unit(b)})."
+        )
+    )
+    rows = tuple(
+        (k, bootstrap_mean(sa[k]).text(), bootstrap_mean(sb[k]).text(), bootstrap_diff(sa[k], sb[k]).text())
+        for k in (*COMPONENTS, "total")
+    )
     s.blocks.append(Table(("component (s)", "A mean [90% CI]", "B mean [90% CI]", "A - B [90% CI]"), rows))
     return s
 
@@ -74,9 +82,20 @@ def projection(run: RunData, speedups: list[float]) -> Section:
     rows = [("1 (measured)", base_ep.text(), "1", base_step.text(), "1")]
     for k in speedups:
         ep, step = bootstrap_mean(_projected(total, mw, k)), bootstrap_mean(_step_projection(run, k))
-        rows.append((f"{k:g}", ep.text(), f"{base_ep.value / ep.value:.2f}x",
-                     step.text(), f"{base_step.value / step.value:.2f}x" if step.n else "n/a"))
+        rows.append(
+            (
+                f"{k:g}",
+                ep.text(),
+                f"{base_ep.value / ep.value:.2f}x",
+                step.text(),
+                f"{base_step.value / step.value:.2f}x" if step.n else "n/a",
+            )
+        )
     s.blocks.append(Para(ASSUMPTION))
-    s.blocks.append(Table(("inference k x faster", "episode s [90% CI]", "episode speedup", "step s [90% CI]",
-                           "step speedup"), tuple(rows)))
+    s.blocks.append(
+        Table(
+            ("inference k x faster", "episode s [90% CI]", "episode speedup", "step s [90% CI]", "step speedup"),
+            tuple(rows),
+        )
+    )
     return s

@@ -26,9 +26,14 @@ def filter_zero_variance_groups(episodes: Sequence[Episode]) -> GroupFilter:
     rewards: dict[tuple, list[float]] = {}
     for e in episodes:
         if e.reward is None:
-            raise ValueError(f"episode {e.task_id}/{e.group_id}/{e.sample_id} has no reward (infra error); "
-                             "drop those before filtering")
+            raise ValueError(
+                f"episode {e.task_id}/{e.group_id}/{e.sample_id} has no reward (infra error); "
+                "drop those before filtering"
+            )
         rewards.setdefault(group_key(e), []).append(e.reward)
     varied = {key for key, rs in rewards.items() if max(rs) > min(rs)}
-    return GroupFilter(episodes=tuple(e for e in episodes if group_key(e) in varied),
-                       groups_kept=len(varied), groups_dropped=len(rewards) - len(varied))
+    return GroupFilter(
+        episodes=tuple(e for e in episodes if group_key(e) in varied),
+        groups_kept=len(varied),
+        groups_dropped=len(rewards) - len(varied),
+    )

@@ -47,8 +47,11 @@ class RolloutPlan:
     def episodes(self) -> list[PlannedEpisode]:
         """Group g of the step is group step * len(tasks) + g of the stream (GroupStream's numbering)."""
         first = self.step * len(self.tasks)
-        return [PlannedEpisode(task, self.episode_seed(g, s), first + g, self.step, 0, s)
-                for g, task in enumerate(self.tasks) for s in range(self.group_size)]
+        return [
+            PlannedEpisode(task, self.episode_seed(g, s), first + g, self.step, 0, s)
+            for g, task in enumerate(self.tasks)
+            for s in range(self.group_size)
+        ]
 
 
 def plan_step(tasks: Sequence[EnvSpec], step: int, tasks_per_step: int, group_size: int, seed: int) -> RolloutPlan:
@@ -78,8 +81,15 @@ class Rollouts:
     no more than `concurrency` sandboxes wait idle for their episodes.
     """
 
-    def __init__(self, engine: Engine, tokenizer, sandboxes: Environment | SandboxSource, params: AgentParams,
-                 concurrency: int, on_episode: Callable[[Episode], None] = lambda e: None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        sandboxes: Environment | SandboxSource,
+        params: AgentParams,
+        concurrency: int,
+        on_episode: Callable[[Episode], None] = lambda e: None,
+    ):
         self.engine, self.tokenizer, self.sandboxes = engine, tokenizer, sandboxes
         self.params, self.concurrency = params, concurrency
         self.on_episode = on_episode  # called as each episode finishes (the run's episode records)
@@ -108,26 +118,36 @@ class Rollouts:
             self._reserved -= 1
         self._reserve_front()
 
-    async def run(self, episodes: Sequence[PlannedEpisode], temperature: float,
-                  on_done: Callable[[], None] = lambda: None) -> list[Episode]:
+    async def run(
+        self, episodes: Sequence[PlannedEpisode], temperature: float, on_done: Callable[[], None] = lambda: None
+    ) -> list[Episode]:
         """Every episode, `concurrency` at a time, in order; `on_done` after each one finishes."""
         self.expect(episodes)
 
         async def one(planned: PlannedEpisode) -> Episode:
             async with self._slots:
                 self._leave_line(planned)
-                episode = await run_episode(planned.task, self.engine, self.tokenizer, self.sandboxes, self.params,
-                                            SamplingParams(temperature=temperature, seed=planned.seed),
-                                            group_id=planned.group_id, step=planned.step, attempt=planned.attempt,
-                                            sample_id=planned.sample_id)
+                episode = await run_episode(
+                    planned.task,
+                    self.engine,
+                    self.tokenizer,
+                    self.sandboxes,
+                    self.params,
+                    SamplingParams(temperature=temperature, seed=planned.seed),
+                    group_id=planned.group_id,
+                    step=planned.step,
+                    attempt=planned.attempt,
+                    sample_id=planned.sample_id,
+                )
             self.on_episode(episode)
             on_done()
             return episode
 
         return list(await asyncio.gather(*(one(p) for p in episodes)))
 
-    async def evaluate(self, tasks: Sequence[EnvSpec], temperature: float, seed: int,
-                       on_done: Callable[[], None] = lambda: None) -> list[Episode]:
+    async def evaluate(
+        self, tasks: Sequence[EnvSpec], temperature: float, seed: int, on_done: Callable[[], None] = lambda: None
+    ) -> list[Episode]:
         """pass@1: one sampled episode per task (group i is task i, in no step), seeded as `furlong eval` seeds
         its sample 0 (eval_seed), so both report the same episodes for the same checkpoint."""
         episodes = [PlannedEpisode(t, eval_seed(seed, t.id, 0), i, None, 0, 0) for i, t in enumerate(tasks)]

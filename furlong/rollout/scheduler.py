@@ -40,8 +40,9 @@ class GroupSpec:
     seeds: tuple[int, ...]  # one sampling seed per episode
 
     def episodes(self) -> list[PlannedEpisode]:
-        return [PlannedEpisode(self.task, seed, self.index, self.step, self.attempt, s)
-                for s, seed in enumerate(self.seeds)]
+        return [
+            PlannedEpisode(self.task, seed, self.index, self.step, self.attempt, s) for s, seed in enumerate(self.seeds)
+        ]
 
 
 class GroupStream:
@@ -54,8 +55,10 @@ class GroupStream:
         step, slot = divmod(index, self.tasks_per_step)
         plan = plan_step(self.tasks, step, self.tasks_per_step, self.group_size, self.seed)
         # attempt 0 keeps the seeds sync mode has always used; a re-queued copy samples afresh
-        seeds = tuple(plan.episode_seed(slot, s) if attempt == 0 else mix_seed(self.seed, step, slot, s, attempt)
-                      for s in range(self.group_size))
+        seeds = tuple(
+            plan.episode_seed(slot, s) if attempt == 0 else mix_seed(self.seed, step, slot, s, attempt)
+            for s in range(self.group_size)
+        )
         return GroupSpec(index, step, slot, attempt, plan.tasks[slot], seeds)
 
 
@@ -89,9 +92,21 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, rollouts: Rollouts, stream: GroupStream, *, temperature: float, steps_left: int,
-                 first_step: int, inflight: int, lookahead: int, max_staleness: int, requeue: bool,
-                 cursor: dict | None = None, counted: int = 0) -> None:
+    def __init__(
+        self,
+        rollouts: Rollouts,
+        stream: GroupStream,
+        *,
+        temperature: float,
+        steps_left: int,
+        first_step: int,
+        inflight: int,
+        lookahead: int,
+        max_staleness: int,
+        requeue: bool,
+        cursor: dict | None = None,
+        counted: int = 0,
+    ) -> None:
         self.rollouts, self.stream, self.temperature = rollouts, stream, temperature
         self.inflight, self.lookahead, self.max_staleness, self.requeue = inflight, lookahead, max_staleness, requeue
         self._per_step = stream.tasks_per_step
@@ -171,14 +186,20 @@ class Scheduler:
             self._changed.clear()
             await self._changed.wait()
         self._complete.sort(key=lambda g: (g.oldest_version is None, g.oldest_version or 0, g.spec.index))
-        taken, self._complete = self._complete[: self._per_step], self._complete[self._per_step:]
+        taken, self._complete = self._complete[: self._per_step], self._complete[self._per_step :]
         self._taken += len(taken)
         if any(g.staleness(version) > self.max_staleness for g in taken):  # by construction; never silently
             raise RuntimeError("a group past max_staleness reached a batch")
         started, self._started = self._started, 0
         in_flight = sum(len(s.seeds) for s in [*self._running.values(), *(g.spec for g in self._complete)])
-        return Batch(version, tuple(sorted(taken, key=lambda g: g.spec.index)), tuple(stale), started,
-                     in_flight, time.perf_counter() - start)
+        return Batch(
+            version,
+            tuple(sorted(taken, key=lambda g: g.spec.index)),
+            tuple(stale),
+            started,
+            in_flight,
+            time.perf_counter() - start,
+        )
 
     def prestart(self) -> None:
         """Starts now, while the trainer trains, the sandboxes of the groups that may start before the next

@@ -67,8 +67,9 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
 async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path, shared=None) -> Trainer:
     # a finished RL phase trains no more, so it needs no anchor: a run from before demos.jsonl still resumes
     done = bool(run.phase("rl"))
-    trainer = build.trainer(cfg.train, sft_dir, [] if done else anchor_demos(cfg, run), anchor=not done,
-                            cluster=p.cluster)
+    trainer = build.trainer(
+        cfg.train, sft_dir, [] if done else anchor_demos(cfg, run), anchor=not done, cluster=p.cluster
+    )
     try:
         return await _rl_run(cfg, p, run, console, sft_dir, shared, trainer, done)
     except BaseException:
@@ -76,8 +77,9 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
         raise
 
 
-async def _rl_run(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path, shared, trainer: Trainer,
-                  done: bool) -> Trainer:
+async def _rl_run(
+    cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path, shared, trainer: Trainer, done: bool
+) -> Trainer:
     start = resume(trainer, run)
     if done:
         return trainer
@@ -94,13 +96,27 @@ async def _rl_run(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir
     return trainer
 
 
-async def rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link: WeightLink, p: Pieces, run: RunDir,
-                   console: Console, start: int) -> None:
+async def rl_steps(
+    cfg: Config,
+    trainer: Trainer,
+    rollouts: Rollouts,
+    link: WeightLink,
+    p: Pieces,
+    run: RunDir,
+    console: Console,
+    start: int,
+) -> None:
     """Batch -> train -> publish -> log, until rl.steps or rl.time_budget_s (RL step time, resumed runs included)."""
     r, records, rows = cfg.train.rl, EpisodeLog(run.path, "rl"), run.metrics("rl")
     cursor = _cursor(run)
-    scheduler = build.scheduler(cfg.train, rollouts, p.train_tasks, start, cursor,
-                                counted=rows[-1].get("episodes_in_flight", 0) if cursor and rows else 0)
+    scheduler = build.scheduler(
+        cfg.train,
+        rollouts,
+        p.train_tasks,
+        start,
+        cursor,
+        counted=rows[-1].get("episodes_in_flight", 0) if cursor and rows else 0,
+    )
     spent = sum(row["step_seconds"] for row in rows)
     try:
         with progress_bar(console, f"rl: GRPO steps ({r.mode})", r.steps, completed=start) as advance:
@@ -115,10 +131,19 @@ async def rl_steps(cfg: Config, trainer: Trainer, rollouts: Rollouts, link: Weig
                 synced = await link.push(trainer.engine_weights(), trainer.version)
                 scheduler.step_done()
                 spent += (seconds := time.perf_counter() - step_start)
-                run.log("rl", step, metrics_row(asdict(stats), rollout_metrics(batch.episodes),
-                                                window.diagnostics(batch.episodes, batch.version, stats.seconds),
-                                                batch_metrics(batch, r.filter_zero_variance), synced,
-                                                prefix_metrics(link.engine), {"step_seconds": seconds}))
+                run.log(
+                    "rl",
+                    step,
+                    metrics_row(
+                        asdict(stats),
+                        rollout_metrics(batch.episodes),
+                        window.diagnostics(batch.episodes, batch.version, stats.seconds),
+                        batch_metrics(batch, r.filter_zero_variance),
+                        synced,
+                        prefix_metrics(link.engine),
+                        {"step_seconds": seconds},
+                    ),
+                )
                 records.write(settled_records(batch, step, r.filter_zero_variance))
                 last = step == r.steps - 1 or (r.time_budget_s is not None and spent >= r.time_budget_s)
                 if (step + 1) % r.checkpoint_every == 0 or last:

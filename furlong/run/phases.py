@@ -44,15 +44,25 @@ async def sft_phase(cfg: Config, p: Pieces, run: RunDir, console: Console) -> Pa
     model = load_model(p.base_model).to(sft_device(cfg))  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
     steps = s.epochs * -(-len(demos) // s.batch_size)
     with progress_bar(console, "sft: training", steps) as advance:
+
         def on_step(step: int, loss: float) -> None:
             run.log("sft", step, {"loss": loss})
             advance()
-        losses = await asyncio.to_thread(sft_train, model, demos, s.epochs, s.lr, s.batch_size, cfg.train.seed,
-                                         p.tokenizer.pad_token_id, on_step)
+
+        losses = await asyncio.to_thread(
+            sft_train, model, demos, s.epochs, s.lr, s.batch_size, cfg.train.seed, p.tokenizer.pad_token_id, on_step
+        )
     out = write_hf(model.cpu(), p.tokenizer, run.checkpoint_dir("sft"))
-    result = {"model": str(out), "demos": len(demos), "demo_failures": len(tasks) - len(demos),
-              "steps": len(losses), "final_loss": losses[-1] if losses else None, "epochs": s.epochs,
-              "demo_seconds": demo_seconds, "seconds": time.perf_counter() - start}
+    result = {
+        "model": str(out),
+        "demos": len(demos),
+        "demo_failures": len(tasks) - len(demos),
+        "steps": len(losses),
+        "final_loss": losses[-1] if losses else None,
+        "epochs": s.epochs,
+        "demo_seconds": demo_seconds,
+        "seconds": time.perf_counter() - start,
+    }
     run.finish_phase("sft", result)
     return out
 
@@ -66,8 +76,9 @@ def sft_device(cfg: Config) -> str:
     return cfg.train.device
 
 
-async def eval_phase(name: str, model_dir: Path, cfg: Config, p: Pieces, run: RunDir, console: Console,
-                     shared=None) -> dict:
+async def eval_phase(
+    name: str, model_dir: Path, cfg: Config, p: Pieces, run: RunDir, console: Console, shared=None
+) -> dict:
     """Held-out pass@1 of the policy saved in `model_dir`, on a fresh hf engine over it, or on the run's
     `shared` engine (vllm), which holds the same weights."""
     if done := run.phase(name):
@@ -77,15 +88,20 @@ async def eval_phase(name: str, model_dir: Path, cfg: Config, p: Pieces, run: Ru
     hf = cfg.train.hf
     engine = phase_engine(model_dir, shared, hf.prefix_cache_mb, hf.device, hf.deterministic)
     async with p.env.open() as env:
-        rollouts = Rollouts(engine, p.tokenizer, env, p.params, cfg.train.eval.concurrency,
-                            EpisodeLog(run.path, name))
+        rollouts = Rollouts(engine, p.tokenizer, env, p.params, cfg.train.eval.concurrency, EpisodeLog(run.path, name))
         with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
             episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
     await engine.close()
     s = outcome_summary([Scored(e.family, e.reward, e.status) for e in episodes])
-    result = {"pass_at_1": s["pass_at_1"], "episodes": s["episodes"], "scored": s["scored"],
-              "infra_errors": s["infra_errors"], "status": s["status"], "per_family": s["per_family"],
-              "seconds": time.perf_counter() - start}
+    result = {
+        "pass_at_1": s["pass_at_1"],
+        "episodes": s["episodes"],
+        "scored": s["scored"],
+        "infra_errors": s["infra_errors"],
+        "status": s["status"],
+        "per_family": s["per_family"],
+        "seconds": time.perf_counter() - start,
+    }
     run.finish_phase(name, result)
     return result
 
@@ -96,10 +112,14 @@ def anchor_demos(cfg: Config, run: RunDir) -> list:
         return []
     path = run.path / DEMOS_FILE
     if not path.is_file():
-        raise ConfigError(f"train.rl.sft_coef: {cfg.train.rl.sft_coef} needs SFT's demonstrations, but {path} "
-                          "is missing (a run whose SFT phase predates it): set train.rl.sft_coef=0 or start a new run")
+        raise ConfigError(
+            f"train.rl.sft_coef: {cfg.train.rl.sft_coef} needs SFT's demonstrations, but {path} "
+            "is missing (a run whose SFT phase predates it): set train.rl.sft_coef=0 or start a new run"
+        )
     demos = load_demos(path)
     if not demos:
-        raise ConfigError(f"train.rl.sft_coef: {cfg.train.rl.sft_coef} needs demonstrations, but SFT collected "
-                          f"none ({path}): check train.sft.families and train.sft.instances_per_family")
+        raise ConfigError(
+            f"train.rl.sft_coef: {cfg.train.rl.sft_coef} needs demonstrations, but SFT collected "
+            f"none ({path}): check train.sft.families and train.sft.instances_per_family"
+        )
     return demos

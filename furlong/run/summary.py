@@ -17,8 +17,12 @@ def rl_totals(run: RunDir) -> dict:
     episodes = {k: sum(row.get(f"episodes_{k}", 0) for row in rows) for k in ("started", *OUTCOMES)}
     # stopped by rl.time_budget_s: episodes still running or untrained then are cancelled, never trained
     episodes["cancelled_at_stop"] = rows[-1].get("episodes_in_flight", 0) if rows else 0
-    return {"steps": len(rows), "seconds": sum(row["step_seconds"] for row in rows),
-            "status": {k: sum(row.get(f"status_{k}", 0) for row in rows) for k in STATUSES}, "episodes": episodes}
+    return {
+        "steps": len(rows),
+        "seconds": sum(row["step_seconds"] for row in rows),
+        "status": {k: sum(row.get(f"status_{k}", 0) for row in rows) for k in STATUSES},
+        "episodes": episodes,
+    }
 
 
 def _phase_status(result: dict) -> dict[str, int]:
@@ -31,19 +35,29 @@ def run_summary(cfg: Config, run: RunDir, before: dict, after: dict, wall_s: flo
     demonstrated) with 90% intervals, every status, where the time went, the final model."""
     phases, t = run.state()["phases"], cfg.train
     return {
-        "run_dir": str(run.path), "hf_model": str(final),
+        "run_dir": str(run.path),
+        "hf_model": str(final),
         "hf_adapter": str(final / "adapter") if (final / "adapter").is_dir() else None,
-        "heldout_pass_at_1_before_rl": before["pass_at_1"], "heldout_pass_at_1_after_rl": after["pass_at_1"],
+        "heldout_pass_at_1_before_rl": before["pass_at_1"],
+        "heldout_pass_at_1_after_rl": after["pass_at_1"],
         "improvement_points": 100 * (after["pass_at_1"] - before["pass_at_1"]),
-        "eval_episodes": after["episodes"], "eval_temperature": t.eval.temperature,
+        "eval_episodes": after["episodes"],
+        "eval_temperature": t.eval.temperature,
         "eval_infra_errors": before["infra_errors"] + after["infra_errors"],
-        "per_family_before": before["per_family"], "per_family_after": after["per_family"],
-        "seed": t.seed, "demonstrated_families": list(t.demonstrated()), "reward_only_families": list(t.reward_only()),
+        "per_family_before": before["per_family"],
+        "per_family_after": after["per_family"],
+        "seed": t.seed,
+        "demonstrated_families": list(t.demonstrated()),
+        "reward_only_families": list(t.reward_only()),
         "heldout_gain": heldout_gains(run.path, {"reward_only": t.reward_only(), "demonstrated": t.demonstrated()}),
         "status": {name: _phase_status(phases[name]) for name in ("eval_before", "rl", "eval_after")},
-        "rl_steps": t.rl.steps, "rl_steps_updated": sum(bool(row.get("updated")) for row in run.metrics("rl")),
-        "rl_mode": t.rl.mode, "rl_episodes": phases["rl"].get("episodes", {}),
+        "rl_steps": t.rl.steps,
+        "rl_steps_updated": sum(bool(row.get("updated")) for row in run.metrics("rl")),
+        "rl_mode": t.rl.mode,
+        "rl_episodes": phases["rl"].get("episodes", {}),
         "families": list(t.families),
-        "phase_seconds": {name: round(phases[name]["seconds"], 1) for name in ("sft", "eval_before", "rl", "eval_after")},
+        "phase_seconds": {
+            name: round(phases[name]["seconds"], 1) for name in ("sft", "eval_before", "rl", "eval_after")
+        },
         "wall_seconds_this_invocation": round(wall_s, 1),
     }

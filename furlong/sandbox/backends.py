@@ -26,15 +26,27 @@ if TYPE_CHECKING:
 KINDS = ("bwrap", "remote")
 
 
-def make_backend(kind: str, *, layers: LayerSource | None = None, host_uid: int | None = None,
-                 output_cap: int | None = None, seccomp: bool = True, images: HostImages | None = None,
-                 egress: Egress | None = None) -> SandboxBackend:
+def make_backend(
+    kind: str,
+    *,
+    layers: LayerSource | None = None,
+    host_uid: int | None = None,
+    output_cap: int | None = None,
+    seccomp: bool = True,
+    images: HostImages | None = None,
+    egress: Egress | None = None,
+) -> SandboxBackend:
     """A backend of `kind`, resolving image layers through `layers` (an ImageStore); `remote` sends its
     sandboxes to the hosts of `images` (furlong.sandbox.host_images), which build what it lacks. `egress`:
     what this machine's networked sandboxes borrow from it (furlong.sandbox.egress)."""
-    local = functools.partial(BwrapBackend, host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
-                              output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,
-                              seccomp=seccomp, layers=layers, egress=egress)
+    local = functools.partial(
+        BwrapBackend,
+        host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
+        output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,
+        seccomp=seccomp,
+        layers=layers,
+        egress=egress,
+    )
     if kind == "bwrap":
         return local()
     if kind == "remote":

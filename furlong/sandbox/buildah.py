@@ -101,8 +101,16 @@ class Buildah:
         (home / "tmp").mkdir(parents=True, exist_ok=True)
 
     def _buildah(self, *args: str) -> list[str]:
-        return ["buildah", "--root", str(self.home / "storage"), "--runroot", str(self.home / "run"),
-                "--storage-driver", "overlay", *args]
+        return [
+            "buildah",
+            "--root",
+            str(self.home / "storage"),
+            "--runroot",
+            str(self.home / "run"),
+            "--storage-driver",
+            "overlay",
+            *args,
+        ]
 
     def argv(self, *args: str) -> list[str]:
         """As root, buildah runs in a mount namespace of its own: it mounts its containers' layers where it
@@ -128,8 +136,10 @@ class Buildah:
             proc = subprocess.run(self.argv("unshare", "true"), capture_output=True, text=True, env=self.env())
             if proc.returncode != 0:
                 why = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
-                raise ImageBuildError(f"buildah cannot run without root here ({why}): it needs newuidmap "
-                                      f"(apt-get install uidmap) and a subuid/subgid range for this user")
+                raise ImageBuildError(
+                    f"buildah cannot run without root here ({why}): it needs newuidmap "
+                    f"(apt-get install uidmap) and a subuid/subgid range for this user"
+                )
 
     def import_ref(self, ref: ImageRef, layer_dirs: tuple[Path, ...], egress: Egress | None = None) -> str:
         """`localhost/furlong/<digest>`: the resolved image (its layers' directories, top first) as a
@@ -164,28 +174,51 @@ class Buildah:
 
     def _imported(self, name: str, user: str) -> bool:
         """Whether `name` is made, with the USER it should have (one made before USER was carried has none)."""
-        proc = subprocess.run(self.argv("inspect", "--type", "image", name), capture_output=True, text=True,
-                              env=self.env())
-        return proc.returncode == 0 and (json.loads(proc.stdout).get("OCIv1", {}).get("config") or {}).get(
-            "User", "") == user
+        proc = subprocess.run(
+            self.argv("inspect", "--type", "image", name), capture_output=True, text=True, env=self.env()
+        )
+        return (
+            proc.returncode == 0
+            and (json.loads(proc.stdout).get("OCIv1", {}).get("config") or {}).get("User", "") == user
+        )
 
-    def bud(self, dockerfile: Path, context: Path, tag: str, progress: Progress,
-            timeout_s: float, egress: Egress | None = None,
-            offline: offline_uv.OfflineUv | None = None) -> tuple[int, list[str]]:
+    def bud(
+        self,
+        dockerfile: Path,
+        context: Path,
+        tag: str,
+        progress: Progress,
+        timeout_s: float,
+        egress: Egress | None = None,
+        offline: offline_uv.OfflineUv | None = None,
+    ) -> tuple[int, list[str]]:
         """Runs the build; its exit status and the last lines of its output. `egress`'s directory is bound
         read-only into every RUN step (its environment comes with the FROM images: import_ref), and so is
         `offline`'s (only the rewritten steps look at it)."""
         # --force-rm: a failed build leaves no working container (nor its overlay mount) behind
-        cmd = self.argv("bud", "--pull=never", "--isolation", "chroot", "--layers", "--force-rm",
-                        *_dns(), *(egress.buildah_args() if egress else []),
-                        *(offline.volume() if offline else []), "-f", str(dockerfile), "-t", tag,
-                        str(context))
+        cmd = self.argv(
+            "bud",
+            "--pull=never",
+            "--isolation",
+            "chroot",
+            "--layers",
+            "--force-rm",
+            *_dns(),
+            *(egress.buildah_args() if egress else []),
+            *(offline.volume() if offline else []),
+            "-f",
+            str(dockerfile),
+            "-t",
+            tag,
+            str(context),
+        )
         with _build_network() as prefix:
             return self._follow([*prefix, *cmd], progress, timeout_s)
 
     def _follow(self, cmd: list[str], progress: Progress, timeout_s: float) -> tuple[int, list[str]]:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env(),
-                                errors="replace")
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env(), errors="replace"
+        )
         assert proc.stdout is not None  # stdout=PIPE
         timer = threading.Timer(timeout_s, proc.kill)
         timer.start()
@@ -206,8 +239,15 @@ class Buildah:
     def config(self, tag: str) -> dict:
         return json.loads(self.run("inspect", "--type", "image", tag)).get("OCIv1", {}).get("config") or {}
 
-    def export(self, tag: str, rootfs: Path, label: str, egress: Egress | None = None, below: tuple[Path, ...] = (),
-               workdir: str = "/") -> DiffWriter:
+    def export(
+        self,
+        tag: str,
+        rootfs: Path,
+        label: str,
+        egress: Egress | None = None,
+        below: tuple[Path, ...] = (),
+        workdir: str = "/",
+    ) -> DiffWriter:
         """Unpacks the image's tree into `rootfs` (as this uid's files), less what the layers `below` (top
         first) already show; the device nodes left out, and the mount point buildah made in it for
         `egress`'s directory. `workdir` is made as Docker's WORKDIR does (buildah only made it if a RUN
@@ -276,7 +316,7 @@ async def plan(store: ImageStore, bh: Buildah, dockerfile: Path, backend, progre
             if step.op in ("COPY", "ADD") and "--from=" in step.args:
                 words = shlex.split(step.args, posix=False)
                 for n, word in enumerate(words):
-                    source = word[len("--from="):] if word.startswith("--from=") else None
+                    source = word[len("--from=") :] if word.startswith("--from=") else None
                     if source and source.lower() not in stage_bases and not source.isdigit():
                         name, _ = await _local(store, bh, dockerfile, line, source, backend, progress, out)
                         words[n] = "--from=" + name
@@ -288,8 +328,9 @@ async def plan(store: ImageStore, bh: Buildah, dockerfile: Path, backend, progre
     return out
 
 
-async def _offline_uv(store: ImageStore, dockerfile: Path, line: int, step: heredoc.Logical, backend,
-                      progress: Progress, out: Plan) -> None:
+async def _offline_uv(
+    store: ImageStore, dockerfile: Path, line: int, step: heredoc.Logical, backend, progress: Progress, out: Plan
+) -> None:
     """images.offline_uv: a shell-form RUN fetching uv's installer runs with the toolchain's shims first on
     PATH (offline_uv.py); the rewritten line, in the image's key, names the toolchain's key."""
     if (wanted := offline_uv.asked(step.args)) is None:
@@ -308,8 +349,12 @@ def _from_parts(dockerfile: Path, line: int, args: str, global_args: dict[str, s
         raise DockerfileError(dockerfile, line, f"FROM {args}: expected FROM IMAGE [AS NAME]")
     image = _ARG_REF.sub(lambda m: global_args.get(m[1] or m[3]) or m[2] or "", words[0])
     if not image or "$" in image:
-        raise DockerfileError(dockerfile, line, f"FROM {args}: the image name {words[0]!r} is empty once ARGs "
-                                                f"are substituted (give the ARG a default before the first FROM)")
+        raise DockerfileError(
+            dockerfile,
+            line,
+            f"FROM {args}: the image name {words[0]!r} is empty once ARGs "
+            f"are substituted (give the ARG a default before the first FROM)",
+        )
     return image, words[2] if len(words) == 3 else ""
 
 
@@ -328,8 +373,9 @@ def _replace(lines: list[str], step: heredoc.Logical, text: str) -> None:
         lines[n] = ""
 
 
-async def _local(store: ImageStore, bh: Buildah, dockerfile: Path, line: int, ref: str, backend,
-                 progress: Progress, out: Plan) -> tuple[str, ImageRef]:
+async def _local(
+    store: ImageStore, bh: Buildah, dockerfile: Path, line: int, ref: str, backend, progress: Progress, out: Plan
+) -> tuple[str, ImageRef]:
     """The buildah name of the image furlong resolves `ref` to (made once), and that image."""
     try:
         resolved = await store.parent(ref, backend, progress)
@@ -367,17 +413,23 @@ async def image(store: ImageStore, dockerfile: Path, backend, progress: Progress
     await asyncio.to_thread(bh.check)
     progress(f"{why}: outside furlong's own subset, built by buildah")
     planned = await plan(store, bh, dockerfile, backend, progress)
-    key = "buildah-" + _sha(FORMAT, planned.text, await asyncio.to_thread(context_digest, dockerfile.parent),
-                            *store.egress_parts())
+    key = "buildah-" + _sha(
+        FORMAT, planned.text, await asyncio.to_thread(context_digest, dockerfile.parent), *store.egress_parts()
+    )
     final = store.root / key
     async with store._locks.setdefault(key, asyncio.Lock()):
         if not await asyncio.to_thread(_stored, store, final, planned):
             await asyncio.to_thread(_build, store, bh, dockerfile, planned, key, progress)
     meta = json.loads((final / "meta.json").read_text())
     below = tuple(LayerRef(digest=layer["digest"], path=layer["path"]) for layer in meta["below"])
-    ref = ImageRef(digest=key, layers=(store.layer(key, final / "upper"), *below),
-                   env=tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"], user=meta["user"],
-                   note=meta["note"])
+    ref = ImageRef(
+        digest=key,
+        layers=(store.layer(key, final / "upper"), *below),
+        env=tuple(tuple(p) for p in meta["env"]),
+        workdir=meta["workdir"],
+        user=meta["user"],
+        note=meta["note"],
+    )
     await asyncio.to_thread(store.check_user, ref, str(dockerfile))
     return ref
 
@@ -411,8 +463,15 @@ def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key:
         temp = bh.home / "tmp" / f"{key}.{os.getpid()}.Dockerfile"
         temp.write_text(planned.text)
         try:
-            status, tail = bh.bud(temp, dockerfile.parent, f"localhost/furlong/{key}", progress,
-                                  store.build_timeout_s, store.egress, planned.offline)
+            status, tail = bh.bud(
+                temp,
+                dockerfile.parent,
+                f"localhost/furlong/{key}",
+                progress,
+                store.build_timeout_s,
+                store.egress,
+                planned.offline,
+            )
         finally:
             temp.unlink(missing_ok=True)
         if status != 0:
@@ -430,27 +489,59 @@ def _build(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key:
         tmp.rename(final)
 
 
-def _store(store: ImageStore, bh: Buildah, dockerfile: Path, planned: Plan, key: str, tmp: Path,
-           progress: Progress, built: float, started: float) -> None:
+def _store(
+    store: ImageStore,
+    bh: Buildah,
+    dockerfile: Path,
+    planned: Plan,
+    key: str,
+    tmp: Path,
+    progress: Progress,
+    built: float,
+    started: float,
+) -> None:
     """Exports the built image into tmp/upper, above its base, and writes its meta (without the ENV the
     store's egress lent it)."""
     progress(f"{dockerfile}: unpacking the built image into the store")
     config = bh.config(f"localhost/furlong/{key}")
     workdir, egress, below = config.get("WorkingDir") or "/", store.egress, _below(store, planned)
-    writer = bh.export(f"localhost/furlong/{key}", tmp / "upper", str(dockerfile), egress,
-                       tuple(store.root / layer["path"] for layer in below), workdir)
+    writer = bh.export(
+        f"localhost/furlong/{key}",
+        tmp / "upper",
+        str(dockerfile),
+        egress,
+        tuple(store.root / layer["path"] for layer in below),
+        workdir,
+    )
     if not {"bin/bash", "usr/bin/bash"} & writer.seen.keys():
-        raise ImageBuildError(f"{dockerfile}: the built image has no /bin/bash, which furlong's sandbox runs "
-                              f"commands with")
-    stored = (f"above {planned.below.digest}: {writer.same} entries the same there left out, "
-              f"{writer.whiteouts} deleted" if planned.below else "the whole tree: the final stage is FROM scratch")
-    meta = {"dockerfile": str(dockerfile), "builder": "buildah", "key": key,
-            "env": [e.split("=", 1) for e in config.get("Env") or []
-                    if "=" in e and tuple(e.split("=", 1)) not in (egress.env if egress else ())],
-            "workdir": workdir, "user": str(config.get("User") or ""), "labels": config.get("Labels") or {},
-            "note": "; ".join(planned.notes), "below": below, "stored": stored, "skipped_devices": writer.skipped,
-            "build_seconds": round(built, 2), "seconds": round(time.monotonic() - started, 1),
-            **({"egress": egress.settings} if egress else {})}
+        raise ImageBuildError(
+            f"{dockerfile}: the built image has no /bin/bash, which furlong's sandbox runs commands with"
+        )
+    stored = (
+        f"above {planned.below.digest}: {writer.same} entries the same there left out, {writer.whiteouts} deleted"
+        if planned.below
+        else "the whole tree: the final stage is FROM scratch"
+    )
+    meta = {
+        "dockerfile": str(dockerfile),
+        "builder": "buildah",
+        "key": key,
+        "env": [
+            e.split("=", 1)
+            for e in config.get("Env") or []
+            if "=" in e and tuple(e.split("=", 1)) not in (egress.env if egress else ())
+        ],
+        "workdir": workdir,
+        "user": str(config.get("User") or ""),
+        "labels": config.get("Labels") or {},
+        "note": "; ".join(planned.notes),
+        "below": below,
+        "stored": stored,
+        "skipped_devices": writer.skipped,
+        "build_seconds": round(built, 2),
+        "seconds": round(time.monotonic() - started, 1),
+        **({"egress": egress.settings} if egress else {}),
+    }
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 

@@ -54,8 +54,19 @@ VERIFIER_MOUNT_MB = 512  # each: a size cap (tmpfs pages count toward the sandbo
 # its share (init.c VERIFIER_CAPS) and its mounts. Agent commands get none.
 # CAP_SYS_ADMIN is for entering the verifier's user namespace (setns), which the init does in the verifier's
 # commands before it applies the seccomp filter.
-INIT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH",
-             "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_SYS_ADMIN")
+INIT_CAPS = (
+    "CAP_SETUID",
+    "CAP_SETGID",
+    "CAP_SETPCAP",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_ADMIN",
+)
 
 
 def bwrap_executable() -> str:
@@ -98,9 +109,16 @@ def writable_layer_bytes(spec: SandboxSpec) -> int:
 class BwrapBackend:
     name = "bwrap"
 
-    def __init__(self, host_uid: int = DEFAULT_HOST_UID, output_cap: int = DEFAULT_OUTPUT_CAP,
-                 seccomp: bool = True, layers: LayerSource | None = None, many_uids: bool = True,
-                 egress: Egress | None = None, proxy: EgressProxy | None = None):
+    def __init__(
+        self,
+        host_uid: int = DEFAULT_HOST_UID,
+        output_cap: int = DEFAULT_OUTPUT_CAP,
+        seccomp: bool = True,
+        layers: LayerSource | None = None,
+        many_uids: bool = True,
+        egress: Egress | None = None,
+        proxy: EgressProxy | None = None,
+    ):
         self._layers = layers  # None: the default image store, made on first need
         self.egress = egress  # the host's CAs and mirrors for networked sandboxes (builds included)
         self.proxy = proxy or EgressProxy()  # controlled sandboxes' gates (its thread starts on first need)
@@ -150,31 +168,64 @@ class BwrapBackend:
             self._gated = through_proxy(self.egress, netns.PROXY_URL)
         return self._gated
 
-    def bwrap_args(self, spec: SandboxSpec, extra: list[str] | None = None, seccomp_fd: int | None = None,
-                   init_args: tuple[str, ...] = (), verifier: bool = False,
-                   home: str = BASE_ENV["HOME"], shim_fd: int | None = None) -> tuple[list[str], list[int]]:
+    def bwrap_args(
+        self,
+        spec: SandboxSpec,
+        extra: list[str] | None = None,
+        seccomp_fd: int | None = None,
+        init_args: tuple[str, ...] = (),
+        verifier: bool = False,
+        home: str = BASE_ENV["HOME"],
+        shim_fd: int | None = None,
+    ) -> tuple[list[str], list[int]]:
         """bwrap's argv and the fds it needs. Many uids (self.subids): bwrap runs as root of the launcher's
         user namespace and makes no other; `verifier` adds the verifier's mounts, and the ownership shim read
         from `shim_fd` (one of this start's own: bwrap reads it to its end). `home` is the agent's HOME (its
         USER's), unless the image's ENV sets one (Docker's rule)."""
         layer_fds = [self._fd(self.layers.layer_dir(layer)) for layer in spec.image.layers]
         fds = [*layer_fds, self._init_fd]
-        args = [self._bwrap, *self._namespaces(spec), "--die-with-parent", "--new-session", "--as-pid-1",
-                "--hostname", "sandbox", "--cap-drop", "ALL", "--clearenv"]
+        args = [
+            self._bwrap,
+            *self._namespaces(spec),
+            "--die-with-parent",
+            "--new-session",
+            "--as-pid-1",
+            "--hostname",
+            "sandbox",
+            "--cap-drop",
+            "ALL",
+            "--clearenv",
+        ]
         if self.subids is not None:
             for cap in INIT_CAPS:
                 args += ["--cap-add", cap]
         egress = self._egress(spec)
-        for key, value in {**BASE_ENV, "HOME": home, **dict(egress.env if egress else ()),
-                           **dict(spec.image.env)}.items():
+        for key, value in {
+            **BASE_ENV,
+            "HOME": home,
+            **dict(egress.env if egress else ()),
+            **dict(spec.image.env),
+        }.items():
             args += ["--setenv", key, value]
         for fd in reversed(layer_fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
             args += ["--overlay-src", f"/proc/self/fd/{fd}"]
         upper = self._upper_mnt
         args += extra or ["--overlay", f"{upper}/u", f"{upper}/w", "/"]
         # /dev is a tmpfs of bwrap's making: read-only, except a capped /dev/shm (both count as memory)
-        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB << 20), "--perms", "1777",
-                 "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        args += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(SHM_MB << 20),
+            "--perms",
+            "1777",
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
+            "/dev",
+        ]
         if verifier:  # mount points: the agent, owner of "/", can neither rename nor replace them
             for path in (TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR):
                 args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
@@ -195,11 +246,24 @@ class BwrapBackend:
 
     def _namespaces(self, spec: SandboxSpec) -> list[str]:
         if self.subids is None:  # bwrap's own user namespace, one uid
-            return ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", "0", "--gid", "0",
-                    *(["--share-net"] if _networked(spec) else [])]  # pasta's namespace (see launcher)
+            return [
+                "--unshare-all",
+                "--unshare-user",
+                "--disable-userns",
+                "--uid",
+                "0",
+                "--gid",
+                "0",
+                *(["--share-net"] if _networked(spec) else []),
+            ]  # pasta's namespace (see launcher)
         # the launcher's user namespace; seccomp refuses unshare/clone of a new one to the sandbox
-        return ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-                *([] if _networked(spec) else ["--unshare-net"])]
+        return [
+            "--unshare-ipc",
+            "--unshare-pid",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            *([] if _networked(spec) else ["--unshare-net"]),
+        ]
 
     def _build_caps(self, upper: Path | None) -> bool:
         """Whether a build sandbox's steps get BUILD_CAPS: with many uids (as a user, see _own_layer)."""
@@ -211,11 +275,37 @@ class BwrapBackend:
         read and remove, as a buildah build's export does. Done in the sandbox's own id mapping."""
         find = shutil.which("find") or "/usr/bin/find"
         assert self.subids is not None  # _build_caps: only with subordinate ids
-        proc = subprocess.run([self._launch, *self.subids.launcher_args(), "--", find, str(layer), "(", "!", "-user",
-                               "0", "-o", "!", "-group", "0", ")", "-exec", "chown", "-h", "0:0", "{}", "+"],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                self._launch,
+                *self.subids.launcher_args(),
+                "--",
+                find,
+                str(layer),
+                "(",
+                "!",
+                "-user",
+                "0",
+                "-o",
+                "!",
+                "-group",
+                "0",
+                ")",
+                "-exec",
+                "chown",
+                "-h",
+                "0:0",
+                "{}",
+                "+",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if proc.returncode != 0:
-            raise SandboxError(f"build layer {layer}: giving its files to this user failed: {proc.stderr.strip()[-300:]}")
+            raise SandboxError(
+                f"build layer {layer}: giving its files to this user failed: {proc.stderr.strip()[-300:]}"
+            )
 
     def _identity(self, spec: SandboxSpec, lowers: tuple[Path, ...]) -> users.Identity:
         """Who the image's USER is (ids inside the sandbox); one line when this host cannot run it."""
@@ -228,26 +318,38 @@ class BwrapBackend:
                 raise SandboxError(f"image {spec.image.digest[:12]}: {exc}") from None
             self._identities[key] = known
         if known.uid in idmap.RESERVED_UIDS:
-            raise SandboxError(f"image {spec.image.digest[:12]}: USER {spec.image.user} is uid {known.uid}, which "
-                               f"furlong keeps for its own init and verifier (uids {idmap.RESERVED_UIDS}): "
-                               "give the user another uid")
+            raise SandboxError(
+                f"image {spec.image.digest[:12]}: USER {spec.image.user} is uid {known.uid}, which "
+                f"furlong keeps for its own init and verifier (uids {idmap.RESERVED_UIDS}): "
+                "give the user another uid"
+            )
         if (known.uid, known.gid) != (0, 0) and self.subids is None:
-            raise SandboxError(f"image {spec.image.digest[:12]}: USER {spec.image.user} needs sandboxes with many "
-                               f"uids, and these have one: {idmap.problem()}")
+            raise SandboxError(
+                f"image {spec.image.digest[:12]}: USER {spec.image.user} needs sandboxes with many "
+                f"uids, and these have one: {idmap.problem()}"
+            )
         return known
 
-    def launcher(self, args: list[str], cgroup: cgroups.Cgroup | None, spec: SandboxSpec,
-                 capped_upper: bool = True, verifier_ns_fd: int | None = None, gate: Gate | None = None) -> list[str]:
+    def launcher(
+        self,
+        args: list[str],
+        cgroup: cgroups.Cgroup | None,
+        spec: SandboxSpec,
+        capped_upper: bool = True,
+        verifier_ns_fd: int | None = None,
+        gate: Gate | None = None,
+    ) -> list[str]:
         """The launcher's argv: join the cgroup, cap the writable layer, drop to the sandbox uid, exec bwrap
         (inside pasta's network namespace when the sandbox has network: pasta runs as the sandbox uid;
         with a `gate`, its ports are the only way out)."""
         if _networked(spec):
             ports = (gate.tcp_port, gate.udp_port) if gate else None
-            args = netns.wrap(args, self.host_uid, in_userns=self.subids is not None, gate=ports,
-                              rules=first_rules(spec.network))
+            args = netns.wrap(
+                args, self.host_uid, in_userns=self.subids is not None, gate=ports, rules=first_rules(spec.network)
+            )
         root = os.geteuid() == 0
         opts = [self._launch]
-        for procs in (cgroup.procs_files if cgroup else []):
+        for procs in cgroup.procs_files if cgroup else []:
             opts += ["--cgroup", str(procs)]
         if root:
             opts += ["--oom-adj", str(OOM_ADJ_INIT), "--uid", str(self.host_uid)]
@@ -314,9 +416,15 @@ class BwrapBackend:
         # end, sees the pipe's end when bwrap goes
         parent_pipe = list(os.pipe()) if verifier else []
         rw_fds += parent_pipe
-        init_args = _init_args(agent_fds, idmap.VERIFIER_UID if verifier else None, vns_fd, (agent.uid, agent.gid),
-                               parent_pipe[0] if parent_pipe else None, agent.groups if self.subids else (),
-                               build=self._build_caps(upper))
+        init_args = _init_args(
+            agent_fds,
+            idmap.VERIFIER_UID if verifier else None,
+            vns_fd,
+            (agent.uid, agent.gid),
+            parent_pipe[0] if parent_pipe else None,
+            agent.groups if self.subids else (),
+            build=self._build_caps(upper),
+        )
         shim_fd = self._shim_copy() if verifier else None
         rw_fds += [shim_fd] if shim_fd is not None else []
         args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home, shim_fd)
@@ -329,8 +437,13 @@ class BwrapBackend:
             if controlled(spec.policies):
                 gate = await self.proxy.open(spec.network)
             proc = await asyncio.create_subprocess_exec(
-                *self.launcher(args, cgroup, spec, upper is None, vns_fd, gate), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, pass_fds=fds, limit=1 << 16)
+                *self.launcher(args, cgroup, spec, upper is None, vns_fd, gate),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=fds,
+                limit=1 << 16,
+            )
             proc.stdin.write(secret)  # type: ignore[union-attr]  # stdin=PIPE
         except BaseException as exc:
             if cgroup:
@@ -360,9 +473,15 @@ def _agent_procs(cgroup: cgroups.Cgroup | None) -> list[Path]:
     return list(cgroup.agent_procs_files) if cgroup is not None else []
 
 
-def _init_args(agent_fds: list[int], verifier_uid: int | None, verifier_ns_fd: int | None,
-               agent: tuple[int, int] = (0, 0), parent_fd: int | None = None,
-               groups: tuple[int, ...] = (), build: bool = False) -> tuple[str, ...]:
+def _init_args(
+    agent_fds: list[int],
+    verifier_uid: int | None,
+    verifier_ns_fd: int | None,
+    agent: tuple[int, int] = (0, 0),
+    parent_fd: int | None = None,
+    groups: tuple[int, ...] = (),
+    build: bool = False,
+) -> tuple[str, ...]:
     args = ["--agent", f"{agent[0]}:{agent[1]}"]
     if build:  # RUN steps chown to the image's other uids and act as them, as in Docker (init.c BUILD_CAPS)
         args += ["--build-caps", "1"]

@@ -163,8 +163,10 @@ class BwrapSandbox:
         code = await self._proc.wait()
         await asyncio.sleep(0)  # let the stderr reader take the last words
         self._death = self._death or (
-            "sandbox closed" if self._closed else
-            f"sandbox process exited with code {code}: {self._stderr_tail.decode(errors='replace').strip()[-800:]}")
+            "sandbox closed"
+            if self._closed
+            else f"sandbox process exited with code {code}: {self._stderr_tail.decode(errors='replace').strip()[-800:]}"
+        )
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(SandboxDied(self._death))
@@ -217,9 +219,15 @@ class BwrapSandbox:
         self._kill()
         return SandboxDied(self._death)
 
-    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
-                   env: dict[str, str] | None = None, as_verifier: bool = False,
-                   on_output: Callable[[str, bytes], None] | None = None) -> ExecResult:
+    async def exec(
+        self,
+        cmd: str,
+        timeout_s: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        as_verifier: bool = False,
+        on_output: Callable[[str, bytes], None] | None = None,
+    ) -> ExecResult:
         """`on_output`: called with ("stdout" | "stderr", bytes) as the command writes, up to the output cap
         per stream; an exception it raises ends its calls and is raised here once the command has ended."""
         env = env or {}
@@ -229,16 +237,24 @@ class BwrapSandbox:
         listener = None if on_output is None else _Listener(on_output)
         reply = await self._call(
             lambda rid: proto.exec_request(rid, script, env, timeout_s, self._cap, role, stream=listener is not None),
-            "exec", timeout_s + REPLY_GRACE_S, listener)
+            "exec",
+            timeout_s + REPLY_GRACE_S,
+            listener,
+        )
         try:
             r = proto.parse_exec(reply.body, self._cap)
         except proto.ProtocolError as exc:
             raise self._violation(exc) from None
         if listener is not None and listener.error is not None:
             raise listener.error
-        return ExecResult(exit_code=r.exit_code, stdout=r.stdout.decode(errors="replace"),
-                          stderr=r.stderr.decode(errors="replace"), duration_s=r.duration_s,
-                          timed_out=r.timed_out, truncated=r.truncated)
+        return ExecResult(
+            exit_code=r.exit_code,
+            stdout=r.stdout.decode(errors="replace"),
+            stderr=r.stderr.decode(errors="replace"),
+            duration_s=r.duration_s,
+            timed_out=r.timed_out,
+            truncated=r.truncated,
+        )
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644, as_verifier: bool = False) -> None:
         raw = data.encode() if isinstance(data, str) else data
@@ -285,8 +301,10 @@ class BwrapSandbox:
         one it started with, and refuses another."""
         if self.network is None:
             if policy != self.fixed_network:
-                raise SandboxError(f"this sandbox started with network {self.fixed_network.describe()} and cannot "
-                                   f"switch to {policy.describe()}: name it in SandboxSpec.network_phases")
+                raise SandboxError(
+                    f"this sandbox started with network {self.fixed_network.describe()} and cannot "
+                    f"switch to {policy.describe()}: name it in SandboxSpec.network_phases"
+                )
             return
         if not self.alive:
             raise SandboxDied(self._death or "sandbox is closed")
@@ -313,8 +331,9 @@ class BwrapSandbox:
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.remove)
         try:  # the readers end at EOF, which the init's death brings; bounded all the same
-            await asyncio.wait_for(asyncio.gather(self._proc.wait(), self._reader, self._err_reader,
-                                                  return_exceptions=True), 5.0)
+            await asyncio.wait_for(
+                asyncio.gather(self._proc.wait(), self._reader, self._err_reader, return_exceptions=True), 5.0
+            )
         except TimeoutError:
             log.warning("sandbox %s: bwrap did not exit within 5 s of SIGKILL", self.name)
         if self.scratch is not None:

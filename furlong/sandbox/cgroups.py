@@ -60,8 +60,7 @@ class Cgroup:
 
     def _tree(self) -> list[Path]:
         """Every directory of this sandbox's cgroups, children before their parent."""
-        return [*(f.parent for f in self.agent_procs_files + self.procs_files if f.parent not in self.dirs),
-                *self.dirs]
+        return [*(f.parent for f in self.agent_procs_files + self.procs_files if f.parent not in self.dirs), *self.dirs]
 
     def pids(self) -> set[int]:
         """Every process of the sandbox, the agent's and the init's."""
@@ -189,8 +188,11 @@ def sweep(parent: Path, older_than_s: float = STALE_AFTER_S) -> int:
             if _owner_dead(d.name):
                 _kill_tree(tree)
                 removed += _remove_tree(tree)
-            elif owner_pid(d.name) is None and now - d.stat().st_mtime >= older_than_s \
-                    and not any((c / "cgroup.procs").read_text().strip() for c in tree):
+            elif (
+                owner_pid(d.name) is None
+                and now - d.stat().st_mtime >= older_than_s
+                and not any((c / "cgroup.procs").read_text().strip() for c in tree)
+            ):
                 removed += _remove_tree(tree)
         except OSError:  # entered, or removed by another run, since the check
             continue
@@ -266,8 +268,9 @@ def _limit_v1(dirs: list[Path], limits: Limits) -> Cgroup:
     _write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
     _write(cpu / "cpu.cfs_quota_us", str(int(limits.cpus * CFS_PERIOD_US)))
     agent = _agent_cgroup(pids / "agent", limits)  # v1 allows processes beside children: the init stays in S
-    return Cgroup(dirs=dirs, v2=False, procs_files=[d / "cgroup.procs" for d in dirs],
-                  agent_procs_files=[agent / "cgroup.procs"])
+    return Cgroup(
+        dirs=dirs, v2=False, procs_files=[d / "cgroup.procs" for d in dirs], agent_procs_files=[agent / "cgroup.procs"]
+    )
 
 
 def _agent_cgroup(d: Path, limits: Limits) -> Path:
@@ -313,8 +316,9 @@ def _nest_v2(d: Path) -> Cgroup:
     """S/init and S/agent as siblings: a v2 cgroup whose children have controllers holds no processes."""
     for child in ("init", "agent"):
         (d / child).mkdir(exist_ok=True)
-    return Cgroup(dirs=[d], v2=True, procs_files=[d / "init" / "cgroup.procs"],
-                  agent_procs_files=[d / "agent" / "cgroup.procs"])
+    return Cgroup(
+        dirs=[d], v2=True, procs_files=[d / "init" / "cgroup.procs"], agent_procs_files=[d / "agent" / "cgroup.procs"]
+    )
 
 
 def _create_delegated(name: str, limits: Limits) -> Cgroup | None:
@@ -328,9 +332,11 @@ def _create_delegated(name: str, limits: Limits) -> Cgroup | None:
 
 # -- delegation to ordinary users ------------------------------------------------------------------
 _V2_CONTROLLERS = ("memory", "pids", "cpu")
-NO_CGROUP_WARNING = ("no delegated cgroup for {user}: sandboxes get RLIMIT_AS per process and RLIMIT_NPROC "
-                     "shared by all of {user}'s processes, and no CPU cap; an administrator can run "
-                     "`furlong sandbox delegate --user {user}`")
+NO_CGROUP_WARNING = (
+    "no delegated cgroup for {user}: sandboxes get RLIMIT_AS per process and RLIMIT_NPROC "
+    "shared by all of {user}'s processes, and no CPU cap; an administrator can run "
+    "`furlong sandbox delegate --user {user}`"
+)
 _found: list[Path] | None = None
 
 
@@ -404,8 +410,9 @@ def delegate(user: str) -> list[Path]:
     if _v2_mount() == ROOT:
         for ctrl in _V2_CONTROLLERS:
             _write(ROOT / "cgroup.subtree_control", f"+{ctrl}")
-        made.append(_hand_over(ROOT / f"furlong-{user}", pw, ("cgroup.procs", "cgroup.subtree_control",
-                                                               "cgroup.threads")))
+        made.append(
+            _hand_over(ROOT / f"furlong-{user}", pw, ("cgroup.procs", "cgroup.subtree_control", "cgroup.threads"))
+        )
     else:  # v1: one directory per controller hierarchy (a hybrid host's v2 tree has no controllers to delegate)
         for ctrl in V1_CONTROLLERS:
             if (ROOT / ctrl / "cgroup.procs").exists():

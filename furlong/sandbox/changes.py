@@ -277,8 +277,9 @@ def _is_dir(path: Path) -> bool:
     return st is not None and stat.S_ISDIR(st.st_mode)
 
 
-def overlay_changes(upper: Path, lowers: Sequence[Path], roots: Sequence[str],
-                    limit: int = WALK_LIMIT) -> tuple[Change, ...]:
+def overlay_changes(
+    upper: Path, lowers: Sequence[Path], roots: Sequence[str], limit: int = WALK_LIMIT
+) -> tuple[Change, ...]:
     """The entries under `roots` (absolute in-sandbox paths) where the overlay of `upper` on `lowers`
     (top first) differs from the lowers alone, sorted by path. At most `limit` entries are walked; past
     it, the last Change is kind "truncated"."""

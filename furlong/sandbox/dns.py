@@ -46,7 +46,7 @@ def parse(data: bytes) -> Query | int | None:
             break
         if n > 63 or at + n > len(data):  # a compression pointer has no place in a lone question
             return FORMERR
-        labels.append(data[at:at + n])
+        labels.append(data[at : at + n])
         at += n
     if at + 4 > len(data) or sum(len(x) + 1 for x in labels) > 255:
         return FORMERR
@@ -55,15 +55,17 @@ def parse(data: bytes) -> Query | int | None:
         name = b".".join(labels).decode("ascii").lower()
     except UnicodeDecodeError:
         return FORMERR
-    return Query(qid, flags, name, qtype, qclass, data[HEADER.size:at + 4])
+    return Query(qid, flags, name, qtype, qclass, data[HEADER.size : at + 4])
 
 
 def reply(query: Query, rcode: int, addresses: tuple[str, ...] = ()) -> bytes:
     """The answer to `query`: `addresses` as records of its type (as many as fit in UDP_MAX), and `rcode`."""
     family, size = (socket.AF_INET, 4) if query.qtype == A else (socket.AF_INET6, 16)
     room = (UDP_MAX - HEADER.size - len(query.question)) // (12 + size)
-    records = [b"\xc0\x0c" + struct.pack(">HHIH", query.qtype, CLASS_IN, TTL_S, size) + socket.inet_pton(family, a)
-               for a in addresses[:max(room, 0)]]
+    records = [
+        b"\xc0\x0c" + struct.pack(">HHIH", query.qtype, CLASS_IN, TTL_S, size) + socket.inet_pton(family, a)
+        for a in addresses[: max(room, 0)]
+    ]
     flags = 0x8000 | (query.flags & 0x0100) | 0x0080 | rcode  # QR, RD as asked, RA
     return HEADER.pack(query.id, flags, 1, len(records), 0, 0) + query.question + b"".join(records)
 

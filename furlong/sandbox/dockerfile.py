@@ -54,7 +54,9 @@ def parse(path: Path, imported: Collection[str] = ()) -> list[Instruction]:
         op, _, args = logical.partition(" ")
         op = op.upper()
         if op not in SUPPORTED:
-            raise DockerfileError(path, line_no, f"unsupported instruction {op} (furlong supports {', '.join(SUPPORTED)})")
+            raise DockerfileError(
+                path, line_no, f"unsupported instruction {op} (furlong supports {', '.join(SUPPORTED)})"
+            )
         if not args.strip():
             raise DockerfileError(path, line_no, f"{op} needs arguments")
         steps.append(Instruction(op, args.strip(), line_no))
@@ -127,13 +129,19 @@ def _validate(path: Path, step: Instruction, first: bool, imported: Collection[s
             raise DockerfileError(path, step.line, "multi-stage builds (a second FROM) are not supported")
         words = step.args.split()
         if len(words) > 1:
-            raise DockerfileError(path, step.line,
-                                  f"FROM takes one image name here (no --platform or AS), got {step.args!r}")
+            raise DockerfileError(
+                path, step.line, f"FROM takes one image name here (no --platform or AS), got {step.args!r}"
+            )
         if words[0] not in imported and standins.resolve(words[0]) is None:
-            raise DockerfileError(path, step.line, (
-                f"unknown base {step.args!r}: no registry is reached here; known: {', '.join(standins.KNOWN)}"
-                f"{', or imported: ' + ', '.join(sorted(imported)) if imported else ''}; "
-                f"bring it by hand with `furlong image import {words[0]} ROOTFS_OR_OCI_ARCHIVE`"))
+            raise DockerfileError(
+                path,
+                step.line,
+                (
+                    f"unknown base {step.args!r}: no registry is reached here; known: {', '.join(standins.KNOWN)}"
+                    f"{', or imported: ' + ', '.join(sorted(imported)) if imported else ''}; "
+                    f"bring it by hand with `furlong image import {words[0]} ROOTFS_OR_OCI_ARCHIVE`"
+                ),
+            )
     elif step.op == "COPY":
         if step.args.startswith("--"):
             raise DockerfileError(path, step.line, "COPY flags (--from, --chown, ...) are not supported")
@@ -148,7 +156,7 @@ def _validate(path: Path, step: Instruction, first: bool, imported: Collection[s
 def env_pairs(path: Path, step: Instruction) -> list[tuple[str, str]]:
     words = shlex.split(step.args)
     if "=" not in words[0]:  # legacy form: ENV KEY value with spaces
-        return [(words[0], step.args[len(words[0]):].strip())]
+        return [(words[0], step.args[len(words[0]) :].strip())]
     pairs = []
     for word in words:
         key, eq, value = word.partition("=")
@@ -164,6 +172,7 @@ _VAR = re.compile(r"\\(\$)|\$(?:\{(\w+)(?::([-+])([^}]*))?\}|(\w+))")
 def expand(text: str, env: dict[str, str]) -> str:
     """Docker's variable substitution in ENV and WORKDIR: $VAR, ${VAR}, ${VAR:-default}, ${VAR:+alt},
     and \\$ for a literal dollar; an unset variable is empty."""
+
     def sub(m: re.Match) -> str:
         if m.group(1):
             return "$"
@@ -174,6 +183,7 @@ def expand(text: str, env: dict[str, str]) -> str:
         if m.group(3) == "+":
             return m.group(4) if value else ""
         return value
+
     return _VAR.sub(sub, text)
 
 
@@ -218,8 +228,7 @@ def copy_tar(context: Path, step: Instruction, workdir: str, dockerfile: Path) -
     dest_abs = posixpath.normpath(dest if dest.startswith("/") else posixpath.join(workdir, dest))
     # Docker copies into dest when it ends in / or ., names several sources, or is an existing
     # directory: the workdir is one (WORKDIR made it) even when written without a trailing slash.
-    into_dir = (dest.endswith(("/", "/.")) or dest == "." or len(sources) > 1
-                or dest_abs == posixpath.normpath(workdir))
+    into_dir = dest.endswith(("/", "/.")) or dest == "." or len(sources) > 1 or dest_abs == posixpath.normpath(workdir)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for src in sources:
@@ -230,10 +239,13 @@ def copy_tar(context: Path, step: Instruction, workdir: str, dockerfile: Path) -
                 raise DockerfileError(dockerfile, step.line, f"COPY source {src!r} not found in {root}")
             if local.is_dir():  # a directory's contents go into dest
                 for child in sorted(local.rglob("*")):
-                    tar.add(child, arcname=posixpath.join(dest_abs, str(child.relative_to(local))).lstrip("/"),
-                            recursive=False, filter=root_owned)
+                    tar.add(
+                        child,
+                        arcname=posixpath.join(dest_abs, str(child.relative_to(local))).lstrip("/"),
+                        recursive=False,
+                        filter=root_owned,
+                    )
             else:
                 target = posixpath.join(dest_abs, local.name) if into_dir else dest_abs
                 tar.add(local, arcname=target.lstrip("/"), filter=root_owned)
     return buf.getvalue()
-

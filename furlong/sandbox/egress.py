@@ -34,10 +34,24 @@ MOUNT = "/run/furlong-host"  # inside: the host's pieces, read-only
 CA_FILE, APT_FILE, WGETRC_FILE = "ca-certificates.crt", "apt.conf", "wgetrc"
 # The clients that read a CA bundle from the environment: OpenSSL's users (Python's ssl, curl, wget built
 # with OpenSSL, uv, Go), pip (else certifi), requests, the curl command, Node (added to its own roots), git.
-CA_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-                "GIT_SSL_CAINFO")
-PROXY_VARIABLES = ("http_proxy", "https_proxy", "no_proxy", "all_proxy",
-                   "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY")
+CA_VARIABLES = (
+    "SSL_CERT_FILE",
+    "PIP_CERT",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS",
+    "GIT_SSL_CAINFO",
+)
+PROXY_VARIABLES = (
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "all_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "ALL_PROXY",
+)
 PIP_KEYS = ("index-url", "extra-index-url", "trusted-host", "cert")
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
@@ -100,8 +114,9 @@ def host_egress(trust_host_ca: bool, ca_bundle: Path | None, package_mirrors: st
         files[APT_FILE] = ("\n".join(apt) + "\n").encode()
         env.append(("APT_CONFIG", f"{MOUNT}/{APT_FILE}"))  # read before apt.conf.d, which still applies
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
-    return Egress(key=digest, env=tuple(env), directory=_write_directory(files) if files else None,
-                  settings=", ".join(key))
+    return Egress(
+        key=digest, env=tuple(env), directory=_write_directory(files) if files else None, settings=", ".join(key)
+    )
 
 
 def through_proxy(egress: Egress | None, proxy_url: str) -> Egress:
@@ -114,18 +129,28 @@ def through_proxy(egress: Egress | None, proxy_url: str) -> Egress:
     if egress is not None and egress.directory is not None:
         for path in egress.directory.iterdir():
             files[path.name] = path.read_bytes()
-        apt = [line for line in files.pop(APT_FILE, b"").decode().splitlines()
-               if "::proxy" not in line.split(" ", 1)[0].lower()]
+        apt = [
+            line
+            for line in files.pop(APT_FILE, b"").decode().splitlines()
+            if "::proxy" not in line.split(" ", 1)[0].lower()
+        ]
     env = [(k, v) for k, v in (egress.env if egress else ()) if k not in PROXY_VARIABLES and k != "APT_CONFIG"]
     env += [(name, proxy_url) for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")]
     env += [(name, ",".join(LOOPBACK)) for name in ("no_proxy", "NO_PROXY")]
-    apt += [f'Acquire::http::Proxy "{proxy_url}/";', f'Acquire::https::Proxy "{proxy_url}/";',
-            'Acquire::http::Pipeline-Depth "0";']
+    apt += [
+        f'Acquire::http::Proxy "{proxy_url}/";',
+        f'Acquire::https::Proxy "{proxy_url}/";',
+        'Acquire::http::Pipeline-Depth "0";',
+    ]
     files[APT_FILE] = ("\n".join(apt) + "\n").encode()
     env.append(("APT_CONFIG", f"{MOUNT}/{APT_FILE}"))
     key = egress.key if egress else ""
-    return Egress(key=key, env=tuple(env), directory=_write_directory(files),
-                  settings=", ".join(x for x in (egress.settings if egress else "", "egress proxy") if x))
+    return Egress(
+        key=key,
+        env=tuple(env),
+        directory=_write_directory(files),
+        settings=", ".join(x for x in (egress.settings if egress else "", "egress proxy") if x),
+    )
 
 
 def default_ca_bundle() -> Path:
@@ -135,8 +160,10 @@ def default_ca_bundle() -> Path:
     for candidate in (pip_settings().get("cert"), paths.cafile, paths.openssl_cafile):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
-    raise SandboxError("images.trust_host_ca: this host has no CA bundle file that pip or Python use; "
-                       "name one with images.host_ca_bundle")
+    raise SandboxError(
+        "images.trust_host_ca: this host has no CA bundle file that pip or Python use; "
+        "name one with images.host_ca_bundle"
+    )
 
 
 def _read_bundle(path: Path) -> bytes:
@@ -158,8 +185,13 @@ def pip_config_files(environ=os.environ) -> list[Path]:
     xdg_dirs = (environ.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":")
     home = Path(environ.get("HOME") or Path.home())
     user = Path(environ.get("XDG_CONFIG_HOME") or home / ".config")
-    files = [*(Path(d) / "pip" / "pip.conf" for d in xdg_dirs if d), Path("/etc/pip.conf"),
-             home / ".pip" / "pip.conf", user / "pip" / "pip.conf", Path(sys.prefix) / "pip.conf"]
+    files = [
+        *(Path(d) / "pip" / "pip.conf" for d in xdg_dirs if d),
+        Path("/etc/pip.conf"),
+        home / ".pip" / "pip.conf",
+        user / "pip" / "pip.conf",
+        Path(sys.prefix) / "pip.conf",
+    ]
     return files + ([Path(given)] if given else [])
 
 
@@ -193,11 +225,16 @@ def mirror_env(pip: dict[str, str], environ) -> tuple[list[tuple[str, str]], lis
         words = pip.get(key, "").split()
         kept = [w for w in words if urlsplit(w).scheme in ("http", "https")]
         notes += [f"pip {key} {w} is not an http(s) URL; sandboxes do not get it" for w in words if w not in kept]
-        notes += [f"pip {key} {w} is on host loopback, which sandboxes cannot reach" for w in kept
-                  if urlsplit(w).hostname in LOOPBACK]
+        notes += [
+            f"pip {key} {w} is on host loopback, which sandboxes cannot reach"
+            for w in kept
+            if urlsplit(w).hostname in LOOPBACK
+        ]
         urls[key] = " ".join(kept)
-    for key, pip_var, uv_var in (("index-url", "PIP_INDEX_URL", "UV_INDEX_URL"),
-                                 ("extra-index-url", "PIP_EXTRA_INDEX_URL", "UV_EXTRA_INDEX_URL")):
+    for key, pip_var, uv_var in (
+        ("index-url", "PIP_INDEX_URL", "UV_INDEX_URL"),
+        ("extra-index-url", "PIP_EXTRA_INDEX_URL", "UV_EXTRA_INDEX_URL"),
+    ):
         if urls[key]:
             env += [(pip_var, urls[key]), (uv_var, urls[key])]
     if trusted := pip.get("trusted-host", "").split():  # the host's own choice, kept as it made it
@@ -212,9 +249,12 @@ def apt_proxies() -> list[str]:
     if shutil.which("apt-config") is None:
         return []
     out = subprocess.run(["apt-config", "dump"], capture_output=True, text=True, timeout=30, check=False).stdout
-    return [line for line in out.splitlines()
-            if line.split(" ", 1)[0].lower().split("::")[:3] in (["acquire", "http", "proxy"],
-                                                                  ["acquire", "https", "proxy"])]
+    return [
+        line
+        for line in out.splitlines()
+        if line.split(" ", 1)[0].lower().split("::")[:3]
+        in (["acquire", "http", "proxy"], ["acquire", "https", "proxy"])
+    ]
 
 
 def _write_directory(files: dict[str, bytes]) -> Path:

@@ -191,8 +191,11 @@ class _Request:
 def _answer(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
     words = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway"}[status]
     body = f"furlong egress proxy: {reason}\n".encode()
-    writer.write(f"HTTP/1.1 {status} {words}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
-                 f"Connection: close\r\n\r\n".encode() + body)
+    writer.write(
+        f"HTTP/1.1 {status} {words}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
+        f"Connection: close\r\n\r\n".encode()
+        + body
+    )
 
 
 async def _connect(addresses: list[str], port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -246,8 +249,12 @@ class EgressProxy:
     """Every Gate of this process, served by one thread of its own. `package_hosts`: what `packages` admits
     (furlong.sandbox.indexes, read on first need); `test_only`: see TestOnlyNames."""
 
-    def __init__(self, package_hosts: Callable[[], tuple[str, ...]] | None = None,
-                 test_only: TestOnlyNames | None = None, resolver: Resolver = system_resolver):
+    def __init__(
+        self,
+        package_hosts: Callable[[], tuple[str, ...]] | None = None,
+        test_only: TestOnlyNames | None = None,
+        resolver: Resolver = system_resolver,
+    ):
         self._package_source = package_hosts
         self._packages: tuple[str, ...] | None = None
         self.test_only, self._resolver = test_only, resolver
@@ -335,8 +342,9 @@ class EgressProxy:
             found = await self.resolve(query.name, family)
         except socket.gaierror as exc:
             nodata = exc.errno in (socket.EAI_NODATA, getattr(socket, "EAI_ADDRFAMILY", -9))
-            return dns.reply(query, dns.NOERROR if nodata else dns.NXDOMAIN if exc.errno == socket.EAI_NONAME
-                             else dns.SERVFAIL)
+            return dns.reply(
+                query, dns.NOERROR if nodata else dns.NXDOMAIN if exc.errno == socket.EAI_NONAME else dns.SERVFAIL
+            )
         except OSError:
             return dns.reply(query, dns.SERVFAIL)
         return dns.reply(query, dns.NOERROR, tuple(a for a in found if _family(a) == family))

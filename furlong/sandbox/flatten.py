@@ -97,8 +97,9 @@ def _rest_is_dir(layer: Path, under: str) -> bool:
         return False
 
 
-def _layer_entries(layer: Path, under: str, seen: dict[str, bool], whiteouts: set[str],
-                   opaque: set[str]) -> Iterator[tuple[str, str, os.stat_result]]:
+def _layer_entries(
+    layer: Path, under: str, seen: dict[str, bool], whiteouts: set[str], opaque: set[str]
+) -> Iterator[tuple[str, str, os.stat_result]]:
     new_whiteouts, new_opaque = set(), set()
     for dirpath, dirnames, filenames in os.walk(layer / under if under else layer):
         rel_dir = os.path.relpath(dirpath, layer)
@@ -136,7 +137,7 @@ def subtree_tar(layers: Sequence[Path], under: str, mode_mask: int = 0o7777) -> 
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for rel, path, st in merged(layers, under):
             found = True
-            info = tarfile.TarInfo(rel[len(under.strip("/")) + 1:])
+            info = tarfile.TarInfo(rel[len(under.strip("/")) + 1 :])
             info.mode, info.mtime = stat.S_IMODE(st.st_mode) & mode_mask, int(st.st_mtime)
             if stat.S_ISDIR(st.st_mode):
                 info.type = tarfile.DIRTYPE

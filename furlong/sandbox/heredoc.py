@@ -74,12 +74,16 @@ def convert(path: Path, text: str) -> str:
         out += lines[i:first]
         markers = list(HEREDOC.finditer(step.args)) if step.op in ("RUN", "COPY", "ADD") else []
         if not markers or step.args.startswith("["):
-            out += lines[first:last + 1]
+            out += lines[first : last + 1]
             i = last + 1
             continue
         if step.op != "RUN":
-            raise DockerfileError(path, first + 1, f"{step.op} <<{markers[0].group(3)} (an inline file) is not "
-                                                   f"supported; write the file with RUN cat <<'EOF' > DEST")
+            raise DockerfileError(
+                path,
+                first + 1,
+                f"{step.op} <<{markers[0].group(3)} (an inline file) is not "
+                f"supported; write the file with RUN cat <<'EOF' > DEST",
+            )
         bodies, end = _bodies(path, lines, last + 1, markers, first + 1)
         out.append(_run_line(step.args, markers, bodies))
         out += [""] * (end - first - 1)
@@ -113,8 +117,10 @@ def _run_line(args: str, markers, bodies: list[list[str]]) -> str:
         script = "\n".join(body) + "\n"
         if script.startswith("#!"):  # its own interpreter: run it as an executable file
             encoded = _b64(script)
-            return (f"RUN {flags}f=$(mktemp) && echo {encoded} | base64 -d > \"$f\" && chmod +x \"$f\" && \"$f\"; "
-                    f"rc=$?; rm -f \"$f\"; exit $rc")
+            return (
+                f'RUN {flags}f=$(mktemp) && echo {encoded} | base64 -d > "$f" && chmod +x "$f" && "$f"; '
+                f'rc=$?; rm -f "$f"; exit $rc'
+            )
     else:
         script = command + "\n" + "".join("\n".join(body + [m.group(3)]) + "\n" for body, m in zip(bodies, markers))
     return f'RUN {flags}eval "$(echo {_b64(script)} | base64 -d)"'

@@ -42,9 +42,14 @@ class Recipe:
 
 
 def image_ref(data: dict[str, Any]) -> ImageRef:
-    return ImageRef(digest=data["digest"], layers=tuple(LayerRef(**layer) for layer in data["layers"]),
-                    env=tuple(tuple(pair) for pair in data["env"]), workdir=data["workdir"],
-                    user=data["user"], note=data["note"])
+    return ImageRef(
+        digest=data["digest"],
+        layers=tuple(LayerRef(**layer) for layer in data["layers"]),
+        env=tuple(tuple(pair) for pair in data["env"]),
+        workdir=data["workdir"],
+        user=data["user"],
+        note=data["note"],
+    )
 
 
 class HostImages:
@@ -56,11 +61,14 @@ class HostImages:
         self._toolchain: Toolchain | None = None
 
     async def _build(self, host: Host, recipe: Recipe) -> dict[str, Any]:
-        params = {"kind": recipe.kind, "dockerfile": recipe.dockerfile, "label": recipe.label,
-                  **({"ref": recipe.ref, "where": recipe.where} if recipe.kind == "prebuilt" else {})}
+        params = {
+            "kind": recipe.kind,
+            "dockerfile": recipe.dockerfile,
+            "label": recipe.label,
+            **({"ref": recipe.ref, "where": recipe.where} if recipe.kind == "prebuilt" else {}),
+        }
         try:
-            r = await host.client().post("/v1/images", params=params, content=recipe.context,
-                                         timeout=BUILD_TIMEOUT_S)
+            r = await host.client().post("/v1/images", params=params, content=recipe.context, timeout=BUILD_TIMEOUT_S)
         except httpx.TransportError as exc:
             host.mark_down()
             raise SandboxError(f"image build on {host.url}: {type(exc).__name__}: {exc}") from exc
@@ -120,5 +128,3 @@ def _recipe(source: Path | Prebuilt) -> Recipe:
         built = _recipe(source.dockerfile) if source.dockerfile else Recipe("prebuilt")
         return Recipe("prebuilt", built.context, built.dockerfile, built.label, source.ref, source.where)
     return Recipe("dockerfile", tar_dir(source.parent), source.name, str(source))
-
-

@@ -57,8 +57,13 @@ class HostPythonRun:
 def start(spec: PythonSpec, bwrap: str, host_uid: int) -> HostPythonRun:
     cgroup = cgroups.create(f"py-{uuid.uuid4().hex[:12]}", spec.limits)
     try:
-        proc = subprocess.Popen(_command(spec, bwrap, host_uid, cgroup), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            _command(spec, bwrap, host_uid, cgroup),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
     except OSError as exc:
         if cgroup:
             cgroup.remove()
@@ -76,8 +81,9 @@ def _command(spec: PythonSpec, bwrap: str, host_uid: int, cgroup: cgroups.Cgroup
         rlimits += [f"--as={spec.limits.memory_mb << 20}", f"--nproc={_nproc_budget(host_uid, spec.limits.pids)}"]
     child = [sys.executable, "-I", "-c", spec.source, *spec.args]
     # the agent's cgroup last: no verifier runs beside host Python, so it keeps the agent's pids limit
-    joins = [f"echo $$ > {shlex.quote(str(f))}" for f in (cgroup.procs_files + cgroup.agent_procs_files
-                                                         if cgroup else [])]
+    joins = [
+        f"echo $$ > {shlex.quote(str(f))}" for f in (cgroup.procs_files + cgroup.agent_procs_files if cgroup else [])
+    ]
     if os.geteuid() != 0:
         return _sh(joins, ["prlimit", *rlimits, "--", *_bwrap(bwrap, binds, spec, child)])
     # Root's home is 0700 and bwrap (as the sandbox uid) resolves bind sources by path, so root
@@ -89,8 +95,14 @@ def _command(spec: PythonSpec, bwrap: str, host_uid: int, cgroup: cgroups.Cgroup
     mounts = [f"mount -t tmpfs -o size=64k,mode=0755 furlong-gen {STAGE}"]
     mounts += [f"mkdir {s} && mount --bind {shlex.quote(src)} {s}" for (src, _), (s, _) in zip(binds, staged)]
     drop = ["setpriv", f"--reuid={host_uid}", f"--regid={host_uid}", "--clear-groups", "--"]
-    return ["unshare", "--mount", "--propagation", "private", "--",
-            *_sh(joins + mounts, [*drop, "prlimit", *rlimits, "--", *_bwrap(bwrap, staged, spec, child)])]
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        *_sh(joins + mounts, [*drop, "prlimit", *rlimits, "--", *_bwrap(bwrap, staged, spec, child)]),
+    ]
 
 
 def _sh(steps: list[str], argv: list[str]) -> list[str]:
@@ -101,11 +113,34 @@ def _sh(steps: list[str], argv: list[str]) -> list[str]:
 
 
 def _bwrap(bwrap: str, binds: list[tuple[str, str]], spec: PythonSpec, child: list[str]) -> list[str]:
-    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--new-session", "--cap-drop", "ALL", "--hostname", "furlong-gen", "--clearenv",
-            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-            "--setenv", "LANG", "C.UTF-8", "--ro-bind", "/usr", "/usr", "--ro-bind-try", "/etc/ld.so.cache",
-            "/etc/ld.so.cache"]
+    args = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "furlong-gen",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/local/bin:/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--ro-bind-try",
+        "/etc/ld.so.cache",
+        "/etc/ld.so.cache",
+    ]
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host = Path("/") / top
         if host.is_symlink():
@@ -116,8 +151,23 @@ def _bwrap(bwrap: str, binds: list[tuple[str, str]], spec: PythonSpec, child: li
     args += ["--size", str(spec.tmp_bytes), "--tmpfs", "/tmp"]
     for src, dst in sorted(binds, key=lambda b: len(b[1])):  # parents before what is bound inside them
         args += ["--ro-bind", src, dst]
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(spec.out_bytes), "--tmpfs", "/out",
-             "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", "/out", "--"]
+    args += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(spec.out_bytes),
+        "--tmpfs",
+        "/out",
+        "--remount-ro",
+        "/",
+        "--remount-ro",
+        "/dev",
+        "--chdir",
+        "/out",
+        "--",
+    ]
     return args + child
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from furlong import paths
 from furlong.sandbox.base import SandboxError
 
 DOWN_S = 5.0  # a host that failed is not picked for this long
@@ -41,8 +42,10 @@ class Host:
         c = self._clients.get(loop)
         if c is None or c.is_closed:
             c = self._clients[loop] = httpx.AsyncClient(
-                base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
-                timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S))
+                base_url=self.url,
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S),
+            )
         return c
 
     @property
@@ -108,11 +111,8 @@ class Hosts:
 
 
 def read_secret(path: Path, flag: str, what: str) -> str:
-    """A secret of at least 16 characters from `path`, which the flag `flag` named."""
+    """furlong.paths.read_secret, failing as a SandboxError (what the sandbox hosts' callers handle)."""
     try:
-        secret = path.read_text().strip()
-    except OSError as e:
-        raise SandboxError(f"{flag} {path}: {e.strerror}") from None
-    if len(secret) < 16:
-        raise SandboxError(f"{flag} {path}: expected a {what} of at least 16 characters")
-    return secret
+        return paths.read_secret(path, flag, what)
+    except ValueError as e:
+        raise SandboxError(str(e)) from None

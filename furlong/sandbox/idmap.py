@@ -66,8 +66,10 @@ def _lookup() -> tuple[SubIds | None, str]:
     starts = [sub_range(Path(f"/etc/sub{kind}"), (name, str(uid))) for kind in ("uid", "gid")]
     uid_start, gid_start = starts
     if uid_start is None or gid_start is None:
-        return None, (f"{name} has no range of {COUNT} ids in /etc/subuid and /etc/subgid (an administrator runs "
-                      f"`usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {name}`)")
+        return None, (
+            f"{name} has no range of {COUNT} ids in /etc/subuid and /etc/subgid (an administrator runs "
+            f"`usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {name}`)"
+        )
     return SubIds(uid_start, gid_start), ""
 
 

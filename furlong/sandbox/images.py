@@ -74,10 +74,18 @@ def _inside_id(host: int, sub_start: int | None) -> int:
 
 
 class ImageStore:
-    def __init__(self, root: Path | None = None, host_uid: int | None = None,
-                 mirror: str | None = None, build_timeout_s: float = 1800.0,
-                 pulls: registry.Settings | None = None, egress: Egress | None = None,
-                 standin_versions: str = "nearest", offline_uv: bool = False, ubuntu_standins: str = "off"):
+    def __init__(
+        self,
+        root: Path | None = None,
+        host_uid: int | None = None,
+        mirror: str | None = None,
+        build_timeout_s: float = 1800.0,
+        pulls: registry.Settings | None = None,
+        egress: Egress | None = None,
+        standin_versions: str = "nearest",
+        offline_uv: bool = False,
+        ubuntu_standins: str = "off",
+    ):
         self.root = root or cache_dir() / "images"
         # the sandbox uid, as the bwrap backend picks it: the given one as root, else this process's own
         self.host_uid = (DEFAULT_HOST_UID if host_uid is None else host_uid) if os.geteuid() == 0 else os.geteuid()
@@ -132,16 +140,28 @@ class ImageStore:
         shutil.rmtree(rootfs / "var/cache/apt/archives", ignore_errors=True)
         (rootfs / "var/cache/apt/archives/partial").mkdir(parents=True)
         (rootfs / "logs").mkdir(exist_ok=True)
-        meta = {"key": final.name, "suite": suite, "packages": BASE_PACKAGES,
-                "seconds": round(time.monotonic() - started, 1), "builder": f"mmdebstrap {rootless.mmdebstrap_mode()}"}
+        meta = {
+            "key": final.name,
+            "suite": suite,
+            "packages": BASE_PACKAGES,
+            "seconds": round(time.monotonic() - started, 1),
+            "builder": f"mmdebstrap {rootless.mmdebstrap_mode()}",
+        }
         (tmp / "meta.json").write_text(json.dumps(meta))
         tmp.rename(final)
 
     def _mmdebstrap_into(self, rootfs: Path, progress: Progress, suite: str) -> None:
         """Bootstraps into a tar stream unpacked by this process, so every file belongs to this uid
         (root, or the user: the uid the sandbox maps to its root). /dev is left out: bwrap makes one."""
-        cmd = ["mmdebstrap", rootless.mmdebstrap_mode(), "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-               suite, "-", self.mirror]
+        cmd = [
+            "mmdebstrap",
+            rootless.mmdebstrap_mode(),
+            "--variant=minbase",
+            f"--include={','.join(BASE_PACKAGES)}",
+            suite,
+            "-",
+            self.mirror,
+        ]
         untar = ["tar", "-x", "-p", "--no-same-owner", "--numeric-owner", "--exclude=./dev/*", "-C", str(rootfs)]
         boot = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         tar = subprocess.Popen(untar, stdin=boot.stdout, stderr=subprocess.PIPE, text=True)
@@ -153,8 +173,9 @@ class ImageStore:
             progress(f"mmdebstrap: {line.strip()[:100]}")
         tar_err = tar.stderr.read()
         if boot.wait() != 0 or tar.wait() != 0:
-            raise ImageBuildError(f"mmdebstrap failed ({boot.returncode}, tar {tar.returncode}):\n"
-                                  + "\n".join(tail) + tar_err[-1000:])
+            raise ImageBuildError(
+                f"mmdebstrap failed ({boot.returncode}, tar {tar.returncode}):\n" + "\n".join(tail) + tar_err[-1000:]
+            )
 
     # -- layers: named by digest, found under the root ---------------------------------------------
     def layer(self, digest: str, directory: Path) -> LayerRef:
@@ -218,8 +239,10 @@ class ImageStore:
             return await asyncio.to_thread(self.imported_image, meta)
         choice = standins.resolve(ref, self.ubuntu_standins)
         usable = choice is not None and choice.allowed(self.standin_versions)
-        registry_first = choice is None or (ref != standins.base_name(choice.suite) and (
-            self.registry.settings.prefer_registry or choice.registry_first or not usable))
+        registry_first = choice is None or (
+            ref != standins.base_name(choice.suite)
+            and (self.registry.settings.prefer_registry or choice.registry_first or not usable)
+        )
         if registry_first and (pulled := await asyncio.to_thread(self._pull, ref, choice, usable, progress)):
             return await asyncio.to_thread(self.pulled_image, pulled)
         if choice is None:
@@ -248,15 +271,24 @@ class ImageStore:
 
     def imported_image(self, meta: dict) -> ImageRef:
         rootfs = imports.directory(self.root, meta["name"]) / imports.rootfs_name(meta["id"])
-        return ImageRef(digest=f"import-{meta['id']}", layers=(self.layer(f"import-{meta['id']}", rootfs),),
-                        env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
-                        user=meta.get("user", ""), note=f"{meta['name']}: imported by hand from {meta['source']}")
+        return ImageRef(
+            digest=f"import-{meta['id']}",
+            layers=(self.layer(f"import-{meta['id']}", rootfs),),
+            env=tuple(tuple(p) for p in meta.get("env", ())),
+            workdir=meta.get("workdir", "/"),
+            user=meta.get("user", ""),
+            note=f"{meta['name']}: imported by hand from {meta['source']}",
+        )
 
     def pulled_image(self, meta: dict) -> ImageRef:
-        return ImageRef(digest=f"pulled-{meta['manifest'][7:23]}",
-                        layers=(self.layer(meta["manifest"], self.registry.rootfs(meta)),),
-                        env=tuple(tuple(p) for p in meta.get("env", ())), workdir=meta.get("workdir", "/"),
-                        user=meta.get("user", ""), note=f"{meta['ref']}: pulled, {meta['digest']}")
+        return ImageRef(
+            digest=f"pulled-{meta['manifest'][7:23]}",
+            layers=(self.layer(meta["manifest"], self.registry.rootfs(meta)),),
+            env=tuple(tuple(p) for p in meta.get("env", ())),
+            workdir=meta.get("workdir", "/"),
+            user=meta.get("user", ""),
+            note=f"{meta['ref']}: pulled, {meta['digest']}",
+        )
 
     def egress_parts(self) -> list[str]:
         """What a network-built layer's key records of the host's CAs and mirrors: nothing when both are off,
@@ -264,8 +296,9 @@ class ImageStore:
         return [f"egress {self.egress.key}"] if self.egress else []
 
     def standin_key(self, standin: standins.Standin) -> str:
-        return (f"standin-{standin.name}-"
-                + _sha(FORMAT, self.base_key(standin.suite), standin.dockerfile(), *self.egress_parts()))
+        return f"standin-{standin.name}-" + _sha(
+            FORMAT, self.base_key(standin.suite), standin.dockerfile(), *self.egress_parts()
+        )
 
     async def _standin(self, standin: standins.Standin, base: ImageRef, backend, progress: Progress) -> ImageRef:
         """The base plus the stand-in's layer (its note: what the probe printed, e.g. 3.11.2)."""
@@ -276,12 +309,24 @@ class ImageStore:
                 recipe = self.root / f".{key}.Dockerfile"  # a real file, so build errors name file:line
                 recipe.write_text(standin.dockerfile())
                 steps = df.parse(recipe)
-                await self._build_layer(final, base, recipe, steps, backend, progress,
-                                        label=f"{standin.name} stand-in", probe=standin.probe,
-                                        extra={"standin": standin.name, "packages": standin.packages})
+                await self._build_layer(
+                    final,
+                    base,
+                    recipe,
+                    steps,
+                    backend,
+                    progress,
+                    label=f"{standin.name} stand-in",
+                    probe=standin.probe,
+                    extra={"standin": standin.name, "packages": standin.packages},
+                )
         meta = json.loads((final / "meta.json").read_text())
-        return ImageRef(digest=key, layers=(self.layer(key, final / "upper"), *base.layers),
-                        env=tuple(tuple(p) for p in meta["env"]), note=meta.get("provides", ""))
+        return ImageRef(
+            digest=key,
+            layers=(self.layer(key, final / "upper"), *base.layers),
+            env=tuple(tuple(p) for p in meta["env"]),
+            note=meta.get("provides", ""),
+        )
 
     def listing(self) -> list[tuple[str, str]]:
         """(directory, what it is) for every image in the store."""
@@ -300,12 +345,21 @@ class ImageStore:
         return rows + self.registry.listing()
 
     # -- Dockerfile layers -------------------------------------------------------------------
-    def layer_key(self, dockerfile: Path, steps: list[df.Instruction], parent_key: str | None = None,
-                  offline: offline_uv.OfflineUv | None = None) -> str:
+    def layer_key(
+        self,
+        dockerfile: Path,
+        steps: list[df.Instruction],
+        parent_key: str | None = None,
+        offline: offline_uv.OfflineUv | None = None,
+    ) -> str:
         """The parent's key (the base unless FROM named a stand-in or an import), the steps, the content
         COPY brings in, and the toolchain that images.offline_uv took uv from (where a step fetched it)."""
-        parts: list[str | bytes] = [FORMAT, parent_key or self.base_key(), *self.egress_parts(),
-                                    *([f"offline_uv {offline.key}"] if offline else [])]
+        parts: list[str | bytes] = [
+            FORMAT,
+            parent_key or self.base_key(),
+            *self.egress_parts(),
+            *([f"offline_uv {offline.key}"] if offline else []),
+        ]
         workdir = "/"
         for step in steps[1:]:
             parts.append(f"{step.op} {step.args}")
@@ -356,23 +410,42 @@ class ImageStore:
         final = self.root / key
         async with self._locks.setdefault(key, asyncio.Lock()):
             if not (final / "meta.json").exists():
-                await self._build_layer(final, parent, dockerfile, steps, backend, progress,
-                                        label=dockerfile.parent.parent.name, offline=offline,
-                                        extra={"base": steps[0].args, "note": parent.note, "builder": "furlong",
-                                               **({"offline_uv": uv_note} if offline else {})})
+                await self._build_layer(
+                    final,
+                    parent,
+                    dockerfile,
+                    steps,
+                    backend,
+                    progress,
+                    label=dockerfile.parent.parent.name,
+                    offline=offline,
+                    extra={
+                        "base": steps[0].args,
+                        "note": parent.note,
+                        "builder": "furlong",
+                        **({"offline_uv": uv_note} if offline else {}),
+                    },
+                )
         meta = json.loads((final / "meta.json").read_text())
-        ref = ImageRef(digest=key, layers=(self.layer(key, final / "upper"), *parent.layers),
-                       env=parent.env + tuple(tuple(p) for p in meta["env"]), workdir=meta["workdir"],
-                       user=meta.get("user", parent.user),
-                       note="; ".join(n for n in (parent.note, meta.get("offline_uv", "")) if n))
-        where = next((f"{dockerfile}:{s.line}" for s in reversed(steps) if s.op == "USER"),
-                     f"{dockerfile}:{steps[0].line}: FROM {steps[0].args}")
+        ref = ImageRef(
+            digest=key,
+            layers=(self.layer(key, final / "upper"), *parent.layers),
+            env=parent.env + tuple(tuple(p) for p in meta["env"]),
+            workdir=meta["workdir"],
+            user=meta.get("user", parent.user),
+            note="; ".join(n for n in (parent.note, meta.get("offline_uv", "")) if n),
+        )
+        where = next(
+            (f"{dockerfile}:{s.line}" for s in reversed(steps) if s.op == "USER"),
+            f"{dockerfile}:{steps[0].line}: FROM {steps[0].args}",
+        )
         await asyncio.to_thread(self.check_user, ref, where)
         self._resolved[dockerfile] = ref
         return ref
 
-    async def _offline_uv(self, dockerfile: Path, steps, backend,
-                          progress: Progress) -> tuple[offline_uv.OfflineUv | None, str]:
+    async def _offline_uv(
+        self, dockerfile: Path, steps, backend, progress: Progress
+    ) -> tuple[offline_uv.OfflineUv | None, str]:
         """With images.offline_uv, where a RUN step fetches uv's installer: the toolchain's uv, and the note
         saying so (the version the URL asked for included); else (None, "")."""
         wanted = [(s, v) for s in steps if s.op == "RUN" and (v := offline_uv.asked(df.run_command(s)))]
@@ -397,25 +470,42 @@ class ImageStore:
         except (users.UserError, OSError) as exc:
             raise ImageBuildError(f"{where}: {exc}") from None
 
-    async def _build_layer(self, final: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
-                           label: str, probe: str = "", extra: dict | None = None,
-                           offline: offline_uv.OfflineUv | None = None) -> None:
+    async def _build_layer(
+        self,
+        final: Path,
+        parent: ImageRef,
+        dockerfile: Path,
+        steps,
+        backend,
+        progress,
+        label: str,
+        probe: str = "",
+        extra: dict | None = None,
+        offline: offline_uv.OfflineUv | None = None,
+    ) -> None:
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         _rmtree(tmp)
         (tmp / "upper").mkdir(parents=True)
         started = time.monotonic()
         try:
-            env, workdir, user, provides = await self._run_steps(tmp / "upper", parent, dockerfile, steps,
-                                                                 backend, progress, label, probe, offline)
+            env, workdir, user, provides = await self._run_steps(
+                tmp / "upper", parent, dockerfile, steps, backend, progress, label, probe, offline
+            )
         except BaseException:
             _rmtree(tmp)  # a failed build leaves nothing behind
             raise
         if self.egress:
             self.egress.remove_mount_point(tmp / "upper")
         await asyncio.to_thread(self._seal, tmp / "upper")
-        meta = {"env": env, "workdir": workdir, "user": user, "dockerfile": str(dockerfile), **(extra or {}),
-                **({"egress": self.egress.settings} if self.egress else {}),
-                "seconds": round(time.monotonic() - started, 1)}
+        meta = {
+            "env": env,
+            "workdir": workdir,
+            "user": user,
+            "dockerfile": str(dockerfile),
+            **(extra or {}),
+            **({"egress": self.egress.settings} if self.egress else {}),
+            "seconds": round(time.monotonic() - started, 1),
+        }
         (tmp / "meta.json").write_text(json.dumps({**meta, "provides": provides} if probe else meta))
         with _locked(self.root / f".{final.name}.lock"):
             if (final / "meta.json").exists():  # another process built it meanwhile
@@ -424,8 +514,18 @@ class ImageStore:
                 _rmtree(final)
                 tmp.rename(final)
 
-    async def _run_steps(self, upper: Path, parent: ImageRef, dockerfile: Path, steps, backend, progress,
-                         label: str, probe: str, offline: offline_uv.OfflineUv | None = None):
+    async def _run_steps(
+        self,
+        upper: Path,
+        parent: ImageRef,
+        dockerfile: Path,
+        steps,
+        backend,
+        progress,
+        label: str,
+        probe: str,
+        offline: offline_uv.OfflineUv | None = None,
+    ):
         """Runs the steps after FROM in one build sandbox, as root (a USER other than root goes to buildah);
         then `probe`, whose output is returned."""
         env: list[tuple[str, str]] = []
@@ -455,8 +555,9 @@ class ImageStore:
             await box.close()
         return env, workdir, user, provides
 
-    async def _run(self, box, cmd: str, dockerfile: Path, step, env: dict, cwd: str,
-                   offline: offline_uv.OfflineUv | None) -> None:
+    async def _run(
+        self, box, cmd: str, dockerfile: Path, step, env: dict, cwd: str, offline: offline_uv.OfflineUv | None
+    ) -> None:
         """A RUN step; one fetching uv's installer with images.offline_uv on gets the toolchain's uv: its
         directory is copied in for the step alone (a bind would need a sandbox of its own per step)."""
         if offline is None or offline_uv.asked(cmd) is None:

@@ -33,8 +33,10 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _INDEXES = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
 _MANIFESTS = ("application/vnd.oci.image.manifest.v1+json", "application/vnd.docker.distribution.manifest.v2+json")
-_LAYER = re.compile(r"application/vnd\.(oci\.image\.layer(\.nondistributable)?\.v1\.tar(\+gzip)?"
-                    r"|docker\.image\.rootfs(\.foreign)?\.diff\.tar\.gzip)")
+_LAYER = re.compile(
+    r"application/vnd\.(oci\.image\.layer(\.nondistributable)?\.v1\.tar(\+gzip)?"
+    r"|docker\.image\.rootfs(\.foreign)?\.diff\.tar\.gzip)"
+)
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
 
 
@@ -218,5 +220,11 @@ def _oci_layout(layout: Path, rootfs: Path, progress: Callable[[str], None], kin
             writer.apply(tar, whiteouts=True)
     writer.finish()
     env = [e.split("=", 1) for e in config.get("Env") or [] if "=" in e]
-    return {"kind": kind, "layers": len(layers), "env": env, "workdir": config.get("WorkingDir") or "/",
-            "user": config.get("User", ""), "skipped_devices": writer.skipped}
+    return {
+        "kind": kind,
+        "layers": len(layers),
+        "env": env,
+        "workdir": config.get("WorkingDir") or "/",
+        "user": config.get("User", ""),
+        "skipped_devices": writer.skipped,
+    }

@@ -19,10 +19,21 @@ from urllib.parse import urlsplit
 from furlong.sandbox.egress import pip_settings
 
 PYPI = ("pypi.org", "files.pythonhosted.org")
-DISTRIBUTIONS = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com", "*.archive.ubuntu.com",
-                 "security.ubuntu.com", "ports.ubuntu.com")
-UV_INSTALLER = ("astral.sh", "*.astral.sh", "github.com", "objects.githubusercontent.com",
-                "release-assets.githubusercontent.com")
+DISTRIBUTIONS = (
+    "deb.debian.org",
+    "security.debian.org",
+    "archive.ubuntu.com",
+    "*.archive.ubuntu.com",
+    "security.ubuntu.com",
+    "ports.ubuntu.com",
+)
+UV_INSTALLER = (
+    "astral.sh",
+    "*.astral.sh",
+    "github.com",
+    "objects.githubusercontent.com",
+    "release-assets.githubusercontent.com",
+)
 UV_VARIABLES = ("UV_INDEX_URL", "UV_EXTRA_INDEX_URL", "UV_DEFAULT_INDEX", "UV_INDEX", "UV_PYTHON_INSTALL_MIRROR")
 APT_SOURCES = Path("/etc/apt")
 _URL = re.compile(r"\bhttps?://[^\s\"'\]]+")
@@ -69,8 +80,11 @@ def _uv_toml_urls(environ) -> list[str]:
 
 def _apt_urls(root: Path) -> list[str]:
     """The http(s) URLs of the host's apt sources (one-line .list and deb822 .sources files)."""
-    files = [root / "sources.list", *sorted((root / "sources.list.d").glob("*.list")),
-             *sorted((root / "sources.list.d").glob("*.sources"))]
+    files = [
+        root / "sources.list",
+        *sorted((root / "sources.list.d").glob("*.list")),
+        *sorted((root / "sources.list.d").glob("*.sources")),
+    ]
     urls: list[str] = []
     for path in files:
         try:

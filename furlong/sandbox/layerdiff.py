@@ -62,8 +62,9 @@ class DiffWriter(LayerWriter):
             elif member.isreg():
                 if self._file_over(tar, member, parts, *old):
                     return
-            elif ((member.issym() and stat.S_ISLNK(old[1].st_mode) and os.readlink(old[0]) == member.linkname)
-                  or (member.isfifo() and stat.S_ISFIFO(old[1].st_mode))):
+            elif (member.issym() and stat.S_ISLNK(old[1].st_mode) and os.readlink(old[0]) == member.linkname) or (
+                member.isfifo() and stat.S_ISFIFO(old[1].st_mode)
+            ):
                 self.same += 1
                 return
         if member.islnk() and self._link_below(member, rel):
@@ -77,10 +78,13 @@ class DiffWriter(LayerWriter):
         if not member.issym() and (member.mode & 0o7777) != stat.S_IMODE(st.st_mode):
             return False
         return not self.owners or (inside_id(member.uid), inside_id(member.gid)) == (
-            inside_id(st.st_uid), inside_id(st.st_gid))
+            inside_id(st.st_uid),
+            inside_id(st.st_gid),
+        )
 
-    def _file_over(self, tar: tarfile.TarFile, member: tarfile.TarInfo, parts: list[str], old: Path,
-                   st: os.stat_result) -> bool:
+    def _file_over(
+        self, tar: tarfile.TarFile, member: tarfile.TarInfo, parts: list[str], old: Path, st: os.stat_result
+    ) -> bool:
         """A regular file over the base's `old`: left out where its bytes (and size and mtime) are the
         same, else written here, what matched so far taken from the base (the stream cannot be read
         again). False: not comparable (not a regular file there, or unreadable), to be written whole."""

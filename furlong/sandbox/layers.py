@@ -34,8 +34,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _check(ret: int, what: str) -> int:
@@ -129,18 +133,24 @@ def _attach(layer: Path, uid: int, target: Path) -> None:
     # the view an earlier version attached with its one-id map (lazily: running sandboxes keep it)
     if (legacy := _legacy_mount_point(layer)) != target and str(legacy) in views:
         _detach(legacy, len(views[str(legacy)]))
-    tree = _check(_libc.syscall(_SYS_OPEN_TREE, -100, str(layer).encode(),
-                                _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE), f"open_tree {layer}")
+    tree = _check(
+        _libc.syscall(_SYS_OPEN_TREE, -100, str(layer).encode(), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE),
+        f"open_tree {layer}",
+    )
     try:
         ns = _userns_fd(id_maps(uid))
         try:
             attr = _MountAttr(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_IDMAP, 0, 0, ns)
-            _check(_libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
-                                 ctypes.sizeof(attr)), f"id-mapping {layer}")
+            _check(
+                _libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)),
+                f"id-mapping {layer}",
+            )
         finally:
             os.close(ns)
-        _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", -100, str(target).encode(), _MOVE_MOUNT_F_EMPTY_PATH),
-               f"attaching {layer} at {target}")
+        _check(
+            _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", -100, str(target).encode(), _MOVE_MOUNT_F_EMPTY_PATH),
+            f"attaching {layer} at {target}",
+        )
     finally:
         os.close(tree)
 

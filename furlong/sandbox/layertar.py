@@ -94,10 +94,12 @@ class LayerWriter:
                 os.mkdir(path)
                 os.chmod(path, 0o755)
                 continue
-            where = "/" + "/".join(parts[:i + 1])
+            where = "/" + "/".join(parts[: i + 1])
             if stat.S_ISLNK(st.st_mode):
-                raise UnpackError(f"{self.label}: member {name!r} goes through the symlink {where} -> "
-                                  f"{os.readlink(path)}; refused (it could lead outside the image)")
+                raise UnpackError(
+                    f"{self.label}: member {name!r} goes through the symlink {where} -> "
+                    f"{os.readlink(path)}; refused (it could lead outside the image)"
+                )
             if not stat.S_ISDIR(st.st_mode):
                 raise UnpackError(f"{self.label}: member {name!r}: {where} is not a directory")
         return path
@@ -120,7 +122,7 @@ class LayerWriter:
             for child in os.listdir(parent):
                 self._remove(parent / child)
         elif not base.startswith(WHITEOUT + WHITEOUT):  # other .wh..wh.* names are aufs metadata
-            self._remove(parent / base[len(WHITEOUT):])
+            self._remove(parent / base[len(WHITEOUT) :])
 
     def _member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         parts = self._parts(member.name)
@@ -178,7 +180,8 @@ class LayerWriter:
         source = parent / base if parent is not None and base else None
         if source is None or not source.is_file() or source.is_symlink():
             raise UnpackError(
-                f"{self.label}: hard link {member.name!r} -> {member.linkname!r}: no such file in the image")
+                f"{self.label}: hard link {member.name!r} -> {member.linkname!r}: no such file in the image"
+            )
         return source
 
 

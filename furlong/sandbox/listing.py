@@ -30,16 +30,27 @@ def parse(out: str) -> list[Entry]:
     fields = out.split("\0")[:-1]
     entries = []
     for i in range(0, len(fields) - 9, 10):
-        name, kind, path, size, mode, perms, owner, group, mtime, target = fields[i:i + 10]
-        entries.append(Entry(name, KINDS.get(kind, "other"), path, int(size), int(mode, 8), perms, owner, group,
-                             float(mtime), target or None))
+        name, kind, path, size, mode, perms, owner, group, mtime, target = fields[i : i + 10]
+        entries.append(
+            Entry(
+                name,
+                KINDS.get(kind, "other"),
+                path,
+                int(size),
+                int(mode, 8),
+                perms,
+                owner,
+                group,
+                float(mtime),
+                target or None,
+            )
+        )
     return entries
 
 
 async def find(box: Sandbox, path: str, args: str, as_verifier: bool = False) -> list[Entry]:
     """`find PATH ARGS -printf FORMAT`'s entries; SandboxError with find's own words where it fails."""
-    res = await box.exec(f"find {shlex.quote(path)} {args} -printf '{FORMAT}'", timeout_s=30,
-                         as_verifier=as_verifier)
+    res = await box.exec(f"find {shlex.quote(path)} {args} -printf '{FORMAT}'", timeout_s=30, as_verifier=as_verifier)
     if res.exit_code != 0:
         raise SandboxError(f"{path}: {res.stderr.strip() or 'failed'}")
     return parse(res.stdout)

@@ -53,12 +53,29 @@ PROXY_PORT, DNS_PORT = 41871, 53
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
 CONTROLLED_RESOLV_CONF = "nameserver 127.0.0.1\n"
 LOCAL_PREF, FENCE_PREF, PHASE_PREF = 15, 16, 20  # rule priorities in a controlled sandbox
-AGENT_RULES = (f"rule add pref 10 ipproto tcp dport {PROXY_PORT} prohibit",
-               f"rule add pref 11 ipproto udp dport {DNS_PORT} prohibit",
-               "rule add pref 12 lookup local", "rule add pref 13 prohibit")
+AGENT_RULES = (
+    f"rule add pref 10 ipproto tcp dport {PROXY_PORT} prohibit",
+    f"rule add pref 11 ipproto udp dport {DNS_PORT} prohibit",
+    "rule add pref 12 lookup local",
+    "rule add pref 13 prohibit",
+)
 TUN = Path("/dev/net/tun")
-PASTA_OPTIONS = ("--config-net", "--foreground", "--quiet", "--no-map-gw",
-                 "-t", "none", "-u", "none", "-T", "none", "-U", "none", "--dns-forward", DNS_FORWARD)
+PASTA_OPTIONS = (
+    "--config-net",
+    "--foreground",
+    "--quiet",
+    "--no-map-gw",
+    "-t",
+    "none",
+    "-u",
+    "none",
+    "-T",
+    "none",
+    "-U",
+    "none",
+    "--dns-forward",
+    DNS_FORWARD,
+)
 
 
 def _tun_problem(uid: int) -> str | None:
@@ -71,16 +88,22 @@ def _tun_problem(uid: int) -> str | None:
     bits = (st.st_mode >> 6) & 0o7 if st.st_uid == uid else st.st_mode & 0o7
     if uid == 0 or bits & 0o6 == 0o6:
         return None
-    return (f"networked sandboxes need {TUN} readable and writable by uid {uid} "
-            f"(mode {oct(stat.S_IMODE(st.st_mode))}; an administrator runs `chmod 0666 {TUN}`, the udev default)")
+    return (
+        f"networked sandboxes need {TUN} readable and writable by uid {uid} "
+        f"(mode {oct(stat.S_IMODE(st.st_mode))}; an administrator runs `chmod 0666 {TUN}`, the udev default)"
+    )
 
 
 def host_local_addresses() -> list[str]:
     """Every destination the host delivers to itself (all routing tables), less loopback."""
     found: list[str] = []
     for family in ("-4", "-6"):
-        out = subprocess.run(["ip", "-j", family, "route", "show", "table", "all", "type", "local"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["ip", "-j", family, "route", "show", "table", "all", "type", "local"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         for route in json.loads(out.stdout or "[]"):
             net = ipaddress.ip_network(route["dst"], strict=False)  # also checks it is an address
             if not net.is_loopback and str(net) not in found:
@@ -103,8 +126,20 @@ def fence_script(addresses: list[str], controlled: tuple[str, ...] | None = None
     local table moved behind the agent's rules, then the phase's rules), then exec bwrap."""
     fence = [] if controlled is None else [f"rule add pref {LOCAL_PREF} lookup local", "rule del pref 0"]
     pref = 1 if controlled is None else FENCE_PREF
-    lines = ["set -e", *batches(lambda v: [*fence, *(f"rule add to {a} prohibit priority {pref}" for a in addresses
-                                                     if ipaddress.ip_network(a).version == v), *(controlled or ())])]
+    lines = [
+        "set -e",
+        *batches(
+            lambda v: [
+                *fence,
+                *(
+                    f"rule add to {a} prohibit priority {pref}"
+                    for a in addresses
+                    if ipaddress.ip_network(a).version == v
+                ),
+                *(controlled or ()),
+            ]
+        ),
+    ]
     lines.append('exec "$@"')
     return "\n".join(lines)
 
@@ -118,8 +153,9 @@ def batches(rules: Callable[[int], list[str]]) -> list[str]:
     return out
 
 
-def wrap(argv: list[str], uid: int, in_userns: bool = False, gate: tuple[int, int] | None = None,
-         rules: tuple[str, ...] = ()) -> list[str]:
+def wrap(
+    argv: list[str], uid: int, in_userns: bool = False, gate: tuple[int, int] | None = None, rules: tuple[str, ...] = ()
+) -> list[str]:
     """`argv` (bwrap) run inside a fresh network namespace that pasta connects to the internet; with
     `in_userns` (the launcher already made the sandbox's user namespace) pasta makes no user namespace.
     `gate` (its host TCP and UDP ports): a controlled sandbox, whose phase starts with `rules`."""
@@ -127,15 +163,36 @@ def wrap(argv: list[str], uid: int, in_userns: bool = False, gate: tuple[int, in
     pasta = shutil.which("pasta") or "pasta"
     options = PASTA_OPTIONS if gate is None else controlled_options(*gate)
     script = fence_script(host_local_addresses(), None if gate is None else rules)
-    return [pasta, *options, *(["--netns-only"] if in_userns else []), "--", "/bin/sh", "-c", script,
-            "furlong-netns", *argv]
+    return [
+        pasta,
+        *options,
+        *(["--netns-only"] if in_userns else []),
+        "--",
+        "/bin/sh",
+        "-c",
+        script,
+        "furlong-netns",
+        *argv,
+    ]
 
 
 def controlled_options(tcp_port: int, udp_port: int) -> tuple[str, ...]:
     """pasta's options for a controlled sandbox: its only forwards are its proxy and DNS ports, each to
     its Gate on host loopback; no DNS forward to the host's resolver."""
-    return ("--config-net", "--foreground", "--quiet", "--no-map-gw", "-t", "none", "-u", "none",
-            "-T", f"{PROXY_PORT}:{tcp_port}", "-U", f"{DNS_PORT}:{udp_port}")
+    return (
+        "--config-net",
+        "--foreground",
+        "--quiet",
+        "--no-map-gw",
+        "-t",
+        "none",
+        "-u",
+        "none",
+        "-T",
+        f"{PROXY_PORT}:{tcp_port}",
+        "-U",
+        f"{DNS_PORT}:{udp_port}",
+    )
 
 
 def phase_rules(restricted: bool, agent_cut: bool, verifier_uid: int | None) -> tuple[str, ...]:
@@ -161,9 +218,13 @@ def apply(pid: int, script: str, timeout_s: float = 10.0) -> None:
     """Runs `script` (switch_script) in the user and network namespaces of process `pid` (a controlled
     sandbox's bwrap: its user namespace owns its network namespace), from the host."""
     nsenter = shutil.which("nsenter") or "nsenter"
-    proc = subprocess.run([nsenter, f"--user=/proc/{pid}/ns/user", f"--net=/proc/{pid}/ns/net",
-                           "--", "/bin/sh", "-c", script],
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = subprocess.run(
+        [nsenter, f"--user=/proc/{pid}/ns/user", f"--net=/proc/{pid}/ns/net", "--", "/bin/sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
     if proc.returncode != 0:
         raise SandboxError(f"changing the sandbox's network failed: {proc.stderr.strip()[-300:]}")
 
@@ -193,9 +254,11 @@ def joined(uid: int, timeout_s: float = 10.0) -> Iterator[list[str]]:
     namespace, fenced like a networked sandbox's, for tools that bring no namespace of their own (buildah's
     chroot isolation runs RUN steps in its caller's network namespace). The namespace lives as long as
     the block: a holder process sleeps in it, as the sandbox uid."""
-    holder = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
-                               *wrap(["/bin/sleep", "infinity"], uid)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    holder = subprocess.Popen(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *wrap(["/bin/sleep", "infinity"], uid)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         pid = _sleeper(holder, timeout_s)
         yield ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]

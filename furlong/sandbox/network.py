@@ -102,8 +102,10 @@ def _normalize(raw: str) -> str:
     elif "*" in host:
         raise HostError(f"entry {raw!r}: a wildcard must be a leading '*.'")
     if not name or not all(_LABEL.match(label) for label in name.split(".")):
-        raise HostError(f"entry {raw!r}: expected an IP address, a CIDR range, or a hostname (or '*.' and one) "
-                        "of letters, digits, hyphens and dots")
+        raise HostError(
+            f"entry {raw!r}: expected an IP address, a CIDR range, or a hostname (or '*.' and one) "
+            "of letters, digits, hyphens and dots"
+        )
     return host
 
 

@@ -108,11 +108,22 @@ def shim() -> str:
 # step must leave real files in the image, not links to a mount gone after the build.
 _LINES = INSTALLER.splitlines(keepends=True)
 BUILD_TIME = (
-    ("".join(_LINES[1:3]), ("# Handed out by furlong (images.offline_uv) in place of uv's installer in a build step: it\n"
-                            "# copies uv VERSION from furlong's verifier toolchain where the installer puts uv.\n")),
+    (
+        "".join(_LINES[1:3]),
+        (
+            "# Handed out by furlong (images.offline_uv) in place of uv's installer in a build step: it\n"
+            "# copies uv VERSION from furlong's verifier toolchain where the installer puts uv.\n"
+        ),
+    ),
     (next(ln for ln in _LINES if "ln -sf" in ln), '    rm -f "$dir/$name" && cp "FROM/$name" "$dir/$name" || exit 1\n'),
-    (_LINES[-1], ('echo "uv VERSION (furlong\'s verifier toolchain, images.offline_uv) copied to $dir in place of '
-                  'uv\'s installer; astral.sh was not asked"\n')))
+    (
+        _LINES[-1],
+        (
+            "echo \"uv VERSION (furlong's verifier toolchain, images.offline_uv) copied to $dir in place of "
+            "uv's installer; astral.sh was not asked\"\n"
+        ),
+    ),
+)
 
 
 def installer(uv_version: str, copy_from: str | None = None) -> str:

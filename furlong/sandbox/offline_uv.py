@@ -34,8 +34,10 @@ from furlong.sandbox import toolchain as toolchains
 from furlong.sandbox.builds import _rmtree
 
 MOUNT = "/run/furlong-uv"
-_URL = re.compile(r"astral\.sh/uv/(?:([\w.-]+)/)?install\.sh"
-                  r"|/astral-sh/uv/releases/(?:download/([\w.-]+)|latest/download)/uv-installer\.sh")
+_URL = re.compile(
+    r"astral\.sh/uv/(?:([\w.-]+)/)?install\.sh"
+    r"|/astral-sh/uv/releases/(?:download/([\w.-]+)|latest/download)/uv-installer\.sh"
+)
 _FETCH = re.compile(r"(?:^|[\s;&|(`/])(?:curl|wget)\s")
 _FLAGS = re.compile(r"((?:--\S+\s+)*)(.*)", re.S)  # RUN's own flags (--mount=..., --network=...) first
 
@@ -61,8 +63,10 @@ class OfflineUv:
         return f'{m[1]}export PATH="{MOUNT}/shims:$PATH" FURLONG_OFFLINE_UV={self.key}; {m[2]}'
 
     def note(self, where: str, wanted: str) -> str:
-        return (f"{where}: uv {self.version} from furlong's verifier toolchain (images.offline_uv), in place of "
-                f"the uv {wanted} its installer URL asks for")
+        return (
+            f"{where}: uv {self.version} from furlong's verifier toolchain (images.offline_uv), in place of "
+            f"the uv {wanted} its installer URL asks for"
+        )
 
     def volume(self) -> list[str]:
         return ["--volume", f"{self.directory}:{MOUNT}:ro"]

@@ -43,8 +43,9 @@ def sandbox_spec(task: Task, image: ImageRef, control: bool = False) -> SandboxS
         return SandboxSpec(image=image, network=task.verifier_network, limits=task.limits, syscalls=task.syscalls)
     # every policy a later phase (a multi-step task's next steps too) may switch to
     phases = tuple(p for p in task.network_policies() if p != task.agent_network)
-    return SandboxSpec(image=image, network=task.agent_network, limits=task.limits, syscalls=task.syscalls,
-                       network_phases=phases)
+    return SandboxSpec(
+        image=image, network=task.agent_network, limits=task.limits, syscalls=task.syscalls, network_phases=phases
+    )
 
 
 async def start_sandbox(backend, spec: SandboxSpec, timeout_s: float = READY_TIMEOUT_S) -> Sandbox:
@@ -83,6 +84,7 @@ class StoreImages:
 def fixed_image(image: ImageRef) -> ImageLookup:
     async def lookup(task) -> ImageRef:
         return image
+
     return lookup
 
 
@@ -114,8 +116,9 @@ class WarmPool:
     start that will not come; one acquire retries `max_failures` times, then raises SandboxError.
     """
 
-    def __init__(self, backend, spec: SandboxSpec, size: int, refill: bool = True,
-                 max_failures: int = MAX_START_FAILURES):
+    def __init__(
+        self, backend, spec: SandboxSpec, size: int, refill: bool = True, max_failures: int = MAX_START_FAILURES
+    ):
         if size < (1 if refill else 0):
             raise ValueError(f"pool size must be >= 1, got {size}")
         self.backend, self.spec, self.size, self.refill = backend, spec, size, refill

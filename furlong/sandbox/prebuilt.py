@@ -47,8 +47,10 @@ async def image(store, source: Prebuilt, backend, progress: Progress) -> ImageRe
     if choice is not None:  # a stand-in that may not serve says why in its own line
         why = choice.refusal(store.standin_versions)
     else:
-        why = (f"{ref}: {why}; furlong has no stand-in for it; bring it with `furlong image import {ref} "
-               f"OCI_ARCHIVE`, or `furlong image pull {ref}` where its registry is reachable")
+        why = (
+            f"{ref}: {why}; furlong has no stand-in for it; bring it with `furlong image import {ref} "
+            f"OCI_ARCHIVE`, or `furlong image pull {ref}` where its registry is reachable"
+        )
     raise ImageBuildError(f"{source.where}: {why}")
 
 

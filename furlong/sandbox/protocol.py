@@ -66,8 +66,9 @@ def _head(rid: bytes, op: int, role: int) -> bytes:
     return rid + bytes([op, role])
 
 
-def exec_request(rid: bytes, script: str, env: dict[str, str], timeout_s: float, cap: int,
-                 role: int = AGENT, stream: bool = False) -> bytes:
+def exec_request(
+    rid: bytes, script: str, env: dict[str, str], timeout_s: float, cap: int, role: int = AGENT, stream: bool = False
+) -> bytes:
     """`stream`: OP_EXEC_STREAM, whose chunks come before the final reply; else OP_EXEC, the same body."""
     blob = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
     timeout_ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF))
@@ -122,7 +123,7 @@ def parse_reply(payload: bytes, secret: bytes) -> Reply | Chunk:
         raise ProtocolError(f"reply of {len(payload)} bytes is shorter than its header")
     if not hmac.compare_digest(payload[:SECRET_LEN], secret):
         raise ProtocolError("reply without the sandbox's secret")
-    rid, status, body = payload[SECRET_LEN:SECRET_LEN + ID_LEN], payload[SECRET_LEN + ID_LEN], payload[HEADER:]
+    rid, status, body = payload[SECRET_LEN : SECRET_LEN + ID_LEN], payload[SECRET_LEN + ID_LEN], payload[HEADER:]
     if status == CHUNK:
         return _chunk(rid, body)
     if status not in (OK, ERROR):
@@ -167,7 +168,7 @@ def parse_exec(body: bytes, cap: int) -> ExecReply:
         (n,) = struct.unpack_from("<I", body, at)
         if n > cap + 256 or len(body) < at + 4 + n:
             raise ProtocolError(f"exec reply {name} of {n} bytes exceeds its cap or the frame")
-        streams.append(body[at + 4:at + 4 + n])
+        streams.append(body[at + 4 : at + 4 + n])
         at += 4 + n
     if at != len(body):
         raise ProtocolError(f"exec reply has {len(body) - at} trailing bytes")

@@ -35,14 +35,19 @@ Progress = Callable[[str], None]
 
 DOCKER_HUB = "docker.io"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_REFERENCE = re.compile(rf"(?:(?P<host>[A-Za-z0-9.-]+(?::\d+)?|\[[0-9a-fA-F:]+\](?::\d+)?)/)?"
-                        rf"(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
-                        r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?")
+_REFERENCE = re.compile(
+    rf"(?:(?P<host>[A-Za-z0-9.-]+(?::\d+)?|\[[0-9a-fA-F:]+\](?::\d+)?)/)?"
+    rf"(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?"
+)
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 # skopeo's words for "no answer from the registry" (as opposed to an answer that says no).
-_UNREACHABLE = re.compile(r"connection refused|i/o timeout|no such host|network is unreachable|no route to host|"
-                          r"deadline exceeded|TLS handshake timeout|temporary failure in name resolution|"
-                          r"server misbehaving|connection reset", re.IGNORECASE)
+_UNREACHABLE = re.compile(
+    r"connection refused|i/o timeout|no such host|network is unreachable|no route to host|"
+    r"deadline exceeded|TLS handshake timeout|temporary failure in name resolution|"
+    r"server misbehaving|connection reset",
+    re.IGNORECASE,
+)
 
 
 class RegistryError(SandboxError):
@@ -183,25 +188,33 @@ class Registry:
         for meta_path in sorted(self.root.glob("import-*/meta.json")):
             meta = json.loads(meta_path.read_text())
             tags = by_digest.get(meta["digest"], []) or [meta["ref"]]
-            rows.append((f"registry/{meta_path.parent.name}",
-                         f"pulled {', '.join(sorted(tags))}\t{meta['digest']}\t({meta.get('platform') or 'host'})"))
+            rows.append(
+                (
+                    f"registry/{meta_path.parent.name}",
+                    f"pulled {', '.join(sorted(tags))}\t{meta['digest']}\t({meta.get('platform') or 'host'})",
+                )
+            )
         return rows
 
     # -- resolving a reference -----------------------------------------------------------------
-    def image(self, ref: str, progress: Progress, refresh: bool = False, platform: str = "",
-              fallback: bool = False) -> dict | None:
+    def image(
+        self, ref: str, progress: Progress, refresh: bool = False, platform: str = "", fallback: bool = False
+    ) -> dict | None:
         """The stored image `ref` names, pulled first if it is not cached (or if `refresh`). With
         `fallback`, an unreachable registry returns None (the caller has a stand-in, or a Dockerfile) instead
         of failing."""
         parsed = Reference.parse(ref)
         if parsed is None:
-            raise RegistryError(f"{ref!r}: not an image reference (expected NAME, NAME:TAG or NAME@sha256:HEX, "
-                                f"lower-case, NAME optionally starting with REGISTRY/ or REGISTRY:PORT/)")
+            raise RegistryError(
+                f"{ref!r}: not an image reference (expected NAME, NAME:TAG or NAME@sha256:HEX, "
+                f"lower-case, NAME optionally starting with REGISTRY/ or REGISTRY:PORT/)"
+            )
         if parsed.digest:  # a digest names one image for good: nothing to re-check
             if (meta := self.stored(parsed.digest, platform)) is not None:
                 return meta
-            return self._guarded(ref, parsed, None, fallback, lambda: self._fetch(parsed, parsed.digest, platform,
-                                                                                    progress))
+            return self._guarded(
+                ref, parsed, None, fallback, lambda: self._fetch(parsed, parsed.digest, platform, progress)
+            )
         known = self.refs().get(parsed.canonical)
         cached = self.stored(known, platform) if known else None
         if cached is not None and not refresh:
@@ -218,13 +231,18 @@ class Registry:
             if fallback:
                 log.warning("%s: registry unreachable (%s) and not cached; the caller's fallback serves", ref, exc)
                 return None
-            raise RegistryError(f"{ref}: registry {parsed.registry} unreachable ({exc}) and the image is not "
-                                f"cached; bring it by hand with `furlong image import {ref} OCI_ARCHIVE`") from None
+            raise RegistryError(
+                f"{ref}: registry {parsed.registry} unreachable ({exc}) and the image is not "
+                f"cached; bring it by hand with `furlong image import {ref} OCI_ARCHIVE`"
+            ) from None
 
     def _pull_tag(self, ref: Reference, platform: str, progress: Progress) -> dict:
         progress(f"asking {ref.registry} what {ref.canonical} names")
-        raw = self._skopeo(["inspect", "--raw", *self._source_flags(ref, "--tls-verify"), f"docker://{ref.canonical}"],
-                           ref, self.settings.inspect_timeout_s)
+        raw = self._skopeo(
+            ["inspect", "--raw", *self._source_flags(ref, "--tls-verify"), f"docker://{ref.canonical}"],
+            ref,
+            self.settings.inspect_timeout_s,
+        )
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
         meta = self.stored(digest, platform) or self._fetch(ref, digest, platform, progress)
         self._remember(ref, digest)
@@ -242,17 +260,33 @@ class Registry:
             started = time.monotonic()
             try:
                 progress(f"pulling {ref.name}@{digest[:19]}")
-                self._skopeo(["copy", "--quiet", *self._source_flags(ref, "--src-tls-verify"),
-                              *_platform_flags(platform), f"docker://{ref.name}@{digest}", f"oci:{tmp}:image"],
-                             ref, self.settings.timeout_s)
+                self._skopeo(
+                    [
+                        "copy",
+                        "--quiet",
+                        *self._source_flags(ref, "--src-tls-verify"),
+                        *_platform_flags(platform),
+                        f"docker://{ref.name}@{digest}",
+                        f"oci:{tmp}:image",
+                    ],
+                    ref,
+                    self.settings.timeout_s,
+                )
                 manifest = _copied_manifest(tmp, digest)
                 meta = imports.import_image(self.root, name, tmp, progress)
             except imports.ImageImportError as exc:
                 raise RegistryError(f"{ref.canonical}: the pulled image cannot be used: {exc}") from None
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-            meta = {**meta, "ref": ref.canonical, "digest": digest, "platform": platform, "manifest": manifest,
-                    "source": f"docker://{ref.name}@{digest}", "seconds": round(time.monotonic() - started, 1)}
+            meta = {
+                **meta,
+                "ref": ref.canonical,
+                "digest": digest,
+                "platform": platform,
+                "manifest": manifest,
+                "source": f"docker://{ref.name}@{digest}",
+                "seconds": round(time.monotonic() - started, 1),
+            }
             (imports.directory(self.root, name) / "meta.json").write_text(json.dumps(meta))
             return meta
 
@@ -278,8 +312,9 @@ class Registry:
         if shutil.which("skopeo") is None:
             raise RegistryError(f"{ref.canonical}: pulling needs `skopeo` (apt-get install skopeo, or run install.sh)")
         try:
-            done = subprocess.run(["skopeo", f"--command-timeout={int(timeout_s)}s", *args], capture_output=True,
-                                  timeout=timeout_s + 10)
+            done = subprocess.run(
+                ["skopeo", f"--command-timeout={int(timeout_s)}s", *args], capture_output=True, timeout=timeout_s + 10
+            )
         except subprocess.TimeoutExpired:
             raise Unreachable(f"no answer within {timeout_s:.0f} s") from None
         if done.returncode == 0:
@@ -301,8 +336,11 @@ def _platform_flags(platform: str) -> list[str]:
         return []
     os_, _, rest = platform.partition("/")
     arch, _, variant = rest.partition("/")
-    return [f"--override-os={os_}", *([f"--override-arch={arch}"] if arch else []),
-            *([f"--override-variant={variant}"] if variant else [])]
+    return [
+        f"--override-os={os_}",
+        *([f"--override-arch={arch}"] if arch else []),
+        *([f"--override-variant={variant}"] if variant else []),
+    ]
 
 
 def _copied_manifest(layout: Path, digest: str) -> str:

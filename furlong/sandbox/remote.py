@@ -70,8 +70,9 @@ class RemoteSandbox:
         if self._death is not None:
             raise SandboxDied(f"sandbox {self.id}: {self._death}")
         try:
-            r = await self.host.client().request(method, f"/v1/sandboxes/{self.id}{path}", headers=self._headers,
-                                                 timeout=timeout_s + HTTP_SLACK_S, **kw)
+            r = await self.host.client().request(
+                method, f"/v1/sandboxes/{self.id}{path}", headers=self._headers, timeout=timeout_s + HTTP_SLACK_S, **kw
+            )
         except httpx.TransportError as exc:
             raise await self._failed(what, f"{type(exc).__name__}: {exc}", exc) from exc
         if r.status_code in (404, 410):
@@ -81,9 +82,15 @@ class RemoteSandbox:
         check(r, f"{self.host.url} {what}")
         return r
 
-    async def exec(self, cmd: str, timeout_s: float = 60.0, cwd: str | None = None,
-                   env: dict[str, str] | None = None, as_verifier: bool = False,
-                   on_output: Callable[[str, bytes], None] | None = None) -> ExecResult:
+    async def exec(
+        self,
+        cmd: str,
+        timeout_s: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        as_verifier: bool = False,
+        on_output: Callable[[str, bytes], None] | None = None,
+    ) -> ExecResult:
         body = {"cmd": cmd, "timeout_s": timeout_s, "cwd": cwd, "env": env, "as_verifier": as_verifier}
         if on_output is not None:
             return await self._exec_streamed(body, on_output)
@@ -94,8 +101,13 @@ class RemoteSandbox:
         """The host's NDJSON stream: output chunks as they come, then the result (or an error)."""
         url = f"/v1/sandboxes/{self.id}/exec"
         try:
-            async with self.host.client().stream("POST", url, json={**body, "stream": True}, headers=self._headers,
-                                                 timeout=body["timeout_s"] + HTTP_SLACK_S) as r:
+            async with self.host.client().stream(
+                "POST",
+                url,
+                json={**body, "stream": True},
+                headers=self._headers,
+                timeout=body["timeout_s"] + HTTP_SLACK_S,
+            ) as r:
                 if r.status_code >= 400:
                     await r.aread()
                     if r.status_code in (404, 410):
@@ -125,14 +137,20 @@ class RemoteSandbox:
         await self._send("POST", "/files/write", "write_file", FILE_TIMEOUT_S, json=body)
 
     async def read_file(self, path: str, as_verifier: bool = False) -> bytes:
-        r = await self._send("POST", "/files/read", "read_file", FILE_TIMEOUT_S,
-                             json={"path": path, "as_verifier": as_verifier})
+        r = await self._send(
+            "POST", "/files/read", "read_file", FILE_TIMEOUT_S, json={"path": path, "as_verifier": as_verifier}
+        )
         return base64.b64decode(r.json()["data_b64"])
 
     async def list_dir(self, path: str, depth: int = 1, as_verifier: bool = False) -> list[Entry]:
         """The entries under `path` (to `depth` levels), as that identity sees them (furlong.sandbox.listing)."""
-        r = await self._send("POST", "/files/list", "list_dir", FILE_TIMEOUT_S,
-                             json={"path": path, "depth": depth, "as_verifier": as_verifier})
+        r = await self._send(
+            "POST",
+            "/files/list",
+            "list_dir",
+            FILE_TIMEOUT_S,
+            json={"path": path, "depth": depth, "as_verifier": as_verifier},
+        )
         return [Entry(**e) for e in r.json()["entries"]]
 
     async def put_dir(self, src: Path, dest: str, as_verifier: bool = False) -> None:
@@ -144,8 +162,13 @@ class RemoteSandbox:
 
     async def set_network(self, policy: NetworkPolicy, verifier_only: bool = False) -> None:
         """furlong.sandbox.base.NetworkSwitching, on the sandbox's host (which refuses what it cannot do)."""
-        await self._send("POST", "/network", "set_network", FILE_TIMEOUT_S,
-                         json={"network": policy_body(policy), "verifier_only": verifier_only})
+        await self._send(
+            "POST",
+            "/network",
+            "set_network",
+            FILE_TIMEOUT_S,
+            json={"network": policy_body(policy), "verifier_only": verifier_only},
+        )
 
     async def changes(self, roots: Sequence[str]) -> tuple[Change, ...] | None:
         if not self._tracking:
@@ -203,10 +226,18 @@ def create_body(spec: SandboxSpec) -> dict[str, Any]:
     lim = spec.limits
     # verifier_env stays here: the verifier passes it with each of its commands
     image = {k: v for k, v in dataclasses.asdict(spec.image).items() if k != "verifier_env"}
-    return {"image": image, "network": policy_body(spec.network),
-            "network_phases": [policy_body(p) for p in spec.network_phases], "cpus": lim.cpus,
-            "memory_mb": lim.memory_mb, "pids": lim.pids, "disk_mb": lim.disk_mb, "lifetime_s": lim.lifetime_s,
-            "seccomp": spec.syscalls.enabled, "allow_syscalls": list(spec.syscalls.allow)}
+    return {
+        "image": image,
+        "network": policy_body(spec.network),
+        "network_phases": [policy_body(p) for p in spec.network_phases],
+        "cpus": lim.cpus,
+        "memory_mb": lim.memory_mb,
+        "pids": lim.pids,
+        "disk_mb": lim.disk_mb,
+        "lifetime_s": lim.lifetime_s,
+        "seccomp": spec.syscalls.enabled,
+        "allow_syscalls": list(spec.syscalls.allow),
+    }
 
 
 class RemoteBackend:
@@ -216,8 +247,12 @@ class RemoteBackend:
 
     name = "remote"
 
-    def __init__(self, hosts: Hosts, provide: Callable[[Host, list[str]], Any] | None = None,
-                 local: Callable[[], SandboxBackend] | None = None):
+    def __init__(
+        self,
+        hosts: Hosts,
+        provide: Callable[[Host, list[str]], Any] | None = None,
+        local: Callable[[], SandboxBackend] | None = None,
+    ):
         self.hosts, self._provide, self._make_local = hosts, provide, local
         self._local: SandboxBackend | None = None
 
@@ -270,8 +305,9 @@ class RemoteBackend:
 
     def run_python(self, spec: PythonSpec) -> PythonRun:
         if self._make_local is None:
-            raise SandboxError("the remote backend runs family generators on this machine's bwrap backend, "
-                               "which is not available here")
+            raise SandboxError(
+                "the remote backend runs family generators on this machine's bwrap backend, which is not available here"
+            )
         if self._local is None:
             self._local = self._make_local()
         return self._local.run_python(spec)

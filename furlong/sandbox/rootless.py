@@ -23,14 +23,18 @@ def _has_range(path: Path, user: str, uid: int) -> bool:
 
 
 def _userns_problem() -> str | None:
-    for path, bad in (("/proc/sys/user/max_user_namespaces", "0"),
-                      ("/proc/sys/kernel/unprivileged_userns_clone", "0"),
-                      ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1")):
+    for path, bad in (
+        ("/proc/sys/user/max_user_namespaces", "0"),
+        ("/proc/sys/kernel/unprivileged_userns_clone", "0"),
+        ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1"),
+    ):
         try:
             if Path(path).read_text().strip() == bad:
                 key = path.removeprefix("/proc/sys/").replace("/", ".")
-                return (f"unprivileged user namespaces are disabled ({key} = {bad}); an administrator runs "
-                        f"`sysctl -w {key}={'1' if bad == '0' else '0'}`")
+                return (
+                    f"unprivileged user namespaces are disabled ({key} = {bad}); an administrator runs "
+                    f"`sysctl -w {key}={'1' if bad == '0' else '0'}`"
+                )
         except OSError:
             continue
     return None
@@ -50,9 +54,11 @@ def base_build_problem() -> str | None:
     user = pwd.getpwuid(uid).pw_name
     for kind in ("uid", "gid"):
         if not _has_range(Path(f"/etc/sub{kind}"), user, uid):
-            return (f"building the base image without root needs a subordinate {kind} range for {user} in "
-                    f"/etc/sub{kind}: an administrator runs `usermod --add-subuids 100000-165535 "
-                    f"--add-subgids 100000-165535 {user}` (any unused range of 65536)")
+            return (
+                f"building the base image without root needs a subordinate {kind} range for {user} in "
+                f"/etc/sub{kind}: an administrator runs `usermod --add-subuids 100000-165535 "
+                f"--add-subgids 100000-165535 {user}` (any unused range of 65536)"
+            )
     return _userns_problem()
 
 

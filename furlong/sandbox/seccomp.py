@@ -31,23 +31,80 @@ except (ImportError, RuntimeError) as exc:  # pyseccomp loads libseccomp.so.2 wh
 
 DENIED: tuple[str, ...] = (
     # new namespaces and mounts: the sandbox's own layout is fixed by bwrap
-    "mount", "umount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount",
-    "fspick", "mount_setattr", "unshare", "setns", "chroot",
+    "mount",
+    "umount",
+    "umount2",
+    "pivot_root",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "unshare",
+    "setns",
+    "chroot",
     # kernel attack surface that ordinary programs do without
-    "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd", "bpf", "perf_event_open",
-    "keyctl", "add_key", "request_key", "lookup_dcookie", "fanotify_init",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "userfaultfd",
+    "bpf",
+    "perf_event_open",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "lookup_dcookie",
+    "fanotify_init",
     # the machine itself: modules, kexec, reboot, swap, clocks, accounting, quotas, host names, raw I/O
-    "init_module", "finit_module", "delete_module", "create_module", "get_kernel_syms", "query_module",
-    "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "syslog", "_sysctl",
-    "settimeofday", "stime", "clock_settime", "adjtimex", "clock_adjtime", "quotactl", "quotactl_fd",
-    "sethostname", "setdomainname", "vhangup", "iopl", "ioperm", "nfsservctl", "uselib", "ustat", "sysfs",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "create_module",
+    "get_kernel_syms",
+    "query_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "syslog",
+    "_sysctl",
+    "settimeofday",
+    "stime",
+    "clock_settime",
+    "adjtimex",
+    "clock_adjtime",
+    "quotactl",
+    "quotactl_fd",
+    "sethostname",
+    "setdomainname",
+    "vhangup",
+    "iopl",
+    "ioperm",
+    "nfsservctl",
+    "uselib",
+    "ustat",
+    "sysfs",
     # file handles bypass path checks (the "shocker" container escape)
-    "open_by_handle_at", "name_to_handle_at",
+    "open_by_handle_at",
+    "name_to_handle_at",
     # other processes' memory placement and file tables
-    "mbind", "set_mempolicy", "get_mempolicy", "set_mempolicy_home_node", "migrate_pages", "move_pages",
-    "kcmp", "pidfd_getfd", "process_madvise",
+    "mbind",
+    "set_mempolicy",
+    "get_mempolicy",
+    "set_mempolicy_home_node",
+    "migrate_pages",
+    "move_pages",
+    "kcmp",
+    "pidfd_getfd",
+    "process_madvise",
     # only some calls of these are refused (see _conditions)
-    "clone", "clone3", "socket",
+    "clone",
+    "clone3",
+    "socket",
 )
 
 _NEW_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
@@ -73,8 +130,10 @@ def _conditions(name: str) -> list[tuple]:
 def _lib():
     """pyseccomp, or a one-line error saying how to get it or do without."""
     if scmp is None:
-        raise SeccompError(f"the seccomp filter needs libseccomp.so.2 ({_MISSING}): install Debian's "
-                           "libseccomp2, or turn the filter off with sandbox.seccomp=false")
+        raise SeccompError(
+            f"the seccomp filter needs libseccomp.so.2 ({_MISSING}): install Debian's "
+            "libseccomp2, or turn the filter off with sandbox.seccomp=false"
+        )
     return scmp
 
 

@@ -23,7 +23,9 @@ def wrap(cmd: str, cwd: str | None, env: dict[str, str]) -> str:
     restore = f"[ -f {STATE_DIR}/state ] && . {STATE_DIR}/state\n"
     # Variables passed with this request win over the saved shell state.
     overrides = "".join(f"export {k}={shell_quote(v)}\n" for k, v in env.items())
-    save = (f"\n__rc=$?; {{ export -p; printf 'cd -- %q 2>/dev/null\\n' \"$PWD\"; }} > {STATE_DIR}/state 2>/dev/null;"
-            " exit $__rc")
+    save = (
+        f"\n__rc=$?; {{ export -p; printf 'cd -- %q 2>/dev/null\\n' \"$PWD\"; }} > {STATE_DIR}/state 2>/dev/null;"
+        " exit $__rc"
+    )
     # eval keeps a syntax error in the user's command from skipping the state save.
     return restore + overrides + "eval " + shell_quote(cmd) + save

@@ -28,11 +28,22 @@ from furlong.sandbox.standin_recipes import (
 )
 
 __all__ = ["PYTHON", "SUITES", "BaseChoice", "Standin", "pick", "resolve"]
-DISTROS = {"bookworm": "Debian 12 (bookworm)", "bullseye": "Debian 11 (bullseye)", "trixie": "Debian 13 (trixie)",
-           "focal": "Ubuntu 20.04 (focal)", "jammy": "Ubuntu 22.04 (jammy)", "noble": "Ubuntu 24.04 (noble)"}
-KNOWN = ("debian:bookworm|trixie[-slim]", "debian:12|13[.N][-slim]", "buildpack-deps:bookworm[-curl|-scm]",
-         "furlong/base[-trixie]", ubuntu.KNOWN,
-         *(f"{repo}:TAG ({fam.label} {', '.join(o.version for o in fam.offers)})" for repo, fam in FAMILIES.items()))
+DISTROS = {
+    "bookworm": "Debian 12 (bookworm)",
+    "bullseye": "Debian 11 (bullseye)",
+    "trixie": "Debian 13 (trixie)",
+    "focal": "Ubuntu 20.04 (focal)",
+    "jammy": "Ubuntu 22.04 (jammy)",
+    "noble": "Ubuntu 24.04 (noble)",
+}
+KNOWN = (
+    "debian:bookworm|trixie[-slim]",
+    "debian:12|13[.N][-slim]",
+    "buildpack-deps:bookworm[-curl|-scm]",
+    "furlong/base[-trixie]",
+    ubuntu.KNOWN,
+    *(f"{repo}:TAG ({fam.label} {', '.join(o.version for o in fam.offers)})" for repo, fam in FAMILIES.items()),
+)
 # Ubuntu releases whose Python has no PEP 668 marker: a Dockerfile for them runs `pip3 install` as root
 _NO_PEP668 = ("focal", "jammy")
 # Official-image names are also written with their registry's path; the image is the same one.
@@ -67,13 +78,21 @@ class BaseChoice:
         fam = self.family
         assert fam is not None, "only a stand-in's tag is refused (a plain base has no family)"
         have = ", ".join(f"{o.version} ({o.suite}{'-backports' if o.backports else ''})" for o in fam.offers)
-        why = ("Go stand-ins need the exact release" if fam.exact_only else
-               f"images.standins={mode}; nearest would take {self.standin.version} with a note")  # type: ignore[union-attr]
-        lacks = f"Debian has no {fam.label} {self.asked_version}" if self.asked_version else \
-            f"the tag names no {fam.label} release"
-        return (f"{self.asked}: {lacks} (Debian has {have}; {why}); bring the "
-                f"image with `furlong image import {self.asked} OCI_ARCHIVE` or `furlong image pull` where its "
-                f"registry is reachable")
+        why = (
+            "Go stand-ins need the exact release"
+            if fam.exact_only
+            else f"images.standins={mode}; nearest would take {self.standin.version} with a note"  # type: ignore[union-attr]
+        )
+        lacks = (
+            f"Debian has no {fam.label} {self.asked_version}"
+            if self.asked_version
+            else f"the tag names no {fam.label} release"
+        )
+        return (
+            f"{self.asked}: {lacks} (Debian has {have}; {why}); bring the "
+            f"image with `furlong image import {self.asked} OCI_ARCHIVE` or `furlong image pull` where its "
+            f"registry is reachable"
+        )
 
     def note(self, provides: str) -> str:
         """One line for the build log and the eval record; `provides` is the probe's output."""
@@ -81,7 +100,7 @@ class BaseChoice:
             return ""
         extra = list(self.differences)
         asked = self.asked_version.replace("_", ".").split(".")
-        if self.standin.label and self.asked_version and provides.split(".")[:len(asked)] != asked:
+        if self.standin.label and self.asked_version and provides.split(".")[: len(asked)] != asked:
             nearest = "" if self.exact else f" (nearest: Debian {self.standin.suite}'s {self.standin.version})"
             extra.insert(0, f"the tag asks for {self.standin.label} {self.asked_version}{nearest}")
         real = f"{self.standin.label} {provides}, " if self.standin.label else (f"{provides}; " if provides else "")
@@ -93,14 +112,16 @@ def _repo_tag(ref: str) -> tuple[str, str, bool]:
     name, _, digest = ref.partition("@")
     for prefix in _PREFIXES:
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
             break
     repo, _, tag = name.partition(":")
     return repo, tag, bool(digest)
 
 
-_DEBIAN_TAGS = {"bookworm": re.compile(r"(bookworm(-\d{8})?|12(\.\d+)?)(-slim)?"),
-                "trixie": re.compile(r"(trixie(-\d{8})?|13(\.\d+)?)(-slim)?")}
+_DEBIAN_TAGS = {
+    "bookworm": re.compile(r"(bookworm(-\d{8})?|12(\.\d+)?)(-slim)?"),
+    "trixie": re.compile(r"(trixie(-\d{8})?|13(\.\d+)?)(-slim)?"),
+}
 
 
 def resolve(ref: str, ubuntu_mode: str = "off") -> BaseChoice | None:
@@ -114,8 +135,7 @@ def resolve(ref: str, ubuntu_mode: str = "off") -> BaseChoice | None:
         if ref == base_name(suite) or (repo == "debian" and _DEBIAN_TAGS[suite].fullmatch(tag)):
             return BaseChoice(ref, suite=suite)
     if repo == "buildpack-deps" and tag in ("bookworm", "bookworm-curl", "bookworm-scm"):
-        return BaseChoice(ref, BUILDPACK_DEPS["buildpack-deps" + tag.removeprefix("bookworm")],
-                          differences=differences)
+        return BaseChoice(ref, BUILDPACK_DEPS["buildpack-deps" + tag.removeprefix("bookworm")], differences=differences)
     family = FAMILIES.get(repo)
     return _versioned(ref, tag, family, differences) if family else None
 
@@ -127,8 +147,15 @@ def _ubuntu(ref: str, tag: str, differences: tuple[str, ...], mode: str) -> Base
         return None
     suite = ubuntu.suite_for(rel, mode)
     notes = (*differences, *ubuntu.differences(rel, suite, mode))
-    return BaseChoice(ref, ubuntu.standin(rel, suite), rel.version, notes, suite, registry_first=True,
-                      refused=ubuntu.refusal(ref, rel) if mode == "off" else "")
+    return BaseChoice(
+        ref,
+        ubuntu.standin(rel, suite),
+        rel.version,
+        notes,
+        suite,
+        registry_first=True,
+        refused=ubuntu.refusal(ref, rel) if mode == "off" else "",
+    )
 
 
 def _versioned(ref: str, tag: str, family: Family, differences: tuple[str, ...]) -> BaseChoice | None:
@@ -157,14 +184,17 @@ def _versioned(ref: str, tag: str, family: Family, differences: tuple[str, ...])
         notes.append(f"{DISTROS[standin.suite]}, not {DISTROS[wanted]}")
     if wanted in _NO_PEP668:
         standin = replace(standin, env=(*standin.env, ("PIP_BREAK_SYSTEM_PACKAGES", "1")))
-        notes.append(f"PIP_BREAK_SYSTEM_PACKAGES=1, so `pip install` into the system Python works as on "
-                     f"{DISTROS[wanted]} (Debian marks it externally managed, PEP 668)")
+        notes.append(
+            f"PIP_BREAK_SYSTEM_PACKAGES=1, so `pip install` into the system Python works as on "
+            f"{DISTROS[wanted]} (Debian marks it externally managed, PEP 668)"
+        )
     if family.full_note and "slim" not in words:
         notes.append(family.full_note)
     if "jre" in words:
         notes.append("a JDK, where the tag asks for a JRE")
-    return BaseChoice(ref, standin, version, (*notes, *family.extra), standin.suite, family, exact,
-                      family.registry_first)
+    return BaseChoice(
+        ref, standin, version, (*notes, *family.extra), standin.suite, family, exact, family.registry_first
+    )
 
 
 def _numbers(version: str) -> list[int]:
@@ -185,8 +215,9 @@ def pick(family: Family, asked: str) -> tuple[Standin, bool]:
 
     def distance(offer: Standin) -> tuple[int, int]:
         have = _numbers(offer.version)
-        padded = (want + [0] * len(have))[:len(have)]
+        padded = (want + [0] * len(have))[: len(have)]
         scale = [1000 ** (len(have) - 1 - i) for i in range(len(have))]
         value = sum(a * s for a, s in zip(have, scale))
         return abs(sum(a * s for a, s in zip(padded, scale)) - value), -value
+
     return min(family.offers, key=distance), False

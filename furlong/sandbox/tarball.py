@@ -16,6 +16,7 @@ def root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
 def tar_dir(src: Path, mode_mask: int = 0o7777) -> bytes:
     """The directory's contents (not the directory itself) as an uncompressed tar; `mode_mask` trims
     every member's mode (0o700: only its owner may read it)."""
+
     def owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.mode &= mode_mask
         return root_owned(info)

@@ -117,42 +117,76 @@ class Toolchain:
 
 
 def _recipe(context: str) -> str:
-    install = (f"PYTHONDONTWRITEBYTECODE=1 pip install --no-cache-dir --no-compile --no-index "
-               f"--disable-pip-version-check --root-user-action=ignore --find-links {WHEELS} --target {SITE} "
-               f"{' '.join(REQUIREMENTS)}")
+    install = (
+        f"PYTHONDONTWRITEBYTECODE=1 pip install --no-cache-dir --no-compile --no-index "
+        f"--disable-pip-version-check --root-user-action=ignore --find-links {WHEELS} --target {SITE} "
+        f"{' '.join(REQUIREMENTS)}"
+    )
     user_lib = f"{USER_BASE}/lib"
     links = " ".join(f"python{v}" for v in FALLBACK_PYTHONS[1:])
-    return "\n".join([
-        f"FROM {PARENT}",
-        f"COPY {context}/home {HOME}",
-        (f"RUN {install} && install -m 0755 {SITE}/bin/uv {SITE}/bin/uvx {BIN}/ "
-         f"&& rm -rf {SITE}/bin {SITE}/uv {SITE}/uv-*.dist-info {WHEELS}/uv-*.whl"),
-        f"RUN ln -s pytest {BIN}/py.test && for v in {links}; do ln -s python{FALLBACK_PYTHONS[0]} {user_lib}/$v; done",
-        f"RUN cd {offline_shims.DIR} && for c in {' '.join(offline_shims.COMMANDS)}; do ln -s shim $c; done",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"FROM {PARENT}",
+                f"COPY {context}/home {HOME}",
+                (
+                    f"RUN {install} && install -m 0755 {SITE}/bin/uv {SITE}/bin/uvx {BIN}/ "
+                    f"&& rm -rf {SITE}/bin {SITE}/uv {SITE}/uv-*.dist-info {WHEELS}/uv-*.whl"
+                ),
+                f"RUN ln -s pytest {BIN}/py.test && for v in {links}; do ln -s python{FALLBACK_PYTHONS[0]} {user_lib}/$v; done",
+                f"RUN cd {offline_shims.DIR} && for c in {' '.join(offline_shims.COMMANDS)}; do ln -s shim $c; done",
+            ]
+        )
+        + "\n"
+    )
 
 
 def _files() -> dict[str, str]:
     """The context's scripts, by their path under HOME."""
     user_site = f"user/lib/python{FALLBACK_PYTHONS[0]}/site-packages"
-    return {"bin/pytest": PYTEST_SCRIPT, f"{user_site}/furlong-toolchain.pth": FALLBACK_PTH,
-            f"{user_site}/_furlong_toolchain_fallback.py": FALLBACK,
-            "offline/shim": offline_shims.shim(), "offline/uv-installer.sh": offline_shims.installer(UV_VERSION)}
+    return {
+        "bin/pytest": PYTEST_SCRIPT,
+        f"{user_site}/furlong-toolchain.pth": FALLBACK_PTH,
+        f"{user_site}/_furlong_toolchain_fallback.py": FALLBACK,
+        "offline/shim": offline_shims.shim(),
+        "offline/uv-installer.sh": offline_shims.installer(UV_VERSION),
+    }
 
 
 def key(store) -> str:
     parent = store.standin_key(standins.PYTHON)
-    return "toolchain-" + _sha(FORMAT, parent, _recipe("ctx"), *LOCK_ONLY,
-                               *(part for item in sorted(_files().items()) for part in item),
-                               platform.machine())
+    return "toolchain-" + _sha(
+        FORMAT,
+        parent,
+        _recipe("ctx"),
+        *LOCK_ONLY,
+        *(part for item in sorted(_files().items()) for part in item),
+        platform.machine(),
+    )
 
 
 def _download(dest: Path) -> None:
     """The wheels, by the host's pip (its index and certificates): builds sandboxes may not reach them."""
     arch = platform.machine()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-cache-dir", "--disable-pip-version-check",
-           "--only-binary=:all:", "--python-version", "3.11", "--platform", f"manylinux_2_17_{arch}",
-           "--platform", "any", "-d", str(dest), *REQUIREMENTS, *LOCK_ONLY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.11",
+        "--platform",
+        f"manylinux_2_17_{arch}",
+        "--platform",
+        "any",
+        "-d",
+        str(dest),
+        *REQUIREMENTS,
+        *LOCK_ONLY,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         tail = (res.stdout + res.stderr).strip().splitlines()[-1:] or ["(no output)"]
@@ -180,8 +214,7 @@ def stray_files(upper: Path) -> list[str]:
     """Entries of the layer other than directories that lie outside HOME (a build's .pyc, a link in a bin
     directory): what the agent would see. Directories the builder leaves (/tmp, /run) are not files."""
     home = upper / HOME.lstrip("/")
-    return sorted(str(p) for p in upper.rglob("*")
-                  if not (p.is_dir() and not p.is_symlink()) and home not in p.parents)
+    return sorted(str(p) for p in upper.rglob("*") if not (p.is_dir() and not p.is_symlink()) and home not in p.parents)
 
 
 def hidden_entries(upper: Path) -> list[str]:
@@ -220,11 +253,18 @@ async def _build(store, backend, progress, name: str, final: Path) -> None:
     recipe = store.root / f".{name}.Dockerfile"  # a real file, so a failing step names file:line
     recipe.write_text(_recipe(ctx.name))
     try:
-        await store._build_layer(final, parent, recipe, df.parse(recipe), backend, progress,
-                                 label="verifier toolchain",
-                                 probe=f"PYTHONDONTWRITEBYTECODE=1; export PYTHONDONTWRITEBYTECODE; "
-                                       f"{BIN}/uv --version; {BIN}/pytest --version",
-                                 extra={"toolchain": list(REQUIREMENTS)})
+        await store._build_layer(
+            final,
+            parent,
+            recipe,
+            df.parse(recipe),
+            backend,
+            progress,
+            label="verifier toolchain",
+            probe=f"PYTHONDONTWRITEBYTECODE=1; export PYTHONDONTWRITEBYTECODE; "
+            f"{BIN}/uv --version; {BIN}/pytest --version",
+            extra={"toolchain": list(REQUIREMENTS)},
+        )
     finally:
         shutil.rmtree(ctx, ignore_errors=True)
     if hidden := await asyncio.to_thread(hidden_entries, final / "upper"):
@@ -257,9 +297,13 @@ def stack(image: ImageRef, toolchain: Toolchain, offline: bool) -> ImageRef:
     toolchain is in `verifier_env` only (offline: uv and pip told to stay offline)."""
     path = dict(image.env).get("PATH", BASE_ENV["PATH"])
     note = "; ".join(n for n in (image.note, f"verifier toolchain ({toolchain.provides})") if n)
-    return dataclasses.replace(image, digest=f"{image.digest}+{toolchain.key}",
-                               layers=(toolchain.layer, *image.layers), note=note,
-                               verifier_env=verifier_env(path, offline))
+    return dataclasses.replace(
+        image,
+        digest=f"{image.digest}+{toolchain.key}",
+        layers=(toolchain.layer, *image.layers),
+        note=note,
+        verifier_env=verifier_env(path, offline),
+    )
 
 
 class ToolchainImages:
@@ -288,5 +332,4 @@ class ToolchainImages:
 
 def opt_in_all(entries: list) -> list:
     """`eval.verifier_toolchain=true`: every loaded task gets the toolchain (broken ones stay as they are)."""
-    return [dataclasses.replace(e, verifier_toolchain=True) if hasattr(e, "verifier_toolchain") else e
-            for e in entries]
+    return [dataclasses.replace(e, verifier_toolchain=True) if hasattr(e, "verifier_toolchain") else e for e in entries]

@@ -24,14 +24,18 @@ SETTING = "images.ubuntu_standins"
 MODES = ("off", "nearest", *SUITES)  # off: a refusal; nearest: per release; a suite: that Debian release for all
 # what the probe prints: the Debian release and the versions a program sees (gcc: the compiler `apt-get install
 # gcc` gets, whose runtime, gcc-N-base, is in every Debian base)
-PROBE = ("printf 'Debian %s: glibc %s, Python %s, gcc %s, OpenSSL %s' \"$(cat /etc/debian_version)\" "
-         "\"$(getconf GNU_LIBC_VERSION | cut -d' ' -f2)\" "
-         "\"$(python3 -c 'import platform; print(platform.python_version())')\" "
-         "\"$(dpkg-query -W -f='${Version}\\n' 'gcc-[0-9]*-base' | head -1 | cut -d- -f1)\" "
-         "\"$(python3 -c 'import ssl; print(ssl.OPENSSL_VERSION.split()[1])')\"")
-_UNMINIMIZE = ("printf '#!/bin/sh\\necho \"furlong: this Debian stand-in is not minimized (man pages and "
-               "documentation install as usual); nothing to do\"\\n' > /usr/local/sbin/unminimize "
-               "&& chmod 755 /usr/local/sbin/unminimize")
+PROBE = (
+    "printf 'Debian %s: glibc %s, Python %s, gcc %s, OpenSSL %s' \"$(cat /etc/debian_version)\" "
+    "\"$(getconf GNU_LIBC_VERSION | cut -d' ' -f2)\" "
+    "\"$(python3 -c 'import platform; print(platform.python_version())')\" "
+    "\"$(dpkg-query -W -f='${Version}\\n' 'gcc-[0-9]*-base' | head -1 | cut -d- -f1)\" "
+    "\"$(python3 -c 'import ssl; print(ssl.OPENSSL_VERSION.split()[1])')\""
+)
+_UNMINIMIZE = (
+    "printf '#!/bin/sh\\necho \"furlong: this Debian stand-in is not minimized (man pages and "
+    "documentation install as usual); nothing to do\"\\n' > /usr/local/sbin/unminimize "
+    "&& chmod 755 /usr/local/sbin/unminimize"
+)
 
 
 @dataclass(frozen=True)
@@ -80,30 +84,46 @@ def standin(rel: Release, suite: str) -> Standin:
         env = (("PIP_BREAK_SYSTEM_PACKAGES", "1"),)
     if rel.unminimize:
         setup.append(_UNMINIMIZE)
-    return Standin(f"ubuntu-{rel.version}", (), setup=" && ".join(setup), env=env, probe=PROBE, suite=suite,
-                   version=rel.version, what=f"{rel.label} has {rel.has}")
+    return Standin(
+        f"ubuntu-{rel.version}",
+        (),
+        setup=" && ".join(setup),
+        env=env,
+        probe=PROBE,
+        suite=suite,
+        version=rel.version,
+        what=f"{rel.label} has {rel.has}",
+    )
 
 
 def differences(rel: Release, suite: str, mode: str) -> tuple[str, ...]:
     """What the stand-in's note says besides the versions: what a Dockerfile for the real image may meet."""
-    out = [f"apt's sources are Debian {suite}'s: a package only Ubuntu names, a PPA or add-apt-repository fails",
-           "/etc/os-release says Debian",
-           "python3, git and ca-certificates are preinstalled (the Ubuntu image has none of them)"]
+    out = [
+        f"apt's sources are Debian {suite}'s: a package only Ubuntu names, a PPA or add-apt-repository fails",
+        "/etc/os-release says Debian",
+        "python3, git and ca-certificates are preinstalled (the Ubuntu image has none of them)",
+    ]
     if mode in SUITES and mode != rel.suite:
         out.append(f"{SETTING}={mode}, not the nearest (Debian {rel.suite})")
     if rel.user:
         out.append("the `ubuntu` user (uid 1000) exists, as in the image")
     if not rel.pep668:
-        out.append(f"no PEP 668 marker and PIP_BREAK_SYSTEM_PACKAGES=1, so `pip install` into the system Python "
-                   f"works as on {rel.label}")
-    out.append("not minimized: man pages and documentation install" +
-               (" (`unminimize` is a no-op)" if rel.unminimize else "; there is no `unminimize` package"))
+        out.append(
+            f"no PEP 668 marker and PIP_BREAK_SYSTEM_PACKAGES=1, so `pip install` into the system Python "
+            f"works as on {rel.label}"
+        )
+    out.append(
+        "not minimized: man pages and documentation install"
+        + (" (`unminimize` is a no-op)" if rel.unminimize else "; there is no `unminimize` package")
+    )
     return tuple(out)
 
 
 def refusal(ref: str, rel: Release) -> str:
     """The one line for an Ubuntu tag that no registry, cache or import serves while the stand-ins are off."""
-    return (f"{ref}: no registry serves it here and it is neither cached nor imported; furlong's Debian "
-            f"stand-in for it is off ({SETTING}=off; `nearest` builds one from Debian {rel.suite} with a note on "
-            f"what differs); or bring the image with `furlong image import {ref} OCI_ARCHIVE`, or "
-            f"`furlong image pull {ref}` where its registry is reachable")
+    return (
+        f"{ref}: no registry serves it here and it is neither cached nor imported; furlong's Debian "
+        f"stand-in for it is off ({SETTING}=off; `nearest` builds one from Debian {rel.suite} with a note on "
+        f"what differs); or bring the image with `furlong image import {ref} OCI_ARCHIVE`, or "
+        f"`furlong image pull {ref}` where its registry is reachable"
+    )

@@ -57,8 +57,11 @@ def resolve_user(user: str, layer_dirs: Sequence[Path]) -> Identity:
     text = _read(layer_dirs, "etc/passwd", user)
     match = next((e for e in _entries(text, 7) if (e[2] == name if name.isdigit() else e[0] == name)), None)
     if match is None and not name.isdigit():
-        raise UserError(f"USER {user}: no such user in the image's /etc/passwd" if text else
-                        f"USER {user}: the image has no /etc/passwd to look the name up in (give a uid)")
+        raise UserError(
+            f"USER {user}: no such user in the image's /etc/passwd"
+            if text
+            else f"USER {user}: the image has no /etc/passwd to look the name up in (give a uid)"
+        )
     if match is not None:
         uid, gid, home, login = _id(match[2], user), _id(match[3], user), match[5] or "/", match[0]
     else:
@@ -167,7 +170,7 @@ def _target(parts: list[str], depth: int, link: str) -> list[str]:
     at the image's root, as in a chroot."""
     start = [] if link.startswith("/") else parts[:depth]
     out: list[str] = []
-    for part in [*start, *link.split("/"), *parts[depth + 1:]]:
+    for part in [*start, *link.split("/"), *parts[depth + 1 :]]:
         if part == "..":
             out = out[:-1]
         elif part not in ("", "."):

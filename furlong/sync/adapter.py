@@ -60,8 +60,14 @@ def state_dict_nbytes(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | 
 class AdapterPublisher:
     """Publishes a PeftModel's adapter tensors (never the base) through `transport`."""
 
-    def __init__(self, transport: Transport, *, full_every: int = 20,
-                 engine_dtype: torch.dtype = torch.float32, level: int | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        full_every: int = 20,
+        engine_dtype: torch.dtype = torch.float32,
+        level: int | None = None,
+    ) -> None:
         self.publisher = Publisher(transport, full_every=full_every, engine_dtype=engine_dtype, level=level)
         self.sizes: list[AdapterUpdateSize] = []
 
@@ -75,8 +81,9 @@ class AdapterPublisher:
         return update
 
 
-def adapter_update_size(peft: PeftModel, update: PublishedUpdate,
-                        dtype: torch.dtype | None = None) -> AdapterUpdateSize:
+def adapter_update_size(
+    peft: PeftModel, update: PublishedUpdate, dtype: torch.dtype | None = None
+) -> AdapterUpdateSize:
     """Adapter bytes of `update` vs the full model's bytes (in `dtype`, default the publisher's)."""
     adapter = state_dict_nbytes(adapter_state_dict(peft), dtype)
     full = state_dict_nbytes(base_state_dict(peft), dtype) + adapter

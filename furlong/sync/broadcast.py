@@ -59,8 +59,10 @@ class GroupSpec:
         if self.world_size < 2:
             raise ValueError(f"world_size must be >= 2 (the trainer and an engine), got {self.world_size}")
         if not 0 <= self.rank_offset < self.world_size:
-            raise ValueError(f"rank_offset must be in 0..{self.world_size - 1} (world_size {self.world_size}), "
-                             f"got {self.rank_offset}")
+            raise ValueError(
+                f"rank_offset must be in 0..{self.world_size - 1} (world_size {self.world_size}), "
+                f"got {self.rank_offset}"
+            )
         if not self.group_name:
             raise ValueError("group_name must not be empty")
         if self.backend not in BACKENDS:
@@ -69,9 +71,14 @@ class GroupSpec:
 
     def body(self) -> dict:
         """SGLang's fields, plus `auth_nonce` only when set (so an unauthenticated body is SGLang's exactly)."""
-        body = {"master_address": self.master_address, "master_port": self.master_port,
-                "rank_offset": self.rank_offset, "world_size": self.world_size, "group_name": self.group_name,
-                "backend": self.backend}
+        body = {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": self.rank_offset,
+            "world_size": self.world_size,
+            "group_name": self.group_name,
+            "backend": self.backend,
+        }
         return body if self.auth_nonce is None else {**body, "auth_nonce": self.auth_nonce}
 
 
@@ -91,8 +98,10 @@ class Manifest:
         if not self.names:
             raise ValueError("names must list at least one tensor")
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError(f"names, dtypes and shapes must be as long as each other, got {len(self.names)}, "
-                             f"{len(self.dtypes)} and {len(self.shapes)}")
+            raise ValueError(
+                f"names, dtypes and shapes must be as long as each other, got {len(self.names)}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
         if len(set(self.names)) != len(self.names):
             raise ValueError("names must not repeat a tensor")
         unknown = sorted(set(self.dtypes) - set(DTYPES))
@@ -106,17 +115,27 @@ class Manifest:
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor], **kw) -> Manifest:
-        return cls(names=tuple(tensors), dtypes=tuple(dtype_name(t.dtype) for t in tensors.values()),
-                   shapes=tuple(tuple(t.shape) for t in tensors.values()), **kw)
+        return cls(
+            names=tuple(tensors),
+            dtypes=tuple(dtype_name(t.dtype) for t in tensors.values()),
+            shapes=tuple(tuple(t.shape) for t in tensors.values()),
+            **kw,
+        )
 
     @property
     def nbytes(self) -> int:
         return sum(DTYPES[d].itemsize * _numel(s) for d, s in zip(self.dtypes, self.shapes))
 
     def body(self) -> dict:
-        return {"names": list(self.names), "dtypes": list(self.dtypes), "shapes": [list(s) for s in self.shapes],
-                "group_name": self.group_name, "flush_cache": self.flush_cache,
-                "weight_version": self.weight_version, "load_format": self.load_format}
+        return {
+            "names": list(self.names),
+            "dtypes": list(self.dtypes),
+            "shapes": [list(s) for s in self.shapes],
+            "group_name": self.group_name,
+            "flush_cache": self.flush_cache,
+            "weight_version": self.weight_version,
+            "load_format": self.load_format,
+        }
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -128,24 +147,34 @@ def _numel(shape: Sequence[int]) -> int:
 
 def host_store(address: str, world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's rendezvous store on a free port (read back as `.port`); it does not wait for the others."""
-    return dist.TCPStore(address, 0, world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        address, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 class WeightGroup:
     """This process's member of a weight-update group: rank 0 sends, the others receive."""
 
-    def __init__(self, spec: GroupSpec, rank: int, timeout_s: float = 300.0,
-                 store: dist.Store | None = None, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: GroupSpec,
+        rank: int,
+        timeout_s: float = 300.0,
+        store: dist.Store | None = None,
+        secret: str | None = None,
+    ) -> None:
         """Blocks until all `spec.world_size` members have joined (or `timeout_s` passes: RuntimeError). With
         `spec.auth_nonce`, every member must then prove `secret` (RendezvousNotAuthenticated, group destroyed)."""
         if (secret is None) != (spec.auth_nonce is None):
-            raise ValueError("an authenticated group needs both the secret and spec.auth_nonce "
-                             f"(secret {'set' if secret else 'missing'}, auth_nonce {spec.auth_nonce!r})")
+            raise ValueError(
+                "an authenticated group needs both the secret and spec.auth_nonce "
+                f"(secret {'set' if secret else 'missing'}, auth_nonce {spec.auth_nonce!r})"
+            )
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
-            store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=False,
-                                  timeout=timeout)
+            store = dist.TCPStore(
+                spec.master_address, spec.master_port, spec.world_size, is_master=False, timeout=timeout
+            )
         self.spec, self.rank = spec, rank
         self.device = torch.device("cuda") if spec.backend == "nccl" else torch.device("cpu")
         prefixed = dist.PrefixStore(f"furlong/{spec.group_name}/", store)
@@ -165,8 +194,10 @@ class WeightGroup:
     def _authenticate(self, secret: str) -> None:
         """Every rank's MAC, all-gathered and checked here; any other outcome destroys the group and raises."""
         spec = self.spec
-        mine = torch.frombuffer(bytearray(proof(secret, spec.auth_nonce or "", self.rank, spec.group_name,
-                                                spec.world_size)), dtype=torch.uint8).to(self.device)
+        mine = torch.frombuffer(
+            bytearray(proof(secret, spec.auth_nonce or "", self.rank, spec.group_name, spec.world_size)),
+            dtype=torch.uint8,
+        ).to(self.device)
         got = [torch.empty(MAC_BYTES, dtype=torch.uint8, device=self.device) for _ in range(spec.world_size)]
         try:
             pg = self._live()  # held while the collective runs (see _live)

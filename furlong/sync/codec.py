@@ -33,9 +33,7 @@ def word_width(dtype: torch.dtype) -> int:
 def as_words(t: torch.Tensor) -> np.ndarray:
     """1-D unsigned-int numpy view sharing `t`'s memory (`t` must be contiguous and on CPU)."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(
-            f"need a contiguous CPU tensor, got device={t.device} strides={t.stride()}"
-        )
+        raise ValueError(f"need a contiguous CPU tensor, got device={t.device} strides={t.stride()}")
     w = word_width(t.dtype)
     if t.numel() == 0:
         return np.empty(0, dtype=UINT[w])

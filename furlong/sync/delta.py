@@ -76,11 +76,20 @@ def encode_delta(
     _check_same_layout(prev, new)
 
     def section(name: str, cctx: zstd.ZstdCompressor) -> Section:
-        return encode_tensor_delta(name, prev[name].contiguous(), new[name].contiguous(), cctx, checksum_algo,
-                                   momentum, base_version)
+        return encode_tensor_delta(
+            name, prev[name].contiguous(), new[name].contiguous(), cctx, checksum_algo, momentum, base_version
+        )
 
-    return pack_delta(list(new), section, version=version, base_version=base_version, level=level,
-                      checksum_algo=checksum_algo, momentum=momentum, out=out)
+    return pack_delta(
+        list(new),
+        section,
+        version=version,
+        base_version=base_version,
+        level=level,
+        checksum_algo=checksum_algo,
+        momentum=momentum,
+        out=out,
+    )
 
 
 def pack_delta(
@@ -106,8 +115,9 @@ def pack_delta(
         metas.append(replace(td, offset=offset))
         sections.extend(data) if isinstance(data, list) else sections.append(data)
         offset += td.length
-    upd = WeightUpdate(version, base_version, "delta", DELTA_ENCODING, checksum_algo, tuple(metas),
-                       momentum=momentum is not None)
+    upd = WeightUpdate(
+        version, base_version, "delta", DELTA_ENCODING, checksum_algo, tuple(metas), momentum=momentum is not None
+    )
     return pack_payload(upd, sections, out)
 
 
@@ -141,7 +151,10 @@ def read_update(payload: bytes | memoryview) -> WeightUpdate:
 
 
 def apply_delta(
-    base: dict[str, torch.Tensor], payload: bytes | memoryview, *, current_version: int,
+    base: dict[str, torch.Tensor],
+    payload: bytes | memoryview,
+    *,
+    current_version: int,
     momentum: Momentum | None = None,
 ) -> dict[str, torch.Tensor]:
     """Patch `base` (holding `current_version`) in place; returns it. See the module doc.
@@ -153,16 +166,17 @@ def apply_delta(
     return base
 
 
-def apply_full(
-    payload: bytes | memoryview, *, current_version: int | None = None
-) -> dict[str, torch.Tensor]:
+def apply_full(payload: bytes | memoryview, *, current_version: int | None = None) -> dict[str, torch.Tensor]:
     """Fresh tensors from a snapshot payload, each verified against its checksum."""
     upd, body = unpack_payload(payload)
     return _decode_snapshot(upd, body, current_version)
 
 
 def apply_update(
-    tensors: dict[str, torch.Tensor], payload: bytes | memoryview, *, current_version: int | None,
+    tensors: dict[str, torch.Tensor],
+    payload: bytes | memoryview,
+    *,
+    current_version: int | None,
     momentum: Momentum | None = None,
 ) -> WeightUpdate:
     """Apply any kind of update to `tensors` in place; returns its header (for .version)."""
@@ -170,8 +184,7 @@ def apply_update(
     if upd.kind == "delta":
         if current_version is None:
             raise BaseVersionMismatch(
-                f"delta v{upd.version} needs base v{upd.base_version}, "
-                "but the receiver holds no version yet"
+                f"delta v{upd.version} needs base v{upd.base_version}, but the receiver holds no version yet"
             )
         _apply_delta_parsed(tensors, upd, body, current_version, momentum)
         return upd
@@ -200,13 +213,10 @@ class WeightReceiver:
 
 def _check_versions(upd: WeightUpdate, current: int | None) -> None:
     if current is not None and upd.version <= current:
-        raise StaleUpdate(
-            f"update v{upd.version} is not newer than the receiver's v{current} (already applied?)"
-        )
+        raise StaleUpdate(f"update v{upd.version} is not newer than the receiver's v{current} (already applied?)")
     if upd.kind == "delta" and upd.base_version != current:
         raise BaseVersionMismatch(
-            f"delta v{upd.version} was made against v{upd.base_version}, "
-            f"but the receiver holds v{current}"
+            f"delta v{upd.version} was made against v{upd.base_version}, but the receiver holds v{current}"
         )
 
 
@@ -223,8 +233,7 @@ def _check_same_layout(prev: Tensors, new: Tensors) -> None:
         p = prev[name]
         if p.shape != t.shape or p.dtype != t.dtype:
             raise ValueError(
-                f"{name}: {p.dtype}{tuple(p.shape)} -> {t.dtype}{tuple(t.shape)} "
-                "changes layout; use encode_full"
+                f"{name}: {p.dtype}{tuple(p.shape)} -> {t.dtype}{tuple(t.shape)} changes layout; use encode_full"
             )
 
 
@@ -238,13 +247,10 @@ def _base_words(base: Mapping[str, torch.Tensor], upd: WeightUpdate) -> dict[str
             raise IncompatibleBase(f"{td.name}: in the update but not in the receiver's tensors")
         if tuple(t.shape) != td.shape or t.dtype != td.torch_dtype:
             raise IncompatibleBase(
-                f"{td.name}: receiver has {t.dtype}{tuple(t.shape)}, "
-                f"update is for {td.dtype}{td.shape}"
+                f"{td.name}: receiver has {t.dtype}{tuple(t.shape)}, update is for {td.dtype}{td.shape}"
             )
         if t.numel() and t.data_ptr() in seen:  # tied weights would be patched twice
-            raise IncompatibleBase(
-                f"{td.name} shares storage with {seen[t.data_ptr()]}: pass each storage once"
-            )
+            raise IncompatibleBase(f"{td.name} shares storage with {seen[t.data_ptr()]}: pass each storage once")
         seen[t.data_ptr()] = td.name
         try:
             words[td.name] = codec.as_words(t)
@@ -254,7 +260,10 @@ def _base_words(base: Mapping[str, torch.Tensor], upd: WeightUpdate) -> dict[str
 
 
 def _apply_delta_parsed(
-    base: dict[str, torch.Tensor], upd: WeightUpdate, body: memoryview, current: int,
+    base: dict[str, torch.Tensor],
+    upd: WeightUpdate,
+    body: memoryview,
+    current: int,
     momentum: Momentum | None = None,
 ) -> None:
     if upd.kind != "delta":
@@ -302,8 +311,9 @@ def _check_momentum(upd: WeightUpdate, momentum: Momentum | None) -> None:
             )
 
 
-def _patch(td: TensorDelta, body: memoryview, dctx: zstd.ZstdDecompressor, momentum: Momentum | None,
-           record: Momentum | None) -> Patch:
+def _patch(
+    td: TensorDelta, body: memoryview, dctx: zstd.ZstdDecompressor, momentum: Momentum | None, record: Momentum | None
+) -> Patch:
     patch = decode_patch(td, body[td.offset : td.offset + td.length], dctx)
     if isinstance(patch, DensePatch):
         if td.predicted:
@@ -314,9 +324,7 @@ def _patch(td: TensorDelta, body: memoryview, dctx: zstd.ZstdDecompressor, momen
     return patch
 
 
-def _decode_snapshot(
-    upd: WeightUpdate, body: memoryview, current: int | None
-) -> dict[str, torch.Tensor]:
+def _decode_snapshot(upd: WeightUpdate, body: memoryview, current: int | None) -> dict[str, torch.Tensor]:
     if upd.kind not in ("full", "adapter"):
         raise SyncError(f"a {upd.kind!r} update is not a snapshot: use apply_delta / apply_update")
     _check_versions(upd, current)
@@ -326,8 +334,6 @@ def _decode_snapshot(
         t = decode_full(td, body[td.offset : td.offset + td.length], dctx)
         got = tensor_digest(t, upd.checksum_algo)
         if got != td.checksum:
-            raise ChecksumMismatch(
-                f"{td.name}: snapshot tensor hashes to {got}, sender recorded {td.checksum}"
-            )
+            raise ChecksumMismatch(f"{td.name}: snapshot tensor hashes to {got}, sender recorded {td.checksum}")
         out[td.name] = t
     return out

@@ -64,9 +64,7 @@ def tensor_entropy_bound(prev: torch.Tensor, new: torch.Tensor) -> EntropyBound:
     return EntropyBound(pos.size, empirical_entropy_bits(gaps), empirical_entropy_bits(values))
 
 
-def delta_entropy_bound(
-    prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
-) -> EntropyBound:
+def delta_entropy_bound(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> EntropyBound:
     """Sum of per-tensor bounds over the tensors of `new` (prev must hold the same names)."""
     total = EntropyBound(0, 0.0, 0.0)
     for name, t in new.items():

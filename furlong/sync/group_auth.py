@@ -36,23 +36,29 @@ def proof(secret: str, nonce: str, rank: int, group_name: str, world_size: int) 
 def unproven(macs: list[bytes], secret: str, nonce: str, group_name: str) -> list[int]:
     """The ranks whose all-gathered MAC is not theirs (compared in constant time)."""
     world = len(macs)
-    return [r for r, mac in enumerate(macs)
-            if not hmac.compare_digest(mac, proof(secret, nonce, r, group_name, world))]
+    return [r for r, mac in enumerate(macs) if not hmac.compare_digest(mac, proof(secret, nonce, r, group_name, world))]
 
 
-def refusal(bad: list[int], rank: int, group_name: str, failed: BaseException | None = None
-            ) -> RendezvousNotAuthenticated:
+def refusal(
+    bad: list[int], rank: int, group_name: str, failed: BaseException | None = None
+) -> RendezvousNotAuthenticated:
     """The error rank `rank` raises; an engine is told that its own token may be the wrong one (then every
     other rank looks wrong to it). `failed`: the all-gather itself failed (a member sent no MAC, or hung up)."""
     who = ", ".join(f"rank {r}" + (" (the trainer)" if r == 0 else "") for r in bad if r != rank)
-    what = (f"the handshake failed ({failed})" if failed is not None else
-            f"{who} did not prove the run's secret" + (" (or this member's own token is not the run's)"
-                                                       if rank != 0 else ""))
-    return RendezvousNotAuthenticated(f"weight group {group_name!r}: {what}: the rendezvous was not authenticated, "
-                                      f"so the group was destroyed before any weights were sent")
+    what = (
+        f"the handshake failed ({failed})"
+        if failed is not None
+        else f"{who} did not prove the run's secret"
+        + (" (or this member's own token is not the run's)" if rank != 0 else "")
+    )
+    return RendezvousNotAuthenticated(
+        f"weight group {group_name!r}: {what}: the rendezvous was not authenticated, "
+        f"so the group was destroyed before any weights were sent"
+    )
 
 
 def check_nonce(nonce: str | None) -> None:
     if nonce is not None and len(nonce) < MIN_NONCE_CHARS:
-        raise ValueError(f"auth_nonce must be at least {MIN_NONCE_CHARS} characters of fresh randomness, "
-                         f"got {len(nonce)}")
+        raise ValueError(
+            f"auth_nonce must be at least {MIN_NONCE_CHARS} characters of fresh randomness, got {len(nonce)}"
+        )

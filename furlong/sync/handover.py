@@ -74,8 +74,15 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def open_view(path: str, size: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...],
-              stride: tuple[int, ...], mapped: dict[tuple[str, int], torch.Tensor] | None = None) -> torch.Tensor:
+def open_view(
+    path: str,
+    size: int,
+    offset: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    mapped: dict[tuple[str, int], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """A tensor over bytes of an arena's file, mapped copy-on-write (this process never changes the file);
     `mapped`: the files this load has mapped already, so that each is mapped once."""
     mapped = {} if mapped is None else mapped
@@ -128,8 +135,12 @@ def load_named_tensors(serialized: str) -> list[tuple[str, torch.Tensor]]:
         raise
     except Exception as e:  # noqa: BLE001 - a truncated pickle, a CUDA handle that cannot open: all refusals
         raise HandoverRefused(f"serialized_named_tensors: could not open ({type(e).__name__}: {e})") from None
-    if not (isinstance(named, list) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
-                                            and type(p[1]) is torch.Tensor for p in named)):
+    if not (
+        isinstance(named, list)
+        and all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is torch.Tensor for p in named
+        )
+    ):
         raise HandoverRefused("serialized_named_tensors: expected a list of (name, tensor) pairs")
     return named
 
@@ -207,7 +218,7 @@ class Arena:
         for name, shape, dtype, first in layout:
             size = torch.Size(shape).numel() * dtype.itemsize
             own = first == name
-            views[name] = buffer[offsets[name]:offsets[name] + size].view(dtype).view(shape) if own else views[first]
+            views[name] = buffer[offsets[name] : offsets[name] + size].view(dtype).view(shape) if own else views[first]
         self._buffer, self._views, self._offsets, self._layout = buffer, views, offsets, layout
 
 
@@ -219,8 +230,11 @@ def _shared_file(path: Path, size: int) -> torch.Tensor:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         path.unlink(missing_ok=True)
-        raise OSError(e.errno, f"weight arena: could not reserve {size / 2**20:.1f} MiB in {SHM} ({e.strerror}); "
-                               f"free or enlarge it, or use train.sync.transport=http") from None
+        raise OSError(
+            e.errno,
+            f"weight arena: could not reserve {size / 2**20:.1f} MiB in {SHM} ({e.strerror}); "
+            f"free or enlarge it, or use train.sync.transport=http",
+        ) from None
     finally:
         os.close(fd)
     return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)

@@ -193,9 +193,14 @@ if njit is not None:
     _ADDERS = {bits: (*_adder(bits), _counter(bits)) for bits in (2, 4, 8)}
 
 
-def encode_run(a: np.ndarray, b: np.ndarray, bufs: RunBuffers, vt: tuple[int, ...] | None,
-               p: np.ndarray | None = None, state: np.ndarray | None = None
-               ) -> tuple[tuple[int, ...], list[np.ndarray], int]:
+def encode_run(
+    a: np.ndarray,
+    b: np.ndarray,
+    bufs: RunBuffers,
+    vt: tuple[int, ...] | None,
+    p: np.ndarray | None = None,
+    state: np.ndarray | None = None,
+) -> tuple[tuple[int, ...], list[np.ndarray], int]:
     """One dense run: its value tiers (`vt`, or chosen from this run), its coded streams (as
     tiers.encode(zigzag(b - a - p), vt); views of `bufs`, valid until the next run) and its changed words.
     `p`: int8 predictions (None: 0); `state`: gets the changes' low bytes (None: scratch)."""
@@ -232,8 +237,7 @@ class RunBuffers:
         return buf[:n]
 
 
-def encode_values(z: np.ndarray, vt: tuple[int, ...], bufs: RunBuffers, escaped: int | None = None
-                  ) -> list[np.ndarray]:
+def encode_values(z: np.ndarray, vt: tuple[int, ...], bufs: RunBuffers, escaped: int | None = None) -> list[np.ndarray]:
     """tiers.encode(z, vt, uint16): the first tier compiled, later ones (few entries) numpy.
     `escaped`: how many entries reach the second tier, if known (0 skips the search)."""
     bits = vt[0]
@@ -256,7 +260,9 @@ def bitmap_layout(a: np.ndarray, b: np.ndarray, chunk: int) -> tuple[np.ndarray,
     for s in range(0, a.size, chunk):
         n = a[s : s + chunk].size
         z = bufs.z[:n]
-        zigzag_diff(a[s : s + chunk], b[s : s + chunk], bufs.predictions(None, n), z, bufs.states(None, n).view(np.uint8))
+        zigzag_diff(
+            a[s : s + chunk], b[s : s + chunk], bufs.predictions(None, n), z, bufs.states(None, n).view(np.uint8)
+        )
         k = _nonzero_values(z, bufs.escapes)
         bitmaps.append(np.packbits(z != 0, bitorder="little"))
         values.append(bufs.escapes[:k].copy())
@@ -268,9 +274,16 @@ def bitmap_apply(bitmap: np.ndarray, diffs: np.ndarray, dst: np.ndarray, sign: i
     _bitmap_add(bitmap, np.append(diffs, np.uint16(0)), dst, sign)
 
 
-def apply_run(read: tiers.Reader, n: int, vt: tuple[int, ...], dst: np.ndarray, sign: int,
-              p: np.ndarray | None = None, state: np.ndarray | None = None,
-              bufs: RunBuffers | None = None) -> None:
+def apply_run(
+    read: tiers.Reader,
+    n: int,
+    vt: tuple[int, ...],
+    dst: np.ndarray,
+    sign: int,
+    p: np.ndarray | None = None,
+    state: np.ndarray | None = None,
+    bufs: RunBuffers | None = None,
+) -> None:
     """Read one dense run's streams through `read`, then add (sign > 0) or subtract its differences
     (the decoded residuals plus the int8 predictions `p`; None: 0), writing the changes' low bytes to
     `state` (None: scratch): nothing is written unless every stream of the run decoded."""

@@ -50,9 +50,7 @@ class _Cursor:
 
     def finish(self) -> None:
         if self.pos != self.raw.size:
-            raise CorruptUpdate(
-                f"{self.name}: {self.raw.size - self.pos} unexpected bytes in section"
-            )
+            raise CorruptUpdate(f"{self.name}: {self.raw.size - self.pos} unexpected bytes in section")
 
 
 def decompress(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor) -> np.ndarray:
@@ -62,9 +60,7 @@ def decompress(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor
     except zstd.ZstdError as e:
         raise CorruptUpdate(f"{td.name}: zstd section does not decode: {e}") from e
     if len(raw) != td.raw_length:
-        raise CorruptUpdate(
-            f"{td.name}: section decoded to {len(raw)} bytes, expected {td.raw_length}"
-        )
+        raise CorruptUpdate(f"{td.name}: section decoded to {len(raw)} bytes, expected {td.raw_length}")
     return np.frombuffer(raw, dtype=np.uint8)
 
 
@@ -83,8 +79,9 @@ def read_runs(
             yield s, tiers.decode(read, c, td.value_tiers, codec.UINT[w])
 
 
-def read_run_streams(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor,
-                     limit: int | None = None) -> Iterator[tuple[int, int, tiers.Reader]]:
+def read_run_streams(
+    td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompressor, limit: int | None = None
+) -> Iterator[tuple[int, int, tiers.Reader]]:
     """(start, words, read) for each `chunk`-word run of a "dense"/"planes" section: `read(n)`
     returns the run's next n raw bytes, for the caller to decode (read_runs, furlong.sync.kernels).
     Damaged data raises CorruptUpdate, whether met here or in the caller's reads."""
@@ -181,9 +178,16 @@ class DensePatch:
             return
         bufs = kernels.RunBuffers(0)  # zero predictions and scratch states, reused run after run
         for s, n, read in read_run_streams(self.td, self.section, self.dctx, limit):
-            kernels.apply_run(read, n, self.td.value_tiers, dst[s : s + n], sign,
-                              None if p is None else p[s : s + n], None if state is None else state[s : s + n],
-                              bufs)
+            kernels.apply_run(
+                read,
+                n,
+                self.td.value_tiers,
+                dst[s : s + n],
+                sign,
+                None if p is None else p[s : s + n],
+                None if state is None else state[s : s + n],
+                bufs,
+            )
             yield s, n
 
     def _runs(self, limit: int | None) -> Iterator[tuple[int, np.ndarray]]:
@@ -220,13 +224,9 @@ def decode_patch(td: TensorDelta, section: memoryview, dctx: zstd.ZstdDecompress
         pad_ok = n % 8 == 0 or int(bitmap[-1]) >> (n % 8) == 0
         if int(np.bitwise_count(bitmap).sum(dtype=np.int64)) != k or not pad_ok:
             raise CorruptUpdate(f"{td.name}: change bitmap disagrees with n_changed={k}")
-        patch: Patch = BitmapPatch(
-            codec.unzigzag(tiers.decode(cur.read, k, td.value_tiers, wide)), bitmap
-        )
+        patch: Patch = BitmapPatch(codec.unzigzag(tiers.decode(cur.read, k, td.value_tiers, wide)), bitmap)
     else:
-        gaps = tiers.decode_shifted(
-            cur.read, k, td.gap_shift, td.gap_tiers, tiers.gap_wide(n), np.int64
-        )
+        gaps = tiers.decode_shifted(cur.read, k, td.gap_shift, td.gap_tiers, tiers.gap_wide(n), np.int64)
         if k and int(gaps.max()) >= n:  # bounds every gap, so the sums below cannot overflow
             raise CorruptUpdate(f"{td.name}: change gap beyond {n} words")
         gaps += 1

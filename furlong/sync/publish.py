@@ -73,11 +73,20 @@ class HostStage:
     def full(self, new: dict[str, torch.Tensor], *, version: int, level: int | None) -> bytes:
         return encode_full(new, version=version, level=level)
 
-    def delta(self, new: dict[str, torch.Tensor], *, version: int, base_version: int, level: int | None,
-              momentum: Momentum | None, out: bytearray | None) -> bytes | memoryview:
+    def delta(
+        self,
+        new: dict[str, torch.Tensor],
+        *,
+        version: int,
+        base_version: int,
+        level: int | None,
+        momentum: Momentum | None,
+        out: bytearray | None,
+    ) -> bytes | memoryview:
         assert self.base is not None
-        return encode_delta(self.base, new, version=version, base_version=base_version, level=level,
-                            momentum=momentum, out=out)
+        return encode_delta(
+            self.base, new, version=version, base_version=base_version, level=level, momentum=momentum, out=out
+        )
 
     def commit(self, new: dict[str, torch.Tensor]) -> None:
         self.base = new
@@ -140,8 +149,7 @@ class Publisher:
         self, state_dict: Mapping[str, torch.Tensor], version: int, *, force_full: bool = False
     ) -> PublishedUpdate:
         if self._version is not None and version <= self._version:
-            raise ValueError(f"version {version} must be newer than the last published "
-                             f"{self._version}")
+            raise ValueError(f"version {version} must be newer than the last published {self._version}")
         t0 = time.perf_counter()
         stage = self._stage_for(state_dict)
         new = stage.copy(state_dict)
@@ -161,16 +169,24 @@ class Publisher:
         elif self._momentum is not None:
             self._momentum.clear(version)
         self._since_full = self._since_full + 1 if kind == "delta" else 1
-        return PublishedUpdate(version, kind, base, size, nbytes(new), t1 - t0,
-                               time.perf_counter() - t1, reason, stage.host_bytes)
+        return PublishedUpdate(
+            version, kind, base, size, nbytes(new), t1 - t0, time.perf_counter() - t1, reason, stage.host_bytes
+        )
 
-    def _encode_and_put(self, stage: HostStage | DeviceStage, new: dict[str, torch.Tensor], version: int,
-                        reason: str) -> tuple[float, int]:
+    def _encode_and_put(
+        self, stage: HostStage | DeviceStage, new: dict[str, torch.Tensor], version: int, reason: str
+    ) -> tuple[float, int]:
         """Encode, hand to the transport; returns when encoding ended and the payload's size."""
         if reason == "delta":
             assert self._version is not None
-            payload: bytes | memoryview = stage.delta(new, version=version, base_version=self._version,
-                                                      level=self.level, momentum=self._momentum, out=self._out)
+            payload: bytes | memoryview = stage.delta(
+                new,
+                version=version,
+                base_version=self._version,
+                level=self.level,
+                momentum=self._momentum,
+                out=self._out,
+            )
         else:
             payload = stage.full(new, version=version, level=self.level)
         t1 = time.perf_counter()

@@ -26,9 +26,7 @@ def _xor_words(t: torch.Tensor) -> np.ndarray:
     return b.view(np.uint64) if b.size % 8 == 0 else b
 
 
-def xor_zstd_encode(
-    prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], level: int = 1
-) -> bytes:
+def xor_zstd_encode(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], level: int = 1) -> bytes:
     cctx = zstd.ZstdCompressor(level=level)
     parts = []
     for name, t in new.items():

@@ -106,7 +106,10 @@ class Relay:
     engine model's first parameter if it has a `.model`, else the staging dtype."""
 
     def __init__(
-        self, transport: Transport, engine: SyncableEngine, *,
+        self,
+        transport: Transport,
+        engine: SyncableEngine,
+        *,
         target_dtype: torch.dtype | None = None,
     ) -> None:
         self.transport = transport
@@ -141,9 +144,18 @@ class Relay:
             if staged is None:
                 return SyncReport(before, before, (), 0, 0, stage_s, 0.0, 0.0, False)
             drain_s, pause_s = await self._push(staged)
-            return SyncReport(before, self.engine.weight_version, staged.applied,
-                              staged.bytes_pulled, len(staged.state_dict), stage_s, drain_s,
-                              pause_s, staged.recovered, staged.faults)
+            return SyncReport(
+                before,
+                self.engine.weight_version,
+                staged.applied,
+                staged.bytes_pulled,
+                len(staged.state_dict),
+                stage_s,
+                drain_s,
+                pause_s,
+                staged.recovered,
+                staged.faults,
+            )
 
     async def _push(self, staged: _Staged) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -180,13 +192,12 @@ class Relay:
         if self._receiver.version is None or self._receiver.version < latest:
             self._request_full(faults)  # a broken chain heals only with a newer snapshot
         if self._receiver.version is None or self._receiver.version == self._pushed:
-            raise SyncFailed(f"engine stays at v{engine_version}; requested a full snapshot",
-                             tuple(faults))
-        return _Staged(self._receiver.version, self._to_push(), tuple(applied), self._bytes,
-                       bool(faults), tuple(faults))
+            raise SyncFailed(f"engine stays at v{engine_version}; requested a full snapshot", tuple(faults))
+        return _Staged(
+            self._receiver.version, self._to_push(), tuple(applied), self._bytes, bool(faults), tuple(faults)
+        )
 
-    def _recover(self, latest: int, applied: list[int], faults: list[str], *,
-                 rebuild: bool) -> None:
+    def _recover(self, latest: int, applied: list[int], faults: list[str], *, rebuild: bool) -> None:
         """Restart from the newest full snapshot; adopt it only if it gets further than now.
 
         A snapshot no newer than the staged version only helps when the staging copy itself
@@ -233,8 +244,9 @@ class Relay:
                 return chain[::-1]
             assert upd.base_version is not None  # WeightUpdate validation guarantees it
             if upd.base_version < stop_at:
-                raise BaseVersionMismatch(f"v{upd.version} is a delta against "
-                                          f"v{upd.base_version}, older than the held v{stop_at}")
+                raise BaseVersionMismatch(
+                    f"v{upd.version} is a delta against v{upd.base_version}, older than the held v{stop_at}"
+                )
             version = upd.base_version
 
     def _fetch(self, version: int) -> _Fetched:
@@ -244,8 +256,9 @@ class Relay:
         self._bytes += len(payload)
         upd = read_update(memoryview(payload))  # digest checked: damage is caught on arrival
         if upd.version != version:
-            raise BaseVersionMismatch(f"asked for v{version}, got v{upd.version}: "
-                                      "out-of-order, misfiled or replayed update")
+            raise BaseVersionMismatch(
+                f"asked for v{version}, got v{upd.version}: out-of-order, misfiled or replayed update"
+            )
         if upd.base_version is not None and upd.base_version >= upd.version:
             raise CorruptUpdate(f"v{upd.version} claims base v{upd.base_version}: not older")
         self._cache[version] = fetched = _Fetched(upd, payload)

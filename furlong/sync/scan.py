@@ -138,8 +138,9 @@ def concat(parts: list[np.ndarray], dtype: npt.DTypeLike) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def dense_runs(a: np.ndarray, b: np.ndarray, run: int, p: np.ndarray | None = None,
-               state: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, int]]:
+def dense_runs(
+    a: np.ndarray, b: np.ndarray, run: int, p: np.ndarray | None = None, state: np.ndarray | None = None
+) -> Iterator[tuple[np.ndarray, int]]:
     """Per run of `run` words: zigzag(b - a - p) of ALL its words (a reused buffer, valid until
     the next run) and the run's count of changes. `p`: int8 predictions (None: 0); `state`: gets the
     low bytes of the changes b - a (furlong.sync.momentum)."""

@@ -104,8 +104,13 @@ class HostChange:
 
 
 def encode_tensor_delta(
-    name: str, prev: torch.Tensor, new: torch.Tensor, cctx: zstd.ZstdCompressor, algo: str,
-    momentum: Momentum | None = None, base_version: int | None = None,
+    name: str,
+    prev: torch.Tensor,
+    new: torch.Tensor,
+    cctx: zstd.ZstdCompressor,
+    algo: str,
+    momentum: Momentum | None = None,
+    base_version: int | None = None,
 ) -> tuple[TensorDelta, bytes | list[bytes]]:
     """The section carrying prev -> new for one tensor (offset is filled in by the caller), as bytes or
     as the list of its consecutive pieces. With `momentum` (recording the update made against
@@ -116,12 +121,16 @@ def encode_tensor_delta(
 
 def delta_meta(name: str, new: torch.Tensor, checksum: str) -> TensorDelta:
     """A tensor's delta header before its layout is chosen ("same": nothing changed)."""
-    return TensorDelta(name=name, shape=tuple(new.shape), dtype=dtype_name(new.dtype), encoding="same",
-                       checksum=checksum)
+    return TensorDelta(
+        name=name, shape=tuple(new.shape), dtype=dtype_name(new.dtype), encoding="same", checksum=checksum
+    )
 
 
 def encode_change(
-    meta: TensorDelta, change: Change, cctx: zstd.ZstdCompressor, momentum: Momentum | None = None,
+    meta: TensorDelta,
+    change: Change,
+    cctx: zstd.ZstdCompressor,
+    momentum: Momentum | None = None,
     base_version: int | None = None,
 ) -> tuple[TensorDelta, bytes | list[bytes]]:
     """encode_tensor_delta for any Change (`meta` from delta_meta)."""
@@ -133,8 +142,7 @@ def encode_change(
         if momentum is None:
             return _dense(meta, a, b, cctx)
         p = momentum.prediction(meta.name, base_version)
-        meta, data = _dense(replace(meta, predicted=p is not None), a, b, cctx, p,
-                            momentum.buffer(meta.name, change.n))
+        meta, data = _dense(replace(meta, predicted=p is not None), a, b, cctx, p, momentum.buffer(meta.name, change.n))
         if meta.encoding != "dense":  # unchanged after all: like every non-dense tensor, it records nothing
             momentum.discard(meta.name)
         return meta, data
@@ -144,9 +152,7 @@ def encode_change(
             return meta, b""
         if not sc.dense:
             meta = replace(meta, n_changed=sc.count)
-            return _sparse(
-                meta, scan.concat(sc.gaps, np.int64), scan.concat(sc.values, change.dtype), cctx
-            )
+            return _sparse(meta, scan.concat(sc.gaps, np.int64), scan.concat(sc.values, change.dtype), cctx)
     bitmap, values = change.bitmap()
     if values.size == 0:
         return meta, b""
@@ -159,9 +165,7 @@ def _sparse(
     vt = tiers.value_tiers(values)
     wide = tiers.gap_wide(meta.n_words)
     shift, gt = _gap_coding(gaps, wide, cctx)
-    parts = tiers.encode_shifted(gaps, shift, gt, wide) + tiers.encode(
-        values, vt, values.dtype.type
-    )
+    parts = tiers.encode_shifted(gaps, shift, gt, wide) + tiers.encode(values, vt, values.dtype.type)
     data, raw_length = compress_streams(cctx, parts)
     return replace(
         meta,
@@ -174,9 +178,7 @@ def _sparse(
     ), data
 
 
-def _gap_coding(
-    gaps: np.ndarray, wide: type, cctx: zstd.ZstdCompressor
-) -> tuple[int, tuple[int, ...]]:
+def _gap_coding(gaps: np.ndarray, wide: type, cctx: zstd.ZstdCompressor) -> tuple[int, tuple[int, ...]]:
     """Byte tiers for small gaps; for sparse tensors (mean gap >= 100, so few changes and
     cheap to try) whichever shifted coding compresses smallest."""
     if gaps.size == 0 or gaps.mean() < 100:
@@ -184,9 +186,7 @@ def _gap_coding(
     options = [(0, tiers.GAP_TIERS)] + [(8, t) for t in tiers.VALUE_TIER_CHOICES]
 
     def size(option: tuple[int, tuple[int, ...]]) -> int:
-        return len(
-            compress_streams(cctx, tiers.encode_shifted(gaps, option[0], option[1], wide))[0]
-        )
+        return len(compress_streams(cctx, tiers.encode_shifted(gaps, option[0], option[1], wide))[0])
 
     return min(options, key=size)
 
@@ -200,14 +200,16 @@ def _bitmap(
     else:
         streams = tiers.encode(values, vt, values.dtype.type)
     data, raw_length = compress_streams(cctx, [bitmap, *streams])
-    return replace(
-        meta, encoding="bitmap", length=len(data), raw_length=raw_length, value_tiers=vt
-    ), data
+    return replace(meta, encoding="bitmap", length=len(data), raw_length=raw_length, value_tiers=vt), data
 
 
 def _dense(
-    meta: TensorDelta, a: np.ndarray, b: np.ndarray, cctx: zstd.ZstdCompressor,
-    p: np.ndarray | None = None, state: np.ndarray | None = None,
+    meta: TensorDelta,
+    a: np.ndarray,
+    b: np.ndarray,
+    cctx: zstd.ZstdCompressor,
+    p: np.ndarray | None = None,
+    state: np.ndarray | None = None,
 ) -> tuple[TensorDelta, bytes | list[bytes]]:
     """Stream every word's coded value (its change minus its prediction `p`) through one zstd frame, run by
     run; `state` records the changes (furlong.sync.momentum)."""
@@ -240,8 +242,9 @@ def _dense_runs(a: np.ndarray, b: np.ndarray, p: np.ndarray | None, state: np.nd
         bufs = kernels.RunBuffers(min(a.size, CHUNK))
         for s in range(0, a.size, CHUNK):
             part = slice(s, s + CHUNK)
-            vt, streams, c = kernels.encode_run(a[part], b[part], bufs, vt, None if p is None else p[part],
-                                                None if state is None else state[part])
+            vt, streams, c = kernels.encode_run(
+                a[part], b[part], bufs, vt, None if p is None else p[part], None if state is None else state[part]
+            )
             yield streams, c, vt
         return
     for z, c in scan.dense_runs(a, b, CHUNK, p, state):
@@ -269,9 +272,7 @@ def _feed(cobj: zstd.ZstdCompressionObj, streams: list[np.ndarray], out: list[by
     return sum(s.size for s in streams)
 
 
-def encode_tensor_full(
-    name: str, t: torch.Tensor, cctx: zstd.ZstdCompressor, algo: str
-) -> tuple[TensorDelta, bytes]:
+def encode_tensor_full(name: str, t: torch.Tensor, cctx: zstd.ZstdCompressor, algo: str) -> tuple[TensorDelta, bytes]:
     """A snapshot section: byte planes per CHUNK run, streamed through one zstd frame."""
     x = codec.as_words(t)
     cobj = cctx.compressobj(size=x.nbytes)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
+from furlong.paths import read_secret
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -53,11 +55,18 @@ class BackgroundServer:
         self._sock = bound_socket(host, port)
         self._sock.listen(128)
         # timeout_graceful_shutdown: close() must not wait forever on a client that stopped reading.
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=SERVER_KEEPALIVE_S, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=SERVER_KEEPALIVE_S,
+            timeout_graceful_shutdown=5,
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name=name, daemon=True
+        )
         self._thread.start()
 
     @property
@@ -103,8 +112,6 @@ def require_token_off_loopback(host: str, token: str | None, flag: str) -> None:
 
 def read_token_file(path: Path) -> str:
     """The bearer token --token-file `path` holds (at least 16 characters, printable ASCII)."""
-    from furlong.sandbox.hosts import read_secret
-
     return check_token(read_secret(path, "--token-file", "token"), f"--token-file {path}")
 
 
@@ -120,8 +127,7 @@ def write_token(generated: Path, say: Callable[[str], None], clients: str) -> st
     return token
 
 
-def server_token(token_file: Path | None, host: str, generated: Path, say: Callable[[str], None],
-                 clients: str) -> str:
+def server_token(token_file: Path | None, host: str, generated: Path, say: Callable[[str], None], clients: str) -> str:
     """The bearer token of a server bound to `host`: read from token_file (--token-file); without one, only a
     loopback host may start, with a fresh token written to `generated`, so nobody reachable over a network
     meets an open server."""
@@ -131,8 +137,9 @@ def server_token(token_file: Path | None, host: str, generated: Path, say: Calla
     return write_token(generated, say, clients)
 
 
-def guarded_app(title: str, token: str | None, lifespan: Any = None, open_paths: frozenset[str] = frozenset()
-                ) -> FastAPI:
+def guarded_app(
+    title: str, token: str | None, lifespan: Any = None, open_paths: frozenset[str] = frozenset()
+) -> FastAPI:
     """A FastAPI app whose every route but those in `open_paths` needs `Authorization: Bearer <token>` when
     `token` is set (else 401, nothing changed: the check runs before the route), and whose malformed bodies
     get 400 naming the first bad field (not FastAPI's 422)."""
@@ -144,14 +151,23 @@ def guarded_app(title: str, token: str | None, lifespan: Any = None, open_paths:
 
     def authorized(request: Request, authorization: str = Header(default="")) -> None:
         # bytes compared in constant time; a header of non-ASCII bytes (latin-1 to Starlette) just differs
-        if token is not None and request.url.path not in open_paths and \
-                not hmac.compare_digest(authorization.encode(), expected):
+        if (
+            token is not None
+            and request.url.path not in open_paths
+            and not hmac.compare_digest(authorization.encode(), expected)
+        ):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     # FastAPI resolves a string annotation in the module's globals, where Request (imported here, lazily) is not
     authorized.__annotations__["request"] = Request
-    app = FastAPI(title=title, dependencies=[Depends(authorized)], lifespan=lifespan, openapi_url=None,
-                  docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title=title,
+        dependencies=[Depends(authorized)],
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -110,8 +110,16 @@ class DeviceStage:
         self.host_bytes = nbytes(new)
         return encode_full(mirror, version=version, level=level, checksum_algo=self.algo)
 
-    def delta(self, new: dict[str, torch.Tensor], *, version: int, base_version: int, level: int | None,
-              momentum: Momentum | None, out: bytearray | None) -> bytes | memoryview:
+    def delta(
+        self,
+        new: dict[str, torch.Tensor],
+        *,
+        version: int,
+        base_version: int,
+        level: int | None,
+        momentum: Momentum | None,
+        out: bytearray | None,
+    ) -> bytes | memoryview:
         """The delta payload from the base to `new` (same layout), patching the mirror to `new` tensor by
         tensor."""
         assert self.base is not None and self.mirror is not None and same_layout(self.base, new)
@@ -120,8 +128,16 @@ class DeviceStage:
         def section(name: str, cctx: zstd.ZstdCompressor) -> Section:
             return self._section(name, new[name], cctx, momentum, base_version)
 
-        return pack_delta(list(new), section, version=version, base_version=base_version, level=level,
-                          checksum_algo=self.algo, momentum=momentum, out=out)
+        return pack_delta(
+            list(new),
+            section,
+            version=version,
+            base_version=base_version,
+            level=level,
+            checksum_algo=self.algo,
+            momentum=momentum,
+            out=out,
+        )
 
     def commit(self, new: dict[str, torch.Tensor]) -> None:
         """The transport took the payload: `new` is the base, the mirror holds it."""
@@ -159,8 +175,9 @@ class DeviceStage:
     def _begin(self) -> None:
         self.host_bytes, self._fresh, self._touched = 0, None, []
 
-    def _section(self, name: str, new: torch.Tensor, cctx: zstd.ZstdCompressor, momentum: Momentum | None,
-                 base_version: int) -> Section:
+    def _section(
+        self, name: str, new: torch.Tensor, cctx: zstd.ZstdCompressor, momentum: Momentum | None, base_version: int
+    ) -> Section:
         assert self.base is not None and self.mirror is not None
         host = self.mirror[name]
         change = DeviceChange(codec.int_words(self.base[name]), codec.int_words(new), codec.as_words(host), self)

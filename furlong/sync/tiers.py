@@ -66,9 +66,7 @@ def encode(x: np.ndarray, bits: tuple[int, ...], wide: type) -> list[np.ndarray]
     return out + plane_parts(rest.astype(wide, copy=False))
 
 
-def decode(
-    read: Reader, count: int, bits: tuple[int, ...], wide: type, dtype: type | None = None
-) -> np.ndarray:
+def decode(read: Reader, count: int, bits: tuple[int, ...], wide: type, dtype: type | None = None) -> np.ndarray:
     """Inverse of encode for `count` entries read through `read`, as `dtype` (default wide)."""
     symbols = []
     n = count
@@ -90,9 +88,7 @@ def decode(
     return rest
 
 
-def encode_shifted(
-    x: np.ndarray, shift: int, bits: tuple[int, ...], wide: type
-) -> list[np.ndarray]:
+def encode_shifted(x: np.ndarray, shift: int, bits: tuple[int, ...], wide: type) -> list[np.ndarray]:
     """With shift 8: the low bytes of x as one plane, then x >> 8 through the tiers.
 
     For large gaps (mean >> 256) the low byte is near-uniform and independent of the rest,
@@ -102,9 +98,7 @@ def encode_shifted(
     return [(x & 0xFF).astype(np.uint8), *encode(x >> 8, bits, wide)]
 
 
-def decode_shifted(
-    read: Reader, count: int, shift: int, bits: tuple[int, ...], wide: type, dtype: type
-) -> np.ndarray:
+def decode_shifted(read: Reader, count: int, shift: int, bits: tuple[int, ...], wide: type, dtype: type) -> np.ndarray:
     lo = read(count) if shift else None
     x = decode(read, count, bits, wide, dtype)
     if lo is not None:

@@ -248,8 +248,9 @@ class UpdateServer:
     `token`: if set, every request must carry `Authorization: Bearer <token>`, or it gets 401 and
     changes nothing. Without one, bind to 127.0.0.1 or a private cluster network only."""
 
-    def __init__(self, directory: DirectoryTransport, host: str = "127.0.0.1", port: int = 0, *,
-                 token: str | None = None) -> None:
+    def __init__(
+        self, directory: DirectoryTransport, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
+    ) -> None:
         self.directory = directory
         self._served = BackgroundServer(update_app(directory, token), host, port, name="furlong-update-server")
 
@@ -329,8 +330,16 @@ class HttpTransport:
     Read-only: the publisher writes the served directory directly. Environment proxies are ignored on
     purpose: the server is on the cluster network, never behind a web proxy."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 60.0, connect_timeout_s: float = 5.0,
-                 attempts: int = 4, backoff_s: float = 0.25, token: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+        attempts: int = 4,
+        backoff_s: float = 0.25,
+        token: str | None = None,
+    ) -> None:
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
         self.base_url = base_url.rstrip("/")
@@ -338,10 +347,13 @@ class HttpTransport:
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         # A relay pulls several versions per sync over these connections; idle ones are dropped before
         # the server would close them (see furlong.sync.serving).
-        self._client = httpx.Client(base_url=self.base_url, headers=headers, trust_env=False,
-                                    timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-                                    limits=httpx.Limits(max_keepalive_connections=8,
-                                                        keepalive_expiry=CLIENT_KEEPALIVE_S))
+        self._client = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            trust_env=False,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_keepalive_connections=8, keepalive_expiry=CLIENT_KEEPALIVE_S),
+        )
 
     def put(self, version: int, kind: str, payload: bytes | memoryview) -> None:
         raise TransportError("HttpTransport is read-only: publish into the served directory")
@@ -378,9 +390,12 @@ class HttpTransport:
             raise TransportError(f"{self.base_url}{route}: bad JSON from server: {e}") from e
 
     def _request(self, method: str, route: str, read: Callable[[httpx.Response, str], T]) -> T:
-        retrying = Retrying(stop=stop_after_attempt(self.attempts),
-                            wait=wait_exponential(multiplier=self.backoff_s, max=8.0),
-                            retry=retry_if_exception_type(_Transient), retry_error_callback=_give_up)
+        retrying = Retrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential(multiplier=self.backoff_s, max=8.0),
+            retry=retry_if_exception_type(_Transient),
+            retry_error_callback=_give_up,
+        )
         return retrying(self._try, method, route, read)
 
     def _try(self, method: str, route: str, read: Callable[[httpx.Response, str], T]) -> T:

@@ -166,10 +166,7 @@ def _validate(upd: WeightUpdate) -> None:
             raise CorruptUpdate(f"{t.name}: {e}") from e
         if any(s < 0 for s in t.shape) or not 0 <= t.n_changed <= t.n_words:
             raise CorruptUpdate(f"{t.name}: bad shape {t.shape} or n_changed {t.n_changed}")
-        if (
-            any(b not in ALLOWED_BITS for b in t.gap_tiers + t.value_tiers)
-            or len(t.gap_tiers + t.value_tiers) > 8
-        ):
+        if any(b not in ALLOWED_BITS for b in t.gap_tiers + t.value_tiers) or len(t.gap_tiers + t.value_tiers) > 8:
             raise CorruptUpdate(f"{t.name}: bad tier bits {t.gap_tiers} / {t.value_tiers}")
         if t.predicted and (t.encoding != "dense" or upd.kind != "delta"):
             raise CorruptUpdate(f"{t.name}: only dense delta sections are predicted")
@@ -211,23 +208,18 @@ def unpack_payload(payload: bytes | bytearray | memoryview) -> tuple[WeightUpdat
     """Check framing and digest, parse the header; returns the update and a view of the body."""
     mv = memoryview(payload).cast("B")
     if len(mv) < PREAMBLE.size:
-        raise CorruptUpdate(
-            f"payload is {len(mv)} bytes, shorter than the {PREAMBLE.size}-byte preamble"
-        )
+        raise CorruptUpdate(f"payload is {len(mv)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
     magic, fmt, algo_id, flags, hlen, blen, digest = PREAMBLE.unpack_from(mv)
     if magic != MAGIC:
         raise CorruptUpdate(f"bad magic {bytes(magic)!r}: not a furlong weight update")
     if fmt != FORMAT_VERSION or flags & ~HEADER_ZSTD:
-        raise CorruptUpdate(
-            f"unsupported format {fmt}/flags {flags} (this reader: {FORMAT_VERSION})"
-        )
+        raise CorruptUpdate(f"unsupported format {fmt}/flags {flags} (this reader: {FORMAT_VERSION})")
     algo = {v: k for k, v in ALGO_IDS.items()}.get(algo_id)
     if algo is None:
         raise CorruptUpdate(f"unknown checksum algorithm id {algo_id}")
     if hlen > MAX_HEADER or PREAMBLE.size + hlen + blen != len(mv):
         raise CorruptUpdate(
-            f"payload is {len(mv)} bytes but its preamble announces "
-            f"{PREAMBLE.size}+{hlen}+{blen}: truncated or padded"
+            f"payload is {len(mv)} bytes but its preamble announces {PREAMBLE.size}+{hlen}+{blen}: truncated or padded"
         )
     h = stream_hasher(algo)
     h.update(mv[PREAMBLE.size :])

@@ -75,8 +75,10 @@ def collect_script(artifacts: Sequence[Artifact]) -> str:
         src = shlex.quote(artifact.source)
         rel = shlex.quote(artifact.source.lstrip("/") or ".")
         excludes = " ".join(f"--exclude={shlex.quote(p)}" for p in artifact.exclude)
-        lines.append(f"if [ -e {src} ] || [ -L {src} ]; then tar -c -f {SCRATCH}/{n}.tar -C / {excludes} -- {rel}; "
-                     f"rc=$?; [ $rc -le 1 ] || exit $rc; echo {n}; fi")
+        lines.append(
+            f"if [ -e {src} ] || [ -L {src} ]; then tar -c -f {SCRATCH}/{n}.tar -C / {excludes} -- {rel}; "
+            f"rc=$?; [ $rc -le 1 ] || exit $rc; echo {n}; fi"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -121,8 +123,9 @@ def checked(artifact: Artifact, data: bytes) -> Collected | None:
         raise ArtifactsError(f"the archive of {artifact.source} is not a tar: {exc}") from None
 
 
-def _copy(tar: tarfile.TarFile, m: tarfile.TarInfo, clean: tarfile.TarFile, root: str, base: str,
-          links: dict[str, str]) -> None:
+def _copy(
+    tar: tarfile.TarFile, m: tarfile.TarInfo, clean: tarfile.TarFile, root: str, base: str, links: dict[str, str]
+) -> None:
     name = posixpath.normpath(m.name).lstrip("/")
     if not _inside(name, root) or ".." in name.split("/"):
         return

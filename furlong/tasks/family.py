@@ -67,7 +67,7 @@ class Family:
         cache = self.cache
         missing = [seed for seed in dict.fromkeys(seeds) if not (cache / str(seed)).exists()]
         for i in range(0, len(missing), genrun.BATCH_SEEDS):
-            batch = missing[i:i + genrun.BATCH_SEEDS]
+            batch = missing[i : i + genrun.BATCH_SEEDS]
             tmp = cache / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
                 genrun.generate(self.path, batch, tmp, backend=self.backend)
@@ -93,8 +93,12 @@ def _seed_range(raw: object, name: str, field: str) -> range:
     if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, int) for x in raw) and raw[0] < raw[1]):
         raise TaskError(name, "family.toml", f"field 'family.{field}': expected [start, stop) integers, got {raw!r}")
     if raw[1] - raw[0] > MAX_SEEDS:
-        raise TaskError(name, "family.toml", f"field 'family.{field}': {raw[1] - raw[0]} seeds in {raw!r}; "
-                                             f"at most {MAX_SEEDS} (each is a generated task)")
+        raise TaskError(
+            name,
+            "family.toml",
+            f"field 'family.{field}': {raw[1] - raw[0]} seeds in {raw!r}; "
+            f"at most {MAX_SEEDS} (each is a generated task)",
+        )
     return range(raw[0], raw[1])
 
 
@@ -124,5 +128,11 @@ def load_family(path: Path, backend: SandboxBackend | None = None) -> Family:
         raise TaskError(name, "family.toml", "train_seeds and heldout_seeds overlap")
     if not (path / "generate.py").is_file():
         raise TaskError(name, "generate.py", "missing")
-    return Family(name=name, path=path, description=str(conf.get("description", "")),
-                  seeds=seeds, digest=_digest(path), backend=backend)
+    return Family(
+        name=name,
+        path=path,
+        description=str(conf.get("description", "")),
+        seeds=seeds,
+        digest=_digest(path),
+        backend=backend,
+    )

@@ -37,7 +37,7 @@ def send_tree(stream, root: str, seed: int) -> None:
     for dirpath, dirnames, filenames in os.walk(root):  # does not follow symlinks
         for name in sorted(dirnames + filenames):
             path = os.path.join(dirpath, name)
-            rel, st = path[len(root) + 1:], os.lstat(path)
+            rel, st = path[len(root) + 1 :], os.lstat(path)
             if stat.S_ISLNK(st.st_mode):
                 fail(stream, f"generate({seed}) made {rel} a symlink (to {os.readlink(path)!r}); {ONLY}")
             elif stat.S_ISDIR(st.st_mode):

@@ -45,17 +45,28 @@ def _spec(family_dir: Path, seeds: list[int]) -> PythonSpec:
     family = f"/families/{family_dir.name}"
     # /out: the child empties it once a quarter full, so an instance at the cap (plus a page per
     # file: a tmpfs counts pages, not bytes) always fits.
-    return PythonSpec(source=CHILD_SOURCE, args=(family, "/out", PYTHON_LIB, *map(str, seeds)),
-                      read_only=((family, family_dir),), limits=Limits(memory_mb=MEMORY_MB, pids=PIDS),
-                      max_file_bytes=MAX_INSTANCE_BYTES, tmp_bytes=TMP_BYTES, out_bytes=3 * MAX_INSTANCE_BYTES)
+    return PythonSpec(
+        source=CHILD_SOURCE,
+        args=(family, "/out", PYTHON_LIB, *map(str, seeds)),
+        read_only=((family, family_dir),),
+        limits=Limits(memory_mb=MEMORY_MB, pids=PIDS),
+        max_file_bytes=MAX_INSTANCE_BYTES,
+        tmp_bytes=TMP_BYTES,
+        out_bytes=3 * MAX_INSTANCE_BYTES,
+    )
 
 
 class _Refused(Exception):
     """The generator failed or its output broke a rule; the message is one line for TaskError."""
 
 
-def generate(family_dir: Path, seeds: list[int], dest: Path, timeout_s: float | None = None,
-             backend: SandboxBackend | None = None) -> None:
+def generate(
+    family_dir: Path,
+    seeds: list[int],
+    dest: Path,
+    timeout_s: float | None = None,
+    backend: SandboxBackend | None = None,
+) -> None:
     """Writes dest/<seed>/ for every seed (dest must not exist), or raises a one-line TaskError."""
     timeout_s = INSTANCE_TIMEOUT_S if timeout_s is None else timeout_s
     try:
@@ -64,8 +75,7 @@ def generate(family_dir: Path, seeds: list[int], dest: Path, timeout_s: float | 
         raise TaskError(family_dir.name, "generate.py", f"cannot start the generator sandbox: {exc}") from None
     watchdog = _Watchdog(proc, timeout_s)
     stderr_tail: collections.deque[bytes] = collections.deque(maxlen=64)
-    drain = threading.Thread(target=lambda: stderr_tail.extend(iter(lambda: proc.stderr.read(4096), b"")),
-                             daemon=True)
+    drain = threading.Thread(target=lambda: stderr_tail.extend(iter(lambda: proc.stderr.read(4096), b"")), daemon=True)
     watchdog.start()
     drain.start()
     run = _Run(seeds, dest, watchdog)
@@ -82,8 +92,10 @@ def generate(family_dir: Path, seeds: list[int], dest: Path, timeout_s: float | 
         drain.join(2.0)
         proc.release()
     if watchdog.fired:
-        problem = (f"timed out: no instance finished within {timeout_s:g} s (importing generate.py or "
-                   f"generating seed {run.pending})")
+        problem = (
+            f"timed out: no instance finished within {timeout_s:g} s (importing generate.py or "
+            f"generating seed {run.pending})"
+        )
     elif rc != 0 and (not problem or run.stream_ended):
         problem = _failure(b"".join(stderr_tail), rc)
     if problem:

@@ -67,8 +67,9 @@ class Environment(Section):
     @classmethod
     def _reference(cls, ref: str | None) -> str | None:
         if ref is not None and Reference.parse(ref) is None:
-            raise ValueError("expected an image reference (NAME[:TAG][@sha256:HEX], NAME optionally starting with "
-                             "REGISTRY/)")
+            raise ValueError(
+                "expected an image reference (NAME[:TAG][@sha256:HEX], NAME optionally starting with REGISTRY/)"
+            )
         return ref
 
     @field_validator("memory")
@@ -122,8 +123,10 @@ class Verifier(Section):
     @model_validator(mode="after")
     def _mode_agrees(self) -> Verifier:
         if self.environment_mode == "shared" and self.environment is not None:
-            raise ValueError("environment_mode = 'shared' contradicts [verifier.environment] (a sandbox for the "
-                             "tests of their own): drop one")
+            raise ValueError(
+                "environment_mode = 'shared' contradicts [verifier.environment] (a sandbox for the "
+                "tests of their own): drop one"
+            )
         return self
 
     @property
@@ -153,8 +156,10 @@ class Artifact(Section):
             return None
         path = PurePosixPath(dest)
         if "\\" in dest or path.is_absolute() or ".." in path.parts or dest.rstrip("/") == "manifest.json":
-            raise ValueError(f"an artifact destination is a relative path with forward slashes, without '..', "
-                             f"and not manifest.json, got {dest!r}")
+            raise ValueError(
+                f"an artifact destination is a relative path with forward slashes, without '..', "
+                f"and not manifest.json, got {dest!r}"
+            )
         return dest
 
 
@@ -183,10 +188,18 @@ class Step(Section):
     @classmethod
     def _portable(cls, name: str) -> str:
         """Harbor's rule: a directory name under steps/ that every host OS can hold."""
-        if (not name.strip() or name in (".", "..") or name.endswith((".", " ")) or _BAD_CHARS.search(name)
-                or _DEVICE.fullmatch(name.partition(".")[0].rstrip(" ")) or len(name.encode()) > 255):
-            raise ValueError(f"step name {name!r}: a portable directory name (no path separators, control or "
-                             "reserved characters, device names or trailing dots and spaces; at most 255 bytes)")
+        if (
+            not name.strip()
+            or name in (".", "..")
+            or name.endswith((".", " "))
+            or _BAD_CHARS.search(name)
+            or _DEVICE.fullmatch(name.partition(".")[0].rstrip(" "))
+            or len(name.encode()) > 255
+        ):
+            raise ValueError(
+                f"step name {name!r}: a portable directory name (no path separators, control or "
+                "reserved characters, device names or trailing dots and spaces; at most 255 bytes)"
+            )
         return name
 
 
@@ -225,7 +238,6 @@ class HarborToml(Section):
         for step in steps:
             key = unicodedata.normalize("NFC", step.name).casefold()  # one directory on a case-folding host
             if key in seen:
-                raise ValueError(f"step name {step.name!r} is used twice (names differing only in case count "
-                                 "as one)")
+                raise ValueError(f"step name {step.name!r} is used twice (names differing only in case count as one)")
             seen.add(key)
         return steps

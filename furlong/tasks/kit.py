@@ -45,8 +45,10 @@ memory_mb = 512
 
 def reward_test(comment: str, condition: str) -> str:
     """A test.sh that writes reward 1 if the shell `condition` holds, else 0 (always writes one)."""
-    return (f"#!/bin/bash\n# {comment}\nmkdir -p /logs/verifier\necho 0 > /logs/verifier/reward.txt\n"
-            f"if {condition}; then\n  echo 1 > /logs/verifier/reward.txt\nfi\n")
+    return (
+        f"#!/bin/bash\n# {comment}\nmkdir -p /logs/verifier\necho 0 > /logs/verifier/reward.txt\n"
+        f"if {condition}; then\n  echo 1 > /logs/verifier/reward.txt\nfi\n"
+    )
 
 
 def python_test(comment: str) -> str:
@@ -54,17 +56,28 @@ def python_test(comment: str) -> str:
     return reward_test(comment, "python3 /tests/check.py")
 
 
-def write_task(out: Path, *, instruction: str, category: str, difficulty: str, tags: list[str],
-               test_sh: str, solve_sh: str, env_files: dict[str, str] | None = None,
-               test_files: dict[str, str] | None = None, agent_timeout: float = 60.0) -> None:
+def write_task(
+    out: Path,
+    *,
+    instruction: str,
+    category: str,
+    difficulty: str,
+    tags: list[str],
+    test_sh: str,
+    solve_sh: str,
+    env_files: dict[str, str] | None = None,
+    test_files: dict[str, str] | None = None,
+    agent_timeout: float = 60.0,
+) -> None:
     """Writes a Harbor task; env_files are copied into /app by the Dockerfile."""
     env_files = env_files or {}
     dockerfile = "FROM debian:bookworm-slim\nWORKDIR /app\n"
     dockerfile += "".join(f"COPY {name} /app/{name}\n" for name in env_files)
     files = {
         "instruction.md": instruction.strip() + "\n",
-        "task.toml": TASK_TOML.format(category=category, difficulty=difficulty, tags=json.dumps(tags),
-                                      agent_timeout=agent_timeout),
+        "task.toml": TASK_TOML.format(
+            category=category, difficulty=difficulty, tags=json.dumps(tags), agent_timeout=agent_timeout
+        ),
         "environment/Dockerfile": dockerfile,
         "tests/test.sh": test_sh,
         "solution/solve.sh": "#!/bin/bash\n" + solve_sh.strip() + "\n",
@@ -92,10 +105,12 @@ TEXT_WORDS = "Amber anchor Apple arrow Badge basket Beacon berry Bottle breeze B
 
 NUMBER_TEST = reward_test(
     "/app/answer.txt must hold the expected number (surrounding whitespace ignored)",
-    '[ -f /app/answer.txt ] && [ "$(tr -d \' \\n\' < /app/answer.txt)" = "$(tr -d \' \\n\' < /tests/expected.txt)" ]')
+    "[ -f /app/answer.txt ] && [ \"$(tr -d ' \\n' < /app/answer.txt)\" = \"$(tr -d ' \\n' < /tests/expected.txt)\" ]",
+)
 TEXT_TEST = reward_test(
     "/app/output.txt must equal the expected text (a missing final newline is forgiven)",
-    '[ -f /app/output.txt ] && [ "$(cat /app/output.txt)" = "$(cat /tests/expected.txt)" ]')
+    '[ -f /app/output.txt ] && [ "$(cat /app/output.txt)" = "$(cat /tests/expected.txt)" ]',
+)
 
 
 def _check(family: str, ops: Ops, names: tuple[str, ...]) -> None:
@@ -114,14 +129,26 @@ def number_instance(family: str, ops: Ops, tags: list[str], seed: int, out: Path
         if len(set(answers.values())) == len(answers):  # a wrong statistic must never pass
             break
     templates, command = ops[op]
-    write_task(out, instruction=rng.choice(templates), category="pipelines", difficulty="easy", tags=tags,
-               test_sh=NUMBER_TEST, solve_sh=command, env_files={"numbers.txt": "".join(f"{x}\n" for x in numbers)},
-               test_files={"expected.txt": f"{answers[op]}\n"})
+    write_task(
+        out,
+        instruction=rng.choice(templates),
+        category="pipelines",
+        difficulty="easy",
+        tags=tags,
+        test_sh=NUMBER_TEST,
+        solve_sh=command,
+        env_files={"numbers.txt": "".join(f"{x}\n" for x in numbers)},
+        test_files={"expected.txt": f"{answers[op]}\n"},
+    )
 
 
 def transform(op: str, lines: list[str]) -> list[str]:
-    return {"upper": [ln.upper() for ln in lines], "lower": [ln.lower() for ln in lines],
-            "sort": sorted(lines, key=lambda s: s.encode()), "reverse": lines[::-1]}[op]
+    return {
+        "upper": [ln.upper() for ln in lines],
+        "lower": [ln.lower() for ln in lines],
+        "sort": sorted(lines, key=lambda s: s.encode()),
+        "reverse": lines[::-1],
+    }[op]
 
 
 def text_instance(family: str, ops: Ops, tags: list[str], seed: int, out: Path) -> None:
@@ -135,6 +162,14 @@ def text_instance(family: str, ops: Ops, tags: list[str], seed: int, out: Path) 
         if len(set(results.values())) == len(results) and tuple(lines) not in results.values():
             break  # every transformation, and doing nothing, give different files
     templates, command = ops[op]
-    write_task(out, instruction=rng.choice(templates), category="files-text", difficulty="easy", tags=tags,
-               test_sh=TEXT_TEST, solve_sh=command, env_files={"input.txt": "\n".join(lines) + "\n"},
-               test_files={"expected.txt": "\n".join(results[op]) + "\n"})
+    write_task(
+        out,
+        instruction=rng.choice(templates),
+        category="files-text",
+        difficulty="easy",
+        tags=tags,
+        test_sh=TEXT_TEST,
+        solve_sh=command,
+        env_files={"input.txt": "\n".join(lines) + "\n"},
+        test_files={"expected.txt": "\n".join(results[op]) + "\n"},
+    )

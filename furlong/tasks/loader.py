@@ -97,21 +97,35 @@ def load_harbor(path: Path, task_id: str | None = None) -> Task:
     separate = _separate(conf, None, path, tid)
     test_script = path / "tests" / "test.sh"
     if not conf.steps and not (separate and separate.bundled_tests) and not test_script.is_file():
-        raise TaskError(tid, "tests/test.sh", "missing: a Harbor task needs tests/test.sh (or tests/Dockerfile "
-                                              "for a separate verifier whose image holds its tests)")
+        raise TaskError(
+            tid,
+            "tests/test.sh",
+            "missing: a Harbor task needs tests/test.sh (or tests/Dockerfile "
+            "for a separate verifier whose image holds its tests)",
+        )
     task = Task(
-        id=tid, path=path, instruction="" if conf.steps else _read(path / "instruction.md", tid),
+        id=tid,
+        path=path,
+        instruction="" if conf.steps else _read(path / "instruction.md", tid),
         dockerfile=dockerfile if dockerfile.is_file() else None,
-        agent_timeout_s=conf.agent.timeout_sec, verifier_timeout_s=conf.verifier.timeout_sec,
-        tests_dir=path / "tests" if (path / "tests").is_dir() else None, test_script=test_script,
+        agent_timeout_s=conf.agent.timeout_sec,
+        verifier_timeout_s=conf.verifier.timeout_sec,
+        tests_dir=path / "tests" if (path / "tests").is_dir() else None,
+        test_script=test_script,
         solution=solution if solution.is_file() else None,
         network=_phase_network(conf, None, tid),
-        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid, "environment"),
-        verifier_env=tuple(sorted(conf.verifier.env.items())), format="harbor",
+        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb),
+        syscalls=_syscalls(env, tid, "environment"),
+        verifier_env=tuple(sorted(conf.verifier.env.items())),
+        format="harbor",
         solution_env=tuple(sorted(conf.solution.env.items())),
-        verifier_toolchain=conf.furlong.verifier_toolchain, trust_agent_tools=conf.verifier.trust_agent_tools,
-        separate=separate, artifacts=_artifacts(conf.artifacts), collect=_hooks(conf.verifier.collect),
-        reward_strategy=conf.multi_step_reward_strategy or "mean", docker_image=conf.environment.docker_image,
+        verifier_toolchain=conf.furlong.verifier_toolchain,
+        trust_agent_tools=conf.verifier.trust_agent_tools,
+        separate=separate,
+        artifacts=_artifacts(conf.artifacts),
+        collect=_hooks(conf.verifier.collect),
+        reward_strategy=conf.multi_step_reward_strategy or "mean",
+        docker_image=conf.environment.docker_image,
         agent_user=_agent_user(conf, tid),
     )
     if not conf.steps:
@@ -135,20 +149,28 @@ def _step(conf: ht.HarborToml, step: ht.Step, task: Task, tid: str) -> Step:
     if step.min_reward is None:
         gate = None
     else:
-        gate = (("reward", step.min_reward),) if isinstance(step.min_reward, float) else tuple(
-            sorted(step.min_reward.items()))
+        gate = (
+            (("reward", step.min_reward),)
+            if isinstance(step.min_reward, float)
+            else tuple(sorted(step.min_reward.items()))
+        )
     workdir = home / "workdir"
     return Step(
-        name=step.name, instruction=_read(home / "instruction.md", tid),
+        name=step.name,
+        instruction=_read(home / "instruction.md", tid),
         agent_timeout_s=step.agent.timeout_sec or conf.agent.timeout_sec,
         # as Harbor's: a step's own [verifier] timeout_sec (600 unless given), never the task's
-        verifier_timeout_s=step.verifier.timeout_sec, test_script=script,
+        verifier_timeout_s=step.verifier.timeout_sec,
+        test_script=script,
         tests_overlay=own_tests if own_tests.is_dir() else None,
         solution=solution if solution is None or solution.is_file() else None,
-        verifier_env=tuple(sorted({**conf.verifier.env, **step.verifier.env}.items())), separate=separate,
+        verifier_env=tuple(sorted({**conf.verifier.env, **step.verifier.env}.items())),
+        separate=separate,
         artifacts=task.artifacts + _artifacts(step.artifacts),
-        collect=task.collect + _hooks(step.verifier.collect), workdir=workdir if workdir.is_dir() else None,
-        min_reward=gate, network=_phase_network(conf, step, tid),
+        collect=task.collect + _hooks(step.verifier.collect),
+        workdir=workdir if workdir.is_dir() else None,
+        min_reward=gate,
+        network=_phase_network(conf, step, tid),
     )
 
 
@@ -163,23 +185,34 @@ def _separate(conf: ht.HarborToml, step: ht.Step | None, path: Path, tid: str) -
     own = step.verifier.environment if step else None
     env = own or conf.verifier.environment or conf.environment
     where = f"steps.{step.name}.verifier" if step else "verifier"
-    dirs = ([(own, path / "steps" / step.name / "tests")] if step else []) + [(conf.verifier.environment,
-                                                                              path / "tests")]
+    dirs = ([(own, path / "steps" / step.name / "tests")] if step else []) + [
+        (conf.verifier.environment, path / "tests")
+    ]
     dockerfile, bundled = path / "environment" / "Dockerfile", False
     for declared, directory in dirs:
         if declared is not None and declared.docker_image:
-            raise TaskError(tid, "task.toml", f"field '{where}.environment.docker_image': a prebuilt verifier "
-                                              "image is not supported (give tests/Dockerfile)")
+            raise TaskError(
+                tid,
+                "task.toml",
+                f"field '{where}.environment.docker_image': a prebuilt verifier "
+                "image is not supported (give tests/Dockerfile)",
+            )
         if (directory / "docker-compose.yaml").is_file():
-            raise TaskError(tid, str(directory.relative_to(path) / "docker-compose.yaml"),
-                            "a docker-compose verifier environment is not supported (one Dockerfile)")
+            raise TaskError(
+                tid,
+                str(directory.relative_to(path) / "docker-compose.yaml"),
+                "a docker-compose verifier environment is not supported (one Dockerfile)",
+            )
         if (directory / "Dockerfile").is_file():
             dockerfile, bundled = directory / "Dockerfile", True
             break
     table = "environment" if env is conf.environment else f"{where}.environment"
     return VerifierEnvironment(
-        dockerfile=dockerfile if dockerfile.is_file() else None, bundled_tests=bundled,
-        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb), syscalls=_syscalls(env, tid, table))
+        dockerfile=dockerfile if dockerfile.is_file() else None,
+        bundled_tests=bundled,
+        limits=Limits(cpus=env.cpus, memory_mb=env.memory_mb),
+        syscalls=_syscalls(env, tid, table),
+    )
 
 
 def _artifacts(entries: Sequence[ht.Artifact]) -> tuple[Artifact, ...]:
@@ -201,17 +234,29 @@ def _unsupported(conf: ht.HarborToml, task: str) -> None:
     artifacts += [(f"steps.{s.name}.artifacts", a) for s in conf.steps for a in s.artifacts]
     for where, artifact in artifacts:
         if unsafe_source(artifact.source):
-            raise TaskError(task, "task.toml", f"field '{where}': {artifact.source!r} is the verifier's own "
-                                               "(/tests, /logs/verifier), never the agent's to hand over")
+            raise TaskError(
+                task,
+                "task.toml",
+                f"field '{where}': {artifact.source!r} is the verifier's own "
+                "(/tests, /logs/verifier), never the agent's to hand over",
+            )
         if artifact.service not in (None, ht.MAIN_SERVICE):
-            raise TaskError(task, "task.toml", f"field '{where}': service {artifact.service!r}: docker-compose "
-                                               "sidecar services are not supported (one sandbox per phase)")
+            raise TaskError(
+                task,
+                "task.toml",
+                f"field '{where}': service {artifact.service!r}: docker-compose "
+                "sidecar services are not supported (one sandbox per phase)",
+            )
     hooks = [("verifier.collect", h) for h in conf.verifier.collect]
     hooks += [(f"steps.{s.name}.verifier.collect", h) for s in conf.steps for h in s.verifier.collect]
     for where, hook in hooks:
         if hook.service != ht.MAIN_SERVICE:
-            raise TaskError(task, "task.toml", f"field '{where}': service {hook.service!r}: docker-compose "
-                                               "sidecar services are not supported (hooks run in the agent's sandbox)")
+            raise TaskError(
+                task,
+                "task.toml",
+                f"field '{where}': service {hook.service!r}: docker-compose "
+                "sidecar services are not supported (hooks run in the agent's sandbox)",
+            )
 
 
 def _agent_user(conf: ht.HarborToml, tid: str) -> str | None:
@@ -220,8 +265,12 @@ def _agent_user(conf: ht.HarborToml, tid: str) -> str | None:
     user = None if conf.agent.user is None else str(conf.agent.user)
     for step in conf.steps:
         if step.agent.user is not None and str(step.agent.user) != user:
-            raise TaskError(tid, "task.toml", f"field 'steps.{step.name}.agent.user': {step.agent.user!r} differs from "
-                                              f"[agent] user {user!r}: every step's agent runs in one sandbox, as one user")
+            raise TaskError(
+                tid,
+                "task.toml",
+                f"field 'steps.{step.name}.agent.user': {step.agent.user!r} differs from "
+                f"[agent] user {user!r}: every step's agent runs in one sandbox, as one user",
+            )
     return user
 
 
@@ -230,15 +279,26 @@ def _phase_network(conf: ht.HarborToml, step: ht.Step | None, tid: str) -> TaskN
     tables first; for tests in a separate verifier's sandbox, that environment's own `network_mode` (a
     [verifier.environment] that names one) is the tests' baseline, as Harbor's separate environment's is."""
     env = conf.environment
-    steps = (_table(f"steps.{step.name}.agent", step.agent), _table(f"steps.{step.name}.verifier", step.verifier)) \
-        if step is not None else (None, None)
-    network = resolve(_table("environment", env), _legacy(env), _table("agent", conf.agent),
-                      _table("verifier", conf.verifier), tid, *steps)
+    steps = (
+        (_table(f"steps.{step.name}.agent", step.agent), _table(f"steps.{step.name}.verifier", step.verifier))
+        if step is not None
+        else (None, None)
+    )
+    network = resolve(
+        _table("environment", env),
+        _legacy(env),
+        _table("agent", conf.agent),
+        _table("verifier", conf.verifier),
+        tid,
+        *steps,
+    )
     own = _separate_environment(conf, step)
     if own is None:
         return network
     where, sep_env = own
-    named = (explicit(steps[1], tid) if steps[1] is not None else None) or explicit(_table("verifier", conf.verifier), tid)
+    named = (explicit(steps[1], tid) if steps[1] is not None else None) or explicit(
+        _table("verifier", conf.verifier), tid
+    )
     tests = named or baseline(_table(f"{where}.environment", sep_env), _legacy(sep_env), tid)
     return dataclasses.replace(network, verifier=tests) if tests is not None else network
 
@@ -287,11 +347,16 @@ def load_terminal_bench(path: Path, task_id: str | None = None) -> Task:
     tests = path / "tests"
     dockerfile, solution = path / "Dockerfile", path / "solution.sh"
     return Task(
-        id=tid, path=path, instruction=conf.instruction,
+        id=tid,
+        path=path,
+        instruction=conf.instruction,
         dockerfile=dockerfile if dockerfile.is_file() else None,
-        agent_timeout_s=conf.max_agent_timeout_sec, verifier_timeout_s=conf.max_test_timeout_sec,
-        tests_dir=tests if tests.is_dir() else None, test_script=test_script,
-        solution=solution if solution.is_file() else None, format="terminal-bench",
+        agent_timeout_s=conf.max_agent_timeout_sec,
+        verifier_timeout_s=conf.max_test_timeout_sec,
+        tests_dir=tests if tests.is_dir() else None,
+        test_script=test_script,
+        solution=solution if solution.is_file() else None,
+        format="terminal-bench",
     )
 
 

@@ -86,8 +86,19 @@ class Step:
     network: TaskNetwork = TaskNetwork()  # each phase's, the step's own tables first (furlong.tasks.network)
 
 
-STEP_FIELDS = ("instruction", "agent_timeout_s", "verifier_timeout_s", "test_script", "tests_overlay", "solution",
-               "verifier_env", "separate", "artifacts", "collect", "network")
+STEP_FIELDS = (
+    "instruction",
+    "agent_timeout_s",
+    "verifier_timeout_s",
+    "test_script",
+    "tests_overlay",
+    "solution",
+    "verifier_env",
+    "separate",
+    "artifacts",
+    "collect",
+    "network",
+)
 
 
 @dataclass(frozen=True)
@@ -126,8 +137,9 @@ class Task:
         """What the task's image is made from: the prebuilt image where it names one (with its Dockerfile, for
         where no registry serves it: furlong.sandbox.prebuilt), else its Dockerfile, else None (the base)."""
         if self.docker_image:
-            return Prebuilt(self.docker_image, self.dockerfile,
-                            f"task {self.id!r}: task.toml: environment.docker_image")
+            return Prebuilt(
+                self.docker_image, self.dockerfile, f"task {self.id!r}: task.toml: environment.docker_image"
+            )
         return self.dockerfile
 
     @property

@@ -35,12 +35,16 @@ def explicit(table: TableNetwork, task: str) -> NetworkPolicy | None:
     refuse (`allowed_hosts` without 'allowlist', a URL or port among them...)."""
     if table.mode is None:
         if table.hosts is not None:
-            raise TaskError(task, "task.toml", f"field '{table.where}.allowed_hosts': only valid with "
-                                               "network_mode = 'allowlist'")
+            raise TaskError(
+                task, "task.toml", f"field '{table.where}.allowed_hosts': only valid with network_mode = 'allowlist'"
+            )
         return None
     if table.mode != "allowlist" and table.hosts:
-        raise TaskError(task, "task.toml", f"field '{table.where}.allowed_hosts': only valid with network_mode = "
-                                           f"'allowlist', not {table.mode!r}")
+        raise TaskError(
+            task,
+            "task.toml",
+            f"field '{table.where}.allowed_hosts': only valid with network_mode = 'allowlist', not {table.mode!r}",
+        )
     try:
         hosts = normalize_hosts(list(table.hosts or ()))
     except HostError as exc:
@@ -56,9 +60,15 @@ def baseline(environment: TableNetwork, legacy: bool | None, task: str) -> Netwo
     return NetworkPolicy("public" if legacy else "no-network")
 
 
-def resolve(environment: TableNetwork, legacy: bool | None, agent: TableNetwork, verifier: TableNetwork,
-            task: str, step_agent: TableNetwork | None = None,
-            step_verifier: TableNetwork | None = None) -> TaskNetwork:
+def resolve(
+    environment: TableNetwork,
+    legacy: bool | None,
+    agent: TableNetwork,
+    verifier: TableNetwork,
+    task: str,
+    step_agent: TableNetwork | None = None,
+    step_verifier: TableNetwork | None = None,
+) -> TaskNetwork:
     """Each phase's policy (a step's tables, where given, before the task's); both None where no table
     names a mode (nor allow_internet), for furlong's default to fill."""
     base = baseline(environment, legacy, task)

@@ -41,8 +41,13 @@ class Suite:
         return [e for e in self.entries if isinstance(e, BrokenTask)]
 
 
-def load_tasks(path: Path, split: str = "heldout", per_family: int | None = None,
-               backend: SandboxBackend | None = None, network: TaskNetwork | None = None) -> list[Task]:
+def load_tasks(
+    path: Path,
+    split: str = "heldout",
+    per_family: int | None = None,
+    backend: SandboxBackend | None = None,
+    network: TaskNetwork | None = None,
+) -> list[Task]:
     """A task, a family, or a directory of both; raises the first broken one's TaskError."""
     suite = load_suite(path, split, per_family, backend, network)
     if suite.broken:
@@ -50,8 +55,13 @@ def load_tasks(path: Path, split: str = "heldout", per_family: int | None = None
     return suite.tasks
 
 
-def load_suite(path: Path, split: str = "heldout", per_family: int | None = None,
-               backend: SandboxBackend | None = None, network: TaskNetwork | None = None) -> Suite:
+def load_suite(
+    path: Path,
+    split: str = "heldout",
+    per_family: int | None = None,
+    backend: SandboxBackend | None = None,
+    network: TaskNetwork | None = None,
+) -> Suite:
     """A task, a family, or a directory of both. Families give instances of `split` (train|heldout|all),
     their generators run on `backend` (None: a default bwrap one). Tasks that name no network mode get
     `network`'s phases (None: offline, furlong's default; furlong.tasks.network).
@@ -102,8 +112,9 @@ def _task_or_broken(path: Path) -> Task | BrokenTask:
         return BrokenTask(path.name, path, exc)
 
 
-def _family_or_broken(path: Path, split: str, per_family: int | None,
-                      backend: SandboxBackend | None) -> list[Task | BrokenTask]:
+def _family_or_broken(
+    path: Path, split: str, per_family: int | None, backend: SandboxBackend | None
+) -> list[Task | BrokenTask]:
     try:
         return list(load_family(path, backend).instances(split, per_family))
     except TaskError as exc:  # a bad family.toml, or a generator that fails: the whole family is one record

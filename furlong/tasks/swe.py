@@ -96,8 +96,9 @@ def read_instances(path: Path) -> list[SweInstance]:
             continue
         inst = _parse_line(path, n, text)
         if inst.instance_id in seen:
-            raise SweImportError(f"{path}: line {n}: field 'instance_id': {inst.instance_id!r} is also on line "
-                                 f"{seen[inst.instance_id]}")
+            raise SweImportError(
+                f"{path}: line {n}: field 'instance_id': {inst.instance_id!r} is also on line {seen[inst.instance_id]}"
+            )
         seen[inst.instance_id] = n
         out.append(inst)
     if not out:
@@ -119,10 +120,19 @@ def _parse_line(path: Path, n: int, text: str) -> SweInstance:
         field = ".".join(str(p) for p in err["loc"][:1]) or "(top level)"
         got = "" if err["type"] == "missing" else f" (got {str(err.get('input'))[:80]!r})"
         raise SweImportError(f"{path}: line {n}: field {field!r}: {err['msg']}{got}") from None
-    return SweInstance(instance_id=m.instance_id, repo=m.repo, base_commit=m.base_commit, patch=m.patch,
-                       test_patch=m.test_patch, problem_statement=m.problem_statement,
-                       fail_to_pass=tuple(m.FAIL_TO_PASS), pass_to_pass=tuple(m.PASS_TO_PASS), version=m.version,
-                       environment_setup_commit=m.environment_setup_commit, line=n)
+    return SweInstance(
+        instance_id=m.instance_id,
+        repo=m.repo,
+        base_commit=m.base_commit,
+        patch=m.patch,
+        test_patch=m.test_patch,
+        problem_statement=m.problem_statement,
+        fail_to_pass=tuple(m.FAIL_TO_PASS),
+        pass_to_pass=tuple(m.PASS_TO_PASS),
+        version=m.version,
+        environment_setup_commit=m.environment_setup_commit,
+        line=n,
+    )
 
 
 @dataclass(frozen=True)
@@ -160,8 +170,10 @@ def repository(repo_dir: Path, inst: SweInstance, instances: Path) -> Path:
     for candidate in (repo_dir, repo_dir / inst.repo):
         if (candidate / ".git").exists() or ((candidate / "HEAD").is_file() and (candidate / "objects").is_dir()):
             return candidate
-    raise SweImportError(f"{instances}: line {inst.line}: field 'repo': no git repository for {inst.repo!r} "
-                         f"(looked at {repo_dir} and {repo_dir / inst.repo})")
+    raise SweImportError(
+        f"{instances}: line {inst.line}: field 'repo': no git repository for {inst.repo!r} "
+        f"(looked at {repo_dir} and {repo_dir / inst.repo})"
+    )
 
 
 def _git(repo: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -174,8 +186,9 @@ def snapshot(repo: Path, inst: SweInstance, dest: Path, instances: Path) -> None
     """The repository's tracked files at base_commit, checked out under `dest` (no history). A checkout
     through a scratch index, not `git archive`: that would drop files marked export-ignore."""
     if _git(repo, "rev-parse", "--verify", "--quiet", f"{inst.base_commit}^{{commit}}").returncode != 0:
-        raise SweImportError(f"{instances}: line {inst.line}: field 'base_commit': {inst.base_commit} is not a "
-                             f"commit of {repo}")
+        raise SweImportError(
+            f"{instances}: line {inst.line}: field 'base_commit': {inst.base_commit} is not a commit of {repo}"
+        )
     dest.mkdir(parents=True)
     index = {"GIT_INDEX_FILE": str(dest.parent / ".snapshot-index")}
     try:
@@ -183,8 +196,10 @@ def snapshot(repo: Path, inst: SweInstance, dest: Path, instances: Path) -> None
         for args in (("read-tree", inst.base_commit), (f"--work-tree={dest}", "checkout-index", "-a")):
             res = _git(repo, *args, env=index)
             if res.returncode != 0:
-                raise SweImportError(f"{instances}: line {inst.line}: git {args[-2]} of {inst.base_commit} in "
-                                     f"{repo} failed: {res.stderr.decode(errors='replace').strip()}")
+                raise SweImportError(
+                    f"{instances}: line {inst.line}: git {args[-2]} of {inst.base_commit} in "
+                    f"{repo} failed: {res.stderr.decode(errors='replace').strip()}"
+                )
     finally:
         Path(index["GIT_INDEX_FILE"]).unlink(missing_ok=True)
 
@@ -195,11 +210,19 @@ def check_applies(testbed: Path, inst: SweInstance, field: str, instances: Path)
     # the snapshot is not a repository: git applies to its files as `patch` would, never to a repository
     # the output directory happens to sit in
     env = {"GIT_CEILING_DIRECTORIES": str(testbed.parent)}
-    res = subprocess.run(["git", "apply", "--check", "-"], input=text.encode(), cwd=testbed, capture_output=True,
-                         env={**os.environ, **env}, check=False)
+    res = subprocess.run(
+        ["git", "apply", "--check", "-"],
+        input=text.encode(),
+        cwd=testbed,
+        capture_output=True,
+        env={**os.environ, **env},
+        check=False,
+    )
     if res.returncode != 0:
-        raise SweImportError(f"{instances}: line {inst.line}: field {field!r}: does not apply at base_commit "
-                             f"{inst.base_commit}: {res.stderr.decode(errors='replace').strip()[:400]}")
+        raise SweImportError(
+            f"{instances}: line {inst.line}: field {field!r}: does not apply at base_commit "
+            f"{inst.base_commit}: {res.stderr.decode(errors='replace').strip()[:400]}"
+        )
 
 
 TASK_TOML = """version = "1.0"
@@ -280,7 +303,9 @@ class ImportOptions:
     verifier_timeout_s: float = 900.0
 
 
-def import_instances(instances: Path, repo_dir: Path, out: Path, options: ImportOptions = ImportOptions()) -> list[Path]:
+def import_instances(
+    instances: Path, repo_dir: Path, out: Path, options: ImportOptions = ImportOptions()
+) -> list[Path]:
     """One Harbor task directory per instance under `out`; returns them in the file's order. Every task is
     written before any is put in place, so bad input leaves `out` as it was. A directory this importer
     wrote before is replaced; any other one in the way is an error."""
@@ -309,13 +334,25 @@ def write_task(inst: SweInstance, repo: Path, task: Path, instances: Path, optio
         check_applies(testbed, inst, field, instances)
     files = patch_files(inst.test_patch)
     _write(task / "instruction.md", inst.problem_statement)
-    _write(task / "task.toml", TASK_TOML.format(
-        agent_timeout=options.agent_timeout_s, verifier_timeout=options.verifier_timeout_s,
-        **{k: json.dumps(getattr(inst, k)) for k in ("instance_id", "repo", "base_commit", "version",
-                                                      "environment_setup_commit")}))
-    _write(task / "environment" / "Dockerfile", DOCKERFILE.format(
-        base_image=options.base_image, repo_dir=REPO_DIR,
-        message=shlex.quote(f"{inst.instance_id} at {inst.base_commit}")))
+    _write(
+        task / "task.toml",
+        TASK_TOML.format(
+            agent_timeout=options.agent_timeout_s,
+            verifier_timeout=options.verifier_timeout_s,
+            **{
+                k: json.dumps(getattr(inst, k))
+                for k in ("instance_id", "repo", "base_commit", "version", "environment_setup_commit")
+            },
+        ),
+    )
+    _write(
+        task / "environment" / "Dockerfile",
+        DOCKERFILE.format(
+            base_image=options.base_image,
+            repo_dir=REPO_DIR,
+            message=shlex.quote(f"{inst.instance_id} at {inst.base_commit}"),
+        ),
+    )
     _write(task / "solution" / "solve.sh", SOLVE_SH.format(instance_id=inst.instance_id, repo_dir=REPO_DIR))
     _write(task / "solution" / "patch.diff", inst.patch)
     tests = task / "tests"
@@ -329,11 +366,18 @@ def write_task(inst: SweInstance, repo: Path, task: Path, instances: Path, optio
 
 
 def _spec(inst: SweInstance, files: PatchFiles, options: ImportOptions) -> dict:
-    return {"instance_id": inst.instance_id, "repo": inst.repo, "base_commit": inst.base_commit,
-            "version": inst.version, "FAIL_TO_PASS": list(inst.fail_to_pass),
-            "PASS_TO_PASS": list(inst.pass_to_pass), "test_files": list(files.modified),
-            "added_test_files": list(files.added), "test_directives": list(files.directives),
-            "test_cmd": options.test_cmd}
+    return {
+        "instance_id": inst.instance_id,
+        "repo": inst.repo,
+        "base_commit": inst.base_commit,
+        "version": inst.version,
+        "FAIL_TO_PASS": list(inst.fail_to_pass),
+        "PASS_TO_PASS": list(inst.pass_to_pass),
+        "test_files": list(files.modified),
+        "added_test_files": list(files.added),
+        "test_directives": list(files.directives),
+        "test_cmd": options.test_cmd,
+    }
 
 
 def _test_sh(inst: SweInstance, files: PatchFiles, options: ImportOptions, has_base: bool) -> str:
@@ -343,10 +387,17 @@ def _test_sh(inst: SweInstance, files: PatchFiles, options: ImportOptions, has_b
     if files.added:  # swebench's scripts remove them too: `git apply` refuses to create a file that exists
         reset.append("rm -f -- " + " ".join(shlex.quote(p) for p in files.added))
     return TEST_SH.format(
-        instance_id=inst.instance_id, repo_dir=REPO_DIR, reset=" && ".join(reset) or "true", spec=SPEC_FILE,
+        instance_id=inst.instance_id,
+        repo_dir=REPO_DIR,
+        reset=" && ".join(reset) or "true",
+        spec=SPEC_FILE,
         test_cmd=" ".join([options.test_cmd, *map(shlex.quote, files.directives)]),
-        start=swe_grading.START_TEST_OUTPUT, end=swe_grading.END_TEST_OUTPUT, exit_code=swe_grading.TEST_EXIT_CODE,
-        apply_failed=swe_grading.APPLY_PATCH_FAIL, reset_failed=swe_grading.RESET_FAILED)
+        start=swe_grading.START_TEST_OUTPUT,
+        end=swe_grading.END_TEST_OUTPUT,
+        exit_code=swe_grading.TEST_EXIT_CODE,
+        apply_failed=swe_grading.APPLY_PATCH_FAIL,
+        reset_failed=swe_grading.RESET_FAILED,
+    )
 
 
 def _write(path: Path, text: str) -> None:

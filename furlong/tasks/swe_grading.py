@@ -107,8 +107,7 @@ def tests_report(statuses: dict[str, str], fail_to_pass: list[str], pass_to_pass
     """{"FAIL_TO_PASS": {"success": [...], "failure": [...]}, "PASS_TO_PASS": {...}, ...}; a test neither
     passed nor failed by the rules lands in neither list, as in swebench."""
     report = {}
-    for kind, cases, kept in (("FAIL_TO_PASS", fail_to_pass, passed),
-                              ("PASS_TO_PASS", pass_to_pass, maintained)):
+    for kind, cases, kept in (("FAIL_TO_PASS", fail_to_pass, passed), ("PASS_TO_PASS", pass_to_pass, maintained)):
         success = [c for c in cases if kept(c, statuses)]
         failure = [c for c in cases if not kept(c, statuses) and failed(c, statuses)]
         report[kind] = {"success": success, "failure": failure}
@@ -125,15 +124,13 @@ def fraction(part: dict) -> float:
 def grade(log: str, instance_id: str, fail_to_pass: list[str], pass_to_pass: list[str]) -> dict:
     """The instance's entry of swebench's report.json (get_eval_report with include_tests_status), plus
     `tests`: every test's status as parsed from the log."""
-    entry: dict = {"patch_is_None": False, "patch_exists": True, "patch_successfully_applied": False,
-                   "resolved": False}
+    entry: dict = {"patch_is_None": False, "patch_exists": True, "patch_successfully_applied": False, "resolved": False}
     statuses = status_map(log)
     if statuses is None:
         return entry | {"tests": {}}
     report = tests_report(statuses, fail_to_pass, pass_to_pass)
     resolved = fraction(report["FAIL_TO_PASS"]) == 1 and fraction(report["PASS_TO_PASS"]) == 1
-    return entry | {"patch_successfully_applied": True, "resolved": resolved, "tests_status": report,
-                    "tests": statuses}
+    return entry | {"patch_successfully_applied": True, "resolved": resolved, "tests_status": report, "tests": statuses}
 
 
 def main(argv: list[str]) -> int:
@@ -144,9 +141,11 @@ def main(argv: list[str]) -> int:
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
     entry = grade(log, spec["instance_id"], spec["FAIL_TO_PASS"], spec["PASS_TO_PASS"])
     report = entry.get("tests_status")
-    rewards = {"reward": 1.0 if entry["resolved"] else 0.0,
-               "fail_to_pass": fraction(report["FAIL_TO_PASS"]) if report else 0.0,
-               "pass_to_pass": fraction(report["PASS_TO_PASS"]) if report else 0.0}
+    rewards = {
+        "reward": 1.0 if entry["resolved"] else 0.0,
+        "fail_to_pass": fraction(report["FAIL_TO_PASS"]) if report else 0.0,
+        "pass_to_pass": fraction(report["PASS_TO_PASS"]) if report else 0.0,
+    }
     (out / "report.json").write_text(json.dumps({spec["instance_id"]: entry}, indent=1) + "\n")
     (out / "reward.json").write_text(json.dumps(rewards) + "\n")
     print(json.dumps({spec["instance_id"]: entry}))

@@ -100,9 +100,15 @@ def verifier_env(task: Task, image: ImageRef | None = None) -> dict[str, str]:
     return {**env, **dict(task.verifier_env)}
 
 
-async def verify(task: Task, sandbox: Sandbox, workdir: str, verifier_uid: int | None = None,
-                 env: Mapping[str, str] | None = None,
-                 after_tests: Callable[[Verdict], Awaitable[None]] | None = None, tests: bytes | None = None) -> Verdict:
+async def verify(
+    task: Task,
+    sandbox: Sandbox,
+    workdir: str,
+    verifier_uid: int | None = None,
+    env: Mapping[str, str] | None = None,
+    after_tests: Callable[[Verdict], Awaitable[None]] | None = None,
+    tests: bytes | None = None,
+) -> Verdict:
     """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
 
     What the tests execute is checked (furlong.tasks.integrity) before they run, and again after: the
@@ -158,9 +164,11 @@ async def _faithful_bytecode(sandbox: Sandbox, paths: tuple[str, ...]) -> frozen
     dirs = " ".join(PYTHON_DIRS)
     for python, group in integrity.interpreters(paths).items():
         listing = "".join(f"{p}\n" for p in group)
-        cmd = (f"for d in {dirs}; do if [ -x \"$d/{python}\" ]; then\n"
-               f"exec \"$d/{python}\" -I -S -c {shlex.quote(BYTECODE_CHECK)} <<'FURLONG_BYTECODE'\n"
-               f"{listing}FURLONG_BYTECODE\nfi; done; exit 127")
+        cmd = (
+            f'for d in {dirs}; do if [ -x "$d/{python}" ]; then\n'
+            f"exec \"$d/{python}\" -I -S -c {shlex.quote(BYTECODE_CHECK)} <<'FURLONG_BYTECODE'\n"
+            f"{listing}FURLONG_BYTECODE\nfi; done; exit 127"
+        )
         res = await sandbox.exec(cmd, timeout_s=BYTECODE_CHECK_S, cwd="/", as_verifier=True)
         if res.ok:
             faithful |= set(res.stdout.splitlines()) & set(group)
@@ -203,17 +211,24 @@ def _append(tar: tarfile.TarFile, data: bytes) -> None:
 async def _run_tests(task: Task, sandbox: Sandbox, workdir: str, env: dict[str, str], tests: bytes) -> Verdict:
     if sandbox.verifier_uid is None:  # one uid: whatever the agent left in /tests and /logs/verifier goes
         # /tests is a mount point: its contents go, it stays (the rm of the directory itself fails harmlessly)
-        await sandbox.exec(f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} 2>/dev/null; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}",
-                           30, cwd="/")
+        await sandbox.exec(
+            f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} 2>/dev/null; mkdir -p {TESTS_DIR} {VERIFIER_LOG_DIR}", 30, cwd="/"
+        )
     # else both are the verifier's own empty mounts: no program the agent may have replaced runs for them
     await sandbox.put_tar(tests, TESTS_DIR, as_verifier=True)
     script = f"{TESTS_DIR}/{task.test_script.name}"
-    res = await sandbox.exec(f"bash {shlex.quote(script)}", timeout_s=task.verifier_timeout_s,
-                             cwd=workdir, env=env, as_verifier=True)
+    res = await sandbox.exec(
+        f"bash {shlex.quote(script)}", timeout_s=task.verifier_timeout_s, cwd=workdir, env=env, as_verifier=True
+    )
     tail = output_tail(res.stdout, res.stderr)
     if res.timed_out:
-        return Verdict(reward=0.0, timed_out=True, exit_code=res.exit_code, output_tail=tail,
-                       problem=f"verifier timed out after {task.verifier_timeout_s:g}s")
+        return Verdict(
+            reward=0.0,
+            timed_out=True,
+            exit_code=res.exit_code,
+            output_tail=tail,
+            problem=f"verifier timed out after {task.verifier_timeout_s:g}s",
+        )
     reward, rewards, problem = await _read_reward(sandbox)
     if reward is None and task.format == "terminal-bench":
         # Terminal-Bench 1.0 scores by the test run's success, not a reward file.

@@ -78,8 +78,11 @@ class FSDP2Spec:
         torch.set_num_threads(self.threads)
         device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
         ref = load_model(self.model_dir).requires_grad_(False).to(device) if self.config.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
-        mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                 if self.device == "cuda" else None)
+        mixed = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.device == "cuda"
+            else None
+        )
         return FSDP2Worker(self, self.policy().to(device), ref, rank, world_size, mixed)
 
 
@@ -117,8 +120,15 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 class FSDP2Worker(LocalTrainer):
     """One rank: LocalTrainer's step over its share of every pass, through the sharded root."""
 
-    def __init__(self, spec: FSDP2Spec, model: torch.nn.Module, ref_model: torch.nn.Module | None, rank: int,
-                 world_size: int, mixed: MixedPrecisionPolicy | None) -> None:
+    def __init__(
+        self,
+        spec: FSDP2Spec,
+        model: torch.nn.Module,
+        ref_model: torch.nn.Module | None,
+        rank: int,
+        world_size: int,
+        mixed: MixedPrecisionPolicy | None,
+    ) -> None:
         entries = {id(model): shard(model, mixed)}
         if ref_model is not None:
             entries[id(ref_model)] = shard(ref_model, mixed)
@@ -208,8 +218,15 @@ class FSDP2Trainer:
         tmp.mkdir()
         try:
             self.ranks.call("save_shards", tmp)
-            meta = json.dumps({"version": self.version, "trainer": "fsdp2", "world_size": self.ranks.world_size,
-                               "config": asdict(self.spec.config)}, indent=1)
+            meta = json.dumps(
+                {
+                    "version": self.version,
+                    "trainer": "fsdp2",
+                    "world_size": self.ranks.world_size,
+                    "config": asdict(self.spec.config),
+                },
+                indent=1,
+            )
             write_synced(tmp / "meta.json", lambda f: f.write(meta.encode()))
             for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
                 fsync_dir(d)
@@ -220,8 +237,9 @@ class FSDP2Trainer:
     def load(self, path: Path | str) -> None:
         path = Path(path)
         if not (path / SHARDS_DIR).is_dir():
-            raise ValueError(f"{path}: not an fsdp2 checkpoint (no {SHARDS_DIR}/; a train.trainer=local run "
-                             "writes another layout)")
+            raise ValueError(
+                f"{path}: not an fsdp2 checkpoint (no {SHARDS_DIR}/; a train.trainer=local run writes another layout)"
+            )
         self.version = self.ranks.call("load_shards", path)[0]
         self._weights = None
 

@@ -15,8 +15,12 @@ from dataclasses import dataclass
 import torch
 
 
-def group_advantages(rewards: Sequence[float] | torch.Tensor, group_ids: Sequence[Hashable],
-                     normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: Sequence[float] | torch.Tensor,
+    group_ids: Sequence[Hashable],
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """Per-episode advantage: reward minus its group's mean, divided by (group std + eps) if `normalize_std`.
 
     The std is the unbiased sample std (what torch.std, TRL and verl use); a group of one has advantage 0.
@@ -96,8 +100,10 @@ class OffPolicy:
 
     def __post_init__(self) -> None:
         if self.kind not in OFF_POLICY or self.level not in ("token", "sequence"):
-            raise ValueError(f"off-policy correction {self.kind!r} at level {self.level!r}: expected one of "
-                             f"{OFF_POLICY} at token or sequence level")
+            raise ValueError(
+                f"off-policy correction {self.kind!r} at level {self.level!r}: expected one of "
+                f"{OFF_POLICY} at token or sequence level"
+            )
 
     def weights(self, log_ratio: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token weights and which tokens were cut (capped for tis, zeroed for the others)."""
@@ -116,11 +122,20 @@ class OffPolicy:
         return torch.where(cut, 0.0, ratio), cut
 
 
-def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
-                tis_cap: float = 2.0, kl_coef: float = 0.0, logp_ref: torch.Tensor | None = None,
-                denominator: float | None = None, off_policy: OffPolicy | None = None
-                ) -> tuple[torch.Tensor, LossMetrics]:
+def policy_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    tis_cap: float = 2.0,
+    kl_coef: float = 0.0,
+    logp_ref: torch.Tensor | None = None,
+    denominator: float | None = None,
+    off_policy: OffPolicy | None = None,
+) -> tuple[torch.Tensor, LossMetrics]:
     """Token-level DAPO loss over [B, T] tensors (advantages [B] or [B, T]); only `mask` = 1 tokens count.
 
     `denominator` is the number of masked tokens in the whole minibatch when it is split into micro-batches
@@ -150,7 +165,8 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, logp_rollout: to
     with torch.no_grad():
         gap = tis_log.abs()
         metrics = LossMetrics(
-            loss=float(loss), tokens=int(count),
+            loss=float(loss),
+            tokens=int(count),
             clip_frac=_masked_mean((clipped > unclipped).float(), weights, count),
             ppo_kl=_masked_mean(-log_ratio, weights, count),
             tis_weight_mean=_masked_mean(tis, weights, count),
@@ -158,7 +174,8 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, logp_rollout: to
             logprob_diff_mean=_masked_mean(gap, weights, count),
             logprob_diff_max=float((gap * weights).max()) if count else 0.0,
             rollout_train_kl=_masked_mean(-tis_log, weights, count),
-            ref_kl=_masked_mean(ref_kl.detach(), weights, count))
+            ref_kl=_masked_mean(ref_kl.detach(), weights, count),
+        )
     return loss, metrics
 
 
@@ -172,7 +189,14 @@ def merge_metrics(parts: Sequence[LossMetrics]) -> LossMetrics:
         return sum(getattr(p, name) * p.tokens for p in parts) / max(total, 1)
 
     return LossMetrics(
-        loss=sum(p.loss for p in parts), tokens=total, clip_frac=mean("clip_frac"), ppo_kl=mean("ppo_kl"),
-        tis_weight_mean=mean("tis_weight_mean"), tis_capped_frac=mean("tis_capped_frac"),
-        logprob_diff_mean=mean("logprob_diff_mean"), logprob_diff_max=max(p.logprob_diff_max for p in parts),
-        rollout_train_kl=mean("rollout_train_kl"), ref_kl=mean("ref_kl"))
+        loss=sum(p.loss for p in parts),
+        tokens=total,
+        clip_frac=mean("clip_frac"),
+        ppo_kl=mean("ppo_kl"),
+        tis_weight_mean=mean("tis_weight_mean"),
+        tis_capped_frac=mean("tis_capped_frac"),
+        logprob_diff_mean=mean("logprob_diff_mean"),
+        logprob_diff_max=max(p.logprob_diff_max for p in parts),
+        rollout_train_kl=mean("rollout_train_kl"),
+        ref_kl=mean("ref_kl"),
+    )

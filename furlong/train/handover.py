@@ -39,8 +39,9 @@ class HandoverLink:
     engine that answers /health again (restarted at its address) is handed that push's weights and only
     then put back, so it never serves an older version. With no engine left the push raises."""
 
-    def __init__(self, engine, members: Sequence[HandoverMember], *, arena: Arena,
-                 cleanup: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, engine, members: Sequence[HandoverMember], *, arena: Arena, cleanup: Callable[[], Awaitable[None]]
+    ) -> None:
         self.engine, self._members, self._arena, self._cleanup = engine, list(members), arena, cleanup
         self._version: int | None = None
         self._reasons: dict[int, str] = {}  # why each lost member (by index in `members`) is out
@@ -54,17 +55,35 @@ class HandoverLink:
             raise RuntimeError(f"every engine is lost: {self._lost()}")
         handles, nbytes = await asyncio.to_thread(self._share, weights, len(wanted))
         shared = time.perf_counter()
-        replies = await asyncio.gather(*(m.update_weights_from_tensor(
-            {"serialized_named_tensors": [h], "weight_version": str(version), "flush_cache": True,
-             "abort_all_requests": False}) for m, h in zip(wanted, handles)), return_exceptions=True)
+        replies = await asyncio.gather(
+            *(
+                m.update_weights_from_tensor(
+                    {
+                        "serialized_named_tensors": [h],
+                        "weight_version": str(version),
+                        "flush_cache": True,
+                        "abort_all_requests": False,
+                    }
+                )
+                for m, h in zip(wanted, handles)
+            ),
+            return_exceptions=True,
+        )
         loaded = [await self._settle(m, r) for m, r in zip(wanted, replies)]
         loads = [float(r["load_s"]) for r in loaded if r is not None]
         if not loads:
             raise RuntimeError(f"every engine is lost: {self._lost()}")
         self._version = version
-        return {**self._routed(), "sync_seconds": time.perf_counter() - start, "sync_full": 1.0,
-                "sync_payload_bytes": float(len(handles[0])), "sync_shared_bytes": float(nbytes),
-                "sync_share_s": shared - start, "sync_pause_s": max(loads), "sync_engines_live": float(len(loads))}
+        return {
+            **self._routed(),
+            "sync_seconds": time.perf_counter() - start,
+            "sync_full": 1.0,
+            "sync_payload_bytes": float(len(handles[0])),
+            "sync_shared_bytes": float(nbytes),
+            "sync_share_s": shared - start,
+            "sync_pause_s": max(loads),
+            "sync_engines_live": float(len(loads)),
+        }
 
     async def _wanted(self, index: int, member: HandoverMember) -> bool:
         """Whether this push goes to `member`: one in service, or a lost one (or one the router's health

@@ -37,20 +37,35 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tenso
 
 
 @overload
-def token_logprobs(model: PreTrainedModel, batch_tokens: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float, with_entropy: Literal[False] = ...,
-                   positions: torch.Tensor | None = ...) -> torch.Tensor: ...
+def token_logprobs(
+    model: PreTrainedModel,
+    batch_tokens: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: Literal[False] = ...,
+    positions: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
 
 
 @overload
-def token_logprobs(model: PreTrainedModel, batch_tokens: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float, with_entropy: Literal[True],
-                   positions: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+def token_logprobs(
+    model: PreTrainedModel,
+    batch_tokens: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: Literal[True],
+    positions: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def token_logprobs(model: PreTrainedModel, batch_tokens: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float, with_entropy: bool = False, positions: torch.Tensor | None = None
-                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model: PreTrainedModel,
+    batch_tokens: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs [B, T] (fp32, differentiable) of a padded batch; with `with_entropy`, also the
     per-token entropy [B, T] (detached: a metric, not a loss term). Pad positions hold 0.
 
@@ -62,10 +77,10 @@ def token_logprobs(model: PreTrainedModel, batch_tokens: torch.Tensor, attention
     position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
     head = model.get_output_embeddings()
     if positions is not None and head is not None and _plain_head(model):
-        return _selected(model, head, batch_tokens, attention_mask, position_ids, temperature, with_entropy,
-                         positions)
-    logits = model(input_ids=batch_tokens, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
+        return _selected(model, head, batch_tokens, attention_mask, position_ids, temperature, with_entropy, positions)
+    logits = model(
+        input_ids=batch_tokens, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
     valid = attention_mask.to(torch.float32)
     logp = logprobs_from_logits(logits, batch_tokens, temperature) * valid
     if not with_entropy:
@@ -84,8 +99,9 @@ def _plain_head(model: PreTrainedModel) -> bool:
 def _selected(model, head, tokens, attention_mask, position_ids, temperature, with_entropy, positions):
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the LM
     decoder = getattr(inner, inner.base_model_prefix)
-    hidden = decoder(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False).last_hidden_state
+    hidden = decoder(
+        input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
     want = (positions != 0) & (attention_mask != 0)
     want[:, 0] = False  # the first token has no context
     rows, cols = want.nonzero(as_tuple=True)

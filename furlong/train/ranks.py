@@ -66,10 +66,10 @@ def join_group(backend: str, rank: int, world_size: int, addr: str, port: int, t
     whose peer is gone."""
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    os.environ.update(
+        MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -77,8 +77,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _serve(spec: WorkerSpec, rank: int, world_size: int, addr: str, port: int, timeout_s: float,
-           conn: Connection) -> None:
+def _serve(
+    spec: WorkerSpec, rank: int, world_size: int, addr: str, port: int, timeout_s: float, conn: Connection
+) -> None:
     """A rank process: join, build the worker, then answer (method, args) until told to stop (None)."""
     try:
         join_group(spec.backend, rank, world_size, addr, port, timeout_s)
@@ -122,8 +123,9 @@ class LocalRanks:
     closes the group and raises RankFailed for the first rank still busy (None: no limit; a dead rank is
     noticed at once either way)."""
 
-    def __init__(self, spec: WorkerSpec, world_size: int, *, timeout_s: float = 300.0,
-                 call_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, spec: WorkerSpec, world_size: int, *, timeout_s: float = 300.0, call_timeout_s: float | None = None
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -134,8 +136,12 @@ class LocalRanks:
         self._procs = []
         for rank in range(world_size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(spec, rank, world_size, "127.0.0.1", port, timeout_s, theirs),
-                               name=f"furlong-rank-{rank}", daemon=True)
+            proc = ctx.Process(
+                target=_serve,
+                args=(spec, rank, world_size, "127.0.0.1", port, timeout_s, theirs),
+                name=f"furlong-rank-{rank}",
+                daemon=True,
+            )
             proc.start()
             theirs.close()
             self._conns.append(ours)
@@ -172,8 +178,7 @@ class LocalRanks:
             pending = [c for r, c in enumerate(self._conns) if r not in results]
             ready = wait(pending + [s for s, r in by_sentinel.items() if r not in results], timeout=left)
             if not ready:
-                self._fail(min(set(range(self.world_size)) - set(results)),
-                           f"did not answer within {timeout_s:g} s")
+                self._fail(min(set(range(self.world_size)) - set(results)), f"did not answer within {timeout_s:g} s")
             for obj in ready:
                 if isinstance(obj, Connection):
                     rank = by_conn[id(obj)]

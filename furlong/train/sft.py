@@ -59,24 +59,35 @@ def turn_tokens(tokenizer, spec: Any, turns: Sequence[Turn], params: AgentParams
     """A demonstration laid out as an RL episode of `spec` is: its prompt (`schemas`: the episode's tools,
     shown as an RL episode shows them), then each assistant turn (trained on) and what answered it (not)."""
     ends = tool_format(tokenizer, params.tool_format).turn_ends
-    prompt = render_prompt_ids(tokenizer, [Message("system", system_prompt(spec, params)),
-                                           Message("user", spec.instruction)],
-                               list(schemas) if params.tool_schema_in_prompt else None)
+    prompt = render_prompt_ids(
+        tokenizer,
+        [Message("system", system_prompt(spec, params)), Message("user", spec.instruction)],
+        list(schemas) if params.tool_schema_in_prompt else None,
+    )
     parts = [(prompt, 0)]
     for said, answer in turns:
         parts.append((assistant_ids(tokenizer, said, ends), 1))
         if answer is not None:
             parts.append((continuation_ids(tokenizer, [answer], end_of_turn=ends, answered=said), 0))
-    return Demo(task_id=spec.id, tokens=tuple(t for ids, _ in parts for t in ids),
-                loss_mask=tuple(m for ids, m in parts for _ in ids))
+    return Demo(
+        task_id=spec.id,
+        tokens=tuple(t for ids, _ in parts for t in ids),
+        loss_mask=tuple(m for ids, m in parts for _ in ids),
+    )
 
 
-def demo_tokens(tokenizer, task: Task, command: str, observation: str, params: AgentParams,
-                schemas: Sequence[dict] = (BASH_TOOL,)) -> Demo:
+def demo_tokens(
+    tokenizer, task: Task, command: str, observation: str, params: AgentParams, schemas: Sequence[dict] = (BASH_TOOL,)
+) -> Demo:
     """A Harbor task's: the solution as one bash call, its result, and a closing answer."""
     calling = Message("assistant", "", (ToolCall("bash", {"command": command}),))
-    return turn_tokens(tokenizer, task, [(calling, Message("tool", observation)),
-                                         (Message("assistant", FINAL_ANSWER), None)], params, schemas)
+    return turn_tokens(
+        tokenizer,
+        task,
+        [(calling, Message("tool", observation)), (Message("assistant", FINAL_ANSWER), None)],
+        params,
+        schemas,
+    )
 
 
 DEMO_ATTEMPTS = 3  # a sandbox that fails to start or answer on a loaded machine is tried again
@@ -140,8 +151,13 @@ async def env_demo(spec: Instance, tokenizer, env: PythonEnv, params: AgentParam
     outcome = await run_outcome(spec, agent, env)
     own = outcome.rewards.get("steps", outcome.reward)
     if own is None or own < 1.0 or not agent.turns:
-        log.warning("sft: the demonstration of %s is not kept: %s, reward %s%s", spec.id, outcome.status, own,
-                    f" ({outcome.error})" if outcome.error else "")
+        log.warning(
+            "sft: the demonstration of %s is not kept: %s, reward %s%s",
+            spec.id,
+            outcome.status,
+            own,
+            f" ({outcome.error})" if outcome.error else "",
+        )
         return None
     return turn_tokens(tokenizer, spec, agent.turns, params, agent.schemas)
 
@@ -149,8 +165,9 @@ async def env_demo(spec: Instance, tokenizer, env: PythonEnv, params: AgentParam
 def answer_tokens(tokenizer, row: PromptRow, answer: str, params: AgentParams) -> Demo:
     """A prompt row's answer as the model's one turn, laid out as an episode of it: the prompt (the row's
     system message or the run's, no tools), then the answer."""
-    prompt = render_prompt_ids(tokenizer, [Message("system", system_prompt(row, params)),
-                                           Message("user", row.instruction)])
+    prompt = render_prompt_ids(
+        tokenizer, [Message("system", system_prompt(row, params)), Message("user", row.instruction)]
+    )
     turn = assistant_ids(tokenizer, Message("assistant", answer), tool_format(tokenizer, params.tool_format).turn_ends)
     return Demo(task_id=row.id, tokens=(*prompt, *turn), loss_mask=(0,) * len(prompt) + (1,) * len(turn))
 
@@ -170,14 +187,20 @@ async def answer_demo(row: PromptRow, tokenizer, env: Environment, params: Agent
         return None
     outcome = await run_outcome(row, AnswerAgent(), env)
     if outcome.reward is None or outcome.reward < 1.0:
-        log.warning("sft: the answer of %s is not demonstrated: %s, reward %s%s", row.where, outcome.status,
-                    outcome.reward, f" ({outcome.error})" if outcome.error else "")
+        log.warning(
+            "sft: the answer of %s is not demonstrated: %s, reward %s%s",
+            row.where,
+            outcome.status,
+            outcome.reward,
+            f" ({outcome.error})" if outcome.error else "",
+        )
         return None
     return answer_tokens(tokenizer, row, row.answer, params)
 
 
-async def oracle_demo(task: Task | PromptRow | Instance, tokenizer, sandboxes: Environment | SandboxSource,
-                      params: AgentParams) -> Demo | None:
+async def oracle_demo(
+    task: Task | PromptRow | Instance, tokenizer, sandboxes: Environment | SandboxSource, params: AgentParams
+) -> Demo | None:
     """The solution replayed as an episode of the one runner (furlong.agent.runner). None when it does
     not pass (such a demo would teach a wrong answer), or when the sandbox failed every attempt: one
     lost demonstration must not end the run. A prompt dataset's row: its answer (answer_demo); a Python
@@ -193,16 +216,23 @@ async def oracle_demo(task: Task | PromptRow | Instance, tokenizer, sandboxes: E
         if outcome.status not in RETRIED:
             break
         if attempt == DEMO_ATTEMPTS - 1:
-            log.warning("sft: no demonstration of %s: %s %d times (%s)", task.id, outcome.status, DEMO_ATTEMPTS,
-                        outcome.error)
+            log.warning(
+                "sft: no demonstration of %s: %s %d times (%s)", task.id, outcome.status, DEMO_ATTEMPTS, outcome.error
+            )
     # the task's tests passed (with reward functions weighed in, `rewards` holds the tests' own reward)
     if outcome.rewards.get("tests", outcome.reward) != 1.0 or agent.command is None or agent.observation is None:
         return None
     return demo_tokens(tokenizer, task, agent.command, agent.observation, params, agent.schemas)
 
 
-async def oracle_demos(tasks: list[Task | PromptRow | Instance], tokenizer, sandboxes: Environment | SandboxSource,
-                       params: AgentParams, concurrency: int, on_done: Callable[[], None] = lambda: None) -> list[Demo]:
+async def oracle_demos(
+    tasks: list[Task | PromptRow | Instance],
+    tokenizer,
+    sandboxes: Environment | SandboxSource,
+    params: AgentParams,
+    concurrency: int,
+    on_done: Callable[[], None] = lambda: None,
+) -> list[Demo]:
     slots = asyncio.Semaphore(concurrency)
 
     async def one(task: Task | PromptRow | Instance) -> Demo | None:
@@ -261,8 +291,16 @@ def load_demos(path: Path) -> list[Demo]:
     return demos
 
 
-def sft_train(model, demos: list[Demo], epochs: int, lr: float, batch_size: int, seed: int, pad_id: int,
-              on_step: Callable[[int, float], None] = lambda step, loss: None) -> list[float]:
+def sft_train(
+    model,
+    demos: list[Demo],
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    pad_id: int,
+    on_step: Callable[[int, float], None] = lambda step, loss: None,
+) -> list[float]:
     """Cross-entropy on the assistant tokens only (the loss mask), AdamW; returns the loss of each step."""
     if epochs == 0:
         return []
@@ -272,15 +310,16 @@ def sft_train(model, demos: list[Demo], epochs: int, lr: float, batch_size: int,
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     total = epochs * -(-len(demos) // batch_size)
     # Warm up then decay: a model trained from scratch diverges at full lr on its first steps.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, total // 10))
-                                              * max(0.05, 1 - i / total))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / max(1, total // 10)) * max(0.05, 1 - i / total)
+    )
     model.train()
     losses = []
     for _ in range(epochs):
         order = demos[:]
         rng.shuffle(order)
         for start in range(0, len(order), batch_size):
-            loss = demo_nll(model, order[start:start + batch_size], pad_id)
+            loss = demo_nll(model, order[start : start + batch_size], pad_id)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

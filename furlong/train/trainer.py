@@ -82,7 +82,10 @@ class GRPOConfig:
         """From the config's `train.rl` node: every field of that name, copied; the decay spans the
         optimizer steps after warm-up (rl.lr_decay cosine) or is off (constant)."""
         opt_steps = rl.steps * rl.minibatches * rl.epochs
-        derived: dict[str, Any] = {"seed": seed, "decay_steps": max(opt_steps - rl.warmup_steps, 1) if rl.lr_decay == "cosine" else 0}
+        derived: dict[str, Any] = {
+            "seed": seed,
+            "decay_steps": max(opt_steps - rl.warmup_steps, 1) if rl.lr_decay == "cosine" else 0,
+        }
         copied = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name not in derived}
         return cls(**copied, **derived)
 
@@ -104,13 +107,20 @@ def _pad(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True).to(device)
 
 
-def collate(episodes: Sequence[Episode], advantages: Sequence[float] | torch.Tensor, device: torch.device,
-            old: Sequence[torch.Tensor] | None = None, ref: Sequence[torch.Tensor] | None = None) -> MicroBatch:
+def collate(
+    episodes: Sequence[Episode],
+    advantages: Sequence[float] | torch.Tensor,
+    device: torch.device,
+    old: Sequence[torch.Tensor] | None = None,
+    ref: Sequence[torch.Tensor] | None = None,
+) -> MicroBatch:
     """Pad episodes (and their per-token old/ref logprobs, if given) into one MicroBatch."""
     for e in episodes:
         if not len(e.tokens) == len(e.loss_mask) == len(e.rollout_logprobs):
-            raise ValueError(f"episode {e.task_id}/{e.group_id}/{e.sample_id}: tokens, loss_mask and "
-                             "rollout_logprobs differ in length")
+            raise ValueError(
+                f"episode {e.task_id}/{e.group_id}/{e.sample_id}: tokens, loss_mask and "
+                "rollout_logprobs differ in length"
+            )
     return MicroBatch(
         tokens=_pad([torch.tensor(e.tokens, dtype=torch.long) for e in episodes], device),
         attention_mask=_pad([torch.ones(len(e.tokens), dtype=torch.long) for e in episodes], device),
@@ -118,12 +128,13 @@ def collate(episodes: Sequence[Episode], advantages: Sequence[float] | torch.Ten
         rollout_logprobs=_pad([torch.tensor(e.rollout_logprobs, dtype=torch.float32) for e in episodes], device),
         advantages=torch.as_tensor(advantages, dtype=torch.float32).to(device),
         old_logprobs=None if old is None else _pad(old, device),
-        ref_logprobs=None if ref is None else _pad(ref, device))
+        ref_logprobs=None if ref is None else _pad(ref, device),
+    )
 
 
 def _chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
     for i in range(0, len(items), size):
-        yield list(items[i:i + size])
+        yield list(items[i : i + size])
 
 
 def lr_at(cfg: GRPOConfig, step: int) -> float:
@@ -140,12 +151,19 @@ class LocalTrainer:
     """GRPO on one process (furlong.train.protocol.Trainer). `version` counts weight updates (the engine's
     weight_version after a push)."""
 
-    def __init__(self, model: PreTrainedModel, config: GRPOConfig, ref_model: PreTrainedModel | None = None,
-                 demos: Sequence[Demo] = ()) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: GRPOConfig,
+        ref_model: PreTrainedModel | None = None,
+        demos: Sequence[Demo] = (),
+    ) -> None:
         wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
         if wrong:
-            raise ValueError(f"the trainer keeps fp32 master weights; the model has {wrong} parameters "
-                             "(load it in fp32, use bf16_autocast for bf16 compute)")
+            raise ValueError(
+                f"the trainer keeps fp32 master weights; the model has {wrong} parameters "
+                "(load it in fp32, use bf16_autocast for bf16 compute)"
+            )
         if config.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a ref_model")
         if config.micro_batch_size < 1 or config.epochs < 1 or config.minibatches < 1:
@@ -158,9 +176,13 @@ class LocalTrainer:
         self.ref_model = ref_model.eval() if ref_model is not None and config.kl_coef > 0 else None
         self.config = config
         self._device = next(model.parameters()).device
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
-                                           betas=config.adam_betas, eps=config.adam_eps,
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=config.adam_betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
         self.off_policy = OffPolicy(config.off_policy, config.tis_cap, config.is_low, config.is_high, config.mask_level)
         self.generator = torch.Generator().manual_seed(config.seed)
         self._opt_steps = 0
@@ -199,19 +221,29 @@ class LocalTrainer:
             train, groups_used, filtered = list(kept.episodes), kept.groups_kept, kept.groups_dropped
         else:
             train, groups_used, filtered = scored, len({group_key(e) for e in scored}), 0
-        stats = dict(_rollout_stats(scored), groups_used=groups_used, groups_filtered=filtered,
-                     episodes_dropped=len(episodes) - len(scored),
-                     tokens=sum(len(e.tokens) for e in train), loss_tokens=sum(e.response_len for e in train))
+        stats = dict(
+            _rollout_stats(scored),
+            groups_used=groups_used,
+            groups_filtered=filtered,
+            episodes_dropped=len(episodes) - len(scored),
+            tokens=sum(len(e.tokens) for e in train),
+            loss_tokens=sum(e.response_len for e in train),
+        )
         if stats["loss_tokens"] == 0:  # nothing to learn from: not an error; the anchor still acts
             if not self.demos:
                 return _finish(stats, None, {}, False, self.version, start)
             self.optimizer.zero_grad(set_to_none=True)
             update = self._step(self._anchor)
             self.version += 1
-            return _finish(stats, None, {"grad_norm": update.norm, "sft_nll": update.sft_nll}, True, self.version,
-                           start)
-        advantages = group_advantages([e.reward for e in train], [group_key(e) for e in train],  # type: ignore[misc]
-                                      self.config.normalize_std, self.config.adv_eps)
+            return _finish(
+                stats, None, {"grad_norm": update.norm, "sft_nll": update.sft_nll}, True, self.version, start
+            )
+        advantages = group_advantages(
+            [e.reward for e in train],  # type: ignore[misc]
+            [group_key(e) for e in train],
+            self.config.normalize_std,
+            self.config.adv_eps,
+        )
         advantages = weigh_negatives(advantages, self.config.negative_weight)
         metrics, extra = self._optimize(train, advantages)
         self.version += 1
@@ -236,13 +268,21 @@ class LocalTrainer:
         # merge_metrics sums losses (right for micro-batches of one minibatch); across steps, average them.
         merged = LossMetrics(**{**asdict(merged), "loss": merged.loss / len(updates)})
         n = len(updates)
-        return merged, {"entropy": sum(u.entropy for u in updates) / max(merged.tokens, 1),
-                        "grad_norm": sum(u.norm for u in updates) / n,
-                        "grad_norm_rl": sum(u.norm_rl for u in updates) / n,
-                        "sft_nll": sum(u.sft_nll for u in updates) / n}
+        return merged, {
+            "entropy": sum(u.entropy for u in updates) / max(merged.tokens, 1),
+            "grad_norm": sum(u.norm for u in updates) / n,
+            "grad_norm_rl": sum(u.norm_rl for u in updates) / n,
+            "sft_nll": sum(u.sft_nll for u in updates) / n,
+        }
 
-    def _minibatch_update(self, episodes: list[Episode], indices: list[int], advantages: torch.Tensor,
-                          old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> _Update:
+    def _minibatch_update(
+        self,
+        episodes: list[Episode],
+        indices: list[int],
+        advantages: torch.Tensor,
+        old: list[torch.Tensor] | None,
+        ref: list[torch.Tensor] | None,
+    ) -> _Update:
         """Gradient accumulation over micro-batches (and the demonstration anchor, if any), then one clipped
         AdamW step."""
         cfg = self.config
@@ -256,27 +296,40 @@ class LocalTrainer:
             if not chunk:
                 self._idle(self.model, grad=True)
                 continue
-            mb = collate([episodes[i] for i in chunk], advantages[chunk], self.device,
-                         _pick(old, chunk), _pick(ref, chunk))
+            mb = collate(
+                [episodes[i] for i in chunk], advantages[chunk], self.device, _pick(old, chunk), _pick(ref, chunk)
+            )
             with self._autocast():
-                logp, ent = self._forward(self.model, token_logprobs, mb.tokens, mb.attention_mask,
-                                          cfg.temperature, True, mb.loss_mask)
+                logp, ent = self._forward(
+                    self.model, token_logprobs, mb.tokens, mb.attention_mask, cfg.temperature, True, mb.loss_mask
+                )
             loss, metrics = policy_loss(
-                logp, logp.detach() if mb.old_logprobs is None else mb.old_logprobs, mb.rollout_logprobs,
-                mb.advantages, mb.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap,
-                kl_coef=cfg.kl_coef, logp_ref=mb.ref_logprobs, denominator=denominator, off_policy=self.off_policy)
+                logp,
+                logp.detach() if mb.old_logprobs is None else mb.old_logprobs,
+                mb.rollout_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                tis_cap=cfg.tis_cap,
+                kl_coef=cfg.kl_coef,
+                logp_ref=mb.ref_logprobs,
+                denominator=denominator,
+                off_policy=self.off_policy,
+            )
             loss.backward()
             parts.append(metrics)
             entropy += float((ent * mb.loss_mask).sum())
         update = self._step(self._anchor if self.demos else None)
         gathered = self._all_gather((parts, entropy))
-        return replace(update, metrics=merge_metrics([m for ms, _ in gathered for m in ms]),
-                       entropy=sum(e for _, e in gathered))
+        return replace(
+            update, metrics=merge_metrics([m for ms, _ in gathered for m in ms]), entropy=sum(e for _, e in gathered)
+        )
 
     def _micro_batches(self, indices: list[int]) -> list[list[int]]:
         """This rank's micro-batches of a pass over `indices` (sorted by length), padded with empty ones to
         the most any rank has: a sharded model's forwards are collectives, so every rank runs as many."""
-        mine = list(_chunks(indices[self.rank::self.world_size], self.config.micro_batch_size))
+        mine = list(_chunks(indices[self.rank :: self.world_size], self.config.micro_batch_size))
         most = math.ceil(math.ceil(len(indices) / self.world_size) / self.config.micro_batch_size)
         return mine + [[] for _ in range(most - len(mine))]
 
@@ -293,8 +346,15 @@ class LocalTrainer:
         collectives match its peers'."""
         tokens = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         with torch.set_grad_enabled(grad), self._autocast():
-            logp = self._forward(model, token_logprobs, tokens, torch.ones_like(tokens), 1.0, False,
-                                 torch.ones_like(tokens, dtype=torch.float32))
+            logp = self._forward(
+                model,
+                token_logprobs,
+                tokens,
+                torch.ones_like(tokens),
+                1.0,
+                False,
+                torch.ones_like(tokens, dtype=torch.float32),
+            )
         if grad:
             (logp.sum() * 0).backward()
 
@@ -303,11 +363,13 @@ class LocalTrainer:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm_rl, nll = None, 0.0
         if anchor is not None:  # the policy loss's own norm is measured before the anchor's gradient joins it
-            norm_rl = _scalar(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None] or
-                                                            [torch.zeros(1)]))
+            norm_rl = _scalar(
+                torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None] or [torch.zeros(1)])
+            )
             nll = anchor()
-        norm = _scalar(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip if self.config.grad_clip > 0
-                                                      else float("inf")))
+        norm = _scalar(
+            torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.config, self._opt_steps)
         self.optimizer.step()
@@ -319,9 +381,11 @@ class LocalTrainer:
         """PPO-ptx (Ouyang et al. 2022): add sft_coef times the NLL of a random batch of demonstrations to the
         gradient. A group whose samples all fail has no reward variance, so GRPO never pulls a forgotten
         demonstrated skill back; this term does, and it costs almost nothing while the skill is kept."""
-        picked = [self.demos[i] for i in
-                  torch.randint(len(self.demos), (self.config.sft_batch,), generator=self.generator).tolist()]
-        mine = picked[self.rank::self.world_size]
+        picked = [
+            self.demos[i]
+            for i in torch.randint(len(self.demos), (self.config.sft_batch,), generator=self.generator).tolist()
+        ]
+        mine = picked[self.rank :: self.world_size]
         if not mine:
             self._idle(self.model, grad=True)
             return sum(self._all_gather(0.0))
@@ -341,13 +405,17 @@ class LocalTrainer:
                 continue
             mb = collate([episodes[i] for i in chunk], torch.zeros(len(chunk)), self.device)
             with self._autocast():
-                logp = self._forward(model, token_logprobs, mb.tokens, mb.attention_mask, self.config.temperature,
-                                     False, mb.loss_mask)
+                logp = self._forward(
+                    model, token_logprobs, mb.tokens, mb.attention_mask, self.config.temperature, False, mb.loss_mask
+                )
             for row, i in enumerate(chunk):
-                mine[i] = logp[row, :len(episodes[i].tokens)]
+                mine[i] = logp[row, : len(episodes[i].tokens)]
         if self.world_size > 1:  # every rank's share, so any rank can train on any episode
-            mine = {i: t.to(self.device) for part in self._all_gather({i: t.cpu() for i, t in mine.items()})
-                    for i, t in part.items()}
+            mine = {
+                i: t.to(self.device)
+                for part in self._all_gather({i: t.cpu() for i, t in mine.items()})
+                for i, t in part.items()
+            }
         return [mine[i] for i in range(len(episodes))]
 
     def save(self, path: Path | str) -> None:
@@ -358,8 +426,13 @@ class LocalTrainer:
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "version": self.version, "opt_steps": self._opt_steps, "rng": _rng_state(self.generator)}
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "version": self.version,
+                "opt_steps": self._opt_steps,
+                "rng": _rng_state(self.generator),
+            }
             write_synced(tmp / CHECKPOINT_FILE, lambda f: torch.save(state, f))
             meta = json.dumps({"version": self.version, "config": asdict(self.config)}, indent=1)
             write_synced(tmp / "meta.json", lambda f: f.write(meta.encode()))
@@ -404,25 +477,37 @@ def _split(order: list[int], parts: int) -> list[list[int]]:
 
 def _rollout_stats(scored: list[Episode]) -> dict[str, float]:
     n = max(len(scored), 1)
-    return {"reward_mean": sum(e.reward for e in scored) / n,  # type: ignore[misc]
-            "pass_rate": sum(e.reward >= 1 for e in scored) / n,  # type: ignore[operator]
-            "response_len_mean": sum(e.response_len for e in scored) / n}
+    return {
+        "reward_mean": sum(e.reward for e in scored) / n,  # type: ignore[misc]
+        "pass_rate": sum(e.reward >= 1 for e in scored) / n,  # type: ignore[operator]
+        "response_len_mean": sum(e.response_len for e in scored) / n,
+    }
 
 
-def _finish(stats: dict, metrics: LossMetrics | None, extra: dict[str, float], updated: bool,
-            version: int, start: float) -> TrainStats:
+def _finish(
+    stats: dict, metrics: LossMetrics | None, extra: dict[str, float], updated: bool, version: int, start: float
+) -> TrainStats:
     """`extra`: entropy, grad_norm, grad_norm_rl and sft_nll (all 0 for a step without an update)."""
     seconds = time.perf_counter() - start
     m: dict[str, Any] = asdict(metrics) if metrics is not None else dict.fromkeys(LossMetrics.__dataclass_fields__, 0.0)
     m.pop("tokens")
     zeros: dict[str, Any] = dict.fromkeys(("entropy", "grad_norm", "grad_norm_rl", "sft_nll"), 0.0)
-    return TrainStats(**stats, **m, **{**zeros, **extra}, seconds=seconds, updated=updated, version=version,
-                      tokens_per_s=stats["tokens"] / seconds if updated else 0.0)
+    return TrainStats(
+        **stats,
+        **m,
+        **{**zeros, **extra},
+        seconds=seconds,
+        updated=updated,
+        version=version,
+        tokens_per_s=stats["tokens"] / seconds if updated else 0.0,
+    )
 
 
 def _rng_state(generator: torch.Generator) -> dict[str, torch.Tensor | list[torch.Tensor]]:
-    state: dict[str, torch.Tensor | list[torch.Tensor]] = {"torch": torch.get_rng_state(),
-                                                             "generator": generator.get_state()}
+    state: dict[str, torch.Tensor | list[torch.Tensor]] = {
+        "torch": torch.get_rng_state(),
+        "generator": generator.get_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -66,8 +66,9 @@ class PublishedLink:
     """Publisher -> transport -> a relay (`pull` makes it sync and returns its SyncReport as a dict,
     dataclasses.asdict's shape)."""
 
-    def __init__(self, engine, publisher: Publisher, pull: Callable[[], Awaitable[dict]],
-                 cleanup: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, engine, publisher: Publisher, pull: Callable[[], Awaitable[dict]], cleanup: Callable[[], Awaitable[None]]
+    ) -> None:
         self.engine, self.publisher, self._pull, self._cleanup = engine, publisher, pull, cleanup
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
@@ -79,11 +80,19 @@ class PublishedLink:
         report = await self._pull()
         if report["engine_version"] != version:
             raise RuntimeError(f"relay loaded v{report['engine_version']}, expected v{version}: {report['faults']}")
-        return {**routed, "sync_seconds": time.perf_counter() - start, "sync_full": float(pub.kind == "full"),
-                "sync_payload_bytes": pub.payload_bytes, "sync_payload_ratio": pub.ratio,
-                "sync_encode_s": pub.encode_s, "sync_put_s": pub.put_s, "sync_host_bytes": pub.host_bytes,
-                "sync_stage_s": report["stage_s"],
-                "sync_pause_s": report["pause_s"], "sync_recovered": float(report["recovered"])}
+        return {
+            **routed,
+            "sync_seconds": time.perf_counter() - start,
+            "sync_full": float(pub.kind == "full"),
+            "sync_payload_bytes": pub.payload_bytes,
+            "sync_payload_ratio": pub.ratio,
+            "sync_encode_s": pub.encode_s,
+            "sync_put_s": pub.put_s,
+            "sync_host_bytes": pub.host_bytes,
+            "sync_stage_s": report["stage_s"],
+            "sync_pause_s": report["pause_s"],
+            "sync_recovered": float(report["recovered"]),
+        }
 
     async def close(self) -> None:
         await self._cleanup()
@@ -113,9 +122,18 @@ class BroadcastLink:
     full weights, and only then is put back into the router: it never serves an older version. When no engine
     is left, the push raises and later pushes refuse."""
 
-    def __init__(self, engine, members: Sequence[BroadcastMember], group: WeightGroup, *, dtype: torch.dtype | None,
-                 bucket_bytes: int, cleanup: Callable[[], Awaitable[None]], timeout_s: float = 300.0,
-                 secret: str | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        members: Sequence[BroadcastMember],
+        group: WeightGroup,
+        *,
+        dtype: torch.dtype | None,
+        bucket_bytes: int,
+        cleanup: Callable[[], Awaitable[None]],
+        timeout_s: float = 300.0,
+        secret: str | None = None,
+    ) -> None:
         self.engine, self._members, self._cleanup = engine, list(members), cleanup
         self._group: WeightGroup | None = group
         self._address, self._backend = group.spec.master_address, group.spec.backend
@@ -127,10 +145,19 @@ class BroadcastLink:
         self.regroups = 0
 
     @classmethod
-    async def open(cls, engine, members: Sequence[BroadcastMember], *, address: str = "127.0.0.1",
-                   backend: str = "gloo", dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
-                   cleanup: Callable[[], Awaitable[None]], timeout_s: float = 300.0,
-                   secret: str | None = None) -> BroadcastLink:
+    async def open(
+        cls,
+        engine,
+        members: Sequence[BroadcastMember],
+        *,
+        address: str = "127.0.0.1",
+        backend: str = "gloo",
+        dtype: torch.dtype | None = None,
+        bucket_bytes: int = 256 << 20,
+        cleanup: Callable[[], Awaitable[None]],
+        timeout_s: float = 300.0,
+        secret: str | None = None,
+    ) -> BroadcastLink:
         """Host the group's store on a free port of `address` (which the engines must reach) and join it with
         every member; `cleanup` stops the engines (also when joining fails). With `secret` (the engines' token)
         every member of this and every later group must prove it before a weight is sent
@@ -144,8 +171,16 @@ class BroadcastLink:
         except BaseException:
             await cleanup()
             raise
-        return cls(engine, members, group, dtype=dtype, bucket_bytes=bucket_bytes, cleanup=cleanup,
-                   timeout_s=timeout_s, secret=secret)
+        return cls(
+            engine,
+            members,
+            group,
+            dtype=dtype,
+            bucket_bytes=bucket_bytes,
+            cleanup=cleanup,
+            timeout_s=timeout_s,
+            secret=secret,
+        )
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         if version == self._version:  # a step that changed nothing (every group filtered)
@@ -153,8 +188,9 @@ class BroadcastLink:
         if self._broken is not None:
             raise RuntimeError(f"the weight broadcast group failed earlier: {self._broken}")
         start = time.perf_counter()
-        tensors = {k: v.detach() if self._dtype is None else v.detach().to(self._dtype)
-                   for k, v in distinct(weights).items()}
+        tensors = {
+            k: v.detach() if self._dtype is None else v.detach().to(self._dtype) for k, v in distinct(weights).items()
+        }
         parts = buckets(tensors, self._bucket_bytes)
         wanted = [m for m in self._members if await self._wanted(m)]
         if wanted != self._joined:  # a lost engine answers again, or one the router took out does not
@@ -170,10 +206,17 @@ class BroadcastLink:
                 await self.engine.readmit(m)
         self._version = version
         routed = self.engine.metrics() if isinstance(self.engine, Router) else {}
-        return {**routed, "sync_seconds": time.perf_counter() - start, "sync_full": 1.0,
-                "sync_payload_bytes": float(sent), "sync_buckets": float(len(parts)), "sync_broadcast_s": sending,
-                "sync_pause_s": max(float(r.get("load_s", 0.0)) for r in replies),
-                "sync_regroups": float(self.regroups), "sync_engines_live": float(len(self._joined))}
+        return {
+            **routed,
+            "sync_seconds": time.perf_counter() - start,
+            "sync_full": 1.0,
+            "sync_payload_bytes": float(sent),
+            "sync_buckets": float(len(parts)),
+            "sync_broadcast_s": sending,
+            "sync_pause_s": max(float(r.get("load_s", 0.0)) for r in replies),
+            "sync_regroups": float(self.regroups),
+            "sync_engines_live": float(len(self._joined)),
+        }
 
     async def _wanted(self, member: BroadcastMember) -> bool:
         """Whether `member` belongs in this push's group: a joined one unless the router took it out and it
@@ -191,11 +234,16 @@ class BroadcastLink:
         name = self._group.spec.group_name
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
-            manifest = Manifest.of(part, group_name=name, weight_version=str(version) if last else None,
-                                   load_format=FLAT)
+            manifest = Manifest.of(
+                part, group_name=name, weight_version=str(version) if last else None, load_format=FLAT
+            )
             began = time.perf_counter()
-            out = await _settle([_threaded(self._group.send, manifest, list(part.values())),
-                                 *(m.update_weights_from_distributed(manifest.body()) for m in self._joined)])
+            out = await _settle(
+                [
+                    _threaded(self._group.send, manifest, list(part.values())),
+                    *(m.update_weights_from_distributed(manifest.body()) for m in self._joined),
+                ]
+            )
             errors = [o for o in out if isinstance(o, BaseException)]
             if errors:
                 lost = await _culprits(self._joined, out[1:])
@@ -220,10 +268,16 @@ class BroadcastLink:
             while members:
                 self.regroups += 1
                 name = f"{GROUP_NAME}_{self.regroups}"
-                log.warning("weight broadcast: regroup %d as %r with %d engine(s); out: %s", self.regroups, name,
-                            len(members), "; ".join(f"{member_name(m)}: {r}" for m, r in self._lost()) or "none")
-                group, failed = await _form_group(members, self._address, self._backend, name, self._timeout_s,
-                                                  self._secret)
+                log.warning(
+                    "weight broadcast: regroup %d as %r with %d engine(s); out: %s",
+                    self.regroups,
+                    name,
+                    len(members),
+                    "; ".join(f"{member_name(m)}: {r}" for m, r in self._lost()) or "none",
+                )
+                group, failed = await _form_group(
+                    members, self._address, self._backend, name, self._timeout_s, self._secret
+                )
                 if group is not None:
                     self._group, self._joined = group, members
                     for m in members:
@@ -264,16 +318,21 @@ class _NoAnswer(Exception):
     """A call still running when the others' outcome was clear: cancelled, so neither success nor a fault."""
 
 
-async def _form_group(members: Sequence[BroadcastMember], address: str, backend: str, name: str,
-                      timeout_s: float, secret: str | None) -> tuple[WeightGroup | None, dict[int, BaseException]]:
+async def _form_group(
+    members: Sequence[BroadcastMember], address: str, backend: str, name: str, timeout_s: float, secret: str | None
+) -> tuple[WeightGroup | None, dict[int, BaseException]]:
     """Host a fresh store on a free port of `address` and join group `name` with every member: the
     trainer's end (None if it did not form) and the members that failed to join, by index."""
     world = len(members) + 1
     store = host_store(address, world, timeout_s)
     nonce = None if secret is None else secrets.token_hex(16)  # fresh per group: no MAC is ever reused
     specs = [GroupSpec(address, store.port, rank, world, name, backend, nonce) for rank in range(world)]
-    out = await _settle([_threaded(WeightGroup, specs[0], 0, timeout_s, store, secret),
-                         *(m.init_weights_update_group(spec.body()) for m, spec in zip(members, specs[1:]))])
+    out = await _settle(
+        [
+            _threaded(WeightGroup, specs[0], 0, timeout_s, store, secret),
+            *(m.init_weights_update_group(spec.body()) for m, spec in zip(members, specs[1:])),
+        ]
+    )
     failed = {i: e for i, e in enumerate(out[1:]) if isinstance(e, BaseException) and not isinstance(e, _NoAnswer)}
     if isinstance(out[0], BaseException) and not failed:
         raise out[0]
@@ -286,8 +345,10 @@ async def _leave(members: Sequence[BroadcastMember], group: WeightGroup | None, 
     serves its other groups meanwhile)."""
     if group is None:
         return
-    await asyncio.gather(*(asyncio.wait_for(m.destroy_weights_update_group(group.spec.group_name), timeout_s)
-                           for m in members), return_exceptions=True)
+    await asyncio.gather(
+        *(asyncio.wait_for(m.destroy_weights_update_group(group.spec.group_name), timeout_s) for m in members),
+        return_exceptions=True,
+    )
     group.close()
 
 
@@ -334,8 +395,9 @@ async def _settle(calls: Sequence[Awaitable[Any]], *, grace_s: float = 5.0) -> l
     while pending and any(_failed(t) for t in tasks) and time.monotonic() < deadline:
         if _failed(tasks[0]) and any(_failed(t) for t in tasks[1:]):
             break
-        _, pending = await asyncio.wait(pending, timeout=deadline - time.monotonic(),
-                                        return_when=asyncio.FIRST_EXCEPTION)
+        _, pending = await asyncio.wait(
+            pending, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_EXCEPTION
+        )
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
@@ -370,18 +432,37 @@ def _threaded(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
     return future
 
 
-async def start_engines(n: int, model_dir: Path, updates: str | None, run_path: Path, threads: int,
-                        lora: dict | None, prefix_cache_mb: float, updates_token: str | None = None,
-                        engine_token: str | None = None) -> list[EngineProcess]:
+async def start_engines(
+    n: int,
+    model_dir: Path,
+    updates: str | None,
+    run_path: Path,
+    threads: int,
+    lora: dict | None,
+    prefix_cache_mb: float,
+    updates_token: str | None = None,
+    engine_token: str | None = None,
+) -> list[EngineProcess]:
     """`n` engine server processes started at once (logs: engine-server.log, or engine-server-I.log for
     several); if one fails to start, the others are stopped before the error is raised."""
     logs = [run_path / "engine-server.log"] if n == 1 else [run_path / f"engine-server-{i}.log" for i in range(n)]
-    started = await asyncio.gather(*(asyncio.to_thread(EngineProcess, model_dir, updates=updates, log=log,
-                                                       threads=threads, lora=lora,
-                                                       prefix_cache_mb=prefix_cache_mb, updates_token=updates_token,
-                                                       engine_token=engine_token)
-                                   for log in logs),
-                                   return_exceptions=True)
+    started = await asyncio.gather(
+        *(
+            asyncio.to_thread(
+                EngineProcess,
+                model_dir,
+                updates=updates,
+                log=log,
+                threads=threads,
+                lora=lora,
+                prefix_cache_mb=prefix_cache_mb,
+                updates_token=updates_token,
+                engine_token=engine_token,
+            )
+            for log in logs
+        ),
+        return_exceptions=True,
+    )
     failed = [r for r in started if isinstance(r, BaseException)]
     if failed:
         for r in started:

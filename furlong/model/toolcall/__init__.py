@@ -47,9 +47,11 @@ def tool_format(tokenizer: PreTrainedTokenizerBase, name: str = "auto") -> ToolC
         detected = detect_format(text)
         if detected is None:
             signs = "; ".join(f"{n}: {' and '.join(s)}" for n, s in SIGNS)
-            raise ChatTemplateError(f"train.agent.tool_format=auto cannot tell the tool-call format from the chat "
-                                    f"template: it writes none of the markup looked for ({signs}). Set "
-                                    f"train.agent.tool_format to one of {', '.join(FORMATS)}")
+            raise ChatTemplateError(
+                f"train.agent.tool_format=auto cannot tell the tool-call format from the chat "
+                f"template: it writes none of the markup looked for ({signs}). Set "
+                f"train.agent.tool_format to one of {', '.join(FORMATS)}"
+            )
         name = detected
     if name not in FORMATS:
         raise ValueError(f"unknown tool-call format {name!r}: expected auto or one of {', '.join(FORMATS)}")
@@ -58,6 +60,7 @@ def tool_format(tokenizer: PreTrainedTokenizerBase, name: str = "auto") -> ToolC
         try:
             end_of_turn_id(tokenizer, marker)
         except ChatTemplateError as e:
-            raise ChatTemplateError(f"tool-call format {name}: {e} (is this the format of this model's chat "
-                                    f"template?)") from None
+            raise ChatTemplateError(
+                f"tool-call format {name}: {e} (is this the format of this model's chat template?)"
+            ) from None
     return fmt

@@ -58,7 +58,7 @@ CHATML_CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
 
 def snippet(text: str, at: int = 0, width: int = 200) -> str:
-    return text[max(at, 0):max(at, 0) + width]
+    return text[max(at, 0) : max(at, 0) + width]
 
 
 def without(text: str, markers: Sequence[str]) -> str:
@@ -67,8 +67,9 @@ def without(text: str, markers: Sequence[str]) -> str:
     return text
 
 
-def json_object(body: str, where: str, name: str | None = None, raw: str | None = None
-                ) -> dict[str, Any] | ToolCallError:
+def json_object(
+    body: str, where: str, name: str | None = None, raw: str | None = None
+) -> dict[str, Any] | ToolCallError:
     """`body` as a JSON object, or the error the model is shown (`raw`: the snippet logged, else `body`)."""
     try:
         obj = json.loads(body)
@@ -79,8 +80,9 @@ def json_object(body: str, where: str, name: str | None = None, raw: str | None 
     return obj
 
 
-def named_call(obj: dict[str, Any], where: str, raw: str, keys: Sequence[str] = ("arguments",)
-               ) -> ToolCall | ToolCallError:
+def named_call(
+    obj: dict[str, Any], where: str, raw: str, keys: Sequence[str] = ("arguments",)
+) -> ToolCall | ToolCallError:
     """A call from `{"name": ..., KEY: {...}}` for the first of `keys` present; the arguments may also be
     a JSON string holding the object (some models write them so)."""
     name = obj.get("name")

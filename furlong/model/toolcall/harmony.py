@@ -37,14 +37,17 @@ class Harmony:
             recipient = _RECIPIENT_RE.search(header)
             if recipient is None:
                 if end == CALL:
-                    return ToolCallError("a message ends with <|call|> but names no recipient "
-                                         "(to=functions.NAME in its header)", snippet(header + body))
+                    return ToolCallError(
+                        "a message ends with <|call|> but names no recipient (to=functions.NAME in its header)",
+                        snippet(header + body),
+                    )
                 continue
             to = recipient.group(1)
-            if not to.startswith(FUNCTIONS) or not to[len(FUNCTIONS):]:
-                return ToolCallError(f"unknown recipient {to!r}: tools are called as to=functions.NAME",
-                                     snippet(header + body))
-            name, where = to[len(FUNCTIONS):], f"call to {to}"
+            if not to.startswith(FUNCTIONS) or not to[len(FUNCTIONS) :]:
+                return ToolCallError(
+                    f"unknown recipient {to!r}: tools are called as to=functions.NAME", snippet(header + body)
+                )
+            name, where = to[len(FUNCTIONS) :], f"call to {to}"
             if end is None:
                 return ToolCallError(f"{where}: cut off (no <|call|> after its arguments)", snippet(body), name)
             args = json_object(body.strip() or "{}", where, name)

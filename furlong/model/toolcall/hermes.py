@@ -29,8 +29,11 @@ class Hermes(ChatMLFormat):
 
 def format_tool_call(call: ToolCall) -> str:
     """The text form of one call, exactly as the chat template renders it (json.dumps default separators)."""
-    return "<tool_call>\n" + json.dumps({"name": call.name, "arguments": call.arguments},
-                                        ensure_ascii=False) + "\n</tool_call>"
+    return (
+        "<tool_call>\n"
+        + json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+        + "\n</tool_call>"
+    )
 
 
 def parse_tool_calls(text: str) -> list[ToolCall] | ToolCallError:

@@ -46,8 +46,9 @@ class Llama3Json:
             calls.append(call)
             at = _next_call(body, end)
             if at < 0:
-                return ToolCallError(f"after {where}: expected another call (after `;`) or the end of the turn",
-                                     snippet(body, end))
+                return ToolCallError(
+                    f"after {where}: expected another call (after `;`) or the end of the turn", snippet(body, end)
+                )
         return calls
 
     def answer(self, text: str) -> str:

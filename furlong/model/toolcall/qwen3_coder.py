@@ -45,7 +45,9 @@ class Qwen3Coder(ChatMLFormat):
             calls.append(call)
         rest = CALL_RE.sub("", text)
         if "<function=" in rest and "<tool_call>" not in rest:
-            return ToolCallError("<function=...> outside <tool_call>...</tool_call>", snippet(rest, rest.find("<function=")))
+            return ToolCallError(
+                "<function=...> outside <tool_call>...</tool_call>", snippet(rest, rest.find("<function="))
+            )
         return unpaired(rest, "<tool_call>", "</tool_call>") or calls
 
 

@@ -78,9 +78,19 @@ class Registry:
 
 
 def _listed(live: Live) -> dict:
-    return {"templateID": live.template, "sandboxID": live.sandbox_id, "clientID": "furlong",
-            "startedAt": _iso(live.started), "endAt": _iso(live.end), "cpuCount": 1, "memoryMB": 2048,
-            "diskSizeMB": 1024, "state": "running", "envdVersion": ENVD_VERSION, "metadata": {}}
+    return {
+        "templateID": live.template,
+        "sandboxID": live.sandbox_id,
+        "clientID": "furlong",
+        "startedAt": _iso(live.started),
+        "endAt": _iso(live.end),
+        "cpuCount": 1,
+        "memoryMB": 2048,
+        "diskSizeMB": 1024,
+        "state": "running",
+        "envdVersion": ENVD_VERSION,
+        "metadata": {},
+    }
 
 
 async def _json_object(request: Request) -> dict | None:
@@ -94,8 +104,9 @@ async def _json_object(request: Request) -> dict | None:
 class _Routes:
     """The REST handlers: the control plane (X-API-KEY) and envd's health and files."""
 
-    def __init__(self, reg: Registry, backend: SandboxBackend, resolve: Resolver, api_key: str,
-                 max_timeout_s: int) -> None:
+    def __init__(
+        self, reg: Registry, backend: SandboxBackend, resolve: Resolver, api_key: str, max_timeout_s: int
+    ) -> None:
         self.reg, self.backend, self.resolve = reg, backend, resolve
         self.api_key, self.max_timeout_s = api_key, max_timeout_s
 
@@ -133,8 +144,16 @@ class _Routes:
         now = time.time()
         live = Live(secrets.token_hex(10), template, box, secrets.token_urlsafe(24), now, now + timeout)
         self.reg.live[live.sandbox_id] = live
-        return JSONResponse({"templateID": template, "sandboxID": live.sandbox_id, "clientID": "furlong",
-                             "envdVersion": ENVD_VERSION, "envdAccessToken": live.token}, status_code=201)
+        return JSONResponse(
+            {
+                "templateID": template,
+                "sandboxID": live.sandbox_id,
+                "clientID": "furlong",
+                "envdVersion": ENVD_VERSION,
+                "envdAccessToken": live.token,
+            },
+            status_code=201,
+        )
 
     async def one(self, request: Request) -> Response:
         if not self._authed(request):
@@ -157,8 +176,11 @@ class _Routes:
         if not self._authed(request):
             return _err(401, "invalid X-API-KEY")
         what = request.url.path.rstrip("/").rsplit("/", 1)[-1]
-        return _err(501, f"{what}: not supported by furlong's E2B-compatible host (sandboxes run until killed "
-                         "or timed out; see docs/e2b.md)")
+        return _err(
+            501,
+            f"{what}: not supported by furlong's E2B-compatible host (sandboxes run until killed "
+            "or timed out; see docs/e2b.md)",
+        )
 
     async def set_timeout(self, request: Request) -> Response:
         if not self._authed(request):
@@ -200,24 +222,35 @@ class _Routes:
         return JSONResponse(written)
 
 
-def e2b_app(backend: SandboxBackend, resolve: Resolver, api_key: str, max_sandboxes: int = 16,
-            max_timeout_s: int = 3600, others: Callable[[], int] = lambda: 0) -> Starlette:
+def e2b_app(
+    backend: SandboxBackend,
+    resolve: Resolver,
+    api_key: str,
+    max_sandboxes: int = 16,
+    max_timeout_s: int = 3600,
+    others: Callable[[], int] = lambda: 0,
+) -> Starlette:
     """The app: `resolve` maps a template id to a furlong image (None: unknown template); `others` counts the
     seats of `max_sandboxes` that something else on the same host holds."""
     reg = Registry(max_sandboxes, others)
     r = _Routes(reg, backend, resolve, api_key, max_timeout_s)
-    routes = [Route("/sandboxes", r.create, methods=["POST"]), Route("/v2/sandboxes", r.listing, methods=["GET"]),
-              Route("/v2/sandboxes", r.create, methods=["POST"]),  # the SDK 2.x creates here
-              Route("/sandboxes/metrics", r.unsupported, methods=["GET"]),  # before {sid}, which would take it
-              Route("/sandboxes/{sid}", r.one, methods=["GET", "DELETE"]),
-              Route("/sandboxes/{sid}/timeout", r.set_timeout, methods=["POST"]),
-              *(Route(f"{base}/{{sid}}/{what}", r.unsupported, methods=["GET", "POST", "PUT"])
-                for base in ("/sandboxes", "/v2/sandboxes")
-                for what in ("pause", "resume", "connect", "fork", "snapshots", "metrics", "logs", "network",
-                             "refreshes")),
-              Route("/health", r.health, methods=["GET"]), Route("/files", r.files, methods=["GET", "POST"]),
-              Mount("/process.Process", app=process_app(reg.get)),
-              Mount("/filesystem.Filesystem", app=filesystem_app(reg.get))]
+    routes = [
+        Route("/sandboxes", r.create, methods=["POST"]),
+        Route("/v2/sandboxes", r.listing, methods=["GET"]),
+        Route("/v2/sandboxes", r.create, methods=["POST"]),  # the SDK 2.x creates here
+        Route("/sandboxes/metrics", r.unsupported, methods=["GET"]),  # before {sid}, which would take it
+        Route("/sandboxes/{sid}", r.one, methods=["GET", "DELETE"]),
+        Route("/sandboxes/{sid}/timeout", r.set_timeout, methods=["POST"]),
+        *(
+            Route(f"{base}/{{sid}}/{what}", r.unsupported, methods=["GET", "POST", "PUT"])
+            for base in ("/sandboxes", "/v2/sandboxes")
+            for what in ("pause", "resume", "connect", "fork", "snapshots", "metrics", "logs", "network", "refreshes")
+        ),
+        Route("/health", r.health, methods=["GET"]),
+        Route("/files", r.files, methods=["GET", "POST"]),
+        Mount("/process.Process", app=process_app(reg.get)),
+        Mount("/filesystem.Filesystem", app=filesystem_app(reg.get)),
+    ]
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

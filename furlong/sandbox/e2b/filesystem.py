@@ -21,15 +21,31 @@ TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY, "symlink": pb.F
 
 
 def _info(e: listing.Entry) -> pb.EntryInfo:
-    return pb.EntryInfo(name=e.name, type=TYPES.get(e.type, pb.FileType.UNSPECIFIED), path=e.path, size=e.size,
-                        mode=e.mode, permissions=e.permissions, owner=e.owner, group=e.group,
-                        modified_time=Timestamp.from_nanos(int(e.mtime * 1e9)), symlink_target=e.target,
-                        is_symlink=e.type == "symlink")
+    return pb.EntryInfo(
+        name=e.name,
+        type=TYPES.get(e.type, pb.FileType.UNSPECIFIED),
+        path=e.path,
+        size=e.size,
+        mode=e.mode,
+        permissions=e.permissions,
+        owner=e.owner,
+        group=e.group,
+        modified_time=Timestamp.from_nanos(int(e.mtime * 1e9)),
+        symlink_target=e.target,
+        is_symlink=e.type == "symlink",
+    )
 
 
 def _code(err: str) -> Code:
-    return (Code.NOT_FOUND if "No such file" in err else Code.ALREADY_EXISTS if "File exists" in err
-            else Code.PERMISSION_DENIED if "Permission denied" in err else Code.INVALID_ARGUMENT)
+    return (
+        Code.NOT_FOUND
+        if "No such file" in err
+        else Code.ALREADY_EXISTS
+        if "File exists" in err
+        else Code.PERMISSION_DENIED
+        if "Permission denied" in err
+        else Code.INVALID_ARGUMENT
+    )
 
 
 async def _run(box: Sandbox, cmd: str, path: str) -> str:

@@ -44,16 +44,17 @@ def _unstreamed(final: str, streamed: int) -> bytes:
     found = CAPPED.match(raw, streamed // 2)
     if found is None:
         return b""
-    tail = raw[found.end():]
+    tail = raw[found.end() :]
     start = found.start() + int(found.group(1))  # where the last half begins in the command's whole output
     if start < streamed:
-        return tail[streamed - start:]
+        return tail[streamed - start :]
     gap = start - streamed
     return (f"\n[... furlong: {gap} bytes truncated ...]\n".encode() if gap else b"") + tail
 
 
-async def _output(box: Sandbox, script: str, cfg: pb.ProcessConfig, timeout_s: float,
-                  ended: Callable[[], None]) -> AsyncIterator[pb.StartResponse]:
+async def _output(
+    box: Sandbox, script: str, cfg: pb.ProcessConfig, timeout_s: float, ended: Callable[[], None]
+) -> AsyncIterator[pb.StartResponse]:
     """The command's data events as it writes them, then its end event; `ended` is called as the command
     ends, before those last events. Should the client leave, the call is dropped as an awaited one would
     be (the command itself runs on in the sandbox)."""
@@ -66,8 +67,9 @@ async def _output(box: Sandbox, script: str, cfg: pb.ProcessConfig, timeout_s: f
 
     async def run():
         try:
-            return await box.exec(script, cwd=cfg.cwd or None, env=dict(cfg.envs) or None, timeout_s=timeout_s,
-                                  on_output=on_output)
+            return await box.exec(
+                script, cwd=cfg.cwd or None, env=dict(cfg.envs) or None, timeout_s=timeout_s, on_output=on_output
+            )
         finally:
             ended()
             events.put_nowait(None)
@@ -83,8 +85,9 @@ async def _output(box: Sandbox, script: str, cfg: pb.ProcessConfig, timeout_s: f
         if result.truncated and (rest := _unstreamed(text, streamed[stream])):
             yield _data(stream, rest)
     status = "timed out" if result.timed_out else f"exit status {result.exit_code}"
-    yield _event("end", pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=not result.timed_out,
-                                                 status=status))
+    yield _event(
+        "end", pb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=not result.timed_out, status=status)
+    )
 
 
 @dataclass(frozen=True)
@@ -118,10 +121,16 @@ class Processes:
 
         def forget() -> None:  # once the command has ended, or once the client left
             self._running.pop(pid, None)
+
         try:
             yield _event("start", pb.ProcessEvent.StartEvent(pid=pid))
-            async for event in _output(box, f"setsid -w bash -c {shlex.quote(inner)}", cfg,
-                                       timeout_ms / 1000 if timeout_ms else DEFAULT_TIMEOUT_S, forget):
+            async for event in _output(
+                box,
+                f"setsid -w bash -c {shlex.quote(inner)}",
+                cfg,
+                timeout_ms / 1000 if timeout_ms else DEFAULT_TIMEOUT_S,
+                forget,
+            ):
                 yield event
         finally:
             forget()
@@ -129,8 +138,11 @@ class Processes:
     async def list(self, request: pb.ListRequest, ctx: Any) -> pb.ListResponse:
         await sandbox_of(self._lookup, ctx)
         sid = ctx.request_headers.get("e2b-sandbox-id", "")
-        return pb.ListResponse(processes=[pb.ProcessInfo(config=r.config, pid=pid)
-                                          for pid, r in self._running.items() if r.sandbox_id == sid])
+        return pb.ListResponse(
+            processes=[
+                pb.ProcessInfo(config=r.config, pid=pid) for pid, r in self._running.items() if r.sandbox_id == sid
+            ]
+        )
 
     async def send_signal(self, request: pb.SendSignalRequest, ctx: Any) -> pb.SendSignalResponse:
         await sandbox_of(self._lookup, ctx)
@@ -140,8 +152,10 @@ class Processes:
             raise ConnectError(Code.NOT_FOUND, "process: no such running command in this sandbox")
         sig = "TERM" if request.signal == pb.Signal.SIGTERM else "KILL"
         f = running.pidfile  # listed from the moment Start was called: its command may not have written it yet
-        await running.box.exec(f"for _ in $(seq 200); do test -s {f} && break; sleep 0.02; done; "
-                               f"kill -s {sig} -- -$(cat {f}); rm -f {f}", timeout_s=10)
+        await running.box.exec(
+            f"for _ in $(seq 200); do test -s {f} && break; sleep 0.02; done; kill -s {sig} -- -$(cat {f}); rm -f {f}",
+            timeout_s=10,
+        )
         return pb.SendSignalResponse()
 
     def __getattr__(self, name: str) -> Any:  # connect, update, send_input, stream_input, close_stdin

@@ -43,8 +43,13 @@ from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, pol
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
 # put_tar reads its body itself, so the schema says what it takes (clients and schemathesis read it)
-TAR_BODY = {"requestBody": {"required": True, "description": "a tar archive (plain, gzip, bzip2 or xz)",
-                            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+TAR_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "a tar archive (plain, gzip, bzip2 or xz)",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 
 
 class _Body(BaseModel):
@@ -75,8 +80,14 @@ class ImageBody(_Body):
     note: str = ""
 
     def ref(self) -> ImageRef:
-        return ImageRef(digest=self.digest, layers=tuple(LayerRef(x.digest, x.path) for x in self.layers),
-                        env=tuple(self.env), workdir=self.workdir, user=self.user, note=self.note)
+        return ImageRef(
+            digest=self.digest,
+            layers=tuple(LayerRef(x.digest, x.path) for x in self.layers),
+            env=tuple(self.env),
+            workdir=self.workdir,
+            user=self.user,
+            note=self.note,
+        )
 
 
 class NetworkBody(_Body):
@@ -144,8 +155,9 @@ class RootsBody(_Body):
     _check = field_validator("paths")(classmethod(lambda cls, v: [_inside_path(p) for p in v]))
 
 
-def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, store: ImageStore | None,
-          allow_network: bool) -> SandboxSpec:
+def _spec(
+    body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, store: ImageStore | None, allow_network: bool
+) -> SandboxSpec:
     """The sandbox `body` asks for; a named image this host does not serve is 400, an image by content
     whose layers this host's store lacks is 409 naming them (a client builds them here, then retries)."""
     start = body.network.policy() if isinstance(body.network, NetworkBody) else PUBLIC if body.network else NO_NETWORK
@@ -161,17 +173,33 @@ def _spec(body: CreateBody, images: dict[str, ImageRef], lifetime_s: float, stor
             raise HTTPException(400, "image: this host serves named images only")
         image = body.image.ref()
         if missing := resolve_layers(store, image):
-            raise HTTPException(409, {"message": f"image {image.digest}: this host lacks {len(missing)} layer(s); "
-                                                 f"build them with POST /v1/images", "missing_layers": missing})
+            raise HTTPException(
+                409,
+                {
+                    "message": f"image {image.digest}: this host lacks {len(missing)} layer(s); "
+                    f"build them with POST /v1/images",
+                    "missing_layers": missing,
+                },
+            )
     if body.seccomp:
         try:
             seccomp.check(body.allow_syscalls)
         except seccomp.SeccompError as e:
             raise HTTPException(400, f"allow_syscalls: {e}") from e
-    limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb,
-                    lifetime_s=min(lifetime_s, body.lifetime_s or lifetime_s))
-    return SandboxSpec(image, network=start, limits=limits, network_phases=phases,
-                       syscalls=SyscallPolicy(enabled=body.seccomp, allow=tuple(body.allow_syscalls)))
+    limits = Limits(
+        cpus=body.cpus,
+        memory_mb=body.memory_mb,
+        pids=body.pids,
+        disk_mb=body.disk_mb,
+        lifetime_s=min(lifetime_s, body.lifetime_s or lifetime_s),
+    )
+    return SandboxSpec(
+        image,
+        network=start,
+        limits=limits,
+        network_phases=phases,
+        syscalls=SyscallPolicy(enabled=body.seccomp, allow=tuple(body.allow_syscalls)),
+    )
 
 
 async def guarded(entry: Entry, call: Awaitable):
@@ -187,8 +215,14 @@ async def guarded(entry: Entry, call: Awaitable):
 
 
 def _exec(entry: Entry, body: ExecBody, on_output: Callable[[str, bytes], None] | None = None) -> Awaitable:
-    return entry.box.exec(body.cmd, timeout_s=body.timeout_s, cwd=body.cwd, env=body.env,
-                          as_verifier=body.as_verifier, on_output=on_output)
+    return entry.box.exec(
+        body.cmd,
+        timeout_s=body.timeout_s,
+        cwd=body.cwd,
+        env=body.env,
+        as_verifier=body.as_verifier,
+        on_output=on_output,
+    )
 
 
 def _line(obj: dict) -> bytes:
@@ -205,8 +239,10 @@ def _streamed_exec(entry: Entry, body: ExecBody, reg: Registry, running: set[asy
     async def run() -> dict:
         t = time.perf_counter()
         try:
-            r = await guarded(entry, _exec(entry, body, lambda stream, data: lines.put_nowait(
-                {stream: base64.b64encode(data).decode()})))
+            r = await guarded(
+                entry,
+                _exec(entry, body, lambda stream, data: lines.put_nowait({stream: base64.b64encode(data).decode()})),
+            )
             reg.execs.append(time.perf_counter() - t)
             return {"result": dataclasses.asdict(r)}
         except HTTPException as e:
@@ -229,13 +265,17 @@ def _streamed_exec(entry: Entry, body: ExecBody, reg: Registry, running: set[asy
 
 def _auth(token: str, reg: Registry) -> tuple[Callable, Callable]:
     """The host-token check, and the dependency that finds a sandbox by id and its own token."""
+
     def host_auth(authorization: Annotated[str, Header()] = "") -> None:
         given = authorization.removeprefix("Bearer ").encode()
         if not authorization.startswith("Bearer ") or not hmac.compare_digest(given, token.encode()):
-            raise HTTPException(401, "Authorization: expected 'Bearer <host token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "Authorization: expected 'Bearer <host token>'", headers={"WWW-Authenticate": "Bearer"}
+            )
 
-    def sandbox(sid: str, _: Annotated[None, Depends(host_auth)], x_sandbox_token: Annotated[str, Header()] = "") -> Entry:
+    def sandbox(
+        sid: str, _: Annotated[None, Depends(host_auth)], x_sandbox_token: Annotated[str, Header()] = ""
+    ) -> Entry:
         entry = reg.lookup(sid, x_sandbox_token)
         if entry is None:
             raise HTTPException(404, f"no sandbox {sid!r} on this host")
@@ -307,9 +347,12 @@ def _file_routes(app: FastAPI, sandbox: Callable) -> None:
         return {"ok": True}
 
     @app.post("/v1/sandboxes/{sid}/put_tar", openapi_extra=TAR_BODY)
-    async def put_tar(request: Request, dest: Annotated[str, Query(json_schema_extra=ABSOLUTE)],
-                      entry: Annotated[Entry, Depends(sandbox)],
-                      as_verifier: bool = False) -> dict:
+    async def put_tar(
+        request: Request,
+        dest: Annotated[str, Query(json_schema_extra=ABSOLUTE)],
+        entry: Annotated[Entry, Depends(sandbox)],
+        as_verifier: bool = False,
+    ) -> dict:
         try:
             dest = _inside_path(dest)
         except ValueError as e:
@@ -381,11 +424,19 @@ class BodyLimit:
 
     async def _refuse(self, send) -> None:
         await JSONResponse({"detail": f"request body over {self.max_body} bytes"}, status_code=413)(
-            {"type": "http"}, None, send)  # type: ignore[arg-type]  # the response never reads a request
+            {"type": "http"},
+            None,  # type: ignore[arg-type]  # the response never reads a request
+            send,
+        )
 
 
-def _create_route(app: FastAPI, reg: Registry, backend: SandboxBackend, host_auth: Callable,
-                  spec_of: Callable[[CreateBody], SandboxSpec]) -> None:
+def _create_route(
+    app: FastAPI,
+    reg: Registry,
+    backend: SandboxBackend,
+    host_auth: Callable,
+    spec_of: Callable[[CreateBody], SandboxSpec],
+) -> None:
     @app.post("/v1/sandboxes", dependencies=[Depends(host_auth)])
     async def create(body: CreateBody) -> dict:
         spec = spec_of(body)
@@ -400,26 +451,48 @@ def _create_route(app: FastAPI, reg: Registry, backend: SandboxBackend, host_aut
             reg.reserved -= 1
             raise
         entry = reg.add(box, time.perf_counter() - t)
-        return {"id": entry.id, "token": entry.token, "boot": reg.boot, "verifier_uid": box.verifier_uid,
-                "agent_uid": getattr(box, "agent_uid", 0), "change_tracking": isinstance(box, ChangeTracking)}
+        return {
+            "id": entry.id,
+            "token": entry.token,
+            "boot": reg.boot,
+            "verifier_uid": box.verifier_uid,
+            "agent_uid": getattr(box, "agent_uid", 0),
+            "change_tracking": isinstance(box, ChangeTracking),
+        }
 
 
-def make_app(backend: SandboxBackend, images: Callable[[], Awaitable[dict[str, ImageRef]]], token: str, *,
-             capacity: int = 8, idle_s: float = 600.0, lifetime_s: float = 3600.0, reap_every_s: float = 1.0,
-             max_body: int = MAX_BODY, allow_network: bool = False, e2b_api_key: str | None = None,
-             store: ImageStore | None = None, max_context_bytes: int = MAX_CONTEXT_BYTES) -> FastAPI:
+def make_app(
+    backend: SandboxBackend,
+    images: Callable[[], Awaitable[dict[str, ImageRef]]],
+    token: str,
+    *,
+    capacity: int = 8,
+    idle_s: float = 600.0,
+    lifetime_s: float = 3600.0,
+    reap_every_s: float = 1.0,
+    max_body: int = MAX_BODY,
+    allow_network: bool = False,
+    e2b_api_key: str | None = None,
+    store: ImageStore | None = None,
+    max_context_bytes: int = MAX_CONTEXT_BYTES,
+) -> FastAPI:
     """`images` resolves (building or pulling, then caching) the images this host serves, by name. With
-    `e2b_api_key`, the E2B-compatible API (docs/e2b.md) is served on the same port, its templates being
-    these image names. With `store`, clients may also name images by content (its layers), and build them
-here first (POST /v1/images, furlong.sandbox.host.images)."""
+        `e2b_api_key`, the E2B-compatible API (docs/e2b.md) is served on the same port, its templates being
+        these image names. With `store`, clients may also name images by content (its layers), and build them
+    here first (POST /v1/images, furlong.sandbox.host.images)."""
     reg = Registry(capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
     resolved: dict[str, ImageRef] = {}
 
     async def template(name: str) -> ImageRef | None:
         return resolved.get(name)
 
-    e2b = None if e2b_api_key is None else e2b_app(backend, template, e2b_api_key, max_sandboxes=capacity,
-                                                   others=lambda: len(reg.entries) + reg.reserved)
+    e2b = (
+        None
+        if e2b_api_key is None
+        else e2b_app(
+            backend, template, e2b_api_key, max_sandboxes=capacity, others=lambda: len(reg.entries) + reg.reserved
+        )
+    )
     if e2b is not None:  # one capacity for both APIs
         reg.others = e2b.state.registry.held
 
@@ -428,7 +501,7 @@ here first (POST /v1/images, furlong.sandbox.host.images)."""
         resolved.update(await images())
         reaper = asyncio.create_task(reg.reap_forever(reap_every_s))
         try:
-            async with (e2b.router.lifespan_context(e2b) if e2b is not None else nullcontext()):
+            async with e2b.router.lifespan_context(e2b) if e2b is not None else nullcontext():
                 yield  # a mounted app's own lifespan is not run by Starlette: its sandboxes end here
         finally:
             reaper.cancel()

@@ -99,13 +99,24 @@ def resolve_layers(store: ImageStore, image: ImageRef) -> list[str]:
     return missing
 
 
-def image_routes(app: FastAPI, store: ImageStore, backend: SandboxBackend, host_auth: Callable,
-                 max_context_bytes: int = MAX_CONTEXT_BYTES) -> None:
+def image_routes(
+    app: FastAPI,
+    store: ImageStore,
+    backend: SandboxBackend,
+    host_auth: Callable,
+    max_context_bytes: int = MAX_CONTEXT_BYTES,
+) -> None:
     contexts = store.root.parent / "host-contexts"
 
     @app.post("/v1/images", dependencies=[Depends(host_auth)])
-    async def build(request: Request, kind: Literal["dockerfile", "prebuilt", "toolchain", "base"] = "dockerfile",
-                    dockerfile: str = "Dockerfile", label: str = "", ref: str = "", where: str = "") -> dict:
+    async def build(
+        request: Request,
+        kind: Literal["dockerfile", "prebuilt", "toolchain", "base"] = "dockerfile",
+        dockerfile: str = "Dockerfile",
+        label: str = "",
+        ref: str = "",
+        where: str = "",
+    ) -> dict:
         if kind == "base":
             return await _built(asyncio.to_thread(store.base, _say))
         if kind == "toolchain":

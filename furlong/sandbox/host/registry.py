@@ -88,8 +88,11 @@ class Registry:
         return True
 
     def expired(self, now: float) -> list[str]:
-        return [e.id for e in self.entries.values()
-                if now - e.created > self.lifetime_s or (not e.busy and now - e.last_used > self.idle_s)]
+        return [
+            e.id
+            for e in self.entries.values()
+            if now - e.created > self.lifetime_s or (not e.busy and now - e.last_used > self.idle_s)
+        ]
 
     async def reap(self) -> int:
         count = 0
@@ -116,7 +119,11 @@ class Registry:
             await self.remove(sid)
 
     def metrics(self) -> dict:
-        return {"active": len(self.entries) + self.others(), "capacity": self.capacity, "created": self.created,
-                "reaped": self.reaped,
-                "start_s": {"p50": _pct(self.starts, 0.5), "p95": _pct(self.starts, 0.95)},
-                "exec_s": {"p50": _pct(self.execs, 0.5), "p95": _pct(self.execs, 0.95)}}
+        return {
+            "active": len(self.entries) + self.others(),
+            "capacity": self.capacity,
+            "created": self.created,
+            "reaped": self.reaped,
+            "start_s": {"p50": _pct(self.starts, 0.5), "p95": _pct(self.starts, 0.95)},
+            "exec_s": {"p50": _pct(self.execs, 0.5), "p95": _pct(self.execs, 0.95)},
+        }

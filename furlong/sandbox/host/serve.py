@@ -14,9 +14,20 @@ from furlong.sandbox.hosts import read_secret
 from furlong.sandbox.images import ImageStore
 
 
-def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, port: int, capacity: int,
-          idle_s: float, lifetime_s: float, say: Callable[[str], None], e2b_api_key: str | None = None,
-          allow_network: bool = False) -> None:
+def serve(
+    backend: SandboxBackend,
+    store: ImageStore,
+    token: str,
+    *,
+    host: str,
+    port: int,
+    capacity: int,
+    idle_s: float,
+    lifetime_s: float,
+    say: Callable[[str], None],
+    e2b_api_key: str | None = None,
+    allow_network: bool = False,
+) -> None:
     import uvicorn
 
     async def images():
@@ -27,10 +38,21 @@ def serve(backend: SandboxBackend, store: ImageStore, token: str, *, host: str, 
     # their init, which exits when the host's end of its channel closes): removed before any new sandbox.
     if removed := cgroups.sweep_dead():
         say(f"removed {removed} sandbox cgroups that dead furlong processes left")
-    app = make_app(backend, images, token, capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s,
-                   e2b_api_key=e2b_api_key, store=store, allow_network=allow_network)
-    say(f"sandbox host on http://{host}:{port}/v1 ({backend.name}, capacity {capacity}, idle {idle_s:g} s, "
-        f"lifetime {lifetime_s:g} s, network {'for tasks that declare it' if allow_network else 'never'})")
+    app = make_app(
+        backend,
+        images,
+        token,
+        capacity=capacity,
+        idle_s=idle_s,
+        lifetime_s=lifetime_s,
+        e2b_api_key=e2b_api_key,
+        store=store,
+        allow_network=allow_network,
+    )
+    say(
+        f"sandbox host on http://{host}:{port}/v1 ({backend.name}, capacity {capacity}, idle {idle_s:g} s, "
+        f"lifetime {lifetime_s:g} s, network {'for tasks that declare it' if allow_network else 'never'})"
+    )
     if e2b_api_key is not None:
         say(f"E2B-compatible API on http://{host}:{port} (E2B_API_URL and E2B_SANDBOX_URL; template 'base')")
     uvicorn.run(app, host=host, port=port, log_level="warning")

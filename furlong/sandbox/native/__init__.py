@@ -27,8 +27,19 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent
 EXE_FLAGS = ("-O2", "-static", "-s")
 # no libc linked or needed (no DT_NEEDED, no symbol versions): one build loads into glibc and musl processes
-SHIM_FLAGS = ("-O2", "-shared", "-fPIC", "-nostdlib", "-ffreestanding", "-fno-builtin", "-fno-stack-protector",
-              "-fvisibility=hidden", "-Wl,--hash-style=both", "-Wl,-z,now", "-s")
+SHIM_FLAGS = (
+    "-O2",
+    "-shared",
+    "-fPIC",
+    "-nostdlib",
+    "-ffreestanding",
+    "-fno-builtin",
+    "-fno-stack-protector",
+    "-fvisibility=hidden",
+    "-Wl,--hash-style=both",
+    "-Wl,-z,now",
+    "-s",
+)
 SHIM_ARCHES = ("x86_64", "aarch64")  # owner.c's system call stubs
 
 
@@ -39,8 +50,11 @@ class Helper:
     suffix: str = ""
 
 
-HELPERS = {"init": Helper("init.c", EXE_FLAGS), "launch": Helper("launch.c", EXE_FLAGS),
-           "owner": Helper("owner.c", SHIM_FLAGS, ".so")}
+HELPERS = {
+    "init": Helper("init.c", EXE_FLAGS),
+    "launch": Helper("launch.c", EXE_FLAGS),
+    "owner": Helper("owner.c", SHIM_FLAGS, ".so"),
+}
 NAMES = tuple(HELPERS)
 
 
@@ -51,8 +65,9 @@ class NativeBuildError(SandboxError):
 def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise NativeBuildError("furlong builds its sandbox init once with a C compiler, and none was found: "
-                               "apt-get install gcc libc6-dev")
+        raise NativeBuildError(
+            "furlong builds its sandbox init once with a C compiler, and none was found: apt-get install gcc libc6-dev"
+        )
     return cc
 
 
@@ -82,8 +97,12 @@ def ownership_shim() -> Path | None:
     """The verifier's ownership shim, or None (with one warning) on an architecture owner.c has no stubs for."""
     machine = os.uname().machine
     if machine not in SHIM_ARCHES:
-        log.warning("no ownership shim for %s (only %s): in the verifier phase the agent's and the image's files "
-                    "show as uid 65533 (docs/sandboxes.md)", machine, ", ".join(SHIM_ARCHES))
+        log.warning(
+            "no ownership shim for %s (only %s): in the verifier phase the agent's and the image's files "
+            "show as uid 65533 (docs/sandboxes.md)",
+            machine,
+            ", ".join(SHIM_ARCHES),
+        )
         return None
     return binary("owner")
 
@@ -93,8 +112,10 @@ def _compile(source: Path, flags: tuple[str, ...], exe: Path) -> None:
     proc = subprocess.run([_compiler(), *flags, "-o", str(tmp), str(source)], capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise NativeBuildError(f"compiling {source.name} failed (needs gcc and libc6-dev for static glibc):\n"
-                               + proc.stderr.strip()[-2000:])
+        raise NativeBuildError(
+            f"compiling {source.name} failed (needs gcc and libc6-dev for static glibc):\n"
+            + proc.stderr.strip()[-2000:]
+        )
     os.chmod(tmp, 0o755)
     tmp.rename(exe)
 
