@@ -19,6 +19,7 @@ from furlong.agent.runner import AgentRun, SandboxSource, run_retrying
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
 from furlong.envs.base import Environment, EnvSpec, StepScore, Toolbox, Usage
+from furlong.gateway.trajectory import GatewayStats
 from furlong.model.chat import (
     Message,
     ToolCall,
@@ -79,6 +80,7 @@ class Episode:
     rewards: dict[str, float] = field(default_factory=dict)  # the reward's parts (tests, reward functions)
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
     traceback: str | None = None  # the exception that decided its outcome, where one did (Outcome.traceback)
+    gateway: GatewayStats | None = None  # a harness episode's (furlong.agent.harness); None for furlong's own loop
 
     @property
     def response_len(self) -> int:

@@ -7,17 +7,10 @@ import time
 
 from furlong.envs.base import Toolbox, ToolError
 from furlong.envs.harbor import BASH_TOOL
+from furlong.envs.toolset import clip
 from furlong.model.chat import ToolCall, ToolCallError
 
 __all__ = ["BASH_TOOL", "ToolRunner", "clip"]
-
-
-def clip(text: str, limit: int) -> str:
-    """Head and tail of a long observation, so the context holds both the start and the error at the end."""
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
 def tool_names(tools: Toolbox) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from furlong.agent.episode import AgentParams
+from furlong.agent.harness import program
 from furlong.build.environment import RunEnv, env_source, run_env
 from furlong.build.sandbox import image_store, network_default, sandbox_backend
 from furlong.config import Config, ConfigError, TrainConfig
@@ -109,6 +110,8 @@ def pieces(cfg: Config) -> Pieces:
     base = t.model.path or init_tiny(seed=t.model.seed)
     tokenizer = load_tokenizer(base)
     tool_format(tokenizer, t.agent.tool_format)  # a format the template cannot use fails here, not per episode
+    if t.agent.harness.command is not None:
+        program(t.agent.harness.command)  # ... and so does a harness program that is not there
     cluster = ray_session(t)
     hosts = None
     try:

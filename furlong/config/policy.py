@@ -34,6 +34,23 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
+class HarnessConfig(_Node):
+    """An unmodified agent program trained through the gateway (docs/gateway.md#training-a-harness)."""
+
+    command: tuple[str, ...] | None = Field(
+        None,
+        description="argv of a program run once per episode with OPENAI_BASE_URL/OPENAI_API_KEY, "
+        "ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY, FURLONG_EXEC_URL and FURLONG_INSTRUCTION set for it; "
+        "null: furlong's own agent loop",
+    )
+
+    @model_validator(mode="after")
+    def _argv(self) -> HarnessConfig:
+        if self.command is not None and (not self.command or not all(a.strip() for a in self.command)):
+            raise ValueError("train.agent.harness.command: expected a non-empty list of non-empty strings (argv)")
+        return self
+
+
 class AgentConfig(_Node):
     """The multi-turn agent loop (furlong.agent.episode) of training, its evals and `furlong eval --agent model`."""
 
@@ -54,6 +71,9 @@ class AgentConfig(_Node):
         "auto",
         description="how the model writes tool calls and ends its turns (docs/models.md#tool-call-formats); "
         "auto: read from the tokenizer's chat template, an error when it cannot tell",
+    )
+    harness: HarnessConfig = Field(
+        HarnessConfig(), description="an agent program in place of furlong's own loop, through the gateway"
     )
 
 

@@ -153,6 +153,14 @@ def check_arguments(name: str, parameters: Mapping[str, Any], arguments: Any) ->
             raise ToolArgumentError(f"{name}: argument {key!r} must be of JSON type {kind}")
 
 
+def clip(text: str, limit: int) -> str:
+    """Head and tail of a long observation, so the context holds both the start and the error at the end."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+
 def exec_observation(res: Any, timeout_s: float) -> str:
     """What the model sees of a command: its exit code (and a timeout), then stdout and stderr."""
     head = f"exit code {res.exit_code}" + (f" (timed out after {timeout_s:g}s)" if res.timed_out else "")

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from furlong.agent.runner import STATUSES, Agent, Outcome, SandboxSource, run_retrying
 from furlong.envs.base import Environment, StepScore
+from furlong.gateway.trajectory import GatewayStats
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
 from furlong.tasks.model import Task
@@ -44,6 +45,7 @@ class EpisodeResult:
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran: name, reward, rewards, error
     traceback: str | None = None  # where an exception decided the outcome (furlong.agent.runner.Outcome)
+    gateway: GatewayStats | None = None  # a harness's requests, tito mismatch, history rewrites (docs/gateway.md)
 
     @classmethod
     def of(
@@ -55,6 +57,7 @@ class EpisodeResult:
         turns: int | None = None,
         tokens_response: int | None = None,
         response_sha: str | None = None,
+        gateway: GatewayStats | None = None,
     ) -> EpisodeResult:
         return cls(
             task=task.id,
@@ -80,6 +83,7 @@ class EpisodeResult:
             tampered_paths=outcome.tampered_paths,
             steps=outcome.steps,
             traceback=outcome.traceback,
+            gateway=gateway,
         )
 
     @classmethod
@@ -107,6 +111,7 @@ async def run_agent(
     """Never raises for an agent's, a task's or the sandbox's fault: a failure becomes the status. An
     episode whose sandbox host was lost runs again with `new_agent()` (furlong.agent.runner.run_retrying)."""
     agent, outcome = await run_retrying(task, new_agent, sandboxes)
+    stats = getattr(agent, "gateway_stats", None)  # a harness's (furlong.agent.harness)
     return EpisodeResult.of(
         task,
         agent.name,
@@ -115,6 +120,7 @@ async def run_agent(
         getattr(agent, "turns", None),
         getattr(agent, "response_len", None),
         getattr(agent, "response_sha", None),
+        stats() if callable(stats) else None,
     )
 
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from furlong.engine.base import EngineError, EngineUnavailable
 from furlong.gateway import anthropic_api, openai_api
+from furlong.gateway.exec import EXEC_ROUTE, EnvironmentFailed
 from furlong.gateway.policy import Policy
 from furlong.gateway.reply import Reply
 from furlong.gateway.request import ChatRequest, RequestError
@@ -124,6 +125,7 @@ def make_app(policy: Policy, token: str, *, max_body_bytes: int = MAX_BODY_BYTES
         return {"status": "ok"}
 
     _episode_routes(app, sessions)
+    _exec_route(app, sessions)
     return app
 
 
@@ -173,3 +175,35 @@ def _episode_routes(app: FastAPI, sessions: Sessions) -> None:
         if session is None:
             return _openai_error(404, f"no episode {episode_id!r} to end")
         return JSONResponse({"episode_id": episode_id, "ended": True, **session.trajectory.record_dict()})
+
+
+def _exec_route(app: FastAPI, sessions: Sessions) -> None:
+    """`POST /furlong/v1/exec` {command, timeout_s?} -> {exit_code, output}: a command in the episode's world,
+    for the episode's own key only (furlong.gateway.exec has the limits and the blame rules)."""
+
+    @app.post(EXEC_ROUTE)
+    async def run(request: Request) -> Response:
+        session = sessions.for_key(_key(request))
+        if session is None:
+            return _openai_error(401, "invalid API key (or its episode has ended)")
+        if session.tools is None:  # the gateway's token, or an episode minted without a world
+            return _openai_error(404, "this key's episode has no environment to run commands in")
+        if not session.tools.has_bash:
+            return _openai_error(404, "this episode's environment has no bash tool to run commands with")
+        body = await _body(request, 1 << 20)
+        if isinstance(body, tuple):
+            return _openai_error(*body)
+        command, timeout_s = body.get("command"), body.get("timeout_s")
+        if not isinstance(command, str) or not command.strip():
+            return _openai_error(400, "command: expected a non-empty string", "command")
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0
+        ):
+            return _openai_error(400, "timeout_s: expected a positive number of seconds", "timeout_s")
+        try:
+            exit_code, output = await session.tools.run(command, timeout_s)
+        except EnvironmentFailed as e:
+            return _openai_error(503, str(e))
+        except Exception as e:  # noqa: BLE001 -- kept on the episode for the runner to judge (furlong.gateway.exec)
+            return _openai_error(503, f"the episode's environment failed: {type(e).__name__}: {e}")
+        return JSONResponse({"exit_code": exit_code, "output": output})

@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from furlong.gateway.exec import EpisodeTools
 from furlong.gateway.trajectory import Trajectory
 
 
@@ -22,6 +23,7 @@ class Session:
     trajectory: Trajectory
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request per episode at a time
     ended: bool = False
+    tools: EpisodeTools | None = None  # what its key may run in its world (the exec route); None: nothing
 
 
 class Sessions:
@@ -40,13 +42,15 @@ class Sessions:
         # bytes: compare_digest refuses a str with non-ASCII characters (a 500 where a 401 belongs)
         return hmac.compare_digest(key.encode(), self._token)
 
-    def mint(self, episode_id: str | None = None) -> tuple[str, str]:
-        """A new episode and its key. An id already used (live or ended) is refused: keys never repeat."""
+    def mint(self, episode_id: str | None = None, tools: EpisodeTools | None = None) -> tuple[str, str]:
+        """A new episode and its key (`tools`: what the key may run through the exec route). An id already
+        used (live or ended) is refused: keys never repeat."""
         episode_id = episode_id or f"ep-{secrets.token_hex(6)}"
         if episode_id in self._by_id:
             raise KeyError(episode_id)
         key = f"fk-{secrets.token_urlsafe(24)}"
         self._by_key[key] = self._open(episode_id)
+        self._by_key[key].tools = tools
         return episode_id, key
 
     def for_key(self, key: str) -> Session | None:
@@ -64,8 +68,8 @@ class Sessions:
         session = self._by_id.get(episode_id)
         if session is None:
             return None
+        for key in [k for k, s in self._by_key.items() if s is session]:
+            del self._by_key[key]  # first: a request arriving from now on is refused
         async with session.lock:
             session.ended = True
-        for key in [k for k, s in self._by_key.items() if s is session]:
-            del self._by_key[key]
         return session

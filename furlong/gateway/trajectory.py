@@ -31,6 +31,21 @@ if TYPE_CHECKING:
     from furlong.model.toolcall.base import ToolCallFormat
 
 
+@dataclass(frozen=True)
+class GatewayStats:
+    """What an episode's trajectory says about how its harness talked to the gateway (docs/gateway.md)."""
+
+    requests: int = 0
+    tito_mismatch_tokens: int = 0
+    gateway_history_rewrites: int = 0
+    malformed_calls: int = 0
+
+    @classmethod
+    def of(cls, records: Sequence[Mapping[str, Any]]) -> GatewayStats:
+        """Summed over the record_dict()s of an episode's trajectories (one per agent phase)."""
+        return cls(**{f: sum(int(r[f]) for r in records) for f in cls.__dataclass_fields__})
+
+
 def canonical(message: Mapping[str, Any]) -> tuple[Any, ...]:
     """What must be equal for a resent message to count as the same turn: whitespace around content and the
     JSON spelling of arguments are the harness's business, not a new conversation."""

@@ -7,8 +7,10 @@ import asyncio
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from furlong.agent.episode import AgentParams, Episode, run_episode
+from furlong.agent.harness import HarnessAgents, run_harness_episode
 from furlong.agent.runner import SandboxSource
 from furlong.engine.base import Engine, SamplingParams
 from furlong.envs.base import Environment, EnvSpec
@@ -89,9 +91,12 @@ class Rollouts:
         params: AgentParams,
         concurrency: int,
         on_episode: Callable[[Episode], None] = lambda e: None,
+        harness: Sequence[str] | None = None,
     ):
         self.engine, self.tokenizer, self.sandboxes = engine, tokenizer, sandboxes
         self.params, self.concurrency = params, concurrency
+        # train.agent.harness.command: that program is each episode's agent, through a gateway on `engine`
+        self.harness = None if harness is None else HarnessAgents(engine, tokenizer, params, harness)
         self.on_episode = on_episode  # called as each episode finishes (the run's episode records)
         self._slots = asyncio.Semaphore(concurrency)
         self._line: dict[tuple, _Place] = {}  # PlannedEpisode.key -> place, in line order
@@ -121,29 +126,39 @@ class Rollouts:
     async def run(
         self, episodes: Sequence[PlannedEpisode], temperature: float, on_done: Callable[[], None] = lambda: None
     ) -> list[Episode]:
-        """Every episode, `concurrency` at a time, in order; `on_done` after each one finishes."""
+        """Every episode, `concurrency` at a time, in order; `on_done` after each one finishes. A harness
+        episode is one sample per trajectory segment (furlong.agent.harness), so it may give several."""
         self.expect(episodes)
 
-        async def one(planned: PlannedEpisode) -> Episode:
+        async def one(planned: PlannedEpisode) -> list[Episode]:
             async with self._slots:
                 self._leave_line(planned)
-                episode = await run_episode(
-                    planned.task,
-                    self.engine,
-                    self.tokenizer,
-                    self.sandboxes,
-                    self.params,
-                    SamplingParams(temperature=temperature, seed=planned.seed),
-                    group_id=planned.group_id,
-                    step=planned.step,
-                    attempt=planned.attempt,
-                    sample_id=planned.sample_id,
-                )
-            self.on_episode(episode)
+                samples = await self._episode(planned, temperature)
+            for sample in samples:
+                self.on_episode(sample)
             on_done()
-            return episode
+            return samples
 
-        return list(await asyncio.gather(*(one(p) for p in episodes)))
+        return [e for samples in await asyncio.gather(*(one(p) for p in episodes)) for e in samples]
+
+    async def _episode(self, planned: PlannedEpisode, temperature: float) -> list[Episode]:
+        who: dict[str, Any] = {
+            "group_id": planned.group_id,
+            "step": planned.step,
+            "attempt": planned.attempt,
+            "sample_id": planned.sample_id,
+        }
+        if self.harness is not None:  # the harness's requests pick their own sampling
+            return await run_harness_episode(planned.task, self.harness, self.sandboxes, **who)
+        sampling = SamplingParams(temperature=temperature, seed=planned.seed)
+        return [
+            await run_episode(planned.task, self.engine, self.tokenizer, self.sandboxes, self.params, sampling, **who)
+        ]
+
+    async def close(self) -> None:
+        """The harness's gateway, where there is one."""
+        if self.harness is not None:
+            await self.harness.close()
 
     async def evaluate(
         self, tasks: Sequence[EnvSpec], temperature: float, seed: int, on_done: Callable[[], None] = lambda: None

@@ -87,9 +87,19 @@ async def _rl_run(
     link = await build.weight_link(cfg, run.path, sft_dir, shared, p.cluster)
     try:
         async with p.env.open() as env:
-            rollouts = Rollouts(BusyMeter(link.engine), p.tokenizer, env, p.params, cfg.train.rl.concurrency)
-            await link.push(trainer.engine_weights(), trainer.version)
-            await rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
+            rollouts = Rollouts(
+                BusyMeter(link.engine),
+                p.tokenizer,
+                env,
+                p.params,
+                cfg.train.rl.concurrency,
+                harness=cfg.train.agent.harness.command,
+            )
+            try:
+                await link.push(trainer.engine_weights(), trainer.version)
+                await rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
+            finally:
+                await rollouts.close()
     finally:
         await link.close()
     run.finish_phase("rl", rl_totals(run))

@@ -88,9 +88,21 @@ async def eval_phase(
     hf = cfg.train.hf
     engine = phase_engine(model_dir, shared, hf.prefix_cache_mb, hf.device, hf.deterministic)
     async with p.env.open() as env:
-        rollouts = Rollouts(engine, p.tokenizer, env, p.params, cfg.train.eval.concurrency, EpisodeLog(run.path, name))
-        with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
-            episodes = await rollouts.evaluate(p.eval_tasks, cfg.train.eval.temperature, cfg.train.eval.seed, advance)
+        rollouts = Rollouts(
+            engine,
+            p.tokenizer,
+            env,
+            p.params,
+            cfg.train.eval.concurrency,
+            EpisodeLog(run.path, name),
+            harness=cfg.train.agent.harness.command,
+        )
+        try:
+            with progress_bar(console, f"{name}: held-out episodes", len(p.eval_tasks)) as advance:
+                e = cfg.train.eval
+                episodes = await rollouts.evaluate(p.eval_tasks, e.temperature, e.seed, advance)
+        finally:
+            await rollouts.close()
     await engine.close()
     s = outcome_summary([Scored(e.family, e.reward, e.status) for e in episodes])
     result = {

@@ -1,0 +1,228 @@
+"""An unmodified agent program as the agent phase (`train.agent.harness`): it talks to the run's gateway
+(furlong.gateway.local) with an episode key, acts in the episode's world through the gateway's exec route,
+and the gateway, not the harness, records what the policy sampled.
+
+Per agent phase: a key is minted, the program runs with OPENAI_BASE_URL / OPENAI_API_KEY, ANTHROPIC_BASE_URL /
+ANTHROPIC_API_KEY, FURLONG_EXEC_URL and FURLONG_INSTRUCTION set, until it exits or the task's agent timeout
+(then its whole process group is killed), and the key is ended: anything the program, or a child it left,
+sends later gets a 401 and records nothing. The program's own crash or non-zero exit is not an infra_error:
+the tests score whatever it left. An exception from the episode's world during one of its commands is raised
+from the phase, to be judged by the one episode runner's rules (furlong.agent.runner).
+
+Training data: one sample per trajectory segment (a harness that rewrote its history has several), each an
+Episode with the episode's reward and group, loss mask 1 exactly on the sampled ids, the engine's logprobs
+and weight versions. An episode that never reached the model is one sample of its instruction's prompt
+with nothing sampled: its reward still counts in its group's baseline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from furlong.agent.episode import AgentParams, Episode, response_sha, system_prompt
+from furlong.agent.runner import AgentRun, Outcome, SandboxSource, run_retrying
+from furlong.engine.base import Engine
+from furlong.envs.base import Environment, EnvSpec, Toolbox, Usage
+from furlong.gateway.exec import EpisodeTools
+from furlong.gateway.local import LocalGateway
+from furlong.gateway.policy import Policy
+from furlong.gateway.trajectory import GatewayStats, Segment, Trajectory
+from furlong.model.chat import Message, render_prompt_ids
+from furlong.model.toolcall import tool_format
+
+OUTPUT_TAIL = 4000  # characters of the program's output kept with the episode (Outcome.agent_output)
+MODEL_NAME = "policy"  # what /v1/models lists; FURLONG_MODEL tells the program
+
+
+def program(command: Sequence[str]) -> tuple[str, ...]:
+    """The argv to run: a first word `python` is this run's own interpreter. ValueError (one line) for a
+    program that is not there."""
+    argv = (sys.executable, *command[1:]) if command[0] == "python" else tuple(command)
+    if shutil.which(argv[0]) is None:
+        raise ValueError(f"train.agent.harness.command: {argv[0]!r} is not an executable program (or on PATH)")
+    return argv
+
+
+class HarnessAgents:
+    """The run's gateway and harness program; a fresh HarnessAgent per episode (furlong.eval.agents.EpisodeAgents)."""
+
+    name = "harness"
+
+    def __init__(
+        self, engine: Engine, tokenizer: Any, params: AgentParams, command: Sequence[str], owns_engine: bool = False
+    ) -> None:
+        self.command, self.tokenizer, self.params = program(command), tokenizer, params
+        self.engine, self.owns_engine = engine, owns_engine  # `furlong eval`'s engine is closed with its agents
+        policy = Policy(
+            engine=engine,
+            tokenizer=tokenizer,
+            fmt=tool_format(tokenizer, params.tool_format),
+            name=MODEL_NAME,
+            max_context=params.max_context_tokens,
+            default_max_tokens=params.max_new_tokens,
+        )
+        self.gateway = LocalGateway(policy)
+
+    def for_episode(self, task: Any, sample: int) -> HarnessAgent:
+        return HarnessAgent(self.gateway, self.command, self.params)
+
+    async def close(self) -> None:
+        await self.gateway.close()
+        close = getattr(self.engine, "close", None)  # the Engine protocol does not require one
+        if self.owns_engine and close is not None:
+            await close()
+
+
+class HarnessAgent:
+    """One episode's agent phases (one per step of a multi-step task), each a run of the program."""
+
+    name = "harness"
+
+    def __init__(self, gateway: LocalGateway, command: tuple[str, ...], params: AgentParams) -> None:
+        self.gateway, self.command, self.params = gateway, command, params
+        self.trajectories: list[Trajectory] = []
+
+    async def run(self, spec: EnvSpec, tools: Toolbox, timeout_s: float) -> AgentRun:
+        url = await self.gateway.start()
+        box = EpisodeTools(tools, self.params.command_timeout_s, self.params.observation_chars)
+        episode_id, key, trajectory = self.gateway.mint(box)
+        self.trajectories.append(trajectory)
+        environ = {
+            **os.environ,
+            "OPENAI_BASE_URL": f"{url}/v1",
+            "OPENAI_API_KEY": key,
+            "ANTHROPIC_BASE_URL": url,
+            "ANTHROPIC_API_KEY": key,
+            "FURLONG_EXEC_URL": self.gateway.exec_url,
+            "FURLONG_INSTRUCTION": spec.instruction,
+            "FURLONG_MODEL": MODEL_NAME,
+        }
+        try:
+            code, output, timed_out = await run_program(self.command, environ, timeout_s)
+        finally:
+            await self.gateway.end(episode_id)  # also when the runner cancels the phase
+        if box.failure is not None:
+            raise box.failure  # the world failed during a command: the runner's blame rules decide
+        return AgentRun(commands=box.calls, timed_out=timed_out, last_exit_code=code, last_output=output)
+
+    def segments(self) -> list[Segment]:
+        return [s for t in self.trajectories for s in t.segments if s.turns]
+
+    @property
+    def turns(self) -> int:
+        return sum(len(s.turns) for s in self.segments())
+
+    @property
+    def response_len(self) -> int:
+        return sum(sum(s.mask) for s in self.segments())
+
+    @property
+    def response_sha(self) -> str:
+        return response_sha([t for s in self.segments() for t in s.ids], [m for s in self.segments() for m in s.mask])
+
+    def usage(self) -> Usage:
+        segments = self.segments()
+        first = segments[0].turns[0][0] if segments else 0
+        return Usage(prompt_tokens=first, generated_tokens=self.response_len, turns=self.turns)
+
+    def gateway_stats(self) -> GatewayStats:
+        return GatewayStats.of([t.record_dict() for t in self.trajectories])
+
+
+async def run_program(argv: Sequence[str], environ: dict[str, str], timeout_s: float) -> tuple[int | None, str, bool]:
+    """(exit code, output tail, timed out) of the program, its process group killed whatever happens (a timeout,
+    a cancelled phase, children it left). Its output goes to a file, not a pipe: a child that escaped the
+    group and holds the output open must not keep the episode waiting."""
+    with tempfile.TemporaryFile() as out:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=environ,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # its own process group, killed as one
+        )
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            _kill_group(proc.pid)
+            await proc.wait()
+        size = out.seek(0, os.SEEK_END)
+        out.seek(max(0, size - 4 * OUTPUT_TAIL))
+        tail = out.read().decode(errors="replace")[-OUTPUT_TAIL:]
+    return (None if timed_out else proc.returncode), tail, timed_out
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is gone already
+
+
+async def run_harness_episode(
+    task: EnvSpec,
+    agents: HarnessAgents,
+    env: Environment | SandboxSource,
+    *,
+    group_id: int = 0,
+    step: int | None = None,
+    attempt: int = 0,
+    sample_id: int = 0,
+) -> list[Episode]:
+    """One episode of the harness through the one episode runner; its samples (module docstring)."""
+    agent, outcome = await run_retrying(task, lambda: agents.for_episode(task, sample_id), env)
+    common: dict[str, Any] = {
+        "task_id": task.id,
+        "group_id": group_id,
+        "step": step,
+        "attempt": attempt,
+        "sample_id": sample_id,
+        "family": task.family,
+        "gateway": agent.gateway_stats(),
+        **_outcome_fields(outcome),
+    }
+    segments = agent.segments()
+    if not segments:  # the model was never asked: its prompt, nothing sampled
+        ids = render_prompt_ids(
+            agents.tokenizer, [Message("system", system_prompt(task, agents.params)), Message("user", task.instruction)]
+        )
+        n = len(ids)
+        return [Episode(**common, prompt_len=n, tokens=tuple(ids), loss_mask=(0,) * n,
+                        rollout_logprobs=(0.0,) * n, token_weight_versions=(-1,) * n, turns=0)]  # fmt: skip
+    return [Episode(**common, **_sample(seg)) for seg in segments]
+
+
+def _sample(seg: Segment) -> dict[str, Any]:
+    end = seg.turns[-1][1]  # what follows the last sampled turn is nobody's prompt
+    return {
+        "prompt_len": seg.turns[0][0],
+        "tokens": tuple(seg.ids[:end]),
+        "loss_mask": tuple(seg.mask[:end]),
+        "rollout_logprobs": tuple(seg.logprobs[:end]),
+        "token_weight_versions": tuple(seg.versions[:end]),
+        "turns": len(seg.turns),
+    }
+
+
+def _outcome_fields(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "reward": outcome.reward,
+        "status": outcome.status,
+        "timing": outcome.timing,
+        "error": outcome.error,
+        "tampered_paths": outcome.tampered_paths,
+        "rewards": outcome.rewards,
+        "steps": outcome.steps,
+        "traceback": outcome.traceback,
+    }
