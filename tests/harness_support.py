@@ -32,9 +32,9 @@ def ask(c: openai.OpenAI, report: dict) -> None:
     report.setdefault("logprobs", []).extend(t.logprob for t in r.choices[0].logprobs.content)
 
 
-def run_command(command: str) -> dict:
+def run_command(command: str, key: str | None = None) -> dict:
     r = httpx.post(os.environ["FURLONG_EXEC_URL"], json={"command": command},
-                   headers={"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}, timeout=120)  # fmt: skip
+                   headers={"Authorization": f"Bearer {key or os.environ['OPENAI_API_KEY']}"}, timeout=120)  # fmt: skip
     return {"status": r.status_code, **r.json()}
 
 
@@ -67,6 +67,7 @@ def main(mode: str, report_path: str, arg: str = "") -> int:
                 next(iter(stream))  # one event, then the connection is dropped
         ask(c, report)
         if mode == "oracle":
+            report["refused"] = [run_command(arg, key="fk-not-a-key")["status"], run_command(" ")["status"]]
             report["exec"] = run_command(arg)
         elif mode == "crash":
             raise RuntimeError("the harness crashed")

@@ -33,7 +33,37 @@ def policy(tiny_dir):
     return load_tokenizer(tiny_dir), load_model(tiny_dir)
 
 
-def _episodes(policy, backend, base_image, task, argv, wait_for: Path | None = None, **agent):
+class DyingOn:
+    """Test double for a sandbox source: its sandboxes die under a command that names `die-now` (the
+    sandbox is closed under it, as when its host kills it), so that command's call raises SandboxDied."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def image(self, task):
+        return await self.inner.image(task)
+
+    def reserve(self, task):
+        self.inner.reserve(task)
+
+    async def acquire(self, spec_):
+        return _Dying(await self.inner.acquire(spec_))
+
+
+class _Dying:
+    def __init__(self, box):
+        self.box = box
+
+    def __getattr__(self, name):
+        return getattr(self.box, name)
+
+    async def exec(self, cmd, *args, **kwargs):
+        if "die-now" in cmd:
+            await self.box.close()
+        return await self.box.exec(cmd, *args, **kwargs)
+
+
+def _episodes(policy, backend, base_image, task, argv, wait_for: Path | None = None, dying: bool = False, **agent):
     """One harness episode of `task` (group 7, sample 1) through the one episode runner, and its samples;
     the gateway is kept serving until `wait_for` exists (as a run's gateway serves its other episodes)."""
     tokenizer, model = policy
@@ -43,6 +73,7 @@ def _episodes(policy, backend, base_image, task, argv, wait_for: Path | None = N
         agents = HarnessAgents(HFEngine(model, seed=0), tokenizer, params, argv)
         try:
             sandboxes = FreshSandboxes(backend, fixed_image(base_image))
+            sandboxes = DyingOn(sandboxes) if dying else sandboxes
             episodes = await run_harness_episode(task, agents, sandboxes, group_id=7, step=2, sample_id=1)
             deadline = time.monotonic() + 60
             while wait_for is not None and not wait_for.exists() and time.monotonic() < deadline:
@@ -72,6 +103,7 @@ def test_an_oracle_harness_scores_the_tests_reward_with_the_engines_logprobs(pol
     report = tmp_path / "report.json"
     eps = _episodes(policy, backend, base_image, task, ["python", SUPPORT, "oracle", str(report), "mkdir -p /app/made"])
     seen = _report(report)
+    assert seen["refused"] == [401, 400]  # another key; an empty command
     assert seen["exec"]["status"] == 200 and seen["exec"]["exit_code"] == 0
     assert [e.status for e in eps] == ["ok"] and eps[0].reward == 1.0
     _check_samples(eps, 1.0)
@@ -115,6 +147,17 @@ def test_an_abandoned_stream_does_not_stop_the_episode(policy, backend, base_ima
     assert [e.status for e in eps] == ["ok", "ok"] and len(_report(report)["logprobs"]) > 0
     _check_samples(eps, 0.0)  # two samples: the second request does not extend the first (a new segment)
     assert eps[0].gateway.requests == 2 and eps[0].gateway.gateway_history_rewrites == 1
+
+
+def test_a_sandbox_that_breaks_under_an_exec_command_is_the_agents_doing(policy, backend, base_image, tmp_path):
+    """The blame rule of furlong's own bash tool: the sandbox failing under the agent's command scores 0
+    (agent_broke_sandbox), never an unscored infra_error; the harness saw a 503."""
+    task = make_task(tmp_path, "mkdir", "Create the directory /app/made.", test=MKDIR_TEST)
+    report = tmp_path / "r.json"
+    eps = _episodes(policy, backend, base_image, task, ["python", SUPPORT, "oracle", str(report), "echo die-now"],
+                    dying=True)  # fmt: skip
+    assert _report(report)["exec"]["status"] == 503
+    assert [(e.status, e.reward) for e in eps] == [("agent_broke_sandbox", 0.0)] and eps[0].error.startswith("sandbox broke during the agent phase: SandboxDied")
 
 
 def test_a_bad_harness_value_is_a_one_line_error(tmp_path):
