@@ -67,7 +67,7 @@ def _episodes(policy, backend, base_image, task, argv, wait_for: Path | None = N
     """One harness episode of `task` (group 7, sample 1) through the one episode runner, and its samples;
     the gateway is kept serving until `wait_for` exists (as a run's gateway serves its other episodes)."""
     tokenizer, model = policy
-    params = agent_params(max_new_tokens=8, max_context_tokens=512, **agent)
+    params = agent_params(**{"max_new_tokens": 8, "max_context_tokens": 512, **agent})
 
     async def go():
         agents = HarnessAgents(HFEngine(model, seed=0), tokenizer, params, argv)
@@ -158,6 +158,17 @@ def test_a_sandbox_that_breaks_under_an_exec_command_is_the_agents_doing(policy,
                     dying=True)  # fmt: skip
     assert _report(report)["exec"]["status"] == 503
     assert [(e.status, e.reward) for e in eps] == [("agent_broke_sandbox", 0.0)] and eps[0].error.startswith("sandbox broke during the agent phase: SandboxDied")
+
+
+def test_mini_swe_agent_runs_unmodified_in_the_episodes_sandbox(policy, backend, base_image, tmp_path):
+    """mini-swe-agent's own loop, prompts and LiteLLM model class, its commands in the sandbox through
+    examples/mini_swe_agent.py's FurlongEnvironment: the tests score it, the gateway stitched its requests."""
+    task = make_task(tmp_path, "mkdir", "Create the directory /app/made.", test=MKDIR_TEST)
+    eps = _episodes(policy, backend, base_image, task, ["python", str(ROOT / "examples" / "mini_swe_agent.py")],
+                    max_context_tokens=4096, max_new_tokens=16)  # fmt: skip
+    assert {e.status for e in eps} == {"ok"} and sum(e.response_len for e in eps) > 0
+    _check_samples(eps, 0.0)  # the tiny model does not make the directory: the tests say 0
+    assert eps[0].gateway.requests >= 1 and eps[0].turns >= 1
 
 
 def test_a_bad_harness_value_is_a_one_line_error(tmp_path):
