@@ -39,8 +39,11 @@ def run_command(command: str, key: str | None = None) -> dict:
 
 
 def linger(report_path: str) -> None:
-    """The child: waits past the episode's end, then calls the gateway and the exec route with the old key."""
-    time.sleep(float(os.environ.get("LINGER_S", "4")))
+    """The child: polls the exec route until its key is refused (the episode ended), then calls the gateway
+    and the exec route with the old key again."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and run_command("true")["status"] == 200:
+        time.sleep(0.3)
     codes = []
     for _ in range(3):
         r = httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", timeout=30,

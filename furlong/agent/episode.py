@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from furlong.agent.runner import AgentRun, SandboxSource, run_retrying
+from furlong.agent.runner import AgentRun, Outcome, SandboxSource, run_retrying
 from furlong.agent.tools import BASH_TOOL, ToolRunner
 from furlong.engine.base import Engine, SamplingParams
 from furlong.envs.base import Environment, EnvSpec, StepScore, Toolbox, Usage
@@ -361,15 +361,22 @@ async def run_episode(
         loss_mask=tuple(t.mask),
         rollout_logprobs=tuple(t.logprobs),
         token_weight_versions=tuple(t.versions),
-        reward=outcome.reward,
-        status=outcome.status,
-        timing=outcome.timing,
         turns=agent.turns,
-        error=outcome.error,
         tool_errors=agent.tool_errors,
         family=task.family,
-        tampered_paths=outcome.tampered_paths,
-        rewards=outcome.rewards,
-        steps=outcome.steps,
-        traceback=outcome.traceback,
+        **outcome_fields(outcome),
     )
+
+
+def outcome_fields(outcome: Outcome) -> dict[str, Any]:
+    """The Episode fields the one episode runner decided (its Outcome's)."""
+    return {
+        "reward": outcome.reward,
+        "status": outcome.status,
+        "timing": outcome.timing,
+        "error": outcome.error,
+        "tampered_paths": outcome.tampered_paths,
+        "rewards": outcome.rewards,
+        "steps": outcome.steps,
+        "traceback": outcome.traceback,
+    }

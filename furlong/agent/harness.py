@@ -26,8 +26,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from furlong.agent.episode import AgentParams, Episode, response_sha, system_prompt
-from furlong.agent.runner import AgentRun, Outcome, SandboxSource, run_retrying
+from furlong.agent.episode import AgentParams, Episode, outcome_fields, response_sha, system_prompt
+from furlong.agent.runner import AgentRun, SandboxSource, run_retrying
 from furlong.engine.base import Engine
 from furlong.envs.base import Environment, EnvSpec, Toolbox, Usage
 from furlong.gateway.exec import EpisodeTools
@@ -190,7 +190,7 @@ async def run_harness_episode(
         "sample_id": sample_id,
         "family": task.family,
         "gateway": agent.gateway_stats(),
-        **_outcome_fields(outcome),
+        **outcome_fields(outcome),
     }
     segments = agent.segments()
     if not segments:  # the model was never asked: its prompt, nothing sampled
@@ -212,17 +212,4 @@ def _sample(seg: Segment) -> dict[str, Any]:
         "rollout_logprobs": tuple(seg.logprobs[:end]),
         "token_weight_versions": tuple(seg.versions[:end]),
         "turns": len(seg.turns),
-    }
-
-
-def _outcome_fields(outcome: Outcome) -> dict[str, Any]:
-    return {
-        "reward": outcome.reward,
-        "status": outcome.status,
-        "timing": outcome.timing,
-        "error": outcome.error,
-        "tampered_paths": outcome.tampered_paths,
-        "rewards": outcome.rewards,
-        "steps": outcome.steps,
-        "traceback": outcome.traceback,
     }
