@@ -63,14 +63,27 @@ class _Dying:
         return await self.box.exec(cmd, *args, **kwargs)
 
 
-def _episodes(policy, backend, base_image, task, argv, wait_for: Path | None = None, dying: bool = False, **agent):
+class Loaded:
+    """Test double for a loaded shared engine: the real engine's reply arrives `delay_s` late."""
+
+    def __init__(self, engine, delay_s: float):
+        self.engine, self.delay_s = engine, delay_s
+
+    async def generate(self, input_ids, sampling):
+        await asyncio.sleep(self.delay_s)
+        return await self.engine.generate(input_ids, sampling)
+
+
+def _episodes(policy, backend, base_image, task, argv, wait_for: Path | None = None, dying: bool = False,
+              delay_s: float = 0.0, **agent):  # fmt: skip
     """One harness episode of `task` (group 7, sample 1) through the one episode runner, and its samples;
     the gateway is kept serving until `wait_for` exists (as a run's gateway serves its other episodes)."""
     tokenizer, model = policy
     params = agent_params(**{"max_new_tokens": 8, "max_context_tokens": 512, **agent})
 
     async def go():
-        agents = HarnessAgents(HFEngine(model, seed=0), tokenizer, params, argv)
+        engine = HFEngine(model, seed=0)
+        agents = HarnessAgents(Loaded(engine, delay_s) if delay_s else engine, tokenizer, params, argv)
         try:
             sandboxes = FreshSandboxes(backend, fixed_image(base_image))
             sandboxes = DyingOn(sandboxes) if dying else sandboxes
@@ -111,6 +124,16 @@ def test_an_oracle_harness_scores_the_tests_reward_with_the_engines_logprobs(pol
     sampled = [lp for lp, m in zip(e.rollout_logprobs, e.loss_mask, strict=True) if m]
     assert sum(e.loss_mask) == len(seen["logprobs"]) > 0 and sampled == pytest.approx(seen["logprobs"], abs=1e-6)
     assert e.gateway.requests == 1 and e.gateway.gateway_history_rewrites == 0
+
+
+def test_time_in_a_loaded_engine_does_not_count_against_the_harness_timeout(policy, backend, base_image, tmp_path):
+    """The rule furlong's own agent has: a busy engine must not turn an episode into a timeout scored 0. The
+    program's one model call takes past the agent timeout; it still solves the task."""
+    task = make_task(tmp_path, "mkdir", "Create the directory /app/made.", test=MKDIR_TEST, agent_timeout=8)
+    report = tmp_path / "report.json"
+    eps = _episodes(policy, backend, base_image, task, ["python", SUPPORT, "oracle", str(report), "mkdir -p /app/made"],
+                    delay_s=10.0)  # fmt: skip
+    assert [(e.status, e.reward) for e in eps] == [("ok", 1.0)] and eps[0].timing.model_wait >= 10.0
 
 
 def test_a_harness_that_does_nothing_scores_0_with_one_unsampled_sample(policy, backend, base_image, tmp_path):

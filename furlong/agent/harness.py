@@ -23,7 +23,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from furlong.agent.episode import AgentParams, Episode, outcome_fields, response_sha, system_prompt
@@ -33,7 +33,8 @@ from furlong.envs.base import Environment, EnvSpec, Toolbox, Usage
 from furlong.gateway.exec import EpisodeTools
 from furlong.gateway.local import LocalGateway
 from furlong.gateway.policy import Policy
-from furlong.gateway.trajectory import GatewayStats, Segment, Trajectory
+from furlong.gateway.sessions import Session
+from furlong.gateway.trajectory import GatewayStats, Segment
 from furlong.model.chat import Message, render_prompt_ids
 from furlong.model.toolcall import tool_format
 
@@ -87,13 +88,13 @@ class HarnessAgent:
 
     def __init__(self, gateway: LocalGateway, command: tuple[str, ...], params: AgentParams) -> None:
         self.gateway, self.command, self.params = gateway, command, params
-        self.trajectories: list[Trajectory] = []
+        self.sessions: list[Session] = []  # one per agent phase
 
     async def run(self, spec: EnvSpec, tools: Toolbox, timeout_s: float) -> AgentRun:
         url = await self.gateway.start()
         box = EpisodeTools(tools, self.params.command_timeout_s, self.params.observation_chars)
-        episode_id, key, trajectory = self.gateway.mint(box)
-        self.trajectories.append(trajectory)
+        key, session = self.gateway.mint(box)
+        self.sessions.append(session)
         environ = {
             **os.environ,
             "OPENAI_BASE_URL": f"{url}/v1",
@@ -105,15 +106,19 @@ class HarnessAgent:
             "FURLONG_MODEL": MODEL_NAME,
         }
         try:
-            code, output, timed_out = await run_program(self.command, environ, timeout_s)
+            code, output, timed_out = await run_program(self.command, environ, timeout_s, session.engine_wait_s)
         finally:
-            await self.gateway.end(episode_id)  # also when the runner cancels the phase
+            await self.gateway.end(session.episode_id)  # also when the runner cancels the phase
         if box.failure is not None:
             raise box.failure  # the world failed during a command: the runner's blame rules decide
         return AgentRun(commands=box.calls, timed_out=timed_out, last_exit_code=code, last_output=output)
 
     def segments(self) -> list[Segment]:
-        return [s for t in self.trajectories for s in t.segments if s.turns]
+        return [seg for s in self.sessions for seg in s.trajectory.segments if seg.turns]
+
+    def engine_wait_s(self) -> float:
+        """The runner's optional engine wait (furlong.agent.runner.Agent): its hard limit does not count it."""
+        return sum(s.engine_wait_s() for s in self.sessions)
 
     @property
     def turns(self) -> int:
@@ -133,13 +138,17 @@ class HarnessAgent:
         return Usage(prompt_tokens=first, generated_tokens=self.response_len, turns=self.turns)
 
     def gateway_stats(self) -> GatewayStats:
-        return GatewayStats.of([t.record_dict() for t in self.trajectories])
+        return GatewayStats.of([s.trajectory.record_dict() for s in self.sessions])
 
 
-async def run_program(argv: Sequence[str], environ: dict[str, str], timeout_s: float) -> tuple[int | None, str, bool]:
+async def run_program(
+    argv: Sequence[str], environ: dict[str, str], timeout_s: float, engine_wait_s: Callable[[], float] = lambda: 0.0
+) -> tuple[int | None, str, bool]:
     """(exit code, output tail, timed out) of the program, its process group killed whatever happens (a timeout,
-    a cancelled phase, children it left). Its output goes to a file, not a pipe: a child that escaped the
-    group and holds the output open must not keep the episode waiting."""
+    a cancelled phase, children it left). The timeout does not count `engine_wait_s()`, the time its requests
+    spent in the engine: a loaded engine must not turn an episode into a timeout scored 0. Its output goes to a
+    file, not a pipe: a child that escaped the group and holds the output open must not keep the episode waiting."""
+    loop = asyncio.get_running_loop()
     with tempfile.TemporaryFile() as out:
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -149,11 +158,17 @@ async def run_program(argv: Sequence[str], environ: dict[str, str], timeout_s: f
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # its own process group, killed as one
         )
+        end = loop.time() + timeout_s
         timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            timed_out = True
+            while True:
+                try:
+                    await asyncio.wait_for(proc.wait(), max(0.0, end + engine_wait_s() - loop.time()))
+                    break
+                except TimeoutError:
+                    if loop.time() >= end + engine_wait_s():
+                        timed_out = True
+                        break
         finally:
             _kill_group(proc.pid)
             await proc.wait()

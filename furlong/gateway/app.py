@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -133,7 +134,12 @@ async def _generate(policy: Policy, session: Session, req: ChatRequest) -> Reply
     async with session.lock:
         if session.ended:  # ended while this request waited for the one before it
             raise RequestError("episode", f"episode {session.episode_id} has ended")
-        return await policy.reply(session.trajectory, req)
+        session.waiting_since = time.perf_counter()
+        try:
+            return await policy.reply(session.trajectory, req)
+        finally:
+            session.waited_s += time.perf_counter() - session.waiting_since
+            session.waiting_since = None
 
 
 def _episode_routes(app: FastAPI, sessions: Sessions) -> None:

@@ -16,8 +16,7 @@ import uvicorn
 from furlong.gateway.app import make_app
 from furlong.gateway.exec import EXEC_ROUTE, EpisodeTools
 from furlong.gateway.policy import Policy
-from furlong.gateway.sessions import Sessions
-from furlong.gateway.trajectory import Trajectory
+from furlong.gateway.sessions import Session, Sessions
 
 
 class _Server(uvicorn.Server):
@@ -55,12 +54,12 @@ class LocalGateway:
                 await asyncio.sleep(0.02)
         return self.url
 
-    def mint(self, tools: EpisodeTools) -> tuple[str, str, Trajectory]:
-        """A new episode: its id, its key, and the trajectory its requests are recorded on."""
+    def mint(self, tools: EpisodeTools) -> tuple[str, Session]:
+        """A new episode: its key, and its session (the trajectory its requests are recorded on)."""
         episode_id, key = self.sessions.mint(tools=tools)
         session = self.sessions.get(episode_id)
         assert session is not None
-        return episode_id, key, session.trajectory
+        return key, session
 
     async def end(self, episode_id: str) -> None:
         """Its key is refused from now on; a request in flight is recorded first."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,14 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request per episode at a time
     ended: bool = False
     tools: EpisodeTools | None = None  # what its key may run in its world (the exec route); None: nothing
+    waited_s: float = 0.0  # seconds its requests spent in the engine, finished ones
+    waiting_since: float | None = None  # perf_counter() at the start of the one in the engine now
+
+    def engine_wait_s(self) -> float:
+        """Seconds its requests have spent in the engine so far, one in progress included: the harness's
+        agent timeout does not count them (furlong.agent.harness), as furlong's own agent's does not."""
+        since = self.waiting_since
+        return self.waited_s + (0.0 if since is None else time.perf_counter() - since)
 
 
 class Sessions:
