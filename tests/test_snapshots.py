@@ -1,0 +1,194 @@
+"""Sandbox snapshot, fork, pause and resume (furlong.sandbox.snapshots; the bwrap backend), and what an agent
+does to break them: reach a sibling's or its parent's files, read a snapshot it was not restored from, find
+the store, burn CPU while paused, or outgrow its pids limit after a resume."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run, spec
+
+from furlong.paths import cache_dir
+from furlong.sandbox.base import SandboxError, Snapshotting
+from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.bwrap_box import remove_tree
+from furlong.sandbox.snapshots import CAP_SETTING, SnapshotStore
+
+
+def _store_root() -> Path:
+    """A store the sandbox uid can reach (bwrap resolves overlay sources by path): under furlong's cache."""
+    return Path(tempfile.mkdtemp(dir=cache_dir(), prefix="test-snapshots-"))
+
+
+@pytest.fixture(scope="module")
+def snap_backend(store):
+    """A backend of its own: its store's cap and TTL are this module's, apart from the session's."""
+    backend = BwrapBackend(layers=store)
+    root = _store_root()
+    backend._snapshots = SnapshotStore(root, ttl_s=600, max_mb=64)
+    yield backend
+    remove_tree(root)
+
+
+async def _agent_cpu_s(box) -> float:
+    return await asyncio.to_thread(box._cgroup.cpu_seconds)
+
+
+def test_fork_gives_independent_copies_of_the_filesystem(snap_backend, base_image):
+    async def go():
+        parent = await snap_backend.create(spec(base_image))
+        forks = []
+        try:
+            assert isinstance(parent, Snapshotting)
+            await parent.exec("mkdir -p /work && cd /work && echo parent > a.txt && rm /etc/hostname && export V=kept")
+            await parent.exec("sleep 300 & echo $! > /work/sleeper.pid")
+            forks = await parent.fork(2)
+            for i, box in enumerate(forks):
+                r = await box.exec("pwd; cat a.txt; echo $V; ls /etc/hostname 2>&1 | grep -c 'No such'")
+                assert r.stdout.split() == ["/work", "parent", "kept", "1"]
+                # processes are not kept: the parent's sleeper is not running in the fork
+                assert (await box.exec("kill -0 $(cat /work/sleeper.pid)")).exit_code != 0
+                await box.write_file("/work/a.txt", f"fork{i}")
+            await parent.write_file("/work/a.txt", "parent-later")
+            await parent.exec("echo new > /work/only-parent")
+            # a fork sees neither its sibling's writes nor the parent's, made after the fork
+            assert [await f.read_file("/work/a.txt") for f in forks] == [b"fork0", b"fork1"]
+            assert (await forks[0].exec("ls /work/only-parent")).exit_code != 0
+            assert await parent.read_file("/work/a.txt") == b"parent-later"
+            # a fork of a fork stacks its writes on its parent's snapshot
+            (grand,) = await forks[1].fork(1)
+            forks.append(grand)
+            assert (await grand.exec("cat /work/a.txt; cat /etc/hostname 2>&1 | grep -c 'No such'")).stdout == (
+                "fork11\n"
+            )
+        finally:
+            await asyncio.gather(parent.close(), *(f.close() for f in forks))
+
+    run(go())
+
+
+def test_snapshots_are_content_addressed_and_refused_over_another_image(snap_backend, base_image):
+    async def go():
+        a, b = await asyncio.gather(*(snap_backend.create(spec(base_image)) for _ in range(2)))
+        try:
+            for box in (a, b):
+                await box.exec("echo same > /root/f")
+            ra, rb = await a.snapshot(), await b.snapshot()
+            assert ra.digest == rb.digest and ra.digest.startswith("sha256:")
+            await b.exec("echo other > /root/f")
+            assert (await b.snapshot()).digest != ra.digest
+            other = spec(base_image).image.__class__(**{**spec(base_image).image.__dict__, "digest": "sha256:x"})
+            with pytest.raises(SandboxError, match="taken over image"):
+                await snap_backend.create(spec(base_image).__class__(image=other), from_snapshot=ra)
+        finally:
+            await asyncio.gather(a.close(), b.close())
+
+    run(go())
+
+
+def test_a_snapshot_is_read_only_where_restored_and_out_of_every_sandbox_reach(snap_backend, base_image):
+    marker = "furlong-snapshot-marker-7d1c"
+
+    async def go():
+        parent, stranger = await asyncio.gather(*(snap_backend.create(spec(base_image)) for _ in range(2)))
+        try:
+            await parent.exec(f"echo {marker} > /root/secret")
+            ref = await parent.snapshot()
+            (child,) = await parent.fork(1)
+            await child.exec("echo changed > /root/secret; rm -f /root/secret")
+            # the restored child's writes went to its own layer: the stored snapshot is unchanged
+            stored = snap_backend.snapshots._path(ref.digest) / "root" / "secret"
+            assert stored.read_text() == f"{marker}\n"
+            await child.close()
+            # a sandbox not restored from it finds it nowhere: not by content, not through /proc
+            hunt = (
+                f"grep -rls {marker} / --exclude-dir=proc --exclude-dir=sys --exclude-dir=usr 2>/dev/null; "
+                f"for p in /proc/[0-9]*; do grep -ls {marker} $p/root/root/secret $p/cwd/* 2>/dev/null; done; "
+                f"ls -la {snap_backend.snapshots.dir} 2>&1 | head -1"
+            )
+            r = await stranger.exec(hunt, timeout_s=60)
+            assert marker not in r.stdout and "No such file" in r.stdout
+        finally:
+            await asyncio.gather(parent.close(), stranger.close())
+
+    run(go())
+
+
+def test_pause_stops_cpu_and_resume_continues_where_it_was(snap_backend, base_image):
+    async def go():
+        box = await snap_backend.create(spec(base_image, pids=32))
+        try:
+            await box.exec("(while :; do echo; done >> /tmp/count) >/dev/null 2>&1 &")
+            await asyncio.sleep(0.3)
+            await box.pause()
+            assert box.paused
+            with pytest.raises(SandboxError, match="is paused: resume"):
+                await box.exec("true")
+            before = await _agent_cpu_s(box)
+            await asyncio.sleep(1.0)
+            assert await _agent_cpu_s(box) - before < 0.02  # frozen: no CPU at all (ticks of 10 ms)
+            await box.resume()
+            counts = [int((await box.exec("stat -c %s /tmp/count")).stdout) for _ in range(2)]
+            assert counts[1] > counts[0] > 0  # the same loop, going on
+            # a fork bomb after the pause still meets the pids limit, and the sandbox answers
+            await box.exec("bomb() { bomb | bomb & }; bomb", timeout_s=3)
+            agent = await asyncio.to_thread(box._cgroup.agent_pids)
+            assert len(agent) <= 33
+            assert (await box.exec("echo alive", as_verifier=True)).stdout == "alive\n"
+        finally:
+            t = time.monotonic()
+            await box.close()
+            assert time.monotonic() - t < 10
+
+    run(go())
+
+
+def test_a_paused_sandbox_closes_and_the_store_cap_is_enforced(store, base_image):
+    backend = BwrapBackend(layers=store)
+    root = _store_root()
+    backend._snapshots = SnapshotStore(root, ttl_s=600, max_mb=2)
+
+    async def go():
+        box = await backend.create(spec(base_image))
+        try:
+            await box.exec("head -c 3000000 /dev/urandom > /root/big")
+            with pytest.raises(SandboxError, match=f"cap is 2 MB \\({CAP_SETTING}\\)"):
+                await box.snapshot()
+            assert not box.paused and (await box.exec("echo ok")).stdout == "ok\n"
+            assert backend.snapshots.usage() == 0 and not list(backend.snapshots.dir.iterdir())
+            await box.pause()
+        finally:
+            await box.close()
+        assert not box.alive
+
+    try:
+        run(go())
+    finally:
+        remove_tree(root)
+
+
+def test_snapshots_expire_and_go_unless_a_sandbox_stacks_them(tmp_path: Path):
+    """The store alone, over a plain directory standing for a writable layer."""
+    upper = tmp_path / "upper"
+    (upper / "d").mkdir(parents=True)
+    (upper / "d" / "f").write_bytes(b"x" * 1000)
+    (upper / "link").symlink_to("/etc/passwd")
+    snaps = SnapshotStore(tmp_path / "store", ttl_s=0.2, max_mb=1)
+    kept, gone = snaps.capture(upper, "img"), None
+    assert (snaps._path(kept.digest) / "link").readlink() == Path("/etc/passwd")  # copied, never followed
+    snaps.layers(kept, "img")  # leased, as by a sandbox restored from it
+    (upper / "d" / "f").write_bytes(b"y")
+    gone = snaps.capture(upper, "img")
+    assert gone.digest != kept.digest and kept.size_bytes == 1000 + len("/etc/passwd")
+    assert snaps.usage() == kept.size_bytes + gone.size_bytes
+    time.sleep(0.25)
+    with pytest.raises(SandboxError, match=r"expired .* ago \(sandbox.snapshot_ttl_s\)"):
+        snaps.layers(gone, "img")
+    (upper / "d" / "f").write_bytes(b"z")
+    snaps.capture(upper, "img")  # each capture sweeps the expired: the leased one stays
+    assert snaps._path(kept.digest).is_dir() and not snaps._path(gone.digest).exists()
+    snaps.release(kept)
