@@ -9,8 +9,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import run, spec
+from host_support import ThreadHost, remote
 
 from furlong.paths import cache_dir
 from furlong.sandbox.base import SandboxError, Snapshotting
@@ -135,7 +137,7 @@ def test_pause_stops_cpu_and_resume_continues_where_it_was(snap_backend, base_im
             counts = [int((await box.exec("stat -c %s /tmp/count")).stdout) for _ in range(2)]
             assert counts[1] > counts[0] > 0  # the same loop, going on
             # a fork bomb after the pause still meets the pids limit, and the sandbox answers
-            await box.exec("bomb() { bomb | bomb & }; bomb", timeout_s=3)
+            await box.exec("bomb() { bomb | bomb & }; bomb", timeout_s=1)
             agent = await asyncio.to_thread(box._cgroup.agent_pids)
             assert len(agent) <= 33
             assert (await box.exec("echo alive", as_verifier=True)).stdout == "alive\n"
@@ -192,3 +194,66 @@ def test_snapshots_expire_and_go_unless_a_sandbox_stacks_them(tmp_path: Path):
     snaps.capture(upper, "img")  # each capture sweeps the expired: the leased one stays
     assert snaps._path(kept.digest).is_dir() and not snaps._path(gone.digest).exists()
     snaps.release(kept)
+
+
+@pytest.fixture(scope="module")
+def snap_host(snap_backend, base_image, store):
+    host = ThreadHost(snap_backend, base_image, store=store, capacity=4)
+    yield host
+    host.stop()
+
+
+@pytest.fixture(params=["bwrap", "remote"])
+def any_backend(request, snap_backend, snap_host):
+    """The same protocol calls on the local backend and through a sandbox host (furlong sandbox serve's app)."""
+    if request.param == "bwrap":
+        return snap_backend
+    return remote([snap_host.url])[0]
+
+
+def test_conformance_snapshot_restore_fork_pause_resume(any_backend, base_image):
+    async def go():
+        made = [await any_backend.create(spec(base_image))]
+        try:
+            box = made[0]
+            await box.exec("cd /root && echo one > f && export K=v")
+            ref = await box.snapshot()
+            made.append(await any_backend.create(spec(base_image), from_snapshot=ref))
+            made += await box.fork(2)
+            await made[2].write_file("/root/f", "two\n")
+            outs = [(await b.exec("pwd; cat f; echo $K")).stdout for b in made[1:]]
+            assert outs == ["/root\none\nv\n", "/root\ntwo\nv\n", "/root\none\nv\n"]
+            await box.pause()
+            assert box.paused
+            with pytest.raises(SandboxError, match="paused"):
+                await box.exec("true")
+            await box.resume()
+            assert (await box.exec("cat f")).stdout == "one\n" and not box.paused
+        finally:
+            await asyncio.gather(*(b.close() for b in made))
+
+    run(go())
+
+
+def test_host_refuses_bad_snapshot_requests_without_side_effects(snap_host):
+    c = snap_host.c
+    sid, tok = snap_host.create()
+    try:
+        assert c.post(f"/v1/sandboxes/{sid}/snapshot").status_code == 403  # no sandbox token
+        assert httpx.post(f"{snap_host.url}/v1/sandboxes/{sid}/pause", headers=tok).status_code == 401  # no host token
+        snap = c.post(f"/v1/sandboxes/{sid}/snapshot", headers=tok).json()
+        before = set(snap_host.reg.entries)
+        wrong = {"digest": snap["layers"][0], "token": "not-" + snap["token"]}
+        r = c.post("/v1/sandboxes", json={"snapshot": wrong})
+        assert r.status_code == 403 and "token" in r.text
+        r = c.post("/v1/sandboxes", json={"snapshot": {"digest": "sha256:0", "token": snap["token"]}})
+        assert r.status_code == 403
+        r = c.post(f"/v1/sandboxes/{sid}/fork", json={"n": 4}, headers=tok)  # 1 + 4 > capacity 4
+        assert r.status_code == 429
+        assert c.post(f"/v1/sandboxes/{sid}/fork", json={"n": 0}, headers=tok).status_code == 422
+        assert set(snap_host.reg.entries) == before and snap_host.reg.reserved == 0
+        good = c.post("/v1/sandboxes", json={"snapshot": {"digest": snap["layers"][0], "token": snap["token"]}})
+        assert good.status_code == 200, good.text
+        c.delete(f"/v1/sandboxes/{good.json()['id']}", headers={"X-Sandbox-Token": good.json()["token"]})
+    finally:
+        c.delete(f"/v1/sandboxes/{sid}", headers=tok)

@@ -228,6 +228,8 @@ class SnapshotRef:
     image_digest: str
     size_bytes: int  # of the top layer: what it added to the store
     expires_at: float
+    host: str = ""  # a remote backend's: the sandbox host holding it ("" where local)
+    token: str = ""  # a remote backend's: what that host wants before it restores it
 
     @property
     def digest(self) -> str:
@@ -287,7 +289,9 @@ class SandboxBackend(Protocol):
 
     name: str
 
-    async def create(self, spec: SandboxSpec) -> Sandbox: ...
+    async def create(self, spec: SandboxSpec, from_snapshot: SnapshotRef | None = None) -> Sandbox:
+        """A fresh sandbox; `from_snapshot` (one of this backend's Snapshotting sandboxes', over spec.image)
+        lies under its writes. A backend without snapshots raises SandboxError when given one."""
 
     async def build(self, spec: SandboxSpec, layer: Path) -> Sandbox:
         """A sandbox whose writes become a new layer over spec.image (a Dockerfile's build steps): once it
