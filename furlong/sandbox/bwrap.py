@@ -189,14 +189,14 @@ class BwrapBackend:
         verifier: bool = False,
         home: str = BASE_ENV["HOME"],
         shim_fd: int | None = None,
-        snapshot: tuple[Path, ...] = (),
+        snapshot_fds: tuple[int, ...] = (),
     ) -> tuple[list[str], list[int]]:
         """bwrap's argv and the fds it needs. Many uids (self.subids): bwrap runs as root of the launcher's
         user namespace and makes no other; `verifier` adds the verifier's mounts, and the ownership shim read
         from `shim_fd` (one of this start's own: bwrap reads it to its end). `home` is the agent's HOME (its
-        USER's), unless the image's ENV sets one (Docker's rule). `snapshot`: layers over the image's (top first)."""
-        image = [self.layers.layer_dir(layer) for layer in spec.image.layers]
-        layer_fds = [self._fd(layer) for layer in (*snapshot, *image)]
+        USER's), unless the image's ENV sets one (Docker's rule). `snapshot_fds`: layers over the image's (top
+        first), opened for this start alone (a snapshot's are not kept open like an image's)."""
+        layer_fds = [*snapshot_fds, *(self._fd(self.layers.layer_dir(layer)) for layer in spec.image.layers)]
         fds = [*layer_fds, self._init_fd]
         args = [
             self._bwrap,
@@ -454,7 +454,9 @@ class BwrapBackend:
         )
         shim_fd = self._shim_copy() if verifier else None
         rw_fds += [shim_fd] if shim_fd is not None else []
-        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home, shim_fd, snapshot)
+        snapshot_fds = tuple(os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for d in snapshot)
+        rw_fds += snapshot_fds
+        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home, shim_fd, snapshot_fds)
         if parent_pipe:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
         fds += rw_fds
