@@ -260,6 +260,23 @@ class Snapshotting(Protocol):
     def paused(self) -> bool: ...
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What a sandbox uses now, read from its cgroup: CPU time its live processes used, memory charged."""
+
+    cpu_s: float
+    memory_bytes: int
+    limits: Limits
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """The optional capability of a Sandbox to say what it uses (the bwrap backend has it)."""
+
+    def usage(self) -> Usage | None:
+        """None where it has no cgroup (rlimits only) or is closed."""
+
+
 @runtime_checkable
 class NetworkSwitching(Protocol):
     """The optional capability of a Sandbox to change its network policy while it runs (the bwrap and remote

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from furlong.sandbox import protocol as proto
-from furlong.sandbox.base import ExecResult, SandboxDied, SandboxError, SandboxSpec, SnapshotRef
+from furlong.sandbox.base import ExecResult, SandboxDied, SandboxError, SandboxSpec, SnapshotRef, Usage
 from furlong.sandbox.changes import Change, image_entry, overlay_changes
 from furlong.sandbox.netcontrol import NetworkControl
 from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
@@ -431,6 +431,15 @@ class BwrapSandbox:
             await asyncio.to_thread(finish)
         if self.restored is not None and self.origin is not None:
             self.origin[0].snapshots.release(self.restored)
+
+    def usage(self) -> Usage | None:
+        """furlong.sandbox.base.Metered: from the cgroup (CPU time of the processes alive now)."""
+        if self._cgroup is None or self.origin is None or not self.alive:
+            return None
+        memory = self._cgroup.memory_bytes()
+        if memory is None:
+            return None
+        return Usage(self._cgroup.cpu_seconds(), memory, self.origin[1].limits)
 
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None

@@ -79,6 +79,16 @@ class Cgroup:
         else:
             raise OSError(f"no freezer cgroup for {self.dirs[0].name} (cgroup v1 without the freezer hierarchy)")
 
+    def memory_bytes(self) -> int | None:
+        """Memory charged to the sandbox now (its writable layer's tmpfs pages included)."""
+        for name in ("memory.usage_in_bytes", "memory.current"):
+            for d in self.dirs:
+                try:
+                    return int((d / name).read_text())
+                except (OSError, ValueError):
+                    continue
+        return None
+
     def cpu_seconds(self) -> float:
         """CPU time the sandbox's processes used so far (user + system), from the processes' own counters."""
         ticks = os.sysconf("SC_CLK_TCK")
