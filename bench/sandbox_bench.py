@@ -328,24 +328,16 @@ def main() -> None:
         return
     prov = provenance()
     results = Path(__file__).parent / "results"
-    if args.remote:
+    if args.remote or args.snapshots:  # a part of its own: it runs alone, into its own JSON
         import remote_sandbox
-
-        args.out = args.out or results / "sandbox_remote.json"
-        res = {"provenance": None, **remote_sandbox.run(sys.modules[__name__], args)}
-        res["provenance"] = finish(prov)
-        args.out.write_text(json.dumps(res, indent=2))
-        remote_sandbox.report(res, Console())
-        print(f"wrote {args.out}")
-        return
-    if args.snapshots:
         import sandbox_snapshots
 
-        args.out = args.out or results / "sandbox_snapshots.json"
-        res = {"provenance": None, **sandbox_snapshots.run(sys.modules[__name__], args)}
+        part, name = (remote_sandbox, "sandbox_remote") if args.remote else (sandbox_snapshots, "sandbox_snapshots")
+        args.out = args.out or results / f"{name}.json"
+        res = {"provenance": None, **part.run(sys.modules[__name__], args)}
         res["provenance"] = finish(prov)
         args.out.write_text(json.dumps(res, indent=2))
-        sandbox_snapshots.report(res, Console())
+        part.report(res, Console())
         print(f"wrote {args.out}")
         return
     args.out = args.out or results / "sandbox.json"

@@ -24,7 +24,7 @@ def test_pause_connect_and_metrics_through_the_sdk(server):  # noqa: F811
         _busy_pct(sbx)  # the first sample counts from the start; the next from it
         time.sleep(0.5)
         (sample,) = sbx.get_metrics()
-        assert sample.cpu_used_pct > 20 and sample.cpu_count == 1  # 2 shared cores: not always all of one
+        assert sample.cpu_used_pct > 5 and sample.cpu_count == 1  # 2 cores shared with other jobs: a share of one
         assert 50_000_000 < sample.mem_used < sample.mem_total == 2048 << 20
         assert sbx.pause() is True
         assert e2b.Sandbox.pause(sbx.sandbox_id) is False  # already paused: the SDK's answer to a 409
@@ -38,7 +38,7 @@ def test_pause_connect_and_metrics_through_the_sdk(server):  # noqa: F811
         assert again.sandbox_id == sbx.sandbox_id and not app.state.registry.live[sbx.sandbox_id].box.paused
         assert again.commands.run("stat -c %s /root/fill").stdout == "50000000\n"
         time.sleep(0.3)
-        assert _busy_pct(again) > 20  # the same loop, going on
+        assert _busy_pct(again) > 5  # the same loop, going on
         assert e2b.Sandbox.connect(sbx.sandbox_id).sandbox_id == sbx.sandbox_id  # running: answered as it is
     finally:
         sbx.kill()

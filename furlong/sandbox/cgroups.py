@@ -81,13 +81,7 @@ class Cgroup:
 
     def memory_bytes(self) -> int | None:
         """Memory charged to the sandbox now (its writable layer's tmpfs pages included)."""
-        for name in ("memory.usage_in_bytes", "memory.current"):
-            for d in self.dirs:
-                try:
-                    return int((d / name).read_text())
-                except (OSError, ValueError):
-                    continue
-        return None
+        return self._first_int(("memory.usage_in_bytes", "memory.current"))
 
     def cpu_seconds(self) -> float:
         """CPU time the sandbox's processes used so far (user + system), from the processes' own counters."""
@@ -109,14 +103,18 @@ class Cgroup:
         """The processes of agent commands, which the agent's pids limit bounds."""
         return _procs(self.agent_procs_files)
 
-    def memory_peak_bytes(self) -> int | None:
-        for name in ("memory.max_usage_in_bytes", "memory.peak"):
+    def _first_int(self, names: tuple[str, ...]) -> int | None:
+        """The first of the files `names` (v1's name, then v2's) that one of the sandbox's dirs holds."""
+        for name in names:
             for d in self.dirs:
                 try:
                     return int((d / name).read_text())
                 except (OSError, ValueError):
                     continue
         return None
+
+    def memory_peak_bytes(self) -> int | None:
+        return self._first_int(("memory.max_usage_in_bytes", "memory.peak"))
 
     def kill_all(self, wait_s: float = 2.0) -> None:
         """Kills every process in the cgroup (the fork-bomb-proof way where the kernel offers one)."""

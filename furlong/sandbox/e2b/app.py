@@ -178,13 +178,18 @@ class _Routes:
         await self.reg.reap()
         return JSONResponse([_listed(live) for live in self.reg.live.values()])
 
-    async def _snapshotting(self, request: Request) -> tuple[Live, Snapshotting] | JSONResponse:
+    async def _live(self, request: Request) -> Live | JSONResponse:
+        """The sandbox a control-plane route names, once the key is checked; else the error to answer."""
         if not self._authed(request):
             return _err(401, "invalid X-API-KEY")
         sid = request.path_params["sid"]
         live = await self.reg.get(sid)
-        if live is None:
-            return _err(404, f"sandbox {sid} not found")
+        return _err(404, f"sandbox {sid} not found") if live is None else live
+
+    async def _snapshotting(self, request: Request) -> tuple[Live, Snapshotting] | JSONResponse:
+        live = await self._live(request)
+        if isinstance(live, JSONResponse):
+            return live
         if not isinstance(live.box, Snapshotting):
             return _err(501, "pause and resume: not supported by this host's sandboxes")
         return live, live.box
@@ -221,12 +226,10 @@ class _Routes:
 
     async def metrics(self, request: Request) -> Response:
         """One sample, now: CPU use since the last sample (or the start) and memory, from the sandbox's cgroup."""
-        if not self._authed(request):
-            return _err(401, "invalid X-API-KEY")
-        sid = request.path_params["sid"]
-        live = await self.reg.get(sid)
-        if live is None:
-            return _err(404, f"sandbox {sid} not found")
+        live = await self._live(request)
+        if isinstance(live, JSONResponse):
+            return live
+        sid = live.sandbox_id
         used = live.box.usage() if isinstance(live.box, Metered) else None
         if used is None:
             return JSONResponse([])
