@@ -134,7 +134,7 @@ def test_pause_stops_cpu_and_resume_continues_where_it_was(snap_backend, base_im
             await asyncio.sleep(1.0)
             assert await _agent_cpu_s(box) - before < 0.02  # frozen: no CPU at all (ticks of 10 ms)
             await box.resume()
-            counts = [int((await box.exec("stat -c %s /tmp/count")).stdout) for _ in range(2)]
+            counts = [int((await box.exec("sleep 0.5; stat -c %s /tmp/count")).stdout) for _ in range(2)]
             assert counts[1] > counts[0] > 0  # the same loop, going on
             # a fork bomb after the pause still meets the pids limit, and the sandbox answers
             await box.exec("bomb() { bomb | bomb & }; bomb", timeout_s=1)
