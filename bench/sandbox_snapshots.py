@@ -80,7 +80,7 @@ def run(bench, args) -> dict:
     root = Path(tempfile.mkdtemp(dir=cache_dir(), prefix="bench-snapshots-"))
     try:
         backend = BwrapBackend(layers=ImageStore())
-        backend._snapshots = SnapshotStore(root, ttl_s=600, max_mb=4096)
+        backend._snapshots = SnapshotStore(root, ttl_s=600, max_mb=4096, group=backend.host_uid)
         spec = SandboxSpec(image=backend.layers.base(), limits=Limits(cpus=1.0))  # type: ignore[attr-defined]
         return {"snapshots": asyncio.run(measure(bench, backend, spec, args.samples))}
     finally:

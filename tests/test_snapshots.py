@@ -5,6 +5,8 @@ the store, burn CPU while paused, or outgrow its pids limit after a resume."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +33,7 @@ def snap_backend(store):
     """A backend of its own: its store's cap and TTL are this module's, apart from the session's."""
     backend = BwrapBackend(layers=store)
     root = _store_root()
-    backend._snapshots = SnapshotStore(root, ttl_s=600, max_mb=64)
+    backend._snapshots = SnapshotStore(root, ttl_s=600, max_mb=64, group=backend.host_uid)
     yield backend
     remove_tree(root)
 
@@ -98,7 +100,7 @@ def test_a_snapshot_is_read_only_where_restored_and_out_of_every_sandbox_reach(s
     async def go():
         parent, stranger = await asyncio.gather(*(snap_backend.create(spec(base_image)) for _ in range(2)))
         try:
-            await parent.exec(f"echo {marker} > /root/secret")
+            await parent.exec(f"echo {marker} > /root/secret; echo {marker} > /opt/public; chmod 4755 /opt/public")
             ref = await parent.snapshot()
             (child,) = await parent.fork(1)
             await child.exec("echo changed > /root/secret; rm -f /root/secret")
@@ -106,6 +108,21 @@ def test_a_snapshot_is_read_only_where_restored_and_out_of_every_sandbox_reach(s
             stored = snap_backend.snapshots._path(ref.digest) / "root" / "secret"
             assert stored.read_text() == f"{marker}\n"
             await child.close()
+            if os.geteuid() == 0:  # another host user cannot enter the store (a copied set-id file stays out of reach)
+                other = await asyncio.to_thread(
+                    subprocess.run,
+                    [
+                        "setpriv",
+                        "--reuid=65534",
+                        "--regid=65534",
+                        "--clear-groups",
+                        "cat",
+                        str(stored.parent.parent / "opt/public"),
+                    ],
+                    capture_output=True,
+                    text=True,
+                )
+                assert other.returncode != 0 and "Permission denied" in other.stderr
             # a sandbox not restored from it finds it nowhere: not by content, not through /proc
             hunt = (
                 f"grep -rls {marker} / --exclude-dir=proc --exclude-dir=sys --exclude-dir=usr 2>/dev/null; "
@@ -152,7 +169,7 @@ def test_pause_stops_cpu_and_resume_continues_where_it_was(snap_backend, base_im
 def test_a_paused_sandbox_closes_and_the_store_cap_is_enforced(store, base_image):
     backend = BwrapBackend(layers=store)
     root = _store_root()
-    backend._snapshots = SnapshotStore(root, ttl_s=600, max_mb=2)
+    backend._snapshots = SnapshotStore(root, ttl_s=600, max_mb=2, group=backend.host_uid)
 
     async def go():
         box = await backend.create(spec(base_image))

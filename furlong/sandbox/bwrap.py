@@ -161,7 +161,7 @@ class BwrapBackend:
     @property
     def snapshots(self) -> SnapshotStore:
         if self._snapshots is None:
-            self._snapshots = SnapshotStore(cache_dir() / "snapshots", *self._snapshot_limits)
+            self._snapshots = SnapshotStore(cache_dir() / "snapshots", *self._snapshot_limits, group=self.host_uid)
         return self._snapshots
 
     @property

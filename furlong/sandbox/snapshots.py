@@ -7,7 +7,8 @@ it gets it as a read-only layer over the image (and a fresh writable layer on to
 written again. The copy walks the upper directory by file descriptors and never follows a symlink: the
 directory belongs to the sandbox, whose processes are frozen meanwhile where a freezer cgroup exists.
 
-The store lives under this process's own directory, which the sandbox uid can traverse but not list (a snapshot means something only to the backend that
+The store lives under this process's own directory, which the sandbox uid can traverse but not list (and
+no other host user can enter) (a snapshot means something only to the backend that
 made it): one left by a dead process is removed when the next store starts. Hard links are copied as
 separate files, sockets are left out.
 """
@@ -61,18 +62,21 @@ class _Copy:
 class SnapshotStore:
     """Snapshots of one process's sandboxes, at `root`/<owner tag>/<digest> (meta beside, as .json)."""
 
-    def __init__(self, root: Path, ttl_s: float = DEFAULT_TTL_S, max_mb: int = DEFAULT_MAX_MB):
+    def __init__(self, root: Path, ttl_s: float = DEFAULT_TTL_S, max_mb: int = DEFAULT_MAX_MB, group: int = 0):
         if ttl_s <= 0 or max_mb <= 0:
             raise ValueError(f"snapshot store: ttl_s and max_mb must be positive, got {ttl_s} and {max_mb}")
         self.ttl_s, self.max_mb = ttl_s, max_mb
         self.dir = root / f"snapshots@{cgroups.owner_tag()}"  # a later store removes it once this process is dead
         self._leases: Counter[str] = Counter()  # digests live sandboxes stack (never removed meanwhile)
         self._lock = threading.Lock()
-        # bwrap, as the sandbox uid, resolves overlay sources by path: it must traverse the store (0711: it
-        # cannot list it); the sandboxes themselves see none of the host's filesystem
+        # bwrap, as the sandbox uid, resolves overlay sources by path: as root the store is root's, and only
+        # `group` (the sandbox uid's gid) may traverse it, never list it; no other host user reaches a copied
+        # set-id file. As a user, bwrap runs as the user. The sandboxes see none of the host's filesystem.
         for d in (root, self.dir):
             d.mkdir(parents=True, exist_ok=True)
-            d.chmod(0o711)
+            if os.geteuid() == 0:
+                os.chown(d, 0, group)
+            d.chmod(0o710 if os.geteuid() == 0 else 0o700)
         for other in root.iterdir():
             if other != self.dir and other.is_dir() and cgroups.owner_dead(other.name):
                 shutil.rmtree(other, ignore_errors=True)
@@ -190,10 +194,10 @@ def _copy_dir(src: int, dest: Path, copy: _Copy) -> None:
             copy.sha.update(os.fsencode(link) + b"\0")
             copy.add(len(link))
             os.symlink(link, target)
-        elif stat.S_ISCHR(est.st_mode) or stat.S_ISBLK(est.st_mode) or stat.S_ISFIFO(est.st_mode):
+        elif (stat.S_ISCHR(est.st_mode) and est.st_rdev == 0) or stat.S_ISFIFO(est.st_mode):
             os.mknod(target, est.st_mode, est.st_rdev)  # a whiteout is a character device 0/0
         else:
-            continue  # a socket means nothing without its process
+            continue  # a socket means nothing without its process; no other device is copied to the host
         _own(target, est)
     _xattrs(src, str(dest), copy)
     _own(dest, st)
