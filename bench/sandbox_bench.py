@@ -314,8 +314,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5, help="commands per sandbox at each sweep load")
-    ap.add_argument("--out", type=Path, help="default: bench/results/sandbox.json (sandbox_remote.json with --remote)")
+    ap.add_argument("--out", type=Path, help="default: bench/results/sandbox.json (sandbox_remote.json with --remote, "
+                    "sandbox_snapshots.json with --snapshots)")
     ap.add_argument("--remote", action="store_true", help="through a sandbox host beside the local backend")
+    ap.add_argument("--snapshots", action="store_true",
+                    help="snapshot, fork, pause and resume beside a cold start (bench/sandbox_snapshots.py)")
     ap.add_argument("--mounts-child", nargs=2, metavar=("MODE", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -325,14 +328,16 @@ def main() -> None:
         return
     prov = provenance()
     results = Path(__file__).parent / "results"
-    if args.remote:
+    if args.remote or args.snapshots:  # a part of its own: it runs alone, into its own JSON
         import remote_sandbox
+        import sandbox_snapshots
 
-        args.out = args.out or results / "sandbox_remote.json"
-        res = {"provenance": None, **remote_sandbox.run(sys.modules[__name__], args)}
+        part, name = (remote_sandbox, "sandbox_remote") if args.remote else (sandbox_snapshots, "sandbox_snapshots")
+        args.out = args.out or results / f"{name}.json"
+        res = {"provenance": None, **part.run(sys.modules[__name__], args)}
         res["provenance"] = finish(prov)
         args.out.write_text(json.dumps(res, indent=2))
-        remote_sandbox.report(res, Console())
+        part.report(res, Console())
         print(f"wrote {args.out}")
         return
     args.out = args.out or results / "sandbox.json"

@@ -217,11 +217,11 @@ def test_too_many_sandboxes_is_429(server):
 
 
 def test_what_furlong_does_not_do_is_one_readable_error(server):
-    """pause, get_metrics and connect through the real SDK: a SandboxException naming the call, not a body
-    the SDK cannot parse; the sandbox keeps running."""
+    """fork and snapshots through the real SDK: a SandboxException naming the call, not a body the SDK
+    cannot parse; the sandbox keeps running. (pause, connect, get_metrics: tests/test_e2b_pause.py)"""
     sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
     try:
-        for call in (sbx.pause, sbx.get_metrics, lambda: e2b.Sandbox.connect(sbx.sandbox_id)):
+        for call in (sbx.create_snapshot, sbx.fork):
             with pytest.raises(e2b.SandboxException, match="not supported by furlong"):
                 call()
         assert sbx.commands.run("echo alive").stdout == "alive\n"

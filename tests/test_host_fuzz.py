@@ -53,6 +53,9 @@ def call(host: Host, target: Target, case) -> None:
     elif case.operation.label == "POST /v1/sandboxes":  # close it at once: the next creates find room
         made = r.json()
         assert host.c.delete(f"/v1/sandboxes/{made['id']}", headers={"X-Sandbox-Token": made["token"]}).is_success
+    elif case.operation.label == "POST /v1/sandboxes/{sid}/fork":
+        for made in r.json()["sandboxes"]:
+            assert host.c.delete(f"/v1/sandboxes/{made['id']}", headers={"X-Sandbox-Token": made["token"]}).is_success
 
 
 def fuzz(host: Host, target: Target, operation, mode: GenerationMode) -> None:
@@ -79,7 +82,7 @@ def test_every_v1_route_fuzzed_answers_no_5xx_and_leaves_the_host_clean(backend,
         host.c.delete(f"/v1/sandboxes/{target.sid}", headers=target.headers)  # warm: the backend's layer fds
         before = census()
         operations = [result.ok() for result in schemathesis.openapi.from_dict(host.app.openapi()).get_all_operations()]
-        assert len(operations) == 13 and all(op.path.startswith("/v1/") for op in operations)
+        assert len(operations) == 17 and all(op.path.startswith("/v1/") for op in operations)
         t0 = time.monotonic()
         for op in operations:
             for mode in (GenerationMode.POSITIVE, *([GenerationMode.NEGATIVE] if invalidatable(op) else [])):

@@ -49,6 +49,8 @@ def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> Sandbox
         seccomp=s.seccomp,
         images=remote,
         egress=local.egress if local else None,
+        snapshot_ttl_s=s.snapshot_ttl_s,
+        snapshot_max_mb=s.snapshot_max_mb,
     )
 
 

@@ -63,6 +63,14 @@ class SandboxConfig(_Node):
         "(the default)",
     )
     debian_mirror: str = Field("http://deb.debian.org/debian", description="apt mirror for building the base image")
+    snapshot_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="how long a sandbox snapshot (snapshot, fork) can be restored; expired ones are removed",
+    )
+    snapshot_max_mb: int = Field(
+        4096, gt=0, description="disk the snapshot store may hold; a snapshot past it is refused with an error"
+    )
     network: NetworkConfig = Field(NetworkConfig(), description="tasks that name no network mode, and `packages`")
 
 

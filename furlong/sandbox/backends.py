@@ -18,6 +18,7 @@ from furlong.sandbox.base import (
 )
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.remote import RemoteBackend
+from furlong.sandbox.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S
 
 if TYPE_CHECKING:
     from furlong.sandbox.egress import Egress
@@ -35,6 +36,8 @@ def make_backend(
     seccomp: bool = True,
     images: HostImages | None = None,
     egress: Egress | None = None,
+    snapshot_ttl_s: float = DEFAULT_TTL_S,
+    snapshot_max_mb: int = DEFAULT_MAX_MB,
 ) -> SandboxBackend:
     """A backend of `kind`, resolving image layers through `layers` (an ImageStore); `remote` sends its
     sandboxes to the hosts of `images` (furlong.sandbox.host_images), which build what it lacks. `egress`:
@@ -46,6 +49,8 @@ def make_backend(
         seccomp=seccomp,
         layers=layers,
         egress=egress,
+        snapshot_ttl_s=snapshot_ttl_s,
+        snapshot_max_mb=snapshot_max_mb,
     )
     if kind == "bwrap":
         return local()

@@ -217,6 +217,66 @@ class ChangeTracking(Protocol):
         """Which of `paths` the image itself holds (no symlink followed); None where it cannot say."""
 
 
+@dataclass(frozen=True)
+class SnapshotRef:
+    """A sandbox's filesystem as its agent left it (E2B's keep_memory=False: no process is kept), named by
+    content. `layers`: the digests of the snapshot's own layers, top first (a snapshot of a sandbox restored
+    from another stacks on that one's); `layers[0]` names it. It holds no host path: the backend that made
+    it resolves it, and refuses it once `expires_at` (unix time) has passed or over another image."""
+
+    layers: tuple[str, ...]
+    image_digest: str
+    size_bytes: int  # of the top layer: what it added to the store
+    expires_at: float
+    host: str = ""  # a remote backend's: the sandbox host holding it ("" where local)
+    token: str = ""  # a remote backend's: what that host wants before it restores it
+
+    @property
+    def digest(self) -> str:
+        return self.layers[0]
+
+
+@runtime_checkable
+class Snapshotting(Protocol):
+    """The optional capability of a Sandbox to be snapshotted, forked, paused and resumed (the bwrap
+    backend has it). Its backend's `create(spec, from_snapshot=ref)` starts a sandbox from a snapshot."""
+
+    async def snapshot(self) -> SnapshotRef:
+        """The filesystem now (the sandbox is frozen while it is copied); running processes are not kept.
+        Raises SandboxError past the store's disk cap, naming the cap and its setting."""
+
+    async def fork(self, n: int) -> list[Sandbox]:
+        """`n` new sandboxes with this one's filesystem, each with the spec's limits, network policy and
+        users exactly as a fresh one (not a network phase this one switched to); none sees another's writes."""
+
+    async def pause(self) -> None:
+        """Freezes every process (cgroup freezer): no CPU, memory kept. Until `resume`, every call but
+        `resume`, `snapshot` and `close` raises SandboxError; a pause while a call is running is refused."""
+
+    async def resume(self) -> None:
+        """Thaws the processes where they stopped."""
+
+    @property
+    def paused(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a sandbox uses now, read from its cgroup: CPU time its live processes used, memory charged."""
+
+    cpu_s: float
+    memory_bytes: int
+    limits: Limits
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """The optional capability of a Sandbox to say what it uses (the bwrap backend has it)."""
+
+    def usage(self) -> Usage | None:
+        """None where it has no cgroup (rlimits only) or is closed."""
+
+
 @runtime_checkable
 class NetworkSwitching(Protocol):
     """The optional capability of a Sandbox to change its network policy while it runs (the bwrap and remote
@@ -246,7 +306,9 @@ class SandboxBackend(Protocol):
 
     name: str
 
-    async def create(self, spec: SandboxSpec) -> Sandbox: ...
+    async def create(self, spec: SandboxSpec, from_snapshot: SnapshotRef | None = None) -> Sandbox:
+        """A fresh sandbox; `from_snapshot` (one of this backend's Snapshotting sandboxes', over spec.image)
+        lies under its writes. A backend without snapshots raises SandboxError when given one."""
 
     async def build(self, spec: SandboxSpec, layer: Path) -> Sandbox:
         """A sandbox whose writes become a new layer over spec.image (a Dockerfile's build steps): once it

@@ -32,12 +32,14 @@ from furlong.sandbox.base import (
     PythonSpec,
     SandboxError,
     SandboxSpec,
+    SnapshotRef,
 )
 from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
 from furlong.sandbox.egress import Egress, through_proxy
 from furlong.sandbox.egress_proxy import EgressProxy, Gate
 from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
 from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
+from furlong.sandbox.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S, SnapshotStore
 
 log = logging.getLogger(__name__)
 INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
@@ -118,6 +120,8 @@ class BwrapBackend:
         many_uids: bool = True,
         egress: Egress | None = None,
         proxy: EgressProxy | None = None,
+        snapshot_ttl_s: float = DEFAULT_TTL_S,
+        snapshot_max_mb: int = DEFAULT_MAX_MB,
     ):
         self._layers = layers  # None: the default image store, made on first need
         self.egress = egress  # the host's CAs and mirrors for networked sandboxes (builds included)
@@ -136,6 +140,8 @@ class BwrapBackend:
         self._upper_mnt.mkdir(parents=True, exist_ok=True)
         self._layer_fds: dict[Path, int] = {}
         self._identities: dict[tuple[str, str], users.Identity] = {}  # (image digest, USER) -> who that is
+        self._snapshot_limits = (snapshot_ttl_s, snapshot_max_mb)
+        self._snapshots: SnapshotStore | None = None  # made on first need
         # None: one uid per sandbox, the verifier's the agent's (idmap.problem(), or many_uids=False)
         self.subids = idmap.sub_ids() if many_uids else None
         if self.subids is None and many_uids:
@@ -151,6 +157,12 @@ class BwrapBackend:
         if fd is None:
             fd = self._layer_fds[layer] = os.open(layer, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         return fd
+
+    @property
+    def snapshots(self) -> SnapshotStore:
+        if self._snapshots is None:
+            self._snapshots = SnapshotStore(cache_dir() / "snapshots", *self._snapshot_limits, group=self.host_uid)
+        return self._snapshots
 
     @property
     def layers(self) -> LayerSource:
@@ -177,12 +189,14 @@ class BwrapBackend:
         verifier: bool = False,
         home: str = BASE_ENV["HOME"],
         shim_fd: int | None = None,
+        snapshot_fds: tuple[int, ...] = (),
     ) -> tuple[list[str], list[int]]:
         """bwrap's argv and the fds it needs. Many uids (self.subids): bwrap runs as root of the launcher's
         user namespace and makes no other; `verifier` adds the verifier's mounts, and the ownership shim read
         from `shim_fd` (one of this start's own: bwrap reads it to its end). `home` is the agent's HOME (its
-        USER's), unless the image's ENV sets one (Docker's rule)."""
-        layer_fds = [self._fd(self.layers.layer_dir(layer)) for layer in spec.image.layers]
+        USER's), unless the image's ENV sets one (Docker's rule). `snapshot_fds`: layers over the image's (top
+        first), opened for this start alone (a snapshot's are not kept open like an image's)."""
+        layer_fds = [*snapshot_fds, *(self._fd(self.layers.layer_dir(layer)) for layer in spec.image.layers)]
         fds = [*layer_fds, self._init_fd]
         args = [
             self._bwrap,
@@ -363,9 +377,19 @@ class BwrapBackend:
             opts += ["--rlimit-as", str(spec.limits.memory_mb << 20), "--rlimit-nproc", str(spec.limits.pids)]
         return [*opts, "--", *args]
 
-    async def create(self, spec: SandboxSpec) -> BwrapSandbox:
-        """A fresh sandbox whose writes go to a capped tmpfs, gone when it closes."""
-        return await self._start(spec, None)
+    async def create(self, spec: SandboxSpec, from_snapshot: SnapshotRef | None = None) -> BwrapSandbox:
+        """A fresh sandbox whose writes go to a capped tmpfs, gone when it closes; `from_snapshot` (one of
+        this backend's, over spec.image) lies under them, read-only (furlong.sandbox.snapshots)."""
+        if from_snapshot is None:
+            return await self._start(spec, None)
+        lowers = await asyncio.to_thread(self.snapshots.layers, from_snapshot, spec.image.digest)
+        try:
+            box = await self._start(spec, None, snapshot=lowers)
+        except BaseException:
+            self.snapshots.release(from_snapshot)
+            raise
+        box.restored = from_snapshot
+        return box
 
     async def build(self, spec: SandboxSpec, layer: Path) -> BwrapSandbox:
         """A sandbox whose writes persist in `layer`: it is the overlay's upper directory, so it must be
@@ -394,7 +418,9 @@ class BwrapBackend:
             return None
         return os.open(f"/proc/self/fd/{self._shim_fd}", os.O_RDONLY | os.O_CLOEXEC)
 
-    async def _start(self, spec: SandboxSpec, upper: Path | None, work: Path | None = None) -> BwrapSandbox:
+    async def _start(
+        self, spec: SandboxSpec, upper: Path | None, work: Path | None = None, snapshot: tuple[Path, ...] = ()
+    ) -> BwrapSandbox:
         name = uuid.uuid4().hex[:12]
         if _networked(spec):
             netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
@@ -424,10 +450,13 @@ class BwrapBackend:
             parent_pipe[0] if parent_pipe else None,
             agent.groups if self.subids else (),
             build=self._build_caps(upper),
+            restored=bool(snapshot),
         )
         shim_fd = self._shim_copy() if verifier else None
         rw_fds += [shim_fd] if shim_fd is not None else []
-        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home, shim_fd)
+        snapshot_fds = tuple(os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for d in snapshot)
+        rw_fds += snapshot_fds
+        args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home, shim_fd, snapshot_fds)
         if parent_pipe:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
         fds += rw_fds
@@ -463,7 +492,8 @@ class BwrapBackend:
         if gate is not None:
             box.network = NetworkControl(gate, box.verifier_uid, spec.network, spec.network, first_rules(spec.network))
         if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
-            box.writes = WritableLayer(self._upper_mnt, lowers)
+            box.writes = WritableLayer(self._upper_mnt, lowers, snapshot)
+            box.origin = (self, spec)
         return box
 
 
@@ -481,8 +511,11 @@ def _init_args(
     parent_fd: int | None = None,
     groups: tuple[int, ...] = (),
     build: bool = False,
+    restored: bool = False,
 ) -> tuple[str, ...]:
     args = ["--agent", f"{agent[0]}:{agent[1]}"]
+    if restored:  # the snapshot's shell state (cwd, exports) is the agent's to go on with
+        args += ["--keep-shell-state", "1"]
     if build:  # RUN steps chown to the image's other uids and act as them, as in Docker (init.c BUILD_CAPS)
         args += ["--build-caps", "1"]
     for gid in groups[:64]:  # the image USER's supplementary groups (init.c MAX_AGENT_GROUPS)

@@ -11,13 +11,15 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from furlong.sandbox import protocol as proto
-from furlong.sandbox.base import ExecResult, SandboxDied, SandboxError
+from furlong.sandbox.base import ExecResult, SandboxDied, SandboxError, SandboxSpec, SnapshotRef, Usage
 from furlong.sandbox.changes import Change, image_entry, overlay_changes
 from furlong.sandbox.netcontrol import NetworkControl
 from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 from furlong.sandbox.shell import wrap
+from furlong.sandbox.snapshots import SnapshotStore
 from furlong.sandbox.tarball import tar_dir
 
 log = logging.getLogger(__name__)
@@ -29,14 +31,18 @@ OVERFLOW_UID = 65534  # what the kernel shows for a uid a namespace does not map
 class WritableLayer:
     """Where a sandbox's writes are: the tmpfs the launcher mounted at `mount` in its own mount namespace
     (the host reaches it through /proc/PID/root of the launcher, whose bwrap stays in that namespace),
-    over the image's layers (`lowers`, host directories, top first)."""
+    over the image's layers (`lowers`, host directories, top first) and a snapshot's, if it was restored."""
 
     mount: Path
     lowers: tuple[Path, ...]
+    snapshot: tuple[Path, ...] = ()
 
     def changes(self, pid: int, roots: Sequence[str]) -> tuple[Change, ...] | None:
-        """What the sandbox changed under `roots`, uids as the sandbox sees them; None if unreadable."""
-        upper = self._upper(pid)
+        """What the sandbox changed under `roots`, uids as the sandbox sees them; None if unreadable, and
+        for a sandbox restored from a snapshot (its changes against the image are not merged yet)."""
+        if self.snapshot:
+            return None
+        upper = self.upper(pid)
         try:
             uids = _uid_map(pid)
             before = os.stat(upper)
@@ -48,7 +54,7 @@ class WritableLayer:
             return None
         return tuple(dataclasses.replace(c, uid=_inside(c.uid, uids)) for c in found)
 
-    def _upper(self, pid: int) -> Path:
+    def upper(self, pid: int) -> Path:
         """The launcher's view of the tmpfs, or its first child's: pasta, first in a networked sandbox,
         moves itself to an empty root, and the shell it starts execs bwrap in the launcher's namespace."""
         for candidate in (pid, *_children(pid)):
@@ -99,6 +105,15 @@ def _inside(uid: int, uids: list[tuple[int, int, int]]) -> int:
     return OVERFLOW_UID
 
 
+class Origin(Protocol):
+    """The backend that made a sandbox, which restores its snapshots (furlong.sandbox.bwrap.BwrapBackend)."""
+
+    @property
+    def snapshots(self) -> SnapshotStore: ...
+
+    async def create(self, spec: SandboxSpec, from_snapshot: SnapshotRef | None = None) -> BwrapSandbox: ...
+
+
 @dataclass
 class _Listener:
     """A streaming exec's caller: its callback, and the bytes each stream sent so far (checked against the cap)."""
@@ -127,6 +142,9 @@ class BwrapSandbox:
         self.writes: WritableLayer | None = None  # None: its writes cannot be read on the host (a build)
         self.fixed_network: NetworkPolicy = NO_NETWORK  # its policy where it has no `network` control
         self.network: NetworkControl | None = None  # a controlled sandbox's gate and phase (furlong.sandbox.netcontrol)
+        self.origin: tuple[Origin, SandboxSpec] | None = None  # None: it cannot be snapshotted (a build)
+        self.restored: SnapshotRef | None = None  # the snapshot it was started from, leased until close
+        self._paused = False
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_replies())
         self._err_reader = loop.create_task(self._read_stderr())
@@ -191,6 +209,8 @@ class BwrapSandbox:
     async def _call(self, request, op: str, wait_s: float, listener: _Listener | None = None) -> proto.Reply:
         if self._death or self._closed:
             raise SandboxDied(self._death or "sandbox is closed")
+        if self._paused:
+            raise SandboxError(f"sandbox {self.name} is paused: resume() it before {op}")
         rid = proto.new_id()
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
@@ -320,11 +340,79 @@ class BwrapSandbox:
             except ProcessLookupError:
                 pass
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def pause(self) -> None:
+        """furlong.sandbox.base.Snapshotting.pause: the cgroup freezer, v2 cgroup.freeze or v1 freezer.state."""
+        if not self.alive:
+            raise SandboxDied(self._death or "sandbox is closed")
+        if self._pending:
+            raise SandboxError(f"sandbox {self.name}: {len(self._pending)} calls running; pause once they return")
+        if self._cgroup is None:
+            raise SandboxError(f"sandbox {self.name} cannot be paused: it has no cgroup (rlimits only)")
+        try:
+            await asyncio.to_thread(self._cgroup.freeze, True)
+        except OSError as exc:
+            raise SandboxError(f"sandbox {self.name} cannot be paused: {exc}") from None
+        self._paused = True
+
+    async def resume(self) -> None:
+        if not self.alive:
+            raise SandboxDied(self._death or "sandbox is closed")
+        if self._paused:
+            assert self._cgroup is not None  # pause froze it
+            await asyncio.to_thread(self._cgroup.freeze, False)
+            self._paused = False
+
+    async def snapshot(self) -> SnapshotRef:
+        """furlong.sandbox.base.Snapshotting.snapshot; frozen during the copy where the sandbox can be."""
+        if self.origin is None or self.writes is None:
+            raise SandboxError(f"sandbox {self.name} cannot be snapshotted (a build sandbox)")
+        backend, spec = self.origin
+        frozen = not self._paused and self._cgroup is not None and not self._pending
+        if frozen:
+            await self.pause()
+        try:
+            if not self.alive:
+                raise SandboxDied(self._death or "sandbox is closed")
+            below = self.restored.layers if self.restored else ()
+            upper = self.writes.upper(self._proc.pid)
+            return await asyncio.to_thread(backend.snapshots.capture, upper, spec.image.digest, below)
+        except OSError as exc:
+            raise SandboxError(f"sandbox {self.name}: snapshot failed: {exc}") from None
+        finally:
+            if frozen:
+                await self.resume()
+
+    async def fork(self, n: int) -> list[BwrapSandbox]:
+        """furlong.sandbox.base.Snapshotting.fork: a snapshot, restored `n` times with this sandbox's spec."""
+        if n < 1:
+            raise ValueError(f"fork: n must be at least 1, got {n}")
+        ref = await self.snapshot()
+        assert self.origin is not None  # snapshot() refused otherwise
+        backend, spec = self.origin
+        made = await asyncio.gather(
+            *(backend.create(spec, from_snapshot=ref) for _ in range(n)), return_exceptions=True
+        )
+        failed = [m for m in made if isinstance(m, BaseException)]
+        if failed:
+            await asyncio.gather(*(m.close() for m in made if isinstance(m, BwrapSandbox)))
+            raise failed[0]
+        return [m for m in made if isinstance(m, BwrapSandbox)]
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._expiry.cancel()
+        if self._paused and self._cgroup is not None:  # a frozen process takes SIGKILL only once thawed
+            self._paused = False
+            try:
+                await asyncio.to_thread(self._cgroup.freeze, False)
+            except OSError as exc:  # the cgroup's removal below thaws it too
+                log.warning("sandbox %s: thaw before close failed: %s", self.name, exc)
         self._kill()
         if self.network is not None:
             await self.network.gate.close()
@@ -341,6 +429,17 @@ class BwrapSandbox:
         if self.finish is not None:
             finish, self.finish = self.finish, None
             await asyncio.to_thread(finish)
+        if self.restored is not None and self.origin is not None:
+            self.origin[0].snapshots.release(self.restored)
+
+    def usage(self) -> Usage | None:
+        """furlong.sandbox.base.Metered: from the cgroup (CPU time of the processes alive now)."""
+        if self._cgroup is None or self.origin is None or not self.alive:
+            return None
+        memory = self._cgroup.memory_bytes()
+        if memory is None:
+            return None
+        return Usage(self._cgroup.cpu_seconds(), memory, self.origin[1].limits)
 
     def memory_peak_bytes(self) -> int | None:
         return self._cgroup.memory_peak_bytes() if self._cgroup else None

@@ -10,6 +10,7 @@ Layout (S = the sandbox's cgroup, which holds the memory, cpu and total pids lim
       controllers enabled for its children may hold no processes itself;
   v1: S in each controller's tree, holding every process, and S/agent in the pids tree only.
 Without a cgroup (rlimits) there is no nested headroom: agent and verifier share one RLIMIT_NPROC.
+Pausing freezes S whole (v2 cgroup.freeze; v1 the freezer tree's S, made where that hierarchy is mounted).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from furlong.sandbox.base import Limits
 log = logging.getLogger(__name__)
 ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
+V1_FREEZER = "freezer"  # optional: without it a v1 sandbox cannot be paused
+FREEZE_WAIT_S = 5.0  # how long a freeze may take before it is an error (the kernel freezes task by task)
 CFS_PERIOD_US = 100_000
 # pids the sandbox keeps beyond the agent's limit: the init and bwrap (3), and the verifier's test run
 # (a shell, pytest or uv, and the processes they start)
@@ -57,10 +60,40 @@ class Cgroup:
     v2: bool
     procs_files: list[Path]  # the launcher joins these: every sandbox process is born inside
     agent_procs_files: list[Path]  # the init moves each agent command here: the agent's own pids limit
+    freezer: Path | None = None  # v1: the sandbox's directory in the freezer tree, if there is one
 
     def _tree(self) -> list[Path]:
         """Every directory of this sandbox's cgroups, children before their parent."""
-        return [*(f.parent for f in self.agent_procs_files + self.procs_files if f.parent not in self.dirs), *self.dirs]
+        dirs = [*self.dirs, *([self.freezer] if self.freezer else [])]
+        return [*(f.parent for f in self.agent_procs_files + self.procs_files if f.parent not in dirs), *dirs]
+
+    def freeze(self, frozen: bool) -> None:
+        """Freezes (or thaws) every process of the sandbox, and returns once the kernel says it is done:
+        frozen processes get no CPU and keep their memory. OSError where this cgroup cannot be frozen."""
+        if self.v2:
+            _set_frozen(self.dirs[0] / "cgroup.freeze", "1" if frozen else "0")
+            _await_state(self.dirs[0] / "cgroup.events", f"frozen {int(frozen)}", in_lines=True)
+        elif self.freezer is not None:
+            _set_frozen(self.freezer / "freezer.state", "FROZEN" if frozen else "THAWED")
+            _await_state(self.freezer / "freezer.state", "FROZEN" if frozen else "THAWED")
+        else:
+            raise OSError(f"no freezer cgroup for {self.dirs[0].name} (cgroup v1 without the freezer hierarchy)")
+
+    def memory_bytes(self) -> int | None:
+        """Memory charged to the sandbox now (its writable layer's tmpfs pages included)."""
+        return self._first_int(("memory.usage_in_bytes", "memory.current"))
+
+    def cpu_seconds(self) -> float:
+        """CPU time the sandbox's processes used so far (user + system), from the processes' own counters."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in self.pids():
+            try:
+                fields = _stat(pid)
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])
+        return total / ticks
 
     def pids(self) -> set[int]:
         """Every process of the sandbox, the agent's and the init's."""
@@ -70,8 +103,9 @@ class Cgroup:
         """The processes of agent commands, which the agent's pids limit bounds."""
         return _procs(self.agent_procs_files)
 
-    def memory_peak_bytes(self) -> int | None:
-        for name in ("memory.max_usage_in_bytes", "memory.peak"):
+    def _first_int(self, names: tuple[str, ...]) -> int | None:
+        """The first of the files `names` (v1's name, then v2's) that one of the sandbox's dirs holds."""
+        for name in names:
             for d in self.dirs:
                 try:
                     return int((d / name).read_text())
@@ -79,13 +113,39 @@ class Cgroup:
                     continue
         return None
 
+    def memory_peak_bytes(self) -> int | None:
+        return self._first_int(("memory.max_usage_in_bytes", "memory.peak"))
+
     def kill_all(self, wait_s: float = 2.0) -> None:
         """Kills every process in the cgroup (the fork-bomb-proof way where the kernel offers one)."""
         _kill_tree(self._tree(), wait_s)
 
     def remove(self) -> None:
+        _thaw(self._tree())  # a frozen (v1) process takes its SIGKILL only once thawed
         self.kill_all()
         _remove_tree(self._tree())
+
+
+def _set_frozen(path: Path, value: str) -> None:
+    path.write_text(value)
+
+
+def _await_state(path: Path, want: str, in_lines: bool = False) -> None:
+    deadline = time.monotonic() + FREEZE_WAIT_S
+    while True:
+        text = path.read_text()
+        if (want in text.splitlines()) if in_lines else text.strip() == want:
+            return
+        if time.monotonic() > deadline:
+            raise OSError(f"{path}: still not {want!r} after {FREEZE_WAIT_S:.0f}s")
+        time.sleep(0.0005)
+
+
+def _thaw(tree: list[Path]) -> None:
+    for d in tree:
+        for name, value in (("cgroup.freeze", "0"), ("freezer.state", "THAWED")):
+            if (d / name).exists():
+                _write(d / name, value)
 
 
 def _kill_tree(tree: list[Path], wait_s: float = 2.0) -> None:
@@ -163,7 +223,7 @@ def owner_pid(name: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
-def _owner_dead(name: str) -> bool:
+def owner_dead(name: str) -> bool:
     """Whether the cgroup's owner is surely dead: its pid in this pid namespace names no process, or a
     later one. Another pid namespace's owner cannot be checked from here, so it counts as alive."""
     m = _OWNER.fullmatch(name)
@@ -185,7 +245,8 @@ def sweep(parent: Path, older_than_s: float = STALE_AFTER_S) -> int:
     for d in children:
         try:
             tree = [*(c for c in d.iterdir() if c.is_dir()), d]  # a sandbox's init and agent cgroups first
-            if _owner_dead(d.name):
+            if owner_dead(d.name):
+                _thaw(tree)
                 _kill_tree(tree)
                 removed += _remove_tree(tree)
             elif (
@@ -247,7 +308,11 @@ def sandbox_parents() -> list[Path]:
         return delegated_base() or []
     if _v2_mount() == ROOT:
         return [_v2_base(ROOT)]
-    return [ROOT / c / _own_path(c).lstrip("/") / "furlong" for c in V1_CONTROLLERS]
+    return [ROOT / c / _own_path(c).lstrip("/") / "furlong" for c in (*V1_CONTROLLERS, V1_FREEZER) if _mounted(c)]
+
+
+def _mounted(controller: str) -> bool:
+    return controller in V1_CONTROLLERS or (ROOT / controller / "cgroup.procs").exists()
 
 
 def _create_v1(name: str, limits: Limits) -> Cgroup:
@@ -255,10 +320,13 @@ def _create_v1(name: str, limits: Limits) -> Cgroup:
 
 
 def _limit_v1(dirs: list[Path], limits: Limits) -> Cgroup:
+    """`dirs`: the sandbox's directory in each of V1_CONTROLLERS' trees, in that order, then optionally the
+    freezer's."""
+    freezer = dirs[3] if len(dirs) > 3 else None
     for d in dirs:
         _sweep_once(d.parent)
         d.mkdir(parents=True, exist_ok=True)
-    mem, pids, cpu = dirs
+    mem, pids, cpu = dirs[:3]
     limit = str(limits.memory_mb << 20)
     if not _write(mem / "memory.limit_in_bytes", limit):
         raise OSError(f"cannot set {mem}/memory.limit_in_bytes")
@@ -269,7 +337,11 @@ def _limit_v1(dirs: list[Path], limits: Limits) -> Cgroup:
     _write(cpu / "cpu.cfs_quota_us", str(int(limits.cpus * CFS_PERIOD_US)))
     agent = _agent_cgroup(pids / "agent", limits)  # v1 allows processes beside children: the init stays in S
     return Cgroup(
-        dirs=dirs, v2=False, procs_files=[d / "cgroup.procs" for d in dirs], agent_procs_files=[agent / "cgroup.procs"]
+        dirs=dirs[:3],
+        v2=False,
+        procs_files=[d / "cgroup.procs" for d in dirs],
+        agent_procs_files=[agent / "cgroup.procs"],
+        freezer=freezer,
     )
 
 
@@ -373,7 +445,8 @@ def delegated_base() -> list[Path] | None:
 
 def _v1_delegated() -> list[Path] | None:
     dirs = [ROOT / c / f"furlong-{_user()}" for c in V1_CONTROLLERS]
-    return dirs if all(_owned(d) for d in dirs) else None
+    freezer = ROOT / V1_FREEZER / f"furlong-{_user()}"  # optional: pausing needs it
+    return (dirs + ([freezer] if _owned(freezer) else [])) if all(_owned(d) for d in dirs) else None
 
 
 def _v2_delegated() -> list[Path] | None:
@@ -414,7 +487,7 @@ def delegate(user: str) -> list[Path]:
             _hand_over(ROOT / f"furlong-{user}", pw, ("cgroup.procs", "cgroup.subtree_control", "cgroup.threads"))
         )
     else:  # v1: one directory per controller hierarchy (a hybrid host's v2 tree has no controllers to delegate)
-        for ctrl in V1_CONTROLLERS:
+        for ctrl in (*V1_CONTROLLERS, V1_FREEZER):
             if (ROOT / ctrl / "cgroup.procs").exists():
                 made.append(_hand_over(ROOT / ctrl / f"furlong-{user}", pw, ("cgroup.procs", "tasks")))
     if not made:

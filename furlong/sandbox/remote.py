@@ -29,6 +29,7 @@ from furlong.sandbox.base import (
     SandboxDied,
     SandboxError,
     SandboxSpec,
+    SnapshotRef,
 )
 from furlong.sandbox.changes import Change
 from furlong.sandbox.hosts import Host, Hosts, check
@@ -51,6 +52,7 @@ class RemoteSandbox:
         self._tracking: bool = created["change_tracking"]
         self._closed = False
         self._death: str | None = None
+        self._paused = False
 
     @property
     def alive(self) -> bool:
@@ -184,6 +186,32 @@ class RemoteSandbox:
         found = r.json()["paths"]
         return None if found is None else frozenset(found)
 
+    async def snapshot(self) -> SnapshotRef:
+        """furlong.sandbox.base.Snapshotting, on the sandbox's host: the ref names that host and its token."""
+        j = (await self._send("POST", "/snapshot", "snapshot", FILE_TIMEOUT_S)).json()
+        return SnapshotRef(
+            tuple(j["layers"]), j["image_digest"], j["size_bytes"], j["expires_at"], self.host.url, j["token"]
+        )
+
+    async def fork(self, n: int) -> list[RemoteSandbox]:
+        r = await self._send("POST", "/fork", "fork", START_WAIT_S, json={"n": n})
+        made = [RemoteSandbox(self._hosts, self.host, c) for c in r.json()["sandboxes"]]
+        self.host.active += len(made)
+        self.host.started += len(made)
+        return made
+
+    async def pause(self) -> None:
+        await self._send("POST", "/pause", "pause", FILE_TIMEOUT_S)
+        self._paused = True
+
+    async def resume(self) -> None:
+        await self._send("POST", "/resume", "resume", FILE_TIMEOUT_S)
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -256,8 +284,10 @@ class RemoteBackend:
         self.hosts, self._provide, self._make_local = hosts, provide, local
         self._local: SandboxBackend | None = None
 
-    async def create(self, spec: SandboxSpec) -> RemoteSandbox:
+    async def create(self, spec: SandboxSpec, from_snapshot: SnapshotRef | None = None) -> RemoteSandbox:
         body = create_body(spec)
+        if from_snapshot is not None:
+            return await self._restore(body, from_snapshot)
         deadline = time.monotonic() + START_WAIT_S
         while True:
             errors: list[str] = []
@@ -271,6 +301,21 @@ class RemoteBackend:
             if not full or time.monotonic() > deadline:
                 raise SandboxError("no sandbox host could start the sandbox: " + "; ".join(errors))
             await asyncio.sleep(1.0)  # a host is full: wait for room (Retry-After: 1)
+
+    async def _restore(self, body: dict, ref: SnapshotRef) -> RemoteSandbox:
+        """On the host holding the snapshot, the only one that can restore it."""
+        host = next((h for h in self.hosts.hosts if h.url == ref.host), None)
+        if host is None:
+            raise SandboxError(f"snapshot {ref.digest[:19]}: its host {ref.host or '(none)'} is none of sandbox.hosts")
+        errors: list[str] = []
+        created = await self._create_on(
+            host, {**body, "snapshot": {"digest": ref.digest, "token": ref.token}}, errors, []
+        )
+        if created is None:
+            raise SandboxError(f"restoring snapshot {ref.digest[:19]}: " + "; ".join(errors))
+        host.active += 1
+        host.started += 1
+        return RemoteSandbox(self.hosts, host, created)
 
     async def _create_on(self, host: Host, body: dict, errors: list[str], full: list[Host]) -> dict | None:
         """The host's create answer, or None with the reason appended to `errors` (and the host to `full`

@@ -18,10 +18,12 @@ from starlette.routing import Mount, Route
 
 from furlong.sandbox.base import (
     ImageRef,
+    Metered,
     Sandbox,
     SandboxBackend,
     SandboxError,
     SandboxSpec,
+    Snapshotting,
 )
 from furlong.sandbox.e2b.envd import refusal
 from furlong.sandbox.e2b.filesystem import filesystem_app
@@ -29,6 +31,8 @@ from furlong.sandbox.e2b.process import process_app
 
 ENVD_VERSION = "0.2.0"  # below 0.5.7 the SDK uploads multipart, the one upload form served here
 Resolver = Callable[[str], Awaitable[ImageRef | None]]
+# where SDK versions resume a paused sandbox (2.x: /v2/.../connect; older ones: /connect, /resume)
+CONNECT_ROUTES = ("/v2/sandboxes/{sid}/connect", "/sandboxes/{sid}/connect", "/sandboxes/{sid}/resume")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Registry:
         self.live: dict[str, Live] = {}
         self.starting = 0  # creates under way: they hold a seat before their sandbox exists
         self.others = others  # seats the host's own API holds: one capacity for both
+        self.cpu_seen: dict[str, tuple[float, float]] = {}  # sandbox -> (time, CPU seconds) at its last metrics
 
     def held(self) -> int:
         return len(self.live) + self.starting
@@ -68,6 +73,7 @@ class Registry:
 
     async def remove(self, sid: str) -> bool:
         live = self.live.pop(sid, None)
+        self.cpu_seen.pop(sid, None)
         if live is not None:
             await live.box.close()
         return live is not None
@@ -75,6 +81,17 @@ class Registry:
     async def get(self, sid: str) -> Live | None:
         await self.reap()
         return self.live.get(sid)
+
+
+def _answer(live: Live) -> dict:
+    """What a create (or a connect) answers: the SDK's Sandbox model."""
+    return {
+        "templateID": live.template,
+        "sandboxID": live.sandbox_id,
+        "clientID": "furlong",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": live.token,
+    }
 
 
 def _listed(live: Live) -> dict:
@@ -87,7 +104,7 @@ def _listed(live: Live) -> dict:
         "cpuCount": 1,
         "memoryMB": 2048,
         "diskSizeMB": 1024,
-        "state": "running",
+        "state": "paused" if isinstance(live.box, Snapshotting) and live.box.paused else "running",
         "envdVersion": ENVD_VERSION,
         "metadata": {},
     }
@@ -144,16 +161,7 @@ class _Routes:
         now = time.time()
         live = Live(secrets.token_hex(10), template, box, secrets.token_urlsafe(24), now, now + timeout)
         self.reg.live[live.sandbox_id] = live
-        return JSONResponse(
-            {
-                "templateID": template,
-                "sandboxID": live.sandbox_id,
-                "clientID": "furlong",
-                "envdVersion": ENVD_VERSION,
-                "envdAccessToken": live.token,
-            },
-            status_code=201,
-        )
+        return JSONResponse(_answer(live), status_code=201)
 
     async def one(self, request: Request) -> Response:
         if not self._authed(request):
@@ -169,6 +177,78 @@ class _Routes:
             return _err(401, "invalid X-API-KEY")
         await self.reg.reap()
         return JSONResponse([_listed(live) for live in self.reg.live.values()])
+
+    async def _live(self, request: Request) -> Live | JSONResponse:
+        """The sandbox a control-plane route names, once the key is checked; else the error to answer."""
+        if not self._authed(request):
+            return _err(401, "invalid X-API-KEY")
+        sid = request.path_params["sid"]
+        live = await self.reg.get(sid)
+        return _err(404, f"sandbox {sid} not found") if live is None else live
+
+    async def _snapshotting(self, request: Request) -> tuple[Live, Snapshotting] | JSONResponse:
+        live = await self._live(request)
+        if isinstance(live, JSONResponse):
+            return live
+        if not isinstance(live.box, Snapshotting):
+            return _err(501, "pause and resume: not supported by this host's sandboxes")
+        return live, live.box
+
+    async def pause(self, request: Request) -> Response:
+        """The cgroup freezer: processes and memory kept, whatever `memory` asks (docs/e2b.md); 409 when paused."""
+        found = await self._snapshotting(request)
+        if isinstance(found, JSONResponse):
+            return found
+        live, box = found
+        if box.paused:
+            return _err(409, f"sandbox {live.sandbox_id} is already paused")
+        try:
+            await box.pause()
+        except SandboxError as e:
+            return _err(409, f"pause: {e}")
+        return Response(status_code=204)
+
+    async def connect(self, request: Request) -> Response:
+        """Resumes a paused sandbox (201) or answers a running one (200), moving its end by `timeout`."""
+        found = await self._snapshotting(request)
+        if isinstance(found, JSONResponse):
+            return found
+        live, box = found
+        body = await _json_object(request) or {}
+        timeout = body.get("timeout")
+        if timeout is not None and (refused := self._bad_timeout(timeout)):
+            return refused
+        resumed = box.paused
+        await box.resume()
+        if timeout is not None:
+            live = self.reg.live[live.sandbox_id] = replace(live, end=time.time() + timeout)
+        return JSONResponse(_answer(live), status_code=201 if resumed else 200)
+
+    async def metrics(self, request: Request) -> Response:
+        """One sample, now: CPU use since the last sample (or the start) and memory, from the sandbox's cgroup."""
+        live = await self._live(request)
+        if isinstance(live, JSONResponse):
+            return live
+        sid = live.sandbox_id
+        used = live.box.usage() if isinstance(live.box, Metered) else None
+        if used is None:
+            return JSONResponse([])
+        now = time.time()
+        since, cpu_before = self.reg.cpu_seen.get(sid, (live.started, 0.0))
+        self.reg.cpu_seen[sid] = (now, used.cpu_s)
+        pct = max(0.0, used.cpu_s - cpu_before) / max(now - since, 1e-3) / used.limits.cpus * 100
+        sample = {
+            "timestamp": _iso(now),
+            "timestampUnix": int(now),
+            "cpuCount": max(1, round(used.limits.cpus)),
+            "cpuUsedPct": round(min(pct, 100.0), 2),
+            "memUsed": used.memory_bytes,
+            "memTotal": used.limits.memory_mb << 20,
+            "memCache": 0,
+            "diskUsed": 0,
+            "diskTotal": used.limits.disk_mb << 20,
+        }
+        return JSONResponse([sample])
 
     async def unsupported(self, request: Request) -> Response:
         """What the SDK can ask for and furlong does not do (pause, resume, connect, fork, snapshots,
@@ -241,10 +321,14 @@ def e2b_app(
         Route("/sandboxes/metrics", r.unsupported, methods=["GET"]),  # before {sid}, which would take it
         Route("/sandboxes/{sid}", r.one, methods=["GET", "DELETE"]),
         Route("/sandboxes/{sid}/timeout", r.set_timeout, methods=["POST"]),
+        Route("/sandboxes/{sid}/pause", r.pause, methods=["POST"]),
+        Route("/sandboxes/{sid}/metrics", r.metrics, methods=["GET"]),
+        *(Route(path, r.connect, methods=["POST"]) for path in CONNECT_ROUTES),
         *(
             Route(f"{base}/{{sid}}/{what}", r.unsupported, methods=["GET", "POST", "PUT"])
             for base in ("/sandboxes", "/v2/sandboxes")
             for what in ("pause", "resume", "connect", "fork", "snapshots", "metrics", "logs", "network", "refreshes")
+            if f"{base}/{{sid}}/{what}" not in (*CONNECT_ROUTES, "/sandboxes/{sid}/pause", "/sandboxes/{sid}/metrics")
         ),
         Route("/health", r.health, methods=["GET"]),
         Route("/files", r.files, methods=["GET", "POST"]),

@@ -10,7 +10,7 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from furlong.sandbox.base import Sandbox
+from furlong.sandbox.base import Sandbox, Snapshotting
 
 Lookup = Callable[[str], Awaitable[Any]]  # sandbox id -> its live record (box, token) or None
 
@@ -25,11 +25,13 @@ def refusal(live: Any, token: str) -> tuple[Code, str] | None:
 
 
 async def sandbox_of(lookup: Lookup, ctx: Any) -> Sandbox:
-    """The sandbox a Connect-RPC call is for, once its token is checked."""
+    """The sandbox a Connect-RPC call is for, once its token is checked; a paused one refuses every call."""
     headers = ctx.request_headers
     live = await lookup(headers.get("e2b-sandbox-id", ""))
     if refused := refusal(live, headers.get("x-access-token", "")):
         raise ConnectError(*refused)
+    if isinstance(live.box, Snapshotting) and live.box.paused:
+        raise ConnectError(Code.FAILED_PRECONDITION, "the sandbox is paused: Sandbox.connect resumes it")
     return live.box
 
 

@@ -38,6 +38,7 @@ from furlong.sandbox.base import (
 from furlong.sandbox.e2b import e2b_app
 from furlong.sandbox.host.images import MAX_CONTEXT_BYTES, image_routes, resolve_layers
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
+from furlong.sandbox.host.snapshots import HostSnapshots, SnapshotBody, created, snapshot_routes
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, policy
 
@@ -114,6 +115,7 @@ class CreateBody(_Body):
     lifetime_s: float | None = Field(None, gt=0, description="at most the host's own --lifetime-s")
     seccomp: bool = True
     allow_syscalls: list[str] = Field([], max_length=512)
+    snapshot: SnapshotBody | None = Field(None, description="start from this snapshot (its /snapshot answer)")
 
 
 class ExecBody(_Body):
@@ -436,29 +438,28 @@ def _create_route(
     backend: SandboxBackend,
     host_auth: Callable,
     spec_of: Callable[[CreateBody], SandboxSpec],
+    snaps: HostSnapshots,
 ) -> None:
     @app.post("/v1/sandboxes", dependencies=[Depends(host_auth)])
     async def create(body: CreateBody) -> dict:
         spec = spec_of(body)
+        ref = snaps.find(body.snapshot, spec.image.digest) if body.snapshot else None
         try:
             reg.reserve()
         except AtCapacity as e:
             raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from e
         t = time.perf_counter()
         try:
-            box = await backend.create(spec)
+            box = await (backend.create(spec, from_snapshot=ref) if ref else backend.create(spec))
+        except SandboxError as e:
+            reg.reserved -= 1
+            if ref is None:
+                raise
+            raise HTTPException(409, f"snapshot: {e}") from e
         except BaseException:
             reg.reserved -= 1
             raise
-        entry = reg.add(box, time.perf_counter() - t)
-        return {
-            "id": entry.id,
-            "token": entry.token,
-            "boot": reg.boot,
-            "verifier_uid": box.verifier_uid,
-            "agent_uid": getattr(box, "agent_uid", 0),
-            "change_tracking": isinstance(box, ChangeTracking),
-        }
+        return created(reg.add(box, time.perf_counter() - t), reg)
 
 
 def make_app(
@@ -516,8 +517,14 @@ def make_app(
 
     _host_routes(app, reg, host_auth)
 
-    _create_route(app, reg, backend, host_auth, lambda body: _spec(body, resolved, lifetime_s, store, allow_network))
+    snaps = HostSnapshots()
+
+    def spec_of(body: CreateBody) -> SandboxSpec:
+        return _spec(body, resolved, lifetime_s, store, allow_network)
+
+    _create_route(app, reg, backend, host_auth, spec_of, snaps)
     _sandbox_routes(app, reg, sandbox)
+    snapshot_routes(app, reg, sandbox, guarded, snaps)
     _file_routes(app, sandbox)
     if store is not None:
         image_routes(app, store, backend, host_auth, max_context_bytes)

@@ -110,6 +110,7 @@ static char **base_env;
 static long agent_uid = 0, agent_gid = 0, verifier_uid = -1, init_uid = -1;
 static int build_caps = 0;  /* --build-caps 1: agent commands are a build's RUN steps (BUILD_CAPS) */
 static uid_t init_fsuid = 0;  /* the init's file uid between ops done as a role */
+static int keep_shell_state = 0;  /* a sandbox restored from a snapshot keeps the shell state it carries */
 static int parent_fd = -1;  /* the read end of bwrap's status pipe, which only bwrap's monitor keeps open */
 static int agent_procs[MAX_AGENT_PROCS], n_agent_procs, verifier_ns = -1, seccomp_fd = -1;
 #define MAX_AGENT_GROUPS 64
@@ -783,6 +784,7 @@ static void parse_args(int argc, char **argv) {
     if (!strcmp(opt, "--verifier-ns") && sscanf(val, "%d", &verifier_ns) == 1) continue;
     if (!strcmp(opt, "--seccomp") && sscanf(val, "%d", &seccomp_fd) == 1) continue;
     if (!strcmp(opt, "--build-caps") && sscanf(val, "%d", &build_caps) == 1) continue;
+    if (!strcmp(opt, "--keep-shell-state") && sscanf(val, "%d", &keep_shell_state) == 1) continue;
     if (!strcmp(opt, "--verifier-preload") && val[0] == '/' && !strpbrk(val, ": ")) {
       verifier_preload = val;
       continue;
@@ -868,12 +870,13 @@ int main(int argc, char **argv) {
     watch(parent_fd, TAG_PARENT);
   }
   /* The shell state dir (the host wraps commands to use it). Every sandbox starts with none: a state
-   * file an image happens to carry (e.g. left by a build step) must not set its first cwd or PATH. */
+   * file an image happens to carry (e.g. left by a build step) must not set its first cwd or PATH. A
+   * sandbox restored from a snapshot (--keep-shell-state 1) goes on with the state its agent left. */
   mkdir("/run", 0755);  /* an imported image may lack it; without the state dir, cd and export just do not persist */
   if (mkdir("/run/furlong-shell", 0755) == 0 || errno == EEXIST) {
     if (chown("/run/furlong-shell", (uid_t)agent_uid, (gid_t)agent_gid) < 0) { /* one uid: it is ours already */ }
   }
-  unlink("/run/furlong-shell/state");
+  if (!keep_shell_state) unlink("/run/furlong-shell/state");
   if (verifier_uid >= 0) {  /* the host mounted both: mount points the agent can neither rename nor write */
     /* not listable; the verifier puts its files there owner-only: its expected answers stay its own, and
      * an agent's `pytest` run from / (which looks for /tests/conftest.py) finds nothing rather than EACCES */
