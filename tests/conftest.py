@@ -1,10 +1,12 @@
 """Shared fixtures: one sandbox backend and the (cached) base image for the whole session; one torch
-thread and a freshly built tiny model per module for the model tests; the skip policy's hooks
-(tests/skips.py)."""
+thread and a freshly built tiny model per module for the model tests; one smoke-recipe training run for
+the session; the skip policy's hooks (tests/skips.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,18 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from furlong.model.tiny import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of `furlong train --config recipes/smoke.yaml` (local mode, seed 0, nothing else set),
+    run once per session: test_async pins its samples, test_cluster_ray's Ray run must match it, test_report
+    reads its records. Readers only: a test that writes beside its files works on a copy."""
+    run = tmp_path_factory.mktemp("smoke") / "run"
+    cmd = [sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/smoke.yaml", f"train.run_dir={run}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run
 
 
 def spec(image: ImageRef, **limits) -> SandboxSpec:

@@ -403,21 +403,14 @@ def test_groups_held_back_by_the_inflight_cap_start_their_sandboxes_while_the_gr
         assert len(reserved) == 2 and max(reserved) < first_end_ahead, (task, source.log)
 
 
-def test_sync_mode_draws_the_samples_of_the_loop_before_async(tmp_path):
-    """samples_sha of `furlong train --config recipes/smoke.yaml` (seed 0), recorded from the sync loop as
-    it was before the scheduler replaced it (commit 14d2dff)."""
-    import subprocess
-    import sys
-
-    res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/smoke.yaml",
-                          f"train.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-            if r["phase"] == "rl"]
+def test_sync_mode_draws_the_samples_of_the_loop_before_async(smoke_run):
+    """samples_sha of `furlong train --config recipes/smoke.yaml` (seed 0; conftest's session run), recorded
+    from the sync loop as it was before the scheduler replaced it (commit 14d2dff)."""
+    rows = [r for r in map(json.loads, (smoke_run / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
     assert [r["samples_sha"] for r in rows] == ["55d173e3e93e09d5", "7d440e08ec29e04d", "072b1648036dbd9a",
                                                 "726c3a95e7332d6a"]
     assert all(r["staleness_max"] == 0 and r["episodes_in_flight"] == 0 for r in rows)  # zero overlap
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((smoke_run / "summary.json").read_text())
     e = summary["rl_episodes"]
     assert e["started"] == 16 == e["trained"] + e["dropped_stale"] + e["filtered"] + e["infra_error"]
 

@@ -34,7 +34,7 @@ def test_train_joins_a_running_cluster_and_leaves_it_up_without_its_actors(tmp_p
     assert not _actors(), "another run's actors are on this host: the check below would prove nothing"
     with ray_head(num_cpus=3) as head:
         cmd = [sys.executable, "-m", "furlong.cli", "train", "--config", str(RECIPES / "smoke.yaml"),
-               "train.cluster=ray", f"train.ray.address={head.address}", "train.rl.steps=2", f"train.run_dir={run}"]
+               "train.cluster=ray", f"train.ray.address={head.address}", "train.rl.steps=1", f"train.run_dir={run}"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         assert (run / "summary.json").exists()

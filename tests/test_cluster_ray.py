@@ -295,8 +295,8 @@ def _files(run: Path) -> set[str]:
     return {p.name for p in run.iterdir()}
 
 
-def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(tmp_path: Path):
-    killed = tmp_path / "ray"
+def _kill_resume_and_leave_nothing(killed: Path) -> None:
+    """A smoke run on Ray, its driver SIGKILLed after RL step 1: everything it started goes; --resume finishes."""
     proc = _train("train.cluster=ray", f"train.run_dir={killed}", mark="killed", wait=False)
     try:
         _until(lambda: any(r["step"] >= 1 for r in _rl_rows(killed)) or proc.poll() is not None, "RL step 1", 300)
@@ -316,9 +316,11 @@ def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(t
     res = _train("--resume", str(killed), mark="resumed")
     assert res.returncode == 0, res.stderr[-3000:]
     assert not _left("resumed")
-    local = tmp_path / "local"
-    res = _train(f"train.run_dir={local}")
-    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(tmp_path: Path, smoke_run: Path):
+    killed, local = tmp_path / "ray", smoke_run  # local mode's run of the same recipe: conftest's, shared
+    _kill_resume_and_leave_nothing(killed)
     rows, want = _rl_rows(killed), _rl_rows(local)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # nothing logged twice
     assert [r["samples_sha"] for r in rows] == [r["samples_sha"] for r in want]  # local mode's samples exactly
@@ -333,21 +335,23 @@ def test_train_on_ray_killed_and_resumed_matches_local_mode_and_leaves_nothing(t
 
 
 @skips.skipif("extra:vllm", not vllm_available(), "vLLM is not installed (bash install.sh --vllm)")
-@pytest.mark.parametrize("transport", ["http", "shared"])  # shared: the trainer actor's arena, handed over
-def test_train_on_ray_with_vllm_engine_actors_advances_their_weights_and_leaves_nothing(tmp_path: Path,
-                                                                                       transport: str):
+def test_train_on_ray_with_vllm_engine_actors_advances_their_weights_and_leaves_nothing(tmp_path: Path):
+    """train.sync.transport=http: each step's update staged by the engine actor's relay, loaded by its vLLM (the
+    shared transport's handover to vLLM engine actors is the run of `hosts_and_shared` below)."""
     run = tmp_path / "run"
     res = _train("train.cluster=ray", "train.engine=vllm", "train.rl.steps=2", f"train.run_dir={run}",
-                 f"train.sync.transport={transport}", mark="vllm")
+                 "train.sync.transport=http", "train.rl.filter_zero_variance=false", mark="vllm")
     assert res.returncode == 0, res.stderr[-3000:]
     assert not _left("vllm")  # Ray, the actors, their vLLM engine cores, the watchdogs: all gone
     records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["phase"] == "rl"]
     assert len(rl) == 2 * 2 * 2 and all(r["reward"] is not None for r in records)  # every episode scored
-    # sync mode: step s samples only from version s, which the engine actor's vLLM loaded (relay or handover)
+    # sync mode: step s samples only from version s, which the engine actor's vLLM loaded from its relay
     assert all(r["version_first"] == r["version_last"] == r["step"] for r in rl)
     rows = _rl_rows(run)
     assert [r["step"] for r in rows] == [0, 1] and all(r["sync_pause_s"] > 0 for r in rows)
+    # every group trained (filter_zero_variance=false), so the logprobs below were compared, not skipped
+    assert all(r["groups_used"] == 2 for r in rows) and (run / "weights" / "LATEST").is_file()
     assert max(r["logprob_diff_max"] for r in rows) < 1e-3  # vLLM's fp32 logprobs are the trainer's
     assert (run / "summary.json").exists()
 
@@ -356,15 +360,22 @@ def _arenas() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("furlong-weights-")}
 
 
+# The engines of the shared run: vLLM's where it is installed (CI), so one Ray run (Ray, SFT, the evals and the
+# engines' start, the costly parts) checks the handover to vLLM engine actors too; else the hf engine's.
+SHARED_ENGINE = "vllm" if vllm_available() else "hf"
+
+
 @pytest.fixture(scope="module")
 def hosts_and_shared(tmp_path_factory: pytest.TempPathFactory):
     """One `furlong train` on Ray with both sandbox host actors and the trainer actor's weights handed over
-    in place to two colocated engines (Ray, SFT and the evals once, not twice): the two tests below each
-    check their own half of it. The run's directory, its result, and the weight arenas before it."""
+    in place to two colocated engines (SHARED_ENGINE), every group trained (filter_zero_variance=false, so
+    logprobs are compared): the tests below each check their own part of it. The run's directory, its
+    result, and the weight arenas before it."""
     run = tmp_path_factory.mktemp("hosts-shared") / "run"
     before = _arenas()
     res = _train("train.cluster=ray", "train.ray.sandbox_hosts=2", "train.ray.sandbox_host_cpus=0.5",
                  "train.sync.transport=shared", "train.ray.engines=2", "train.ray.engine_cpus=0.5",
+                 f"train.engine={SHARED_ENGINE}", "train.rl.filter_zero_variance=false",
                  "train.rl.steps=2", f"train.run_dir={run}", mark="hosts-shared")
     return run, res, before
 
@@ -393,7 +404,18 @@ def test_train_on_ray_hands_the_trainer_actors_weights_to_colocated_engines_in_p
     assert all(r["version_first"] == r["version_last"] == r["step"] for r in rl)  # sync mode: the live version
     rows = _rl_rows(run)
     assert [r["step"] for r in rows] == [0, 1] and all(r["sync_engines_live"] == 2 for r in rows)
+    assert all(r["sync_pause_s"] > 0 and r["groups_used"] == 2 for r in rows) and (run / "summary.json").exists()
     # the weights stayed in the trainer actor's shared memory: each engine was sent a handle, not the tensors
     assert all(r["sync_shared_bytes"] > 16e6 and r["sync_payload_bytes"] < 40e3 for r in rows)
     # what the engines sampled with is what the trainer holds: their logprobs agree to float32 rounding
     assert max(r["logprob_diff_max"] for r in rows) < 1e-4
+
+
+@skips.skipif("extra:vllm", not vllm_available(), "vLLM is not installed (bash install.sh --vllm)")
+def test_train_on_ray_hands_the_trainer_actors_weights_to_vllm_engine_actors_in_place(hosts_and_shared):
+    """The run above, where vLLM is installed: its engines were vLLM's, each reading the trainer actor's arena."""
+    run, res, _ = hosts_and_shared
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert load_config(run / "config.yaml").train.engine == "vllm"
+    rows = _rl_rows(run)
+    assert [r["version"] for r in rows] == [1, 2] and all(r["sync_shared_bytes"] > 16e6 for r in rows)

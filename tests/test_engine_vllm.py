@@ -6,15 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import skips
 import torch
 from test_train import random_prompts, toy_grpo_steps
-from tests_support import grpo
+from tests_support import Background, grpo
 
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.vllm import vllm_available
@@ -47,7 +45,20 @@ def loop():
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, loop):
+def smoke(tmp_path_factory):
+    """test_train_smoke_with_the_vllm_engine's `furlong train`, started with the module's engine (which asks for
+    it) so that its own vLLM start and steps run beside the module's other tests; that test checks it."""
+    tmp = tmp_path_factory.mktemp("vllm-smoke")
+    # 2 RL steps, every group trained: step 1 samples from the weights step 0 pushed into vLLM, so its
+    # logprob check is one after an update
+    run = Background(tmp / "train.log", "train", "--config", "recipes/smoke.yaml", "train.engine=vllm",
+                     "train.rl.steps=2", "train.rl.filter_zero_variance=false", f"train.run_dir={tmp / 'run'}")
+    yield tmp / "run", run
+    run.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, loop, smoke):
     from furlong.engine.vllm import VLLMEngine
 
     eng = VLLMEngine.start(model_dir, eos_token_ids=(), seed=0)
@@ -216,14 +227,9 @@ def test_grpo_learns_toy_task_on_vllm(engine, model_dir, loop):
 
 
 @pytest.mark.slow
-def test_train_smoke_with_the_vllm_engine(tmp_path):
-    run = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/smoke.yaml",
-                          # 2 RL steps, every group trained: step 1 samples from the weights step 0 pushed into
-                          # vLLM, so its logprob check below is one after an update
-                          "train.engine=vllm", "train.rl.steps=2", "train.rl.filter_zero_variance=false",
-                          f"train.run_dir={run}"],
-                         capture_output=True, text=True, timeout=1500)
+def test_train_smoke_with_the_vllm_engine(smoke):
+    run, background = smoke
+    res = background.result(timeout_s=1500)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Exception ignored" not in res.stderr, res.stderr[-3000:]  # vLLM shut down once, cleanly
     summary = json.loads((run / "summary.json").read_text())

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import skips
 import torch
 from test_engine_vllm import loop  # noqa: F401  (the module's event loop fixture)
+from tests_support import Background
 
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.factory import make_engine
@@ -57,7 +56,20 @@ def policy(base):
 
 
 @pytest.fixture(scope="module")
-def engine(base, policy, loop, tmp_path_factory):
+def smoke(tmp_path_factory):
+    """test_train_smoke_with_lora_on_the_vllm_engine's `furlong train`, started with the module's engine (which
+    asks for it) so that its own vLLM start and steps run beside the module's other tests; that test checks it."""
+    tmp = tmp_path_factory.mktemp("vllm-lora-smoke")
+    # every group trained, rewarded or not, so the logprob comparison has tokens
+    run = Background(tmp / "train.log", "train", "--config", "recipes/smoke.yaml", "train.engine=vllm",
+                     "train.lora.enabled=true", "train.rl.steps=2", "train.rl.filter_zero_variance=false",
+                     f"train.run_dir={tmp / 'run'}")
+    yield tmp / "run", run
+    run.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(base, policy, loop, tmp_path_factory, smoke):
     # through the factory, as `furlong eval --agent model --engine vllm --adapter DIR` starts it
     adapter = save_adapter(policy, tmp_path_factory.mktemp("adapter"))
     eng = make_engine("vllm", base, adapter=adapter, seed=0)
@@ -146,13 +158,9 @@ def test_a_directory_without_an_adapter_is_one_clear_error(base, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_smoke_with_lora_on_the_vllm_engine(tmp_path):
-    run = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/smoke.yaml",
-                          "train.engine=vllm", "train.lora.enabled=true", "train.rl.steps=2",
-                          # every group trained, rewarded or not, so the logprob comparison below has tokens
-                          "train.rl.filter_zero_variance=false", f"train.run_dir={run}"],
-                         capture_output=True, text=True, timeout=1500)
+def test_train_smoke_with_lora_on_the_vllm_engine(smoke):
+    run, background = smoke
+    res = background.result(timeout_s=1500)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Exception ignored" not in res.stderr, res.stderr[-3000:]  # vLLM shut down once, cleanly
     summary = json.loads((run / "summary.json").read_text())

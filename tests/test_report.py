@@ -1,5 +1,6 @@
 """Per-episode records, per-step diagnostics and `furlong report`, on one short real run (smoke recipe,
-2 RL steps) shared by the module, plus unit tests of the statistics and the diagnostics formulas."""
+4 RL steps: conftest's smoke_run, shared with other modules), plus unit tests of the statistics and the
+diagnostics formulas."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from furlong.metrics.stats import bootstrap_diff, bootstrap_mean, bootstrap_rati
 from furlong.timing import EpisodeTiming
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, TASKS, GROUP, HELDOUT = 2, 2, 2, 2  # smoke recipe, 2 RL steps: the fewest that give two halves
+STEPS, TASKS, GROUP, HELDOUT = 4, 2, 2, 2  # the smoke recipe's run (conftest's smoke_run, shared)
 SECTIONS = ("Reward and pass rate per step", "Per-family pass rate", "Episode time breakdown", "Sample lag",
             "Group wait, KV held", "Projection: faster inference")
 PLOTS = ("reward_per_step.png", "family_pass_rate.png", "time_breakdown.png", "sample_lag_hist.png",
@@ -35,11 +36,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("report") / "run"
-    res = _cli("train", "--config", "recipes/smoke.yaml", f"train.run_dir={path}", f"train.rl.steps={STEPS}")
-    assert res.returncode == 0, res.stderr[-3000:]
-    return path
+def run_dir(smoke_run: Path) -> Path:
+    return smoke_run
 
 
 def _rl_rows(run: Path) -> list[dict]:
@@ -116,8 +114,8 @@ def test_report_on_a_run_cut_mid_line(run_dir: Path, tmp_path: Path):
         (cut / name).write_text(text[: len(text) - 40])  # the last line torn
     res = _cli("report", str(cut))
     assert res.returncode == 0, res.stderr
-    md = _check_report(cut / "report")  # step 1's metrics row is torn: lags come from step 0's episodes
-    assert "in progress" in md and "RL steps logged: 1 of 2" in md
+    md = _check_report(cut / "report")  # the last step's metrics row is torn: lags come from the others' episodes
+    assert "in progress" in md and f"RL steps logged: {STEPS - 1} of {STEPS}" in md
     n_full = len(read_jsonl(run_dir / "episodes.jsonl"))
     assert len(read_jsonl(cut / "episodes.jsonl")) == n_full - 1  # the torn line is skipped, the rest kept
 

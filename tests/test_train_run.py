@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests_support import Background
+
 SMALL = [
     "train.families=[count-in-file, number-stats]", "train.sft.families=[count-in-file]",  # number-stats: reward-only
     "train.sft.instances_per_family=4", "train.sft.epochs=1", "train.sft.batch_size=4",
@@ -48,9 +50,30 @@ def _rl_rows(run: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["phase"] == "rl"]
 
 
+def _kill_after_step_1(killed: Path) -> None:
+    """A SMALL run SIGKILLed (with all its processes) once RL step 1 is logged: it ends with no summary."""
+    proc = _train(f"train.run_dir={killed}", *SMALL, wait=False)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(r["step"] >= 1 for r in _rl_rows(killed)) and time.monotonic() < deadline:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (killed / "summary.json").exists()
+
+
 def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: Path):
-    whole = tmp_path / "whole"
-    res = _train(f"train.run_dir={whole}", *SMALL)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    # the run never killed goes beside the one that is (CI's second core): they share no state
+    reference = Background(tmp_path / "whole.log", "train", f"train.run_dir={whole}", *SMALL)
+    try:
+        _kill_after_step_1(killed)
+        res = reference.result(timeout_s=900)
+    finally:
+        reference.stop()  # a failure above: no waiting for it
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((whole / "summary.json").read_text())
     assert summary == json.loads(res.stdout.splitlines()[-1])
@@ -78,15 +101,6 @@ def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: 
     assert ("no RL step updated the policy" in res.stderr) == (not summary["rl_steps_updated"]), res.stderr[-2000:]
     assert json.loads(res.stdout.splitlines()[-1])["heldout_pass_at_1_after_rl"] == summary["heldout_pass_at_1_after_rl"]
 
-    killed = tmp_path / "killed"
-    proc = _train(f"train.run_dir={killed}", *SMALL, wait=False)
-    deadline = time.monotonic() + 600
-    while not any(r["step"] >= 1 for r in _rl_rows(killed)) and time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (killed / "summary.json").exists()
     res = _train("--resume", str(killed))
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = _rl_rows(killed)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,3 +119,30 @@ async def reference_generation(model_dir: Path, weights: dict, prompt: list[int]
         return await engine.generate(prompt, sampling)
     finally:
         await engine.close()
+
+
+class Background:
+    """A `python -m furlong.cli` run started now and checked later, beside the tests that run meanwhile: CI's
+    suite keeps about one of its two cores busy, and a run that mostly waits on one process (a vLLM start, a
+    tiny model's steps) uses the other. stdout and stderr go to files beside `log` (a pipe that nobody reads
+    could fill and stall the run)."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.args, self.log = [sys.executable, "-m", "furlong.cli", *args], log
+        with log.with_suffix(".stdout").open("w") as out, log.with_suffix(".stderr").open("w") as err:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=err, start_new_session=True)
+
+    def result(self, timeout_s: float = 1500) -> subprocess.CompletedProcess:
+        """Waits for the run (killing it past `timeout_s`, as subprocess.run's timeout would)."""
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        finally:
+            self.stop()
+        out, err = (self.log.with_suffix(s).read_text() for s in (".stdout", ".stderr"))
+        return subprocess.CompletedProcess(self.args, code, out, err)
+
+    def stop(self) -> None:
+        """Kills the run and whatever it started (its own session), if it is still going."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
