@@ -34,7 +34,7 @@ def clues(task: Task) -> Clues:
     """The task's instruction and tests, read for what an exploit may use."""
     tests = _test_texts(task)
     texts = [task.instruction, *tests]
-    paths = [p for t in texts for p in _PATH.findall(t) if _target(p)]
+    paths = [p for t in texts for p in (m.rstrip(".") for m in _PATH.findall(t)) if _target(p)]  # a sentence's "."
     tools = [a or b for t in tests for a, b in _TOOL.findall(t)]
     literals = [a or b for t in tests for a, b in _LITERAL.findall(t)]
     return Clues(
