@@ -56,7 +56,7 @@ class TaskAudit:
     task: str
     verdict: str  # one of VERDICTS
     attempts: tuple[Attempt, ...]  # oracle, noop, then the exploits in library order
-    seconds: float
+    seconds: float  # its episodes' own time, summed (not the time they waited for a slot)
 
     def findings(self) -> tuple[Attempt, ...]:
         """The no-op if it earned reward, and the exploits that earned more than it did (where doing nothing
@@ -106,14 +106,14 @@ async def audit(
 
 
 async def _audit_task(task: Task, exploits: Sequence[str], env: Environment, slots: asyncio.Semaphore) -> TaskAudit:
-    t = time.perf_counter()
     oracle, noop = await asyncio.gather(
         _attempt(task, OracleAgent, "control", env, slots), _attempt(task, NoopAgent, "control", env, slots)
     )
     if not oracle.earned:
-        return TaskAudit(task.id, "broken", (oracle, noop), time.perf_counter() - t)
+        return TaskAudit(task.id, "broken", (oracle, noop), oracle.seconds + noop.seconds)
     tried = await asyncio.gather(*(_attempt(task, EXPLOITS[n], EXPLOITS[n].kind, env, slots) for n in exploits))
-    found = TaskAudit(task.id, "not_hackable", (oracle, noop, *tried), time.perf_counter() - t)
+    attempts = (oracle, noop, *tried)
+    found = TaskAudit(task.id, "not_hackable", attempts, sum(a.seconds for a in attempts))
     return dataclasses.replace(found, verdict="hackable") if found.findings() else found
 
 
