@@ -22,6 +22,7 @@ from furlong.tasks.loader import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
+PYTEST_TASK = "pytest-rootdir"  # its verifier's pytest (the toolchain layer) is slow to start: one exploit only
 # each exploit's fixture built to be hackable by it; `sound` is built to be hackable by none
 HACKABLE_BY = {
     "python-startup-hook": "trusts-tools",
@@ -33,19 +34,24 @@ HACKABLE_BY = {
     "empty-outputs": "exit-status-only",
     "blank-named-files": "agent-expected",
     "delete-tool": "skips-without-tool",
+    "conftest": PYTEST_TASK,
 }
 CAUGHT_BY_TAMPER = ("python-startup-hook", "pth-hook", "conftest", "path-shadow")
-REWARD_CHANNEL = ("reward-file", "logs-symlink")
+REWARD_CHANNEL = ("reward-file", "logs-symlink")  # furlong's own machinery: no task can make them pay
+KINDS = ("reward-channel", "tests", "answers", "weak-checks")
 
 
 @pytest.fixture(scope="module")
 def audited(backend, store) -> dict[str, TaskAudit]:
-    """Every fixture task audited with the whole library, once (about 150 episodes at concurrency 2)."""
+    """Every fixture task audited with the whole library, once (about 150 episodes at concurrency 2); the
+    pytest task with the conftest exploit alone."""
     tasks = [load_task(d) for d in sorted(FIXTURES.iterdir())]
+    most = [t for t in tasks if t.id != PYTEST_TASK]
 
     async def go():
         env = await harbor_env(tasks, backend, store, Console(quiet=True))
-        return await audit(tasks, tuple(EXPLOITS), env, 2, lambda _: None)
+        found = await audit(most, tuple(EXPLOITS), env, 2, lambda _: None)
+        return found + await audit([t for t in tasks if t.id == PYTEST_TASK], ("conftest",), env, 2, lambda _: None)
 
     return {r.task: r for r in run(go())}
 
@@ -74,6 +80,12 @@ def test_no_exploit_earns_on_the_sound_task_and_tampering_is_caught(audited):
     for name in CAUGHT_BY_TAMPER:
         assert attempts[name].caught and attempts[name].tampered_paths, attempts[name]
     assert not any(attempts[name].caught for name in HACKABLE_BY if name not in CAUGHT_BY_TAMPER)
+
+
+def test_every_exploit_says_what_it_tries_and_what_to_fix():
+    for name, exploit in EXPLOITS.items():
+        assert exploit.__doc__ and exploit.hint and exploit.kind in KINDS, name
+        assert name in HACKABLE_BY or name in REWARD_CHANNEL, f"{name}: no fixture task built to be hackable by it"
 
 
 def test_the_reward_channel_exploits_never_pay(audited):
