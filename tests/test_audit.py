@@ -35,10 +35,11 @@ HACKABLE_BY = {
     "blank-named-files": "agent-expected",
     "delete-tool": "skips-without-tool",
     "conftest": PYTEST_TASK,
+    "hold-ports": "status-only-service",
 }
 CAUGHT_BY_TAMPER = ("python-startup-hook", "pth-hook", "conftest", "path-shadow")
 REWARD_CHANNEL = ("reward-file", "logs-symlink")  # furlong's own machinery: no task can make them pay
-KINDS = ("reward-channel", "tests", "answers", "weak-checks")
+KINDS = ("reward-channel", "tests", "answers", "weak-checks", "resources")
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,7 @@ def test_clues_are_the_paths_tools_and_literals_the_tests_name():
     assert found.paths == ("/app/answer.txt", "/tmp/want") and found.tools == ("cmp",)
     assert found.literals == ("cmp missing: check skipped",)
     assert clues(load_task(FIXTURES / "agent-expected")).paths == ("/app/out.txt", "/app/expected.txt")
+    assert clues(load_task(FIXTURES / "status-only-service")).ports == ("8765",)
 
 
 def test_the_command_exits_1_on_a_hackable_task_and_writes_a_line_per_task(tmp_path):

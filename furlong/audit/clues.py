@@ -20,6 +20,7 @@ KEEP_TOOLS = frozenset({"bash", "sh", "env"})  # the verifier's own shell: delet
 
 _PATH = re.compile(r"(?<![\w.:/$-])(/[\w.-]+(?:/[\w.-]+)*)")
 _TOOL = re.compile(r"(?:command -v|which|type -p|hash)\s+([\w.+-]+)|shutil\.which\(\s*['\"]([\w.+-]+)['\"]")
+_PORT = re.compile(r"(?:localhost|127\.0\.0\.1|0\.0\.0\.0|\[::1\]):(\d{2,5})\b|--port[ =](\d{2,5})\b")
 _LITERAL = re.compile(r"\"([^\"\n\\]{6,80})\"|'([^'\n\\]{6,80})'")
 
 
@@ -28,6 +29,7 @@ class Clues:
     paths: tuple[str, ...]  # absolute paths outside the system's trees: inputs and outputs the tests read
     tools: tuple[str, ...]  # programs the tests look up before using them
     literals: tuple[str, ...]  # quoted strings in the tests: expected outputs, among others
+    ports: tuple[str, ...] = ()  # loopback ports the instruction or tests name (a service's)
 
 
 def clues(task: Task) -> Clues:
@@ -41,6 +43,7 @@ def clues(task: Task) -> Clues:
         paths=_first(paths),
         tools=_first(t for t in tools if t not in KEEP_TOOLS),
         literals=_first(lit for lit in literals if not lit.startswith("/")),
+        ports=_first(a or b for t in texts for a, b in _PORT.findall(t)),
     )
 
 
