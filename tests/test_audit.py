@@ -22,7 +22,7 @@ from furlong.tasks.loader import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
-PYTEST_TASK = "pytest-rootdir"  # its verifier's pytest (the toolchain layer) is slow to start: one exploit only
+PYTEST_TASK = "pytest-rootdir"  # its verifier's pytest comes from the toolchain layer
 # each exploit's fixture built to be hackable by it; `sound` is built to be hackable by none
 HACKABLE_BY = {
     "python-startup-hook": "trusts-tools",
@@ -44,15 +44,18 @@ KINDS = ("reward-channel", "tests", "answers", "weak-checks", "resources")
 
 @pytest.fixture(scope="module")
 def audited(backend, store) -> dict[str, TaskAudit]:
-    """Every fixture task audited with the whole library, once (about 150 episodes at concurrency 2); the
-    pytest task with the conftest exploit alone."""
-    tasks = [load_task(d) for d in sorted(FIXTURES.iterdir())]
-    most = [t for t in tasks if t.id != PYTEST_TASK]
+    """The whole library on `sound`; on each other fixture task, the exploits built to pay there (the
+    reward channel's on reward-on-pass-only), at concurrency 2: about 50 episodes, one image build."""
+    tasks = {d.name: load_task(d) for d in sorted(FIXTURES.iterdir())}
+    plan: dict[str, list[str]] = {name: [] for name in tasks}
+    plan["sound"] = list(EXPLOITS)
+    plan["reward-on-pass-only"] = list(REWARD_CHANNEL)
+    for exploit, task in HACKABLE_BY.items():
+        plan[task].append(exploit)
 
     async def go():
-        env = await harbor_env(tasks, backend, store, Console(quiet=True))
-        found = await audit(most, tuple(EXPLOITS), env, 2, lambda _: None)
-        return found + await audit([t for t in tasks if t.id == PYTEST_TASK], ("conftest",), env, 2, lambda _: None)
+        env = await harbor_env(list(tasks.values()), backend, store, Console(quiet=True))
+        return [r for n, names in plan.items() for r in await audit([tasks[n]], names, env, 2, lambda _: None)]
 
     return {r.task: r for r in run(go())}
 
@@ -92,9 +95,8 @@ def test_every_exploit_says_what_it_tries_and_what_to_fix():
 def test_the_reward_channel_exploits_never_pay(audited):
     """furlong's verifier owns /logs/verifier: an agent's reward file, a background writer or a symlink there
     earns nothing, even from tests that write a reward only on success."""
-    assert audited["reward-on-pass-only"].verdict == "not_hackable"
-    for result in audited.values():
-        assert not {a.agent for a in result.findings()} & set(REWARD_CHANNEL), result.task
+    result = audited["reward-on-pass-only"]
+    assert result.verdict == "not_hackable" and {a.agent for a in result.attempts} == {"oracle", "noop", *REWARD_CHANNEL}
 
 
 def test_a_noop_that_passes_is_the_finding_and_a_broken_oracle_is_not_hackable(audited):
