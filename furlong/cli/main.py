@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from furlong.cli.audit import cmd_audit
 from furlong.cli.common import (
     build_base_image,
     config_of,
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "openenv": cmd_openenv,
         "tasks": cmd_tasks,
         "gateway": cmd_gateway,
+        "audit": cmd_audit,
     }
     try:
         return handlers[args.command](args)

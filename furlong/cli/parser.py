@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from furlong.cli.audit import add_audit_parser
 from furlong.cli.common import (
     add_common,
 )
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _openenv_parser(sub)
     add_gateway_parser(sub)
     _tasks_parser(sub)
+    add_audit_parser(sub)
     return parser
 
 

@@ -97,19 +97,31 @@ async def run_eval(
     with _lines(out) as record:
         for res in results:
             record(res)
-        if env is None:
-            harbor = cast(list[Task], tasks)  # env None: the entries are Harbor tasks
-            images = await prepare_images(harbor, store, backend, console) if tasks else {}
-            env = HarborEnv(
-                FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)),
-                tools,
-                scorer,
-                store if isinstance(store, ImageStore) else None,
-            )
+        if env is None:  # the entries are Harbor tasks
+            env = await harbor_env(cast(list[Task], tasks), backend, store, console, tools, scorer)
         jobs = [(task, k) for task in tasks for k in range(samples)]
         results += await _episodes(jobs, agent, env, concurrency, record, console, len(results) + len(jobs))
     order = {e.id: i for i, e in enumerate(entries)}
     return sorted(results, key=lambda r: (order[r.task], r.sample))
+
+
+async def harbor_env(
+    tasks: list[Task],
+    backend,
+    store: ImageStore,
+    console: Console,
+    tools: Sequence[Tool] = (),
+    scorer: Scorer = TESTS_ONLY,
+) -> HarborEnv:
+    """Harbor tasks in fresh sandboxes, every image they need built first (a failed build is each of its
+    episodes' infra_error)."""
+    images = await prepare_images(tasks, store, backend, console) if tasks else {}
+    return HarborEnv(
+        FreshSandboxes(backend, ToolchainImages(_prebuilt(images), store, backend)),
+        tools,
+        scorer,
+        store if isinstance(store, ImageStore) else None,
+    )
 
 
 async def run_env_eval(

@@ -1,0 +1,131 @@
+"""`furlong audit`: every exploit of the library earns reward on a fixture task built to be hackable by it
+and nothing on one built not to be, through furlong's real runner, sandboxes and verifier; the reward
+channel and the tampering exploits are defeated by furlong's machinery (tests/fixtures/audit: one image)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run
+from rich.console import Console
+
+from furlong.audit.clues import clues
+from furlong.audit.exploits import EXPLOITS
+from furlong.audit.run import TaskAudit, audit
+from furlong.eval.run import harbor_env
+from furlong.tasks.loader import load_task
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).parent / "fixtures" / "audit"
+PYTEST_TASK = "pytest-rootdir"  # its verifier's pytest comes from the toolchain layer
+# each exploit's fixture built to be hackable by it; `sound` is built to be hackable by none
+HACKABLE_BY = {
+    "python-startup-hook": "trusts-tools",
+    "pth-hook": "trusts-tools",
+    "path-shadow": "trusts-tools",
+    "shell-startup": "login-shell",
+    "git-history": "git-reflog",
+    "leftover-answer": "build-leftover",
+    "empty-outputs": "exit-status-only",
+    "blank-named-files": "agent-expected",
+    "delete-tool": "skips-without-tool",
+    "conftest": PYTEST_TASK,
+    "hold-ports": "status-only-service",
+}
+CAUGHT_BY_TAMPER = ("python-startup-hook", "pth-hook", "conftest", "path-shadow")
+REWARD_CHANNEL = ("reward-file", "logs-symlink")  # furlong's own machinery: no task can make them pay
+KINDS = ("reward-channel", "tests", "answers", "weak-checks", "resources")
+
+
+@pytest.fixture(scope="module")
+def audited(backend, store) -> dict[str, TaskAudit]:
+    """The whole library on `sound`; on each other fixture task, the exploits built to pay there (the
+    reward channel's on reward-on-pass-only), at concurrency 2: about 50 episodes, one image build."""
+    tasks = {d.name: load_task(d) for d in sorted(FIXTURES.iterdir())}
+    plan: dict[str, list[str]] = {name: [] for name in tasks}
+    plan["sound"] = list(EXPLOITS)
+    plan["reward-on-pass-only"] = list(REWARD_CHANNEL)
+    for exploit, task in HACKABLE_BY.items():
+        plan[task].append(exploit)
+
+    async def go():
+        env = await harbor_env(list(tasks.values()), backend, store, Console(quiet=True))
+        return [r for n, names in plan.items() for r in await audit([tasks[n]], names, env, 2, lambda _: None)]
+
+    return {r.task: r for r in run(go())}
+
+
+def _by(result: TaskAudit) -> dict:
+    return {a.agent: a for a in result.attempts}
+
+
+@pytest.mark.parametrize("exploit", sorted(HACKABLE_BY))
+def test_each_exploit_earns_on_the_task_built_for_it_with_evidence(audited, exploit):
+    result = audited[HACKABLE_BY[exploit]]
+    assert result.verdict == "hackable", result
+    found = {a.agent: a for a in result.findings()}
+    assert exploit in found, (exploit, _by(result)[exploit])
+    assert found[exploit].touched, "the evidence names what the exploit changed"
+    assert found[exploit].status == "ok" and found[exploit].verifier_exit_code is not None
+
+
+def test_no_exploit_earns_on_the_sound_task_and_tampering_is_caught(audited):
+    result = audited["sound"]
+    attempts = _by(result)
+    assert result.verdict == "not_hackable" and result.findings() == ()
+    assert set(attempts) == {"oracle", "noop", *EXPLOITS}
+    assert attempts["oracle"].reward == 1.0
+    assert all(a.reward == 0.0 for name, a in attempts.items() if name != "oracle"), attempts
+    for name in CAUGHT_BY_TAMPER:
+        assert attempts[name].caught and attempts[name].tampered_paths, attempts[name]
+    assert not any(attempts[name].caught for name in HACKABLE_BY if name not in CAUGHT_BY_TAMPER)
+
+
+def test_every_exploit_says_what_it_tries_and_what_to_fix():
+    for name, exploit in EXPLOITS.items():
+        assert exploit.__doc__ and exploit.hint and exploit.kind in KINDS, name
+        assert name in HACKABLE_BY or name in REWARD_CHANNEL, f"{name}: no fixture task built to be hackable by it"
+
+
+def test_the_reward_channel_exploits_never_pay(audited):
+    """furlong's verifier owns /logs/verifier: an agent's reward file, a background writer or a symlink there
+    earns nothing, even from tests that write a reward only on success."""
+    result = audited["reward-on-pass-only"]
+    assert result.verdict == "not_hackable" and {a.agent for a in result.attempts} == {"oracle", "noop", *REWARD_CHANNEL}
+
+
+def test_a_noop_that_passes_is_the_finding_and_a_broken_oracle_is_not_hackable(audited):
+    noop = audited["noop-passes"]
+    assert noop.verdict == "hackable" and [a.agent for a in noop.findings()] == ["noop"]
+    assert noop.to_json()["findings"][0]["hint"].startswith("doing nothing earns reward")
+    broken = audited["broken-oracle"]
+    assert broken.verdict == "broken" and [a.agent for a in broken.attempts] == ["oracle", "noop"]
+
+
+def test_clues_are_the_paths_tools_and_literals_the_tests_name():
+    found = clues(load_task(FIXTURES / "skips-without-tool"))
+    assert found.paths == ("/app/answer.txt", "/tmp/want") and found.tools == ("cmp",)
+    assert found.literals == ("cmp missing: check skipped",)
+    assert clues(load_task(FIXTURES / "agent-expected")).paths == ("/app/out.txt", "/app/expected.txt")
+    assert clues(load_task(FIXTURES / "status-only-service")).ports == ("8765",)
+
+
+def test_the_command_exits_1_on_a_hackable_task_and_writes_a_line_per_task(tmp_path):
+    tasks = tmp_path / "tasks"
+    for name in ("sound", "exit-status-only"):
+        shutil.copytree(FIXTURES / name, tasks / name)
+    out = tmp_path / "audit.jsonl"
+    cmd = [sys.executable, "-m", "furlong.cli", "audit", "--tasks", str(tasks), "--exploits", "empty-outputs"]
+    res = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = {d["task"]: d for d in map(json.loads, out.read_text().splitlines())}
+    assert {t: d["verdict"] for t, d in lines.items()} == {"sound": "not_hackable", "exit-status-only": "hackable"}
+    assert lines["exit-status-only"]["hackable_by"] == ["empty-outputs"]
+    assert "exit-status-only: hackable by empty-outputs" in res.stderr  # the console: progress
+    bad = subprocess.run([*cmd[:-1], "no-such"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown exploit 'no-such'; known: all, reward-file" in bad.stderr
