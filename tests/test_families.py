@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from tests_support import grpo
 from transformers import AutoModelForCausalLM
 
 from furlong.agent.episode import Episode, EpisodeTiming
+from furlong.config import REPO_ROOT
 from furlong.engine import SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model.chat import (
@@ -183,6 +186,22 @@ def test_the_hf_export_loads_back_in_transformers(family_dirs, name: str, tmp_pa
     assert type(back) is type(trainer.model)
     assert checksums(back.state_dict()) == checksums(trainer.model.state_dict())
     assert load_tokenizer(out).chat_template == load_tokenizer(directory).chat_template
+
+
+def test_furlong_train_runs_two_rl_steps_on_a_moe_family(family_dirs, tmp_path: Path) -> None:
+    """`furlong train` as a user runs it, on the Qwen3-MoE variant (the bundled prompts example: no sandbox):
+    both steps train on every episode and log trainer/rollout parity."""
+    run = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/prompts-arith.yaml",
+                          f"train.model.path={family_dirs['qwen3_moe']}", f"train.run_dir={run}", "train.sft.epochs=0",
+                          "train.rl.steps=2", "train.rl.tasks_per_step=2", "train.rl.group_size=2",
+                          "train.rl.filter_zero_variance=false", "train.eval.heldout_per_family=1"],
+                         check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["updated"] and r["loss_tokens"] > 0 for r in rows)
+    assert all(r["logprob_diff_max"] < 1e-5 and abs(r["rollout_train_kl"]) < 1e-6 for r in rows), rows
+    assert rows[0]["ppo_kl"] == 0.0 and rows[0]["clip_frac"] == 0.0
 
 
 def test_an_unknown_family_names_the_known_ones() -> None:
