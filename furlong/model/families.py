@@ -15,9 +15,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from furlong.model.corpus import generate_corpus
 from furlong.model.families_configs import CONFIGS
-from furlong.model.tiny import _portable_tokenizer_class, cache_root
+from furlong.model.tiny import _portable_tokenizer_class, build_once, cache_root
 from furlong.model.tokenizer import train_bpe
 
 FORMAT_VERSION = 1
@@ -212,32 +209,7 @@ def init_family(name: str, out_dir: Path | str | None = None, seed: int = 0) -> 
     stamp = fingerprint(fam, seed)
     digest = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:12]
     out = Path(out_dir) if out_dir is not None else cache_root() / "models" / f"{name}-{digest}"
-    if out.exists():
-        return _check_existing(out, stamp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        _build(tmp, fam, seed)
-        (tmp / MARKER).write_text(json.dumps(stamp, indent=1, sort_keys=True))
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not out.exists():
-                raise
-            return _check_existing(out, stamp)  # a concurrent builder won the race
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _check_existing(out: Path, stamp: dict[str, Any]) -> Path:
-    marker = out / MARKER
-    if not marker.is_file():
-        raise FileExistsError(f"{out} exists but is not a furlong family model (no {MARKER}); remove it")
-    found = json.loads(marker.read_text())
-    if found != stamp:
-        raise FileExistsError(f"{out} holds a different family model: {found} != {stamp}")
-    return out
+    return build_once(out, stamp, lambda tmp: _build(tmp, fam, seed), MARKER)
 
 
 @functools.cache
