@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,12 @@ def one(name: str, work: Path) -> dict:
             "logprob_abs_diff_max": float(diff.max()), "logprob_abs_diff_mean": float(diff.mean())}
 
 
+def root_cause(stderr: str) -> str:
+    """The first exception line that is not vLLM's wrapper (EngineDeadError points at the trace above it)."""
+    lines = [x for x in stderr.splitlines() if re.search(r"\w*(Error|Exception): ", x) and "EngineDeadError" not in x]
+    return re.sub(r"^\(\w+ pid=\d+\) ERROR [^\]]*\] ", "", lines[0])[:400] if lines else stderr[-400:]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", default="")
@@ -73,8 +80,7 @@ def main() -> None:
             try:
                 res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
                 line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
-                errors = [x for x in res.stderr.splitlines() if "Error" in x or "error" in x]
-                results[name] = json.loads(line[7:]) if line else {"ok": False, "error": (errors or ["?"])[-1][:400]}
+                results[name] = json.loads(line[7:]) if line else {"ok": False, "error": root_cause(res.stderr)}
             except subprocess.TimeoutExpired:
                 results[name] = {"ok": False, "error": "no result within 300 s"}
             print(name, results[name], flush=True)

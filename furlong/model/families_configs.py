@@ -19,12 +19,13 @@ from transformers import (
 )
 
 Ids = dict[str, int | None]  # bos, eos, pad
-# Shared toy sizes: 4 query heads of 16 over 2 KV heads (GQA in every family that has it).
+# Shared toy sizes: 4 query heads of 32 over 2 KV heads (GQA in every family that has it). vLLM's CPU attention
+# has kernels for head sizes 32, 64, ... but not 16.
 SMALL: dict[str, Any] = {
     "hidden_size": 64,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 32,
     "intermediate_size": 128,
 }
 WINDOW = 16  # sliding window: real ones are 128 (GPT-OSS) to 4096 (Gemma 3); episodes here are longer than 16
@@ -94,7 +95,7 @@ def gemma3(vocab: int, ids: Ids) -> PretrainedConfig:
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         sliding_window=WINDOW,
         rope_parameters=rope,
-        query_pre_attn_scalar=16,
+        query_pre_attn_scalar=32,
         max_position_embeddings=131072,
         tie_word_embeddings=True,
         hidden_activation="gelu_pytorch_tanh",
@@ -150,8 +151,8 @@ def deepseek_v3(vocab: int, ids: Ids) -> PretrainedConfig:
         q_lora_rank=32,
         kv_lora_rank=16,
         qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
+        qk_nope_head_dim=24,
+        v_head_dim=32,
         n_routed_experts=8,
         num_experts_per_tok=2,
         n_group=2,
