@@ -3,7 +3,7 @@ vLLM, one vLLM at a time, each in its own child process (a family vLLM cannot lo
 down): start, sample 16 tokens with logprobs, score the same tokens with the trainer's forward, and record the
 largest |vLLM logprob - trainer logprob|, or the error that stopped it.
 
-    python bench/families_vllm.py [--families qwen3,llama3] [--out bench/results/families_vllm.json]
+    python bench/families_vllm.py [--families qwen3,llama3] [--timeout-s 300] [--out bench/results/families_vllm.json]
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def root_cause(stderr: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", default="")
+    parser.add_argument("--timeout-s", type=float, default=300, help="per family (vLLM starts in 15-70 s when idle)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/families_vllm.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -78,13 +79,14 @@ def main() -> None:
         for name in names:
             cmd = [sys.executable, __file__, "--child", name, "--work", work]
             try:
-                res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+                res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s, check=False)
                 line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
                 results[name] = json.loads(line[7:]) if line else {"ok": False, "error": root_cause(res.stderr)}
             except subprocess.TimeoutExpired:
-                results[name] = {"ok": False, "error": "no result within 300 s"}
+                results[name] = {"ok": False, "error": f"no result within {args.timeout_s:.0f} s"}
             print(name, results[name], flush=True)
-    args.out.write_text(json.dumps({"provenance": finish(prov), "families": results}, indent=1) + "\n")
+            # after every family: a leg cut short still leaves what it measured
+            args.out.write_text(json.dumps({"provenance": finish(prov), "families": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
