@@ -1,4 +1,4 @@
-"""Tool-call formats against the real published chat templates (tests/fixtures/chat_templates/, each naming its
+"""Tool-call formats against the real published chat templates (furlong/model/templates/, each naming its
 source): a call rendered by the template and tokenized parses back to the same call, a malformed one is a
 ToolCallError and never an exception, the format is detected from the template, and a multi-turn episode in
 each format keeps its sampled ids and appends exactly what the template writes after them."""
@@ -38,7 +38,7 @@ from furlong.model.toolcall import FORMATS, detect_format, tool_format
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
 from furlong.train.sft import FINAL_ANSWER, demo_tokens
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+TEMPLATES = Path(__file__).parent.parent / "furlong" / "model" / "templates"
 # The control tokens each family's real tokenizer has as single ids (Qwen3-Coder's are the tiny model's own).
 SPECIAL = {
     "hermes": (),

@@ -176,10 +176,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
+    from furlong.model.families import family, init_family
     from furlong.model.tiny import init_tiny
 
-    with console.status("building the tiny model and tokenizer"):
-        path = init_tiny(args.out, seed=args.seed)
+    if args.name != "tiny":
+        family(args.name)  # an unknown name fails here, naming the known ones, before anything is built
+    with console.status(f"building the {args.name} model and tokenizer"):
+        path = (
+            init_tiny(args.out, seed=args.seed) if args.name == "tiny" else init_family(args.name, args.out, args.seed)
+        )
     print(path)
     return 0
 

@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     init = model_sub.add_parser("init", help="build a model offline (the embedded default: tiny)")
-    init.add_argument("name", choices=["tiny"])
+    init.add_argument(
+        "name", help="tiny, or a tiny variant of a model family (qwen3, llama3, gpt_oss, ...: docs/models.md)"
+    )
     init.add_argument("--out", type=Path, help="directory (default: the cache)")
     init.add_argument("--seed", type=int, default=0)
 

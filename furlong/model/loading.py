@@ -31,9 +31,15 @@ def load_model(
 ) -> PreTrainedModel:
     """A causal LM in eval mode. fp32 by default: the engine's logprobs must match the trainer's exactly."""
     p = _local_dir(path, ("config.json",))
-    model = AutoModelForCausalLM.from_pretrained(
-        p, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            p, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+        )
+    except ValueError as e:
+        if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(e):
+            raise
+        # GPT-OSS's attention sinks have no SDPA kernel in transformers: its eager attention is the reference one.
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True, attn_implementation="eager")
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() loosely
 
 

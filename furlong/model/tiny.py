@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -68,36 +69,41 @@ def init_tiny(out_dir: Path | str | None = None, seed: int = 0, spec: TinySpec |
     seed is returned as is; one built from a different spec is an error rather than silently reused.
     """
     spec = replace(spec or TinySpec(), **overrides)
-    fingerprint = spec_fingerprint(spec, seed)
     out = Path(out_dir) if out_dir is not None else cache_root() / "models" / f"tiny-{spec_hash(spec, seed)}"
+    return build_once(out, spec_fingerprint(spec, seed), lambda tmp: _build(tmp, spec, seed), MARKER)
+
+
+def build_once(out: Path, fingerprint: dict, build: Callable[[Path], None], marker: str) -> Path:
+    """`out`, built by `build(tmp)` unless it exists: the `marker` file records `fingerprint`, and an existing
+    directory with another fingerprint (or none) is an error rather than silently reused."""
     if out.exists():
-        return _check_existing(out, fingerprint)
+        return _check_existing(out, fingerprint, marker)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename into place: readers never see a half-written checkpoint.
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        _build(tmp, spec, seed)
-        (tmp / MARKER).write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+        build(tmp)
+        (tmp / marker).write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
         try:
             os.rename(tmp, out)
         except OSError:
             if not out.exists():
                 raise
-            return _check_existing(out, fingerprint)  # a concurrent builder won the race
+            return _check_existing(out, fingerprint, marker)  # a concurrent builder won the race
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _check_existing(out: Path, fingerprint: dict) -> Path:
-    marker = out / MARKER
-    if not marker.is_file():
+def _check_existing(out: Path, fingerprint: dict, marker: str) -> Path:
+    path = out / marker
+    if not path.is_file():
         raise FileExistsError(
-            f"{out} exists but is not a furlong tiny model (no {MARKER}); remove it or pick another directory"
+            f"{out} exists but is not a furlong model built here (no {marker}); remove it or pick another directory"
         )
-    found = json.loads(marker.read_text())
+    found = json.loads(path.read_text())
     if found != fingerprint:
-        raise FileExistsError(f"{out} holds a tiny model built from a different spec: {found} != {fingerprint}")
+        raise FileExistsError(f"{out} holds a model built from a different spec: {found} != {fingerprint}")
     return out
 
 
