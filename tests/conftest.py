@@ -27,6 +27,10 @@ from furlong.sandbox.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.network import NO_NETWORK, PUBLIC
 
+# Task fixtures carry their own tests (tests/fixtures/audit/*/tests/test_*.py): those run in a sandbox as
+# the task's verifier, never in this suite.
+collect_ignore_glob = ["fixtures/*"]
+
 
 @pytest.fixture(scope="session")
 def store() -> ImageStore:
