@@ -16,8 +16,8 @@ from conftest import run
 from furlong.eval.agents import OracleAgent
 from furlong.eval.run import run_eval
 from furlong.sandbox.backends import KINDS, make_backend
-from furlong.sandbox.base import (ExecResult, LayerRef, PythonRun, PythonSpec, Sandbox, SandboxBackend, SandboxError,
-                                  SandboxSpec)
+from furlong.sandbox.base import (ExecResult, Guarantees, LayerRef, PythonRun, PythonSpec, Sandbox, SandboxBackend,
+                                  SandboxError, SandboxSpec, SnapshotRef)
 from furlong.sandbox.bwrap import BwrapBackend
 from furlong.tasks import genrun
 from furlong.tasks.loader import load_task
@@ -71,8 +71,12 @@ class RecordingBackend:
     def __init__(self, inner: SandboxBackend):
         self._inner = inner
         self.calls: list[str] = []
+        # its sandboxes pass the verifier identity through, but not the inner one's ChangeTracking
+        self.guarantees = Guarantees(verifier_identity=inner.guarantees.verifier_identity, tamper_tracking=False)
 
-    async def create(self, spec: SandboxSpec) -> RecordingSandbox:
+    async def create(self, spec: SandboxSpec, from_snapshot: SnapshotRef | None = None) -> RecordingSandbox:
+        if from_snapshot is not None:
+            raise SandboxError("the recording backend has no snapshots")
         self.calls.append("create")
         return RecordingSandbox(await self._inner.create(spec), self.calls)
 

@@ -168,11 +168,33 @@ class PythonRun(Protocol):
 class Sandbox(Protocol):
     """One fresh, isolated environment for one episode. All methods are async.
 
-    Calls run as the agent unless `as_verifier`: then as the verifier's identity, which the agent's
-    processes cannot signal, trace or write as, and which owns /tests and /logs (furlong.sandbox.bwrap).
-    `verifier_uid` is None where the sandbox has one uid only: `as_verifier` then runs as the agent.
-    A backend may also implement `ChangeTracking` (the bwrap backend does): without it, the verifier
-    cannot check what the agent changed in the image, and records that it did not (furlong.tasks.integrity)."""
+    The contract every backend keeps (tests/test_backend_conformance.py checks it on each backend):
+    - **Filesystem**: the image's layers under writes of the sandbox's own (at most `Limits.disk_mb`: past
+      it a write fails with ENOSPC); no other sandbox sees them, nor does the image or the next episode.
+    - **Working directory and shell state**: an agent `exec` without `cwd` runs in bash in the image's
+      WORKDIR the first time, and then where the previous such call left it: `cd` and `export` persist
+      between calls as in a terminal (furlong.sandbox.shell.wrap builds that script; a backend whose
+      commands run as bash scripts reuses it). With `cwd` the command runs there and the saved state is
+      left alone. Verifier calls never see the agent's shell state: without `cwd` they start in `/`.
+    - **Environment**: BASE_ENV, HOME as the image USER's home, then the image's ENV (which wins), then
+      `env` for that command. Output over the backend's cap is cut (`truncated`); invalid UTF-8 decodes
+      with replacement. A command past `timeout_s` is killed with what it started (`timed_out`).
+    - **Users**: agent calls run as the image's USER (root when none), without capabilities over the
+      host. `as_verifier` calls run as the verifier's identity, `verifier_uid` (inside), which the agent's
+      processes cannot signal, trace or write as, and which owns /tests and /logs (furlong.sandbox.bwrap).
+      `verifier_uid` is None where the sandbox has one uid only: `as_verifier` then runs as the agent, and
+      the backend's `guarantees.verifier_identity` says so.
+    - **Limits** (`SandboxSpec.limits`): memory and pids are enforced on what the agent starts (an
+      allocation or fork past them fails, the sandbox keeps answering), CPU is shared out, and the sandbox
+      is closed `lifetime_s` after it started.
+    - **Network**: `SandboxSpec.network`, `no-network` by default: then no interface but loopback, and
+      nothing outside the sandbox (the host's loopback included) can be reached.
+    - **Tamper tracking**: a backend may also implement `ChangeTracking` (the bwrap backend does): without
+      it, the verifier cannot check what the agent changed in the image, and records that it did not
+      (furlong.tasks.integrity; the episode's `integrity_checked`).
+    - **Snapshots**: optional (`Snapshotting`); a backend without them refuses `create(from_snapshot=...)`.
+    - **Failures**: a path that cannot be read or written raises SandboxError; a call on a closed or dead
+      sandbox raises SandboxDied (a SandboxError)."""
 
     @property
     def verifier_uid(self) -> int | None: ...  # read-only: a wrapper may pass its sandbox's through
@@ -300,11 +322,37 @@ class LayerSource(Protocol):
         """The layer as a tar, for a backend whose sandboxes run on another host."""
 
 
+@dataclass(frozen=True)
+class Guarantees:
+    """What a backend's sandboxes give the reward's integrity, declared by the backend (`guarantees`) so a
+    run says at its start when its rewards are not integrity-checked (furlong.build.sandbox), and every
+    episode records whether its own was (`integrity_checked`, furlong.tasks.verifier)."""
+
+    verifier_identity: bool  # `as_verifier` runs as a uid of its own (Sandbox.verifier_uid is not None)
+    tamper_tracking: bool  # its sandboxes implement ChangeTracking
+
+    @property
+    def integrity(self) -> bool:
+        return self.verifier_identity and self.tamper_tracking
+
+    def missing(self) -> tuple[str, ...]:
+        return tuple(
+            name
+            for name, has in (("verifier identity", self.verifier_identity), ("tamper tracking", self.tamper_tracking))
+            if not has
+        )
+
+
+NO_GUARANTEES = Guarantees(verifier_identity=False, tamper_tracking=False)
+
+
 @runtime_checkable
 class SandboxBackend(Protocol):
-    """Makes fresh sandboxes from images; furlong.sandbox.backends.make_backend picks one by name."""
+    """Makes fresh sandboxes from images; furlong.sandbox.backends.make_backend picks one by name.
+    `guarantees`: what its sandboxes give the reward's integrity (NO_GUARANTEES when neither)."""
 
     name: str
+    guarantees: Guarantees
 
     async def create(self, spec: SandboxSpec, from_snapshot: SnapshotRef | None = None) -> Sandbox:
         """A fresh sandbox; `from_snapshot` (one of this backend's Snapshotting sandboxes', over spec.image)

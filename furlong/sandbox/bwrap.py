@@ -28,6 +28,7 @@ from furlong.sandbox.base import (
     BASE_ENV,
     DEFAULT_HOST_UID,
     DEFAULT_OUTPUT_CAP,
+    Guarantees,
     LayerSource,
     PythonSpec,
     SandboxError,
@@ -146,6 +147,8 @@ class BwrapBackend:
         self.subids = idmap.sub_ids() if many_uids else None
         if self.subids is None and many_uids:
             log.warning("sandboxes have one uid, so the verifier runs as the agent: %s", idmap.problem())
+        # build sandboxes track no changes (their writes are the caller's layer), but no episode runs in one
+        self.guarantees = Guarantees(verifier_identity=self.subids is not None, tamper_tracking=True)
 
     def _fd(self, layer: Path) -> int:
         # Layers are handed to bwrap as /proc/self/fd paths, opened once per layer; a layer rebuilt or

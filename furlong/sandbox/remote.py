@@ -22,6 +22,7 @@ import httpx
 
 from furlong.sandbox.base import (
     ExecResult,
+    Guarantees,
     HostLost,
     PythonRun,
     PythonSpec,
@@ -274,6 +275,9 @@ class RemoteBackend:
     generators (`run_python`) run on the backend `local` makes (this machine's own), made on first use."""
 
     name = "remote"
+    # what its hosts' bwrap backends give where they have subordinate ids (each sandbox says what it got:
+    # verifier_uid, change_tracking; an episode records its own)
+    guarantees = Guarantees(verifier_identity=True, tamper_tracking=True)
 
     def __init__(
         self,
