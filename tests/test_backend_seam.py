@@ -104,6 +104,7 @@ def test_an_image_build_and_an_oracle_episode_run_on_another_backend(store, tmp_
                      solve="cp /app/built.txt /app/answer.txt")
     [result] = run(run_eval([task], OracleAgent(), backend, store, 1, None, QUIET))
     assert (result.reward, result.status) == (1.0, "ok"), result.error
+    assert result.integrity_checked is False, "its sandboxes track no changes: the reward says it was not checked"
     first_close = backend.calls.index("close")
     build_calls = backend.calls[:first_close + 1]
     assert build_calls[0] == "build" and "put_tar" in build_calls and "exec" in build_calls  # COPY, RUN

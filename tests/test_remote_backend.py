@@ -124,6 +124,7 @@ def test_eval_through_two_hosts_builds_images_there_and_scores_as_locally(hosts)
     noop = run(run_eval(tasks, NoopAgent(), rb, images, 4, None, QUIET))
     assert [(r.reward, r.status) for r in oracle] == [(1.0, "ok")] * 4, [r.error for r in oracle]
     assert [r.reward for r in noop] == [0.0] * 4, [r.error for r in noop]
+    assert all(r.integrity_checked for r in oracle + noop), "the hosts check every reward as locally"
     started = [len(h.reg.starts) - b for h, b in zip(hosts, before)]
     assert all(n > 0 for n in started), f"sandboxes went to one host only: {started}"
     assert all(not h.reg.entries for h in hosts)

@@ -318,6 +318,7 @@ def test_verify_scores_tampering_zero_unless_the_task_trusts_the_agents_tools(ba
     assert (strict.reward, strict.tampered, strict.tampered_paths, strict.exit_code) == (0.0, True, pth, 0)
     assert (relaxed.reward, relaxed.tampered, relaxed.tampered_paths) == (1.0, False, pth)  # recorded only
     assert strict.tamper_checked and relaxed.tamper_checked
+    assert strict.integrity_checked == relaxed.integrity_checked == (backend.subids is not None)
 
 
 class CommandAgent:

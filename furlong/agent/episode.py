@@ -77,6 +77,7 @@ class Episode:
     tool_errors: int = 0
     family: str | None = None
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
+    integrity_checked: bool | None = None  # its reward checked against tampering (Outcome.integrity_checked)
     rewards: dict[str, float] = field(default_factory=dict)  # the reward's parts (tests, reward functions)
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
     traceback: str | None = None  # the exception that decided its outcome, where one did (Outcome.traceback)
@@ -376,6 +377,7 @@ def outcome_fields(outcome: Outcome) -> dict[str, Any]:
         "timing": outcome.timing,
         "error": outcome.error,
         "tampered_paths": outcome.tampered_paths,
+        "integrity_checked": outcome.integrity_checked,
         "rewards": outcome.rewards,
         "steps": outcome.steps,
         "traceback": outcome.traceback,

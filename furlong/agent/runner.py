@@ -154,6 +154,7 @@ class Outcome:
     agent_output: str | None = None
     image_note: str | None = None  # e.g. which stand-in served the task's FROM, and its real Python version
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (capped, sorted)
+    integrity_checked: bool | None = None  # furlong.envs.base.Score.integrity_checked (None: no tests ran)
     lost: bool = False  # infra_error because the sandbox's host was lost: the episode may be run again
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
     traceback: str | None = None  # the exception that decided the outcome, where one did (with its causes)
@@ -319,6 +320,7 @@ def _records(run: AgentRun | None, score: Score | None) -> dict[str, Any]:
         "verifier_exit_code": score.exit_code if score else None,
         "verifier_output": score.output if score else None,
         "tampered_paths": score.tampered_paths if score else (),
+        "integrity_checked": score.integrity_checked if score else None,
         "steps": score.steps if score else (),
     }
 

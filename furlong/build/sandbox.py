@@ -3,6 +3,7 @@ load a model (`furlong eval` with a scripted agent, `furlong image`)."""
 
 from __future__ import annotations
 
+import logging
 from urllib.parse import urlsplit
 
 from furlong.config import ConfigError, ImagesConfig, SandboxConfig
@@ -16,6 +17,8 @@ from furlong.sandbox.images import ImageStore
 from furlong.sandbox.network import HostError, NetworkPolicy, normalize_hosts
 from furlong.sandbox.registry import Settings
 from furlong.tasks.model import TaskNetwork
+
+log = logging.getLogger(__name__)
 
 
 def image_store(s: SandboxConfig, i: ImagesConfig) -> ImageStore | HostImages:
@@ -41,7 +44,7 @@ def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> Sandbox
     """sandbox.backend over `store`, which resolves the images' layers (remote: the hosts of `store`); this
     machine's networked sandboxes borrow from it what its builds do (the hosts' follow their own config)."""
     local, remote = (None, store) if isinstance(store, HostImages) else (store, None)
-    return make_backend(
+    backend = make_backend(
         s.backend,
         layers=local,
         host_uid=s.host_uid,
@@ -52,6 +55,14 @@ def sandbox_backend(s: SandboxConfig, store: ImageStore | HostImages) -> Sandbox
         snapshot_ttl_s=s.snapshot_ttl_s,
         snapshot_max_mb=s.snapshot_max_mb,
     )
+    if missing := backend.guarantees.missing():
+        log.warning(
+            "sandbox.backend=%s has no %s: rewards are not checked against tampering, and every episode "
+            "records integrity_checked: false (docs/sandboxes.md#the-backend-contract)",
+            s.backend,
+            " or ".join(missing),
+        )
+    return backend
 
 
 def hosts(s: SandboxConfig) -> Hosts:

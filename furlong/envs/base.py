@@ -105,6 +105,9 @@ class Score:
     output: str | None = None
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the scorer runs (furlong.tasks.integrity)
     tampered: bool = False  # and the task does not trust the agent's tools: reward 0, status reward_tampered
+    # whether the reward was checked against tampering by a verifier the agent cannot reach (furlong.tasks.verifier
+    # Verdict.integrity_checked; False on a backend without it, Guarantees); None: no tests ran in a sandbox
+    integrity_checked: bool | None = None
     # A multi-step episode: the steps scored so far, and the spec (instruction, agent timeout) of the step
     # the agent is to do next; None when the episode is over (the last step ran, or a step's gate closed).
     steps: tuple[StepScore, ...] = ()

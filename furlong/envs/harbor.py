@@ -209,6 +209,7 @@ class HarborEpisode:
         self.index = 0  # the step the agent is on
         self.done: list[StepScore] = []  # the steps scored so far
         self._tampered_paths: tuple[str, ...] = ()  # every step's, for the episode's record
+        self._integrity_checked: bool | None = True  # every step's so far (None: a step's is unknown)
         self._timed_out = False  # a step's tests ran out of time
 
     @property
@@ -287,6 +288,8 @@ class HarborEpisode:
         """A step's score: the next step's start, or (the last step, a closed gate, a failure) the episode's."""
         step = self.task.steps[self.index]
         self._tampered_paths = tuple(sorted({*self._tampered_paths, *score.tampered_paths}))
+        checked = (self._integrity_checked, score.integrity_checked)
+        self._integrity_checked = None if None in checked else all(checked)  # every step's, or unknown
         error = f"step {step.name!r}: the tests timed out" if score.timed_out else None
         self._timed_out |= score.timed_out
         self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))  # type: ignore[arg-type, dict-item]  # a verdict without a problem has a reward
@@ -320,6 +323,7 @@ class HarborEpisode:
             error=stop or score.error,
             timed_out=self._timed_out,
             tampered_paths=self._tampered_paths,
+            integrity_checked=self._integrity_checked,
             steps=tuple(self.done),
         )
 
@@ -517,4 +521,5 @@ def _record(verdict: Verdict | None) -> dict[str, Any]:
         "exit_code": verdict.exit_code if verdict else None,
         "output": verdict.output_tail if verdict else None,
         "tampered_paths": verdict.tampered_paths if verdict else (),
+        "integrity_checked": verdict.integrity_checked if verdict else None,
     }

@@ -43,6 +43,7 @@ class EpisodeResult:
     tokens_response: int | None = None  # tokens the model sampled (null for the scripted agents)
     response_sha: str | None = None  # their digest, as in the run's episodes.jsonl (same digest: same tokens)
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the tests execute (furlong.tasks.integrity)
+    integrity_checked: bool | None = None  # false: the reward was not checked against tampering (docs/sandboxes.md)
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran: name, reward, rewards, error
     traceback: str | None = None  # where an exception decided the outcome (furlong.agent.runner.Outcome)
     gateway: GatewayStats | None = None  # a harness's requests, tito mismatch, history rewrites (docs/gateway.md)
@@ -81,6 +82,7 @@ class EpisodeResult:
             tokens_response=tokens_response,
             response_sha=response_sha,
             tampered_paths=outcome.tampered_paths,
+            integrity_checked=outcome.integrity_checked,
             steps=outcome.steps,
             traceback=outcome.traceback,
             gateway=gateway,

@@ -54,6 +54,7 @@ def episode_record(e: Episode, phase: str, step: int | None) -> dict:
         "error": e.error,  # what went wrong: for an infra_error (never scored) the only trace of why
         "traceback": e.traceback,  # where an exception decided the outcome: where it was raised, with its causes
         "tampered_paths": list(e.tampered_paths),  # furlong.tasks.integrity: what the agent changed that tests run
+        "integrity_checked": e.integrity_checked,  # false: its reward was not checked against tampering (Guarantees)
         "rewards": dict(e.rewards),  # the reward's parts: the tests' (or a Python environment's steps') and
         # each reward function's (train.env.rewards)
         "steps": [s.to_json() for s in e.steps],  # a multi-step task's steps that ran (Harbor's [[steps]])

@@ -87,6 +87,8 @@ class Verdict:
     tampered_paths: tuple[str, ...] = ()  # what furlong.tasks.integrity counts (capped at MAX_LISTED)
     tampered: bool = False  # tampered_paths, and the task does not trust the agent's tools: reward 0
     tamper_checked: bool = False  # False: the sandbox cannot say what changed (a backend without ChangeTracking)
+    # tamper_checked, and the tests ran as a verifier identity the agent cannot reach (verifier_uid not None)
+    integrity_checked: bool = False
 
 
 def verifier_env(task: Task, image: ImageRef | None = None) -> dict[str, str]:
@@ -136,7 +138,10 @@ async def verify(
     tampered = bool(paths) and not task.trust_agent_tools
     if tampered:
         verdict = dataclasses.replace(verdict, reward=0.0, rewards={"reward": 0.0}, problem=None)
-    return dataclasses.replace(verdict, tampered_paths=paths, tampered=tampered, tamper_checked=True)
+    checked = sandbox.verifier_uid is not None  # the tests ran as an identity of their own
+    return dataclasses.replace(
+        verdict, tampered_paths=paths, tampered=tampered, tamper_checked=True, integrity_checked=checked
+    )
 
 
 async def _tampering(sandbox: Sandbox, search: tuple[str, ...], verifier_uid: int | None) -> tuple[str, ...] | None:
