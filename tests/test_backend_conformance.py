@@ -49,7 +49,7 @@ print(len(kids))
 for k in kids:
     os.kill(k, signal.SIGKILL)
 """
-BACKENDS = ("bwrap", "remote", "recording")
+BACKENDS = ("bwrap", "remote", "recording", "gvisor")
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +285,16 @@ def test_sandboxes_are_apart_and_a_closed_one_refuses(make, image):
             await a.exec("true")
 
     run(go())
+
+
+def test_a_backend_without_integrity_says_so_when_built(store, caplog):
+    from furlong.build.sandbox import sandbox_backend
+    from furlong.config import SandboxConfig
+
+    with caplog.at_level("WARNING", logger="furlong.build.sandbox"):
+        assert sandbox_backend(SandboxConfig(backend="bwrap"), store).guarantees.integrity
+        assert not caplog.records, "bwrap (as root, with subordinate ids) has both"
+        made = sandbox_backend(SandboxConfig(backend="gvisor"), store)
+    assert made.guarantees.missing() == ("verifier identity",)
+    [warning] = caplog.records
+    assert "no verifier identity" in warning.message and "integrity_checked: false" in warning.message

@@ -37,10 +37,11 @@ class NetworkConfig(_Node):
 
 
 class SandboxConfig(_Node):
-    backend: Literal["bwrap", "remote"] = Field(
+    backend: Literal["bwrap", "remote", "gvisor"] = Field(
         "bwrap",
         description="the sandbox backend (bwrap: bubblewrap namespaces here; remote: on sandbox.hosts, "
-        "`furlong sandbox serve` hosts, which also build the images)",
+        "`furlong sandbox serve` hosts, which also build the images; gvisor: gVisor's runsc here, no network, "
+        "no verifier identity: docs/sandboxes.md#the-gvisor-backend)",
     )
     hosts: list[str] = Field(
         [],

@@ -17,6 +17,7 @@ from furlong.sandbox.base import (
     SandboxError,
 )
 from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.gvisor import GvisorBackend
 from furlong.sandbox.remote import RemoteBackend
 from furlong.sandbox.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from furlong.sandbox.egress import Egress
     from furlong.sandbox.host_images import HostImages
 
-KINDS = ("bwrap", "remote")
+KINDS = ("bwrap", "remote", "gvisor")
 
 
 def make_backend(
@@ -54,6 +55,8 @@ def make_backend(
     )
     if kind == "bwrap":
         return local()
+    if kind == "gvisor":  # images are built, and family generators run, on bwrap (`local`)
+        return GvisorBackend(layers=layers, output_cap=local.keywords["output_cap"], local=local)
     if kind == "remote":
         if images is None:
             raise SandboxError("sandbox.backend=remote: no hosts given (sandbox.hosts)")

@@ -321,6 +321,10 @@ class LayerSource(Protocol):
     def layer_tar(self, layer: LayerRef) -> bytes:
         """The layer as a tar, for a backend whose sandboxes run on another host."""
 
+    def layer_files(self, layer: LayerRef) -> Path:
+        """The layer's own directory on this host, its files owned by the ids they have inside (root's): for
+        a backend running as root whose sandboxes map no ids (gvisor), and never writable by a sandbox."""
+
 
 @dataclass(frozen=True)
 class Guarantees:

@@ -193,6 +193,10 @@ class ImageStore:
         """The layer as a read-only directory on this host (through the store's id-mapped view as root)."""
         return self._view(self._stored(layer).relative_to(self.root))
 
+    def layer_files(self, layer: LayerRef) -> Path:
+        """The layer's directory in the store, owners as inside (furlong.sandbox.base.LayerSource)."""
+        return self._stored(layer)
+
     def layer_tar(self, layer: LayerRef) -> bytes:
         """The layer as a tar of its directory (every entry root's, modes kept), for a sandbox host elsewhere."""
         return tar_dir(self._stored(layer))

@@ -48,12 +48,14 @@ class Helper:
     source: str
     flags: tuple[str, ...]
     suffix: str = ""
+    headers: tuple[str, ...] = ()  # what it includes from this directory: part of its build's digest
 
 
 HELPERS = {
     "init": Helper("init.c", EXE_FLAGS),
     "launch": Helper("launch.c", EXE_FLAGS),
-    "owner": Helper("owner.c", SHIM_FLAGS, ".so"),
+    "owner": Helper("owner.c", SHIM_FLAGS, ".so", ("shim_sys.h",)),
+    "statx": Helper("statx.c", SHIM_FLAGS, ".so", ("shim_sys.h",)),  # gVisor sandboxes' (statx.c)
 }
 NAMES = tuple(HELPERS)
 
@@ -77,7 +79,7 @@ def binary(name: str) -> Path:
     helper = HELPERS.get(name)
     if helper is None:
         raise ValueError(f"no native helper {name!r}; expected one of {NAMES}")
-    source = (SOURCES / helper.source).read_bytes()
+    source = b"".join((SOURCES / name).read_bytes() for name in (helper.source, *helper.headers))
     digest = hashlib.sha256(source + " ".join(helper.flags).encode()).hexdigest()[:16]
     out_dir = cache_dir() / "native"
     exe = out_dir / f"furlong-{name}-{digest}{helper.suffix}"

@@ -53,6 +53,7 @@
 #include <sys/epoll.h>
 #include <sys/fsuid.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -121,6 +122,18 @@ static const char *verifier_preload;  /* --verifier-preload: the ownership shim'
 static uint64_t own_caps;  /* the init's permitted set, restored after an op done as a role */
 
 static void die(const char *what) { fprintf(stderr, "furlong-init: %s: %s\n", what, strerror(errno)); _exit(111); }
+
+/* close_range(from, to), or each fd up to the fd limit where the kernel refuses it: gVisor (runsc 2022)
+ * answers EINVAL for a `to` past INT_MAX, and older kernels have no close_range at all. */
+static int close_fds(unsigned int from, unsigned int to) {
+  if (close_range(from, to, 0) == 0) return 0;
+  if (errno == EINVAL && to > INT32_MAX && close_range(from, INT32_MAX, 0) == 0) return 0;
+  if (errno != EINVAL && errno != ENOSYS) return -1;
+  struct rlimit lim;
+  unsigned int top = getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_max < (1u << 20) ? (unsigned int)lim.rlim_max : 1u << 20;
+  for (unsigned int fd = from; fd <= to && fd < top; fd++) close((int)fd);
+  return 0;
+}
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -331,7 +344,8 @@ static int become(int role) {
   if (!own_caps) return apply_seccomp();  /* one uid, no capabilities (bwrap's own user namespace) */
   for (int cap = 0; cap < 64; cap++)
     if (!(keep & CAPBIT(cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL) return -1;
-  if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0) return -1;
+  /* EINVAL: a kernel without ambient capabilities (gVisor's runsc 2022), so there are none to clear */
+  if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL) return -1;
   if (prctl(PR_SET_KEEPCAPS, keep != 0, 0, 0, 0) < 0) return -1;
   int ngroups = verifier ? 0 : n_agent_groups;
   if (setgroups((size_t)ngroups, agent_groups) < 0 || setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0)
@@ -414,7 +428,7 @@ static zygote_t zygote = {-1, -1, -1, -1};
 
 static void zygote_main(int out, int err, int ctl) {
   child_prepare(out, err, ROLE_AGENT);
-  if (dup2(ctl, 3) < 0 || close_range(4, ~0u, 0) < 0) _exit(126);  /* nothing of the init's stays open */
+  if (dup2(ctl, 3) < 0 || close_fds(4, ~0u) < 0) _exit(126);  /* nothing of the init's stays open */
   buf_t b = {0};
   unsigned char chunk[4096];
   ssize_t r;
@@ -815,7 +829,7 @@ static void close_host_fds(void) {
     unsigned int next = ~0u;
     for (int i = 0; i < n; i++)
       if ((unsigned int)keep[i] >= from && (unsigned int)keep[i] < next) next = (unsigned int)keep[i];
-    if (next > from && close_range(from, next == ~0u ? ~0u : next - 1, 0) < 0) die("close_range");
+    if (next > from && close_fds(from, next == ~0u ? ~0u : next - 1) < 0) die("close_range");
     if (next == ~0u) break;
     if (fcntl((int)next, F_SETFD, FD_CLOEXEC) < 0) die("kept fd");
     from = next + 1;
