@@ -24,6 +24,9 @@ command -v docker-registry >/dev/null || need_apt+=(docker-registry) new_registr
 # buildah builds the Dockerfiles furlong's own subset does not cover (multi-stage, ARG, USER, heredocs...),
 # daemonless, with its storage under furlong's cache (never /var/lib/containers).
 command -v buildah >/dev/null || need_apt+=(buildah)
+# runsc is gVisor's runtime, for sandbox.backend=gvisor (docs/sandboxes.md#the-gvisor-backend); Debian 12's is
+# 0.0~20221219, and its package installs no service
+command -v runsc >/dev/null || need_apt+=(runsc)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || [ -f /usr/lib/aarch64-linux-gnu/libc.a ] || need_apt+=(libc6-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

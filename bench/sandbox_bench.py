@@ -3,6 +3,7 @@ size of the host's mount table, each beside its baseline.
 
     python bench/sandbox_bench.py [--samples 40] [--out bench/results/sandbox.json]
     python bench/sandbox_bench.py --remote [--out bench/results/sandbox_remote.json]   (bench/remote_sandbox.py)
+    python bench/sandbox_bench.py --backends bwrap,gvisor   (bench/sandbox_backends.py, sandbox_backends.json)
 
 Everything is measured in this one run (this machine is noisy: only same-run ratios mean much). The mount
 measurements (root only) each run in a private mount namespace, so the host's own table is untouched:
@@ -319,6 +320,7 @@ def main() -> None:
     ap.add_argument("--remote", action="store_true", help="through a sandbox host beside the local backend")
     ap.add_argument("--snapshots", action="store_true",
                     help="snapshot, fork, pause and resume beside a cold start (bench/sandbox_snapshots.py)")
+    ap.add_argument("--backends", help="backends side by side, e.g. bwrap,gvisor (bench/sandbox_backends.py)")
     ap.add_argument("--mounts-child", nargs=2, metavar=("MODE", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -328,11 +330,18 @@ def main() -> None:
         return
     prov = provenance()
     results = Path(__file__).parent / "results"
-    if args.remote or args.snapshots:  # a part of its own: it runs alone, into its own JSON
+    if args.remote or args.snapshots or args.backends:  # a part of its own: it runs alone, into its own JSON
         import remote_sandbox
+        import sandbox_backends
         import sandbox_snapshots
 
-        part, name = (remote_sandbox, "sandbox_remote") if args.remote else (sandbox_snapshots, "sandbox_snapshots")
+        part, name = (
+            (remote_sandbox, "sandbox_remote")
+            if args.remote
+            else (sandbox_snapshots, "sandbox_snapshots")
+            if args.snapshots
+            else (sandbox_backends, "sandbox_backends")
+        )
         args.out = args.out or results / f"{name}.json"
         res = {"provenance": None, **part.run(sys.modules[__name__], args)}
         res["provenance"] = finish(prov)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import os
 import socket
 import tarfile
 import time
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import pytest
 from conftest import run, spec
 from host_support import ThreadHost, remote
+from skips import skip
 from test_backend_seam import RecordingBackend
 
 from furlong.sandbox.backends import make_backend
@@ -70,6 +72,8 @@ def make(request, backend, store) -> Callable[[], SandboxBackend]:
         return lambda: remote([url])[0]
     if kind == "recording":
         return lambda: RecordingBackend(backend)
+    if os.geteuid() != 0:  # it mounts each sandbox's root and runs runsc as root
+        skip("root", "sandbox.backend=gvisor runs as root only")
     made = make_backend(kind, layers=store)
     return lambda: made
 
@@ -291,6 +295,8 @@ def test_a_backend_without_integrity_says_so_when_built(store, caplog):
     from furlong.build.sandbox import sandbox_backend
     from furlong.config import SandboxConfig
 
+    if os.geteuid() != 0:
+        skip("root", "sandbox.backend=gvisor runs as root only")
     with caplog.at_level("WARNING", logger="furlong.build.sandbox"):
         assert sandbox_backend(SandboxConfig(backend="bwrap"), store).guarantees.integrity
         assert not caplog.records, "bwrap (as root, with subordinate ids) has both"
