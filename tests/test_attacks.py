@@ -7,6 +7,7 @@ or starve the sandbox's init is tried here as an agent would: a shell command in
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,10 +15,35 @@ from pathlib import Path
 import pytest
 
 from conftest import init_host_uid, run, spec
+from skips import skip
 from furlong.sandbox import protocol as proto
+from furlong.sandbox.backends import make_backend
 from furlong.sandbox.base import ImageRef, SandboxDied, SandboxError
 
 ALIVE = "echo alive"
+
+
+@pytest.fixture(params=["bwrap", "gvisor"])
+def kernel(request, backend, store):
+    """The backends these attacks run on: bwrap, and gVisor (root only: it mounts and runs runsc as root)."""
+    if request.param == "bwrap":
+        return backend
+    if os.geteuid() != 0:
+        skip("root", "sandbox.backend=gvisor runs as root only")
+    if gap := GVISOR_GAPS.get(request.node.originalname):  # strict: a gap that closes fails, so the docs follow
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"runsc 0.0~20221219: {gap}"))
+    return make_backend("gvisor", layers=store)
+
+
+# What the gvisor backend does not stop (docs/sandboxes.md, "The gvisor backend"): each xfails there, strictly
+GVISOR_GAPS = {
+    "test_the_init_cannot_be_traced_read_or_hijacked_through_proc": "/proc/1/environ and /proc/1/fd/0 and 1 "
+    "(the init's channel to the host) open for the agent",
+    "test_disk_tmpfs_and_memory_fills_leave_the_init_standing": "a full writable layer plus a memory fill passes "
+    "the host cgroup's limit, whose OOM killer ends the whole sandbox",
+    "test_fork_bomb_then_memory_then_disk_one_after_the_other": "a fork bomb's ptrace stubs reach the host's pids "
+    "limit, and the sentry ends",
+}
 
 
 async def _survives(box, attack: str, timeout_s: float = 20.0, disk_full: bool = False):
@@ -37,9 +63,9 @@ async def _survives(box, attack: str, timeout_s: float = 20.0, disk_full: bool =
     "for s in $(seq 1 31); do kill -$s 1 2>/dev/null; done; kill -9 -1",
     "kill -CHLD 1; kill -CHLD 1",  # spurious child signals: the init must not mistake them for exits
 ])
-def test_signals_cannot_stop_the_init(backend, base_image, attack):
+def test_signals_cannot_stop_the_init(kernel, base_image, attack):
     async def go():
-        box = await backend.create(spec(base_image))
+        box = await kernel.create(spec(base_image))
         try:
             await box.exec("sleep 100 >/dev/null 2>&1 &")
             await _survives(box, attack)
@@ -49,11 +75,11 @@ def test_signals_cannot_stop_the_init(backend, base_image, attack):
     run(go())
 
 
-def test_the_command_after_a_kill_of_everything_runs(backend, base_image):
+def test_the_command_after_a_kill_of_everything_runs(kernel, base_image):
     """`kill -9 -1` and `kill -STOP -1` reach the child the init keeps ready for the next agent command too, and
     the signal may still be pending when that command arrives: it must run all the same, at once."""
     async def go():
-        box = await backend.create(spec(base_image))
+        box = await kernel.create(spec(base_image))
         try:
             for attack in ("kill -9 -1", "kill -STOP -1") * 10:
                 await box.exec(attack, timeout_s=20)
@@ -69,9 +95,9 @@ PTRACE = ("python3 -c \"import ctypes, os; libc = ctypes.CDLL(None, use_errno=Tr
           "r = libc.ptrace(16, 1, 0, 0); print('ptrace', r, os.strerror(ctypes.get_errno()))\"")
 
 
-def test_the_init_cannot_be_traced_read_or_hijacked_through_proc(backend, base_image):
+def test_the_init_cannot_be_traced_read_or_hijacked_through_proc(kernel, base_image):
     async def go():
-        box = await backend.create(spec(base_image))
+        box = await kernel.create(spec(base_image))
         try:
             r = await box.exec(PTRACE)
             assert r.stdout.strip() == "ptrace -1 Operation not permitted", r
@@ -180,9 +206,9 @@ def test_reply_bodies_are_validated_field_by_field():
             proto.parse_exec(bad, cap=16)
 
 
-def test_disk_tmpfs_and_memory_fills_leave_the_init_standing(backend, base_image):
+def test_disk_tmpfs_and_memory_fills_leave_the_init_standing(kernel, base_image):
     async def go():
-        box = await backend.create(spec(base_image, memory_mb=512, disk_mb=256))
+        box = await kernel.create(spec(base_image, memory_mb=512, disk_mb=256))
         try:
             r = await _survives(box, "dd if=/dev/zero of=/big bs=1M count=2048", disk_full=True)
             assert "No space left" in r.stderr
@@ -205,7 +231,7 @@ def test_disk_tmpfs_and_memory_fills_leave_the_init_standing(backend, base_image
     run(go())
 
 
-def test_fork_bomb_then_memory_then_disk_one_after_the_other(backend, base_image):
+def test_fork_bomb_then_memory_then_disk_one_after_the_other(kernel, base_image):
     """The observed failure: these in sequence once killed the daemon in about 1 run of 5. A fork bomb
     that outlives its command can hold every pid, so later commands may fail to start (SandboxError,
     which the episode runner scores as the agent's doing); the init itself must live on."""
@@ -219,7 +245,7 @@ def test_fork_bomb_then_memory_then_disk_one_after_the_other(backend, base_image
 
     async def go():
         for _ in range(3):
-            box = await backend.create(spec(base_image, memory_mb=512, pids=128, disk_mb=256))
+            box = await kernel.create(spec(base_image, memory_mb=512, pids=128, disk_mb=256))
             try:
                 await attempt(box, "bomb() { bomb | bomb & }; bomb; sleep 2")
                 await attempt(box, "python3 -c \"x = bytearray(30 << 30)\"; "
@@ -233,9 +259,9 @@ def test_fork_bomb_then_memory_then_disk_one_after_the_other(backend, base_image
     run(go())
 
 
-def test_output_flood_is_capped_and_background_floods_never_block(backend, base_image):
+def test_output_flood_is_capped_and_background_floods_never_block(kernel, base_image):
     async def go():
-        box = await backend.create(spec(base_image))
+        box = await kernel.create(spec(base_image))
         try:
             r = await box.exec("head -c 200000000 /dev/zero | tr '\\0' a", timeout_s=60)
             assert r.truncated and len(r.stdout) < (2 << 20)
@@ -281,14 +307,14 @@ def _host_uid(pid: int) -> int | None:
     return max(int(x) for x in next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1:])
 
 
-def test_ten_thousand_files_in_and_out(backend, base_image, tmp_path: Path):
+def test_ten_thousand_files_in_and_out(kernel, base_image, tmp_path: Path):
     src = tmp_path / "many"
     src.mkdir()
     for i in range(10_000):
         (src / f"f{i}").write_text(str(i))
 
     async def go():
-        box = await backend.create(spec(base_image))
+        box = await kernel.create(spec(base_image))
         try:
             await box.put_dir(src, "/data")
             r = await box.exec("ls /data | wc -l; cat /data/f9999; echo; mkdir /made && cd /made && "
@@ -300,7 +326,7 @@ def test_ten_thousand_files_in_and_out(backend, base_image, tmp_path: Path):
     run(go())
 
 
-def test_a_hostile_image_interpreter_never_runs_as_the_init(backend, base_image, store):
+def test_a_hostile_image_interpreter_never_runs_as_the_init(kernel, base_image, store):
     """The init is furlong's own static binary: an image whose python3 is booby-trapped cannot touch it."""
     tmp_path = Path(tempfile.mkdtemp(dir=store.root))  # layers are found inside an image store
     layer = tmp_path / "layer"
@@ -313,7 +339,7 @@ def test_a_hostile_image_interpreter_never_runs_as_the_init(backend, base_image,
     image = ImageRef(digest="hostile", layers=(store.layer("hostile", layer), *base_image.layers))
 
     async def go():
-        box = await backend.create(spec(image))
+        box = await kernel.create(spec(image))
         try:
             r = await box.exec("echo hi; test -e /trap-ran && echo TRAPPED; head -c 40 /usr/bin/python3")
             assert r.stdout.startswith("hi\n") and "TRAPPED" not in r.stdout and "trapped" in r.stdout
@@ -327,13 +353,13 @@ def test_a_hostile_image_interpreter_never_runs_as_the_init(backend, base_image,
         shutil.rmtree(tmp_path)
 
 
-def test_kernel_settings_in_proc_sys_and_sys_stay_untouched(backend, base_image):
+def test_kernel_settings_in_proc_sys_and_sys_stay_untouched(kernel, base_image):
     watched = ["/proc/sys/kernel/hostname", "/proc/sys/vm/overcommit_memory", "/proc/sys/kernel/pid_max",
                "/sys/kernel/mm/transparent_hugepage/enabled"]
     before = {p: Path(p).read_text() for p in watched if Path(p).exists()}
 
     async def go():
-        box = await backend.create(spec(base_image))
+        box = await kernel.create(spec(base_image))
         try:
             writes = "; ".join(f"echo 1 > {p}" for p in watched)
             r = await box.exec(f"{writes}; mount -t sysfs sysfs /sys; mount -t proc proc /mnt; "

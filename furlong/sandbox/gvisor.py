@@ -8,9 +8,12 @@ overlay whose writes go to a tmpfs of `Limits.disk_mb`, both mounted by root in 
 stdout as in bwrap: shell state, timeouts, output caps and streaming are the bwrap sandbox's
 (furlong.sandbox.bwrap_box), and the host reads the overlay's upper directory for tamper tracking.
 
+Not for agents whose reward matters: runsc 0.0~20221219 lets the agent open the init's stdin and stdout
+through /proc/1/fd (it refuses /proc/1/mem and /proc/1/root), so it can read the host's requests (the tests,
+as they are copied in) and break the channel, which ends the sandbox (tests/test_attacks.py, its gvisor xfails).
 What runsc 0.0~20221219 (Debian 12) lacks shapes the rest (docs/sandboxes.md, "The gvisor backend"):
-no setfsuid and no ambient capabilities, so there is one identity (no verifier uid: `guarantees` says so and
-every episode records integrity_checked: false); its pids limit is the host's on the sentry's own threads,
+no ambient capabilities, so there is one identity (no verifier uid: `guarantees` says so and every episode
+records integrity_checked: false), and no setfsuid (the init's fallback: native/init.c, no_setfsuid); its pids limit is the host's on the sentry's own threads,
 so it is set with headroom and a fork bomb can end the sandbox; no network but `no-network`; no snapshots.
 Images are built, and family generators run, on the bwrap backend (`local`).
 """
@@ -27,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from furlong.sandbox import native, users
+from furlong.sandbox import idmap, native, users
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
     BASE_ENV,
@@ -105,6 +108,10 @@ class GvisorSandbox:
 
     async def close(self) -> None:
         await self._box.close()
+
+    async def ping(self) -> int:
+        """The init's pid as it sees itself (1): it is the container's first process."""
+        return await self._box.ping()
 
     async def changes(self, roots: Sequence[str]) -> tuple[Change, ...] | None:
         """furlong.sandbox.base.ChangeTracking: the upper directory against the image (ids as inside: the
@@ -213,7 +220,9 @@ class GvisorBackend:
         if self._statx is not None:  # runsc 2022 refuses the statx flag coreutils passes (native/statx.c)
             env["LD_PRELOAD"] = " ".join(p for p in (STATX_SHIM, env.get("LD_PRELOAD", "")) if p)
             binds.append((STATX_SHIM, self._statx))
-        init_args = [INIT_PATH, "--agent", f"{agent.uid}:{agent.gid}"]
+        # the init leaves uid 0 for INIT_UID: runsc 2022 lets a process of the init's uid signal it (SIGKILL
+        # included) and read its /proc/1/environ, where Linux keeps a pid namespace's init out of reach
+        init_args = [INIT_PATH, "--agent", f"{agent.uid}:{agent.gid}", "--init-uid", str(idmap.INIT_UID)]
         for gid in agent.groups[:64]:
             init_args += ["--agent-group", str(gid)]
         lim = spec.limits

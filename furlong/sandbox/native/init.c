@@ -111,6 +111,10 @@ static char **base_env;
 static long agent_uid = 0, agent_gid = 0, verifier_uid = -1, init_uid = -1;
 static int build_caps = 0;  /* --build-caps 1: agent commands are a build's RUN steps (BUILD_CAPS) */
 static uid_t init_fsuid = 0;  /* the init's file uid between ops done as a role */
+/* A kernel without setfsuid (gVisor's runsc 2022): a role's file ops take its ids as the init's effective ids
+ * instead (its real and saved uid stay the init's, so no agent process can signal it meanwhile), with
+ * PR_SET_KEEPCAPS kept on so the switch back keeps the init's permitted capabilities. */
+static int no_setfsuid = 0;
 static int keep_shell_state = 0;  /* a sandbox restored from a snapshot keeps the shell state it carries */
 static int parent_fd = -1;  /* the read end of bwrap's status pipe, which only bwrap's monitor keeps open */
 static int agent_procs[MAX_AGENT_PROCS], n_agent_procs, verifier_ns = -1, seccomp_fd = -1;
@@ -361,15 +365,23 @@ static void fs_as(int role) {
   if (!own_caps) return;
   uid_t uid = is_verifier(role) ? (uid_t)verifier_uid : (uid_t)agent_uid;
   gid_t gid = is_verifier(role) ? (gid_t)verifier_uid : (gid_t)agent_gid;
-  setfsgid(gid);
-  setfsuid(uid);
+  if (no_setfsuid) {
+    if (setresgid((gid_t)-1, gid, (gid_t)-1) < 0 || setresuid((uid_t)-1, uid, (uid_t)-1) < 0) die("file ids");
+  } else {
+    setfsgid(gid);
+    setfsuid(uid);
+  }
   if (set_caps(0, own_caps, 0) < 0) die("capset");
 }
 
 static void fs_restore(void) {
   if (!own_caps) return;
-  setfsuid(init_fsuid);
-  setfsgid(0);
+  if (no_setfsuid) {
+    if (setresuid((uid_t)-1, init_fsuid, (uid_t)-1) < 0 || setresgid((gid_t)-1, 0, (gid_t)-1) < 0) die("file ids");
+  } else {
+    setfsuid(init_fsuid);
+    setfsgid(0);
+  }
   if (set_caps(own_caps, own_caps, 0) < 0) die("capset");
 }
 
@@ -850,9 +862,9 @@ static void leave_uid_0(void) {
   if (prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) < 0 || setresuid((uid_t)init_uid, (uid_t)init_uid, (uid_t)init_uid) < 0)
     die("init uid");
   if (set_caps(own_caps, own_caps, 0) < 0) die("capset");
-  if (prctl(PR_SET_KEEPCAPS, 0, 0, 0, 0) < 0 || prctl(PR_SET_DUMPABLE, 0) < 0) die("prctl");
+  if (prctl(PR_SET_KEEPCAPS, no_setfsuid, 0, 0, 0) < 0 || prctl(PR_SET_DUMPABLE, 0) < 0) die("prctl");
   init_fsuid = (uid_t)init_uid;
-  setfsuid(init_fsuid);
+  if (!no_setfsuid) setfsuid(init_fsuid);
 }
 
 int main(int argc, char **argv) {
@@ -863,6 +875,8 @@ int main(int argc, char **argv) {
   if (prctl(PR_SET_DUMPABLE, 0) < 0) die("prctl");
   if (seccomp_fd >= 0) load_seccomp();
   own_caps = get_permitted();
+  errno = 0;  /* setfsuid(-1) changes nothing and answers the file uid, or -1 and ENOSYS where it is missing */
+  if ((int)setfsuid((uid_t)-1) == -1 && errno == ENOSYS) no_setfsuid = 1;
   size_t got = 0;
   while (got < SECRET_LEN) {
     ssize_t r = read(0, secret + got, SECRET_LEN - got);
