@@ -68,7 +68,12 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
     # a finished RL phase trains no more, so it needs no anchor: a run from before demos.jsonl still resumes
     done = bool(run.phase("rl"))
     trainer = build.trainer(
-        cfg.train, sft_dir, [] if done else anchor_demos(cfg, run), anchor=not done, cluster=p.cluster
+        cfg.train,
+        sft_dir,
+        [] if done else anchor_demos(cfg, run),
+        anchor=not done,
+        cluster=p.cluster,
+        hints=build.teacher_hints(cfg.train, p.train_tasks),
     )
     try:
         return await _rl_run(cfg, p, run, console, sft_dir, shared, trainer, done)
@@ -137,6 +142,10 @@ async def rl_steps(
                 batch = await scheduler.next_batch(trainer.version)
                 if step + 1 < r.steps:
                     scheduler.prestart()  # the next groups' sandboxes start while this step trains
+                taught = {}
+                if cfg.train.distill.on:  # the teacher scores the batch with the weights about to train on it
+                    scored = await asyncio.to_thread(trainer.score_teacher, batch.episodes)
+                    batch, taught = batch.with_episodes(scored.episodes), scored.metrics()
                 stats = await asyncio.to_thread(trainer.train_step, batch.episodes)
                 synced = await link.push(trainer.engine_weights(), trainer.version)
                 scheduler.step_done()
@@ -151,6 +160,7 @@ async def rl_steps(
                         batch_metrics(batch, r.filter_zero_variance),
                         synced,
                         prefix_metrics(link.engine),
+                        taught,
                         {"step_seconds": seconds},
                     ),
                 )
