@@ -33,6 +33,10 @@ class TeacherConfig(_Node):
 
 
 class DistillConfig(_Node):
+    """On-policy distillation (docs/distill.md): a teacher scores each token the student sampled (prefill only),
+    and -(logp_rollout - logp_teacher) per token is an advantage. Under it train.rl.filter_zero_variance is
+    false: a group whose rewards are equal still carries the teacher's signal."""
+
     mode: Literal["off", "opd", "grpo+opd"] = Field(
         "off",
         description="opd: the per-token reverse KL to the teacher is the advantage (GRPO's is not used); "
