@@ -153,7 +153,9 @@ async def rl_steps(
                     metrics_row(
                         asdict(stats),
                         rollout_metrics(batch.episodes),
-                        window.diagnostics(batch.episodes, batch.version, stats.seconds),
+                        window.diagnostics(
+                            batch.episodes, batch.version, stats.seconds + taught.get("teacher_seconds", 0.0)
+                        ),
                         batch_metrics(batch, r.filter_zero_variance),
                         synced,
                         prefix_metrics(link.engine),
