@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,14 @@ from furlong.model.chat import Message, continuation_ids, render_prompt_ids
 from furlong.model.loading import load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.train import LocalTrainer, token_logprobs
-from furlong.train.distill import Teacher, TokenizerMismatch, check_tokenizers, distill_advantages, opd_advantage
+from furlong.train.distill import (
+    Teacher,
+    TokenizerMismatch,
+    check_tokenizers,
+    distill_advantages,
+    opd_advantage,
+    teacher_for,
+)
 from furlong.train.grpo import OffPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -260,3 +268,21 @@ def test_distillation_turns_off_the_zero_variance_filter() -> None:
     cfg = load_config(None, ["train.distill.mode=opd", "train.distill.teacher.system_prompt=b"])
     assert cfg.train.distill.on and cfg.train.rl.filter_zero_variance is False
     assert load_config(None, []).train.rl.filter_zero_variance is True
+
+
+def test_a_checkpoint_teacher_without_a_chat_template_renders_with_the_students(student, small_dir, tmp_path) -> None:
+    model, tok = student
+    out = tmp_path / "base"
+    load_model(small_dir).save_pretrained(out)
+    bare = load_tokenizer(small_dir)
+    bare.chat_template = None
+    bare.save_pretrained(out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    assert not load_tokenizer(out, require_chat_template=False).chat_template
+    teacher = teacher_for(small_dir, path=out, system_prompt=None, hints={"t0": "wc -l < f"}, temperature=1.0,
+                          micro_batch_size=4, device=torch.device("cpu"), load=load_model)
+    e = one_turn(tok, "ls", SimpleNamespace(output_ids=(5, 6), logprobs=(-1.0, -2.0)), 0, 0)
+    ids = teacher.prompt_ids(e)
+    assert tok.decode(ids).count("wc -l < f") == 1  # the hint, in the teacher's system turn
+    scored = teacher.score([e], model).episodes[0]
+    assert scored.distill.status == "scored" and scored.distill.tokens == 2

@@ -231,13 +231,14 @@ def teacher_for(
     device: torch.device,
     load: Callable[[Path], PreTrainedModel],
 ) -> Teacher:
-    """The run's teacher: a frozen copy of `path` on `device` (its own tokenizer and chat template), or the
-    policy itself under `system_prompt` (the student's tokenizer, in `tokenizer_dir`)."""
+    """The run's teacher: a frozen copy of `path` on `device` (its own chat template; the student's where it
+    has none, e.g. a base model: the ids are the same, check_tokenizers saw to that), or the policy itself under
+    `system_prompt` (the student's tokenizer, in `tokenizer_dir`)."""
     if path is not None:
         model = load(path).to(device)  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
-        return Teacher(
-            load_tokenizer(path), model=model, hints=hints, temperature=temperature, micro_batch_size=micro_batch_size
-        )
+        own = load_tokenizer(path, require_chat_template=False)
+        tokenizer = own if own.chat_template else load_tokenizer(tokenizer_dir)
+        return Teacher(tokenizer, model=model, hints=hints, temperature=temperature, micro_batch_size=micro_batch_size)
     return Teacher(
         load_tokenizer(tokenizer_dir),
         system_prompt=system_prompt,
