@@ -286,3 +286,14 @@ def test_a_checkpoint_teacher_without_a_chat_template_renders_with_the_students(
     assert tok.decode(ids).count("wc -l < f") == 1  # the hint, in the teacher's system turn
     scored = teacher.score([e], model).episodes[0]
     assert scored.distill.status == "scored" and scored.distill.tokens == 2
+
+
+def test_an_episode_without_prompt_messages_is_unscorable_by_a_prompt_teacher(student) -> None:
+    """A harness episode keeps no prompt messages: a system-prompt teacher cannot re-render it and says so,
+    while a checkpoint teacher reads the student's own prompt ids."""
+    model, tok = student
+    e = replace(one_turn(tok, "ls", SimpleNamespace(output_ids=(5, 6), logprobs=(-1.0, -2.0)), 0, 0), prompt=())
+    out = Teacher(tok, system_prompt=BRIEF).score([e], model)
+    assert out.episodes[0].distill.status == "unscorable" and out.episodes[0].teacher_logprobs is None
+    assert out.metrics()["distill_unscorable"] == 1 and out.tokens == 0
+    assert Teacher(tok, model=model).score([e], model).episodes[0].distill.status == "scored"
