@@ -297,3 +297,19 @@ def test_an_episode_without_prompt_messages_is_unscorable_by_a_prompt_teacher(st
     assert out.episodes[0].distill.status == "unscorable" and out.episodes[0].teacher_logprobs is None
     assert out.metrics()["distill_unscorable"] == 1 and out.tokens == 0
     assert Teacher(tok, model=model).score([e], model).episodes[0].distill.status == "scored"
+
+
+def test_a_zero_distillation_term_leaves_grpo_plus_opd_exactly_grpo(student, gens) -> None:
+    """Teacher logprobs equal to the rollout's: the per-token path (grpo+opd) takes the step plain GRPO takes."""
+    model, tok = student
+    _, samples = gens
+    eps = [one_turn(tok, f"count the lines of file {i // 2}", g, i // 2, i % 2, reward=float(i % 2))
+           for i, g in enumerate(samples)]
+    taught = [replace(e, teacher_logprobs=e.rollout_logprobs) for e in eps]
+    cfg = grpo(filter_zero_variance=False, lr=1e-3, minibatches=2, negative_weight=0.1)
+    plain, opd = (LocalTrainer(load_model_copy(model), c, teacher=t) for c, t in
+                  ((cfg, None), (replace(cfg, distill_mode="grpo+opd"), Teacher(tok, model=model))))
+    a, b = plain.train_step(eps), opd.train_step(taught)
+    assert a.loss == pytest.approx(b.loss, abs=1e-7) and a.loss_tokens == b.loss_tokens
+    for (name, p), q in zip(plain.model.named_parameters(), opd.model.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-7), name
