@@ -90,6 +90,17 @@ def teacher_cost(run: Path) -> dict:
     }
 
 
+STEP_KEYS = ("reward_mean", "response_len_mean", "grad_norm", "ref_kl", "entropy", "distill_reverse_kl")
+
+
+def per_step(run: Path) -> dict:
+    """The RL steps' own rows, key by key (those the run logged), and each step's truncated episodes."""
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["phase"] == "rl"]
+    out = {k: [round(r[k], 5) for r in rows] for k in STEP_KEYS if rows and k in rows[0]}
+    out["status_truncated"] = [r.get("status_truncated", 0) for r in rows]
+    return out
+
+
 def control_arm(main: Path, work: Path) -> None:
     """GRPO alone from `main`'s SFT checkpoint and pre-RL eval: the recipe's default RL, no teacher."""
     fork_before_rl(main, work, {"filter_zero_variance": True})
@@ -105,6 +116,7 @@ def arm(run: Path, before: dict[str, dict], steps: int) -> dict:
     return {
         "heldout": compare(heldout(run, "eval_after"), before),
         "rl_tokens_per_episode": rl_lengths(run, steps),
+        "per_step": per_step(run),
         **({"teacher": t} if (t := teacher_cost(run)) else {}),
         "status": s["status"],
         "rl_episodes": s["rl_episodes"],
@@ -112,8 +124,9 @@ def arm(run: Path, before: dict[str, dict], steps: int) -> dict:
     }
 
 
-def one_seed(work: Path, seed: int, overrides: list[str]) -> dict:
+def one_seed(work: Path, seed: int, overrides: list[str], reused: list[str]) -> dict:
     main, ctrl = work / f"seed{seed}-distill", work / f"seed{seed}-grpo"
+    reused += [str(r) for r in (main, ctrl) if (r / "summary.json").exists()]
     if not (main / "summary.json").exists():
         print(f"seed {seed}: furlong train (distill) ...", flush=True)
         train([f"train.seed={seed}", f"train.run_dir={main}", *DISTILL, *overrides], f"(seed {seed})")
@@ -148,10 +161,11 @@ def main() -> None:
     prov = provenance()
     work = args.keep or Path(tempfile.mkdtemp(prefix="furlong-distill-"))
     work.mkdir(parents=True, exist_ok=True)
-    seeds = []
+    seeds: list[dict] = []
+    reused: list[str] = []  # runs an earlier invocation finished (--keep): this one only read them
     try:
         for seed in args.seeds:
-            seeds.append(one_seed(work, seed, args.overrides))
+            seeds.append(one_seed(work, seed, args.overrides, reused))
             print(json.dumps({k: seeds[-1][k] for k in ("seed", "before")}), flush=True)
     finally:
         if not args.keep:
@@ -164,6 +178,7 @@ def main() -> None:
         "values": "[value, 90% bootstrap low, high]; pass gains in points, paired on the same held-out instances "
         "and sampling seeds; tokens: generated (sampled) tokens per episode, all turns",
         "seeds": seeds,
+        "reused_runs": reused,
         "provenance": finish(prov),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
