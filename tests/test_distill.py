@@ -258,6 +258,8 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(small_dir: Path, 
      "train.agent.harness.command"),
     (["train.distill.mode=opd", "train.distill.teacher.system_prompt=b", "train.distill.weight=0"],
      "train.distill.weight"),
+    (["train.distill.mode=opd", "train.distill.teacher.path=/x", "train.distill.teacher.frozen=true"],
+     "train.distill.teacher.frozen"),
 ])
 def test_config_errors_name_the_field(overrides: list[str], names: str) -> None:
     with pytest.raises(ConfigError, match=names.replace("+", r"\+")):
@@ -313,3 +315,25 @@ def test_a_zero_distillation_term_leaves_grpo_plus_opd_exactly_grpo(student, gen
     assert a.loss == pytest.approx(b.loss, abs=1e-7) and a.loss_tokens == b.loss_tokens
     for (name, p), q in zip(plain.model.named_parameters(), opd.model.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-7), name
+
+
+def test_a_frozen_self_teacher_holds_still_while_the_live_one_moves_with_the_policy(student, gens, small_dir) -> None:
+    from furlong.build.training import teacher as build_teacher
+
+    model, tok = student
+    _, samples = gens
+    eps = [one_turn(tok, f"count the lines of file {i // 2}", g, i // 2, i % 2, reward=float(i % 2))
+           for i, g in enumerate(samples)]
+    scores = {}
+    for frozen in (False, True):
+        t = load_config(None, ["train.distill.mode=grpo+opd", f"train.distill.teacher.system_prompt={BRIEF}",
+                               f"train.distill.teacher.frozen={str(frozen).lower()}"]).train
+        teacher = build_teacher(t, small_dir, torch.device("cpu"), {})
+        assert (teacher.model is not None) == frozen and teacher.system_prompt == BRIEF
+        trainer = LocalTrainer(load_model_copy(model), replace(grpo(lr=1e-2, filter_zero_variance=False),
+                                                               distill_mode="grpo+opd"), teacher=teacher)
+        before = trainer.score_teacher(eps).episodes
+        assert trainer.train_step(before).updated
+        after = trainer.score_teacher(eps).episodes
+        scores[frozen] = [a.teacher_logprobs == b.teacher_logprobs for a, b in zip(before, after)]
+    assert not any(scores[False]) and all(scores[True])

@@ -237,13 +237,14 @@ def local_trainer(
 
 def teacher(t: TrainConfig, sft_dir: Path, device: torch.device, hints: dict[str, str]) -> Teacher | None:
     """train.distill's teacher: a frozen copy of teacher.path loaded once on the trainer's device, or the
-    policy itself under teacher.system_prompt (nothing more to load); None when distillation is off."""
+    policy itself under teacher.system_prompt (nothing more to load; with teacher.frozen a frozen copy of the
+    SFT checkpoint under it); None when distillation is off."""
     d = t.distill
     if not d.on:
         return None
     return teacher_for(
         sft_dir,
-        path=d.teacher.path,
+        path=sft_dir if d.teacher.frozen else d.teacher.path,  # frozen: the policy as RL starts
         system_prompt=d.teacher.system_prompt,
         hints=hints,
         temperature=t.rl.temperature,

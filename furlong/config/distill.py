@@ -25,6 +25,11 @@ class TeacherConfig(_Node):
         description="self-distillation: the student's current weights score its tokens with this system "
         "prompt in place of train.agent.system_prompt (e.g. a brevity instruction); never trained through",
     )
+    frozen: bool = Field(
+        False,
+        description="with system_prompt: score with a frozen copy of the policy as RL starts (the SFT "
+        "checkpoint, held beside it) instead of its current weights, so the target holds still",
+    )
     hint: Literal["none", "solution"] = Field(
         "none",
         description="solution: the task's oracle solution (solution/solve.sh) is appended to the teacher's "
@@ -57,6 +62,11 @@ class DistillConfig(_Node):
             raise ValueError(
                 "train.distill.teacher: set path (another checkpoint) or system_prompt (the student under "
                 "another prompt), not both"
+            )
+        if t.frozen and t.system_prompt is None:
+            raise ValueError(
+                "train.distill.teacher.frozen: freezes a self-distillation teacher (system_prompt); a path "
+                "teacher is frozen already"
             )
         if self.mode == "off" and (t.path is not None or t.system_prompt is not None):
             raise ValueError("train.distill.teacher is set but train.distill.mode is off: set mode opd or grpo+opd")

@@ -232,13 +232,19 @@ def teacher_for(
     load: Callable[[Path], PreTrainedModel],
 ) -> Teacher:
     """The run's teacher: a frozen copy of `path` on `device` (its own chat template; the student's where it
-    has none, e.g. a base model: the ids are the same, check_tokenizers saw to that), or the policy itself under
-    `system_prompt` (the student's tokenizer, in `tokenizer_dir`)."""
+    has none, e.g. a base model: the ids are the same, check_tokenizers saw to that), under `system_prompt` if
+    given; or the policy itself under `system_prompt` (the student's tokenizer, in `tokenizer_dir`)."""
     if path is not None:
         model = load(path).to(device)  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
         own = load_tokenizer(path, require_chat_template=False)
-        tokenizer = own if own.chat_template else load_tokenizer(tokenizer_dir)
-        return Teacher(tokenizer, model=model, hints=hints, temperature=temperature, micro_batch_size=micro_batch_size)
+        return Teacher(
+            own if own.chat_template else load_tokenizer(tokenizer_dir),
+            model=model,
+            system_prompt=system_prompt,
+            hints=hints,
+            temperature=temperature,
+            micro_batch_size=micro_batch_size,
+        )
     return Teacher(
         load_tokenizer(tokenizer_dir),
         system_prompt=system_prompt,
