@@ -29,7 +29,7 @@ from furlong.sync.adapter import AdapterPublisher, state_dict_nbytes
 from furlong.sync.relay import Relay
 from furlong.sync.transport import InProcessTransport
 from furlong.train import LocalTrainer, token_logprobs
-from furlong.train.trainer import collate
+from furlong.train.batch import collate
 
 TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -277,3 +277,36 @@ def test_unknown_step_and_delta_keys_are_named(tmp_path: Path, section: str, fie
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match=f"{section}.{field}: Extra inputs are not permitted"):
         load_spec(tmp_path / "c.yaml")
+
+
+def test_a_distillation_teacher_adds_its_weights_to_each_rank_and_its_prefill_to_the_step(tmp_path: Path):
+    # a checkpoint teacher twice the student's layers: 80 + 4 x 592 + 8 + 80 = 2536 parameters, bf16
+    big = {**SMALL, "layers": 4}
+    spec = _spec(step=STEP, teacher={"model": big})
+    plan = make_plan(spec)
+    mem = {t.name: t.bytes for t in plan.trainer.terms}
+    assert mem["teacher weights (frozen)"] == 2536 * 2
+    sharded = make_plan(_spec(nodes=[{"name": "n", "count": 1, "gpus": 8, "gpu_memory_gib": 1, "cpus": 8,
+                                      "memory_gib": 16}], trainer={"gpus": 4, "tp": 2, "shard": "full"},
+                              rollout={"gpus": 2, "tp": 2}, teacher={"model": big}))
+    assert {t.name: t.bytes for t in sharded.trainer.terms}["teacher weights (frozen)"] == 2536 / 2 / 2 * 2
+    # its prefill: one forward over 4 samples x 8 tokens, attention at 4 keys over its 4 layers (512 FLOPs)
+    t = {x.name: x.seconds for x in plan.step.terms}
+    assert t["teacher prefill"] == pytest.approx(32 * (2 * 2536 + 512) / (1e6 * 0.5))
+    assert plan.step.seconds == pytest.approx(t["rollout"] + t["teacher prefill"] + t["train"] + t["weight sync"])
+    # a self teacher is the policy: no weights of its own, one forward pass of the student
+    own = make_plan(_spec(step=STEP, teacher={"kind": "self"}))
+    assert "teacher weights (frozen)" not in {x.name for x in own.trainer.terms}
+    assert {x.name: x.seconds for x in own.step.terms}["teacher prefill"] == pytest.approx(
+        32 * (2 * 1352 + 256) / (1e6 * 0.5))
+    with pytest.raises(ValueError, match="teacher.model"):
+        _spec(teacher={"kind": "self", "model": big})
+    # a spec file's teacher may read its shape from a Hugging Face config.json
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 4, "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "head_dim": 4, "intermediate_size": 16, "vocab_size": 10, "model_type": "llama"}))
+    raw = spec.model_dump(exclude={"teacher"})
+    raw["teacher"] = {"model": {"hf_config": "t"}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(raw))))
+    assert model_params(load_spec(tmp_path / "spec.yaml").teacher.model).total == 2536

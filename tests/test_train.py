@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests_support import grpo
 
 from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.engine import Generation, SamplingParams
@@ -23,10 +24,10 @@ from furlong.train import (
     policy_loss,
     token_logprobs,
 )
+from furlong.train.batch import collate
 from furlong.train.grpo import weigh_negatives
 from furlong.train.sft import Demo, demo_nll
-from furlong.train.trainer import collate, lr_at
-from tests_support import grpo
+from furlong.train.trainer import lr_at
 
 TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

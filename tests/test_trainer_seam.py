@@ -54,6 +54,9 @@ class SealedTrainer:
     def train_step(self, episodes):
         return self._call("train_step", episodes)
 
+    def score_teacher(self, episodes):
+        return self._call("score_teacher", episodes)
+
     def engine_weights(self):
         return self._call("engine_weights")
 
@@ -109,7 +112,7 @@ def test_the_rl_loop_runs_a_second_trainer_through_the_protocol_alone(tiny_dir, 
 
 def test_the_driver_never_reaches_into_a_trainer_beyond_the_protocol():
     """Every attribute the run package reads off a variable named `trainer` is a protocol member."""
-    allowed = {"version", "device", "train_step", "engine_weights", "save", "load", "export_hf", "close"}
+    allowed = {"version", "device", "train_step", "score_teacher", "engine_weights", "save", "load", "export_hf", "close"}
     used = set()
     for path in (Path(__file__).parent.parent / "furlong" / "run").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -57,6 +57,19 @@ class AgentParams:
         return cls(**{f.name: getattr(agent, f.name) for f in fields(cls)})
 
 
+@dataclass(frozen=True)
+class TeacherScore:
+    """What on-policy distillation's teacher made of an episode (furlong.train.distill; docs/distill.md)."""
+
+    status: str  # scored | teacher_failed (the scoring raised) | unscorable (no prompt to re-render)
+    tokens: int = 0  # sampled tokens the teacher scored (its prefill was longer: the prompt and observations)
+    reverse_kl: float | None = None  # mean over those of logp_rollout - logp_teacher (a k1 estimate)
+    error: str | None = None  # why it failed, one line
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "tokens": self.tokens, "reverse_kl": self.reverse_kl, "error": self.error}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Episode:
     task_id: str
@@ -82,6 +95,15 @@ class Episode:
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
     traceback: str | None = None  # the exception that decided its outcome, where one did (Outcome.traceback)
     gateway: GatewayStats | None = None  # a harness episode's (furlong.agent.harness); None for furlong's own loop
+    # The prompt as messages (system, user) and the tool schemas rendered into it, as the agent rendered
+    # tokens[:prompt_len]: a distillation teacher renders them with its own system prompt and template.
+    # Empty for a harness episode (its program wrote its own prompt).
+    prompt: tuple[Message, ...] = ()
+    prompt_tools: tuple[dict, ...] | None = None
+    # Distillation (train.distill): the teacher's logprob of each token, aligned like rollout_logprobs (0.0
+    # where loss_mask is 0); None before scoring or where the teacher gave none (`distill` says why).
+    teacher_logprobs: tuple[float, ...] | None = None
+    distill: TeacherScore | None = None
 
     @property
     def response_len(self) -> int:
@@ -161,9 +183,11 @@ class ModelAgent:
     def _prompt(self, schemas: Sequence[dict]) -> None:
         """The episode's first tokens (with the tool schemas when params.tool_schema_in_prompt)."""
         self.schemas = tuple(schemas)
-        shown = list(self.schemas) if self.params.tool_schema_in_prompt else None
+        self.shown_schemas = self.schemas if self.params.tool_schema_in_prompt else None
+        shown = list(self.shown_schemas) if self.shown_schemas is not None else None
         self.trace = _Trace(render_prompt_ids(self.tokenizer, self._messages, shown))
         self.prompt_len = len(self.trace.tokens)
+        self.prompt_messages = tuple(self._messages)  # what tokens[:prompt_len] renders
 
     @property
     def response_len(self) -> int:
@@ -365,6 +389,8 @@ async def run_episode(
         turns=agent.turns,
         tool_errors=agent.tool_errors,
         family=task.family,
+        prompt=tuple(agent.prompt_messages),
+        prompt_tools=agent.shown_schemas,
         **outcome_fields(outcome),
     )
 

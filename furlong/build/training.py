@@ -40,6 +40,7 @@ from furlong.sync.handover import Arena
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
+from furlong.train.distill import Teacher, TokenizerMismatch, check_tokenizers, teacher_for
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.handover import HandoverLink
 from furlong.train.protocol import Trainer
@@ -110,6 +111,11 @@ def pieces(cfg: Config) -> Pieces:
     base = t.model.path or init_tiny(seed=t.model.seed)
     tokenizer = load_tokenizer(base)
     tool_format(tokenizer, t.agent.tool_format)  # a format the template cannot use fails here, not per episode
+    if t.distill.teacher.path is not None:  # ... and so does a teacher that cannot score the student's ids
+        try:
+            check_tokenizers(Path(base), t.distill.teacher.path, tokenizer)
+        except TokenizerMismatch as e:
+            raise ConfigError(str(e)) from None
     if t.agent.harness.command is not None:
         program(t.agent.harness.command)  # ... and so does a harness program that is not there
     cluster = ray_session(t)
@@ -175,7 +181,16 @@ def attach_loggers(t: TrainConfig, run: RunDir) -> None:
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:
-    return GRPOConfig.of(t.rl, seed=t.seed)
+    return replace(GRPOConfig.of(t.rl, seed=t.seed), distill_mode=t.distill.mode, distill_weight=t.distill.weight)
+
+
+def teacher_hints(t: TrainConfig, tasks: Sequence[EnvSpec]) -> dict[str, str]:
+    """train.distill.teacher.hint=solution: each train task's oracle solution (solve.sh), by task id; tasks
+    without one (a Python environment's, a prompt dataset's) get no hint."""
+    if not t.distill.on or t.distill.teacher.hint != "solution":
+        return {}
+    found = {task.id: getattr(task, "solution", None) for task in tasks}
+    return {k: Path(v).read_text() for k, v in found.items() if v is not None and Path(v).is_file()}
 
 
 def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
@@ -189,11 +204,17 @@ def policy_model(t: TrainConfig, sft_dir: Path, seed: int | None = 0):
 
 
 def trainer(
-    t: TrainConfig, sft_dir: Path, demos: list, anchor: bool = True, cluster: RaySession | None = None
+    t: TrainConfig,
+    sft_dir: Path,
+    demos: list,
+    anchor: bool = True,
+    cluster: RaySession | None = None,
+    hints: dict[str, str] | None = None,
 ) -> Trainer:
     """The policy trainer (train.trainer) on train.device, in this process or (train.cluster=ray) in the
     session's actors; the KL reference is the SFT model itself (with LoRA too: fresh adapters start as the
-    identity). `anchor` False: a finished RL phase, which trains no more."""
+    identity). `anchor` False: a finished RL phase, which trains no more. A distillation teacher
+    (train.distill) is built beside the policy, in the actor on Ray; `hints`: its privileged hints by task."""
     config = grpo_config(t) if anchor else replace(grpo_config(t), sft_coef=0.0)
     demos = demos if anchor else []
     if t.trainer == "fsdp2":
@@ -201,15 +222,36 @@ def trainer(
     if cluster is not None:
         import furlong.build.cluster as ray_build
 
-        return ray_build.trainer(cluster, partial(local_trainer, t, sft_dir, config, demos), t)
-    return local_trainer(t, sft_dir, config, demos)
+        return ray_build.trainer(cluster, partial(local_trainer, t, sft_dir, config, demos, hints), t)
+    return local_trainer(t, sft_dir, config, demos, hints)
 
 
-def local_trainer(t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list) -> LocalTrainer:
+def local_trainer(
+    t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list, hints: dict[str, str] | None = None
+) -> LocalTrainer:
     device = torch.device(t.device)
     policy = policy_model(t, sft_dir, seed=t.seed).to(device)
     ref = load_model(sft_dir).to(device).requires_grad_(False) if t.rl.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
-    return LocalTrainer(policy, config, ref_model=ref, demos=demos)
+    return LocalTrainer(policy, config, ref_model=ref, demos=demos, teacher=teacher(t, sft_dir, device, hints or {}))
+
+
+def teacher(t: TrainConfig, sft_dir: Path, device: torch.device, hints: dict[str, str]) -> Teacher | None:
+    """train.distill's teacher: a frozen copy of teacher.path loaded once on the trainer's device, or the
+    policy itself under teacher.system_prompt (nothing more to load; with teacher.frozen a frozen copy of the
+    SFT checkpoint under it); None when distillation is off."""
+    d = t.distill
+    if not d.on:
+        return None
+    return teacher_for(
+        sft_dir,
+        path=sft_dir if d.teacher.frozen else d.teacher.path,  # frozen: the policy as RL starts
+        system_prompt=d.teacher.system_prompt,
+        hints=hints,
+        temperature=t.rl.temperature,
+        micro_batch_size=t.rl.micro_batch_size,
+        device=device,
+        load=load_model,
+    )
 
 
 def fsdp2_trainer(

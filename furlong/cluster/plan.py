@@ -244,10 +244,32 @@ def _rank_terms(spec: ClusterSpec, p: ModelParams, stage: int) -> list[Term]:
         )
     )
     terms.append(_activations(spec, p, stage, n_layers))
+    if spec.teacher is not None and spec.teacher.kind == "checkpoint":
+        terms.append(teacher_weights(spec, dp, edp))
     if stage == t.pp - 1:
         tokens = t.seq_len * t.micro_batch / t.cp
         terms.append(Term("logits", tokens * m.vocab / t.tp * 4, "seq/cp x micro_batch x vocab / tp x 4 B (fp32)"))
     return terms
+
+
+def teacher_weights(spec: ClusterSpec, dp: int, edp: int) -> Term:
+    """A checkpoint teacher's frozen weights on one trainer rank: split like the policy (an even share of
+    each pipeline stage), or whole. Its prefill runs before training, forward only and one micro-batch at a
+    time, so its activations and logits fit in what the policy's own step uses after it."""
+    teacher = spec.teacher
+    assert teacher is not None
+    tp, t = model_params(teacher.model or spec.model), spec.trainer
+    wb, dense = DTYPE_BYTES[teacher.dtype], tp.total - tp.experts
+    if not teacher.shard:
+        return Term("teacher weights (frozen)", tp.total * wb, f"{tp.total:,} x {wb} B, whole on every rank")
+    full = t.shard == "full"
+    held = (dense / t.tp / (dp if full else 1) + tp.experts / t.ep / (edp if full else 1)) / t.pp
+    split = f" / dp{dp} (experts / edp{edp})" if full else ""
+    return Term(
+        "teacher weights (frozen)",
+        held * wb,
+        f"({dense:,} / tp{t.tp} + {tp.experts:,} / ep{t.ep}){split} / pp{t.pp} x {wb} B",
+    )
 
 
 def _activations(spec: ClusterSpec, p: ModelParams, stage: int, n_layers: int) -> Term:

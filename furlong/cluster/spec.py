@@ -175,6 +175,26 @@ class Step(_Strict):
     mbu: float = Field(0.6, gt=0, le=1, description="share of memory bandwidth that decode reaches")
 
 
+class TeacherSpec(_Strict):
+    """A distillation teacher (train.distill, docs/distill.md) held on the trainer's GPUs beside the policy:
+    its weights on each rank, its prefill of every sample before training."""
+
+    kind: Literal["checkpoint", "self"] = Field(
+        "checkpoint",
+        description="checkpoint: a frozen copy of another model; self: the policy under another prompt "
+        "(no weights of its own, one forward pass)",
+    )
+    model: ModelSpec | None = Field(None, description="checkpoint: its shape (or hf_config: PATH); null: the student's")
+    dtype: Dtype = Field("bf16", description="checkpoint: its weights' dtype")
+    shard: bool = Field(True, description="checkpoint: split like the policy (tp, pp, ep, and dp with shard: full)")
+
+    @model_validator(mode="after")
+    def _self_has_no_model(self) -> TeacherSpec:
+        if self.kind == "self" and self.model is not None:
+            raise ValueError("teacher.model: a self teacher is the policy itself; drop it (or kind: checkpoint)")
+        return self
+
+
 class ClusterSpec(_Strict):
     nodes: tuple[NodeGroup, ...] = Field(min_length=1)
     model: ModelSpec
@@ -185,6 +205,7 @@ class ClusterSpec(_Strict):
     delta: Delta = Delta()
     sandboxes: Sandboxes = Sandboxes(concurrent=0)
     step: Step | None = Field(None, description="one step's batch and hardware rates: the time estimate")
+    teacher: TeacherSpec | None = Field(None, description="a distillation teacher on the trainer's GPUs")
 
     @model_validator(mode="after")
     def _layers(self) -> ClusterSpec:
@@ -249,6 +270,18 @@ def _hf_fields(c: dict) -> dict:
     return spec
 
 
+def _with_hf_config(model, path: Path):
+    """A model section with `hf_config: PATH` (relative to the spec) read into its fields, keys beside it winning."""
+    if not isinstance(model, dict) or "hf_config" not in model:
+        return model
+    rest = dict(model)
+    source = Path(rest.pop("hf_config"))
+    source = source if source.is_absolute() else Path(path).parent / source
+    if source.is_dir():
+        source = source / "config.json"
+    return {**hf_model(source), **rest}
+
+
 def load_spec(path: Path) -> ClusterSpec:
     """The spec at `path`; a bad one is a ValueError naming each wrong field and what it expected."""
     try:
@@ -257,13 +290,11 @@ def load_spec(path: Path) -> ClusterSpec:
         raise ValueError(f"{path}: not YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping with nodes, model, trainer, rollout")
-    model = raw.get("model")
-    if isinstance(model, dict) and "hf_config" in model:
-        source = Path(model.pop("hf_config"))
-        source = source if source.is_absolute() else Path(path).parent / source
-        if source.is_dir():
-            source = source / "config.json"
-        raw["model"] = {**hf_model(source), **model}
+    raw["model"] = _with_hf_config(raw.get("model"), path)
+    if isinstance(raw.get("teacher"), dict):
+        raw["teacher"] = {**raw["teacher"], "model": _with_hf_config(raw["teacher"].get("model"), path)}
+        if raw["teacher"]["model"] is None:
+            del raw["teacher"]["model"]
     try:
         return ClusterSpec.model_validate(raw)
     except ValidationError as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from furlong.cluster.shapes import ModelParams, kv_bytes_per_token
+from furlong.cluster.shapes import ModelParams, kv_bytes_per_token, model_params
 from furlong.cluster.spec import DTYPE_BYTES, ClusterSpec, ModelSpec, Step
 
 GIB = 1024**3
@@ -162,17 +162,38 @@ def _train(spec: ClusterSpec, p: ModelParams) -> TimeTerm:
     )
 
 
+def _teacher(spec: ClusterSpec, p: ModelParams) -> TimeTerm | None:
+    """A distillation teacher's prefill of every sample, forward only, on the trainer's GPUs: the checkpoint's
+    active parameters, or the policy's own (a self teacher)."""
+    teacher = spec.teacher
+    if teacher is None:
+        return None
+    st, m = _step(spec), teacher.model or spec.model
+    active = p.active if teacher.model is None else model_params(m).active
+    per_sample = st.prompt_tokens + st.observation_tokens + st.response_tokens
+    tokens = st.prompts * st.group_size * per_sample
+    flops = tokens * (2 * active + attention_flops(m, per_sample / 2))
+    return TimeTerm(
+        "teacher prefill",
+        flops / (spec.trainer.gpus * st.gpu_tflops * 1e12 * st.mfu),
+        f"1 forward x {tokens:,} tokens x (2 x {active / 1e9:.1f}B active + attention) / "
+        f"({spec.trainer.gpus} GPUs x {st.gpu_tflops:g} TFLOP/s x mfu {st.mfu:g})",
+    )
+
+
 def step_time(
     spec: ClusterSpec, p: ModelParams, kv_tokens_per_gpu: float, sync_seconds: float, problems: list[str]
 ) -> StepTime:
     """The step's terms and total; a KV cache too small for the samples in flight is added to `problems`."""
     in_flight = _in_flight(spec, kv_tokens_per_gpu, problems)
     terms = _rollout(spec, p, in_flight)
-    rollout, train = terms[-1].seconds, _train(spec, p)
+    rollout, train, teacher = terms[-1].seconds, _train(spec, p), _teacher(spec, p)
     sync = TimeTerm("weight sync", sync_seconds, f"sync: {spec.sync}, end to end (the update tables)")
+    trained = train.seconds + (teacher.seconds if teacher else 0.0)  # the teacher scores, then the trainer trains
+    name = "teacher + train" if teacher else "train"
     if _step(spec).mode == "sync":
-        total, formula = rollout + train.seconds + sync_seconds, "sync: rollout + train + weight sync"
+        total, formula = rollout + trained + sync_seconds, f"sync: rollout + {name} + weight sync"
     else:
-        total = max(rollout, train.seconds + sync_seconds)
-        formula = "async: max(rollout, train + weight sync): the next rollout runs meanwhile"
-    return StepTime((*terms, train, sync), total, formula)
+        total = max(rollout, trained + sync_seconds)
+        formula = f"async: max(rollout, {name} + weight sync): the next rollout runs meanwhile"
+    return StepTime((*terms, *([teacher] if teacher else []), train, sync), total, formula)

@@ -15,6 +15,7 @@ import torch
 from furlong.agent.episode import Episode
 from furlong.cluster.session import RaySession
 from furlong.sync.handover import Arena, SharedWeights
+from furlong.train.distill import TeacherPass
 from furlong.train.protocol import Trainer
 from furlong.train.stats import TrainStats
 
@@ -90,6 +91,9 @@ class RayTrainer:
 
     def train_step(self, episodes: Sequence[Episode]) -> TrainStats:
         return self._call("train_step", list(episodes))
+
+    def score_teacher(self, episodes: Sequence[Episode]) -> TeacherPass:
+        return self._call("score_teacher", list(episodes))  # the teacher is the actor's, beside the policy
 
     def engine_weights(self) -> Mapping[str, torch.Tensor]:
         if self._shared:

@@ -6,6 +6,7 @@ live in the modules beside this one, grouped by what they configure; everything 
 """
 
 from furlong.config.base import BUNDLED_TASKS, RECIPES, REPO_ROOT
+from furlong.config.distill import DistillConfig, TeacherConfig
 from furlong.config.engines import HFEngineConfig, RayConfig, SGLangConfig, SyncConfig
 from furlong.config.env import EnvConfig, LogConfig, PromptsConfig, RewardConfig, TrainEvalConfig, WandbConfig
 from furlong.config.load import Config, ConfigError, load_config
@@ -35,6 +36,7 @@ __all__ = [
     "AgentConfig",
     "Config",
     "ConfigError",
+    "DistillConfig",
     "EnvConfig",
     "EvalConfig",
     "FSDP2Config",
@@ -52,6 +54,7 @@ __all__ = [
     "SGLangConfig",
     "SandboxConfig",
     "SyncConfig",
+    "TeacherConfig",
     "TrainConfig",
     "TrainEvalConfig",
     "WandbConfig",

@@ -143,7 +143,11 @@ class RLConfig(_Node):
     )
     normalize_std: bool = Field(False, description="divide advantages by the group std (measured worse here)")
     adv_eps: float = Field(1e-6, gt=0, description="normalize_std: advantages are divided by (group std + this)")
-    filter_zero_variance: bool = Field(True, description="drop groups whose rewards are all equal (no signal)")
+    filter_zero_variance: bool = Field(
+        True,
+        description="drop groups whose rewards are all equal (no signal); false under train.distill, "
+        "whose teacher gives those groups' tokens a signal",
+    )
     micro_batch_size: int = Field(16, ge=1, description="episodes per forward/backward pass")
     bf16_autocast: bool = Field(False, description="bf16 compute in the trainer; weights stay fp32")
     concurrency: int = Field(16, ge=1, description="episodes (sandboxes) at once; the engine batches their turns")

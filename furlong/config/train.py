@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from furlong.config.base import BUNDLED_TASKS, _Node
+from furlong.config.distill import DistillConfig
 from furlong.config.engines import HFEngineConfig, RayConfig, SGLangConfig, SyncConfig
 from furlong.config.env import (
     EnvConfig,
@@ -64,6 +65,9 @@ class TrainConfig(_Node):
     sft: SFTConfig = Field(SFTConfig(), description="the SFT warm-start")
     rl: RLConfig = Field(RLConfig(), description="GRPO")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters")
+    distill: DistillConfig = Field(
+        DistillConfig(), description="on-policy distillation from a teacher (docs/distill.md)"
+    )
     sync: SyncConfig = Field(SyncConfig(), description="weight sync to the rollout engine")
     hf: HFEngineConfig = Field(HFEngineConfig(), description="the in-process hf engine")
     eval: TrainEvalConfig = Field(TrainEvalConfig(), description="the held-out evals before and after RL")
@@ -139,6 +143,32 @@ class TrainConfig(_Node):
                 "weights, so it must share the engines' node; joining a cluster (train.ray.address) "
                 "cannot promise that: use transport=http there"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _distill_supports(self) -> TrainConfig:
+        d = self.distill
+        if not d.on:
+            return self
+        if self.trainer == "fsdp2":
+            raise ValueError(
+                "train.distill with train.trainer=fsdp2: not yet (the teacher is scored by the local trainer, "
+                "in this process or its Ray actor); set train.trainer=local"
+            )
+        if d.teacher.system_prompt is not None and self.agent.harness.command is not None:
+            raise ValueError(
+                "train.distill.teacher.system_prompt with train.agent.harness.command: a harness writes its own "
+                "prompt, which furlong cannot re-render under the teacher's; use train.distill.teacher.path"
+            )
+        # A group whose rewards are all equal still has a teacher's per-token signal: filtering it would drop
+        # exactly the episodes distillation learns from.
+        if "filter_zero_variance" in self.rl.model_fields_set and self.rl.filter_zero_variance:
+            raise ValueError(
+                f"train.rl.filter_zero_variance: true drops groups whose rewards are equal, but with "
+                f"train.distill.mode {d.mode} their tokens still carry the teacher's signal; drop the key "
+                "(it is false under distillation)"
+            )
+        object.__setattr__(self, "rl", self.rl.model_copy(update={"filter_zero_variance": False}))
         return self
 
     @model_validator(mode="after")

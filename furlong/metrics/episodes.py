@@ -59,6 +59,7 @@ def episode_record(e: Episode, phase: str, step: int | None) -> dict:
         # each reward function's (train.env.rewards)
         "steps": [s.to_json() for s in e.steps],  # a multi-step task's steps that ran (Harbor's [[steps]])
         "gateway": None if e.gateway is None else asdict(e.gateway),  # a harness's requests, tito, rewrites
+        "distill": None if e.distill is None else e.distill.to_json(),  # train.distill: what the teacher made of it
     }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from furlong.report.data import RunData, load_run
 from furlong.report.document import Block, Heading, Image, Para, html_page, markdown
 from furlong.report.parts import Section, family_halves, overview, reward_per_step
-from furlong.report.timing import fractions, sample_lag, time_breakdown
+from furlong.report.timing import fractions, sample_lag, teacher_cost, time_breakdown
 from furlong.report.whatif import compare, projection
 
 
@@ -28,6 +28,7 @@ def run_sections(run: RunData, speedups: list[float]) -> list[Section]:
         time_breakdown(run),
         sample_lag(run),
         fractions(run),
+        teacher_cost(run),
     ]
     if speedups:
         sections.append(projection(run, speedups))

@@ -118,6 +118,29 @@ def sample_lag(run: RunData) -> Section:
     return s
 
 
+def teacher_cost(run: RunData) -> Section:
+    """train.distill: what the teacher's prefill cost each step (seconds, tokens, share of the step), and
+    how many episodes it scored or failed. Nothing for a run without a teacher."""
+    rows = [r for r in run.rl_rows if "teacher_seconds" in r]
+    if not rows:
+        return Section()
+    seconds = [float(r["teacher_seconds"]) for r in rows]
+    tokens = [float(r["teacher_tokens"]) for r in rows]
+    share = [float(r["teacher_seconds"]) / r["step_seconds"] for r in rows if r.get("step_seconds")]
+    head = ("steps", "teacher s/step [90% CI]", "teacher tokens/step [90% CI]", "share of step time [90% CI]")
+    counts = ("episodes scored", "teacher failed", "reverse KL (mean over steps)")
+    row = (
+        str(len(rows)),
+        bootstrap_mean(seconds).text(),
+        bootstrap_mean(tokens).text(),
+        bootstrap_mean(share).text() if share else "-",
+        str(sum(int(r.get("distill_scored", 0)) for r in rows)),
+        str(sum(int(r.get("distill_failed", 0)) for r in rows)),
+        f"{np.mean([float(r.get('distill_reverse_kl', 0.0)) for r in rows]):.4g}",
+    )
+    return Section([Heading("Distillation teacher"), Table((*head, *counts), (row,))])
+
+
 def fractions(run: RunData) -> Section:
     s = Section([Heading("Group wait, KV held during tool waits, idle fractions")])
     series = {k: [(int(r["step"]), float(r[k])) for r in run.rl_rows if k in r] for k in FRACTIONS}

@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from furlong.agent.episode import Episode
 from furlong.envs.base import EnvSpec
@@ -89,6 +89,15 @@ class Batch:
     @property
     def episodes(self) -> list[Episode]:
         return [e for g in self.groups for e in g.episodes]
+
+    def with_episodes(self, episodes: Sequence[Episode]) -> Batch:
+        """The same batch with `episodes` (in `self.episodes` order) in place of its own, e.g. scored by a
+        distillation teacher."""
+        it = iter(episodes)
+        groups = tuple(replace(g, episodes=tuple(next(it) for _ in g.episodes)) for g in self.groups)
+        if next(it, None) is not None or sum(len(g.episodes) for g in groups) != len(episodes):
+            raise ValueError(f"{len(episodes)} episodes for a batch of {len(self.episodes)}")
+        return replace(self, groups=groups)
 
 
 class Scheduler:

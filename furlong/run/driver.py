@@ -25,7 +25,7 @@ from furlong.metrics.run import RunDir, atomic_write, metrics_row
 from furlong.metrics.ui import progress_bar
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.records import batch_metrics, rollout_metrics, settled_records
-from furlong.rollout.scheduler import Scheduler
+from furlong.rollout.scheduler import Batch, Scheduler
 from furlong.run.phases import anchor_demos, eval_phase, sft_phase
 from furlong.run.summary import rl_totals, run_summary
 from furlong.train.export import HF_DIR
@@ -68,7 +68,12 @@ async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_di
     # a finished RL phase trains no more, so it needs no anchor: a run from before demos.jsonl still resumes
     done = bool(run.phase("rl"))
     trainer = build.trainer(
-        cfg.train, sft_dir, [] if done else anchor_demos(cfg, run), anchor=not done, cluster=p.cluster
+        cfg.train,
+        sft_dir,
+        [] if done else anchor_demos(cfg, run),
+        anchor=not done,
+        cluster=p.cluster,
+        hints=build.teacher_hints(cfg.train, p.train_tasks),
     )
     try:
         return await _rl_run(cfg, p, run, console, sft_dir, shared, trainer, done)
@@ -137,6 +142,7 @@ async def rl_steps(
                 batch = await scheduler.next_batch(trainer.version)
                 if step + 1 < r.steps:
                     scheduler.prestart()  # the next groups' sandboxes start while this step trains
+                batch, taught = await taught_batch(cfg, trainer, batch)
                 stats = await asyncio.to_thread(trainer.train_step, batch.episodes)
                 synced = await link.push(trainer.engine_weights(), trainer.version)
                 scheduler.step_done()
@@ -147,10 +153,13 @@ async def rl_steps(
                     metrics_row(
                         asdict(stats),
                         rollout_metrics(batch.episodes),
-                        window.diagnostics(batch.episodes, batch.version, stats.seconds),
+                        window.diagnostics(
+                            batch.episodes, batch.version, stats.seconds + taught.get("teacher_seconds", 0.0)
+                        ),
                         batch_metrics(batch, r.filter_zero_variance),
                         synced,
                         prefix_metrics(link.engine),
+                        taught,
                         {"step_seconds": seconds},
                     ),
                 )
@@ -163,6 +172,15 @@ async def rl_steps(
                     break
     finally:
         await scheduler.close()
+
+
+async def taught_batch(cfg: Config, trainer: Trainer, batch: Batch) -> tuple[Batch, dict]:
+    """train.distill: the batch with the teacher's logprobs, scored by the trainer with the weights about to
+    train on it, and the step row's teacher keys (docs/distill.md); else the batch as it is."""
+    if not cfg.train.distill.on:
+        return batch, {}
+    scored = await asyncio.to_thread(trainer.score_teacher, batch.episodes)
+    return batch.with_episodes(scored.episodes), scored.metrics()
 
 
 def checkpoint(trainer: Trainer, scheduler: Scheduler, p: Pieces, run: RunDir, step: int) -> None:

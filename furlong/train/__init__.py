@@ -1,5 +1,6 @@
 """Training: per-token logprobs, GRPO/DAPO advantages and loss, and the local trainer."""
 
+from furlong.train.batch import MicroBatch, collate
 from furlong.train.grpo import (
     LossMetrics,
     group_advantages,
@@ -11,7 +12,7 @@ from furlong.train.logprobs import (
     logprobs_from_logits,
     token_logprobs,
 )
-from furlong.train.trainer import GRPOConfig, LocalTrainer, MicroBatch, TrainStats, collate
+from furlong.train.trainer import GRPOConfig, LocalTrainer, TrainStats
 
 __all__ = [
     "GRPOConfig",

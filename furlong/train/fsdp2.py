@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from furlong.agent.episode import Episode
 from furlong.model.loading import load_model
 from furlong.train.atomic import fsync_dir, replace_dir, write_synced
+from furlong.train.distill import TeacherPass
 from furlong.train.export import is_peft, write_hf
 from furlong.train.ranks import RankGroup
 from furlong.train.sft import Demo
@@ -200,6 +201,9 @@ class FSDP2Trainer:
         stats = self.ranks.call("train_step", list(episodes))[0]
         self.version = stats.version
         return stats
+
+    def score_teacher(self, episodes: Sequence[Episode]) -> TeacherPass:
+        raise ValueError("train.distill with train.trainer=fsdp2: not yet (the config refuses it; docs/distill.md)")
 
     def engine_weights(self) -> Mapping[str, torch.Tensor]:
         """Gathered once per version (a push and a checkpoint of one step share it)."""

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from furlong.agent.episode import Episode
+from furlong.train.distill import TeacherPass
 from furlong.train.stats import TrainStats
 
 
@@ -24,6 +25,10 @@ class Trainer(Protocol):
     def device(self) -> torch.device: ...
 
     def train_step(self, episodes: Sequence[Episode]) -> TrainStats: ...
+
+    def score_teacher(self, episodes: Sequence[Episode]) -> TeacherPass:
+        """train.distill: the teacher's per-token logprobs on the episodes (the teacher lives with the policy)."""
+        ...
 
     def engine_weights(self) -> Mapping[str, torch.Tensor]:
         """What a push sends the rollout engine: every tensor, or only the adapters of a LoRA policy (the

@@ -24,6 +24,8 @@ from transformers import PreTrainedModel
 from furlong.agent.episode import Episode
 from furlong.rollout.group_filter import filter_zero_variance_groups, group_key
 from furlong.train.atomic import fsync_dir, replace_dir, write_synced
+from furlong.train.batch import collate
+from furlong.train.distill import Teacher, TeacherPass, distill_advantages
 from furlong.train.export import is_peft, write_hf
 from furlong.train.grpo import (
     LossMetrics,
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from furlong.config import RLConfig
 
 CHECKPOINT_FILE = "trainer.pt"
+Advantages = torch.Tensor | list[torch.Tensor]  # one per episode, or one per token of each (distillation)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class GRPOConfig:
     sft_batch: int
     seed: int  # minibatch shuffling, the anchor's draws
     decay_steps: int  # > 0: after warm-up, lr follows a cosine to min_lr_ratio * lr over this many steps
+    distill_mode: str = "off"  # train.distill.mode: opd | grpo+opd need a teacher (furlong.train.distill)
+    distill_weight: float = 1.0  # grpo+opd: the distillation term's weight
 
     @classmethod
     def of(cls, rl: RLConfig, seed: int) -> GRPOConfig:
@@ -86,50 +91,8 @@ class GRPOConfig:
             "seed": seed,
             "decay_steps": max(opt_steps - rl.warmup_steps, 1) if rl.lr_decay == "cosine" else 0,
         }
-        copied = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name not in derived}
+        copied = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name not in derived and hasattr(rl, f.name)}
         return cls(**copied, **derived)
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Right-padded [B, T] tensors for one forward/backward."""
-
-    tokens: torch.Tensor  # long, pad id 0 (never attended to, never in the loss)
-    attention_mask: torch.Tensor  # long
-    loss_mask: torch.Tensor  # float
-    rollout_logprobs: torch.Tensor  # float
-    advantages: torch.Tensor  # [B]
-    old_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-
-
-def _pad(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True).to(device)
-
-
-def collate(
-    episodes: Sequence[Episode],
-    advantages: Sequence[float] | torch.Tensor,
-    device: torch.device,
-    old: Sequence[torch.Tensor] | None = None,
-    ref: Sequence[torch.Tensor] | None = None,
-) -> MicroBatch:
-    """Pad episodes (and their per-token old/ref logprobs, if given) into one MicroBatch."""
-    for e in episodes:
-        if not len(e.tokens) == len(e.loss_mask) == len(e.rollout_logprobs):
-            raise ValueError(
-                f"episode {e.task_id}/{e.group_id}/{e.sample_id}: tokens, loss_mask and "
-                "rollout_logprobs differ in length"
-            )
-    return MicroBatch(
-        tokens=_pad([torch.tensor(e.tokens, dtype=torch.long) for e in episodes], device),
-        attention_mask=_pad([torch.ones(len(e.tokens), dtype=torch.long) for e in episodes], device),
-        loss_mask=_pad([torch.tensor(e.loss_mask, dtype=torch.float32) for e in episodes], device),
-        rollout_logprobs=_pad([torch.tensor(e.rollout_logprobs, dtype=torch.float32) for e in episodes], device),
-        advantages=torch.as_tensor(advantages, dtype=torch.float32).to(device),
-        old_logprobs=None if old is None else _pad(old, device),
-        ref_logprobs=None if ref is None else _pad(ref, device),
-    )
 
 
 def _chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
@@ -157,6 +120,7 @@ class LocalTrainer:
         config: GRPOConfig,
         ref_model: PreTrainedModel | None = None,
         demos: Sequence[Demo] = (),
+        teacher: Teacher | None = None,
     ) -> None:
         wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
         if wrong:
@@ -170,6 +134,9 @@ class LocalTrainer:
             raise ValueError("micro_batch_size, epochs and minibatches must be >= 1")
         if config.sft_coef > 0 and (not demos or config.sft_batch < 1):
             raise ValueError("sft_coef > 0 needs demonstrations and sft_batch >= 1")
+        if config.distill_mode != "off" and teacher is None:
+            raise ValueError(f"distill_mode {config.distill_mode} needs a teacher")
+        self.teacher = teacher if config.distill_mode != "off" else None
         self.demos = list(demos) if config.sft_coef > 0 else []
         # eval(): no dropout, so the no-grad "old" pass and the grad pass compute the same function.
         self.model = model.eval()
@@ -213,6 +180,14 @@ class LocalTrainer:
     def _autocast(self) -> AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16_autocast)
 
+    def score_teacher(self, episodes: Sequence[Episode]) -> TeacherPass:
+        """The teacher's logprobs on every scored episode (furlong.train.distill), without grad: a frozen
+        checkpoint's, or (self-distillation) the policy's current weights under the teacher's prompt."""
+        if self.teacher is None:
+            raise ValueError("score_teacher: this trainer has no teacher (train.distill.mode is off)")
+        with self._autocast():
+            return self.teacher.score(episodes, self.model)
+
     def train_step(self, episodes: Sequence[Episode]) -> TrainStats:
         start = time.perf_counter()
         scored = [e for e in episodes if e.reward is not None]
@@ -221,6 +196,7 @@ class LocalTrainer:
             train, groups_used, filtered = list(kept.episodes), kept.groups_kept, kept.groups_dropped
         else:
             train, groups_used, filtered = scored, len({group_key(e) for e in scored}), 0
+        train, advantages = self._advantages(train)
         stats = dict(
             _rollout_stats(scored),
             groups_used=groups_used,
@@ -238,18 +214,24 @@ class LocalTrainer:
             return _finish(
                 stats, None, {"grad_norm": update.norm, "sft_nll": update.sft_nll}, True, self.version, start
             )
-        advantages = group_advantages(
-            [e.reward for e in train],  # type: ignore[misc]
-            [group_key(e) for e in train],
-            self.config.normalize_std,
-            self.config.adv_eps,
-        )
-        advantages = weigh_negatives(advantages, self.config.negative_weight)
         metrics, extra = self._optimize(train, advantages)
         self.version += 1
         return _finish(stats, metrics, extra, True, self.version, start)
 
-    def _optimize(self, episodes: list[Episode], advantages: torch.Tensor) -> tuple[LossMetrics, dict[str, float]]:
+    def _advantages(self, train: list[Episode]) -> tuple[list[Episode], Advantages]:
+        """GRPO's group advantages; with distillation, per token (the teacher's term alone, or beside GRPO's),
+        and in opd mode only the episodes the teacher scored."""
+        if not train:
+            return train, torch.zeros(0)
+        cfg = self.config
+        rewards = [float(e.reward) for e in train if e.reward is not None]
+        advantages = group_advantages(rewards, [group_key(e) for e in train], cfg.normalize_std, cfg.adv_eps)
+        advantages = weigh_negatives(advantages, cfg.negative_weight)
+        if cfg.distill_mode == "off":
+            return train, advantages
+        return distill_advantages(train, advantages, cfg.distill_mode, cfg.distill_weight)
+
+    def _optimize(self, episodes: list[Episode], advantages: Advantages) -> tuple[LossMetrics, dict[str, float]]:
         cfg = self.config
         # With a single optimizer step the grad pass runs on the pre-step weights, so its detached logprobs
         # *are* the old logprobs: skip the extra no-grad forward (a third of the step's compute).
@@ -279,7 +261,7 @@ class LocalTrainer:
         self,
         episodes: list[Episode],
         indices: list[int],
-        advantages: torch.Tensor,
+        advantages: Advantages,
         old: list[torch.Tensor] | None,
         ref: list[torch.Tensor] | None,
     ) -> _Update:
@@ -296,9 +278,8 @@ class LocalTrainer:
             if not chunk:
                 self._idle(self.model, grad=True)
                 continue
-            mb = collate(
-                [episodes[i] for i in chunk], advantages[chunk], self.device, _pick(old, chunk), _pick(ref, chunk)
-            )
+            adv = advantages[chunk] if isinstance(advantages, torch.Tensor) else [advantages[i] for i in chunk]
+            mb = collate([episodes[i] for i in chunk], adv, self.device, _pick(old, chunk), _pick(ref, chunk))
             with self._autocast():
                 logp, ent = self._forward(
                     self.model, token_logprobs, mb.tokens, mb.attention_mask, cfg.temperature, True, mb.loss_mask
