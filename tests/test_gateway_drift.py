@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 from host_support import serve_in_thread
@@ -48,25 +49,42 @@ def test_an_episode_in_each_format_has_no_mismatch(tiny_dir, name):
     assert summary["tito_logprob_abs_error_max"] < 1e-4  # the stored logprobs are the model's
 
 
-def test_a_conversation_the_template_refuses_is_a_400_that_records_nothing(tiny_dir):
+@pytest.fixture(scope="module")
+def llama3(tiny_dir):
+    """The gateway on the tiny model with Llama 3's template (one tool call per assistant turn, text trimmed)."""
     tok, model = gateway_drift.format_model(tiny_dir, "llama3_json")
     policy = Policy(engine=gateway_drift.Forcing(model), tokenizer=tok, fmt=FORMATS["llama3_json"], name="p",
                     max_context=2048, default_max_tokens=4)
-    app = make_app(policy, gateway_drift.TOKEN)
-    server, thread, url = serve_in_thread(app)
-    try:
-        admin = {"Authorization": f"Bearer {gateway_drift.TOKEN}"}
-        made = httpx.post(f"{url}/v1/episodes", json={}, headers=admin).json()
-        calls = [{"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": "{}"}} for i in (1, 2)]
-        body = {"model": "p", "messages": [{"role": "user", "content": "go"},
-                                           {"role": "assistant", "content": "", "tool_calls": calls},
-                                           {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
-                "tools": [gateway_drift.BASH]}
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {made['api_key']}"},
-                       timeout=60)
-        assert r.status_code == 400 and "single tool-calls" in r.json()["error"]["message"], r.text
-        record = httpx.get(f"{url}/v1/episodes/{made['episode_id']}", headers=admin).json()
-        assert record["requests"] == 0 and record["segments"] == []
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    server, thread, url = serve_in_thread(make_app(policy, gateway_drift.TOKEN))
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {gateway_drift.TOKEN}"}, timeout=60)
+    yield url, admin
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_a_conversation_the_template_refuses_is_a_400_that_records_nothing(llama3):
+    url, admin = llama3
+    made = admin.post("/v1/episodes", json={}).json()
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": "{}"}} for i in (1, 2)]
+    body = {"model": "p", "messages": [{"role": "user", "content": "go"},
+                                       {"role": "assistant", "content": "", "tool_calls": calls},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+            "tools": [gateway_drift.BASH]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {made['api_key']}"},
+                   timeout=60)
+    assert r.status_code == 400 and "single tool-calls" in r.json()["error"]["message"], r.text
+    record = admin.get(f"/v1/episodes/{made['episode_id']}").json()
+    assert record["requests"] == 0 and record["segments"] == []
+
+
+def test_an_anthropic_text_turn_then_a_user_turn_renders_with_llama3(llama3):
+    """/v1/messages made a text-only assistant turn with an empty tool_calls list, which Llama 3's template
+    raises on: a 500 for every harness resending a plain answer."""
+    url, admin = llama3
+    made = admin.post("/v1/episodes", json={}).json()
+    client = anthropic.Anthropic(base_url=url, api_key=made["api_key"], max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+                {"role": "user", "content": "more"}]
+    assert client.messages.create(model="p", messages=messages, max_tokens=2).usage.output_tokens >= 1
+    record = admin.get(f"/v1/episodes/{made['episode_id']}").json()
+    assert record["requests"] == 1 and record["tito_mismatch_tokens"] == 0

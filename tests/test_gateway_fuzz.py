@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
@@ -32,7 +31,7 @@ from furlong.gateway.sessions import Session
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Examples per route and mode with a key, and per route without one (refused before the body is read),
-# derandomized so that CI sends the same requests each time: about a minute on 2 loaded cores.
+# derandomized so that CI sends the same requests each time: about 30 s on 2 loaded cores.
 EXAMPLES, UNAUTHORIZED_EXAMPLES = 60, 5
 COMMAND_TIMEOUT_S = 2.0  # the most a fuzzed command runs (the exec route's own limit)
 
@@ -111,13 +110,11 @@ def test_the_harness_routes_fuzzed_answer_no_5xx_and_refusals_record_nothing(ser
     operations = [result.ok() for result in schemathesis.openapi.from_dict(SCHEMA).get_all_operations()]
     assert sorted(op.label for op in operations) == ["GET /v1/models", "POST /furlong/v1/exec",
                                                      "POST /v1/chat/completions", "POST /v1/messages"]
-    t0 = time.monotonic()
     for op in operations:
         fuzz(served, op, GenerationMode.POSITIVE, [served.key], EXAMPLES)
         if op.body:
             fuzz(served, op, GenerationMode.NEGATIVE, [served.key], EXAMPLES)
         fuzz(served, op, GenerationMode.POSITIVE, [None, *served.refused_keys], UNAUTHORIZED_EXAMPLES)
-    assert time.monotonic() - t0 < 300, "the fuzz should stay around a minute"
     t = served.session.trajectory
     assert t.requests > 0 and t.segments and served.tools.calls > 0, "the fuzz never got a request through"
     assert all(served.answers[op.label, 200] for op in operations), f"a route never answered 200: {served.answers}"
