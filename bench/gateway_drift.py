@@ -7,7 +7,8 @@ furlong/model/templates/, on the tiny model with the format's control tokens add
 through the gateway's `/v1/chat/completions` by the real `openai` SDK, as a harness does: a first turn in which the
 model writes a bash call in its format (the template's own rendering of the call, teacher-forced; its logprobs are
 the model's), the tool result, then two turns the model samples (temperature 1, up to `--tokens` tokens each),
-with a user turn between them.
+with a user turn between them. The same again on each model family that has a tool-call format
+(furlong/model/families.py: its own tiny checkpoint and template), under `model_families`.
 
 Per episode it records the gateway's `tito_mismatch_tokens` (must be 0) and, for a naive proxy (the conversation
 as the harness resent it, rendered through the template in one piece and tokenized; each assistant turn is the
@@ -54,6 +55,8 @@ from furlong.gateway.app import make_app
 from furlong.gateway.policy import Policy
 from furlong.gateway.trajectory import Segment, Trajectory
 from furlong.model import init_tiny
+from furlong.model.families import FAMILIES as MODEL_FAMILIES
+from furlong.model.families import init_family
 from furlong.model.chat import Message, ToolCall, assistant_ids, render_text
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.toolcall import FORMATS
@@ -214,8 +217,20 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run_format(name: str, base: Path, families: list, tokens: int) -> tuple[dict, dict[str, dict]]:
+    """Every task family's episode in tool-call format `name`, on the tiny model with that format's template."""
     tok, model = format_model(base, name)
-    fmt = FORMATS[name]
+    return run_policy(name, tok, model, FORMATS[name], families, tokens)
+
+
+def run_model_family(name: str, families: list, tokens: int) -> dict:
+    """Every task family's episode on model family `name`'s own tiny checkpoint and template."""
+    path = init_family(name, Path(tempfile.mkdtemp(prefix=f"drift-{name}-")) / name)
+    tok, model = load_tokenizer(path), load_model(path).eval()
+    fmt = FORMATS[str(MODEL_FAMILIES[name].tool_format)]
+    return run_policy(name, tok, model, fmt, families, tokens)[0]
+
+
+def run_policy(label: str, tok, model, fmt, families: list, tokens: int) -> tuple[dict, dict[str, dict]]:
     engine = Forcing(model)
     policy = Policy(engine=engine, tokenizer=tok, fmt=fmt, name="policy", max_context=8192, default_max_tokens=tokens)
     app = make_app(policy, TOKEN)
@@ -225,7 +240,7 @@ def run_format(name: str, base: Path, families: list, tokens: int) -> tuple[dict
         for seed, family in enumerate(families):
             instruction = family.instance(family.seeds["train"][0], "train").instruction
             rows[family.name] = measure(episode(url, app, engine, tok, fmt, instruction, seed, tokens), model)
-            print(f"{name:12} {family.name:22} mismatch {rows[family.name]['tito_mismatch_tokens']}, "
+            print(f"{label:12} {family.name:22} mismatch {rows[family.name]['tito_mismatch_tokens']}, "
                   f"naive differs {rows[family.name]['naive_tokens_differ']}", flush=True)
     finally:
         server.should_exit = True
@@ -249,8 +264,10 @@ def main() -> None:
         for family, row in rows.items():
             by_family.setdefault(family, []).append(row)
     total = summarize([r for rows in by_family.values() for r in rows])
+    models = {name: run_model_family(name, families, args.tokens)
+              for name, fam in MODEL_FAMILIES.items() if fam.tool_format}
     out = {"provenance": finish(prov), "settings": {"tokens": args.tokens, "out": str(args.out)},
-           "total": total, "formats": by_format,
+           "total": total, "formats": by_format, "model_families": models,
            "families": {f: {"tito_mismatch_tokens": sum(r["tito_mismatch_tokens"] for r in rows),
                             "naive_tokens_differ": sum(r["naive_tokens_differ"] for r in rows)}
                         for f, rows in by_family.items()}}

@@ -206,8 +206,8 @@ class Trajectory:
             return len(stored), naive
         expected: list[int] = []
         pos = 0
-        for (start, stop), (at, after) in zip(seg.turns, spans, strict=True):
-            expected += encode(self.tokenizer, text[pos:at]) + seg.ids[start:stop]
+        for (start, stop), (prompt_end, after) in zip(seg.turns, spans, strict=True):
+            expected += encode(self.tokenizer, text[pos:prompt_end]) + seg.ids[start:stop]
             pos = after
         return _differ(stored, expected), naive
 
@@ -234,8 +234,11 @@ class Trajectory:
 
     def sampled_spans(self, seg: Segment) -> tuple[str, list[tuple[int, int]] | None]:
         """The segment's conversation rendered from text in one piece (assistant turns as the raw sampled
-        text) through its last sampled turn, and where each sampled turn's text is in it (character
-        [start, end)); None when the render does not contain one of them."""
+        text) through its last sampled turn, and for each sampled turn where the text before it ends and
+        where its text ends (characters); None when the render does not contain one of them. The text before
+        a turn ends where its own prompt's render does when that render is a prefix of this one: what the
+        template writes between that and the sampled text is its re-render of the sampled turn (Qwen3's
+        empty think block on a conversation's last turn), which the sampled ids stand for."""
         text = render_text(self.tokenizer, _through_last_turn(seg.raw), seg.tools or None)
         spans: list[tuple[int, int]] = []
         pos = 0
@@ -253,7 +256,7 @@ class Trajectory:
             found = _locate(text, span, max(pos, agree), (*self.fmt.turn_ends, *self.fmt.stops))
             if found is None:
                 return text, None
-            spans.append(found)
+            spans.append((len(prompt) if agree == len(prompt) else found[0], found[1]))
             pos = found[1]
         return text, spans
 
