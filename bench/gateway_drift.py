@@ -55,9 +55,9 @@ from furlong.gateway.app import make_app
 from furlong.gateway.policy import Policy
 from furlong.gateway.trajectory import Segment, Trajectory
 from furlong.model import init_tiny
+from furlong.model.chat import Message, ToolCall, assistant_ids, render_text
 from furlong.model.families import FAMILIES as MODEL_FAMILIES
 from furlong.model.families import init_family
-from furlong.model.chat import Message, ToolCall, assistant_ids, render_text
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.toolcall import FORMATS
 from furlong.tasks.family import is_family_dir, load_family
