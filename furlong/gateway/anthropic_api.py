@@ -75,7 +75,10 @@ def _assistant(blocks: list[Mapping[str, Any]], where: str) -> dict[str, Any]:
             )
         else:
             text.append(_text(b.get("text"), f"{where}[{i}].text"))
-    return {"role": "assistant", "content": "".join(text), "tool_calls": calls}
+    out: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if calls:  # no empty list: a template may read its presence as a call (Llama 3's raises on it)
+        out["tool_calls"] = calls
+    return out
 
 
 def _tools(tools: Any) -> tuple[Mapping[str, Any], ...]:

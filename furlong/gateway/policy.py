@@ -12,11 +12,13 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from furlong.engine.base import Engine, Generation, SamplingParams
 from furlong.gateway.reply import Reply, content_outside_calls
 from furlong.gateway.request import ChatRequest, RequestError
 from furlong.gateway.trajectory import Trajectory
-from furlong.model.chat import ToolCallError, end_of_turn_id
+from furlong.model.chat import ChatTemplateError, ToolCallError, end_of_turn_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,7 +39,10 @@ class Policy:
         return Trajectory(self.tokenizer, self.fmt)
 
     async def reply(self, traj: Trajectory, req: ChatRequest) -> Reply:
-        ids = traj.prompt(req.messages, req.tools)
+        try:
+            ids = traj.prompt(req.messages, req.tools)
+        except (TemplateError, ChatTemplateError) as e:  # the template's own refusal: the harness's to fix
+            raise RequestError("messages", f"the model's chat template cannot render this conversation: {e}") from e
         room = self.max_context - len(ids)
         if room < 1:
             traj.abandon()
@@ -97,11 +102,9 @@ class Policy:
         traj.malformed_calls += malformed
         content = self.fmt.answer(content_outside_calls(raw, bool(calls)))
         call_ids = tuple(f"call_{secrets.token_hex(8)}" for _ in calls)
-        message = {
-            "role": "assistant",
-            "content": content,
-            "tool_calls": [{"id": i, **c.to_dict()} for i, c in zip(call_ids, calls, strict=True)],
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:  # no empty list: a template may read its presence as a call (Llama 3's raises on it)
+            message["tool_calls"] = [{"id": i, **c.to_dict()} for i, c in zip(call_ids, calls, strict=True)]
         traj.record(
             gen,
             message,

@@ -18,12 +18,23 @@ tokenized from text, sampled spans included.
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from furlong.engine.base import Generation
-from furlong.model.chat import continuation_ids, encode, render_prompt_ids, render_text
+from furlong.model.chat import (
+    ChatTemplateError,
+    continuation_ids,
+    continuation_text,
+    encode,
+    end_of_turn_id,
+    render_prompt_ids,
+    render_text,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -88,24 +99,35 @@ class Trajectory:
         self._undo: tuple[Segment, int, bool, int] | None = None  # the last prompt's segment, as it was
 
     def prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The ids to generate from for this request, reusing the stored ids when it extends the last one."""
-        self.requests += 1
+        """The ids to generate from for this request, reusing the stored ids when it extends the last one.
+        Everything is rendered before anything is stored: a conversation the chat template refuses (raises)
+        leaves the trajectory as it was."""
         seg = self.segments[-1] if self.segments else None
         new = self._appended(seg, messages, tools)
-        if seg is None or new is None:
-            if seg is not None:
-                self.history_rewrites += 1
+        appended = None
+        if seg is not None and new is not None:
+            try:
+                appended = continuation_ids(
+                    self.tokenizer,
+                    new,
+                    close_turn=seg.open_turn,
+                    end_of_turn=self.fmt.turn_ends,
+                    answered=seg.messages[-1],
+                )
+            except ChatTemplateError:  # the template writes this history otherwise: a new segment, from text
+                appended = None
+        if seg is None or appended is None or new is None:
+            ids = render_prompt_ids(self.tokenizer, messages, tools or None)
+            self.requests += 1
+            self.history_rewrites += seg is not None
             seg = Segment(tools=tuple(tools), messages=list(messages), raw=list(messages))
             self.segments.append(seg)
             self._undo = (seg, 0, False, 0)
-            seg.append(render_prompt_ids(self.tokenizer, messages, tools or None))
+            seg.append(ids)
             return list(seg.ids)
+        self.requests += 1
         self._undo = (seg, len(seg.ids), seg.open_turn, len(seg.messages))
-        seg.append(
-            continuation_ids(
-                self.tokenizer, new, close_turn=seg.open_turn, end_of_turn=self.fmt.turn_ends, answered=seg.messages[-1]
-            )
-        )
+        seg.append(appended)
         seg.messages += new
         seg.raw += new
         seg.open_turn = False
@@ -125,13 +147,16 @@ class Trajectory:
         return None if any(m["role"] == "assistant" for m in new) else new
 
     def abandon(self) -> None:
-        """Forget the last prompt (its generation failed): the next request starts from where it was."""
+        """Forget the last prompt (its generation failed, or it left no room to sample): the next request
+        starts from where it was, and the refused request is not counted."""
         if self._undo is None:
             return
         seg, size, open_turn, n_messages = self._undo
         self._undo = None
-        if size == 0:
+        self.requests -= 1
+        if size == 0:  # the request had opened a new segment: a rewrite when one came before it
             self.segments.remove(seg)
+            self.history_rewrites -= bool(self.segments)
             return
         del seg.ids[size:], seg.mask[size:], seg.logprobs[size:], seg.versions[size:]
         del seg.messages[n_messages:], seg.raw[n_messages:]
@@ -169,23 +194,87 @@ class Trajectory:
         """(tito mismatch, naive re-tokenization drift) of one segment, over its ids up to the last turn."""
         if not seg.turns:
             return 0, 0
-        end = seg.turns[-1][1]
-        stored = seg.ids[:end]
-        text = render_text(self.tokenizer, _through_last_turn(seg.raw), seg.tools or None)
+        stored = seg.ids[: seg.turns[-1][1]]
+        try:
+            text, spans = self.sampled_spans(seg)
+        except (TemplateError, ChatTemplateError):  # the template refuses the raw sampled text (harmony's)
+            # a naive proxy renders the turns as it returned them instead
+            returned = render_text(self.tokenizer, _through_last_turn(seg.messages), seg.tools or None)
+            return self._gaps_mismatch(seg), _differ(stored, encode(self.tokenizer, returned)[: len(stored)])
+        naive = _differ(stored, encode(self.tokenizer, text)[: len(stored)])
+        if spans is None:  # the render does not contain what was sampled: all of it differs
+            return len(stored), naive
         expected: list[int] = []
         pos = 0
-        for start, stop in seg.turns:
+        for (start, stop), (prompt_end, after) in zip(seg.turns, spans, strict=True):
+            expected += encode(self.tokenizer, text[pos:prompt_end]) + seg.ids[start:stop]
+            pos = after
+        return _differ(stored, expected), naive
+
+    def _gaps_mismatch(self, seg: Segment) -> int:
+        """The check for a template that will not render the raw sampled text (gpt-oss's refuses channel
+        markup in content): the ids between each two sampled turns against what the template writes there,
+        rendered with the conversation's real history (assistant turns as returned to the harness)."""
+        sampled = [i for i, m in enumerate(seg.messages) if m["role"] == "assistant"][-len(seg.turns) :]
+        mismatch = 0
+        for k in range(1, len(seg.turns)):
+            before, now = sampled[k - 1], sampled[k]
+            stop, nxt = seg.turns[k - 1][1], seg.turns[k][0]
+            text = continuation_text(
+                self.tokenizer,
+                seg.messages[before + 1 : now],
+                self.fmt.turn_ends,
+                answered=seg.messages[before],
+                history=seg.messages[:before],
+            )
+            closed = self.tokenizer.decode(seg.ids[stop - 1 : stop]) in (*self.fmt.turn_ends, *self.fmt.stops)
+            close = [] if closed else [end_of_turn_id(self.tokenizer, self.fmt.turn_ends)]
+            mismatch += _differ(seg.ids[stop:nxt], close + encode(self.tokenizer, text))
+        return mismatch
+
+    def sampled_spans(self, seg: Segment) -> tuple[str, list[tuple[int, int]] | None]:
+        """The segment's conversation rendered from text in one piece (assistant turns as the raw sampled
+        text) through its last sampled turn, and for each sampled turn where the text before it ends and
+        where its text ends (characters); None when the render does not contain one of them. The text before
+        a turn ends where its own prompt's render does when that render is a prefix of this one: what the
+        template writes between that and the sampled text is its re-render of the sampled turn (Qwen3's
+        empty think block on a conversation's last turn), which the sampled ids stand for."""
+        text = render_text(self.tokenizer, _through_last_turn(seg.raw), seg.tools or None)
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        sampled = [i for i, m in enumerate(seg.raw) if m["role"] == "assistant"][-len(seg.turns) :]
+        for (start, stop), k in zip(seg.turns, sampled, strict=True):
             span = str(
                 self.tokenizer.decode(
                     seg.ids[start:stop], skip_special_tokens=False, clean_up_tokenization_spaces=False
                 )
             )
-            at = text.find(span, pos)
-            if at < 0:  # the render does not contain what was sampled: all of it differs
-                return end, _differ(stored, encode(self.tokenizer, text))
-            expected += encode(self.tokenizer, text[pos:at]) + seg.ids[start:stop]
-            pos = at + len(span)
-        return _differ(stored, expected), _differ(stored, encode(self.tokenizer, text)[: len(stored)])
+            # searched for only past where the turn's own prompt stops agreeing with the render: a short
+            # span ("sys") also occurs in the text before it ("<|im_start|>system")
+            prompt = render_text(self.tokenizer, seg.raw[:k], seg.tools or None, add_generation_prompt=True)
+            agree = len(os.path.commonprefix([prompt, text]))  # noqa: RUF071 -- strings, compared by character
+            found = _locate(text, span, max(pos, agree), (*self.fmt.turn_ends, *self.fmt.stops))
+            if found is None:
+                return text, None
+            spans.append((len(prompt) if agree == len(prompt) else found[0], found[1]))
+            pos = found[1]
+        return text, spans
+
+
+def _locate(text: str, span: str, start: int, markers: Sequence[str]) -> tuple[int, int] | None:
+    """Where the sampled `span` is in `text`, from `start`: as sampled, or as a template that trims what an
+    assistant wrote renders it (Llama 3's: `content | trim`, its end marker right after). The sampled ids
+    stay as sampled either way; only where the text around them is matters here."""
+    at = text.find(span, start)
+    if at >= 0:
+        return at, at + len(span)
+    marker = next((m for m in markers if span.endswith(m)), "")
+    body = span[: len(span) - len(marker)].strip()
+    at = text.find(body, start)
+    if at < 0:
+        return None
+    end = at + len(body)
+    return at, end + len(marker) if marker and text.startswith(marker, end) else end
 
 
 def _through_last_turn(raw: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

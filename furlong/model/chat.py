@@ -124,10 +124,12 @@ def continuation_text(
     messages: Sequence[MessageLike],
     end_of_turn: EndOfTurn = END_OF_TURN,
     answered: MessageLike = _STUB[2],
+    history: Sequence[MessageLike] = _STUB[:2],
 ) -> str:
     """What the template writes after an assistant turn's end marker, for `messages` (tool results or user
     turns) followed by the next generation prompt. `answered` stands for the turn they answer: a template
-    may read it (harmony names a tool result after the call it answers).
+    may read it (harmony names a tool result after the call it answers); `history`, for what came before it
+    (a stand-in by default: an append-only template writes the same continuation after any history).
 
     The answered turn's end marker may become another of the format's markers once the conversation goes
     on (harmony writes <|return|> after a conversation's last answer, <|end|> in history): the sampled
@@ -137,7 +139,7 @@ def continuation_text(
         raise ValueError("continuation needs at least one message")
     if any(d.get("role") == "assistant" for d in _dicts(messages)):
         raise ValueError("assistant turns are sampled, not rendered: pass only tool / user messages")
-    stub = [*_STUB[:2], answered]
+    stub = [*history, answered]
     head = render_text(tokenizer, stub)
     body = head[: _last_marker(head, end_of_turn)[0]]  # the answered turn, up to its end marker
     full = render_text(tokenizer, [*stub, *messages], add_generation_prompt=True)
