@@ -105,6 +105,9 @@ class Score:
     output: str | None = None
     tampered_paths: tuple[str, ...] = ()  # what the agent changed that the scorer runs (furlong.tasks.integrity)
     tampered: bool = False  # and the task does not trust the agent's tools: reward 0, status reward_tampered
+    # what each run of the scorer that counted computed its reward from (furlong.tasks.receipt.Receipt), in
+    # order: one per step of a multi-step task; () where the environment gives none (a Python environment's)
+    receipts: tuple[Any, ...] = ()
     # A multi-step episode: the steps scored so far, and the spec (instruction, agent timeout) of the step
     # the agent is to do next; None when the episode is over (the last step ran, or a step's gate closed).
     steps: tuple[StepScore, ...] = ()

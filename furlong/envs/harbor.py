@@ -49,6 +49,7 @@ from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
 from furlong.tasks.model import ARTIFACTS_DIR, Task, TaskNetwork, phases
 from furlong.tasks.network import with_default
+from furlong.tasks.receipt import Receipt
 from furlong.tasks.verifier import Verdict, verifier_env, verify
 from furlong.timing import Clock
 
@@ -209,6 +210,7 @@ class HarborEpisode:
         self.index = 0  # the step the agent is on
         self.done: list[StepScore] = []  # the steps scored so far
         self._tampered_paths: tuple[str, ...] = ()  # every step's, for the episode's record
+        self._receipts: tuple[Receipt, ...] = ()  # every scored step's, in order
         self._timed_out = False  # a step's tests ran out of time
 
     @property
@@ -287,12 +289,13 @@ class HarborEpisode:
         """A step's score: the next step's start, or (the last step, a closed gate, a failure) the episode's."""
         step = self.task.steps[self.index]
         self._tampered_paths = tuple(sorted({*self._tampered_paths, *score.tampered_paths}))
+        self._receipts += tuple(dataclasses.replace(r, step=step.name) for r in score.receipts)
         error = f"step {step.name!r}: the tests timed out" if score.timed_out else None
         self._timed_out |= score.timed_out
         self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))  # type: ignore[arg-type, dict-item]  # a verdict without a problem has a reward
         stop = error or gate(step, self.done[-1].rewards)
         if score.tampered:
-            return dataclasses.replace(score, steps=tuple(self.done))
+            return dataclasses.replace(score, steps=tuple(self.done), receipts=self._receipts)
         if not stop and self.index + 1 < len(self.phases):
             before, self.index = self.phases[self.index], self.index + 1
             if problem := await next_agent_network(self.guard.inner, before, self.phases[self.index]):
@@ -321,6 +324,7 @@ class HarborEpisode:
             timed_out=self._timed_out,
             tampered_paths=self._tampered_paths,
             steps=tuple(self.done),
+            receipts=self._receipts,
         )
 
     async def _no_reward(self, verdict: Verdict | None, problem: str) -> Score:
@@ -465,6 +469,7 @@ async def verifier_phase(
             env=env,
             after_tests=after if rewards is not None else None,
             tests=tests,
+            image_digest=image.digest,
         )
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
@@ -517,4 +522,5 @@ def _record(verdict: Verdict | None) -> dict[str, Any]:
         "exit_code": verdict.exit_code if verdict else None,
         "output": verdict.output_tail if verdict else None,
         "tampered_paths": verdict.tampered_paths if verdict else (),
+        "receipts": (verdict.receipt,) if verdict and verdict.receipt else (),
     }
