@@ -50,6 +50,7 @@ def audited(backend, store) -> dict[str, TaskAudit]:
     plan: dict[str, list[str]] = {name: [] for name in tasks}
     plan["sound"] = list(EXPLOITS)
     plan["reward-on-pass-only"] = list(REWARD_CHANNEL)
+    plan["bash-env"] = ["shell-startup"]
     for exploit, task in HACKABLE_BY.items():
         plan[task].append(exploit)
 
@@ -84,6 +85,17 @@ def test_no_exploit_earns_on_the_sound_task_and_tampering_is_caught(audited):
     for name in CAUGHT_BY_TAMPER:
         assert attempts[name].caught and attempts[name].tampered_paths, attempts[name]
     assert not any(attempts[name].caught for name in HACKABLE_BY if name not in CAUGHT_BY_TAMPER)
+
+
+def test_start_up_files_pay_only_where_the_tests_read_them_and_bash_env_is_caught(audited):
+    """The verifier runs `bash test.sh`: neither a login nor an interactive shell, so /etc/profile, bash.bashrc
+    and ~/.bashrc are never read (shell-startup earns nothing on `sound`, above), only the file $BASH_ENV
+    names, if the verifier's environment sets it: tamper detection covers that file (`bash-env`)."""
+    shell = _by(audited["bash-env"])["shell-startup"]
+    assert audited["bash-env"].verdict == "not_hackable" and shell.caught and shell.reward == 0.0, shell
+    assert shell.tampered_paths == ("/etc/profile",) and "/etc/profile" in shell.touched
+    (receipt,) = shell.receipts
+    assert receipt.tampered_paths == ("/etc/profile",) and receipt.tamper_checked
 
 
 def test_every_exploit_says_what_it_tries_and_what_to_fix():

@@ -469,7 +469,7 @@ async def verifier_phase(
             env=env,
             after_tests=after if rewards is not None else None,
             tests=tests,
-            image_digest=image.digest,
+            image=image,
         )
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again

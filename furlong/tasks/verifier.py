@@ -112,7 +112,7 @@ async def verify(
     env: Mapping[str, str] | None = None,
     after_tests: Callable[[Verdict], Awaitable[None]] | None = None,
     tests: bytes | None = None,
-    image_digest: str = "",
+    image: ImageRef | None = None,
 ) -> Verdict:
     """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
 
@@ -123,27 +123,29 @@ async def verify(
     agent's tools. `env` is the tests' environment on top of the sandbox's (`verifier_env`; by default
     without an image's), whose PATH (else the base one) the check searches. `after_tests(verdict)` (the user's
     reward functions, furlong.envs.rewards) runs once the tests have, inside the same check. `tests`: what goes in
-    /tests, as a tar (a separate verifier's image may hold its own); None: the task's (`tests_tar`). The verdict's
-    `receipt` records what the reward came from, `image_digest` (the image the sandbox runs) among it.
+    /tests, as a tar (a separate verifier's image may hold its own); None: the task's (`tests_tar`). `image`: the
+    one the sandbox runs; its ENV's BASH_ENV, unless `env` sets one, is a start-up hook the check covers. The
+    verdict's `receipt` records what the reward came from, the image's digest among it.
 
     Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
     agent's processes, still running, can neither write nor replace (furlong.sandbox.bwrap). With one uid
     only (`sandbox.verifier_uid is None`) /tests and /logs are the agent's, as in earlier versions."""
     env = dict(env) if env is not None else verifier_env(task)
     search = integrity.path_dirs(env.get("PATH", BASE_ENV["PATH"]))
+    hooks = integrity.shell_hooks({**BASE_ENV, **dict(image.env if image else ()), **env})
     tests = tests_tar(task) if tests is None else tests
-    before = await _tampering(sandbox, search, None)
+    before = await _tampering(sandbox, search, None, hooks)
     verdict = await _run_tests(task, sandbox, workdir, env, tests)
     if after_tests is not None:
         await after_tests(verdict)
-    after = await _tampering(sandbox, search, verifier_uid)
+    after = await _tampering(sandbox, search, verifier_uid, hooks)
     if before is not None and after is not None:
         paths = integrity.listed(sorted(set(before) | set(after)))
         tampered = bool(paths) and not task.trust_agent_tools
         if tampered:
             verdict = dataclasses.replace(verdict, reward=0.0, rewards={"reward": 0.0}, problem=None)
         verdict = dataclasses.replace(verdict, tampered_paths=paths, tampered=tampered, tamper_checked=True)
-    return dataclasses.replace(verdict, receipt=_receipt(verdict, sandbox, tests, image_digest))
+    return dataclasses.replace(verdict, receipt=_receipt(verdict, sandbox, tests, image.digest if image else ""))
 
 
 def _receipt(verdict: Verdict, sandbox: Sandbox, tests: bytes, image_digest: str) -> Receipt:
@@ -169,11 +171,13 @@ def backend_name(sandbox: object) -> str:
     return str(getattr(sandbox, "backend", type(sandbox).__name__))
 
 
-async def _tampering(sandbox: Sandbox, search: tuple[str, ...], verifier_uid: int | None) -> tuple[str, ...] | None:
+async def _tampering(
+    sandbox: Sandbox, search: tuple[str, ...], verifier_uid: int | None, hooks: tuple[str, ...]
+) -> tuple[str, ...] | None:
     """The paths the rule counts now, leaving out entries of `verifier_uid`; None without ChangeTracking."""
     if not isinstance(sandbox, ChangeTracking):
         return None
-    changes = await sandbox.changes(integrity.scan_roots(search))
+    changes = await sandbox.changes(integrity.scan_roots(search, hooks))
     if changes is None:
         return None
     if verifier_uid is not None:
@@ -182,7 +186,7 @@ async def _tampering(sandbox: Sandbox, search: tuple[str, ...], verifier_uid: in
     wanted = integrity.content_paths(changes, search, present.__contains__)
     contents = {path: await _read_or_none(sandbox, path) for path in wanted}
     faithful = await _faithful_bytecode(sandbox, integrity.bytecode_paths(changes))
-    return integrity.tampered(changes, search, present.__contains__, contents.get, faithful.__contains__)
+    return integrity.tampered(changes, search, present.__contains__, contents.get, faithful.__contains__, hooks)
 
 
 async def _faithful_bytecode(sandbox: Sandbox, paths: tuple[str, ...]) -> frozenset[str]:
