@@ -1,6 +1,6 @@
 """Receipts (furlong.tasks.receipt): every scored episode records what its reward was computed from, and
 `furlong eval --verify-receipts` rechecks a run's receipts against its task directory. Real sandboxes, a
-bundled task's image (built once), three episodes in all."""
+bundled task's image (built once), two episodes in all."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ from conftest import run
 from rich.console import Console
 
 from furlong.audit.exploits import PathShadow
+from furlong.envs.separate import BundledTests
 from furlong.eval.harness import run_agent
+from furlong.eval.receipts import TaskFinder, check_file, summary
 from furlong.eval.run import harbor_env
+from furlong.sandbox.pool import StoreImages
+from furlong.tasks import verifier
 from furlong.tasks.loader import load_task
 from furlong.tasks.receipt import Receipt, digest_tests
-from furlong.tasks import verifier
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = ROOT / "tasks" / "fix-word-counter"  # a plain task (no family) with its own Dockerfile
@@ -89,11 +92,30 @@ def test_verify_receipts_passes_untouched_and_names_the_changed_tests(evaluated)
         "tamper_unchecked": 0,
     }
     assert f"line 1: {TASK.name}: ok" in ok.stderr
-    with open(tasks / TASK.name / "tests" / "test.sh", "a") as f:
-        f.write("# edited after the run\n")
-    bad = _cli("eval", "--verify-receipts", str(out), "--tasks", str(tasks))
+    test_sh = tasks / TASK.name / "tests" / "test.sh"
+    original = test_sh.read_text()
+    test_sh.write_text(original + "# edited after the run\n")
+    try:
+        bad = _cli("eval", "--verify-receipts", str(out), "--tasks", str(tasks))
+    finally:
+        test_sh.write_text(original)  # the module's other tests verify against the task as it ran
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert json.loads(bad.stdout)["changed"] == 1
     assert f"{TASK.name}: changed (tests_digest)" in bad.stderr and "image_digest" not in bad.stderr
     gone = _cli("eval", "--verify-receipts", str(out), "--tasks", str(ROOT / "tasks-tb2"))
     assert gone.returncode == 1 and "changed (task)" in gone.stderr, gone.stderr
+
+
+def test_a_receipt_without_a_tamper_check_says_so_and_a_record_without_one_is_listed(evaluated, backend, store):
+    """A backend without change tracking (furlong.sandbox.base.ChangeTracking) records tamper_checked false:
+    its receipt still verifies, with the warning; an infra_error's record, whose tests never ran, has none."""
+    tasks, out, line = evaluated
+    unchecked = dict(line, receipts=[dict(line["receipts"][0], tamper_checked=False)])
+    never_ran = dict(line, status="infra_error", reward=None, receipts=[])
+    edited = out.with_name("unchecked.jsonl")
+    edited.write_text("".join(json.dumps(r) + "\n" for r in (unchecked, never_ran)))
+    finder = TaskFinder(tasks, backend)
+    checks = run(check_file(edited, finder, StoreImages(store, backend), BundledTests(store)))
+    assert [(c.verdict, c.tamper_checked) for c in checks] == [("ok", False), ("no_receipt", True)]
+    assert "tampering was not looked for" in checks[0].line_text() and "tests never ran" in checks[1].line_text()
+    assert summary(checks)["tamper_unchecked"] == 1
