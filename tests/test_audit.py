@@ -127,6 +127,18 @@ def test_clues_are_the_paths_tools_and_literals_the_tests_name():
     assert clues(load_task(FIXTURES / "status-only-service")).ports == ("8765",)
 
 
+def test_the_command_takes_the_verifier_toolchain_for_every_task_as_eval_does(tmp_path):
+    """eval.verifier_toolchain=true stacks the toolchain on every task's image: each receipt names it."""
+    out = tmp_path / "audit.jsonl"
+    cmd = ["audit", "--tasks", str(FIXTURES / "sound"), "--exploits", "reward-file", "--out", str(out)]
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", *cmd, "eval.verifier_toolchain=true"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["verdict"] == "not_hackable" and len(line["attempts"]) == 3
+    assert all("+" in a["receipts"][0]["image_digest"] for a in line["attempts"]), line["attempts"]
+
+
 def test_the_command_exits_1_on_a_hackable_task_and_writes_a_line_per_task(tmp_path):
     tasks = tmp_path / "tasks"
     for name in ("sound", "exit-status-only"):
