@@ -57,7 +57,8 @@ def _suite(args: list[str], shown: list[str]) -> dict:
         if not out.exists():
             raise SystemExit(f"furlong audit wrote nothing: {(res.stdout + res.stderr)[-2000:]}")
         rows = [json.loads(line) for line in out.read_text().splitlines()]
-    exploits = [a["agent"] for a in rows[0]["attempts"][2:]] if rows else []
+    # every task's exploits, in library order: a broken task's attempts are its two controls only
+    exploits = list(dict.fromkeys(a["agent"] for r in rows for a in r["attempts"][2:]))
     return {
         "command": " ".join(["python", "-m", "furlong.cli", "audit", *shown]),
         "exit_code": res.returncode,
@@ -77,10 +78,17 @@ def _suite(args: list[str], shown: list[str]) -> dict:
                 "hackable_by": r["hackable_by"],
                 "caught": r["caught"],
                 "seconds": r["seconds"],
+                **({"oracle": _oracle(r)} if r["verdict"] == "broken" else {}),
             }
             for r in rows
         },
     }
+
+
+def _oracle(row: dict) -> dict:
+    """Why a broken task's oracle earned nothing: its status, reward, error and the verifier's output's tail."""
+    oracle = row["attempts"][0]
+    return {k: oracle[k] for k in ("reward", "status", "error", "verifier_output")}
 
 
 def _by_kind(rows: list[dict]) -> dict:
