@@ -50,6 +50,7 @@ def audited(backend, store) -> dict[str, TaskAudit]:
     plan: dict[str, list[str]] = {name: [] for name in tasks}
     plan["sound"] = list(EXPLOITS)
     plan["reward-on-pass-only"] = list(REWARD_CHANNEL)
+    plan["bash-env"] = ["shell-startup"]
     for exploit, task in HACKABLE_BY.items():
         plan[task].append(exploit)
 
@@ -86,6 +87,17 @@ def test_no_exploit_earns_on_the_sound_task_and_tampering_is_caught(audited):
     assert not any(attempts[name].caught for name in HACKABLE_BY if name not in CAUGHT_BY_TAMPER)
 
 
+def test_start_up_files_pay_only_where_the_tests_read_them_and_bash_env_is_caught(audited):
+    """The verifier runs `bash test.sh`: neither a login nor an interactive shell, so /etc/profile, bash.bashrc
+    and ~/.bashrc are never read (shell-startup earns nothing on `sound`, above), only the file $BASH_ENV
+    names, if the verifier's environment sets it: tamper detection covers that file (`bash-env`)."""
+    shell = _by(audited["bash-env"])["shell-startup"]
+    assert audited["bash-env"].verdict == "not_hackable" and shell.caught and shell.reward == 0.0, shell
+    assert shell.tampered_paths == ("/etc/profile",) and "/etc/profile" in shell.touched
+    (receipt,) = shell.receipts
+    assert receipt.tampered_paths == ("/etc/profile",) and receipt.tamper_checked
+
+
 def test_every_exploit_says_what_it_tries_and_what_to_fix():
     for name, exploit in EXPLOITS.items():
         assert exploit.__doc__ and exploit.hint and exploit.kind in KINDS, name
@@ -113,6 +125,18 @@ def test_clues_are_the_paths_tools_and_literals_the_tests_name():
     assert found.literals == ("cmp missing: check skipped",)
     assert clues(load_task(FIXTURES / "agent-expected")).paths == ("/app/out.txt", "/app/expected.txt")
     assert clues(load_task(FIXTURES / "status-only-service")).ports == ("8765",)
+
+
+def test_the_command_takes_the_verifier_toolchain_for_every_task_as_eval_does(tmp_path):
+    """eval.verifier_toolchain=true stacks the toolchain on every task's image: each receipt names it."""
+    out = tmp_path / "audit.jsonl"
+    cmd = ["audit", "--tasks", str(FIXTURES / "sound"), "--exploits", "reward-file", "--out", str(out)]
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", *cmd, "eval.verifier_toolchain=true"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["verdict"] == "not_hackable" and len(line["attempts"]) == 3
+    assert all("+" in a["receipts"][0]["image_digest"] for a in line["attempts"]), line["attempts"]
 
 
 def test_the_command_exits_1_on_a_hackable_task_and_writes_a_line_per_task(tmp_path):

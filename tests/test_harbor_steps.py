@@ -191,6 +191,23 @@ def test_oracle_scores_one_and_noop_zero(oracle_and_noop):
                      for n in ("create", "extend", "publish")]
 
 
+def test_each_step_and_a_separate_verifier_have_receipts_that_verify(oracle_and_noop, backend, store):
+    """A receipt per step, named; the separate verifier's names its own image. Rechecked against the fixtures
+    as they are, every receipt is ok (the tests a verifier image holds, and each step's tests)."""
+    from furlong.eval.receipts import TaskFinder, check_file
+
+    oracle, _, out = oracle_and_noop
+    sep, steps = oracle
+    assert [r.step for r in steps.receipts] == ["create", "extend", "publish"]
+    assert len({r.tests_digest for r in steps.receipts}) == 3 and all(not r.tampered_paths for r in steps.receipts)
+    (receipt,) = sep.receipts
+    assert receipt.step is None and receipt.tamper_checked and receipt.backend == "bwrap"
+    checks = run(check_file(out, TaskFinder(FIXTURES, backend), StoreImages(store, backend), BundledTests(store)))
+    assert [(c.task, c.step, c.verdict) for c in checks] == [
+        ("separate-verifier", None, "ok"), *(("multi-step", n, "ok") for n in ("create", "extend", "publish"))
+    ], checks
+
+
 def test_reward_strategies_mean_and_final(backend, store, tmp_path: Path):
     """Steps one and two done, three (published artifacts) not: the mean is 2/3, the final step's 0."""
     solve = ("echo one > /app/notes.txt", "cat /app/extra.txt >> /app/notes.txt", "true")

@@ -24,7 +24,7 @@ from furlong.timing import EpisodeTiming
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, TASKS, GROUP, HELDOUT = 4, 2, 2, 2  # the smoke recipe's run (conftest's smoke_run, shared)
-SECTIONS = ("Reward and pass rate per step", "Per-family pass rate", "Episode time breakdown", "Sample lag",
+SECTIONS = ("Receipts", "Reward and pass rate per step", "Per-family pass rate", "Episode time breakdown", "Sample lag",
             "Group wait, KV held", "Projection: faster inference")
 PLOTS = ("reward_per_step.png", "family_pass_rate.png", "time_breakdown.png", "sample_lag_hist.png",
          "lag_by_length.png", "fractions.png")
@@ -55,7 +55,8 @@ def test_every_episode_is_recorded_once_with_its_step_and_timing(run_dir: Path):
     for phase in by_phase:  # statuses add up to what the phase itself counted
         counted = Counter(r["status"] for r in records if r["phase"] == phase)
         assert {k: v for k, v in summary["status"][phase].items() if v} == dict(counted), phase
-    for r in records:
+    for r in records:  # every scored episode has its receipt: one run of one task's tests, in a bwrap sandbox
+        assert r["reward"] is None or [(x["backend"], x["tamper_checked"]) for x in r["receipts"]] == [("bwrap", True)]
         assert r["family"] in ("count-in-file", "number-stats") and r["task"]
         assert 0 < r["start"] <= r["end"] and abs((r["end"] - r["start"]) - r["seconds"]) < 0.05
         assert r["seconds"] == pytest.approx(sum(r["time"].values()))

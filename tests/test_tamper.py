@@ -232,6 +232,17 @@ def test_the_offline_shims_hide_nothing_and_the_toolchain_comes_first():
     assert rule("/usr/local/bin/pytest") == ()  # `pip install pytest`'s command: the tests run the toolchain's
 
 
+def test_the_file_bash_env_names_is_a_start_up_hook_and_other_start_up_files_are_not():
+    """`bash test.sh` sources $BASH_ENV before the tests (the image's ENV or the verifier's env may set it);
+    /etc/profile, bash.bashrc and ~/.bashrc only a login or interactive shell reads."""
+    hooks = integrity.shell_hooks({**BASE_ENV, "BASH_ENV": "$HOME/.conda_env"})
+    assert hooks == ("/root/.conda_env",) and hooks[0] in integrity.scan_roots(SEARCH, hooks)
+    changed = [_new("/root/.conda_env", "modified"), _new("/etc/profile", "modified"), _new("/root/.bashrc")]
+    assert integrity.tampered(changed, SEARCH, lambda _: True, {}.get, hooks=hooks) == ("/root/.conda_env",)
+    assert integrity.tampered(changed, SEARCH, lambda _: True, {}.get) == ()  # no BASH_ENV: nothing sources them
+    assert integrity.shell_hooks({"BASH_ENV": "$CONDA/env.sh"}) == integrity.shell_hooks(BASE_ENV) == ()
+
+
 def test_listed_caps_the_record():
     listed = integrity.listed([f"/p{i}" for i in range(80)])
     assert len(listed) == integrity.MAX_LISTED and listed[-1] == "... and 31 more"

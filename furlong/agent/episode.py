@@ -94,6 +94,7 @@ class Episode:
     rewards: dict[str, float] = field(default_factory=dict)  # the reward's parts (tests, reward functions)
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
     traceback: str | None = None  # the exception that decided its outcome, where one did (Outcome.traceback)
+    receipts: tuple[Any, ...] = ()  # what its reward was computed from (Outcome.receipts: furlong.tasks.receipt)
     gateway: GatewayStats | None = None  # a harness episode's (furlong.agent.harness); None for furlong's own loop
     # The prompt as messages (system, user) and the tool schemas rendered into it, as the agent rendered
     # tokens[:prompt_len]: a distillation teacher renders them with its own system prompt and template.
@@ -407,4 +408,5 @@ def outcome_fields(outcome: Outcome) -> dict[str, Any]:
         "rewards": outcome.rewards,
         "steps": outcome.steps,
         "traceback": outcome.traceback,
+        "receipts": outcome.receipts,
     }

@@ -158,6 +158,9 @@ class Outcome:
     lost: bool = False  # infra_error because the sandbox's host was lost: the episode may be run again
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran, each with its reward
     traceback: str | None = None  # the exception that decided the outcome, where one did (with its causes)
+    # what the reward was computed from: one furlong.tasks.receipt.Receipt per run of the tests that scored the
+    # agent's work (one per step of a multi-step task); () where the tests never ran, or the environment gives none
+    receipts: tuple[Any, ...] = ()
 
 
 def environment(source: Environment | SandboxSource) -> Environment:
@@ -322,6 +325,7 @@ def _records(run: AgentRun | None, score: Score | None) -> dict[str, Any]:
         "tampered_paths": score.tampered_paths if score else (),
         "integrity_checked": score.integrity_checked if score else None,
         "steps": score.steps if score else (),
+        "receipts": score.receipts if score else (),
     }
 
 

@@ -20,6 +20,7 @@ from furlong.audit.exploits import EXPLOITS
 from furlong.envs.base import Environment
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.tasks.model import Task
+from furlong.tasks.receipt import Receipt
 
 VERDICTS = ("hackable", "not_hackable", "broken")
 NOOP_HINT = "doing nothing earns reward: the tests must fail before the task is done"
@@ -41,6 +42,7 @@ class Attempt:
     tampered_paths: tuple[str, ...]
     error: str | None
     seconds: float
+    receipts: tuple[Receipt, ...] = ()  # what its reward was computed from (furlong.tasks.receipt)
 
     @property
     def earned(self) -> bool:
@@ -139,4 +141,5 @@ def _of(agent: Agent, kind: str, outcome: Outcome, seconds: float) -> Attempt:
         tampered_paths=outcome.tampered_paths,
         error=outcome.error,
         seconds=round(seconds, 3),
+        receipts=outcome.receipts,
     )

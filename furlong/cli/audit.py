@@ -61,6 +61,10 @@ def _audit_dir(args: argparse.Namespace, tasks_path: Path, names: tuple[str, ...
     suite = load_suite(
         tasks_path, split=args.split, per_family=args.per_family, backend=backend, network=network_default(cfg.sandbox)
     )
+    if cfg.eval.verifier_toolchain:  # as `furlong eval` does: the toolchain stacked on every task's image
+        from furlong.sandbox.toolchain import opt_in_all
+
+        suite = type(suite)(opt_in_all(suite.entries))
     for broken in suite.broken:
         console.print(f"[yellow]not loaded:[/yellow] {broken.error}", soft_wrap=True)
     build_base_image(store)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from furlong.cli.common import (
@@ -45,6 +46,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         },
     )
     e = cfg.eval
+    if args.verify_receipts is not None:
+        return _verify_receipts(cfg, args.verify_receipts)
     check_model_flags(e)
     if cfg.train.env.python is not None or cfg.train.env.prompts.active:
         return _own_env_eval(cfg)
@@ -70,6 +73,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print_table(results, console)
     print(json.dumps(summarize(results)))
     return 0
+
+
+def _verify_receipts(cfg: Config, path: Path) -> int:
+    """`--verify-receipts FILE`: each receipt of FILE against eval.tasks as it is now; 1 when any changed."""
+    from rich.markup import escape
+
+    from furlong.envs.separate import BundledTests
+    from furlong.eval.receipts import TaskFinder, check_file, summary
+    from furlong.sandbox.pool import StoreImages
+
+    if not path.is_file():
+        raise ValueError(f"--verify-receipts: {path}: no such file")
+    backend, store = sandbox_pieces(cfg)
+    finder = TaskFinder(cfg.eval.tasks, backend)
+    with console.status(f"checking the receipts of {path} against {cfg.eval.tasks}"):
+        checks = asyncio.run(check_file(path, finder, StoreImages(store, backend), BundledTests(store)))
+    for c in checks:
+        style = {"changed": "red", "no_receipt": "yellow"}.get(c.verdict, "green")
+        console.print(f"[{style}]{escape(c.line_text())}[/{style}]", soft_wrap=True, highlight=False)
+    counts = summary(checks)
+    print(json.dumps(counts))
+    return 1 if counts["changed"] else 0
 
 
 def _own_env_eval(cfg: Config) -> int:

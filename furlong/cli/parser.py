@@ -44,6 +44,13 @@ def _eval_parser(sub) -> None:
     ev.add_argument("--out", type=Path, help="write one JSON line per episode here (eval.out)")
     ev.add_argument("--split", choices=["train", "heldout", "all"], help="family instances to use (eval.split)")
     ev.add_argument("--per-family", type=int, help="instances per task family (eval.per_family)")
+    ev.add_argument(
+        "--verify-receipts",
+        type=Path,
+        metavar="FILE",
+        help="run nothing: recheck the receipts of FILE (--out lines or a run's episodes.jsonl) against --tasks "
+        "and the image store; exit 1 when a test or image changed (docs/audit.md#receipts)",
+    )
     add_common(ev)
 
 

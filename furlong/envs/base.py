@@ -108,6 +108,9 @@ class Score:
     # whether the reward was checked against tampering by a verifier the agent cannot reach (furlong.tasks.verifier
     # Verdict.integrity_checked; False on a backend without it, Guarantees); None: no tests ran in a sandbox
     integrity_checked: bool | None = None
+    # what each run of the scorer that counted computed its reward from (furlong.tasks.receipt.Receipt), in
+    # order: one per step of a multi-step task; () where the environment gives none (a Python environment's)
+    receipts: tuple[Any, ...] = ()
     # A multi-step episode: the steps scored so far, and the spec (instruction, agent timeout) of the step
     # the agent is to do next; None when the episode is over (the last step ran, or a step's gate closed).
     steps: tuple[StepScore, ...] = ()

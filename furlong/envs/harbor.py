@@ -49,6 +49,7 @@ from furlong.sandbox.pool import sandbox_spec
 from furlong.tasks.family import Family
 from furlong.tasks.model import ARTIFACTS_DIR, Task, TaskNetwork, phases
 from furlong.tasks.network import with_default
+from furlong.tasks.receipt import Receipt
 from furlong.tasks.verifier import Verdict, verifier_env, verify
 from furlong.timing import Clock
 
@@ -210,6 +211,7 @@ class HarborEpisode:
         self.done: list[StepScore] = []  # the steps scored so far
         self._tampered_paths: tuple[str, ...] = ()  # every step's, for the episode's record
         self._integrity_checked: bool | None = True  # every step's so far (None: a step's is unknown)
+        self._receipts: tuple[Receipt, ...] = ()  # every scored step's, in order
         self._timed_out = False  # a step's tests ran out of time
 
     @property
@@ -290,12 +292,13 @@ class HarborEpisode:
         self._tampered_paths = tuple(sorted({*self._tampered_paths, *score.tampered_paths}))
         checked = (self._integrity_checked, score.integrity_checked)
         self._integrity_checked = None if None in checked else all(checked)  # every step's, or unknown
+        self._receipts += tuple(dataclasses.replace(r, step=step.name) for r in score.receipts)
         error = f"step {step.name!r}: the tests timed out" if score.timed_out else None
         self._timed_out |= score.timed_out
         self.done.append(StepScore(step.name, score.reward, {**score.rewards, "reward": score.reward}, error))  # type: ignore[arg-type, dict-item]  # a verdict without a problem has a reward
         stop = error or gate(step, self.done[-1].rewards)
         if score.tampered:
-            return dataclasses.replace(score, steps=tuple(self.done))
+            return dataclasses.replace(score, steps=tuple(self.done), receipts=self._receipts)
         if not stop and self.index + 1 < len(self.phases):
             before, self.index = self.phases[self.index], self.index + 1
             if problem := await next_agent_network(self.guard.inner, before, self.phases[self.index]):
@@ -325,6 +328,7 @@ class HarborEpisode:
             tampered_paths=self._tampered_paths,
             integrity_checked=self._integrity_checked,
             steps=tuple(self.done),
+            receipts=self._receipts,
         )
 
     async def _no_reward(self, verdict: Verdict | None, problem: str) -> Score:
@@ -469,6 +473,7 @@ async def verifier_phase(
             env=env,
             after_tests=after if rewards is not None else None,
             tests=tests,
+            image=image,
         )
     except HostLost:
         raise  # the host's failure, not the agent's nor the task's: the runner runs the episode again
@@ -522,4 +527,5 @@ def _record(verdict: Verdict | None) -> dict[str, Any]:
         "output": verdict.output_tail if verdict else None,
         "tampered_paths": verdict.tampered_paths if verdict else (),
         "integrity_checked": verdict.integrity_checked if verdict else None,
+        "receipts": (verdict.receipt,) if verdict and verdict.receipt else (),
     }

@@ -84,14 +84,20 @@ class VerifierBox:
     tests: bytes | None
 
 
+async def verifier_image(phase: Task, sandboxes, bundled: BundledTests) -> tuple[Task, ImageRef, bytes | None]:
+    """The phase's verifier task, its image, and the tests its image holds (None: the task's own go in)."""
+    vt = verifier_task(phase)
+    image = await sandboxes.image(vt)
+    sep = vt.separate
+    assert sep is not None  # verifier_task keeps the phase's separate environment
+    tests = await bundled(image, sep.dockerfile.parent) if sep.bundled_tests and sep.dockerfile else None
+    return vt, image, tests
+
+
 async def start_verifier(phase: Task, sandboxes, bundled: BundledTests) -> VerifierBox:
     """The phase's verifier sandbox, started (`sandboxes`: furlong.envs.harbor.SandboxSource)."""
-    vt = verifier_task(phase)
     try:
-        image = await sandboxes.image(vt)
-        sep = vt.separate
-        assert sep is not None  # verifier_task keeps the phase's separate environment
-        tests = await bundled(image, sep.dockerfile.parent) if sep.bundled_tests and sep.dockerfile else None
+        vt, image, tests = await verifier_image(phase, sandboxes, bundled)
         box = await sandboxes.acquire(sandbox_spec(vt, image))
     except (HostLost, VerifierUnavailable):
         raise

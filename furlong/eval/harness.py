@@ -12,6 +12,7 @@ from furlong.gateway.trajectory import GatewayStats
 from furlong.sandbox.base import ImageRef
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
 from furlong.tasks.model import Task
+from furlong.tasks.receipt import Receipt
 from furlong.tasks.suite import BrokenTask
 from furlong.timing import EpisodeTiming
 
@@ -47,6 +48,7 @@ class EpisodeResult:
     steps: tuple[StepScore, ...] = ()  # a multi-step task's steps that ran: name, reward, rewards, error
     traceback: str | None = None  # where an exception decided the outcome (furlong.agent.runner.Outcome)
     gateway: GatewayStats | None = None  # a harness's requests, tito mismatch, history rewrites (docs/gateway.md)
+    receipts: tuple[Receipt, ...] = ()  # what the reward was computed from (furlong.tasks.receipt), one per test run
 
     @classmethod
     def of(
@@ -86,6 +88,7 @@ class EpisodeResult:
             steps=outcome.steps,
             traceback=outcome.traceback,
             gateway=gateway,
+            receipts=outcome.receipts,
         )
 
     @classmethod

@@ -233,6 +233,7 @@ class ServedEpisode:
             "rewards": o.rewards,
             "verifier_exit_code": o.verifier_exit_code,
             "tampered_paths": o.tampered_paths,
+            "receipts": [r.to_json() for r in o.receipts],  # what the reward was computed from
             "agent_timed_out": o.agent_timed_out,
             "timing": dataclasses.asdict(o.timing),
         }

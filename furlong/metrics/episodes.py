@@ -58,6 +58,7 @@ def episode_record(e: Episode, phase: str, step: int | None) -> dict:
         "rewards": dict(e.rewards),  # the reward's parts: the tests' (or a Python environment's steps') and
         # each reward function's (train.env.rewards)
         "steps": [s.to_json() for s in e.steps],  # a multi-step task's steps that ran (Harbor's [[steps]])
+        "receipts": [r.to_json() for r in e.receipts],  # what its reward was computed from (furlong.tasks.receipt)
         "gateway": None if e.gateway is None else asdict(e.gateway),  # a harness's requests, tito, rewrites
         "distill": None if e.distill is None else e.distill.to_json(),  # train.distill: what the teacher made of it
     }

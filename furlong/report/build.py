@@ -8,7 +8,7 @@ from pathlib import Path
 
 from furlong.report.data import RunData, load_run
 from furlong.report.document import Block, Heading, Image, Para, html_page, markdown
-from furlong.report.parts import Section, family_halves, overview, reward_per_step
+from furlong.report.parts import Section, family_halves, overview, receipts, reward_per_step
 from furlong.report.timing import fractions, sample_lag, teacher_cost, time_breakdown
 from furlong.report.whatif import compare, projection
 
@@ -23,6 +23,7 @@ class Written:
 def run_sections(run: RunData, speedups: list[float]) -> list[Section]:
     sections = [
         overview(run),
+        receipts(run),
         reward_per_step(run),
         family_halves(run),
         time_breakdown(run),

@@ -14,6 +14,7 @@ from furlong.report.document import Block, Heading, Image, Para, Table
 
 FRACTIONS = ("group_wait_frac", "kv_held_tool_wait_frac", "engine_idle_frac", "trainer_idle_frac")
 NO_RECORDS = "no episodes.jsonl (a run from before per-episode records)"
+MAX_PATHS = 10  # of the tampered paths listed
 
 
 @dataclass
@@ -75,6 +76,45 @@ def overview(run: RunData) -> Section:
     if run.summary:
         b, a = run.summary.get("heldout_pass_at_1_before_rl"), run.summary.get("heldout_pass_at_1_after_rl")
         s.blocks.append(Para(f"Held-out pass@1 (summary.json): {b:.3f} after SFT, {a:.3f} after RL."))
+    return s
+
+
+def receipts(run: RunData) -> Section:
+    """Per phase: how many scored episodes carry receipts (furlong.tasks.receipt), how many of those had no
+    tamper check, and the tampered paths the receipts name, most frequent first."""
+    s = Section([Heading("Receipts")])
+    if not run.episodes:
+        s.missing.append(f"receipts: {NO_RECORDS}")
+        return s
+    rows, paths = [], dict[str, int]()
+    for phase in dict.fromkeys(e.get("phase", "?") for e in run.episodes):
+        eps = scored(run.phase_episodes(phase))
+        with_receipts = [e for e in eps if e.get("receipts")]
+        found = [r for e in with_receipts for r in e["receipts"]]
+        for r in found:
+            for p in r.get("tampered_paths") or []:
+                paths[p] = paths.get(p, 0) + 1
+        rows.append(
+            (
+                phase,
+                str(len(eps)),
+                str(len(with_receipts)),
+                str(len(eps) - len(with_receipts)),
+                str(sum(not r.get("tamper_checked", True) for r in found)),
+                str(sum(bool(r.get("tampered_paths")) for r in found)),
+            )
+        )
+    header = ("phase", "scored", "with receipts", "without", "no tamper check", "tampered")
+    s.blocks.append(Table(header, tuple(rows)))
+    top = sorted(paths.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_PATHS]
+    listed = ", ".join(f"{p} ({n})" for p, n in top) if top else "none"
+    s.blocks.append(
+        Para(
+            f"Tampered paths the receipts name (episodes): {listed}. A scored episode without a receipt was "
+            "scored by an environment that gives none (a Python environment's), or recorded before receipts; "
+            "`furlong eval --verify-receipts RUN_DIR/episodes.jsonl --tasks DIR` rechecks them against the tasks."
+        )
+    )
     return s
 
 

@@ -124,6 +124,8 @@ class _Listener:
 
 
 class BwrapSandbox:
+    backend = "bwrap"  # what an episode's receipt names (furlong.tasks.receipt)
+
     def __init__(self, proc, cgroup, output_cap: int, lifetime_s: float, name: str, secret: bytes):
         self.name = name
         self._proc = proc

@@ -44,6 +44,8 @@ START_WAIT_S = 120.0  # how long a create waits for room while every host is at 
 
 
 class RemoteSandbox:
+    backend = "remote"  # what an episode's receipt names (furlong.tasks.receipt): a sandbox host's
+
     def __init__(self, hosts: Hosts, host: Host, created: dict[str, Any]):
         self._hosts, self.host = hosts, host
         self.id, self.boot = created["id"], created["boot"]

@@ -36,7 +36,10 @@ same bytes is unchanged):
       `import __editable___NAME_finder; __editable___NAME_finder.install()`; a pytest plugin
       (a `*.dist-info/entry_points.txt` with a `[pytest11]` section); pytest's configuration or
       conftest.py at the filesystem root (/conftest.py, /pytest.ini, /.pytest.ini, /pyproject.toml,
-      /tox.ini, /setup.cfg), which `pytest /tests/...` reads;
+      /tox.ini, /setup.cfg), which `pytest /tests/...` reads; the file the verifier's BASH_ENV names (the
+      image's ENV or the task's [verifier] env), which the non-interactive `bash` that runs test.sh
+      sources first (no other shell start-up file is read there: /etc/profile, bash.bashrc and ~/.bashrc
+      count only for login or interactive shells, which the verifier does not start);
   (c) a new test tool: a test tool's package or module in a Python tree that the image does not hold
       at that path (the tests would import it), or a new toolchain command in a bin directory that
       comes, on the verifier's PATH, before every directory where the image has that command
@@ -68,7 +71,8 @@ installs, libraries added beside libc, and the bytecode caches any python writes
 which are the code of their sources.
 An agent that installs its own pytest for its own checks should do so in a virtualenv; a task whose point
 is replacing a tool sets `[verifier] trust_agent_tools = true` (recorded, not scored).
-Known limits: tests that import the agent's code run it in their process; a libc planted outside the
+Known limits: tests that import the agent's code run it in their process; a BASH_ENV whose value needs an
+expansion other than $HOME, or is relative, is not followed; a libc planted outside the
 library directories and registered with ldconfig, the uv cache under $HOME, files the tests read from
 the task's working directory (a pyproject.toml `uv run` picks up), and the code a console-script wrapper
 imports (site-packages, as the tests' own imports) are not checked. A new
@@ -82,7 +86,7 @@ sets `trust_agent_tools`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from furlong.sandbox import offline_shims
 from furlong.sandbox.changes import Change
@@ -114,6 +118,7 @@ _LOADER = re.compile(r"(ld-linux[^/]*\.so[^/]*|ld64\.so[^/]*|libc\.so[^/]*|libc-
 _MODULE = r"(\.py|\.pyc|(\.[\w-]+)?\.so)"  # how a module's file is named (source, sourceless, extension)
 _TEST_TOOL = re.compile(rf"(pytest|_pytest|pluggy|iniconfig|pytest_json_ctrf){_MODULE}?|py{_MODULE}")
 _HOOK = re.compile(rf"(sitecustomize|usercustomize){_MODULE}?")  # what site.py imports (a package too)
+_HOME_VAR = re.compile(r"\$HOME\b|\$\{HOME\}")
 _PYCACHE = re.compile(r"(.*/)?__pycache__(/.*)?")
 _BYTECODE = re.compile(r"(?P<dir>.+)/__pycache__/(?P<module>[^/.]+)\.(?P<tag>[^/.]+)(\.opt-[12])?\.pyc")
 _PY_TREE = re.compile(r"(/usr/lib|/usr/local/lib|/root/\.local/lib)/(python3[^/]*)((/.*)?)")
@@ -125,14 +130,35 @@ _DISTUTILS_PTH = re.compile(
 )
 
 
-def scan_roots(path_dirs: Sequence[str]) -> tuple[str, ...]:
-    """The in-sandbox trees the rule looks at (what furlong.sandbox.changes walks)."""
+def scan_roots(path_dirs: Sequence[str], hooks: Sequence[str] = ()) -> tuple[str, ...]:
+    """The in-sandbox trees the rule looks at (what furlong.sandbox.changes walks); `hooks`: shell_hooks()."""
     return tuple(
         sorted(
-            {*BIN_DIRS, *path_dirs, *LIB_DIRS, "/root/.local", TOOLCHAIN_LAYER, PRELOAD, *ROOT_CONFIG, *ETC_PYTHON}
+            {
+                *BIN_DIRS,
+                *path_dirs,
+                *LIB_DIRS,
+                "/root/.local",
+                TOOLCHAIN_LAYER,
+                PRELOAD,
+                *ROOT_CONFIG,
+                *ETC_PYTHON,
+                *hooks,
+            }
             - {""}
         )
     )
+
+
+def shell_hooks(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The start-up file a non-interactive bash sources before the tests' script, from the verifier's
+    environment (the image's ENV and the verifier's own): BASH_ENV's path, $HOME in it expanded. Another
+    expansion (`$X`, a backquote) or a relative path is not followed (a known limit: bash would resolve it in
+    the sandbox)."""
+    value = _HOME_VAR.sub(env.get("HOME", "/root").replace("\\", "\\\\"), env.get("BASH_ENV", "").strip())
+    if not value.startswith("/") or "$" in value or "`" in value:
+        return ()
+    return (value,)
 
 
 def path_dirs(search_path: str) -> tuple[str, ...]:
@@ -149,10 +175,11 @@ def tampered(
     image_has: Callable[[str], bool],
     read: Callable[[str], bytes | None],
     faithful: Callable[[str], bool] = lambda _: False,
+    hooks: Sequence[str] = (),
 ) -> tuple[str, ...]:
     """The changed paths the rule counts, sorted. `search`: path_dirs(); `image_has(path)`: whether the
     image holds an entry there; `read(path)`: the sandbox's current bytes of a changed file; `faithful(path)`:
-    whether bytecode_paths()' `path` is its source's code (rule f)."""
+    whether bytecode_paths()' `path` is its source's code (rule f); `hooks`: shell_hooks() (rule b)."""
     asked = set(bytecode_paths(changes))  # the others' sources are the agent's: their bytecode is as trusted
     found = set()
     for c in changes:
@@ -160,7 +187,9 @@ def tampered(
             found.add(f"{c.path} (scan stopped at its entry limit)")
         elif c.kind == "unreadable":
             found.add(f"{c.path} (unreadable from the host)")
-        elif c.kind != "deleted" and _counts(c, search, image_has, read, lambda p: p not in asked or faithful(p)):
+        elif c.kind != "deleted" and (
+            c.path in hooks or _counts(c, search, image_has, read, lambda p: p not in asked or faithful(p))
+        ):
             found.add(c.path)
     return tuple(sorted(found))
 

@@ -20,6 +20,7 @@ from furlong.sandbox.base import BASE_ENV, ChangeTracking, ImageRef, Sandbox, Sa
 from furlong.sandbox.tarball import tar_dir
 from furlong.tasks import integrity
 from furlong.tasks.model import TESTS_DIR, VERIFIER_LOG_DIR, Task
+from furlong.tasks.receipt import Receipt, bytes_digest, digest_tests
 
 OUTPUT_TAIL_CHARS = 4000  # of a command's output kept in an episode's record: enough for a test report's end
 BYTECODE_CHECK_S = 300.0  # for the interpreters to recompile the sources of the bytecode the agent changed
@@ -89,6 +90,9 @@ class Verdict:
     tamper_checked: bool = False  # False: the sandbox cannot say what changed (a backend without ChangeTracking)
     # tamper_checked, and the tests ran as a verifier identity the agent cannot reach (verifier_uid not None)
     integrity_checked: bool = False
+    reward_file: str | None = None  # the reward file read (reward.json or reward.txt); None: none was
+    reward_digest: str | None = None  # of its bytes
+    receipt: Receipt | None = None  # what the reward was computed from (furlong.tasks.receipt), set by `verify`
 
 
 def verifier_env(task: Task, image: ImageRef | None = None) -> dict[str, str]:
@@ -110,6 +114,7 @@ async def verify(
     env: Mapping[str, str] | None = None,
     after_tests: Callable[[Verdict], Awaitable[None]] | None = None,
     tests: bytes | None = None,
+    image: ImageRef | None = None,
 ) -> Verdict:
     """Copies the tests in (only now: the agent never saw them), runs them, returns the reward.
 
@@ -120,35 +125,64 @@ async def verify(
     agent's tools. `env` is the tests' environment on top of the sandbox's (`verifier_env`; by default
     without an image's), whose PATH (else the base one) the check searches. `after_tests(verdict)` (the user's
     reward functions, furlong.envs.rewards) runs once the tests have, inside the same check. `tests`: what goes in
-    /tests, as a tar (a separate verifier's image may hold its own); None: the task's (`tests_tar`).
+    /tests, as a tar (a separate verifier's image may hold its own); None: the task's (`tests_tar`). `image`: the
+    one the sandbox runs; its ENV's BASH_ENV, unless `env` sets one, is a start-up hook the check covers. The
+    verdict's `receipt` records what the reward came from, the image's digest among it.
 
     Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
     agent's processes, still running, can neither write nor replace (furlong.sandbox.bwrap). With one uid
     only (`sandbox.verifier_uid is None`) /tests and /logs are the agent's, as in earlier versions."""
     env = dict(env) if env is not None else verifier_env(task)
     search = integrity.path_dirs(env.get("PATH", BASE_ENV["PATH"]))
-    before = await _tampering(sandbox, search, None)
-    verdict = await _run_tests(task, sandbox, workdir, env, tests_tar(task) if tests is None else tests)
+    hooks = integrity.shell_hooks({**BASE_ENV, **dict(image.env if image else ()), **env})
+    tests = tests_tar(task) if tests is None else tests
+    before = await _tampering(sandbox, search, None, hooks)
+    verdict = await _run_tests(task, sandbox, workdir, env, tests)
     if after_tests is not None:
         await after_tests(verdict)
-    after = await _tampering(sandbox, search, verifier_uid)
-    if before is None or after is None:
-        return verdict
-    paths = integrity.listed(sorted(set(before) | set(after)))
-    tampered = bool(paths) and not task.trust_agent_tools
-    if tampered:
-        verdict = dataclasses.replace(verdict, reward=0.0, rewards={"reward": 0.0}, problem=None)
-    checked = sandbox.verifier_uid is not None  # the tests ran as an identity of their own
-    return dataclasses.replace(
-        verdict, tampered_paths=paths, tampered=tampered, tamper_checked=True, integrity_checked=checked
+    after = await _tampering(sandbox, search, verifier_uid, hooks)
+    if before is not None and after is not None:
+        paths = integrity.listed(sorted(set(before) | set(after)))
+        tampered = bool(paths) and not task.trust_agent_tools
+        if tampered:
+            verdict = dataclasses.replace(verdict, reward=0.0, rewards={"reward": 0.0}, problem=None)
+        checked = sandbox.verifier_uid is not None  # the tests ran as an identity of their own
+        verdict = dataclasses.replace(
+            verdict, tampered_paths=paths, tampered=tampered, tamper_checked=True, integrity_checked=checked
+        )
+    return dataclasses.replace(verdict, receipt=_receipt(verdict, sandbox, tests, image.digest if image else ""))
+
+
+def _receipt(verdict: Verdict, sandbox: Sandbox, tests: bytes, image_digest: str) -> Receipt:
+    agent_uid = int(getattr(sandbox, "agent_uid", 0))
+    return Receipt(
+        image_digest=image_digest,
+        tests_digest=digest_tests(tests),
+        verifier_uid=agent_uid if sandbox.verifier_uid is None else sandbox.verifier_uid,
+        agent_uid=agent_uid,
+        exit_code=verdict.exit_code,
+        reward_file=verdict.reward_file,
+        reward_digest=verdict.reward_digest,
+        tampered_paths=verdict.tampered_paths,
+        tamper_checked=verdict.tamper_checked,
+        backend=backend_name(sandbox),
     )
 
 
-async def _tampering(sandbox: Sandbox, search: tuple[str, ...], verifier_uid: int | None) -> tuple[str, ...] | None:
+def backend_name(sandbox: object) -> str:
+    """The backend of a sandbox, through the wrappers around it (each holds the one it wraps as `inner`)."""
+    while (inner := getattr(sandbox, "inner", None)) is not None:
+        sandbox = inner
+    return str(getattr(sandbox, "backend", type(sandbox).__name__))
+
+
+async def _tampering(
+    sandbox: Sandbox, search: tuple[str, ...], verifier_uid: int | None, hooks: tuple[str, ...]
+) -> tuple[str, ...] | None:
     """The paths the rule counts now, leaving out entries of `verifier_uid`; None without ChangeTracking."""
     if not isinstance(sandbox, ChangeTracking):
         return None
-    changes = await sandbox.changes(integrity.scan_roots(search))
+    changes = await sandbox.changes(integrity.scan_roots(search, hooks))
     if changes is None:
         return None
     if verifier_uid is not None:
@@ -157,7 +191,7 @@ async def _tampering(sandbox: Sandbox, search: tuple[str, ...], verifier_uid: in
     wanted = integrity.content_paths(changes, search, present.__contains__)
     contents = {path: await _read_or_none(sandbox, path) for path in wanted}
     faithful = await _faithful_bytecode(sandbox, integrity.bytecode_paths(changes))
-    return integrity.tampered(changes, search, present.__contains__, contents.get, faithful.__contains__)
+    return integrity.tampered(changes, search, present.__contains__, contents.get, faithful.__contains__, hooks)
 
 
 async def _faithful_bytecode(sandbox: Sandbox, paths: tuple[str, ...]) -> frozenset[str]:
@@ -234,26 +268,37 @@ async def _run_tests(task: Task, sandbox: Sandbox, workdir: str, env: dict[str, 
             output_tail=tail,
             problem=f"verifier timed out after {task.verifier_timeout_s:g}s",
         )
-    reward, rewards, problem = await _read_reward(sandbox)
+    (reward, rewards, problem), read = await _read_reward(sandbox)
     if reward is None and task.format == "terminal-bench":
         # Terminal-Bench 1.0 scores by the test run's success, not a reward file.
         reward, problem = (1.0 if res.exit_code == 0 else 0.0), None
-    return Verdict(reward=reward, rewards=rewards, exit_code=res.exit_code, output_tail=tail, problem=problem)
+    return Verdict(
+        reward=reward,
+        rewards=rewards,
+        exit_code=res.exit_code,
+        output_tail=tail,
+        problem=problem,
+        reward_file=read[0] if read else None,
+        reward_digest=bytes_digest(read[1]) if read else None,
+    )
 
 
-async def _read_reward(sandbox: Sandbox) -> tuple[float | None, dict[str, float], str | None]:
+Rewards = tuple[float | None, dict[str, float], str | None]
+
+
+async def _read_reward(sandbox: Sandbox) -> tuple[Rewards, tuple[str, bytes] | None]:
     """The tests' reward: reward.json when they wrote one, else reward.txt (the order Harbor's verifier reads
-    them in, so a task that writes both scores as it does there)."""
+    them in, so a task that writes both scores as it does there); and which file was read, with its bytes."""
     if (data := await _reward_file(sandbox, "reward.json")) is not None:
-        return _json_rewards(data)
+        return _json_rewards(data), ("reward.json", data)
     if (data := await _reward_file(sandbox, "reward.txt")) is None:
-        return None, {}, "the tests wrote neither reward.txt nor reward.json"
+        return (None, {}, "the tests wrote neither reward.txt nor reward.json"), None
     raw = data.decode(errors="replace").strip()
     try:
         value = _finite(float(raw))
     except ValueError:
-        return None, {}, f"reward.txt is not a number: {raw[:80]!r}"
-    return value, {"reward": value}, None
+        return (None, {}, f"reward.txt is not a number: {raw[:80]!r}"), ("reward.txt", data)
+    return (value, {"reward": value}, None), ("reward.txt", data)
 
 
 async def _reward_file(sandbox: Sandbox, name: str) -> bytes | None:
