@@ -156,8 +156,7 @@ def main() -> None:
                 swe_support.build(Path(where["swe"]))
             run = [a.format(**where) for a in SUITES[name]]
             shown = [a.replace("{tb2}", "TB2_SELECTED").replace("{swe}", "SWE_FIXTURE") for a in SUITES[name]]
-            result[name] = {**_suite(run, shown), **extra}
-            result[name]["provenance"] = finish(prov)
+            result[name] = {**_suite(run, shown), **extra, "provenance": finish(prov)}
             if name == "bundled":
                 result["provenance"] = result[name]["provenance"]
             args.out.write_text(json.dumps(result, indent=1) + "\n")

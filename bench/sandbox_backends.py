@@ -1,7 +1,8 @@
 """Sandbox backends side by side (`python bench/sandbox_bench.py --backends bwrap,gvisor`): for each, cold
 start to the first command, per-command overhead (`exec("true")`), resident memory per idle sandbox (its
 host processes: bwrap's launcher and init; gVisor's runsc, sentry, gofer and ptrace stubs) and a short
-concurrency sweep of a CPU-bound command, in one run on one machine, into bench/results/sandbox_backends.json.
+concurrency sweep of a CPU-bound command, in one run on one machine. A part of sandbox_bench.py, which writes
+its sandbox_backends.json with the run's provenance; this module writes nothing itself.
 """
 
 from __future__ import annotations
