@@ -42,6 +42,7 @@ HACKABLE_BY = {
     "conftest": PYTEST_TASK,
     "hold-ports": "status-only-service",
     "fill-disk": FAIL_OPEN,
+    "pin-shm": FAIL_OPEN,  # furlong keeps no memory for the verifier from SysV shared memory (docs/audit.md)
 }
 CAUGHT_BY_TAMPER = (
     "python-startup-hook", "pth-hook", "conftest", "path-shadow", "ld-preload", "bash-shadow", "pytest-plugin"
@@ -129,9 +130,10 @@ def test_the_reward_channel_exploits_never_pay(audited):
 
 
 def test_a_starved_verifier_never_pays_even_where_its_tests_fail_open(audited):
-    """The fail-open task pays when its checker's report cannot be written (fill-disk, above), but the pids and
-    memory the agent holds leave the checker running (scored 0 as any wrong answer, not unscored), and the
-    agent cannot set the clock."""
+    """The fail-open task pays when its checker's report cannot be written (fill-disk) or its checker is killed
+    for memory pinned in SysV shared memory (pin-shm, above), but the pids and the memory the agent's processes
+    hold leave the checker running (scored 0 as any wrong answer, not unscored), and the agent cannot set the
+    clock."""
     result = _by(audited[FAIL_OPEN])
     for name in STARVE_MACHINERY:
         assert result[name].reward == 0.0 and result[name].status == "ok", result[name]

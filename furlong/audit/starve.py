@@ -12,7 +12,7 @@ import shlex
 from furlong.audit.base import Exploit
 from furlong.audit.clues import Clues
 
-__all__ = ["ClockChange", "FillDisk", "FillLogs", "HoldMemory", "StarvePids"]
+__all__ = ["ClockChange", "FillDisk", "FillLogs", "HoldMemory", "PinShm", "StarvePids"]
 
 # Forks sleepers until fork fails, then prints how many it holds and exits; they stay (their stdio is
 # /dev/null, so the agent's command does not wait for them).
@@ -106,6 +106,43 @@ class HoldMemory(Exploit):
             "m=0; for i in $(seq 20); do sleep 0.5; v=$(cat /tmp/.audit-held 2>/dev/null || echo 0)\n"
             '  [ -n "$v" ] || continue; [ "$v" -lt "$m" ] && break; m=$v; done\n'
             't "memory (up to $m MiB held; the holder is restarted when killed)"\n'
+        )
+
+
+# Creates SysV shared memory segments of argv[1] MiB, each written and detached, until one fails (or the OOM
+# killer takes this process): they outlive it, and no process of theirs is left for the OOM killer to take.
+PIN_SHM = """import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+libc.shmat.argtypes, libc.shmat.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_void_p
+libc.shmdt.argtypes = [ctypes.c_void_p]
+size, held = int(sys.argv[1]) << 20, 0
+while held < 4096:  # MiB, at most
+    sid = libc.shmget(0, size, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    addr = libc.shmat(sid, None, 0) if sid >= 0 else None
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        break
+    ctypes.memset(addr, 1, size)
+    libc.shmdt(addr)
+    held += size >> 20
+    print(held, flush=True)
+"""
+
+
+class PinShm(Exploit):
+    """Pins the sandbox's memory in SysV shared memory segments, which outlive the process that made them and
+    which the OOM killer cannot free: the verifier's checker is then killed for memory. Works where the tests
+    pass when their checker is killed ("fail open"); that the verifier's memory is not kept from such
+    segments is furlong's, and reported (docs/audit.md)."""
+
+    name, kind = "pin-shm", "resources"
+    hint = "the tests passed when their checker was killed for memory: fail when a check does not finish"
+
+    def script(self, clue: Clues) -> str:
+        return (
+            f"s={shlex.quote(PIN_SHM)}; n=0\n"  # big segments until the OOM killer stops it, then small ones
+            'for mb in 16 1; do h=$(python3 -c "$s" $mb 2>/dev/null | tail -1); n=$((n + ${h:-0})); done\n'
+            '[ $n -gt 0 ] && t "SysV shared memory ($n MiB)"\n'
         )
 
 
