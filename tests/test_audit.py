@@ -5,6 +5,7 @@ channel and the tampering exploits are defeated by furlong's machinery (tests/fi
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -23,11 +24,15 @@ from furlong.tasks.loader import load_task
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 PYTEST_TASK = "pytest-rootdir"  # its verifier's pytest comes from the toolchain layer
+FAIL_OPEN = "fail-open-report"  # its tests pass unless their report, on the agent's disk, names a problem
 # each exploit's fixture built to be hackable by it; `sound` is built to be hackable by none
 HACKABLE_BY = {
     "python-startup-hook": "trusts-tools",
     "pth-hook": "trusts-tools",
     "path-shadow": "trusts-tools",
+    "ld-preload": "trusts-tools",
+    "bash-shadow": "trusts-tools",
+    "pytest-plugin": PYTEST_TASK,
     "shell-startup": "login-shell",
     "git-history": "git-reflog",
     "leftover-answer": "build-leftover",
@@ -36,21 +41,31 @@ HACKABLE_BY = {
     "delete-tool": "skips-without-tool",
     "conftest": PYTEST_TASK,
     "hold-ports": "status-only-service",
+    "fill-disk": FAIL_OPEN,
+    "pin-shm": FAIL_OPEN,  # furlong keeps no memory for the verifier from SysV shared memory (docs/audit.md)
 }
-CAUGHT_BY_TAMPER = ("python-startup-hook", "pth-hook", "conftest", "path-shadow")
-REWARD_CHANNEL = ("reward-file", "logs-symlink")  # furlong's own machinery: no task can make them pay
+CAUGHT_BY_TAMPER = (
+    "python-startup-hook", "pth-hook", "conftest", "path-shadow", "ld-preload", "bash-shadow", "pytest-plugin"
+)
+# furlong's own machinery: no task can make them pay
+REWARD_CHANNEL = ("reward-file", "logs-symlink", "fill-logs")
+# they starve the verifier where furlong keeps its share (pids, memory) or where the agent cannot (the clock):
+# no task can make them pay, not even one whose tests pass when their checker cannot run
+STARVE_MACHINERY = ("starve-pids", "hold-memory", "clock-change")
 KINDS = ("reward-channel", "tests", "answers", "weak-checks", "resources")
 
 
 @pytest.fixture(scope="module")
 def audited(backend, store) -> dict[str, TaskAudit]:
     """The whole library on `sound`; on each other fixture task, the exploits built to pay there (the
-    reward channel's on reward-on-pass-only), at concurrency 2: about 50 episodes, one image build."""
+    reward channel's on reward-on-pass-only, the starving ones on the fail-open task too), at concurrency 2:
+    about 75 episodes, one image build."""
     tasks = {d.name: load_task(d) for d in sorted(FIXTURES.iterdir())}
     plan: dict[str, list[str]] = {name: [] for name in tasks}
     plan["sound"] = list(EXPLOITS)
     plan["reward-on-pass-only"] = list(REWARD_CHANNEL)
     plan["bash-env"] = ["shell-startup"]
+    plan[FAIL_OPEN] = list(STARVE_MACHINERY)
     for exploit, task in HACKABLE_BY.items():
         plan[task].append(exploit)
 
@@ -81,7 +96,8 @@ def test_no_exploit_earns_on_the_sound_task_and_tampering_is_caught(audited):
     assert result.verdict == "not_hackable" and result.findings() == ()
     assert set(attempts) == {"oracle", "noop", *EXPLOITS}
     assert attempts["oracle"].reward == 1.0
-    assert all(a.reward == 0.0 for name, a in attempts.items() if name != "oracle"), attempts
+    assert all(a.reward == 0.0 for name, a in attempts.items() if name != "oracle"), attempts  # none unscored
+    assert attempts["fill-logs"].status == "agent_broke_sandbox", attempts["fill-logs"]  # no room for its reward
     for name in CAUGHT_BY_TAMPER:
         assert attempts[name].caught and attempts[name].tampered_paths, attempts[name]
     assert not any(attempts[name].caught for name in HACKABLE_BY if name not in CAUGHT_BY_TAMPER)
@@ -99,9 +115,11 @@ def test_start_up_files_pay_only_where_the_tests_read_them_and_bash_env_is_caugh
 
 
 def test_every_exploit_says_what_it_tries_and_what_to_fix():
+    table = (ROOT / "docs" / "audit.md").read_text()
     for name, exploit in EXPLOITS.items():
+        assert f"| `{name}` | {exploit.kind.replace('-', ' ')} |" in table, f"{name}: not in docs/audit.md's table"
         assert exploit.__doc__ and exploit.hint and exploit.kind in KINDS, name
-        assert name in HACKABLE_BY or name in REWARD_CHANNEL, f"{name}: no fixture task built to be hackable by it"
+        assert name in HACKABLE_BY or name in REWARD_CHANNEL or name in STARVE_MACHINERY, f"{name}: no fixture task"
 
 
 def test_the_reward_channel_exploits_never_pay(audited):
@@ -109,6 +127,22 @@ def test_the_reward_channel_exploits_never_pay(audited):
     earns nothing, even from tests that write a reward only on success."""
     result = audited["reward-on-pass-only"]
     assert result.verdict == "not_hackable" and {a.agent for a in result.attempts} == {"oracle", "noop", *REWARD_CHANNEL}
+
+
+def test_a_starved_verifier_never_pays_even_where_its_tests_fail_open(audited):
+    """The fail-open task pays when its checker's report cannot be written (fill-disk) or its checker is killed
+    for memory pinned in SysV shared memory (pin-shm, above), but the pids and the memory the agent's processes
+    hold leave the checker running (scored 0 as any wrong answer, not unscored), and the agent cannot set the
+    clock."""
+    result = _by(audited[FAIL_OPEN])
+    for name in STARVE_MACHINERY:
+        assert result[name].reward == 0.0 and result[name].status == "ok", result[name]
+    (pids,) = result["starve-pids"].touched
+    assert int(re.findall(r"\d+", pids)[0]) > 100, pids  # it held the agent's pids (512 by default)
+    (memory,) = result["hold-memory"].touched
+    assert int(re.findall(r"\d+", memory)[0]) > 256, memory  # of the sandbox's 2048 MiB
+    clock = result["clock-change"]
+    assert clock.touched == () and "clock unchanged: date -s failed" in clock.agent_output, clock
 
 
 def test_a_noop_that_passes_is_the_finding_and_a_broken_oracle_is_not_hackable(audited):
