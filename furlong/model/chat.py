@@ -12,6 +12,7 @@ format's several (harmony ends a turn with <|call|>, <|return|> or, in history, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ MessageLike = Message | Mapping[str, Any]
 EndOfTurn = str | Sequence[str]  # one marker, or a format's several (the first closes a cut-off turn)
 # A stand-in history the incremental pieces are cut from; its content never reaches the output.
 _STUB = (Message("system", "s"), Message("user", "u"), Message("assistant", "a"))
+_PROBE = "\x00"  # prepended to a message's content to find where a render writes that content
 
 
 def _dicts(messages: Sequence[MessageLike]) -> list[dict[str, Any]]:
@@ -133,8 +135,11 @@ def continuation_text(
 
     The answered turn's end marker may become another of the format's markers once the conversation goes
     on (harmony writes <|return|> after a conversation's last answer, <|end|> in history): the sampled
-    marker stays in the episode's ids, and the continuation starts after either. Any other difference
-    between the rendered history and a longer render is a ChatTemplateError."""
+    marker stays in the episode's ids, and the continuation starts after either. The answered turn itself
+    may be written otherwise too (Qwen3's template gives a conversation's last assistant turn an empty
+    think block and drops it once the conversation goes on): its sampled ids stay, and the continuation is
+    what the template writes after its end marker in the longer render. Any other difference between the
+    rendered history and a longer render (a turn before the answered one) is a ChatTemplateError."""
     if not messages:
         raise ValueError("continuation needs at least one message")
     if any(d.get("role") == "assistant" for d in _dicts(messages)):
@@ -143,7 +148,10 @@ def continuation_text(
     head = render_text(tokenizer, stub)
     body = head[: _last_marker(head, end_of_turn)[0]]  # the answered turn, up to its end marker
     full = render_text(tokenizer, [*stub, *messages], add_generation_prompt=True)
-    rest = full[len(body) :] if full.startswith(body) else ""
+    if full.startswith(body):
+        rest = full[len(body) :]
+    else:  # the template may write the answered turn itself otherwise now that it is no longer the last
+        rest = _after_rerendered_turn(tokenizer, history, answered, messages, full, end_of_turn)
     marker = next((m for m in _markers(end_of_turn) if rest.startswith(m)), None)
     if marker is None:
         raise ChatTemplateError(
@@ -151,6 +159,32 @@ def continuation_text(
             "incremental (TITO) rendering would disagree with a full render"
         )
     return rest[len(marker) :]
+
+
+def _after_rerendered_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    history: Sequence[MessageLike],
+    answered: MessageLike,
+    messages: Sequence[MessageLike],
+    full: str,
+    end_of_turn: EndOfTurn,
+) -> str:
+    """`full` from the answered turn's end marker on, for a template that re-renders the answered turn once
+    messages follow it; "" where the text before that turn changed too, or its end cannot be found.
+
+    The turn ends at the last marker before the first new message's content, and where that content starts
+    is where `full` stops agreeing with a render whose first new message has a probe character prepended
+    (what precedes it in both renders is the same: the message's role and header)."""
+    before = render_text(tokenizer, history)
+    first = _dicts(messages)
+    content = first[0].get("content")
+    if not full.startswith(before) or not isinstance(content, str):
+        return ""
+    first[0]["content"] = _PROBE + content
+    probe = render_text(tokenizer, [*history, answered, *first], add_generation_prompt=True)
+    agree = len(os.path.commonprefix([full, probe]))  # noqa: RUF071 -- strings, compared by character
+    at = max(full.rfind(m, len(before), agree) for m in _markers(end_of_turn))
+    return full[at:] if at > len(before) else ""
 
 
 def continuation_ids(
