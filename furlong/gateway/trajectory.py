@@ -113,6 +113,7 @@ class Trajectory:
                     close_turn=seg.open_turn,
                     end_of_turn=self.fmt.turn_ends,
                     answered=seg.messages[-1],
+                    history=seg.messages[:-1],
                 )
             except ChatTemplateError:  # the template writes this history otherwise: a new segment, from text
                 appended = None
@@ -202,8 +203,8 @@ class Trajectory:
             returned = render_text(self.tokenizer, _through_last_turn(seg.messages), seg.tools or None)
             return self._gaps_mismatch(seg), _differ(stored, encode(self.tokenizer, returned)[: len(stored)])
         naive = _differ(stored, encode(self.tokenizer, text)[: len(stored)])
-        if spans is None:  # the render does not contain what was sampled: all of it differs
-            return len(stored), naive
+        if spans is None:  # the template re-renders a sampled turn (Qwen3 drops an empty think block)
+            return self._gaps_mismatch(seg), naive
         expected: list[int] = []
         pos = 0
         for (start, stop), (prompt_end, after) in zip(seg.turns, spans, strict=True):

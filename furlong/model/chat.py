@@ -193,11 +193,12 @@ def continuation_ids(
     close_turn: bool = False,
     end_of_turn: EndOfTurn = END_OF_TURN,
     answered: MessageLike = _STUB[2],
+    history: Sequence[MessageLike] = _STUB[:2],
 ) -> list[int]:
     """Ids to append after the sampled ids of an assistant turn: the answering messages (usually role "tool")
     and the next generation prompt. `close_turn=True` first appends the end-of-turn id, for a turn that was
-    cut off (finish_reason "length") before the model wrote it."""
-    ids = encode(tokenizer, continuation_text(tokenizer, messages, end_of_turn, answered))
+    cut off (finish_reason "length") before the model wrote it. `answered`, `history`: continuation_text's."""
+    ids = encode(tokenizer, continuation_text(tokenizer, messages, end_of_turn, answered, history))
     return [end_of_turn_id(tokenizer, end_of_turn), *ids] if close_turn else ids
 
 
