@@ -162,10 +162,12 @@ def test_qwen3_turns_without_reasoning_continue_as_the_template_writes_them(fami
     text = tok.decode(ids, skip_special_tokens=False)
     assert text.count(EMPTY_THINK) == 2  # the sampled blocks stay; the template writes neither in history
     assert text.replace(EMPTY_THINK, "") == render_text(tok, history, [BASH], add_generation_prompt=True)
-    # a turn before the answered one is still not rewritten: its reasoning goes at a new user query
-    reasoned = [*history[:2], Message("assistant", "<think>\nPlan.\n</think>\n\n", call.tool_calls), history[3]]
-    with pytest.raises(ChatTemplateError, match="rewrites earlier turns"):
-        continuation_ids(tok, [Message("user", "More?")], end_of_turn=ends, answered=history[4], history=reasoned)
+    # what the model wrote is still never re-rendered away: reasoning goes at a new user query, an earlier
+    # turn's or the answered turn's own
+    thought = Message("assistant", "<think>\nPlan.\n</think>\n\n", call.tool_calls)
+    for before, said in [([*history[:2], thought, history[3]], history[4]), (history[:2], thought)]:
+        with pytest.raises(ChatTemplateError, match="rewrites earlier turns"):
+            continuation_ids(tok, [Message("user", "More?")], end_of_turn=ends, answered=said, history=before)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])

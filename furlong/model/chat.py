@@ -63,6 +63,7 @@ MessageLike = Message | Mapping[str, Any]
 EndOfTurn = str | Sequence[str]  # one marker, or a format's several (the first closes a cut-off turn)
 # A stand-in history the incremental pieces are cut from; its content never reaches the output.
 _STUB = (Message("system", "s"), Message("user", "u"), Message("assistant", "a"))
+_REASONING = ("reasoning_content", "reasoning")  # a message's own reasoning, as templates read it
 _PROBE = "\x00"  # prepended to a message's content to find where a render writes that content
 
 
@@ -136,10 +137,12 @@ def continuation_text(
     The answered turn's end marker may become another of the format's markers once the conversation goes
     on (harmony writes <|return|> after a conversation's last answer, <|end|> in history): the sampled
     marker stays in the episode's ids, and the continuation starts after either. The answered turn itself
-    may be written otherwise too (Qwen3's template gives a conversation's last assistant turn an empty
-    think block and drops it once the conversation goes on): its sampled ids stay, and the continuation is
-    what the template writes after its end marker in the longer render. Any other difference between the
-    rendered history and a longer render (a turn before the answered one) is a ChatTemplateError."""
+    may be written otherwise too, where the template changes only what it writes around the turn's content
+    (Qwen3's template gives a conversation's last assistant turn an empty think block and drops it once the
+    conversation goes on): its sampled ids stay, and the continuation is what the template writes after its
+    end marker in the longer render. Any other difference between the rendered history and a longer render
+    (a turn before the answered one, or the answered turn's own text, as Qwen3's reasoning at a new user
+    query) is a ChatTemplateError."""
     if not messages:
         raise ValueError("continuation needs at least one message")
     if any(d.get("role") == "assistant" for d in _dicts(messages)):
@@ -151,7 +154,7 @@ def continuation_text(
     if full.startswith(body):
         rest = full[len(body) :]
     else:  # the template may write the answered turn itself otherwise now that it is no longer the last
-        rest = _after_rerendered_turn(tokenizer, history, answered, messages, full, end_of_turn)
+        rest = _after_rerendered_turn(tokenizer, history, answered, messages, end_of_turn)
     marker = next((m for m in _markers(end_of_turn) if rest.startswith(m)), None)
     if marker is None:
         raise ChatTemplateError(
@@ -166,25 +169,60 @@ def _after_rerendered_turn(
     history: Sequence[MessageLike],
     answered: MessageLike,
     messages: Sequence[MessageLike],
-    full: str,
     end_of_turn: EndOfTurn,
 ) -> str:
-    """`full` from the answered turn's end marker on, for a template that re-renders the answered turn once
-    messages follow it; "" where the text before that turn changed too, or its end cannot be found.
+    """The longer render from the answered turn's end marker on, for a template that writes the answered
+    turn otherwise once messages follow it; "" where it changes anything else. The template may change only
+    what it writes around a turn's content, as it does for the same turn with empty content (Qwen3's empty
+    think block): a turn whose own text it drops (Qwen3 drops reasoning at a new user query) is a rewrite."""
+    real = _answered_turn(tokenizer, history, answered, messages, end_of_turn)
+    empty = {k: v for k, v in _dicts([answered])[0].items() if k not in _REASONING} | {"content": ""}
+    empty_turn = _answered_turn(tokenizer, history, empty, messages, end_of_turn)
+    if real is None or empty_turn is None:
+        return ""
+    (last, kept, rest), (last_empty, kept_empty, _) = real, empty_turn
+    return rest if _same_edit(last, kept, last_empty, kept_empty) else ""
 
-    The turn ends at the last marker before the first new message's content, and where that content starts
-    is where `full` stops agreeing with a render whose first new message has a probe character prepended
-    (what precedes it in both renders is the same: the message's role and header)."""
+
+def _same_edit(last: str, kept: str, last_empty: str, kept_empty: str) -> bool:
+    """Whether `kept` is `last` with the one edit that turns `last_empty` into `kept_empty`. Where that edit
+    starts is ambiguous when its text begins as what follows it does ("<think>" before "<tool_call>"): each
+    start up to the common prefix is tried."""
+    agree = len(os.path.commonprefix([last_empty, kept_empty]))  # noqa: RUF071 -- strings, by character
+    for head in range(agree, -1, -1):
+        tail = len(os.path.commonprefix([last_empty[head:][::-1], kept_empty[head:][::-1]]))  # noqa: RUF071
+        written = last_empty[head : len(last_empty) - tail]
+        if written and last.replace(written, kept_empty[head : len(kept_empty) - tail], 1) == kept:
+            return True
+    return False
+
+
+def _answered_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    history: Sequence[MessageLike],
+    answered: MessageLike,
+    messages: Sequence[MessageLike],
+    end_of_turn: EndOfTurn,
+) -> tuple[str, str, str] | None:
+    """The answered turn as the template writes it last (to its end marker), as it writes it followed by
+    `messages`, and the longer render from there on; None where the text before the turn changes or the
+    turn's end cannot be found. The turn ends at the last marker before the first new message's content,
+    which starts where the longer render stops agreeing with one whose first new message has a probe
+    character prepended (what precedes the content in both is the same: the message's role and header)."""
     before = render_text(tokenizer, history)
+    head = render_text(tokenizer, [*history, answered])
+    full = render_text(tokenizer, [*history, answered, *messages], add_generation_prompt=True)
     first = _dicts(messages)
     content = first[0].get("content")
-    if not full.startswith(before) or not isinstance(content, str):
-        return ""
+    if not (head.startswith(before) and full.startswith(before)) or not isinstance(content, str):
+        return None
     first[0]["content"] = _PROBE + content
     probe = render_text(tokenizer, [*history, answered, *first], add_generation_prompt=True)
     agree = len(os.path.commonprefix([full, probe]))  # noqa: RUF071 -- strings, compared by character
     at = max(full.rfind(m, len(before), agree) for m in _markers(end_of_turn))
-    return full[at:] if at > len(before) else ""
+    if at <= len(before):
+        return None
+    return head[len(before) : _last_marker(head, end_of_turn)[0]], full[len(before) : at], full[at:]
 
 
 def continuation_ids(
