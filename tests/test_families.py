@@ -149,15 +149,20 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3 writes for a turn without 
 def test_qwen3_turns_without_reasoning_continue_as_the_template_writes_them(family_dirs, name: str) -> None:
     """Qwen3's template gives a conversation's last assistant turn an empty think block and drops it once
     the conversation goes on: continuing after a call and after an answer (a tool result, a user turn) keeps
-    the sampled ids and appends what the template writes for the next turn (it raised ChatTemplateError)."""
+    the sampled ids and appends what the template writes for the next turn (it raised ChatTemplateError).
+    Its last-turn form also strips an answer's leading newlines, which its history form keeps."""
     tok = load_tokenizer(family_dirs[name])
     ends = tool_format(tok).turn_ends
     history = [Message("system", "You are terse."), Message("user", "List the files.")]
     ids = render_prompt_ids(tok, history, tools=[BASH])
     call = Message("assistant", "", (ToolCall("bash", {"command": "ls"}),))
-    for said, answer in [(call, Message("tool", "a.txt")), (Message("assistant", "One file."), Message("user", "More?"))]:
-        ids += assistant_ids(tok, Message("assistant", EMPTY_THINK + said.content, said.tool_calls), ends)
-        ids += continuation_ids(tok, [answer], end_of_turn=ends, answered=said)
+    steps = [(call, Message("tool", "a.txt")), (Message("assistant", "One file."), Message("user", "More?")),
+             (Message("assistant", "\n\nSpaced."), Message("user", "Go on."))]
+    sampled = [assistant_ids(tok, Message("assistant", EMPTY_THINK, call.tool_calls), ends),
+               assistant_ids(tok, Message("assistant", EMPTY_THINK + "One file."), ends),
+               encode(tok, "\n\nSpaced.<|im_end|>")]  # sampled without a think block, as the tiny model does
+    for out, (said, answer) in zip(sampled, steps, strict=True):
+        ids += out + continuation_ids(tok, [answer], end_of_turn=ends, answered=said)
         history += [said, answer]
     text = tok.decode(ids, skip_special_tokens=False)
     assert text.count(EMPTY_THINK) == 2  # the sampled blocks stay; the template writes neither in history

@@ -174,14 +174,28 @@ def _after_rerendered_turn(
     """The longer render from the answered turn's end marker on, for a template that writes the answered
     turn otherwise once messages follow it; "" where it changes anything else. The template may change only
     what it writes around a turn's content, as it does for the same turn with empty content (Qwen3's empty
-    think block): a turn whose own text it drops (Qwen3 drops reasoning at a new user query) is a rewrite."""
+    think block), or change the turn's last-turn form in a way that keeps everything the model said in it:
+    a turn whose own text it drops (Qwen3 drops reasoning at a new user query) is a rewrite."""
     real = _answered_turn(tokenizer, history, answered, messages, end_of_turn)
     empty = {k: v for k, v in _dicts([answered])[0].items() if k not in _REASONING} | {"content": ""}
     empty_turn = _answered_turn(tokenizer, history, empty, messages, end_of_turn)
     if real is None or empty_turn is None:
         return ""
     (last, kept, rest), (last_empty, kept_empty, _) = real, empty_turn
-    return rest if _same_edit(last, kept, last_empty, kept_empty) else ""
+    said = [v for k, v in _dicts([answered])[0].items() if k in ("content", *_REASONING) and isinstance(v, str)]
+    if _same_edit(last, kept, last_empty, kept_empty) or _keeps(kept, kept_empty, said):
+        return rest
+    return ""
+
+
+def _keeps(kept: str, kept_empty: str, said: Sequence[str]) -> bool:
+    """Whether the turn as the template writes it in history still holds everything the model said in it
+    (where the template's last-turn form changed it otherwise: Qwen3's strips leading newlines), in what it
+    adds to the same turn with nothing said."""
+    head = len(os.path.commonprefix([kept, kept_empty]))  # noqa: RUF071 -- strings, by character
+    tail = len(os.path.commonprefix([kept[head:][::-1], kept_empty[head:][::-1]]))  # noqa: RUF071
+    added = kept[head : len(kept) - tail]
+    return all(text in added for text in said)
 
 
 def _same_edit(last: str, kept: str, last_empty: str, kept_empty: str) -> bool:
