@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_support import grpo
+from conftest import run
+from tests_support import ScriptedTurns, agent_params, grpo, make_task
 from transformers import AutoModelForCausalLM
 
-from furlong.agent.episode import Episode, EpisodeTiming
+from furlong.agent.episode import Episode, EpisodeTiming, run_episode
 from furlong.config import REPO_ROOT
 from furlong.engine import SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model.chat import (
+    ChatTemplateError,
     Message,
     ToolCall,
     assistant_ids,
@@ -36,6 +38,7 @@ from furlong.model.families import FAMILIES, family, init_family
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.lora import LoraSpec, adapter_state_dict, base_state_dict, trainable_model, wrap_lora
 from furlong.model.toolcall import tool_format
+from furlong.sandbox.pool import FreshSandboxes, fixed_image
 from furlong.train import LocalTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -137,6 +140,62 @@ def test_a_tool_call_episode_parses_and_re_renders_to_its_ids(family_dirs, name:
     ids += final
     if name != "gpt_oss":  # harmony's template drops a call's analysis once an answer follows (docs/models.md)
         assert tito_mismatch(tok, render_text(tok, [*history, answer], [BASH]), ids, turns) == 0
+
+
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3 writes for a turn without reasoning
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_qwen3_turns_without_reasoning_continue_as_the_template_writes_them(family_dirs, name: str) -> None:
+    """Qwen3's template gives a conversation's last assistant turn an empty think block and drops it once
+    the conversation goes on: continuing after a call and after an answer (a tool result, a user turn) keeps
+    the sampled ids and appends what the template writes for the next turn (it raised ChatTemplateError).
+    Its last-turn form also strips an answer's leading newlines, which its history form keeps."""
+    tok = load_tokenizer(family_dirs[name])
+    ends = tool_format(tok).turn_ends
+    history = [Message("system", "You are terse."), Message("user", "List the files.")]
+    ids = render_prompt_ids(tok, history, tools=[BASH])
+    call = Message("assistant", "", (ToolCall("bash", {"command": "ls"}),))
+    steps = [(call, Message("tool", "a.txt")), (Message("assistant", "One file."), Message("user", "More?")),
+             (Message("assistant", "\n\nSpaced."), Message("user", "Go on."))]
+    sampled = [assistant_ids(tok, Message("assistant", EMPTY_THINK, call.tool_calls), ends),
+               assistant_ids(tok, Message("assistant", EMPTY_THINK + "One file."), ends),
+               encode(tok, "\n\nSpaced.<|im_end|>")]  # sampled without a think block, as the tiny model does
+    for out, (said, answer) in zip(sampled, steps, strict=True):
+        ids += out + continuation_ids(tok, [answer], end_of_turn=ends, answered=said)
+        history += [said, answer]
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.count(EMPTY_THINK) == 2  # the sampled blocks stay; the template writes neither in history
+    assert text.replace(EMPTY_THINK, "") == render_text(tok, history, [BASH], add_generation_prompt=True)
+    # what the model wrote is still never re-rendered away: reasoning goes at a new user query, an earlier
+    # turn's or the answered turn's own
+    thought = Message("assistant", "<think>\nPlan.\n</think>\n\n", call.tool_calls)
+    for before, said in [([*history[:2], thought, history[3]], history[4]), (history[:2], thought)]:
+        with pytest.raises(ChatTemplateError, match="rewrites earlier turns"):
+            continuation_ids(tok, [Message("user", "More?")], end_of_turn=ends, answered=said, history=before)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_a_qwen3_tool_episode_in_furlongs_agent(family_dirs, name: str, backend, base_image, tmp_path) -> None:
+    """furlong's own agent on the family's template, a real sandbox: a call with an empty think block, one
+    without any (a sample that skipped it), then an answer. It was an infra_error after the first turn."""
+    tok = load_tokenizer(family_dirs[name])
+    ends = tool_format(tok).turn_ends
+    said = [Message("assistant", EMPTY_THINK, (ToolCall("bash", {"command": "mkdir -p /app"}),)),
+            Message("assistant", "", (ToolCall("bash", {"command": "echo hi > /app/out.txt"}),)),
+            Message("assistant", EMPTY_THINK + "Done.")]
+    policy = ScriptedTurns([assistant_ids(tok, m, ends) for m in said])
+    task = make_task(tmp_path, "qwen3-think", "Write hi to /app/out.txt",
+                     test="grep -q hi /app/out.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt")
+    params = agent_params(max_turns=4, max_context_tokens=4096, tool_format="auto")
+    ep = run(run_episode(task, policy, tok, FreshSandboxes(backend, fixed_image(base_image)), params, SamplingParams()))
+    assert (ep.status, ep.reward, ep.turns, ep.error) == ("ok", 1.0, 3, None)
+    assert [t for t, m in zip(ep.tokens, ep.loss_mask) if m] == [t for turn in policy.turns for t in turn]
+    assert list(ep.tokens) == policy.prompts[-1] + policy.turns[-1]
+    conversation = [Message("system", params.system_prompt), Message("user", task.instruction), said[0],
+                    Message("tool", "exit code 0"), said[1], Message("tool", "exit code 0")]
+    assert tok.decode(policy.prompts[-1], skip_special_tokens=False).replace(EMPTY_THINK, "") == render_text(
+        tok, conversation, add_generation_prompt=True)
 
 
 def tito_mismatch(tok, text: str, ids: list[int], turns: list[tuple[int, int]]) -> int:

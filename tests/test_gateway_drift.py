@@ -16,7 +16,10 @@ from host_support import serve_in_thread
 
 from furlong.gateway.app import make_app
 from furlong.gateway.policy import Policy
+from furlong.model.chat import render_text
 from furlong.model.families import FAMILIES as MODEL_FAMILIES
+from furlong.model.families import init_family
+from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.toolcall import FORMATS
 from furlong.tasks.family import is_family_dir, load_family
 
@@ -41,15 +44,45 @@ def test_the_committed_result_has_no_mismatch_in_any_family_or_format():
     assert sorted(result["model_families"]) == with_format
     assert all(row["tito_mismatch_tokens"] == 0 and row["episodes"] == len(FAMILIES)
                for row in result["model_families"].values())
+    # no family's template forks a segment in these episodes: Qwen3's re-rendered turns are continued
+    assert all(row["history_rewrites"] == 0 for row in result["model_families"].values())
 
 
-def test_an_episode_on_qwen3s_own_template_has_no_mismatch():
+def test_an_episode_on_qwen3s_own_template_is_one_segment_with_no_mismatch():
     """Qwen3's template re-renders a turn sampled without reasoning once the conversation goes on (its empty
-    think block goes): the gateway forks a segment instead of failing (it was a 500), and the mismatch check
-    does not count the block the template writes into the last turn."""
+    think block goes): the gateway continues the segment after it (it forked one per such request), appending
+    what the template writes for the next turn, and the mismatch check does not count the block."""
     summary = gateway_drift.run_model_family("qwen3", [load_family(ROOT / "tasks" / "make-directory")], 8)
     assert summary["sampled_turns"] == 3 and summary["tito_mismatch_tokens"] == 0
-    assert summary["history_rewrites"] == 2
+    assert summary["history_rewrites"] == 0
+
+
+def test_a_qwen3_segment_is_the_templates_render_but_for_the_sampled_think_blocks(tmp_path):
+    """Independently of the gateway's own check: the stored ids through the last turn's prompt decode to the
+    template's render of the conversation (assistant turns as sampled), once the empty think blocks the model
+    sampled, which the template drops from history, are taken out; a changed rendered token is counted."""
+    path = init_family("qwen3", tmp_path / "qwen3")
+    tok, model = load_tokenizer(path), load_model(path).eval()
+    engine = gateway_drift.Forcing(model)
+    policy = Policy(engine=engine, tokenizer=tok, fmt=FORMATS["hermes"], name="policy", max_context=4096,
+                    default_max_tokens=8)
+    app = make_app(policy, gateway_drift.TOKEN)
+    server, thread, url = serve_in_thread(app)
+    try:
+        traj = gateway_drift.episode(url, app, engine, tok, FORMATS["hermes"], "Make a directory.", 1, 8)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    [seg] = traj.segments
+    assert len(seg.turns) == 3 and traj.history_rewrites == 0
+    last = [i for i, m in enumerate(seg.raw) if m["role"] == "assistant"][-1]
+    want = render_text(tok, seg.raw[:last], [gateway_drift.BASH], add_generation_prompt=True)
+    got = tok.decode(seg.ids[: seg.turns[-1][0]], skip_special_tokens=False)
+    assert "<think>\n\n</think>\n\n" in got and got.replace("<think>\n\n</think>\n\n", "") == want
+    assert traj.record_dict()["tito_mismatch_tokens"] == 0
+    at = seg.turns[1][0] - 2  # inside the rendered tool result before the second turn
+    seg.ids[at] = (seg.ids[at] + 1) % len(tok)
+    assert traj.record_dict()["tito_mismatch_tokens"] >= 1
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

@@ -14,13 +14,13 @@ import pytest
 from conftest import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests_support import agent_params, make_task
+from tests_support import ScriptedTurns, agent_params, make_task
 from tokenizers import AddedToken
 
 from furlong.agent.episode import run_episode
 from furlong.build.evaluation import model_agents
 from furlong.config import load_config
-from furlong.engine.base import EngineUnavailable, Generation, SamplingParams
+from furlong.engine.base import EngineUnavailable, SamplingParams
 from furlong.model.chat import (
     ChatTemplateError,
     Message,
@@ -282,19 +282,6 @@ def test_harmony_continues_after_a_final_answer(tokenizers) -> None:
     assert "Compute." in text and "Compute." not in rerender  # the re-render drops the call's analysis
     assert text.replace("<|return|>", "<|end|>").replace(
         "<|start|>assistant<|channel|>analysis<|message|>Compute.<|end|>", "") == rerender
-
-
-class ScriptedTurns:
-    """Test double for the *policy*: answers each turn with fixed sampled ids, recording its prompts."""
-
-    def __init__(self, turns: list[list[int]]):
-        self.turns, self.prompts = turns, []
-
-    async def generate(self, input_ids, sampling: SamplingParams) -> Generation:
-        self.prompts.append(list(input_ids))
-        ids = tuple(self.turns[len(self.prompts) - 1])
-        return Generation(output_ids=ids, logprobs=tuple(-0.5 for _ in ids), finish_reason="stop", weight_version=1,
-                          token_weight_versions=tuple(1 for _ in ids), prompt_len=len(input_ids))
 
 
 BROKEN = {"hermes": '<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call><|im_end|>',

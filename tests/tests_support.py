@@ -13,6 +13,7 @@ from leftovers_probe import mounts
 
 from furlong.agent.episode import AgentParams
 from furlong.config import AgentConfig, RLConfig
+from furlong.engine.base import Generation, SamplingParams
 from furlong.model import TinySpec
 from furlong.sandbox.cgroups import owner_pid
 from furlong.tasks.loader import load_task
@@ -146,3 +147,16 @@ class Background:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+class ScriptedTurns:
+    """Test double for the *policy*: answers each turn with fixed sampled ids, recording its prompts."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.prompts = turns, []
+
+    async def generate(self, input_ids, sampling: SamplingParams) -> Generation:
+        self.prompts.append(list(input_ids))
+        ids = tuple(self.turns[len(self.prompts) - 1])
+        return Generation(output_ids=ids, logprobs=tuple(-0.5 for _ in ids), finish_reason="stop", weight_version=1,
+                          token_weight_versions=tuple(1 for _ in ids), prompt_len=len(input_ids))

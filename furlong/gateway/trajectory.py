@@ -2,16 +2,17 @@
 
 The harness resends the whole conversation with every request. When a request extends the previous one (the
 same messages, the assistant turn exactly as the gateway returned it, then new tool results or user turns),
-the stored ids are reused and only the new messages are rendered (furlong.model.chat.continuation_ids): text
-the model produced is never tokenized again, so the trainer scores exactly the sampled tokens. When it does not
-(the harness summarised, truncated or edited its history), a new segment starts from a full render and
-`history_rewrites` counts it; each segment trains with its own prompt.
+the stored ids are reused and only the new messages are rendered (furlong.model.chat.continuation_ids, after
+the real history): text the model produced is never tokenized again, so the trainer scores exactly the sampled
+tokens. When it does not (the harness summarised, truncated or edited its history), or the template would
+write earlier turns otherwise (Qwen3 drops reasoning at a new user query), a new segment starts from a full
+render and `history_rewrites` counts it; each segment trains with its own prompt.
 
 `tito_mismatch_tokens` checks the stitching independently of how it was done: the final conversation is
 rendered from text in one piece (assistant turns as the raw sampled text), the sampled spans are located in
 that render in order, and the text between them is tokenized; every token where that differs from the stored
-ids counts. It is 0 for an append-only template; a template that rewrites history (strips earlier reasoning)
-shows up here. `retokenize_drift_tokens` is what a naive proxy would have trained on instead: the whole render
+ids counts (turn by turn where a sampled turn's text is not in that render). It is 0 for an append-only
+template; a template that rewrites history within a segment would show up here. `retokenize_drift_tokens` is what a naive proxy would have trained on instead: the whole render
 tokenized from text, sampled spans included.
 """
 
@@ -113,6 +114,7 @@ class Trajectory:
                     close_turn=seg.open_turn,
                     end_of_turn=self.fmt.turn_ends,
                     answered=seg.messages[-1],
+                    history=seg.messages[:-1],
                 )
             except ChatTemplateError:  # the template writes this history otherwise: a new segment, from text
                 appended = None
@@ -202,8 +204,8 @@ class Trajectory:
             returned = render_text(self.tokenizer, _through_last_turn(seg.messages), seg.tools or None)
             return self._gaps_mismatch(seg), _differ(stored, encode(self.tokenizer, returned)[: len(stored)])
         naive = _differ(stored, encode(self.tokenizer, text)[: len(stored)])
-        if spans is None:  # the render does not contain what was sampled: all of it differs
-            return len(stored), naive
+        if spans is None:  # the template re-renders a sampled turn (Qwen3 drops an empty think block)
+            return self._gaps_mismatch(seg), naive
         expected: list[int] = []
         pos = 0
         for (start, stop), (prompt_end, after) in zip(seg.turns, spans, strict=True):

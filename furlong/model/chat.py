@@ -12,6 +12,7 @@ format's several (harmony ends a turn with <|call|>, <|return|> or, in history, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,8 @@ MessageLike = Message | Mapping[str, Any]
 EndOfTurn = str | Sequence[str]  # one marker, or a format's several (the first closes a cut-off turn)
 # A stand-in history the incremental pieces are cut from; its content never reaches the output.
 _STUB = (Message("system", "s"), Message("user", "u"), Message("assistant", "a"))
+_REASONING = ("reasoning_content", "reasoning")  # a message's own reasoning, as templates read it
+_PROBE = "\x00"  # prepended to a message's content to find where a render writes that content
 
 
 def _dicts(messages: Sequence[MessageLike]) -> list[dict[str, Any]]:
@@ -133,8 +136,13 @@ def continuation_text(
 
     The answered turn's end marker may become another of the format's markers once the conversation goes
     on (harmony writes <|return|> after a conversation's last answer, <|end|> in history): the sampled
-    marker stays in the episode's ids, and the continuation starts after either. Any other difference
-    between the rendered history and a longer render is a ChatTemplateError."""
+    marker stays in the episode's ids, and the continuation starts after either. The answered turn itself
+    may be written otherwise too, where the template changes only what it writes around the turn's content
+    (Qwen3's template gives a conversation's last assistant turn an empty think block and drops it once the
+    conversation goes on): its sampled ids stay, and the continuation is what the template writes after its
+    end marker in the longer render. Any other difference between the rendered history and a longer render
+    (a turn before the answered one, or the answered turn's own text, as Qwen3's reasoning at a new user
+    query) is a ChatTemplateError."""
     if not messages:
         raise ValueError("continuation needs at least one message")
     if any(d.get("role") == "assistant" for d in _dicts(messages)):
@@ -143,7 +151,10 @@ def continuation_text(
     head = render_text(tokenizer, stub)
     body = head[: _last_marker(head, end_of_turn)[0]]  # the answered turn, up to its end marker
     full = render_text(tokenizer, [*stub, *messages], add_generation_prompt=True)
-    rest = full[len(body) :] if full.startswith(body) else ""
+    if full.startswith(body):
+        rest = full[len(body) :]
+    else:  # the template may write the answered turn itself otherwise now that it is no longer the last
+        rest = _after_rerendered_turn(tokenizer, history, answered, messages, end_of_turn)
     marker = next((m for m in _markers(end_of_turn) if rest.startswith(m)), None)
     if marker is None:
         raise ChatTemplateError(
@@ -153,17 +164,93 @@ def continuation_text(
     return rest[len(marker) :]
 
 
+def _after_rerendered_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    history: Sequence[MessageLike],
+    answered: MessageLike,
+    messages: Sequence[MessageLike],
+    end_of_turn: EndOfTurn,
+) -> str:
+    """The longer render from the answered turn's end marker on, for a template that writes the answered
+    turn otherwise once messages follow it; "" where it changes anything else. The template may change only
+    what it writes around a turn's content, as it does for the same turn with empty content (Qwen3's empty
+    think block), or change the turn's last-turn form in a way that keeps everything the model said in it:
+    a turn whose own text it drops (Qwen3 drops reasoning at a new user query) is a rewrite."""
+    real = _answered_turn(tokenizer, history, answered, messages, end_of_turn)
+    empty = {k: v for k, v in _dicts([answered])[0].items() if k not in _REASONING} | {"content": ""}
+    empty_turn = _answered_turn(tokenizer, history, empty, messages, end_of_turn)
+    if real is None or empty_turn is None:
+        return ""
+    (last, kept, rest), (last_empty, kept_empty, _) = real, empty_turn
+    said = [v for k, v in _dicts([answered])[0].items() if k in ("content", *_REASONING) and isinstance(v, str)]
+    if _same_edit(last, kept, last_empty, kept_empty) or _keeps(kept, kept_empty, said):
+        return rest
+    return ""
+
+
+def _keeps(kept: str, kept_empty: str, said: Sequence[str]) -> bool:
+    """Whether the turn as the template writes it in history still holds everything the model said in it
+    (where the template's last-turn form changed it otherwise: Qwen3's strips leading newlines), in what it
+    adds to the same turn with nothing said."""
+    head = len(os.path.commonprefix([kept, kept_empty]))  # noqa: RUF071 -- strings, by character
+    tail = len(os.path.commonprefix([kept[head:][::-1], kept_empty[head:][::-1]]))  # noqa: RUF071
+    added = kept[head : len(kept) - tail]
+    return all(text in added for text in said)
+
+
+def _same_edit(last: str, kept: str, last_empty: str, kept_empty: str) -> bool:
+    """Whether `kept` is `last` with the one edit that turns `last_empty` into `kept_empty`. Where that edit
+    starts is ambiguous when its text begins as what follows it does ("<think>" before "<tool_call>"): each
+    start up to the common prefix is tried."""
+    agree = len(os.path.commonprefix([last_empty, kept_empty]))  # noqa: RUF071 -- strings, by character
+    for head in range(agree, -1, -1):
+        tail = len(os.path.commonprefix([last_empty[head:][::-1], kept_empty[head:][::-1]]))  # noqa: RUF071
+        written = last_empty[head : len(last_empty) - tail]
+        if written and last.replace(written, kept_empty[head : len(kept_empty) - tail], 1) == kept:
+            return True
+    return False
+
+
+def _answered_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    history: Sequence[MessageLike],
+    answered: MessageLike,
+    messages: Sequence[MessageLike],
+    end_of_turn: EndOfTurn,
+) -> tuple[str, str, str] | None:
+    """The answered turn as the template writes it last (to its end marker), as it writes it followed by
+    `messages`, and the longer render from there on; None where the text before the turn changes or the
+    turn's end cannot be found. The turn ends at the last marker before the first new message's content,
+    which starts where the longer render stops agreeing with one whose first new message has a probe
+    character prepended (what precedes the content in both is the same: the message's role and header)."""
+    before = render_text(tokenizer, history)
+    head = render_text(tokenizer, [*history, answered])
+    full = render_text(tokenizer, [*history, answered, *messages], add_generation_prompt=True)
+    first = _dicts(messages)
+    content = first[0].get("content")
+    if not (head.startswith(before) and full.startswith(before)) or not isinstance(content, str):
+        return None
+    first[0]["content"] = _PROBE + content
+    probe = render_text(tokenizer, [*history, answered, *first], add_generation_prompt=True)
+    agree = len(os.path.commonprefix([full, probe]))  # noqa: RUF071 -- strings, compared by character
+    at = max(full.rfind(m, len(before), agree) for m in _markers(end_of_turn))
+    if at <= len(before):
+        return None
+    return head[len(before) : _last_marker(head, end_of_turn)[0]], full[len(before) : at], full[at:]
+
+
 def continuation_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[MessageLike],
     close_turn: bool = False,
     end_of_turn: EndOfTurn = END_OF_TURN,
     answered: MessageLike = _STUB[2],
+    history: Sequence[MessageLike] = _STUB[:2],
 ) -> list[int]:
     """Ids to append after the sampled ids of an assistant turn: the answering messages (usually role "tool")
     and the next generation prompt. `close_turn=True` first appends the end-of-turn id, for a turn that was
-    cut off (finish_reason "length") before the model wrote it."""
-    ids = encode(tokenizer, continuation_text(tokenizer, messages, end_of_turn, answered))
+    cut off (finish_reason "length") before the model wrote it. `answered`, `history`: continuation_text's."""
+    ids = encode(tokenizer, continuation_text(tokenizer, messages, end_of_turn, answered, history))
     return [end_of_turn_id(tokenizer, end_of_turn), *ids] if close_turn else ids
 
 
