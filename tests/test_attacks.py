@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from skips import skip
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.backends import make_backend
 from furlong.sandbox.base import ImageRef, SandboxDied, SandboxError
+from furlong.sandbox.bwrap import BwrapBackend
 
 ALIVE = "echo alive"
 
@@ -372,3 +374,80 @@ def test_kernel_settings_in_proc_sys_and_sys_stay_untouched(kernel, base_image):
 
     run(go())
     assert {p: Path(p).read_text() for p in before} == before
+
+
+# Writes SysV shared memory segments of 16 MiB, up to argv[2] MiB or until one fails: detached at once
+# ("detach", the pin-shm exploit: no process left for the OOM killer) or kept attached ("hold", asleep).
+PIN_SHM = """import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+libc.shmat.argtypes, libc.shmat.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_void_p
+libc.shmdt.argtypes = [ctypes.c_void_p]
+held = 0
+while held < int(sys.argv[2]):
+    sid = libc.shmget(0, 16 << 20, 0o1600)
+    addr = libc.shmat(sid, None, 0) if sid >= 0 else None
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        break
+    ctypes.memset(addr, 1, 16 << 20)
+    if sys.argv[1] == "detach":
+        libc.shmdt(addr)
+    held += 16
+print(held, flush=True)
+if sys.argv[1] == "hold":
+    time.sleep(3600)
+"""
+VERIFIER_CHECKER = "python3 -c 'w = bytearray(256 << 20)\nfor i in range(0, len(w), 4096): w[i] = 1\nprint(\"ran\")'"
+SEGMENTS = "tail -n +2 /proc/sysvipc/shm | wc -l"  # the IPC namespace's segments, under a header line
+
+
+def test_sysv_shared_memory_the_agent_leaves_never_starves_the_verifier(backend, base_image):
+    """A segment goes once no process has it attached (shm_rmid_forced, set by the launcher in the sandbox's
+    own IPC namespace): detached segments pin nothing (pin-shm pinned 2032 of 2048 MiB before), and one a
+    background agent process holds is freed when the OOM killer takes that process for the verifier's
+    checker. Semaphores and message queues, which no kill frees, are capped."""
+
+    async def go():
+        box = await backend.create(spec(base_image, memory_mb=512))
+        try:
+            pin = f"python3 -c {shlex.quote(PIN_SHM)}"
+            r = await box.exec(f"{pin} detach 1024")
+            assert r.stdout == "1024\n", r  # twice the memory limit, written and detached: nothing stays
+            assert (await box.exec(SEGMENTS, as_verifier=True)).stdout == "0\n"
+            r = await box.exec(f"nohup {pin} hold 384 > /tmp/held 2>&1 &\n"
+                               "for i in $(seq 100); do [ -s /tmp/held ] && break; sleep 0.2; done; cat /tmp/held")
+            assert r.stdout == "384\n", r
+            assert (await box.exec(SEGMENTS, as_verifier=True)).stdout == "24\n"
+            r = await box.exec(VERIFIER_CHECKER, as_verifier=True, timeout_s=30)
+            assert r.ok and r.stdout == "ran\n", r  # the holder was killed, not the checker
+            assert (await box.exec(SEGMENTS, as_verifier=True)).stdout == "0\n"
+            r = await box.exec("cat /proc/sys/kernel/shm_rmid_forced /proc/sys/kernel/msgmni /proc/sys/kernel/sem; "
+                               "echo 0 > /proc/sys/kernel/shm_rmid_forced")
+            assert r.stdout.split() == ["1", "16", "32000", "32000", "500", "1024"] and "Read-only" in r.stderr, r
+        finally:
+            await box.close()
+
+    run(go())
+
+
+
+@pytest.mark.parametrize("many_uids", [True, False], ids=["many-uids", "one-uid"])
+@pytest.mark.parametrize("network", [False, True], ids=["no-network", "network"])
+def test_every_sandbox_gets_the_ipc_settings_and_the_agent_cannot_undo_them(store, base_image, many_uids, network):
+    """The settings are the sandbox's own IPC namespace's, networked or not (pasta makes an IPC namespace of its
+    own, so the launcher makes the sandbox's inside it). With many uids /proc/sys is read-only; with one, the
+    namespace's owner is not the agent's, except behind pasta, where the agent, also the verifier's uid, could
+    end the verifier's checker directly anyway (docs/sandboxes.md)."""
+
+    async def go():
+        box = await BwrapBackend(layers=store, many_uids=many_uids).create(spec(base_image, network=network))
+        try:
+            r = await box.exec("cat /proc/sys/kernel/shm_rmid_forced /proc/sys/kernel/msgmni; "
+                               "echo 0 > /proc/sys/kernel/shm_rmid_forced; cat /proc/sys/kernel/shm_rmid_forced")
+            undone = not many_uids and network
+            assert r.stdout.split() == ["1", "16", "0" if undone else "1"], r
+            assert (box.verifier_uid is not None) == many_uids
+        finally:
+            await box.close()
+
+    run(go())

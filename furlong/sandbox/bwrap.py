@@ -133,6 +133,8 @@ class BwrapBackend:
         self.output_cap = output_cap
         self._bwrap = bwrap_executable()
         self._launch = str(native.binary("launch"))
+        # a networked sandbox's launcher runs again inside pasta (see launcher), as the sandbox uid: by fd
+        self._launch_fd = os.open(self._launch, os.O_PATH | os.O_CLOEXEC)
         # Exec'd inside as /proc/self/fd/N: never a path in the image, and opened before any uid drop.
         self._init_fd = os.open(native.binary("init"), os.O_PATH | os.O_CLOEXEC)
         shim = native.ownership_shim()
@@ -262,25 +264,18 @@ class BwrapBackend:
         return args, fds
 
     def _namespaces(self, spec: SandboxSpec) -> list[str]:
-        if self.subids is None:  # bwrap's own user namespace, one uid
-            return [
-                "--unshare-all",
-                "--unshare-user",
-                "--disable-userns",
-                "--uid",
-                "0",
-                "--gid",
-                "0",
-                *(["--share-net"] if _networked(spec) else []),
-            ]  # pasta's namespace (see launcher)
-        # the launcher's user namespace; seccomp refuses unshare/clone of a new one to the sandbox
-        return [
-            "--unshare-ipc",
+        # never IPC: the sandbox's is the launcher's, whose limits it set (native/launch.c --ipc); a networked
+        # sandbox keeps pasta's network namespace (see launcher)
+        own = [
             "--unshare-pid",
             "--unshare-uts",
             "--unshare-cgroup-try",
             *([] if _networked(spec) else ["--unshare-net"]),
         ]
+        if self.subids is None:  # bwrap's own user namespace, one uid
+            return ["--unshare-user", *own, "--disable-userns", "--uid", "0", "--gid", "0"]
+        # the launcher's user namespace; seccomp refuses unshare/clone of a new one to the sandbox
+        return own
 
     def _build_caps(self, upper: Path | None) -> bool:
         """Whether a build sandbox's steps get BUILD_CAPS: with many uids (as a user, see _own_layer)."""
@@ -359,13 +354,19 @@ class BwrapBackend:
         """The launcher's argv: join the cgroup, cap the writable layer, drop to the sandbox uid, exec bwrap
         (inside pasta's network namespace when the sandbox has network: pasta runs as the sandbox uid;
         with a `gate`, its ports are the only way out)."""
+        # The sandbox's IPC namespace is the launcher's (never bwrap's): only there can its limits be set
+        # (launch.c --ipc). pasta gives the command it runs an IPC namespace of its own: inside it, a second
+        # launcher makes the sandbox's.
+        ipc = ["--ipc"]
         if _networked(spec):
             ports = (gate.tcp_port, gate.udp_port) if gate else None
+            args = [f"/proc/self/fd/{self._launch_fd}", *ipc, "--", *args]
             args = netns.wrap(
                 args, self.host_uid, in_userns=self.subids is not None, gate=ports, rules=first_rules(spec.network)
             )
+            ipc = []
         root = os.geteuid() == 0
-        opts = [self._launch]
+        opts = [self._launch, *ipc]
         for procs in cgroup.procs_files if cgroup else []:
             opts += ["--cgroup", str(procs)]
         if root:
@@ -462,7 +463,7 @@ class BwrapBackend:
         args, fds = self.bwrap_args(spec, extra, seccomp_fd, init_args, verifier, agent.home, shim_fd, snapshot_fds)
         if parent_pipe:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
-        fds += rw_fds
+        fds += [*rw_fds, self._launch_fd]
         secret = proto.new_secret()
         gate = None
         try:

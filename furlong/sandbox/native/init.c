@@ -52,6 +52,7 @@
 #include <sched.h>
 #include <sys/epoll.h>
 #include <sys/fsuid.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -914,6 +915,11 @@ int main(int argc, char **argv) {
     own("/logs/agent", 0755, agent_uid, agent_gid);
     /* Harbor's convention dir, whose contents a separate verifier receives: the agent's to fill */
     own("/logs/artifacts", 0755, agent_uid, agent_gid);
+    /* The agent is root of the user namespace owning the sandbox's IPC namespace, and an IPC sysctl is its
+     * root's to write: read-only, so the launcher's limits (launch.c --ipc: shm_rmid_forced) hold. */
+    if (mount("/proc/sys", "/proc/sys", NULL, MS_BIND | MS_REC, NULL) < 0 ||
+        mount(NULL, "/proc/sys", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+      die("/proc/sys read-only");
   }
   if (init_uid >= 0 && own_caps) leave_uid_0();
   zygote_start();

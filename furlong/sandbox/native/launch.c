@@ -22,6 +22,11 @@
  *                      uid 0, as in Docker) while its processes stay a uid the agent cannot signal or trace,
  *                      and the agent holds no capability over the namespace. Put at FD (which the host
  *                      reserved) for the init, which enters it for each verifier command.
+ *   --ipc              a new IPC namespace for the sandbox (bwrap then makes none), its SysV limits set
+ *                      here, where /proc/sys is still writable (bwrap mounts it read-only): shm_rmid_forced,
+ *                      so a shared memory segment goes as soon as no process has it attached, and memory it
+ *                      held is memory the OOM killer frees by killing the agent's processes (the verifier's
+ *                      share); and caps on semaphores and message queues, kernel memory no kill frees (IPC_LIMITS)
  *   --rlimit-as B / --rlimit-nproc N   rlimits, where no cgroup could be made
  *   -- ARGV...         what to exec (bwrap)
  */
@@ -83,6 +88,21 @@ static void mount_upper(const char *dir, const char *size, long uid, int in_user
     if (mkdir(path, 0755) < 0) die("mkdir", path);
     if (uid >= 0 && chown(path, (uid_t)uid, (gid_t)uid) < 0) die("chown", path);
   }
+}
+
+/* What an agent may hold in SysV semaphores and message queues, which outlive every process: about 2 MiB of
+ * semaphores (32000 at 64 bytes) and 16 queues of at most 16384 messages (kmalloc-64 each): 16 MiB. */
+static const char *const IPC_LIMITS[][2] = {
+  {"/proc/sys/kernel/shm_rmid_forced", "1"},
+  {"/proc/sys/kernel/sem", "32000 32000 500 1024"},  /* SEMMSL SEMMNS SEMOPM SEMMNI */
+  {"/proc/sys/kernel/msgmni", "16"},
+};
+
+/* The sysctls of an IPC namespace are its own, and whoever made it (root of its user namespace) sets them. */
+static void own_ipc(int in_userns) {
+  if (!in_userns && geteuid() != 0) own_userns();
+  if (unshare(CLONE_NEWIPC) < 0) die("unshare", "ipc namespace");
+  for (size_t k = 0; k < sizeof IPC_LIMITS / sizeof IPC_LIMITS[0]; k++) write_file(IPC_LIMITS[k][0], IPC_LIMITS[k][1]);
 }
 
 static void set_limit(int resource, const char *value) {
@@ -192,9 +212,10 @@ static void verifier_userns(int at, long v, long count) {
 int main(int argc, char **argv) {
   long uid = -1, vns_fd = -1, vns_uid = -1;
   const char *upper = NULL, *upper_size = NULL, *sub[3] = {NULL, NULL, NULL};
-  int i = 1;
+  int i = 1, ipc = 0;
   for (; i < argc && strcmp(argv[i], "--"); i++) {
     const char *opt = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(opt, "--ipc")) { ipc = 1; continue; }  /* the one option without a value */
     if (!val) { errno = EINVAL; die("missing value for", opt); }
     if (!strcmp(opt, "--cgroup")) {  /* at once: every later step, and every process, is inside */
       char pid[32];
@@ -233,8 +254,10 @@ int main(int argc, char **argv) {
     mapped_userns(uid, sub[0], sub[1], sub[2]);
     if (vns_fd >= 0) verifier_userns((int)vns_fd, vns_uid, strtol(sub[2], NULL, 10));
     if (upper) mount_upper(upper, upper_size, -1, 1);
+    if (ipc) own_ipc(1);
   } else {
     if (upper) mount_upper(upper, upper_size, uid, 0);
+    if (ipc) own_ipc(upper && geteuid() != 0);  /* as a user, --upper's mount entered a namespace of ours */
     if (uid >= 0 && geteuid() == 0) drop_to(uid);
   }
   execv(argv[i + 1], argv + i + 1);
