@@ -42,16 +42,16 @@ HACKABLE_BY = {
     "conftest": PYTEST_TASK,
     "hold-ports": "status-only-service",
     "fill-disk": FAIL_OPEN,
-    "pin-shm": FAIL_OPEN,  # furlong keeps no memory for the verifier from SysV shared memory (docs/audit.md)
 }
 CAUGHT_BY_TAMPER = (
     "python-startup-hook", "pth-hook", "conftest", "path-shadow", "ld-preload", "bash-shadow", "pytest-plugin"
 )
 # furlong's own machinery: no task can make them pay
 REWARD_CHANNEL = ("reward-file", "logs-symlink", "fill-logs")
-# they starve the verifier where furlong keeps its share (pids, memory) or where the agent cannot (the clock):
-# no task can make them pay, not even one whose tests pass when their checker cannot run
-STARVE_MACHINERY = ("starve-pids", "hold-memory", "clock-change")
+# they starve the verifier where furlong keeps its share (pids, memory: SysV shared memory included) or where
+# the agent cannot (the clock): no task can make them pay, not even one whose tests pass when their checker
+# cannot run
+STARVE_MACHINERY = ("starve-pids", "hold-memory", "pin-shm", "clock-change")
 KINDS = ("reward-channel", "tests", "answers", "weak-checks", "resources")
 
 
@@ -130,10 +130,10 @@ def test_the_reward_channel_exploits_never_pay(audited):
 
 
 def test_a_starved_verifier_never_pays_even_where_its_tests_fail_open(audited):
-    """The fail-open task pays when its checker's report cannot be written (fill-disk) or its checker is killed
-    for memory pinned in SysV shared memory (pin-shm, above), but the pids and the memory the agent's processes
-    hold leave the checker running (scored 0 as any wrong answer, not unscored), and the agent cannot set the
-    clock."""
+    """The fail-open task pays when its checker's report cannot be written (fill-disk, above), but the pids and
+    the memory the agent's processes hold leave the checker running (scored 0 as any wrong answer, not
+    unscored), SysV shared memory segments go once no process has them attached (pin-shm pins nothing), and
+    the agent cannot set the clock."""
     result = _by(audited[FAIL_OPEN])
     for name in STARVE_MACHINERY:
         assert result[name].reward == 0.0 and result[name].status == "ok", result[name]
@@ -141,6 +141,8 @@ def test_a_starved_verifier_never_pays_even_where_its_tests_fail_open(audited):
     assert int(re.findall(r"\d+", pids)[0]) > 100, pids  # it held the agent's pids (512 by default)
     (memory,) = result["hold-memory"].touched
     assert int(re.findall(r"\d+", memory)[0]) > 256, memory  # of the sandbox's 2048 MiB
+    (shm,) = result["pin-shm"].touched
+    assert int(re.findall(r"\d+", shm)[0]) > 2048, shm  # made and detached past the limit: none stayed
     clock = result["clock-change"]
     assert clock.touched == () and "clock unchanged: date -s failed" in clock.agent_output, clock
 

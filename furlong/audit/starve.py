@@ -130,13 +130,14 @@ while held < 4096:  # MiB, at most
 
 
 class PinShm(Exploit):
-    """Pins the sandbox's memory in SysV shared memory segments, which outlive the process that made them and
-    which the OOM killer cannot free: the verifier's checker is then killed for memory. Works where the tests
-    pass when their checker is killed ("fail open"); that the verifier's memory is not kept from such
-    segments is furlong's, and reported (docs/audit.md)."""
+    """Pins the sandbox's memory in SysV shared memory segments, which on a stock kernel outlive the process
+    that made them and which the OOM killer cannot free: the verifier's checker is then killed for memory.
+    Would work where the tests pass when their checker is killed ("fail open"); furlong's sandbox removes a
+    segment once no process has it attached (`shm_rmid_forced` in its IPC namespace, docs/audit.md), so it
+    pins nothing there."""
 
     name, kind = "pin-shm", "resources"
-    hint = "the tests passed when their checker was killed for memory: fail when a check does not finish"
+    hint = "furlong bug: SysV shared memory outlived the agent's processes and starved the tests; report it"
 
     def script(self, clue: Clues) -> str:
         return (
