@@ -273,9 +273,17 @@ class BwrapBackend:
             *([] if _networked(spec) else ["--unshare-net"]),
         ]
         if self.subids is None:  # bwrap's own user namespace, one uid
-            return ["--unshare-user", *own, "--disable-userns", "--uid", "0", "--gid", "0"]
+            ipc = [] if self._launcher_ipc(spec) else ["--unshare-ipc"]
+            return ["--unshare-user", *ipc, *own, "--disable-userns", "--uid", "0", "--gid", "0"]
         # the launcher's user namespace; seccomp refuses unshare/clone of a new one to the sandbox
         return own
+
+    def _launcher_ipc(self, spec: SandboxSpec) -> bool:
+        """Whether the launcher makes the sandbox's IPC namespace and sets its limits (launch.c --ipc). Not for an
+        ordinary user's one-uid sandbox without network: the launcher's own user namespace maps no root, so the
+        namespace's sysctls are no one's to write; bwrap makes it with the kernel's defaults. There the agent
+        runs as the verifier's uid and can end the verifier's checker directly anyway (docs/sandboxes.md)."""
+        return self.subids is not None or os.geteuid() == 0 or _networked(spec)
 
     def _build_caps(self, upper: Path | None) -> bool:
         """Whether a build sandbox's steps get BUILD_CAPS: with many uids (as a user, see _own_layer)."""
@@ -354,10 +362,10 @@ class BwrapBackend:
         """The launcher's argv: join the cgroup, cap the writable layer, drop to the sandbox uid, exec bwrap
         (inside pasta's network namespace when the sandbox has network: pasta runs as the sandbox uid;
         with a `gate`, its ports are the only way out)."""
-        # The sandbox's IPC namespace is the launcher's (never bwrap's): only there can its limits be set
-        # (launch.c --ipc). pasta gives the command it runs an IPC namespace of its own: inside it, a second
-        # launcher makes the sandbox's.
-        ipc = ["--ipc"]
+        # The sandbox's IPC namespace is the launcher's (bwrap's only where the launcher cannot set its limits,
+        # _launcher_ipc): only there can its limits be set (launch.c --ipc). pasta gives the command it runs an
+        # IPC namespace of its own: inside it, a second launcher makes the sandbox's.
+        ipc = ["--ipc"] if self._launcher_ipc(spec) else []
         if _networked(spec):
             ports = (gate.tcp_port, gate.udp_port) if gate else None
             args = [f"/proc/self/fd/{self._launch_fd}", *ipc, "--", *args]
