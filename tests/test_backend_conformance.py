@@ -103,6 +103,10 @@ def test_cwd_starts_at_the_images_workdir_and_cd_export_persist(make, image):
             assert await _sh(box, "pwd; echo ${KEPT-unset}", as_verifier=True) == "/\nunset\n"
             r = await box.exec("cd /var; false")
             assert r.exit_code == 1 and await _sh(box, "pwd") == "/var\n", "state is kept after a failure too"
+            r = await box.exec("cd /etc && export ENDED=1 && exit 3")  # a command that ends the shell itself
+            assert r.exit_code == 3 and await _sh(box, "pwd; echo $ENDED") == "/etc\n1\n"
+            r = await box.exec("set -e; cd /usr; false; cd /")
+            assert r.exit_code == 1 and await _sh(box, "pwd") == "/usr\n"
         finally:
             await box.close()
 

@@ -173,7 +173,8 @@ class Sandbox(Protocol):
       it a write fails with ENOSPC); no other sandbox sees them, nor does the image or the next episode.
     - **Working directory and shell state**: an agent `exec` without `cwd` runs in bash in the image's
       WORKDIR the first time, and then where the previous such call left it: `cd` and `export` persist
-      between calls as in a terminal (furlong.sandbox.shell.wrap builds that script; a backend whose
+      between calls as in a terminal, also when the command ends the shell (`exit 3`, `set -e`)
+      (furlong.sandbox.shell.wrap builds that script; a backend whose
       commands run as bash scripts reuses it). With `cwd` the command runs there and the saved state is
       left alone. Verifier calls never see the agent's shell state: without `cwd` they start in `/`.
     - **Environment**: BASE_ENV, HOME as the image USER's home, then the image's ENV (which wins), then
