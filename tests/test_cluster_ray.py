@@ -29,7 +29,7 @@ from furlong.build.training import grpo_config, local_trainer, weight_link
 from furlong.cluster.engines import CHILD_ENV
 from furlong.cluster.ranks import RayRanks
 from furlong.cluster.session import RaySession, Roles, place
-from furlong.config import RECIPES, load_config
+from furlong.config import DEFAULT_SYSTEM_PROMPT, RECIPES, load_config
 from furlong.engine.base import SamplingParams
 from furlong.engine.router import Router
 from furlong.engine.vllm import vllm_available
@@ -363,19 +363,22 @@ def _arenas() -> set[str]:
 # The engines of the shared run: vLLM's where it is installed (CI), so one Ray run (Ray, SFT, the evals and the
 # engines' start, the costly parts) checks the handover to vLLM engine actors too; else the hf engine's.
 SHARED_ENGINE = "vllm" if vllm_available() else "hf"
+BRIEF = f"{DEFAULT_SYSTEM_PROMPT} Use as few commands as you can."
 
 
 @pytest.fixture(scope="module")
 def hosts_and_shared(tmp_path_factory: pytest.TempPathFactory):
     """One `furlong train` on Ray with both sandbox host actors and the trainer actor's weights handed over
     in place to two colocated engines (SHARED_ENGINE), every group trained (filter_zero_variance=false, so
-    logprobs are compared): the tests below each check their own part of it. The run's directory, its
+    logprobs are compared), and self-distillation beside GRPO (the teacher: the trainer actor's live policy
+    under a brevity prompt): the tests below each check their own part of it. The run's directory, its
     result, and the weight arenas before it."""
     run = tmp_path_factory.mktemp("hosts-shared") / "run"
     before = _arenas()
     res = _train("train.cluster=ray", "train.ray.sandbox_hosts=2", "train.ray.sandbox_host_cpus=0.5",
                  "train.sync.transport=shared", "train.ray.engines=2", "train.ray.engine_cpus=0.5",
                  f"train.engine={SHARED_ENGINE}", "train.rl.filter_zero_variance=false",
+                 "train.distill.mode=grpo+opd", "train.distill.weight=0.5", f"train.distill.teacher.system_prompt={BRIEF}",
                  "train.rl.steps=2", f"train.run_dir={run}", mark="hosts-shared")
     return run, res, before
 
@@ -409,6 +412,21 @@ def test_train_on_ray_hands_the_trainer_actors_weights_to_colocated_engines_in_p
     assert all(r["sync_shared_bytes"] > 16e6 and r["sync_payload_bytes"] < 40e3 for r in rows)
     # what the engines sampled with is what the trainer holds: their logprobs agree to float32 rounding
     assert max(r["logprob_diff_max"] for r in rows) < 1e-4
+
+
+def test_train_on_ray_distils_in_the_trainer_actor(hosts_and_shared):
+    """The teacher lives in the trainer actor: it scored every RL episode, its cost is in every step's row."""
+    run, res, _ = hosts_and_shared
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["phase"] == "rl" and r["outcome"] == "trained"]
+    assert len(trained) == 2 * 2 * 2 and all(r["distill"]["status"] == "scored" for r in trained), trained[:1]
+    assert all(r["distill"]["tokens"] == r["tokens_response"] for r in trained)
+    rows = _rl_rows(run)
+    assert [r["distill_scored"] for r in rows] == [4, 4] and all(r["distill_failed"] == 0 for r in rows)
+    # the teacher prefilled the brevity prompt too, so it read more tokens than the episodes hold
+    assert all(r["teacher_seconds"] > 0 for r in rows)
+    assert sum(r["teacher_tokens"] for r in rows) > sum(r["tokens_total"] for r in trained)
 
 
 @skips.skipif("extra:vllm", not vllm_available(), "vLLM is not installed (bash install.sh --vllm)")
