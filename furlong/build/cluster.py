@@ -104,19 +104,7 @@ async def engine_link(
         else UpdateServer(directory, host=cluster.serve_host, token=token)
     )
     updates = None if directory is None else server.url if server else str(directory.root)  # None: no relay
-    spec = EngineSpec(
-        sft_dir,
-        updates,
-        threads=t.torch_threads,
-        prefix_cache_mb=t.hf.prefix_cache_mb,
-        lora=lora,
-        updates_token=token if server else None,
-        engine_token=token,
-        device="cuda" if t.ray.engine_gpus > 0 else "cpu",
-        kind=t.engine,
-        seed=t.seed,
-        sglang=t.sglang if t.engine == "sglang" else None,
-    )
+    spec = _engine_spec(cfg, sft_dir, updates, lora, token, relayed=server is not None)
     try:
         actors = await asyncio.to_thread(
             EngineActors,
@@ -149,6 +137,27 @@ async def engine_link(
         )
     assert directory is not None
     return ActorLink(remote, publisher(directory), remote.sync, cleanup, actors)
+
+
+def _engine_spec(
+    cfg: Config, sft_dir: Path, updates: str | None, lora: dict | None, token: str, relayed: bool
+) -> EngineSpec:
+    """What each engine actor starts from: `updates` is where it pulls weights (None: handed them in shared
+    memory); `relayed` (an UpdateServer serves them) means it pulls with `token` too."""
+    t = cfg.train
+    return EngineSpec(
+        sft_dir,
+        updates,
+        threads=t.torch_threads,
+        prefix_cache_mb=t.hf.prefix_cache_mb,
+        lora=lora,
+        updates_token=token if relayed else None,
+        engine_token=token,
+        device="cuda" if t.ray.engine_gpus > 0 else "cpu",
+        kind=t.engine,
+        seed=t.seed,
+        sglang=t.sglang if t.engine == "sglang" else None,
+    )
 
 
 class ActorLink(PublishedLink):

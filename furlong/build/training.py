@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -364,6 +364,15 @@ async def weight_link(
         return await _broadcast_link(cfg, run_path, sft_dir)
     if s.transport == "shared":
         return await _shared_link(cfg, run_path, sft_dir)
+    return await _engine_processes_link(cfg, run_path, sft_dir, publisher)
+
+
+async def _engine_processes_link(
+    cfg: Config, run_path: Path, sft_dir: Path, publisher: Callable[[Any], Publisher]
+) -> PublishedLink:
+    """train.sync.servers engine processes, each pulling published weights from a fresh directory (over an
+    UpdateServer with train.sync.transport=http)."""
+    t, s = cfg.train, cfg.train.sync
     directory = _fresh_dir(t, run_path)
     token = secrets.token_urlsafe(24)
     server = UpdateServer(directory, token=token) if s.transport == "http" else None

@@ -57,9 +57,22 @@ def _eval_parser(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="furlong", description="RL post-training of LLM agents in real sandboxes")
     sub = parser.add_subparsers(dest="command", required=True)
-
+    # in this order in `furlong --help`
     _eval_parser(sub)
+    _train_parsers(sub)
+    _model_parser(sub)
+    _engine_parser(sub)
+    _image_parser(sub)
+    _report_parser(sub)
+    _sandbox_parser(sub)
+    _openenv_parser(sub)
+    add_gateway_parser(sub)
+    _tasks_parser(sub)
+    add_audit_parser(sub)
+    return parser
 
+
+def _train_parsers(sub) -> None:
     tr = sub.add_parser("train", help="the whole loop: tiny model, SFT, GRPO in sandboxes, held-out eval")
     tr.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a killed run from its last checkpoint")
     tr.add_argument(
@@ -77,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="only the warm-start: SFT on oracle demonstrations of the train tasks")
     add_common(sft)
 
+
+def _model_parser(sub) -> None:
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     init = model_sub.add_parser("init", help="build a model offline (the embedded default: tiny)")
@@ -86,10 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--out", type=Path, help="directory (default: the cache)")
     init.add_argument("--seed", type=int, default=0)
 
+
+def _engine_parser(sub) -> None:
     eng = sub.add_parser("engine", help="inference engine utilities")
     eng_sub = eng.add_subparsers(dest="engine_command", required=True)
     add_serve_arguments(eng_sub.add_parser("serve", help="serve the hf engine over HTTP with a weight-sync relay"))
 
+
+def _image_parser(sub) -> None:
     img = sub.add_parser("image", help="build or list sandbox images")
     img_sub = img.add_subparsers(dest="image_command", required=True)
     build = img_sub.add_parser("build", help="build the base image, and the images of --tasks if given")
@@ -106,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--platform", default="", help="os/arch[/variant] (default: this machine's)")
     add_common(pull)
 
+
+def _report_parser(sub) -> None:
     rep = sub.add_parser("report", help="a run's report: report.md and a self-contained report.html with plots")
     rep.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="a run directory (finished or running)")
     rep.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report)")
@@ -122,13 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="projected episode and step time if inference were k times faster, e.g. 8,32",
     )
-
-    _sandbox_parser(sub)
-    _openenv_parser(sub)
-    add_gateway_parser(sub)
-    _tasks_parser(sub)
-    add_audit_parser(sub)
-    return parser
 
 
 def _tasks_parser(sub) -> None:

@@ -101,21 +101,7 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
 
     @app.get("/health")
     async def health() -> dict:
-        s, cache = getattr(engine, "stats", None), getattr(engine, "prefix_cache", None)
-        return {
-            "weight_version": engine.weight_version,
-            "paused": getattr(engine, "paused", False),
-            "relay": relay is not None,
-            "prefix_cache": None
-            if s is None or cache is None
-            else {
-                "prompt_tokens": s.prompt_tokens,
-                "reused_tokens": s.reused_tokens,
-                "hit_rate": s.prefix_hit_rate,
-                "bytes": cache.nbytes,
-            },
-            "weight_groups": sorted(receiver.groups),
-        }
+        return _health(engine, relay, receiver)
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> dict:
@@ -149,6 +135,26 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
     add_distributed_routes(app, receiver)
     add_tensor_route(app, engine)
     return app
+
+
+def _health(engine: HFEngine, relay: Relay | None, receiver: DistributedReceiver) -> dict:
+    """/health's answer: the weight version, whether paused, and the hf prefix cache's counters (None for an
+    engine without one)."""
+    s, cache = getattr(engine, "stats", None), getattr(engine, "prefix_cache", None)
+    return {
+        "weight_version": engine.weight_version,
+        "paused": getattr(engine, "paused", False),
+        "relay": relay is not None,
+        "prefix_cache": None
+        if s is None or cache is None
+        else {
+            "prompt_tokens": s.prompt_tokens,
+            "reused_tokens": s.reused_tokens,
+            "hit_rate": s.prefix_hit_rate,
+            "bytes": cache.nbytes,
+        },
+        "weight_groups": sorted(receiver.groups),
+    }
 
 
 def load_engine(args: argparse.Namespace) -> HFEngine:

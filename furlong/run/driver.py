@@ -17,7 +17,7 @@ from rich.console import Console
 
 from furlong.build import training as build
 from furlong.build.training import Pieces
-from furlong.config import Config
+from furlong.config import Config, RLConfig
 from furlong.engine.prefix import prefix_metrics
 from furlong.metrics.diagnostics import BusyMeter, StepWindow
 from furlong.metrics.episodes import EpisodeLog, drop_episodes_after
@@ -30,6 +30,7 @@ from furlong.run.phases import anchor_demos, eval_phase, sft_phase
 from furlong.run.summary import rl_totals, run_summary
 from furlong.train.export import HF_DIR
 from furlong.train.protocol import Trainer
+from furlong.train.stats import TrainStats
 from furlong.train.weights import WeightLink
 
 CURSOR_FILE = "rollout_cursor.json"  # beside each RL checkpoint: where the group stream resumes
@@ -147,22 +148,7 @@ async def rl_steps(
                 synced = await link.push(trainer.engine_weights(), trainer.version)
                 scheduler.step_done()
                 spent += (seconds := time.perf_counter() - step_start)
-                run.log(
-                    "rl",
-                    step,
-                    metrics_row(
-                        asdict(stats),
-                        rollout_metrics(batch.episodes),
-                        window.diagnostics(
-                            batch.episodes, batch.version, stats.seconds + taught.get("teacher_seconds", 0.0)
-                        ),
-                        batch_metrics(batch, r.filter_zero_variance),
-                        synced,
-                        prefix_metrics(link.engine),
-                        taught,
-                        {"step_seconds": seconds},
-                    ),
-                )
+                run.log("rl", step, _step_row(r, batch, stats, window, synced, link, taught, seconds))
                 records.write(settled_records(batch, step, r.filter_zero_variance))
                 last = step == r.steps - 1 or (r.time_budget_s is not None and spent >= r.time_budget_s)
                 if (step + 1) % r.checkpoint_every == 0 or last:
@@ -172,6 +158,30 @@ async def rl_steps(
                     break
     finally:
         await scheduler.close()
+
+
+def _step_row(
+    r: RLConfig,
+    batch: Batch,
+    stats: TrainStats,
+    window: StepWindow,
+    synced: dict,
+    link: WeightLink,
+    taught: dict,
+    seconds: float,
+) -> dict:
+    """One RL step's metrics row: the trainer's stats, the rollouts', the engine's over the step, the batch's,
+    the weight sync's, the prefix cache's, the teacher's (train.distill) and the step's time."""
+    return metrics_row(
+        asdict(stats),
+        rollout_metrics(batch.episodes),
+        window.diagnostics(batch.episodes, batch.version, stats.seconds + taught.get("teacher_seconds", 0.0)),
+        batch_metrics(batch, r.filter_zero_variance),
+        synced,
+        prefix_metrics(link.engine),
+        taught,
+        {"step_seconds": seconds},
+    )
 
 
 async def taught_batch(cfg: Config, trainer: Trainer, batch: Batch) -> tuple[Batch, dict]:

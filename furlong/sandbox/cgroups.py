@@ -11,6 +11,8 @@ Layout (S = the sandbox's cgroup, which holds the memory, cpu and total pids lim
   v1: S in each controller's tree, holding every process, and S/agent in the pids tree only.
 Without a cgroup (rlimits) there is no nested headroom: agent and verifier share one RLIMIT_NPROC.
 Pausing freezes S whole (v2 cgroup.freeze; v1 the freezer tree's S, made where that hierarchy is mounted).
+A sandbox cgroup's name ends with its maker's owner tag (owner_tags.py), so a later run sweeps those whose
+maker died.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import pwd
-import re
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from furlong.sandbox.base import Limits
+from furlong.sandbox.owner_tags import owner_dead, owner_pid, owner_tag, proc_stat
 
 log = logging.getLogger(__name__)
 ROOT = Path("/sys/fs/cgroup")
@@ -89,7 +91,7 @@ class Cgroup:
         total = 0
         for pid in self.pids():
             try:
-                fields = _stat(pid)
+                fields = proc_stat(pid)
             except OSError:
                 continue
             total += int(fields[11]) + int(fields[12])
@@ -188,48 +190,10 @@ def _procs(files: list[Path]) -> set[int]:
     return found
 
 
-# A cgroup's name ends with its owner (`owner_tag`): the furlong process that made it, whose pid namespace,
-# pid and start time tell a dead owner from a live one, or from a later process that got its pid.
-_OWNER = re.compile(r".+@(\d+)\.(\d+)\.(\d+)")
 # An untagged cgroup (from an earlier version) is removed only once empty and this old: its launcher enters
 # it milliseconds after making it, so an empty one this old was left by a killed run.
 STALE_AFTER_S = 60.0
 _swept: set[Path] = set()
-
-
-def _stat(pid: int | str) -> list[str]:
-    """/proc/PID/stat's fields after the command: [0] the state, [19] the start time (ticks since boot)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def _start_time(pid: int | str) -> str | None:
-    """The start time of a running process, or None if it is gone (a zombie is gone: its fds are closed)."""
-    try:
-        fields = _stat(pid)
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def owner_tag(pid: int | None = None) -> str:
-    """`<pid namespace>.<pid>.<start time>` of this process (or `pid`): the suffix of its cgroups' names."""
-    pid = os.getpid() if pid is None else pid
-    return f"{os.stat(f'/proc/{pid}/ns/pid').st_ino}.{pid}.{_stat(pid)[19]}"
-
-
-def owner_pid(name: str) -> int | None:
-    """The pid of the process a sandbox cgroup's name says made it (None for an untagged one)."""
-    m = _OWNER.fullmatch(name)
-    return int(m.group(2)) if m else None
-
-
-def owner_dead(name: str) -> bool:
-    """Whether the cgroup's owner is surely dead: its pid in this pid namespace names no process, or a
-    later one. Another pid namespace's owner cannot be checked from here, so it counts as alive."""
-    m = _OWNER.fullmatch(name)
-    if m is None or int(m.group(1)) != os.stat("/proc/self/ns/pid").st_ino:
-        return False
-    return _start_time(m.group(2)) != m.group(3)
 
 
 def sweep(parent: Path, older_than_s: float = STALE_AFTER_S) -> int:

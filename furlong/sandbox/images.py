@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import time
@@ -29,6 +28,7 @@ from furlong.sandbox import (
     buildah,
     idmap,
     imports,
+    layerbuild,
     layers,
     offline_uv,
     prebuilt,
@@ -41,19 +41,15 @@ from furlong.sandbox import (
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import toolchain as toolchains
 from furlong.sandbox.base import (
-    BASE_ENV,
     DEFAULT_HOST_UID,
     ImageRef,
     ImageSource,
     LayerRef,
-    Limits,
     Prebuilt,
     SandboxError,
-    SandboxSpec,
 )
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.egress import Egress
-from furlong.sandbox.network import PUBLIC
 from furlong.sandbox.tarball import tar_dir
 
 # bump when the layout or the base recipe changes, so old caches are not reused. (Not bumped when native RUN
@@ -61,7 +57,6 @@ from furlong.sandbox.tarball import tar_dir
 FORMAT = "4"
 BASE_PACKAGES = ("python3", "git", "procps", "ca-certificates")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
-BUILD_LIMITS = Limits(cpus=2.0, memory_mb=4096, pids=2048, lifetime_s=3600)
 APT_CONF = 'APT::Sandbox::User "root";\n'  # apt cannot switch to _apt: only one uid is mapped
 
 
@@ -231,6 +226,10 @@ class ImageStore:
                 os.lchown(path, _inside_id(st.st_uid, uid_start), _inside_id(st.st_gid, gid_start))
                 if st.st_mode & 0o6000 and not os.path.islink(path):
                     os.chmod(path, st.st_mode & 0o7777)
+
+    # the store's own layer builder (layerbuild.py) as a method: the verifier toolchain builds its layer through
+    # the store it is given, since layerbuild imports offline_uv, which imports the toolchain
+    _build_layer = layerbuild.build_layer
 
     # -- what a FROM names ----------------------------------------------------------------------
     async def parent(self, ref: str, backend, progress: Progress) -> ImageRef:
@@ -473,105 +472,3 @@ class ImageStore:
             return users.resolve_user(ref.user, [self.root / layer.path for layer in ref.layers])
         except (users.UserError, OSError) as exc:
             raise ImageBuildError(f"{where}: {exc}") from None
-
-    async def _build_layer(
-        self,
-        final: Path,
-        parent: ImageRef,
-        dockerfile: Path,
-        steps,
-        backend,
-        progress,
-        label: str,
-        probe: str = "",
-        extra: dict | None = None,
-        offline: offline_uv.OfflineUv | None = None,
-    ) -> None:
-        tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-        _rmtree(tmp)
-        (tmp / "upper").mkdir(parents=True)
-        started = time.monotonic()
-        try:
-            env, workdir, user, provides = await self._run_steps(
-                tmp / "upper", parent, dockerfile, steps, backend, progress, label, probe, offline
-            )
-        except BaseException:
-            _rmtree(tmp)  # a failed build leaves nothing behind
-            raise
-        if self.egress:
-            self.egress.remove_mount_point(tmp / "upper")
-        await asyncio.to_thread(self._seal, tmp / "upper")
-        meta = {
-            "env": env,
-            "workdir": workdir,
-            "user": user,
-            "dockerfile": str(dockerfile),
-            **(extra or {}),
-            **({"egress": self.egress.settings} if self.egress else {}),
-            "seconds": round(time.monotonic() - started, 1),
-        }
-        (tmp / "meta.json").write_text(json.dumps({**meta, "provides": provides} if probe else meta))
-        with _locked(self.root / f".{final.name}.lock"):
-            if (final / "meta.json").exists():  # another process built it meanwhile
-                _rmtree(tmp)
-            else:
-                _rmtree(final)
-                tmp.rename(final)
-
-    async def _run_steps(
-        self,
-        upper: Path,
-        parent: ImageRef,
-        dockerfile: Path,
-        steps,
-        backend,
-        progress,
-        label: str,
-        probe: str,
-        offline: offline_uv.OfflineUv | None = None,
-    ):
-        """Runs the steps after FROM in one build sandbox, as root (a USER other than root goes to buildah);
-        then `probe`, whose output is returned."""
-        env: list[tuple[str, str]] = []
-        workdir, user = parent.workdir, parent.user
-        spec = SandboxSpec(image=parent, network=PUBLIC, limits=BUILD_LIMITS)
-        box = await backend.build(spec, upper)
-        try:
-            for n, step in enumerate(steps[1:], 2):
-                progress(f"{label}: step {n}/{len(steps)} {step.op} {step.args[:60]}")
-                seen = {**BASE_ENV, **dict(parent.env), **dict(env)}  # what $VAR means at this step
-                if step.op == "ENV":
-                    env += [(k, df.expand(v, seen)) for k, v in df.env_pairs(dockerfile, step)]
-                elif step.op == "USER":
-                    user = df.expand(step.args, seen)
-                elif step.op == "WORKDIR":
-                    workdir = df.next_workdir(workdir, step.args, seen)
-                    await self._must(box, f"mkdir -p {shlex.quote(workdir)}", dockerfile, step, dict(env), "/")
-                elif step.op == "COPY":
-                    await box.put_tar(df.copy_tar(dockerfile.parent, step, workdir, dockerfile), "/")
-                else:
-                    await self._run(box, df.run_command(step), dockerfile, step, dict(env), workdir, offline)
-            # cwd given: the probe must not save a shell state into the layer (it would set every later
-            # sandbox's first cwd and PATH); the state dir is removed all the same
-            provides = (await box.exec(probe, timeout_s=60, env=dict(env), cwd="/")).stdout.strip() if probe else ""
-            await box.exec("rm -rf /run/furlong-shell", timeout_s=30, cwd="/")
-        finally:
-            await box.close()
-        return env, workdir, user, provides
-
-    async def _run(
-        self, box, cmd: str, dockerfile: Path, step, env: dict, cwd: str, offline: offline_uv.OfflineUv | None
-    ) -> None:
-        """A RUN step; one fetching uv's installer with images.offline_uv on gets the toolchain's uv: its
-        directory is copied in for the step alone (a bind would need a sandbox of its own per step)."""
-        if offline is None or offline_uv.asked(cmd) is None:
-            return await self._must(box, cmd, dockerfile, step, env, cwd)
-        await box.put_dir(offline.directory, offline_uv.MOUNT)
-        await self._must(box, offline.command(cmd), dockerfile, step, env, cwd)
-        await self._must(box, f"rm -rf {offline_uv.MOUNT}", dockerfile, step, {}, "/")  # not in the layer
-
-    async def _must(self, box, cmd: str, dockerfile: Path, step, env: dict, cwd: str) -> None:
-        res = await box.exec(cmd, timeout_s=self.build_timeout_s, cwd=cwd, env=env)
-        if not res.ok:
-            why = "timed out" if res.timed_out else f"exited {res.exit_code}"
-            raise ImageBuildError(f"{dockerfile}:{step.line}: {step.op} {why}:\n{(res.stdout + res.stderr)[-2000:]}")

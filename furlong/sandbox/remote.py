@@ -231,7 +231,7 @@ class RemoteSandbox:
 
 
 def _missing_layers(r: httpx.Response) -> list[str] | None:
-    """The layers a host's 409 says it lacks (app.py's `_spec`), else None."""
+    """The layers a host's 409 says it lacks (furlong.sandbox.host.bodies' `create_spec`), else None."""
     if r.status_code != 409:
         return None
     try:

@@ -6,7 +6,7 @@ under the host's cache, and built by the store exactly as a local `furlong eval`
 builders, stand-ins, pulls and build sandboxes. `kind=prebuilt&ref=REF` serves a task's prebuilt image
 (furlong.sandbox.prebuilt), its body the task's Dockerfile context where it has one (else empty).
 `kind=toolchain` builds the verifier toolchain layer and `kind=base` the base image. The answer is the
-ImageRef (or Toolchain) as JSON; a create then names it by content (app.py resolves its layers in this
+ImageRef (or Toolchain) as JSON; a create then names it by content (bodies.py resolves its layers in this
 store, or answers 409 with the ones it lacks).
 """
 
