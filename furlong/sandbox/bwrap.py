@@ -38,21 +38,21 @@ from furlong.sandbox.base import (
 from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
 from furlong.sandbox.egress import Egress, through_proxy
 from furlong.sandbox.egress_proxy import EgressProxy, Gate
+from furlong.sandbox.headroom import agent_caps
 from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
 from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
 from furlong.sandbox.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S, SnapshotStore
 
 log = logging.getLogger(__name__)
-INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
-SHM_MB = 64  # /dev/shm, as Docker sizes it
 OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
-# the verifier's mounts (furlong.tasks.model names what goes inside), and the agent's own log mount in /logs,
-# so filling it leaves the verifier's space alone
-TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR = "/tests", "/logs", "/logs/agent"
+# the verifier's mounts (furlong.tasks.model names what goes inside), and the agent's own two in /logs (its
+# logs and Harbor's artifacts, capped by furlong.sandbox.headroom), so filling them leaves the verifier's alone
+TESTS_DIR, LOGS_DIR = "/tests", "/logs"
+AGENT_LOGS_DIR, ARTIFACTS_DIR = "/logs/agent", "/logs/artifacts"  # the latter: furlong.tasks.model's too
 # The ownership shim (native/owner.c) verifier commands preload: a read-only bind in the verifier's /logs,
 # which the agent can neither write nor rename (a mount point), so no path to it is the agent's to swap.
 OWNER_SHIM = "/logs/.furlong-owner.so"
-VERIFIER_MOUNT_MB = 512  # each: a size cap (tmpfs pages count toward the sandbox's memory limit)
+VERIFIER_MOUNT_MB = 512  # each: a size cap (tmpfs pages count toward the sandbox's memory limit); the verifier's own
 # The init's capabilities in the sandbox's user namespace: to run commands as other uids, hand the verifier
 # its share (init.c VERIFIER_CAPS) and its mounts. Agent commands get none.
 # CAP_SYS_ADMIN is for entering the verifier's user namespace (setns), which the init does in the verifier's
@@ -100,13 +100,13 @@ def bwrap_executable() -> str:
 
 
 def writable_layer_bytes(spec: SandboxSpec) -> int:
-    """The tmpfs cap: disk_mb, but never so close to memory_mb that a full disk leaves the init no room.
+    """The tmpfs cap: disk_mb, but never so much that the agent's files leave the init or the verifier no room.
 
     Its pages are charged to the sandbox's memory cgroup, so a disk fill plus a memory bomb still ends
-    with the OOM killer taking agent processes (oom_score_adj 1000) while the init keeps its headroom.
+    with the OOM killer taking agent processes (oom_score_adj 1000) while the init keeps its headroom and
+    the verifier its reserve (furlong.sandbox.headroom).
     """
-    mb = min(spec.limits.disk_mb, spec.limits.memory_mb - INIT_HEADROOM_MB - SHM_MB)
-    return max(mb, 16) << 20
+    return agent_caps(spec.limits).layer << 20
 
 
 class BwrapBackend:
@@ -230,6 +230,7 @@ class BwrapBackend:
             args += ["--overlay-src", f"/proc/self/fd/{fd}"]
         upper = self._upper_mnt
         args += extra or ["--overlay", f"{upper}/u", f"{upper}/w", "/"]
+        caps = agent_caps(spec.limits)
         # /dev is a tmpfs of bwrap's making: read-only, except a capped /dev/shm (both count as memory)
         args += [
             "--proc",
@@ -237,7 +238,7 @@ class BwrapBackend:
             "--dev",
             "/dev",
             "--size",
-            str(SHM_MB << 20),
+            str(caps.shm << 20),
             "--perms",
             "1777",
             "--tmpfs",
@@ -246,8 +247,13 @@ class BwrapBackend:
             "/dev",
         ]
         if verifier:  # mount points: the agent, owner of "/", can neither rename nor replace them
-            for path in (TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR):
-                args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
+            for path, mb in (
+                (TESTS_DIR, VERIFIER_MOUNT_MB),
+                (LOGS_DIR, VERIFIER_MOUNT_MB),
+                (AGENT_LOGS_DIR, caps.agent_logs),
+                (ARTIFACTS_DIR, caps.artifacts),
+            ):
+                args += ["--size", str(mb << 20), "--perms", "0755", "--tmpfs", path]
             if shim_fd is not None:  # the verifier sees the agent's uid, swapped with its own, as root's
                 # copied in by content: a bind of the file would need its host path traversable by the
                 # sandbox uid, which a cache under a private directory is not
