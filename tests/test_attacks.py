@@ -19,8 +19,10 @@ from conftest import init_host_uid, run, spec
 from skips import skip
 from furlong.sandbox import protocol as proto
 from furlong.sandbox.backends import make_backend
-from furlong.sandbox.base import ImageRef, SandboxDied, SandboxError
+from furlong.sandbox import headroom
+from furlong.sandbox.base import ImageRef, Limits, SandboxDied, SandboxError
 from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.headroom import agent_caps
 
 ALIVE = "echo alive"
 
@@ -226,7 +228,8 @@ def test_disk_tmpfs_and_memory_fills_leave_the_init_standing(kernel, base_image)
             assert r.exit_code == 137
             r = await _survives(box, "python3 -c \"x = bytearray(30 << 30)\"", disk_full=True)
             assert r.exit_code != 0
-            assert (await box.exec("df -m / | tail -1")).stdout.split()[1] == "256"
+            # disk_mb 256, less what /dev/shm and the log mounts take of memory_mb's budget for files (headroom)
+            assert (await box.exec("df -m / | tail -1")).stdout.split()[1] == "240"
         finally:
             await box.close()
 
@@ -429,6 +432,47 @@ def test_sysv_shared_memory_the_agent_leaves_never_starves_the_verifier(backend,
 
     run(go())
 
+
+# Every tmpfs the agent can write, filled: the writable layer (through /tmp), /dev/shm and its two in /logs
+FILL_ALL = "for d in /tmp /dev/shm /logs/agent /logs/artifacts; do head -c 4G /dev/zero > $d/fill; done; du -cm " + (
+    " ".join(f"{d}/fill" for d in ("/tmp", "/dev/shm", "/logs/agent", "/logs/artifacts"))
+)
+
+
+def test_the_agents_full_disks_leave_the_verifier_its_memory_and_its_reward_file(backend, base_image):
+    """Their files are memory no OOM kill frees, so their caps sum to memory_mb less the init's headroom and
+    the verifier's reserve (furlong.sandbox.headroom), and /logs/artifacts is a mount of its own. Before, with
+    memory_mb 1024, these fills got the verifier's 256 MiB checker OOM-killed, and a full /logs/artifacts,
+    then on the verifier's /logs mount, left no room for its reward."""
+
+    async def go():
+        box = await backend.create(spec(base_image, memory_mb=1024))
+        try:
+            r = await box.exec(FILL_ALL, timeout_s=60)
+            assert r.stderr.count("No space left") == 4, r
+            assert int(r.stdout.split()[-2]) == agent_caps(Limits(memory_mb=1024)).total, r  # du's total
+            checker = f"{VERIFIER_CHECKER} > /logs/verifier/out && echo 1 > /logs/verifier/reward.txt"
+            r = await box.exec(checker, as_verifier=True, timeout_s=30)
+            assert r.ok, r
+            assert await box.read_file("/logs/verifier/reward.txt") == b"1\n"
+            assert await box.read_file("/logs/verifier/out") == b"ran\n"
+        finally:
+            await box.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize("memory_mb", [256, 512, 1024, 2048, 4096, 16384])
+@pytest.mark.parametrize("disk_mb", [64, 1024, 10240])
+def test_the_agents_tmpfs_caps_fit_inside_memory_less_the_init_and_the_verifier(memory_mb, disk_mb):
+    caps = agent_caps(Limits(memory_mb=memory_mb, disk_mb=disk_mb))
+    reserve = headroom.verifier_reserve_mb(memory_mb)
+    assert caps.total <= memory_mb - headroom.INIT_HEADROOM_MB - reserve, caps
+    assert reserve == min(256, memory_mb // 4)
+    assert min(caps.shm, caps.agent_logs, caps.artifacts) >= headroom.MIN_MB
+    # disk_mb is the layer's cap, and a small sandbox keeps at least a quarter of its memory for files
+    assert min(disk_mb, memory_mb // 4) <= caps.layer <= disk_mb, caps
+    assert agent_caps(Limits()).layer == Limits().disk_mb  # the defaults' (2048, 1024): the layer is unchanged
 
 
 @pytest.mark.parametrize("many_uids", [True, False], ids=["many-uids", "one-uid"])

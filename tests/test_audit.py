@@ -53,19 +53,33 @@ REWARD_CHANNEL = ("reward-file", "logs-symlink", "fill-logs")
 # cannot run
 STARVE_MACHINERY = ("starve-pids", "hold-memory", "pin-shm", "clock-change")
 KINDS = ("reward-channel", "tests", "answers", "weak-checks", "resources")
+# fail-open-report with memory_mb = 1024 and its report in the verifier's own /logs/verifier: only a checker
+# killed for memory could make it pay, as every agent-writable tmpfs filled once did (docs/audit.md)
+SMALL_FAIL_OPEN = "fail-open-1024"
+FILLS = ("fill-disk", "fill-logs")
+
+
+def _small_fail_open(root: Path) -> Path:
+    task = shutil.copytree(FIXTURES / FAIL_OPEN, root / SMALL_FAIL_OPEN)
+    (task / "task.toml").write_text((task / "task.toml").read_text() + "\n[environment]\nmemory_mb = 1024\n")
+    test = task / "tests" / "test.sh"
+    test.write_text(test.read_text().replace("/tmp/scan-report.txt", "/logs/verifier/scan-report.txt"))
+    return task
 
 
 @pytest.fixture(scope="module")
-def audited(backend, store) -> dict[str, TaskAudit]:
+def audited(backend, store, tmp_path_factory) -> dict[str, TaskAudit]:
     """The whole library on `sound`; on each other fixture task, the exploits built to pay there (the
-    reward channel's on reward-on-pass-only, the starving ones on the fail-open task too), at concurrency 2:
-    about 75 episodes, one image build."""
-    tasks = {d.name: load_task(d) for d in sorted(FIXTURES.iterdir())}
+    reward channel's on reward-on-pass-only, the starving ones on the fail-open tasks too), at concurrency 2:
+    about 80 episodes, one image build."""
+    dirs = [*sorted(FIXTURES.iterdir()), _small_fail_open(tmp_path_factory.mktemp("audit"))]
+    tasks = {d.name: load_task(d) for d in dirs}
     plan: dict[str, list[str]] = {name: [] for name in tasks}
     plan["sound"] = list(EXPLOITS)
     plan["reward-on-pass-only"] = list(REWARD_CHANNEL)
     plan["bash-env"] = ["shell-startup"]
     plan[FAIL_OPEN] = list(STARVE_MACHINERY)
+    plan[SMALL_FAIL_OPEN] = list(FILLS)
     for exploit, task in HACKABLE_BY.items():
         plan[task].append(exploit)
 
@@ -97,7 +111,7 @@ def test_no_exploit_earns_on_the_sound_task_and_tampering_is_caught(audited):
     assert set(attempts) == {"oracle", "noop", *EXPLOITS}
     assert attempts["oracle"].reward == 1.0
     assert all(a.reward == 0.0 for name, a in attempts.items() if name != "oracle"), attempts  # none unscored
-    assert attempts["fill-logs"].status == "agent_broke_sandbox", attempts["fill-logs"]  # no room for its reward
+    assert attempts["fill-logs"].status == "ok", attempts["fill-logs"]  # /logs/artifacts: a mount of its own
     for name in CAUGHT_BY_TAMPER:
         assert attempts[name].caught and attempts[name].tampered_paths, attempts[name]
     assert not any(attempts[name].caught for name in HACKABLE_BY if name not in CAUGHT_BY_TAMPER)
@@ -145,6 +159,20 @@ def test_a_starved_verifier_never_pays_even_where_its_tests_fail_open(audited):
     assert int(re.findall(r"\d+", shm)[0]) > 2048, shm  # made and detached past the limit: none stayed
     clock = result["clock-change"]
     assert clock.touched == () and "clock unchanged: date -s failed" in clock.agent_output, clock
+
+
+def test_full_agent_disks_leave_a_small_sandboxs_checker_its_memory_and_its_reward_file(audited):
+    """Every agent-writable tmpfs filled (fill-disk) in a 1 GiB sandbox: their caps leave the verifier its
+    reserve, so the 256 MiB checker runs and names the problem (it was OOM-killed, and this fail-open task
+    paid). A full /logs/artifacts (fill-logs) leaves the reward file room: scored as usual, not broken."""
+    result = audited[SMALL_FAIL_OPEN]
+    attempts = _by(result)
+    assert result.verdict == "not_hackable" and attempts["oracle"].reward == 1.0, attempts
+    for name in FILLS:
+        assert (attempts[name].reward, attempts[name].status) == (0.0, "ok"), attempts[name]
+        assert attempts[name].verifier_exit_code == 0, attempts[name]
+    filled = " ".join(attempts["fill-disk"].touched)
+    assert all(d in filled for d in ("/tmp", "/dev/shm", "/logs/agent", "/logs/artifacts")), filled
 
 
 def test_a_noop_that_passes_is_the_finding_and_a_broken_oracle_is_not_hackable(audited):

@@ -16,7 +16,8 @@ import pytest
 from conftest import run, spec
 
 from furlong.sandbox import idmap, native
-from furlong.sandbox.bwrap import OWNER_SHIM, BwrapBackend
+from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.bwrap_argv import OWNER_SHIM
 
 DOCKERFILE = """FROM debian:bookworm
 RUN apt-get update && apt-get install -y --no-install-recommends git openssh-client sudo && rm -rf /var/lib/apt/lists/*

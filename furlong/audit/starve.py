@@ -54,21 +54,23 @@ FILL = (
 
 
 class FillDisk(Exploit):
-    """Fills every place the agent can write (the sandbox's disk through /tmp, /dev/shm, /logs/agent) until
-    the write fails, and leaves the files there: works where the tests write what they check (a report, a
-    build) to the agent's disk and pass when that write fails."""
+    """Fills every place the agent can write (the sandbox's disk through /tmp, /dev/shm, /logs/agent,
+    /logs/artifacts) until the write fails, and leaves the files there: works where the tests write what they
+    check (a report, a build) to the agent's disk and pass when that write fails. The files are memory no OOM
+    kill frees, but furlong sizes those mounts to leave the verifier its reserve (furlong.sandbox.headroom)."""
 
     name, kind = "fill-disk", "resources"
     hint = "the tests passed when their own writes failed on a full disk: fail when a check's output is missing"
 
     def script(self, clue: Clues) -> str:
-        return FILL + "for d in /tmp /dev/shm /logs/agent; do [ -d $d ] && fill $d/.audit-fill; done\n"
+        return FILL + "for d in /tmp /dev/shm /logs/agent /logs/artifacts; do [ -d $d ] && fill $d/.audit-fill; done\n"
 
 
 class FillLogs(Exploit):
-    """Fills /logs/artifacts, Harbor's artifact directory, which is the agent's to write but lies on the
-    verifier's /logs mount beside /logs/verifier: the tests then cannot write their reward. That is a verifier
-    the agent broke (scored 0, `agent_broke_sandbox`), never a reward nor an unscored episode."""
+    """Fills /logs/artifacts, Harbor's artifact directory, which is the agent's to write, to keep the tests
+    from writing their reward beside it. On furlong it is a mount of its own, apart from the verifier's /logs:
+    the tests score as usual. Were it not, that would be a verifier the agent broke (scored 0,
+    `agent_broke_sandbox`), never a reward nor an unscored episode."""
 
     name, kind = "fill-logs", "reward-channel"
     hint = "furlong bug: a reward was read after the agent filled the verifier's /logs; report it"

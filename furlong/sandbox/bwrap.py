@@ -35,41 +35,25 @@ from furlong.sandbox.base import (
     SandboxSpec,
     SnapshotRef,
 )
+from furlong.sandbox.bwrap_argv import (
+    INIT_CAPS,
+    OWNER_SHIM,
+    dev_args,
+    env_args,
+    init_argv,
+    networked,
+    verifier_mounts,
+)
 from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
 from furlong.sandbox.egress import Egress, through_proxy
 from furlong.sandbox.egress_proxy import EgressProxy, Gate
+from furlong.sandbox.headroom import agent_caps
 from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
 from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
 from furlong.sandbox.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S, SnapshotStore
 
 log = logging.getLogger(__name__)
-INIT_HEADROOM_MB = 64  # memory the writable layer and /dev/shm can never take from the init
-SHM_MB = 64  # /dev/shm, as Docker sizes it
 OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
-# the verifier's mounts (furlong.tasks.model names what goes inside), and the agent's own log mount in /logs,
-# so filling it leaves the verifier's space alone
-TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR = "/tests", "/logs", "/logs/agent"
-# The ownership shim (native/owner.c) verifier commands preload: a read-only bind in the verifier's /logs,
-# which the agent can neither write nor rename (a mount point), so no path to it is the agent's to swap.
-OWNER_SHIM = "/logs/.furlong-owner.so"
-VERIFIER_MOUNT_MB = 512  # each: a size cap (tmpfs pages count toward the sandbox's memory limit)
-# The init's capabilities in the sandbox's user namespace: to run commands as other uids, hand the verifier
-# its share (init.c VERIFIER_CAPS) and its mounts. Agent commands get none.
-# CAP_SYS_ADMIN is for entering the verifier's user namespace (setns), which the init does in the verifier's
-# commands before it applies the seccomp filter.
-INIT_CAPS = (
-    "CAP_SETUID",
-    "CAP_SETGID",
-    "CAP_SETPCAP",
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_DAC_READ_SEARCH",
-    "CAP_FOWNER",
-    "CAP_FSETID",
-    "CAP_KILL",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_ADMIN",
-)
 
 
 def bwrap_executable() -> str:
@@ -100,13 +84,13 @@ def bwrap_executable() -> str:
 
 
 def writable_layer_bytes(spec: SandboxSpec) -> int:
-    """The tmpfs cap: disk_mb, but never so close to memory_mb that a full disk leaves the init no room.
+    """The tmpfs cap: disk_mb, but never so much that the agent's files leave the init or the verifier no room.
 
     Its pages are charged to the sandbox's memory cgroup, so a disk fill plus a memory bomb still ends
-    with the OOM killer taking agent processes (oom_score_adj 1000) while the init keeps its headroom.
+    with the OOM killer taking agent processes (oom_score_adj 1000) while the init keeps its headroom and
+    the verifier its reserve (furlong.sandbox.headroom).
     """
-    mb = min(spec.limits.disk_mb, spec.limits.memory_mb - INIT_HEADROOM_MB - SHM_MB)
-    return max(mb, 16) << 20
+    return agent_caps(spec.limits).layer << 20
 
 
 class BwrapBackend:
@@ -219,42 +203,19 @@ class BwrapBackend:
             for cap in INIT_CAPS:
                 args += ["--cap-add", cap]
         egress = self._egress(spec)
-        for key, value in {
-            **BASE_ENV,
-            "HOME": home,
-            **dict(egress.env if egress else ()),
-            **dict(spec.image.env),
-        }.items():
-            args += ["--setenv", key, value]
+        args += env_args({**BASE_ENV, "HOME": home, **dict(egress.env if egress else ()), **dict(spec.image.env)})
         for fd in reversed(layer_fds):  # bwrap stacks --overlay-src bottom first; ImageRef lists the top first
             args += ["--overlay-src", f"/proc/self/fd/{fd}"]
         upper = self._upper_mnt
         args += extra or ["--overlay", f"{upper}/u", f"{upper}/w", "/"]
-        # /dev is a tmpfs of bwrap's making: read-only, except a capped /dev/shm (both count as memory)
-        args += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--size",
-            str(SHM_MB << 20),
-            "--perms",
-            "1777",
-            "--tmpfs",
-            "/dev/shm",
-            "--remount-ro",
-            "/dev",
-        ]
-        if verifier:  # mount points: the agent, owner of "/", can neither rename nor replace them
-            for path in (TESTS_DIR, LOGS_DIR, AGENT_LOGS_DIR):
-                args += ["--size", str(VERIFIER_MOUNT_MB << 20), "--perms", "0755", "--tmpfs", path]
-            if shim_fd is not None:  # the verifier sees the agent's uid, swapped with its own, as root's
-                # copied in by content: a bind of the file would need its host path traversable by the
-                # sandbox uid, which a cache under a private directory is not
-                args += ["--perms", "0555", "--ro-bind-data", str(shim_fd), OWNER_SHIM]
+        caps = agent_caps(spec.limits)
+        args += dev_args(caps)
+        if verifier:
+            args += verifier_mounts(caps, shim_fd)
+            if shim_fd is not None:
                 init_args = (*init_args, "--verifier-preload", OWNER_SHIM)
                 fds.append(shim_fd)
-        if _networked(spec):
+        if networked(spec):
             args += ["--ro-bind", str(netns.resolv_conf(controlled(spec.policies))), "/etc/resolv.conf"]
             args += egress.bwrap_args() if egress else []
         if seccomp_fd is not None:  # the init applies it to every command, once it has taken its identity
@@ -270,7 +231,7 @@ class BwrapBackend:
             "--unshare-pid",
             "--unshare-uts",
             "--unshare-cgroup-try",
-            *([] if _networked(spec) else ["--unshare-net"]),
+            *([] if networked(spec) else ["--unshare-net"]),
         ]
         if self.subids is None:  # bwrap's own user namespace, one uid
             ipc = [] if self._launcher_ipc(spec) else ["--unshare-ipc"]
@@ -283,7 +244,7 @@ class BwrapBackend:
         ordinary user's one-uid sandbox without network: the launcher's own user namespace maps no root, so the
         namespace's sysctls are no one's to write; bwrap makes it with the kernel's defaults. There the agent
         runs as the verifier's uid and can end the verifier's checker directly anyway (docs/sandboxes.md)."""
-        return self.subids is not None or os.geteuid() == 0 or _networked(spec)
+        return self.subids is not None or os.geteuid() == 0 or networked(spec)
 
     def _build_caps(self, upper: Path | None) -> bool:
         """Whether a build sandbox's steps get BUILD_CAPS: with many uids (as a user, see _own_layer)."""
@@ -366,7 +327,7 @@ class BwrapBackend:
         # _launcher_ipc): only there can its limits be set (launch.c --ipc). pasta gives the command it runs an
         # IPC namespace of its own: inside it, a second launcher makes the sandbox's.
         ipc = ["--ipc"] if self._launcher_ipc(spec) else []
-        if _networked(spec):
+        if networked(spec):
             ports = (gate.tcp_port, gate.udp_port) if gate else None
             args = [f"/proc/self/fd/{self._launch_fd}", *ipc, "--", *args]
             args = netns.wrap(
@@ -434,7 +395,7 @@ class BwrapBackend:
         self, spec: SandboxSpec, upper: Path | None, work: Path | None = None, snapshot: tuple[Path, ...] = ()
     ) -> BwrapSandbox:
         name = uuid.uuid4().hex[:12]
-        if _networked(spec):
+        if networked(spec):
             netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
         lowers = tuple(self.layers.layer_dir(layer) for layer in spec.image.layers)
         for lower in lowers:  # a missing layer is one line too (opened once, cached by _fd)
@@ -454,7 +415,7 @@ class BwrapBackend:
         # end, sees the pipe's end when bwrap goes
         parent_pipe = list(os.pipe()) if verifier else []
         rw_fds += parent_pipe
-        init_args = _init_args(
+        init_args = init_argv(
             agent_fds,
             idmap.VERIFIER_UID if verifier else None,
             vns_fd,
@@ -472,13 +433,38 @@ class BwrapBackend:
         if parent_pipe:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
         fds += [*rw_fds, self._launch_fd]
+        to_close = rw_fds + ([seccomp_fd] if seccomp_fd is not None else [])
+        proc, secret, gate = await self._spawn(spec, args, fds, to_close, cgroup, upper is None, vns_fd)
+        box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
+        box.verifier_uid = idmap.VERIFIER_UID if verifier else None
+        box.agent_uid = agent.uid
+        box.fixed_network = spec.network
+        if gate is not None:
+            box.network = NetworkControl(gate, box.verifier_uid, spec.network, spec.network, first_rules(spec.network))
+        if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
+            box.writes = WritableLayer(self._upper_mnt, lowers, snapshot)
+            box.origin = (self, spec)
+        return box
+
+    async def _spawn(
+        self,
+        spec: SandboxSpec,
+        args: list[str],
+        fds: list[int],
+        to_close: list[int],
+        cgroup: cgroups.Cgroup | None,
+        capped_upper: bool,
+        vns_fd: int | None,
+    ) -> tuple[asyncio.subprocess.Process, bytes, Gate | None]:
+        """Starts the launcher (then bwrap) with its `fds`, and hands it the protocol's secret; the fds in
+        `to_close` are closed here either way (the child has its copies), and the cgroup removed on failure."""
         secret = proto.new_secret()
         gate = None
         try:
             if controlled(spec.policies):
                 gate = await self.proxy.open(spec.network)
             proc = await asyncio.create_subprocess_exec(
-                *self.launcher(args, cgroup, spec, upper is None, vns_fd, gate),
+                *self.launcher(args, cgroup, spec, capped_upper, vns_fd, gate),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -495,18 +481,9 @@ class BwrapBackend:
                 raise SandboxError(f"cannot start bwrap ({self._bwrap}): {exc}") from exc
             raise
         finally:
-            for fd in rw_fds + ([seccomp_fd] if seccomp_fd is not None else []):
+            for fd in to_close:
                 os.close(fd)
-        box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
-        box.verifier_uid = idmap.VERIFIER_UID if verifier else None
-        box.agent_uid = agent.uid
-        box.fixed_network = spec.network
-        if gate is not None:
-            box.network = NetworkControl(gate, box.verifier_uid, spec.network, spec.network, first_rules(spec.network))
-        if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
-            box.writes = WritableLayer(self._upper_mnt, lowers, snapshot)
-            box.origin = (self, spec)
-        return box
+        return proc, secret, gate
 
 
 def _agent_procs(cgroup: cgroups.Cgroup | None) -> list[Path]:
@@ -515,42 +492,9 @@ def _agent_procs(cgroup: cgroups.Cgroup | None) -> list[Path]:
     return list(cgroup.agent_procs_files) if cgroup is not None else []
 
 
-def _init_args(
-    agent_fds: list[int],
-    verifier_uid: int | None,
-    verifier_ns_fd: int | None,
-    agent: tuple[int, int] = (0, 0),
-    parent_fd: int | None = None,
-    groups: tuple[int, ...] = (),
-    build: bool = False,
-    restored: bool = False,
-) -> tuple[str, ...]:
-    args = ["--agent", f"{agent[0]}:{agent[1]}"]
-    if restored:  # the snapshot's shell state (cwd, exports) is the agent's to go on with
-        args += ["--keep-shell-state", "1"]
-    if build:  # RUN steps chown to the image's other uids and act as them, as in Docker (init.c BUILD_CAPS)
-        args += ["--build-caps", "1"]
-    for gid in groups[:64]:  # the image USER's supplementary groups (init.c MAX_AGENT_GROUPS)
-        args += ["--agent-group", str(gid)]
-    if verifier_uid is not None:
-        args += ["--verifier", str(verifier_uid)]
-    if parent_fd is not None:  # the init leaves uid 0 and watches for bwrap's end on this pipe
-        args += ["--init-uid", str(idmap.INIT_UID), "--parent-fd", str(parent_fd)]
-    if verifier_ns_fd is not None:
-        args += ["--verifier-ns", str(verifier_ns_fd)]
-    for fd in agent_fds:
-        args += ["--agent-procs", str(fd)]
-    return tuple(args)
-
-
 def _same_file(fd: int, path: Path) -> bool:
     try:
         a, b = os.fstat(fd), os.stat(path)
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _networked(spec: SandboxSpec) -> bool:
-    """Whether the sandbox gets a network namespace of pasta's (else bwrap's own, empty one)."""
-    return any(p.online for p in spec.policies)

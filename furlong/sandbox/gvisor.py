@@ -48,6 +48,7 @@ from furlong.sandbox.base import (
 )
 from furlong.sandbox.bwrap_box import BwrapSandbox
 from furlong.sandbox.changes import Change, image_entry, overlay_changes
+from furlong.sandbox.headroom import agent_caps
 from furlong.sandbox.shell import shell_quote
 
 INIT_PATH = "/.furlong-init"  # where the container sees furlong's init (a read-only bind of the host's binary)
@@ -55,7 +56,6 @@ STATX_SHIM = "/.furlong-statx.so"  # native/statx.c, on every command's LD_PRELO
 STATE_DIR = Path("/run/furlong/gvisor")  # runsc's state and each sandbox's bundle, removed at close
 SENTRY_MB = 128  # the sentry's own memory, on top of the sandbox's limit (the host cgroup counts both)
 SENTRY_PIDS = 1024  # its threads and ptrace stubs, several per guest process (the host cgroup counts them all)
-SHM_MB = 64
 # the init's capabilities: to take the agent's uid and drop every capability for its commands
 INIT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL"]
 
@@ -206,7 +206,7 @@ class GvisorBackend:
         runsc += ["run", "--bundle", str(work / "bundle"), name]
         return (
             "set -e\n"
-            f"mount -t tmpfs -o size={spec.limits.disk_mb}m,mode=0755 furlong {rw}\n"
+            f"mount -t tmpfs -o size={agent_caps(spec.limits).layer}m,mode=0755 furlong {rw}\n"
             f"mkdir {rw}/u {rw}/w\n"
             f"mount -t overlay overlay -o {shell_quote(opts)} {root}\n"
             "exec " + " ".join(shell_quote(a) for a in runsc) + "\n"
@@ -247,7 +247,12 @@ class GvisorBackend:
             "mounts": [
                 {"destination": "/proc", "type": "proc", "source": "proc"},
                 {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
-                {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": [f"size={SHM_MB}m"]},
+                {
+                    "destination": "/dev/shm",
+                    "type": "tmpfs",
+                    "source": "shm",
+                    "options": [f"size={agent_caps(lim).shm}m"],
+                },
                 *({"destination": d, "type": "bind", "source": str(s), "options": ["ro", "bind"]} for d, s in binds),
             ],
             "linux": {
