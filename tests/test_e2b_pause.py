@@ -26,6 +26,7 @@ def test_pause_connect_and_metrics_through_the_sdk(server):  # noqa: F811
         (sample,) = sbx.get_metrics()
         assert sample.cpu_used_pct > 2 and sample.cpu_count == 1  # 2 cores shared with other jobs: a share of one
         assert 50_000_000 < sample.mem_used < sample.mem_total == 2048 << 20
+        assert sample.disk_total == int(sbx.commands.run("df -B1 --output=size / | tail -1").stdout)
         assert sbx.pause() is True
         assert e2b.Sandbox.pause(sbx.sandbox_id) is False  # already paused: the SDK's answer to a 409
         assert app.state.registry.live[sbx.sandbox_id].box.paused

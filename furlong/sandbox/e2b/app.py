@@ -28,6 +28,7 @@ from furlong.sandbox.base import (
 from furlong.sandbox.e2b.envd import refusal
 from furlong.sandbox.e2b.filesystem import filesystem_app
 from furlong.sandbox.e2b.process import process_app
+from furlong.sandbox.headroom import agent_caps
 
 ENVD_VERSION = "0.2.0"  # below 0.5.7 the SDK uploads multipart, the one upload form served here
 Resolver = Callable[[str], Awaitable[ImageRef | None]]
@@ -246,7 +247,7 @@ class _Routes:
             "memTotal": used.limits.memory_mb << 20,
             "memCache": 0,
             "diskUsed": 0,
-            "diskTotal": used.limits.disk_mb << 20,
+            "diskTotal": agent_caps(used.limits).layer << 20,  # the writable layer's size: `df /` in the sandbox
         }
         return JSONResponse([sample])
 
