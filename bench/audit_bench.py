@@ -4,7 +4,7 @@ TB2-format sample (tasks-tb2/), the public TB2-format collection (bench/tb2_benc
 and the SWE fixture's instances (tests/swe_support.py, imported by `furlong audit --swe`).
 
     python bench/audit_bench.py [--suites bundled,parity,tb2_sample,tb2,swe] [--tb2-dir DIR]
-                                [--tb2-limit N] [--tb2-seed 0] [--out bench/results/audit.json]
+                                [--tb2-limit N] [--tb2-seed 0] [--tb2-unaudited] [--out bench/results/audit.json]
 
 Writes per suite: the command, its exit status, the verdict counts, per exploit how many tasks it earned
 reward on and on how many tamper detection caught it, per exploit class (`by_kind`) how many of the audited
@@ -15,7 +15,8 @@ the bundled suite's run).
 
 `tb2` audits a seeded sample of --tb2-limit tasks (all with --tb2-limit 0) of the collection checked out at
 --tb2-dir (bench/tb2_bench.py says how), drawn from those whose oracle scored 1 in bench/results/tb2.json or
-tb2_rest.json (the others are `broken` to the audit: only their oracle and no-op would run).
+tb2_rest.json (the others are `broken` to the audit: only their oracle and no-op would run). With
+--tb2-unaudited it audits the passing tasks that sample left out instead, kept beside it as `tb2_rest`.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def main() -> None:
     parser.add_argument("--tb2-dir", type=Path, help="a checkout of the TB2-format collection (suite tb2)")
     parser.add_argument("--tb2-limit", type=int, default=12, help="tasks of it to audit (0: every passing one)")
     parser.add_argument("--tb2-seed", type=int, default=0)
+    parser.add_argument("--tb2-unaudited", action="store_true",
+                        help="suite tb2: only the passing tasks the file's tb2 suite has not audited, kept as tb2_rest")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "audit.json")
     args = parser.parse_args()
     names = [n.strip() for n in args.suites.split(",") if n.strip()]
@@ -142,25 +145,32 @@ def main() -> None:
             prov = provenance()
             where = {"tb2": str(Path(tmp) / "tb2"), "swe": str(Path(tmp) / "swe")}
             extra = {}
+            key = name
             if name == "tb2":
                 chosen = _tb2_sample(args.tb2_dir, args.tb2_limit, args.tb2_seed)
+                if args.tb2_unaudited:  # the rest of the collection, beside an earlier sample of it
+                    key, done = "tb2_rest", set(result.get("tb2", {}).get("selected", ()))
+                    chosen = [t for t in _tb2_sample(args.tb2_dir, 0, args.tb2_seed) if t not in done]
                 for task in chosen:
                     shutil.copytree(args.tb2_dir / task, Path(where["tb2"]) / task)
                 extra = {
                     "collection": COLLECTION,
                     "selected": chosen,
-                    "selection": f"seed {args.tb2_seed}, {len(chosen)} of the tasks whose oracle scored 1 "
+                    "selection": f"the {len(chosen)} tasks whose oracle scored 1 in {' and '.join(TB2_RESULTS)} "
+                    "that suite tb2 did not audit"
+                    if args.tb2_unaudited
+                    else f"seed {args.tb2_seed}, {len(chosen)} of the tasks whose oracle scored 1 "
                     f"in {' and '.join(TB2_RESULTS)}",
                 }
             if name == "swe":
                 swe_support.build(Path(where["swe"]))
             run = [a.format(**where) for a in SUITES[name]]
             shown = [a.replace("{tb2}", "TB2_SELECTED").replace("{swe}", "SWE_FIXTURE") for a in SUITES[name]]
-            result[name] = {**_suite(run, shown), **extra, "provenance": finish(prov)}
+            result[key] = {**_suite(run, shown), **extra, "provenance": finish(prov)}
             if name == "bundled":
                 result["provenance"] = result[name]["provenance"]
             args.out.write_text(json.dumps(result, indent=1) + "\n")
-            r = result[name]
+            r = result[key]
             print(f"{name}: {r['tasks']} tasks, {r['hackable']} hackable, {r['broken']} broken, {r['wall_seconds']} s")
 
 
