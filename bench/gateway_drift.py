@@ -165,7 +165,8 @@ def naive_turns(traj: Trajectory, seg: Segment, model) -> tuple[list[dict], int]
     for (start, stop), k in zip(seg.turns, answers, strict=True):
         a = agree(render_text(tok, messages[:k], tools, add_generation_prompt=True), text)
         through = render_text(tok, messages[: k + 1], tools)  # up to its end marker: what follows is the next turn's
-        b = agree(through[: max(through.rfind(m) + len(m) for m in markers)], text)
+        end = max(through.rfind(m) + len(m) for m in markers)
+        b = agree(through[:end] if end > a else through, text)  # GLM-4.5's template writes no marker after a turn
         inside = [j for j, (s, e) in enumerate(offsets) if s < b and e > a]  # tokens touching the turn's text
         sampled, retok = seg.ids[start:stop], [naive[j] for j in inside]
         shared = []
