@@ -46,8 +46,9 @@ def test_the_committed_result_has_no_mismatch_in_any_family_or_format():
     assert sorted(result["model_families"]) == with_format
     assert all(row["tito_mismatch_tokens"] == 0 and row["episodes"] == len(FAMILIES)
                for row in result["model_families"].values())
-    # no family's template forks a segment in these episodes: Qwen3's re-rendered turns are continued
-    assert all(row["history_rewrites"] == 0 for row in result["model_families"].values())
+    # no family's template forks a segment in these episodes: Qwen3's re-rendered turns are continued. GLM-4.5's
+    # reads text before a sampled "</think>" as reasoning and drops it at a new user turn (docs/gateway.md)
+    assert all(row["history_rewrites"] == 0 for name, row in result["model_families"].items() if name != "glm4_moe")
 
 
 def test_an_episode_on_qwen3s_own_template_is_one_segment_with_no_mismatch():
