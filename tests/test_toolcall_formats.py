@@ -461,4 +461,4 @@ def test_glm45_turns_end_with_the_next_messages_role(tokenizers) -> None:
     assert tok.decode(closed) == "<|user|>More?<|assistant|>"
     closed = continuation_ids(tok, [result], close_turn=True, end_of_turn=ends, answered=call)
     assert tok.decode(closed).startswith("<|observation|>\n<tool_response>")
-    assert FORMATS["glm45"].answer("\n<think>hmm</think>\nIt is 4.<|user|>") == "It is 4."
+    assert FORMATS["glm45"].answer("\n<think>hmm</think>\nIt is 4.<|user|>") == "<think>hmm</think>\nIt is 4."

@@ -29,7 +29,6 @@ OBSERVATION, USER = "<|observation|>", "<|user|>"
 _CONTROL = (OBSERVATION, USER, "<|assistant|>", "<|system|>", "<|endoftext|>", "[gMASK]", "<sop>")
 _NAME_RE = re.compile(r"\s*([^<\n]*)")  # the call's first line, up to its first tag
 _ARG_RE = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
-_THINK_RE = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,9 @@ class Glm45:
         return unclosed or calls
 
     def answer(self, text: str) -> str:
-        """The text after the think block, without the role the model ended its turn with."""
-        return _THINK_RE.sub("", without(text, _CONTROL), count=1).strip()
+        """The turn's text without the role the model ended it with. The think block stays, as Hermes keeps
+        Qwen3's: the template reads it back from a resent answer and writes the turn as it was sampled."""
+        return without(text, _CONTROL).strip()
 
     def outside_calls(self, text: str) -> str:
         """The content beside a turn's calls (the gateway's reply): the text around them."""
