@@ -22,7 +22,7 @@ text its render adds):
     not have are counted.
 The same scoring of the stored ids gives the floor (engine vs trainer numerics) for comparison.
 
-    python bench/gateway_drift.py            # ~2-3 min here; writes bench/results/gateway_drift.json
+    python bench/gateway_drift.py            # ~1.5-2.5 min here; writes bench/results/gateway_drift.json
 """
 
 from __future__ import annotations
