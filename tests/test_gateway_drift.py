@@ -30,13 +30,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gateway_drift  # noqa: E402 -- the bench script, found on the path set above
 
 RESULT = ROOT / "bench" / "results" / "gateway_drift.json"
+# every format but deepseek_v3, whose committed template is not append-only (docs/models.md)
+MEASURED = [name for name in FORMATS if name != "deepseek_v3"]
 FAMILIES = sorted(p.name for p in (ROOT / "tasks").iterdir() if is_family_dir(p))
 
 
 def test_the_committed_result_has_no_mismatch_in_any_family_or_format():
     result = json.loads(RESULT.read_text())
-    assert sorted(result["formats"]) == sorted(FORMATS) and sorted(result["families"]) == FAMILIES
-    assert result["total"]["episodes"] == len(FORMATS) * len(FAMILIES)
+    assert sorted(result["formats"]) == sorted(MEASURED) and sorted(result["families"]) == FAMILIES
+    assert result["total"]["episodes"] == len(MEASURED) * len(FAMILIES)
     rows = [result["total"], *result["formats"].values(), *result["families"].values()]
     assert all(row["tito_mismatch_tokens"] == 0 for row in rows)
     assert result["total"]["naive"]["tokens_differ"] > 0, "the naive comparison measured nothing"
@@ -44,8 +46,9 @@ def test_the_committed_result_has_no_mismatch_in_any_family_or_format():
     assert sorted(result["model_families"]) == with_format
     assert all(row["tito_mismatch_tokens"] == 0 and row["episodes"] == len(FAMILIES)
                for row in result["model_families"].values())
-    # no family's template forks a segment in these episodes: Qwen3's re-rendered turns are continued
-    assert all(row["history_rewrites"] == 0 for row in result["model_families"].values())
+    # no family's template forks a segment in these episodes: Qwen3's re-rendered turns are continued. GLM-4.5's
+    # reads text before a sampled "</think>" as reasoning and drops it at a new user turn (docs/gateway.md)
+    assert all(row["history_rewrites"] == 0 for name, row in result["model_families"].items() if name != "glm4_moe")
 
 
 def test_an_episode_on_qwen3s_own_template_is_one_segment_with_no_mismatch():
@@ -85,7 +88,11 @@ def test_a_qwen3_segment_is_the_templates_render_but_for_the_sampled_think_block
     assert traj.record_dict()["tito_mismatch_tokens"] >= 1
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_bench_measures_every_format_but_deepseek_v3():
+    assert sorted(gateway_drift.FORMAT_SETUP) == sorted(MEASURED)
+
+
+@pytest.mark.parametrize("name", MEASURED)
 def test_an_episode_in_each_format_has_no_mismatch(tiny_dir, name):
     """A written bash call, its result, two sampled turns with a user turn between (Llama 3's template raised
     on the empty tool_calls list the gateway stored for a plain answer; gpt-oss's refuses the raw sampled

@@ -32,6 +32,7 @@ from furlong.model.chat import (
     render_prompt_ids,
     render_text,
 )
+from furlong.model.families import DEEPSEEK, GEMMA, GLM
 from furlong.model.loading import load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.model.toolcall import FORMATS, detect_format, tool_format
@@ -47,8 +48,17 @@ SPECIAL = {
                     "<|python_tag|>"),
     "harmony": ("<|startoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                 "<|return|>", "<|call|>"),
+    "pythonic": GEMMA,
+    "deepseek_v3": DEEPSEEK,
+    "glm45": GLM,
 }
-FIXTURE = {"qwen3_coder": "qwen3_coder.jinja", "llama3_json": "llama3_json.jinja", "harmony": "gpt_oss.jinja"}
+FIXTURE = {"qwen3_coder": "qwen3_coder.jinja", "llama3_json": "llama3_json.jinja", "harmony": "gpt_oss.jinja",
+           "pythonic": "gemma3.jinja", "deepseek_v3": "deepseek_v3.jinja", "glm45": "glm4_5.jinja"}
+BOS = {"llama3_json": "<|begin_of_text|>", "pythonic": "<bos>", "deepseek_v3": DEEPSEEK[0]}  # the templates start so
+# DeepSeek-V3's committed template (vLLM's example) is indented, and transformers keeps the indentation: its
+# generation prompt is no prefix of a rendered turn, so TITO cannot agree with its render (see
+# test_deepseek_v3s_template_is_not_append_only); its calls are read from the template's render.
+APPEND_ONLY = [n for n in FORMATS if n != "deepseek_v3"]
 BASH = {"type": "function", "function": {
     "name": "bash", "description": "Run a shell command",
     "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "the command"}},
@@ -79,8 +89,8 @@ def tokenizers() -> dict:
     for name, fixture in FIXTURE.items():
         tok = copy.deepcopy(base)
         tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL[name]])
-        if name == "llama3_json":
-            tok.bos_token = "<|begin_of_text|>"  # the template starts with it
+        if name in BOS:
+            tok.bos_token = BOS[name]
         tok.chat_template = (TEMPLATES / fixture).read_text()
         toks[name] = tok
     return toks
@@ -91,7 +101,11 @@ def calling(*calls: ToolCall, content: str = "") -> Message:
 
 
 def sampled(tok, name: str, message: Message) -> str:
-    """What the model would emit for `message`: the template's rendering, tokenized and decoded."""
+    """What the model would emit for `message`: the template's rendering, tokenized and decoded (DeepSeek-V3's:
+    the render of the turn, from its Assistant token to its end marker)."""
+    if name == "deepseek_v3":
+        text = render_text(tok, [Message("system", "s"), Message("user", "u"), message])
+        return text[text.rindex(DEEPSEEK[4]) + len(DEEPSEEK[4]):text.rindex(DEEPSEEK[1]) + len(DEEPSEEK[1])]
     return tok.decode(assistant_ids(tok, message, FORMATS[name].turn_ends), skip_special_tokens=False)
 
 
@@ -126,7 +140,7 @@ def test_round_trip_through_the_real_template(tokenizers, name: str, call: ToolC
     assert fmt.parse(sampled(tok, name, calling(call, content="First, look.")), TOOLS) == [call]
 
 
-@pytest.mark.parametrize("name", ["hermes", "qwen3_coder"])
+@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "pythonic", "deepseek_v3", "glm45"])
 def test_several_calls_in_one_turn(tokenizers, name: str) -> None:
     text = sampled(tokenizers[name], name, calling(*CALLS))
     assert FORMATS[name].parse(text, TOOLS) == CALLS
@@ -172,6 +186,7 @@ def test_qwen3_coder_reads_values_by_their_schema_type() -> None:
     assert wrong.name == "write_file"
 
 
+DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP = DEEPSEEK[5:10]
 MALFORMED = [  # (format, text, what the error says)
     ("hermes", '<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>', "invalid JSON"),
     ("hermes", '<tool_call>{"name": "bash", "arguments": {}}', "unterminated"),
@@ -189,6 +204,31 @@ MALFORMED = [  # (format, text, what the error says)
     ("harmony", "<|channel|>commentary to=functions.bash json<|message|>ls -la<|call|>", "invalid JSON"),
     ("harmony", '<|channel|>commentary to=browser.search<|message|>{"q": "x"}<|call|>', "unknown recipient"),
     ("harmony", '<|channel|>commentary json<|message|>{"command": "ls"}<|call|>', "names no recipient"),
+    ("pythonic", '[bash(command="ls")', "expected `,` or `]`"),
+    ("pythonic", '[bash("ls")]', "positional arguments"),
+    ("pythonic", '[bash(command=ls)]', "expected a literal"),
+    ("pythonic", '[bash(command="ls", command="pwd")]', "given twice"),
+    ("pythonic", '[bash(command=open("x"))]', "expected a literal"),
+    ("pythonic", '[bash(command=["a", f(1)])]', "not a literal"),
+    ("pythonic", '[bash(command="ls)]', "unterminated string"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}function{DS_SEP}bash\n```json\n{{"command": "ls"}}\n```{DS_CALL_END}',
+     "unterminated"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}function{DS_SEP}bash\n```json\n{{"command": }}\n```{DS_CALL_END}{DS_CALLS_END}',
+     "invalid JSON"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}function{DS_SEP}bash\n{{"command": "ls"}}{DS_CALL_END}{DS_CALLS_END}',
+     "```json"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}function{DS_SEP}bash\n```json\n["ls"]\n```{DS_CALL_END}{DS_CALLS_END}',
+     "expected a JSON object"),
+    ("deepseek_v3", f"{DS_CALLS}ls -la{DS_CALLS_END}", "text between the calls"),
+    ("deepseek_v3", f"{DS_CALL}function{DS_SEP}bash\n```json\n{{}}\n```{DS_CALL_END}", "outside"),
+    ("glm45", "<tool_call>bash\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n", "unterminated"),
+    ("glm45", "<tool_call>bash\nls -la\n</tool_call>", "text outside <arg_key>"),
+    ("glm45", "<tool_call>\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>", "name"),
+    ("glm45", ("<tool_call>bash\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n<arg_key>command</arg_key>\n"
+               "<arg_value>pwd</arg_value>\n</tool_call>"), "given twice"),
+    ("glm45", "<tool_call>write_file\n<arg_key>mode</arg_key>\n<arg_value>rw</arg_value>\n</tool_call>",
+     "expected integer"),
+    ("glm45", "<arg_key>command</arg_key>\n<arg_value>ls</arg_value>", "outside <tool_call>"),
 ]
 
 
@@ -206,6 +246,12 @@ FRAGMENTS = {
                     "[", "null", "1e999", " "],
     "harmony": ["<|start|>", "assistant", "<|channel|>", "commentary", " to=functions.bash", " to=", "<|message|>",
                 "<|constrain|>json", "<|call|>", "<|end|>", "<|return|>", "final", '{"command": "ls"}', "{", "\n"],
+    "pythonic": ["[", "]", "bash(", "(", ")", "command=", "=", ",", '"', "'", "\\", "True", "null", "{", "}", "1e5",
+                 "<end_of_turn>", "\n"],
+    "deepseek_v3": [DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP, "function", "bash", "\n```json\n", "\n```",
+                    '{"command": "ls"}', "{", "}", DEEPSEEK[1], "\n"],
+    "glm45": ["<tool_call>", "</tool_call>", "bash", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "mode",
+              "command", "7", "{", "[", "\n", "<|observation|>", "<think>", "</think>"],
 }
 
 
@@ -244,7 +290,7 @@ def test_any_arguments_round_trip(tokenizers, name: str, args: dict) -> None:
     assert FORMATS[name].parse(text, [schema]) == [ToolCall("tool", json.loads(json.dumps(args)))]
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("name", APPEND_ONLY)
 def test_incremental_ids_equal_the_full_render(tokenizers, name: str) -> None:
     """Prompt + sampled turns + continuations, rendered piece by piece, are what the template renders for the
     whole conversation: for a chain of calls in every format (harmony keeps a call's analysis until a final
@@ -287,10 +333,12 @@ def test_harmony_continues_after_a_final_answer(tokenizers) -> None:
 BROKEN = {"hermes": '<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call><|im_end|>',
           "qwen3_coder": "<tool_call>\n<function=bash>\nls\n</function>\n</tool_call><|im_end|>",
           "llama3_json": '{"name": "bash", "parameters": {"command": }<|eot_id|>',
-          "harmony": "<|channel|>commentary to=functions.bash <|constrain|>json<|message|>{command: ls}<|call|>"}
+          "harmony": "<|channel|>commentary to=functions.bash <|constrain|>json<|message|>{command: ls}<|call|>",
+          "pythonic": "[bash(command=ls)]<end_of_turn>",
+          "glm45": "\n<think></think>\n<tool_call>bash\nls\n</tool_call><|observation|>"}
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("name", APPEND_ONLY)
 def test_multi_turn_episode_is_token_exact(tokenizers, name: str, backend, base_image, tmp_path) -> None:
     """A real episode in each format (real sandbox, real tool results): the sampled ids stay verbatim with
     loss mask 1, each prompt is the last one + the sampled ids + the template's continuation, a malformed
@@ -334,7 +382,7 @@ def test_eval_names_a_template_it_cannot_read_before_loading_the_model(tokenizer
         model_agents(cfg)
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("name", APPEND_ONLY)
 def test_sft_demonstrations_are_laid_out_in_the_models_format(tokenizers, name: str, tmp_path) -> None:
     """An oracle demonstration is the episode a model would have: prompt, its call, the real observation and
     a final answer, each turn's ids masked as sampled, and the whole exactly the template's render."""
@@ -344,10 +392,73 @@ def test_sft_demonstrations_are_laid_out_in_the_models_format(tokenizers, name: 
     call = calling(ToolCall("bash", {"command": "echo hi > /app/out.txt"}))
     conversation = [Message("system", params.system_prompt), Message("user", task.instruction), call,
                     Message("tool", "exit code 0"), Message("assistant", FINAL_ANSWER)]
-    full = render_text(tok, conversation)
-    assert tok.decode(demo.tokens, skip_special_tokens=False) == full.rstrip("\n")
+    full = render_text(tok, conversation).rstrip("\n")
+    if name == "glm45":  # the answer ends with the role of what would follow it: the template writes no end
+        full += "<|user|>"
+    assert tok.decode(demo.tokens, skip_special_tokens=False) == full
     start = demo.loss_mask.index(1)  # the first taught turn: the call
     taught = tok.decode(demo.tokens[start:demo.loss_mask.index(0, start)], skip_special_tokens=False)
     assert FORMATS[name].parse(taught, TOOLS) == [call.tool_calls[0]]
     assert sum(demo.loss_mask) == len(assistant_ids(tok, call, FORMATS[name].turn_ends)) + len(
         assistant_ids(tok, Message("assistant", FINAL_ANSWER), FORMATS[name].turn_ends))
+
+
+def test_pythonic_reads_what_gemma_models_write() -> None:
+    """Python literals as a model writes them (single quotes, True/None, commas), text before the list, and
+    the template's own comma-less JSON form (`f(a=1b=true)`); an answer with no list of calls is an answer."""
+    fmt = FORMATS["pythonic"]
+    text = (
+        "Let me look.\n[bash(command='echo \\'hi\\'\\n'), write_file(path=\"/a\", mode=-7, append=True, owner=None, "
+        "tags=('x', 2.5e3), meta={'k': [null, false]})]<end_of_turn>"
+    )
+    assert fmt.parse(text, TOOLS) == [
+        ToolCall("bash", {"command": "echo 'hi'\n"}),
+        ToolCall(
+            "write_file",
+            {
+                "path": "/a",
+                "mode": -7,
+                "append": True,
+                "owner": None,
+                "tags": ["x", 2500.0],
+                "meta": {"k": [None, False]},
+            },
+        ),
+    ]
+    assert fmt.parse('[w(a=1e2=3b=truec="x")]', TOOLS) == [ToolCall("w", {"a": 1, "e2": 3, "b": True, "c": "x"})]
+    assert fmt.parse("[]", TOOLS) == [] and fmt.parse("The list is [1, 2].<end_of_turn>") == []
+    assert fmt.answer("The list is [1, 2].<end_of_turn>") == "The list is [1, 2]."
+    assert fmt.outside_calls(text) == "Let me look."  # type: ignore[attr-defined]
+
+
+def test_deepseek_v3s_template_is_not_append_only(tokenizers) -> None:
+    """The committed DeepSeek-V3 template (vLLM's example) is indented, and transformers keeps what it writes
+    before `{{ }}`: its generation prompt ends in a newline where a rendered turn has spaces, and tool results
+    are closed with other indentation than the turn after them renders. So furlong's TITO pieces cannot equal
+    its render; the calls it writes still parse (test_round_trip_through_the_real_template)."""
+    tok, ends = tokenizers["deepseek_v3"], FORMATS["deepseek_v3"].turn_ends
+    with pytest.raises(ChatTemplateError, match="generation prompt is not a prefix"):
+        assistant_ids(tok, calling(CALLS[0]), ends)
+    head = [Message("system", "s"), Message("user", "u")]
+    prompt = render_text(tok, head, add_generation_prompt=True)
+    assert prompt.endswith(DEEPSEEK[4] + "\n") and not render_text(tok, [*head, calling(CALLS[0])]).startswith(prompt)
+
+
+def test_glm45_turns_end_with_the_next_messages_role(tokenizers) -> None:
+    """GLM-4.5's template writes no end marker after an assistant turn: a call ends with <|observation|> (the
+    tool results' role), an answer with <|user|>, and the continuation starts after it; a cut-off turn is
+    closed with the role of what follows it."""
+    tok, ends = tokenizers["glm45"], FORMATS["glm45"].turn_ends
+    call, answer = calling(CALLS[0], content="Look."), Message("assistant", "Done.")
+    assert tok.decode(assistant_ids(tok, call, ends)).endswith("</tool_call><|observation|>")
+    assert tok.decode(assistant_ids(tok, answer, ends)).endswith("Done.<|user|>")
+    result, more = Message("tool", "out"), Message("user", "More?")
+    assert (
+        tok.decode(continuation_ids(tok, [result], end_of_turn=ends, answered=call))
+        == "\n<tool_response>\nout\n</tool_response><|assistant|>"
+    )
+    closed = continuation_ids(tok, [more], close_turn=True, end_of_turn=ends, answered=answer)
+    assert tok.decode(closed) == "<|user|>More?<|assistant|>"
+    closed = continuation_ids(tok, [result], close_turn=True, end_of_turn=ends, answered=call)
+    assert tok.decode(closed).startswith("<|observation|>\n<tool_response>")
+    assert FORMATS["glm45"].answer("\n<think>hmm</think>\nIt is 4.<|user|>") == "<think>hmm</think>\nIt is 4."

@@ -67,7 +67,9 @@ class AgentConfig(_Node):
         description="render the environment's tool schemas (Harbor: bash) into the prompt "
         "(tiny models do better without it; chat models trained on tools, with it)",
     )
-    tool_format: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "harmony"] = Field(
+    tool_format: Literal[
+        "auto", "hermes", "qwen3_coder", "llama3_json", "harmony", "pythonic", "deepseek_v3", "glm45"
+    ] = Field(
         "auto",
         description="how the model writes tool calls and ends its turns (docs/models.md#tool-call-formats); "
         "auto: read from the tokenizer's chat template, an error when it cannot tell",

@@ -100,7 +100,7 @@ class Policy:
         malformed = isinstance(parsed, ToolCallError)
         calls = () if isinstance(parsed, ToolCallError) else tuple(parsed)
         traj.malformed_calls += malformed
-        content = self.fmt.answer(content_outside_calls(raw, bool(calls)))
+        content = self.fmt.answer(content_outside_calls(raw, bool(calls), self.fmt))
         call_ids = tuple(f"call_{secrets.token_hex(8)}" for _ in calls)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:  # no empty list: a template may read its presence as a call (Llama 3's raises on it)

@@ -26,9 +26,13 @@ class Reply:
     stop_sequence: str | None = None  # the request's stop string that ended the turn
 
 
-def content_outside_calls(text: str, has_calls: bool) -> str:
-    """The content to return beside parsed calls: text around tagged calls; nothing for formats whose whole
-    turn is the call (Llama 3 JSON, harmony's commentary channel)."""
+def content_outside_calls(text: str, has_calls: bool, fmt: object = None) -> str:
+    """The content to return beside parsed calls: text around tagged calls, or what the format's own
+    `outside_calls` gives (pythonic, DeepSeek-V3, GLM-4.5); nothing for formats whose whole turn is the call
+    (Llama 3 JSON, harmony's commentary channel)."""
     if not has_calls:
         return text
+    outside = getattr(fmt, "outside_calls", None)
+    if outside is not None:
+        return str(outside(text))
     return _TAGGED_CALL.sub("", text).strip() if "<tool_call>" in text else ""

@@ -30,9 +30,7 @@ from furlong.engine.base import Generation
 from furlong.model.chat import (
     ChatTemplateError,
     continuation_ids,
-    continuation_text,
     encode,
-    end_of_turn_id,
     render_prompt_ids,
     render_text,
 )
@@ -222,16 +220,18 @@ class Trajectory:
         for k in range(1, len(seg.turns)):
             before, now = sampled[k - 1], sampled[k]
             stop, nxt = seg.turns[k - 1][1], seg.turns[k][0]
-            text = continuation_text(
+            closed = self.tokenizer.decode(seg.ids[stop - 1 : stop]) in (*self.fmt.turn_ends, *self.fmt.stops)
+            # a turn cut off is closed as the agent closes it: with the marker the template writes next
+            # (GLM-4.5: the role of the message that follows)
+            expected = continuation_ids(
                 self.tokenizer,
                 seg.messages[before + 1 : now],
-                self.fmt.turn_ends,
+                close_turn=not closed,
+                end_of_turn=self.fmt.turn_ends,
                 answered=seg.messages[before],
                 history=seg.messages[:before],
             )
-            closed = self.tokenizer.decode(seg.ids[stop - 1 : stop]) in (*self.fmt.turn_ends, *self.fmt.stops)
-            close = [] if closed else [end_of_turn_id(self.tokenizer, self.fmt.turn_ends)]
-            mismatch += _differ(seg.ids[stop:nxt], close + encode(self.tokenizer, text))
+            mismatch += _differ(seg.ids[stop:nxt], expected)
         return mismatch
 
     def sampled_spans(self, seg: Segment) -> tuple[str, list[tuple[int, int]] | None]:

@@ -136,20 +136,34 @@ def continuation_text(
 
     The answered turn's end marker may become another of the format's markers once the conversation goes
     on (harmony writes <|return|> after a conversation's last answer, <|end|> in history): the sampled
-    marker stays in the episode's ids, and the continuation starts after either. The answered turn itself
+    marker stays in the episode's ids, and the continuation starts after either. A template that writes no
+    end marker after an assistant turn (GLM-4.5's: the model ends its turn by writing the next turn's role,
+    <|observation|> or <|user|>) has its markers open the next message: the continuation starts after the
+    one the template writes there. The answered turn itself
     may be written otherwise too, where the template changes only what it writes around the turn's content
     (Qwen3's template gives a conversation's last assistant turn an empty think block and drops it once the
     conversation goes on): its sampled ids stay, and the continuation is what the template writes after its
     end marker in the longer render. Any other difference between the rendered history and a longer render
     (a turn before the answered one, or the answered turn's own text, as Qwen3's reasoning at a new user
     query) is a ChatTemplateError."""
+    return _continuation(tokenizer, messages, end_of_turn, answered, history)[1]
+
+
+def _continuation(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[MessageLike],
+    end_of_turn: EndOfTurn,
+    answered: MessageLike,
+    history: Sequence[MessageLike],
+) -> tuple[str, str]:
+    """continuation_text's marker and what follows it."""
     if not messages:
         raise ValueError("continuation needs at least one message")
     if any(d.get("role") == "assistant" for d in _dicts(messages)):
         raise ValueError("assistant turns are sampled, not rendered: pass only tool / user messages")
     stub = [*history, answered]
     head = render_text(tokenizer, stub)
-    body = head[: _last_marker(head, end_of_turn)[0]]  # the answered turn, up to its end marker
+    body = head[: _answered_end(head, render_text(tokenizer, history), end_of_turn)]  # to its end marker
     full = render_text(tokenizer, [*stub, *messages], add_generation_prompt=True)
     if full.startswith(body):
         rest = full[len(body) :]
@@ -161,7 +175,22 @@ def continuation_text(
             "chat template rewrites earlier turns when later ones are added; "
             "incremental (TITO) rendering would disagree with a full render"
         )
-    return rest[len(marker) :]
+    return marker, rest[len(marker) :]
+
+
+def _answered_end(head: str, before: str, end_of_turn: EndOfTurn) -> int:
+    """Where the answered turn, the last of `head` (the render of `before` and that turn), ends: at its end
+    marker, or at the end of `head` for a template that writes none after an assistant turn (its last
+    marker is then in the history before the turn)."""
+    at = _last_marker(head, end_of_turn)[0]
+    return at if at >= len(os.path.commonprefix([head, before])) else len(head)  # noqa: RUF071 -- strings
+
+
+def opens_next_turn(tokenizer: PreTrainedTokenizerBase, end_of_turn: EndOfTurn) -> bool:
+    """Whether the template writes no end marker after an assistant turn, so that the format's markers are
+    the next message's role (GLM-4.5): the model ends its turn by writing the role of what answers it."""
+    before = render_text(tokenizer, _STUB[:2])
+    return _answered_end(render_text(tokenizer, _STUB), before, end_of_turn) == len(render_text(tokenizer, _STUB))
 
 
 def _after_rerendered_turn(
@@ -236,7 +265,7 @@ def _answered_turn(
     at = max(full.rfind(m, len(before), agree) for m in _markers(end_of_turn))
     if at <= len(before):
         return None
-    return head[len(before) : _last_marker(head, end_of_turn)[0]], full[len(before) : at], full[at:]
+    return head[len(before) : _answered_end(head, before, end_of_turn)], full[len(before) : at], full[at:]
 
 
 def continuation_ids(
@@ -249,20 +278,31 @@ def continuation_ids(
 ) -> list[int]:
     """Ids to append after the sampled ids of an assistant turn: the answering messages (usually role "tool")
     and the next generation prompt. `close_turn=True` first appends the end-of-turn id, for a turn that was
-    cut off (finish_reason "length") before the model wrote it. `answered`, `history`: continuation_text's."""
-    ids = encode(tokenizer, continuation_text(tokenizer, messages, end_of_turn, answered, history))
-    return [end_of_turn_id(tokenizer, end_of_turn), *ids] if close_turn else ids
+    cut off (finish_reason "length") before the model wrote it: where the markers open the next message
+    (GLM-4.5), the one the template writes for `messages`. `answered`, `history`: continuation_text's."""
+    marker, text = _continuation(tokenizer, messages, end_of_turn, answered, history)
+    if not close_turn:
+        return encode(tokenizer, text)
+    if opens_next_turn(tokenizer, end_of_turn):
+        return [end_of_turn_id(tokenizer, marker), *encode(tokenizer, text)]
+    return [end_of_turn_id(tokenizer, end_of_turn), *encode(tokenizer, text)]
 
 
 def assistant_ids(
     tokenizer: PreTrainedTokenizerBase, message: MessageLike, end_of_turn: EndOfTurn = END_OF_TURN
 ) -> list[int]:
-    """The ids a model would emit for `message` after the generation prompt, end-of-turn included. For SFT
-    data and tests; in RL the sampled ids are used as they are."""
+    """The ids a model would emit for `message` after the generation prompt, end-of-turn included (where the
+    markers open the next message, GLM-4.5's, the one that answers it: a tool result after a call, else a
+    user turn). For SFT data and tests; in RL the sampled ids are used as they are."""
     prompt = render_text(tokenizer, _STUB[:2], add_generation_prompt=True)
     full = render_text(tokenizer, [*_STUB[:2], message])
     if not full.startswith(prompt):
         raise ChatTemplateError("generation prompt is not a prefix of the rendered assistant turn")
+    if opens_next_turn(tokenizer, end_of_turn):
+        said = _dicts([message])[0]
+        reply = Message("tool" if said.get("tool_calls") else "user", "x")
+        marker = _continuation(tokenizer, [reply], end_of_turn, message, _STUB[:2])[0]
+        return encode(tokenizer, full[len(prompt) :] + marker)
     return encode(tokenizer, full[len(prompt) : _turn_end(full, end_of_turn)])
 
 

@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING
 
 from furlong.model.chat import ChatTemplateError, end_of_turn_id
 from furlong.model.toolcall.base import ToolCallFormat
+from furlong.model.toolcall.deepseek import DeepSeekV3
+from furlong.model.toolcall.glm45 import Glm45
 from furlong.model.toolcall.harmony import Harmony
 from furlong.model.toolcall.hermes import Hermes, format_tool_call, parse_tool_calls
 from furlong.model.toolcall.llama3 import Llama3Json
+from furlong.model.toolcall.pythonic import Pythonic
 from furlong.model.toolcall.qwen3_coder import Qwen3Coder
 
 if TYPE_CHECKING:
@@ -20,11 +23,17 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "ToolCallFormat", "detect_format", "format_tool_call", "parse_tool_calls", "tool_format"]
 
-FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (Hermes(), Qwen3Coder(), Llama3Json(), Harmony())}
+FORMATS: dict[str, ToolCallFormat] = {
+    f.name: f for f in (Hermes(), Qwen3Coder(), Llama3Json(), Harmony(), Pythonic(), DeepSeekV3(), Glm45())
+}
 
-# What each family's templates write, tried in this order: Qwen3-Coder's template writes <tool_call> too.
+# What each family's templates write, tried in this order: Qwen3-Coder's and GLM-4.5's templates write
+# <tool_call> too.
 SIGNS = (
     ("harmony", ("<|channel|>", "<|message|>")),
+    ("glm45", ("<tool_call>", "<arg_key>", "<arg_value>")),
+    ("deepseek_v3", ("tool▁calls▁begin", "tool▁sep")),
+    ("pythonic", ("<start_of_turn>", "<tool_response>")),
     ("qwen3_coder", ("<function=", "<parameter=")),
     ("llama3_json", ("<|start_header_id|>", "<|eot_id|>", "tool_call")),
     ("hermes", ("<tool_call>",)),

@@ -80,7 +80,7 @@ def _parse_call(body: str, where: str, types: dict[str, dict[str, Any]]) -> Tool
             problem = "a parameter without a name" if not key else f"parameter {key!r} given twice"
             return ToolCallError(f"{where}: {problem}", body, name)
         try:
-            args[key] = _value(_unwrap(param.group(2)), types.get(name, {}).get(key))
+            args[key] = schema_value(_unwrap(param.group(2)), types.get(name, {}).get(key))
         except ValueError as e:
             return ToolCallError(f"{where}: parameter {key!r}: {e}", body, name)
     return ToolCall(name=name, arguments=args)
@@ -99,7 +99,7 @@ def _kinds(kind: Any) -> list[str]:
     return [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
 
 
-def _value(text: str, kind: Any) -> Any:
+def schema_value(text: str, kind: Any) -> Any:
     """`text` read as JSON-schema type `kind`; ValueError says why it cannot be."""
     kinds = _kinds(kind)
     if "null" in kinds and text.strip() in _NONE:

@@ -1,0 +1,79 @@
+"""DeepSeek-V3's calls (vLLM's deepseek_v3 parser and tool template): after any text, one block
+
+    <|tool▁calls▁begin|><|tool▁call▁begin|>function<|tool▁sep|>NAME
+    ```json
+    {...}
+    ```<|tool▁call▁end|>
+    <|tool▁call▁begin|>function<|tool▁sep|>NAME2 ... <|tool▁call▁end|><|tool▁calls▁end|>
+
+and the turn ends with <|end▁of▁sentence|> (the bars in DeepSeek's tokens are fullwidth: see _token). The
+arguments are JSON; whitespace between the calls is allowed (the published template, as transformers
+renders it, indents them).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from furlong.model.chat import ToolCall, ToolCallError
+from furlong.model.toolcall.base import Schemas, json_object, snippet, unpaired, without
+
+
+def _token(name: str) -> str:
+    return f"<｜{name}｜>"  # noqa: RUF001 -- fullwidth bars, as DeepSeek's tokenizer writes them
+
+
+CALLS_BEGIN, CALLS_END = _token("tool▁calls▁begin"), _token("tool▁calls▁end")
+CALL_BEGIN, CALL_END, SEP = _token("tool▁call▁begin"), _token("tool▁call▁end"), _token("tool▁sep")
+EOS = _token("end▁of▁sentence")
+_CONTROL = (EOS, _token("begin▁of▁sentence"), _token("Assistant"), _token("User"), _token("tool▁outputs▁end"))
+_BLOCK_RE = re.compile(re.escape(CALLS_BEGIN) + "(.*?)" + re.escape(CALLS_END), re.DOTALL)
+_CALL_RE = re.compile(re.escape(CALL_BEGIN) + "(.*?)" + re.escape(CALL_END), re.DOTALL)
+_BODY_RE = re.compile(r"(\w*)" + re.escape(SEP) + r"([^\n]*)\n```(?:json)?\n(.*)\n```", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class DeepSeekV3:
+    name: str = "deepseek_v3"
+    turn_ends: tuple[str, ...] = (EOS,)
+    stops: tuple[str, ...] = (EOS,)
+    tool_results_need_call: bool = False
+
+    def parse(self, text: str, tools: Schemas = ()) -> list[ToolCall] | ToolCallError:
+        calls: list[ToolCall] = []
+        for block in _BLOCK_RE.finditer(text):
+            stray = _CALL_RE.sub("", block.group(1)).strip()
+            if stray:
+                return ToolCallError(
+                    f"text between the calls in {CALLS_BEGIN}...{CALLS_END}: {stray[:80]!r}", block.group(1)
+                )
+            for match in _CALL_RE.finditer(block.group(1)):
+                call = _parse_call(match.group(1), f"tool call #{len(calls) + 1}")
+                if isinstance(call, ToolCallError):
+                    return call
+                calls.append(call)
+        rest = _BLOCK_RE.sub("", text)
+        unclosed = unpaired(rest, CALLS_BEGIN, CALLS_END)
+        if unclosed is None and (CALL_BEGIN in rest or CALL_END in rest):
+            return ToolCallError(f"a call outside {CALLS_BEGIN}...{CALLS_END}", snippet(rest))
+        return unclosed or calls
+
+    def answer(self, text: str) -> str:
+        return without(text, _CONTROL).strip()
+
+    def outside_calls(self, text: str) -> str:
+        """The content beside a turn's calls (the gateway's reply): the text before them."""
+        return self.answer(_BLOCK_RE.sub("", text))
+
+
+def _parse_call(body: str, where: str) -> ToolCall | ToolCallError:
+    match = _BODY_RE.fullmatch(body.strip())
+    if match is None:
+        return ToolCallError(f"{where}: expected function{SEP}NAME, then the arguments in a ```json block", body)
+    kind, name = match.group(1), match.group(2).strip()
+    if kind != "function" or not name:
+        problem = f"unknown call type {kind!r} (expected function)" if kind != "function" else "no function name"
+        return ToolCallError(f"{where}: {problem}", body, name or None)
+    args = json_object(match.group(3), where, name, body)
+    return args if isinstance(args, ToolCallError) else ToolCall(name=name, arguments=args)
