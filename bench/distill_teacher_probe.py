@@ -130,6 +130,7 @@ def main() -> None:
     args = ap.parse_args()
     prov = provenance()
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # a 4.2M-parameter model: threads only contend with the box's other jobs
     ckpt = args.run / "checkpoints" / "sft"
     tok, model = AutoTokenizer.from_pretrained(ckpt), AutoModelForCausalLM.from_pretrained(ckpt).eval()
     eot = tok.convert_tokens_to_ids(tok.eos_token)
