@@ -12,8 +12,14 @@ pass@1 before and after each arm with paired 90% intervals; the RL episodes' mea
 first and last quarter of the steps; the teacher's seconds and tokens per step and their share of the step
 time; every status; wall seconds. Writes bench/results/distill_self.json.
 
+A teacher variant (--variant NAME --distill KEY=VALUE ..., keys under train.distill) is a third RL arm forked
+from the distill run's SFT checkpoint and pre-RL eval (as the control is), with the distillation settings
+changed; it reuses both finished runs in --keep and is written, as "distill", to distill_self_NAME.json.
+
     python bench/distill_bench.py                          # 3 seeds of the default recipe
     python bench/distill_bench.py --seeds 0 train.rl.steps=10 train.eval.heldout_per_family=32  # one small seed
+    python bench/distill_bench.py --seeds 0 --keep DIR --variant frozen-w0.1 \
+      --distill teacher.frozen=true weight=0.1 -- train.rl.steps=10 train.eval.heldout_per_family=32
 """
 
 from __future__ import annotations
@@ -111,6 +117,32 @@ def control_arm(main: Path, work: Path) -> None:
     train(["--resume", str(work)], "(control)")
 
 
+def variant_arm(main: Path, work: Path, distill: list[str]) -> None:
+    """`main`'s distillation RL from its SFT checkpoint and pre-RL eval, with train.distill keys changed."""
+    fork_before_rl(main, work, {})
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    for key, value in distill_overrides(distill).items():
+        *parents, leaf = key.split(".")
+        node = config["train"]["distill"]
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    shutil.copytree(main / "checkpoints" / "sft", work / "checkpoints" / "sft")
+    train(["--resume", str(work)], f"(variant {work.name})")
+
+
+def distill_overrides(items: list[str]) -> dict:
+    """--distill KEY=VALUE (keys under train.distill), each value read as YAML as furlong's overrides are."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--distill {item!r}: expected KEY=VALUE with KEY under train.distill (weight=0.1)")
+        out[key.removeprefix("train.distill.")] = yaml.safe_load(value)
+    return out
+
+
 def arm(run: Path, before: dict[str, dict], steps: int) -> dict:
     s = summary(run)
     return {
@@ -124,7 +156,7 @@ def arm(run: Path, before: dict[str, dict], steps: int) -> dict:
     }
 
 
-def one_seed(work: Path, seed: int, overrides: list[str], reused: list[str]) -> dict:
+def one_seed(work: Path, seed: int, overrides: list[str], reused: list[str], variant: tuple[str, list[str]]) -> dict:
     main, ctrl = work / f"seed{seed}-distill", work / f"seed{seed}-grpo"
     reused += [str(r) for r in (main, ctrl) if (r / "summary.json").exists()]
     if not (main / "summary.json").exists():
@@ -134,9 +166,20 @@ def one_seed(work: Path, seed: int, overrides: list[str], reused: list[str]) -> 
         print(f"seed {seed}: control (GRPO alone) ...", flush=True)
         shutil.rmtree(ctrl, ignore_errors=True)
         control_arm(main, ctrl)
+    name, distill_keys = variant
+    if name:  # the teacher variant is this seed's distill arm; the weight-1 run only lends its SFT checkpoint
+        var = work / f"seed{seed}-{name}"
+        if (var / "summary.json").exists():
+            reused.append(str(var))
+        else:
+            print(f"seed {seed}: variant {name} ...", flush=True)
+            shutil.rmtree(var, ignore_errors=True)
+            variant_arm(main, var, distill_keys)
+        main = var
     steps = yaml.safe_load((main / "config.yaml").read_text())["train"]["rl"]["steps"]
     before = heldout(main, "eval_before")
     distill, grpo = arm(main, before, steps), arm(ctrl, before, steps)
+    distill["settings"] = yaml.safe_load((main / "config.yaml").read_text())["train"]["distill"]
     after_d, after_g = heldout(main, "eval_after"), heldout(ctrl, "eval_after")
     return {
         "seed": seed,
@@ -156,8 +199,15 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--keep", type=Path, help="keep the runs here (default: deleted); finished runs there are reused")
+    ap.add_argument("--variant", default="", help="a teacher variant's name: a third arm, run seedN-NAME")
+    ap.add_argument("--distill", nargs="*", default=[], help="the variant's KEY=VALUE keys under train.distill")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_args()
+    if bool(args.variant) != bool(args.distill):
+        ap.error("--variant NAME and --distill KEY=VALUE ... go together")
+    distill_overrides(args.distill)  # a malformed key fails before any run
+    if args.variant and args.out == RESULTS:
+        args.out = RESULTS.with_name(f"distill_self_{args.variant}.json")  # the weight-1 result stays
     prov = provenance()
     work = args.keep or Path(tempfile.mkdtemp(prefix="furlong-distill-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -165,7 +215,7 @@ def main() -> None:
     reused: list[str] = []  # runs an earlier invocation finished (--keep): this one only read them
     try:
         for seed in args.seeds:
-            seeds.append(one_seed(work, seed, args.overrides, reused))
+            seeds.append(one_seed(work, seed, args.overrides, reused, (args.variant, args.distill)))
             print(json.dumps({k: seeds[-1][k] for k in ("seed", "before")}), flush=True)
     finally:
         if not args.keep:
@@ -174,6 +224,7 @@ def main() -> None:
         "question": "does self-distillation with a brevity prompt shorten replies while held-out pass@1 holds?",
         "teacher_system_prompt": BRIEF,
         "distill": DISTILL,
+        **({"variant": args.variant, "variant_distill": args.distill} if args.variant else {}),
         "overrides": args.overrides,
         "values": "[value, 90% bootstrap low, high]; pass gains in points, paired on the same held-out instances "
         "and sampling seeds; tokens: generated (sampled) tokens per episode, all turns",
