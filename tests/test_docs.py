@@ -38,11 +38,14 @@ def _pages() -> list[Path]:
 
 
 def _anchors(page: Path) -> set[str]:
-    """The heading anchors GitHub gives a page: lower case, punctuation dropped, spaces as hyphens."""
+    """The heading anchors GitHub gives a page (lower case, punctuation dropped, spaces as hyphens) and its
+    explicit `<a id="...">` ones."""
     anchors: set[str] = set()
     fenced = False
     for line in page.read_text().splitlines():
         fenced ^= line.startswith("```")
+        if not fenced:
+            anchors.update(re.findall(r'<a id="([^"]+)"></a>', line))
         if fenced or not line.startswith("#"):
             continue
         slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
