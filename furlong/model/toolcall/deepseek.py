@@ -1,14 +1,12 @@
-"""DeepSeek-V3's calls (vLLM's deepseek_v3 parser and tool template): after any text, one block
+"""DeepSeek-V3's calls: after any text, one block of calls, the turn then ending with <|end▁of▁sentence|> (the
+bars in DeepSeek's tokens are fullwidth: see _token). DeepSeek-V3.1's template (the family's fixture) writes
 
-    <|tool▁calls▁begin|><|tool▁call▁begin|>function<|tool▁sep|>NAME
-    ```json
-    {...}
-    ```<|tool▁call▁end|>
-    <|tool▁call▁begin|>function<|tool▁sep|>NAME2 ... <|tool▁call▁end|><|tool▁calls▁end|>
+    <|tool▁calls▁begin|><|tool▁call▁begin|>NAME<|tool▁sep|>{...}<|tool▁call▁end|><|tool▁call▁begin|>NAME2...
+    <|tool▁call▁end|><|tool▁calls▁end|>
 
-and the turn ends with <|end▁of▁sentence|> (the bars in DeepSeek's tokens are fullwidth: see _token). The
-arguments are JSON; whitespace between the calls is allowed (the published template, as transformers
-renders it, indents them).
+and DeepSeek-V3's own (and vLLM's deepseek_v3 parser) the older body `function<|tool▁sep|>NAME` + newline + the
+arguments in a ```json block; both are read. The arguments are a JSON object; whitespace between the calls is
+allowed (vLLM's indented tool template writes some).
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ _CONTROL = (EOS, _token("begin▁of▁sentence"), _token("Assistant"), _token("U
 _BLOCK_RE = re.compile(re.escape(CALLS_BEGIN) + "(.*?)" + re.escape(CALLS_END), re.DOTALL)
 _CALL_RE = re.compile(re.escape(CALL_BEGIN) + "(.*?)" + re.escape(CALL_END), re.DOTALL)
 _BODY_RE = re.compile(r"(\w*)" + re.escape(SEP) + r"([^\n]*)\n```(?:json)?\n(.*)\n```", re.DOTALL)
+_BODY_V31_RE = re.compile(r"([^\n]*?)" + re.escape(SEP) + r"(.*)", re.DOTALL)  # NAME<sep>JSON
 
 
 @dataclass(frozen=True)
@@ -68,9 +67,21 @@ class DeepSeekV3:
 
 
 def _parse_call(body: str, where: str) -> ToolCall | ToolCallError:
-    match = _BODY_RE.fullmatch(body.strip())
-    if match is None:
-        return ToolCallError(f"{where}: expected function{SEP}NAME, then the arguments in a ```json block", body)
+    body = body.strip()
+    match = _BODY_RE.fullmatch(body)
+    if match is None:  # DeepSeek-V3.1's NAME<sep>{...}
+        v31 = _BODY_V31_RE.fullmatch(body)
+        if v31 is None or not v31.group(2).lstrip().startswith(("{", "[")):
+            return ToolCallError(
+                f"{where}: expected NAME{SEP} then the arguments as a JSON object (or DeepSeek-V3's "
+                f"function{SEP}NAME, then the arguments in a ```json block)",
+                body,
+            )
+        name = v31.group(1).strip()
+        if not name:
+            return ToolCallError(f"{where}: no function name", body)
+        args = json_object(v31.group(2), where, name, body)
+        return args if isinstance(args, ToolCallError) else ToolCall(name=name, arguments=args)
     kind, name = match.group(1), match.group(2).strip()
     if kind != "function" or not name:
         problem = f"unknown call type {kind!r} (expected function)" if kind != "function" else "no function name"
