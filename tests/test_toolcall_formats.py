@@ -216,6 +216,7 @@ MALFORMED = [  # (format, text, what the error says)
     ("deepseek_v3", f'{DS_CALLS}{DS_CALL}bash{DS_SEP}{{"command": }}{DS_CALL_END}{DS_CALLS_END}', "invalid JSON"),
     ("deepseek_v3", f'{DS_CALLS}{DS_CALL}bash{DS_SEP}["ls"]{DS_CALL_END}{DS_CALLS_END}', "expected a JSON object"),
     ("deepseek_v3", f'{DS_CALLS}{DS_CALL}{DS_SEP}{{"command": "ls"}}{DS_CALL_END}{DS_CALLS_END}', "no function name"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}tool{DS_SEP}bash\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}', "unknown call type"),
     ("deepseek_v3", f"{DS_CALL}function{DS_SEP}bash\n```json\n{{}}\n```{DS_CALL_END}", "outside"),
     ("glm45", "<tool_call>bash\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n", "unterminated"),
     ("glm45", "<tool_call>bash\nls -la\n</tool_call>", "text outside <arg_key>"),
@@ -453,6 +454,9 @@ def test_deepseek_v3_also_reads_deepseek_v3s_own_call_body() -> None:
             f'{DS_CALL}write_file{DS_SEP}{{"path": "a"}}{DS_CALL_END}{DS_CALLS_END}{DEEPSEEK[1]}')
     calls = [ToolCall("bash", {"command": "ls"}), ToolCall("write_file", {"path": "a"})]
     assert FORMATS["deepseek_v3"].parse(text) == calls
+    # V3.1 arguments written over several lines (a string holding ```json)
+    pretty = f'{DS_CALLS}{DS_CALL}bash{DS_SEP}{{"command":\n"cat <<EOF\\n```json\\n{{}}\\n```"\n}}{DS_CALL_END}{DS_CALLS_END}'
+    assert FORMATS["deepseek_v3"].parse(pretty) == [ToolCall("bash", {"command": "cat <<EOF\n```json\n{}\n```"})]
 
 
 def test_glm45_turns_end_with_the_next_messages_role(tokenizers) -> None:

@@ -68,23 +68,26 @@ class DeepSeekV3:
 
 def _parse_call(body: str, where: str) -> ToolCall | ToolCallError:
     body = body.strip()
-    match = _BODY_RE.fullmatch(body)
-    if match is None:  # DeepSeek-V3.1's NAME<sep>{...}
-        v31 = _BODY_V31_RE.fullmatch(body)
-        if v31 is None or not v31.group(2).lstrip().startswith(("{", "[")):
-            return ToolCallError(
-                f"{where}: expected NAME{SEP} then the arguments as a JSON object (or DeepSeek-V3's "
-                f"function{SEP}NAME, then the arguments in a ```json block)",
-                body,
-            )
-        name = v31.group(1).strip()
-        if not name:
-            return ToolCallError(f"{where}: no function name", body)
-        args = json_object(v31.group(2), where, name, body)
-        return args if isinstance(args, ToolCallError) else ToolCall(name=name, arguments=args)
-    kind, name = match.group(1), match.group(2).strip()
-    if kind != "function" or not name:
-        problem = f"unknown call type {kind!r} (expected function)" if kind != "function" else "no function name"
-        return ToolCallError(f"{where}: {problem}", body, name or None)
-    args = json_object(match.group(3), where, name, body)
+    v3 = _BODY_RE.fullmatch(body)  # DeepSeek-V3's function<sep>NAME + a ```json block
+    if v3 is not None and v3.group(1) == "function":
+        return _call(v3.group(2).strip(), v3.group(3), where, body)
+    # DeepSeek-V3.1's NAME<sep>{...}
+    v31 = _BODY_V31_RE.fullmatch(body)
+    if v31 is not None and v31.group(2).lstrip().startswith(("{", "[")):
+        return _call(v31.group(1).strip(), v31.group(2), where, body)
+    if v3 is not None:
+        return ToolCallError(
+            f"{where}: unknown call type {v3.group(1)!r} (expected function)", body, v3.group(2).strip() or None
+        )
+    return ToolCallError(
+        f"{where}: expected NAME{SEP} then the arguments as a JSON object (or DeepSeek-V3's function{SEP}NAME, "
+        "then the arguments in a ```json block)",
+        body,
+    )
+
+
+def _call(name: str, arguments: str, where: str, body: str) -> ToolCall | ToolCallError:
+    if not name:
+        return ToolCallError(f"{where}: no function name", body)
+    args = json_object(arguments, where, name, body)
     return args if isinstance(args, ToolCallError) else ToolCall(name=name, arguments=args)
