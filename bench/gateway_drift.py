@@ -2,7 +2,7 @@
 proxy would train on (the final conversation rendered from text and tokenized again).
 
 For every bundled task family (tasks/*/family.toml, its first train instance's instruction) and each tool-call
-format but deepseek_v3 (Hermes, Qwen3-Coder XML, Llama 3 JSON, harmony, Gemma 3's pythonic, GLM-4.5's: the real
+format (Hermes, Qwen3-Coder XML, Llama 3 JSON, harmony, Gemma 3's pythonic, GLM-4.5's, DeepSeek-V3.1's: the real
 templates of furlong/model/templates/, on the tiny model with the format's control tokens added), one episode is driven
 through the gateway's `/v1/chat/completions` by the real `openai` SDK, as a harness does: a first turn in which the
 model writes a bash call in its format (the template's own rendering of the call, teacher-forced; its logprobs are
@@ -76,9 +76,8 @@ FORMAT_SETUP = {
                                   "<|constrain|>", "<|return|>", "<|call|>")),
     "pythonic": ("gemma3.jinja", GEMMA),
     "glm45": ("glm4_5.jinja", GLM),
+    "deepseek_v3": ("deepseek_v3.jinja", DEEPSEEK),
 }
-# deepseek_v3 is not measured: its committed template is not append-only (docs/models.md), so no episode's ids
-# can equal its render.
 BOS = {"llama3_json": "<|begin_of_text|>", "pythonic": "<bos>", "deepseek_v3": DEEPSEEK[0]}  # the templates start so
 BASH = {"type": "function", "function": {
     "name": "bash", "description": "Run a shell command",

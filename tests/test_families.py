@@ -271,7 +271,7 @@ def test_an_unknown_family_names_the_known_ones() -> None:
         init_family("qwen9")
 
 
-@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.tool_format in ("pythonic", "glm45")])
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.tool_format in ("pythonic", "glm45", "deepseek_v3")])
 def test_a_tool_episode_in_furlongs_agent(family_dirs, name: str, backend, base_image, tmp_path) -> None:
     """furlong's own agent on the family's template and format, a real sandbox: two calls (one with text and
     several arguments' worth of quoting), then an answer; the sampled ids stay verbatim, and the last prompt

@@ -55,10 +55,6 @@ SPECIAL = {
 FIXTURE = {"qwen3_coder": "qwen3_coder.jinja", "llama3_json": "llama3_json.jinja", "harmony": "gpt_oss.jinja",
            "pythonic": "gemma3.jinja", "deepseek_v3": "deepseek_v3.jinja", "glm45": "glm4_5.jinja"}
 BOS = {"llama3_json": "<|begin_of_text|>", "pythonic": "<bos>", "deepseek_v3": DEEPSEEK[0]}  # the templates start so
-# DeepSeek-V3's committed template (vLLM's example) is indented, and transformers keeps the indentation: its
-# generation prompt is no prefix of a rendered turn, so TITO cannot agree with its render (see
-# test_deepseek_v3s_template_is_not_append_only); its calls are read from the template's render.
-APPEND_ONLY = [n for n in FORMATS if n != "deepseek_v3"]
 BASH = {"type": "function", "function": {
     "name": "bash", "description": "Run a shell command",
     "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "the command"}},
@@ -101,11 +97,7 @@ def calling(*calls: ToolCall, content: str = "") -> Message:
 
 
 def sampled(tok, name: str, message: Message) -> str:
-    """What the model would emit for `message`: the template's rendering, tokenized and decoded (DeepSeek-V3's:
-    the render of the turn, from its Assistant token to its end marker)."""
-    if name == "deepseek_v3":
-        text = render_text(tok, [Message("system", "s"), Message("user", "u"), message])
-        return text[text.rindex(DEEPSEEK[4]) + len(DEEPSEEK[4]):text.rindex(DEEPSEEK[1]) + len(DEEPSEEK[1])]
+    """What the model would emit for `message`: the template's rendering, tokenized and decoded."""
     return tok.decode(assistant_ids(tok, message, FORMATS[name].turn_ends), skip_special_tokens=False)
 
 
@@ -187,6 +179,7 @@ def test_qwen3_coder_reads_values_by_their_schema_type() -> None:
 
 
 DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP = DEEPSEEK[5:10]
+DS_OUT, DS_OUT_END = DEEPSEEK[12:14]
 MALFORMED = [  # (format, text, what the error says)
     ("hermes", '<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>', "invalid JSON"),
     ("hermes", '<tool_call>{"name": "bash", "arguments": {}}', "unterminated"),
@@ -220,6 +213,10 @@ MALFORMED = [  # (format, text, what the error says)
     ("deepseek_v3", f'{DS_CALLS}{DS_CALL}function{DS_SEP}bash\n```json\n["ls"]\n```{DS_CALL_END}{DS_CALLS_END}',
      "expected a JSON object"),
     ("deepseek_v3", f"{DS_CALLS}ls -la{DS_CALLS_END}", "text between the calls"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}bash{DS_SEP}{{"command": }}{DS_CALL_END}{DS_CALLS_END}', "invalid JSON"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}bash{DS_SEP}["ls"]{DS_CALL_END}{DS_CALLS_END}', "expected a JSON object"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}{DS_SEP}{{"command": "ls"}}{DS_CALL_END}{DS_CALLS_END}', "no function name"),
+    ("deepseek_v3", f'{DS_CALLS}{DS_CALL}tool{DS_SEP}bash\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}', "unknown call type"),
     ("deepseek_v3", f"{DS_CALL}function{DS_SEP}bash\n```json\n{{}}\n```{DS_CALL_END}", "outside"),
     ("glm45", "<tool_call>bash\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n", "unterminated"),
     ("glm45", "<tool_call>bash\nls -la\n</tool_call>", "text outside <arg_key>"),
@@ -290,7 +287,7 @@ def test_any_arguments_round_trip(tokenizers, name: str, args: dict) -> None:
     assert FORMATS[name].parse(text, [schema]) == [ToolCall("tool", json.loads(json.dumps(args)))]
 
 
-@pytest.mark.parametrize("name", APPEND_ONLY)
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_incremental_ids_equal_the_full_render(tokenizers, name: str) -> None:
     """Prompt + sampled turns + continuations, rendered piece by piece, are what the template renders for the
     whole conversation: for a chain of calls in every format (harmony keeps a call's analysis until a final
@@ -335,10 +332,11 @@ BROKEN = {"hermes": '<tool_call>\n{"name": "bash", "arguments": {"command": }\n<
           "llama3_json": '{"name": "bash", "parameters": {"command": }<|eot_id|>',
           "harmony": "<|channel|>commentary to=functions.bash <|constrain|>json<|message|>{command: ls}<|call|>",
           "pythonic": "[bash(command=ls)]<end_of_turn>",
-          "glm45": "\n<think></think>\n<tool_call>bash\nls\n</tool_call><|observation|>"}
+          "glm45": "\n<think></think>\n<tool_call>bash\nls\n</tool_call><|observation|>",
+          "deepseek_v3": f"{DS_CALLS}{DS_CALL}bash{DS_SEP}{{command: ls}}{DS_CALL_END}{DS_CALLS_END}{DEEPSEEK[1]}"}
 
 
-@pytest.mark.parametrize("name", APPEND_ONLY)
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_multi_turn_episode_is_token_exact(tokenizers, name: str, backend, base_image, tmp_path) -> None:
     """A real episode in each format (real sandbox, real tool results): the sampled ids stay verbatim with
     loss mask 1, each prompt is the last one + the sampled ids + the template's continuation, a malformed
@@ -382,7 +380,7 @@ def test_eval_names_a_template_it_cannot_read_before_loading_the_model(tokenizer
         model_agents(cfg)
 
 
-@pytest.mark.parametrize("name", APPEND_ONLY)
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_sft_demonstrations_are_laid_out_in_the_models_format(tokenizers, name: str, tmp_path) -> None:
     """An oracle demonstration is the episode a model would have: prompt, its call, the real observation and
     a final answer, each turn's ids masked as sampled, and the whole exactly the template's render."""
@@ -431,17 +429,34 @@ def test_pythonic_reads_what_gemma_models_write() -> None:
     assert fmt.outside_calls(text) == "Let me look."  # type: ignore[attr-defined]
 
 
-def test_deepseek_v3s_template_is_not_append_only(tokenizers) -> None:
-    """The committed DeepSeek-V3 template (vLLM's example) is indented, and transformers keeps what it writes
-    before `{{ }}`: its generation prompt ends in a newline where a rendered turn has spaces, and tool results
-    are closed with other indentation than the turn after them renders. So furlong's TITO pieces cannot equal
-    its render; the calls it writes still parse (test_round_trip_through_the_real_template)."""
+def test_deepseek_v3s_turns_render_turn_by_turn(tokenizers) -> None:
+    """DeepSeek-V3.1's own template: the generation prompt closes the (skipped) think block, a call turn ends
+    with <|tool▁calls▁end|><|end▁of▁sentence|>, tool results follow with no generation prompt (the model answers
+    right after them), and the arguments render as their JSON text (OpenAI's string form, which the template
+    concatenates)."""
     tok, ends = tokenizers["deepseek_v3"], FORMATS["deepseek_v3"].turn_ends
-    with pytest.raises(ChatTemplateError, match="generation prompt is not a prefix"):
-        assistant_ids(tok, calling(CALLS[0]), ends)
     head = [Message("system", "s"), Message("user", "u")]
-    prompt = render_text(tok, head, add_generation_prompt=True)
-    assert prompt.endswith(DEEPSEEK[4] + "\n") and not render_text(tok, [*head, calling(CALLS[0])]).startswith(prompt)
+    assert render_text(tok, head, add_generation_prompt=True).endswith(DEEPSEEK[4] + "</think>")
+    call = calling(ToolCall("bash", {"command": "ls"}), content="Look.")
+    assert tok.decode(assistant_ids(tok, call, ends)) == (
+        f'Look.{DS_CALLS}{DS_CALL}bash{DS_SEP}{{"command": "ls"}}{DS_CALL_END}{DS_CALLS_END}{DEEPSEEK[1]}'
+    )
+    results = [Message("tool", "a"), Message("tool", "b")]
+    assert tok.decode(continuation_ids(tok, results, end_of_turn=ends, answered=call)) == (
+        f"{DS_OUT}a{DS_OUT_END}{DS_OUT}b{DS_OUT_END}"
+    )
+
+
+def test_deepseek_v3_also_reads_deepseek_v3s_own_call_body() -> None:
+    """DeepSeek-V3's (pre-3.1) template and vLLM's deepseek_v3 parser write `function<sep>NAME` and a ```json
+    block: a checkpoint with that template (tool_format=auto picks deepseek_v3 for it) is read too."""
+    text = (f'Hi{DS_CALLS}{DS_CALL}function{DS_SEP}bash\n```json\n{{"command": "ls"}}\n```{DS_CALL_END}\n'
+            f'{DS_CALL}write_file{DS_SEP}{{"path": "a"}}{DS_CALL_END}{DS_CALLS_END}{DEEPSEEK[1]}')
+    calls = [ToolCall("bash", {"command": "ls"}), ToolCall("write_file", {"path": "a"})]
+    assert FORMATS["deepseek_v3"].parse(text) == calls
+    # V3.1 arguments written over several lines (a string holding ```json)
+    pretty = f'{DS_CALLS}{DS_CALL}bash{DS_SEP}{{"command":\n"cat <<EOF\\n```json\\n{{}}\\n```"\n}}{DS_CALL_END}{DS_CALLS_END}'
+    assert FORMATS["deepseek_v3"].parse(pretty) == [ToolCall("bash", {"command": "cat <<EOF\n```json\n{}\n```"})]
 
 
 def test_glm45_turns_end_with_the_next_messages_role(tokenizers) -> None:

@@ -12,6 +12,7 @@ format's several (harmony ends a turn with <|call|>, <|return|> or, in history, 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,24 @@ class ChatTemplateError(ValueError):
     """The chat template cannot be used incrementally (it rewrites earlier turns, or has no turn end)."""
 
 
+class ToolArguments(dict[str, Any]):
+    """A call's arguments as templates read them: a mapping (transformers' form: `| tojson`, `.items()`), which
+    joined to a string with `+` is its JSON text (OpenAI's form, which DeepSeek's own templates concatenate)."""
+
+    def _json(self) -> str:
+        return json.dumps(self, ensure_ascii=False)  # as transformers' tojson writes it
+
+    def __add__(self, other: object) -> str:
+        if not isinstance(other, str):
+            return NotImplemented
+        return self._json() + other
+
+    def __radd__(self, other: object) -> str:
+        if not isinstance(other, str):
+            return NotImplemented
+        return other + self._json()
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
@@ -34,7 +53,7 @@ class ToolCall:
 
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI / transformers message form that chat templates read."""
-        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {"type": "function", "function": {"name": self.name, "arguments": ToolArguments(self.arguments)}}
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ DEEPSEEK = tuple(
         "tool▁output▁begin",
         "tool▁output▁end",
     )
-)
+) + ("<think>", "</think>")  # DeepSeek-V3.1's tokenizer has these as tokens too: its template writes </think>
 GLM = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 
 FAMILIES: dict[str, Family] = {
@@ -158,7 +158,7 @@ FAMILIES: dict[str, Family] = {
             "deepseek_v3",
             CONFIGS["deepseek_v3"],
             "deepseek_v3.jinja",
-            None,  # deepseek_v3 reads its calls, but this template is not append-only (docs/models.md)
+            "deepseek_v3",
             DEEPSEEK,
             DEEPSEEK[0],
             (DEEPSEEK[1],),

@@ -1,14 +1,12 @@
-"""DeepSeek-V3's calls (vLLM's deepseek_v3 parser and tool template): after any text, one block
+"""DeepSeek-V3's calls: after any text, one block of calls, the turn then ending with <|end▁of▁sentence|> (the
+bars in DeepSeek's tokens are fullwidth: see _token). DeepSeek-V3.1's template (the family's fixture) writes
 
-    <|tool▁calls▁begin|><|tool▁call▁begin|>function<|tool▁sep|>NAME
-    ```json
-    {...}
-    ```<|tool▁call▁end|>
-    <|tool▁call▁begin|>function<|tool▁sep|>NAME2 ... <|tool▁call▁end|><|tool▁calls▁end|>
+    <|tool▁calls▁begin|><|tool▁call▁begin|>NAME<|tool▁sep|>{...}<|tool▁call▁end|><|tool▁call▁begin|>NAME2...
+    <|tool▁call▁end|><|tool▁calls▁end|>
 
-and the turn ends with <|end▁of▁sentence|> (the bars in DeepSeek's tokens are fullwidth: see _token). The
-arguments are JSON; whitespace between the calls is allowed (the published template, as transformers
-renders it, indents them).
+and DeepSeek-V3's own (and vLLM's deepseek_v3 parser) the older body `function<|tool▁sep|>NAME` + newline + the
+arguments in a ```json block; both are read. The arguments are a JSON object; whitespace between the calls is
+allowed (vLLM's indented tool template writes some).
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ _CONTROL = (EOS, _token("begin▁of▁sentence"), _token("Assistant"), _token("U
 _BLOCK_RE = re.compile(re.escape(CALLS_BEGIN) + "(.*?)" + re.escape(CALLS_END), re.DOTALL)
 _CALL_RE = re.compile(re.escape(CALL_BEGIN) + "(.*?)" + re.escape(CALL_END), re.DOTALL)
 _BODY_RE = re.compile(r"(\w*)" + re.escape(SEP) + r"([^\n]*)\n```(?:json)?\n(.*)\n```", re.DOTALL)
+_BODY_V31_RE = re.compile(r"([^\n]*?)" + re.escape(SEP) + r"(.*)", re.DOTALL)  # NAME<sep>JSON
 
 
 @dataclass(frozen=True)
@@ -68,12 +67,27 @@ class DeepSeekV3:
 
 
 def _parse_call(body: str, where: str) -> ToolCall | ToolCallError:
-    match = _BODY_RE.fullmatch(body.strip())
-    if match is None:
-        return ToolCallError(f"{where}: expected function{SEP}NAME, then the arguments in a ```json block", body)
-    kind, name = match.group(1), match.group(2).strip()
-    if kind != "function" or not name:
-        problem = f"unknown call type {kind!r} (expected function)" if kind != "function" else "no function name"
-        return ToolCallError(f"{where}: {problem}", body, name or None)
-    args = json_object(match.group(3), where, name, body)
+    body = body.strip()
+    v3 = _BODY_RE.fullmatch(body)  # DeepSeek-V3's function<sep>NAME + a ```json block
+    if v3 is not None and v3.group(1) == "function":
+        return _call(v3.group(2).strip(), v3.group(3), where, body)
+    # DeepSeek-V3.1's NAME<sep>{...}
+    v31 = _BODY_V31_RE.fullmatch(body)
+    if v31 is not None and v31.group(2).lstrip().startswith(("{", "[")):
+        return _call(v31.group(1).strip(), v31.group(2), where, body)
+    if v3 is not None:
+        return ToolCallError(
+            f"{where}: unknown call type {v3.group(1)!r} (expected function)", body, v3.group(2).strip() or None
+        )
+    return ToolCallError(
+        f"{where}: expected NAME{SEP} then the arguments as a JSON object (or DeepSeek-V3's function{SEP}NAME, "
+        "then the arguments in a ```json block)",
+        body,
+    )
+
+
+def _call(name: str, arguments: str, where: str, body: str) -> ToolCall | ToolCallError:
+    if not name:
+        return ToolCallError(f"{where}: no function name", body)
+    args = json_object(arguments, where, name, body)
     return args if isinstance(args, ToolCallError) else ToolCall(name=name, arguments=args)
