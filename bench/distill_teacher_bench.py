@@ -68,6 +68,9 @@ def run_arm(source: Path, work: Path, distill: dict, every: int) -> None:
     fork_before_rl(source, work, {"checkpoint_every": every, "filter_zero_variance": distill["mode"] == "off"})
     config = yaml.safe_load((work / "config.yaml").read_text())
     config["train"]["distill"] = distill
+    for node in (config["train"], config["eval"]):  # the source's worktree may be gone: the bundled tasks here
+        if not Path(node["tasks"]).exists():
+            node["tasks"] = str(ROOT / "tasks")
     (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     shutil.copytree(source / "checkpoints" / "sft", work / "checkpoints" / "sft")
     policies = work / "policies"
