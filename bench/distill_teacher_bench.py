@@ -102,25 +102,31 @@ def evaluate_policies(work: Path) -> None:
         p.close()
 
 
+def point(steps: int, phase: str, wall: float, after: dict[str, dict], before: dict[str, dict]) -> dict:
+    """One evaluated step: compare()'s figures and each family's pass@1 [value, 90% low, high]."""
+    families = sorted({e["family"] for e in after.values()})
+    by_family = {
+        f: ci(bootstrap_mean([float(e["reward"] >= 1) for e in after.values() if e["family"] == f])) for f in families
+    }
+    return {
+        "steps": steps,
+        "eval": phase,
+        "wall_seconds": wall,
+        **compare(after, before),
+        "family_pass_at_1": by_family,
+    }
+
+
 def curve(work: Path, before: dict[str, dict]) -> list[dict]:
     """Held-out pass@1 at step 0 (the shared pre-RL eval), each copied checkpoint and the run's eval_after."""
     rows = [r for r in read_jsonl(work / "metrics.jsonl") if r["phase"] == "rl"]
     walls = [round(sum(r["step_seconds"] for r in rows[: k + 1]), 1) for k in range(len(rows))]
-    points = [{"steps": 0, "eval": "eval_before", "wall_seconds": 0.0, **compare(before, before)}]
+    points = [point(0, "eval_before", 0.0, before, before)]
     phases = sorted({r["phase"] for r in read_jsonl(work / "curve" / "episodes.jsonl")}, key=lambda n: int(n[8:]))
     for phase in phases:  # eval_rl-N: after step N, so N + 1 steps trained
         n = int(phase[8:])
-        points.append(
-            {"steps": n + 1, "eval": phase, "wall_seconds": walls[n], **compare(heldout(work / "curve", phase), before)}
-        )
-    points.append(
-        {
-            "steps": len(rows),
-            "eval": "eval_after",
-            "wall_seconds": walls[-1],
-            **compare(heldout(work, "eval_after"), before),
-        }
-    )
+        points.append(point(n + 1, phase, walls[n], heldout(work / "curve", phase), before))
+    points.append(point(len(rows), "eval_after", walls[-1], heldout(work, "eval_after"), before))
     return points
 
 
@@ -156,10 +162,15 @@ def first_reach(opd: list[dict], target: float) -> dict:
     return {"reached": False}
 
 
-def teacher_pass(teacher: Path) -> float | None:
-    """The teacher's held-out pass@1 when it is a run's last checkpoint (RUN/checkpoints/rl-N/hf)."""
-    run = teacher.resolve().parents[2]
-    return summary(run).get("heldout_pass_at_1_after_rl") if (run / "summary.json").exists() else None
+def teacher_heldout(teacher: Path) -> dict | None:
+    """The teacher's held-out pass@1, overall and per family, when it is a run's last checkpoint
+    (RUN/checkpoints/rl-N/hf): that run's eval_after."""
+    state = teacher.resolve().parents[2] / "state.json"
+    if not state.exists():
+        return None
+    after = json.loads(state.read_text())["phases"].get("eval_after", {})
+    families = {f: round(v["pass_at_1"], 4) for f, v in after.get("per_family", {}).items()}
+    return {"pass_at_1": round(after["pass_at_1"], 4), "family_pass_at_1": families} if after else None
 
 
 def main() -> None:
@@ -195,7 +206,7 @@ def main() -> None:
         "question": "does OPD from a stronger teacher reach GRPO's end point in fewer steps, from the same start?",
         "source_run": str(args.source),
         "teacher": str(args.teacher),
-        "teacher_heldout_pass_at_1": teacher_pass(args.teacher),
+        "teacher_heldout": teacher_heldout(args.teacher),
         "every": args.every,
         "values": "[value, 90% bootstrap low, high]; pass gains in points over the pre-RL eval, paired on the same "
         "held-out instances and sampling seeds; wall_seconds: RL step time summed to that step",
