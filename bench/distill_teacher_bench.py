@@ -217,6 +217,9 @@ def main() -> None:
         "arms": arms,
         "grpo_final_pass_at_1": target,
         "opd_first_reaches_grpo_final": first_reach(arms["opd"]["curve"], target),
+        "opd_minus_grpo_final": compare(
+            heldout(args.keep / "opd", "eval_after"), heldout(args.keep / "grpo", "eval_after")
+        ),
         "reused_runs": reused,
         "provenance": finish(prov),
     }
