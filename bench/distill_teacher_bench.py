@@ -16,6 +16,8 @@ is evaluated too, beside the run's own eval_after of the same weights: how far a
 
     python bench/distill_teacher_bench.py --source /tmp/dbench/runs/seed0-distill \
       --teacher /tmp/dbench/runs/seed0-grpo/checkpoints/rl-9/hf --keep /tmp/dteach
+    python bench/distill_teacher_bench.py --source /tmp/dbench/runs/seed0-distill --teacher-steps 30 \
+      --keep /tmp/dteach30 --out bench/results/distill_teacher_30.json   # a teacher from a 30-step GRPO run
 """
 
 from __future__ import annotations
@@ -63,9 +65,10 @@ def copy_checkpoints(run: Path, into: Path, done: threading.Event) -> None:
         done.wait(0.5)
 
 
-def run_arm(source: Path, work: Path, distill: dict, every: int) -> None:
-    """One RL arm from `source`'s SFT checkpoint and pre-RL eval, its checkpoints copied to work/policies."""
-    fork_before_rl(source, work, {"checkpoint_every": every, "filter_zero_variance": distill["mode"] == "off"})
+def run_arm(source: Path, work: Path, distill: dict, rl: dict) -> None:
+    """One RL arm from `source`'s SFT checkpoint and pre-RL eval (train.rl keys `rl` changed), its checkpoints
+    copied to work/policies."""
+    fork_before_rl(source, work, {**rl, "filter_zero_variance": distill["mode"] == "off"})
     config = yaml.safe_load((work / "config.yaml").read_text())
     config["train"]["distill"] = distill
     for node in (config["train"], config["eval"]):  # the source's worktree may be gone: the bundled tasks here
@@ -173,18 +176,31 @@ def teacher_heldout(teacher: Path) -> dict | None:
     return {"pass_at_1": round(after["pass_at_1"], 4), "family_pass_at_1": families} if after else None
 
 
+def teacher_run(source: Path, work: Path, steps: int) -> Path:
+    """GRPO alone for `steps` steps from `source`'s SFT checkpoint (reused when finished): its last policy."""
+    if not (work / "summary.json").exists():
+        print(f"teacher: GRPO alone, {steps} steps ...", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        run_arm(source, work, DISTILL_OFF, {"steps": steps, "checkpoint_every": steps})
+    return work / "checkpoints" / f"rl-{steps - 1}" / "hf"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--source", type=Path, required=True, help="a run whose SFT checkpoint and pre-RL eval both arms fork from"
     )
-    ap.add_argument("--teacher", type=Path, required=True, help="the OPD teacher: a checkpoint directory")
+    who = ap.add_mutually_exclusive_group(required=True)
+    who.add_argument("--teacher", type=Path, help="the OPD teacher: a checkpoint directory")
+    who.add_argument("--teacher-steps", type=int, help="the teacher: a GRPO run of this many steps from --source")
     ap.add_argument("--keep", type=Path, required=True, help="the arms' runs go here; finished ones are reused")
     ap.add_argument("--every", type=int, default=2, help="steps between the checkpoints evaluated")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     prov = provenance()
     args.keep.mkdir(parents=True, exist_ok=True)
+    if args.teacher_steps:  # a longer GRPO run from the same start, in KEEP/teacher-run; its last checkpoint
+        args.teacher = teacher_run(args.source, args.keep / "teacher-run", args.teacher_steps)
     teacher = args.keep / "teacher"
     if not teacher.exists():  # a copy: the source run may be pruned later
         shutil.copytree(args.teacher, teacher)
@@ -197,7 +213,7 @@ def main() -> None:
         else:
             print(f"arm {name} ...", flush=True)
             shutil.rmtree(work, ignore_errors=True)
-            run_arm(args.source, work, distill, args.every)
+            run_arm(args.source, work, distill, {"checkpoint_every": args.every})
         evaluate_policies(work)
     before = heldout(args.source, "eval_before")
     arms = {name: arm(args.keep / name, before) for name in ("grpo", "opd")}
@@ -206,6 +222,7 @@ def main() -> None:
         "question": "does OPD from a stronger teacher reach GRPO's end point in fewer steps, from the same start?",
         "source_run": str(args.source),
         "teacher": str(args.teacher),
+        "teacher_steps": args.teacher_steps,
         "teacher_heldout": teacher_heldout(args.teacher),
         "every": args.every,
         "values": "[value, 90% bootstrap low, high]; pass gains in points over the pre-RL eval, paired on the same "
