@@ -69,6 +69,7 @@ def _suite(args: list[str], shown: list[str]) -> dict:
             e: {"earned": sum(e in r["hackable_by"] for r in rows), "caught": sum(e in r["caught"] for r in rows)}
             for e in exploits
         },
+        "exploit_count": len(exploits),
         "by_kind": _by_kind(rows),
         "wall_seconds": round(wall, 1),
         "seconds_per_task": round(wall / max(len(rows), 1), 2),
