@@ -23,7 +23,7 @@ from typing import Any
 from furlong.model.chat import ToolCall, ToolCallError
 from furlong.model.toolcall.base import Schemas, snippet, unpaired, without
 from furlong.model.toolcall.hermes import CALL_RE
-from furlong.model.toolcall.qwen3_coder import parameter_types, schema_value
+from furlong.model.toolcall.qwen3_coder import each_call, parameter_types, schema_value
 
 OBSERVATION, USER = "<|observation|>", "<|user|>"
 _CONTROL = (OBSERVATION, USER, "<|assistant|>", "<|system|>", "<|endoftext|>", "[gMASK]", "<sop>")
@@ -40,12 +40,9 @@ class Glm45:
 
     def parse(self, text: str, tools: Schemas = ()) -> list[ToolCall] | ToolCallError:
         types = parameter_types(tools)
-        calls: list[ToolCall] = []
-        for i, match in enumerate(CALL_RE.finditer(text)):
-            call = _parse_call(match.group(1), f"tool call #{i + 1}", types)
-            if isinstance(call, ToolCallError):
-                return call
-            calls.append(call)
+        calls = each_call(text, lambda body, where: _parse_call(body, where, types))
+        if isinstance(calls, ToolCallError):
+            return calls
         rest = CALL_RE.sub("", text)
         unclosed = unpaired(rest, "<tool_call>", "</tool_call>")
         if unclosed is None and "<arg_key>" in rest:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,18 +37,26 @@ class Qwen3Coder(ChatMLFormat):
 
     def parse(self, text: str, tools: Schemas = ()) -> list[ToolCall] | ToolCallError:
         types = parameter_types(tools)
-        calls: list[ToolCall] = []
-        for i, match in enumerate(CALL_RE.finditer(text)):
-            call = _parse_call(match.group(1), f"tool call #{i + 1}", types)
-            if isinstance(call, ToolCallError):
-                return call
-            calls.append(call)
+        calls = each_call(text, lambda body, where: _parse_call(body, where, types))
+        if isinstance(calls, ToolCallError):
+            return calls
         rest = CALL_RE.sub("", text)
         if "<function=" in rest and "<tool_call>" not in rest:
             return ToolCallError(
                 "<function=...> outside <tool_call>...</tool_call>", snippet(rest, rest.find("<function="))
             )
         return unpaired(rest, "<tool_call>", "</tool_call>") or calls
+
+
+def each_call(text: str, parse_one: Callable[[str, str], ToolCall | ToolCallError]) -> list[ToolCall] | ToolCallError:
+    """Every <tool_call>...</tool_call> body in `text` read by `parse_one(body, where)`; the first error."""
+    calls: list[ToolCall] = []
+    for i, match in enumerate(CALL_RE.finditer(text)):
+        call = parse_one(match.group(1), f"tool call #{i + 1}")
+        if isinstance(call, ToolCallError):
+            return call
+        calls.append(call)
+    return calls
 
 
 def parameter_types(tools: Schemas) -> dict[str, dict[str, Any]]:
