@@ -23,7 +23,7 @@ from typing import Any
 from furlong.model.chat import ToolCall, ToolCallError
 from furlong.model.toolcall.base import Schemas, snippet, unpaired, without
 from furlong.model.toolcall.hermes import CALL_RE
-from furlong.model.toolcall.qwen3_coder import each_call, parameter_types, schema_value
+from furlong.model.toolcall.qwen3_coder import each_call, parameter_types, typed_call
 
 OBSERVATION, USER = "<|observation|>", "<|user|>"
 _CONTROL = (OBSERVATION, USER, "<|assistant|>", "<|system|>", "<|endoftext|>", "[gMASK]", "<sop>")
@@ -70,14 +70,5 @@ def _parse_call(body: str, where: str, types: dict[str, dict[str, Any]]) -> Tool
         return ToolCallError(
             f"{where}: text outside <arg_key>KEY</arg_key><arg_value>VALUE</arg_value>: {stray[:80]!r}", body, name
         )
-    args: dict[str, Any] = {}
-    for arg in _ARG_RE.finditer(inner):
-        key = arg.group(1).strip()
-        if not key or key in args:
-            problem = "an argument without a name" if not key else f"argument {key!r} given twice"
-            return ToolCallError(f"{where}: {problem}", body, name)
-        try:
-            args[key] = schema_value(arg.group(2), types.get(name, {}).get(key))
-        except ValueError as e:
-            return ToolCallError(f"{where}: argument {key!r}: {e}", body, name)
-    return ToolCall(name=name, arguments=args)
+    pairs = ((arg.group(1), arg.group(2)) for arg in _ARG_RE.finditer(inner))
+    return typed_call(name, pairs, types, "argument", where, body)

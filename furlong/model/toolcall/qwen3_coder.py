@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,16 +81,26 @@ def _parse_call(body: str, where: str, types: dict[str, dict[str, Any]]) -> Tool
     stray = _PARAM_RE.sub("", inner).strip()
     if stray:
         return ToolCallError(f"{where}: text outside <parameter=KEY>...</parameter>: {stray[:80]!r}", body, name)
+    pairs = ((p.group(1), _unwrap(p.group(2))) for p in _PARAM_RE.finditer(inner))
+    return typed_call(name, pairs, types, "parameter", where, body)
+
+
+def typed_call(
+    name: str, pairs: Iterable[tuple[str, str]], types: dict[str, dict[str, Any]], noun: str, where: str, body: str
+) -> ToolCall | ToolCallError:
+    """The call `name` with each (key, text) pair's value typed by the tool's schema; a nameless or repeated key,
+    or a value its schema refuses, is the error (`noun`: what the format calls an argument)."""
     args: dict[str, Any] = {}
-    for param in _PARAM_RE.finditer(inner):
-        key = param.group(1).strip()
+    for raw, text in pairs:
+        key = raw.strip()
         if not key or key in args:
-            problem = "a parameter without a name" if not key else f"parameter {key!r} given twice"
+            article = "an" if noun[0] in "aeiou" else "a"
+            problem = f"{article} {noun} without a name" if not key else f"{noun} {key!r} given twice"
             return ToolCallError(f"{where}: {problem}", body, name)
         try:
-            args[key] = schema_value(_unwrap(param.group(2)), types.get(name, {}).get(key))
+            args[key] = schema_value(text, types.get(name, {}).get(key))
         except ValueError as e:
-            return ToolCallError(f"{where}: parameter {key!r}: {e}", body, name)
+            return ToolCallError(f"{where}: {noun} {key!r}: {e}", body, name)
     return ToolCall(name=name, arguments=args)
 
 
