@@ -23,9 +23,12 @@ def wrap(cmd: str, cwd: str | None, env: dict[str, str]) -> str:
     restore = f"[ -f {STATE_DIR}/state ] && . {STATE_DIR}/state\n"
     # Variables passed with this request win over the saved shell state.
     overrides = "".join(f"export {k}={shell_quote(v)}\n" for k, v in env.items())
-    save = f"__rc=$?; {{ export -p; printf 'cd -- %q 2>/dev/null\\n' \"$PWD\"; }} > {STATE_DIR}/state 2>/dev/null"
-    # Saved after the command, and from an EXIT trap for a command that ends the shell itself (`cd /srv &&
-    # exit 3`, `set -e` and a failure); the first save is for a command that set an EXIT trap of its own.
+    save = f"{{ export -p; printf 'cd -- %q 2>/dev/null\\n' \"$PWD\"; }} > {STATE_DIR}/state 2>/dev/null"
+    # Saved after the command, or from an EXIT trap for a command that ends the shell itself (`cd /srv &&
+    # exit 3`, `set -e` and a failure); saving after the command also keeps the state of one that set an EXIT
+    # trap of its own. __furlong_saved: the trap does not write the file a second time.
     # eval keeps a syntax error in the user's command from skipping the state save.
-    trap = f"trap {shell_quote(save + '; exit $__rc')} EXIT\n"
-    return restore + overrides + trap + "eval " + shell_quote(cmd) + f"\n{save}; exit $__rc"
+    on_exit = '__rc=$?; [ -n "${__furlong_saved-}" ] || ' + save + "; exit $__rc"
+    trap = f"trap {shell_quote(on_exit)} EXIT\n"
+    after = f"\n__rc=$?; {save}; __furlong_saved=1; exit $__rc"
+    return restore + overrides + trap + "eval " + shell_quote(cmd) + after
