@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from furlong.config import REPO_ROOT
+from furlong.metrics.run import RunDir
 from tests_support import Background
 
 SMALL = [
@@ -65,6 +67,32 @@ def _kill_after_step_1(killed: Path) -> None:
     assert not (killed / "summary.json").exists()
 
 
+def _move_checkout(run: Path, old: Path) -> None:
+    """Rewrite a run directory as if it had been made from a furlong checkout at `old` (gone now)."""
+    state = json.loads((run / "state.json").read_text())
+    assert state["checkout"] == str(REPO_ROOT)
+    (run / "state.json").write_text(json.dumps({**state, "checkout": str(old)}))
+    text = (run / "config.yaml").read_text()
+    assert f"{REPO_ROOT}/tasks" in text
+    (run / "config.yaml").write_text(text.replace(f"{REPO_ROOT}/", f"{old}/"))
+
+
+def test_a_resumed_run_finds_paths_of_its_moved_checkout_and_keeps_the_users_own(tmp_path: Path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    (new / "tasks").mkdir(parents=True)
+    (old / "recipes").mkdir(parents=True)  # still there: kept as it is
+    mine = tmp_path / "my-tasks"  # the user's own files, gone: kept, and the run's own error names them
+    config = {"train": {"tasks": f"{old}/tasks", "recipe": f"{old}/recipes", "data": f"{old}/data", "seed": 1},
+              "sandbox": {"tasks": str(mine)}}
+    run = RunDir.create(tmp_path / "run", config, checkout=old)
+    moved_config, moved = run.relocated_config(new)
+    assert moved == [f"train.tasks: {old}/tasks -> {new}/tasks"]
+    assert moved_config["train"] == {**config["train"], "tasks": f"{new}/tasks"}  # data: no counterpart, kept
+    assert moved_config["sandbox"] == config["sandbox"]
+    assert run.relocated_config(old) == (config, [])  # resumed where it was made: nothing moves
+    assert RunDir.create(tmp_path / "run2", config).relocated_config(new) == (config, [])  # no checkout recorded
+
+
 def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: Path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     # the run never killed goes beside the one that is (CI's second core): they share no state
@@ -101,8 +129,10 @@ def test_train_writes_a_complete_run_directory_and_resumes_after_kill(tmp_path: 
     assert ("no RL step updated the policy" in res.stderr) == (not summary["rl_steps_updated"]), res.stderr[-2000:]
     assert json.loads(res.stdout.splitlines()[-1])["heldout_pass_at_1_after_rl"] == summary["heldout_pass_at_1_after_rl"]
 
+    _move_checkout(killed, Path("/gone/furlong"))  # made from a checkout since moved: resumed from this one
     res = _train("--resume", str(killed))
     assert res.returncode == 0, res.stderr[-3000:]
+    assert f"train.tasks: /gone/furlong/tasks -> {REPO_ROOT / 'tasks'}" in " ".join(res.stderr.split()), res.stderr[-2000:]
     resumed = _rl_rows(killed)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # same step count, nothing logged twice
     # the same samples, in the same steps, as the run that was never killed

@@ -23,7 +23,7 @@ from furlong.cli.eval import cmd_eval
 from furlong.cli.gateway import cmd_gateway
 from furlong.cli.parser import build_parser
 from furlong.cli.serve import cmd_openenv, cmd_sandbox
-from furlong.config import Config, ConfigError
+from furlong.config import REPO_ROOT, Config, ConfigError
 from furlong.engine.base import EngineUnavailable
 from furlong.sandbox.base import SandboxError
 
@@ -78,9 +78,12 @@ def _run_dir(cfg: Config, args: argparse.Namespace):
         if args.overrides or args.config:
             raise ConfigError("--resume continues a run with its own config; drop the overrides")
         run = RunDir.open(args.resume)
-        return Config.model_validate(run.config()), run
+        config, moved = run.relocated_config(REPO_ROOT)
+        for line in moved:
+            console.print(f"resume: the run's checkout moved; {line}")
+        return Config.model_validate(config), run
     path = cfg.train.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    return cfg, RunDir.create(path, cfg.model_dump(mode="json"))
+    return cfg, RunDir.create(path, cfg.model_dump(mode="json"), checkout=REPO_ROOT)
 
 
 def _open_run(cfg: Config, args: argparse.Namespace):

@@ -52,13 +52,18 @@ class RunDir:
         self.sinks: list[MetricsSink] = []  # more places each metrics row goes (W&B)
 
     @classmethod
-    def create(cls, path: Path, config: dict) -> RunDir:
+    def create(cls, path: Path, config: dict, checkout: Path | None = None) -> RunDir:
+        """`checkout` is the furlong checkout the run is made from: paths inside it (the bundled tasks,
+        recipes) are found again under a moved or fresh clone when the run is resumed there."""
         if (path / "state.json").exists():
             raise FileExistsError(f"{path} already holds a run; continue it with --resume {path}")
         path.mkdir(parents=True, exist_ok=True)
         run = cls(path)
         atomic_write(path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-        run.save_state({"phases": {}, "last_checkpoint": None, "created": time.time()})
+        state: dict[str, Any] = {"phases": {}, "last_checkpoint": None, "created": time.time()}
+        if checkout is not None:
+            state["checkout"] = str(checkout)
+        run.save_state(state)
         return run
 
     @classmethod
@@ -69,6 +74,16 @@ class RunDir:
 
     def config(self) -> dict:
         return yaml.safe_load((self.path / "config.yaml").read_text())
+
+    def relocated_config(self, checkout: Path) -> tuple[dict, list[str]]:
+        """The config with every path that lay inside the checkout the run was made from, and is gone
+        now, moved to the same place under `checkout` (where it exists there); with the keys moved.
+        A path outside that checkout is kept as it is: it names the user's own files."""
+        config, moved = self.config(), list[str]()
+        old = self.state().get("checkout")
+        if old and Path(old) != checkout:
+            _relocate(config, Path(old), checkout, "", moved)
+        return config, moved
 
     def state(self) -> dict:
         return json.loads((self.path / "state.json").read_text())
@@ -140,3 +155,15 @@ class RunDir:
             self._tb.close()
         for sink in self.sinks:
             sink.close()
+
+
+def _relocate(node: dict, old: Path, new: Path, prefix: str, moved: list[str]) -> None:
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _relocate(value, old, new, f"{name}.", moved)
+        elif isinstance(value, str) and value.startswith(f"{old}/") and not Path(value).exists():
+            there = new / Path(value).relative_to(old)
+            if there.exists():
+                node[key] = str(there)
+                moved.append(f"{name}: {value} -> {there}")
