@@ -30,7 +30,7 @@ from furlong.sandbox.e2b.filesystem import filesystem_app
 from furlong.sandbox.e2b.process import process_app
 from furlong.sandbox.headroom import agent_caps
 
-ENVD_VERSION = "0.2.0"  # below 0.5.7 the SDK uploads multipart, the one upload form served here
+ENVD_VERSION = "0.5.2"  # 0.5.2: the SDK sends close_stdin; below 0.5.7 it uploads multipart, the form served here
 Resolver = Callable[[str], Awaitable[ImageRef | None]]
 # where SDK versions resume a paused sandbox (2.x: /v2/.../connect; older ones: /connect, /resume)
 CONNECT_ROUTES = ("/v2/sandboxes/{sid}/connect", "/sandboxes/{sid}/connect", "/sandboxes/{sid}/resume")

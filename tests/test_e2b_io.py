@@ -1,0 +1,119 @@
+"""Input, reattaching and terminals through the real e2b SDK against furlong's E2B-compatible app on
+loopback, over real bwrap sandboxes: stdin (send_stdin, stream_input, close_stdin), commands.connect,
+PTYs (send_stdin, resize, kill), and what is refused cleanly (unknown or finished pids, a resize of a
+command that has no terminal, another sandbox's pid)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import e2b
+import pytest
+from e2b.sandbox.commands.command_handle import PtySize
+from test_e2b_api import TEMPLATE, monkeypatch_module, server  # noqa: F401  (fixtures)
+
+
+@pytest.fixture(scope="module")
+def sbx(server):  # noqa: F811
+    box = e2b.Sandbox.create(TEMPLATE, timeout=120)
+    yield box
+    box.kill()
+
+
+def _until(check, what: str, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return found
+
+
+def test_stdin_reaches_the_command_and_close_ends_it(sbx):
+    seen: list[str] = []
+    handle = sbx.commands.run("head -n1; echo got-line; cat; echo after-eof", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "first line\n")
+    sbx.commands.send_stdin(handle.pid, b"two\n")
+    sbx.commands.stream_input(handle.pid, ["three ", b"four\n"])
+    sbx.commands.close_stdin(handle.pid)  # EOF: cat ends, the command goes on to its end
+    result = handle.wait(on_stdout=seen.append)
+    assert result.exit_code == 0
+    assert result.stdout == "first line\ngot-line\ntwo\nthree four\nafter-eof\n"
+    assert "".join(seen) == result.stdout
+
+
+def test_connect_reattaches_to_a_running_command(sbx):
+    handle = sbx.commands.run("read x; echo before-$x; read y; echo after-$y; exit 4", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "1\n")
+    handle.disconnect()  # the first handle leaves: the command runs on
+    assert handle.pid in {p.pid for p in sbx.commands.list()}
+    again = sbx.commands.connect(handle.pid)
+    assert again.pid == handle.pid
+    sbx.commands.send_stdin(handle.pid, "2\n")
+    with pytest.raises(e2b.CommandExitException) as ended:
+        again.wait()
+    assert ended.value.exit_code == 4
+    assert "after-2\n" in ended.value.stdout  # written after connect: it reached the new handle
+    assert handle.pid not in {p.pid for p in sbx.commands.list()}
+
+
+def test_a_pty_is_a_real_terminal_that_resizes(sbx):
+    out = bytearray()
+    term = sbx.pty.create(PtySize(rows=24, cols=80), envs={"PS1": "$ "})
+    ended: list[int] = []
+
+    def wait() -> None:
+        try:
+            term.wait(on_pty=out.extend)
+        except e2b.CommandExitException as e:  # killed: 137
+            ended.append(e.exit_code)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    try:
+        sbx.pty.send_stdin(term.pid, b"tty; stty size\n")
+        _until(lambda: b"24 80" in out, f"stty size never said 24 80: {bytes(out)!r}")
+        assert b"/dev/pts/" in out  # a terminal, not a pipe
+        sbx.pty.resize(term.pid, PtySize(rows=40, cols=100))
+        sbx.pty.send_stdin(term.pid, b"stty size\n")
+        _until(lambda: b"40 100" in out, f"stty size never said 40 100: {bytes(out)!r}")
+        assert term.pid in {p.pid for p in sbx.commands.list()}
+    finally:
+        assert sbx.pty.kill(term.pid) is True
+    waiter.join(10)
+    assert not waiter.is_alive() and ended == [137], "the pty's stream ended with its kill"
+    assert term.pid not in {p.pid for p in sbx.commands.list()}
+    assert "bash -i -l" not in sbx.commands.run("ps -eo args").stdout  # its shell went with it
+
+
+def test_misuse_is_refused_and_changes_nothing(sbx, server):  # noqa: F811
+    with pytest.raises(e2b.NotFoundException):
+        sbx.commands.send_stdin(999999, "x")
+    with pytest.raises(e2b.NotFoundException):
+        sbx.commands.connect(999999)
+    done = sbx.commands.run("true", background=True, stdin=True)
+    done.wait()
+    with pytest.raises(e2b.NotFoundException):  # finished: no longer a command
+        sbx.commands.send_stdin(done.pid, "late")
+    plain = sbx.commands.run("sleep 30", background=True)
+    try:
+        with pytest.raises(e2b.SandboxException, match="stdin is closed"):  # started without stdin
+            sbx.commands.send_stdin(plain.pid, "x")
+        with pytest.raises(e2b.SandboxException, match="not a running PTY"):
+            sbx.pty.resize(plain.pid, PtySize(rows=10, cols=10))
+        with pytest.raises(e2b.SandboxException, match="no open stdin"):
+            sbx.commands.close_stdin(plain.pid)
+        other = e2b.Sandbox.create(TEMPLATE, timeout=30)  # another sandbox cannot reach this one's command
+        try:
+            with pytest.raises(e2b.NotFoundException):
+                other.commands.send_stdin(plain.pid, "x")
+            with pytest.raises(e2b.NotFoundException):
+                other.commands.connect(plain.pid)
+            assert other.commands.kill(plain.pid) is False  # the SDK's answer to NOT_FOUND
+        finally:
+            other.kill()
+        assert plain.pid in {p.pid for p in sbx.commands.list()}  # still running, untouched
+    finally:
+        sbx.commands.kill(plain.pid)
+    left = [n for n in sbx.commands.run("ls -a /tmp").stdout.split() if n.startswith(".furlong-e2b-")]
+    assert len(left) == 1 and left[0].endswith(".pid"), left  # the ls's own: nothing left behind
