@@ -5,13 +5,19 @@ command that has no terminal, another sandbox's pid)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import e2b
+import httpx
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
-from test_e2b_api import TEMPLATE, monkeypatch_module, server  # noqa: F401  (fixtures)
+from host_support import on_loopback
+from test_e2b_api import KEY, TEMPLATE, monkeypatch_module, server  # noqa: F401  (fixtures)
+
+from furlong.sandbox.base import Limits
+from furlong.sandbox.e2b import e2b_app
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +37,15 @@ def _until(check, what: str, timeout_s: float = 10.0):
 
 def test_stdin_reaches_the_command_and_close_ends_it(sbx):
     seen: list[str] = []
-    handle = sbx.commands.run("head -n1; echo got-line; cat; echo after-eof", background=True, stdin=True)
+    # bash's read takes one byte at a time from a pipe: it leaves the next input to cat, however fast it comes
+    handle = sbx.commands.run('read -r a; echo "got $a"; cat; echo after-eof', background=True, stdin=True)
     sbx.commands.send_stdin(handle.pid, "first line\n")
     sbx.commands.send_stdin(handle.pid, b"two\n")
     sbx.commands.stream_input(handle.pid, ["three ", b"four\n"])
     sbx.commands.close_stdin(handle.pid)  # EOF: cat ends, the command goes on to its end
     result = handle.wait(on_stdout=seen.append)
     assert result.exit_code == 0
-    assert result.stdout == "first line\ngot-line\ntwo\nthree four\nafter-eof\n"
+    assert result.stdout == "got first line\ntwo\nthree four\nafter-eof\n"
     assert "".join(seen) == result.stdout
 
 
@@ -96,6 +103,8 @@ def test_misuse_is_refused_and_changes_nothing(sbx, server):  # noqa: F811
     with pytest.raises(e2b.NotFoundException):  # finished: no longer a command
         sbx.commands.send_stdin(done.pid, "late")
     plain = sbx.commands.run("sleep 30", background=True)
+    sbx.files.make_dir("/tmp/mine")
+    watch = sbx.files.watch_dir("/tmp/mine")
     try:
         with pytest.raises(e2b.SandboxException, match="stdin is closed"):  # started without stdin
             sbx.commands.send_stdin(plain.pid, "x")
@@ -110,10 +119,87 @@ def test_misuse_is_refused_and_changes_nothing(sbx, server):  # noqa: F811
             with pytest.raises(e2b.NotFoundException):
                 other.commands.connect(plain.pid)
             assert other.commands.kill(plain.pid) is False  # the SDK's answer to NOT_FOUND
+            # nor this one's watcher: asked with the other sandbox's own id and token, it is not found
+            url, _app = server
+            r = httpx.post(f"{url}/filesystem.Filesystem/GetWatcherEvents", json={"watcherId": watch._watcher_id},
+                           headers={"E2b-Sandbox-Id": other.sandbox_id, "X-Access-Token": other._envd_access_token})
+            assert r.status_code == 404 and "no such watcher" in r.text, r.text
         finally:
             other.kill()
         assert plain.pid in {p.pid for p in sbx.commands.list()}  # still running, untouched
+        assert watch.get_new_events() == []  # and the watcher still answers its own sandbox
     finally:
         sbx.commands.kill(plain.pid)
+        watch.stop()
     left = [n for n in sbx.commands.run("ls -a /tmp").stdout.split() if n.startswith(".furlong-e2b-")]
     assert len(left) == 1 and left[0].endswith(".pid"), left  # the ls's own: nothing left behind
+
+
+def _seen(watch, wanted: tuple[str, e2b.FilesystemEventType], got: list) -> None:
+    """Collects `watch`'s new events into `got` until `wanted` (name, type) is among them."""
+    _until(lambda: (got.extend((e.name, e.type) for e in watch.get_new_events()), wanted in got)[1],
+           f"no {wanted} event: {got}")
+
+
+def test_watch_dir_sees_what_the_agent_creates_writes_and_removes(sbx):
+    sbx.files.make_dir("/tmp/watched/sub")
+    sbx.commands.run("echo old > /tmp/watched/old")
+    watch = sbx.files.watch_dir("/tmp/watched")
+    got: list = []
+    T = e2b.FilesystemEventType
+    sbx.commands.run("echo one > /tmp/watched/a.txt")
+    _seen(watch, ("a.txt", T.CREATE), got)
+    sbx.commands.run("echo two >> /tmp/watched/a.txt")
+    _seen(watch, ("a.txt", T.WRITE), got)
+    sbx.commands.run("rm /tmp/watched/a.txt; echo deep > /tmp/watched/sub/deep")
+    _seen(watch, ("a.txt", T.REMOVE), got)
+    assert ("old", T.CREATE) not in got and not any(name.startswith("sub/") for name, _ in got)  # not recursive
+    watch.stop()
+    with pytest.raises(e2b.SandboxException, match="already stopped"):
+        watch.get_new_events()
+    deep = sbx.files.watch_dir("/tmp/watched", recursive=True)
+    sbx.commands.run("echo more >> /tmp/watched/sub/deep")
+    _seen(deep, ("sub/deep", T.WRITE), [])
+    deep.stop()
+    with pytest.raises(e2b.NotFoundException):
+        sbx.files.watch_dir("/tmp/no-such-dir")
+
+
+def test_watch_dir_streams_to_the_async_sdk(server):  # noqa: F811
+    async def main() -> list:
+        box = await e2b.AsyncSandbox.create(TEMPLATE, timeout=60)
+        try:
+            got: list = []
+            await box.files.make_dir("/tmp/w")
+            handle = await box.files.watch_dir("/tmp/w", on_event=lambda e: got.append((e.name, e.type)))
+            await box.commands.run("touch /tmp/w/x")
+            deadline = time.monotonic() + 10
+            while ("x", e2b.FilesystemEventType.CREATE) not in got and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await handle.stop()
+            return got
+        finally:
+            await box.kill()
+
+    assert ("x", e2b.FilesystemEventType.CREATE) in asyncio.run(main())
+
+
+def test_info_and_list_report_the_sandboxs_own_limits(backend, base_image, monkeypatch):
+    async def resolve(template: str):
+        return base_image
+
+    limits = Limits(cpus=2.0, memory_mb=1024, disk_mb=300)
+    with on_loopback(e2b_app(backend, resolve, api_key=KEY, limits=limits)) as url:
+        monkeypatch.setenv("E2B_API_URL", url)
+        monkeypatch.setenv("E2B_SANDBOX_URL", url)
+        monkeypatch.setenv("E2B_API_KEY", KEY)
+        box = e2b.Sandbox.create(TEMPLATE, timeout=30)
+        try:
+            info = box.get_info()
+            (sample,) = box.get_metrics()  # from the sandbox's cgroup
+            assert (info.cpu_count, info.memory_mb) == (2, 1024) == (sample.cpu_count, sample.mem_total >> 20)
+            (listed,) = httpx.get(f"{url}/v2/sandboxes", headers={"X-API-KEY": KEY}).json()
+            df_mb = int(box.commands.run("df -m --output=size / | tail -1").stdout)
+            assert (listed["cpuCount"], listed["memoryMB"], listed["diskSizeMB"]) == (2, 1024, df_mb) == (2, 1024, 300)
+        finally:
+            box.kill()

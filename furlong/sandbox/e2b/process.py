@@ -15,9 +15,9 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from e2b.envd.process import process_pb as pb
-from e2b.envd.process.process_connect import ProcessASGIApplication
+from e2b.envd.process.process_connect import Process, ProcessASGIApplication
 
-from furlong.sandbox.e2b.envd import Lookup, sandbox_of, unsupported
+from furlong.sandbox.e2b.envd import Lookup, sandbox_of
 from furlong.sandbox.e2b.jobs import Job, event
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -33,7 +33,7 @@ def _input(given: pb.ProcessInput | None) -> bytes:
     return chunk
 
 
-class Processes:
+class Processes(Process):
     """The service: each call is routed by E2b-Sandbox-Id and checked against that sandbox's X-Access-Token;
     a pid names a command of that sandbox only (another sandbox's is NOT_FOUND, as an unknown one is)."""
 
@@ -123,9 +123,6 @@ class Processes:
             raise ConnectError(Code.INVALID_ARGUMENT, "pty.size: expected rows and cols in 1..1000")
         await job.resize(size)
         return pb.UpdateResponse()
-
-    def __getattr__(self, name: str) -> Any:  # what a later envd adds
-        return unsupported("process.Process", name)
 
 
 def process_app(lookup: Lookup) -> ProcessASGIApplication:
