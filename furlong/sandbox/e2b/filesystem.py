@@ -22,6 +22,7 @@ from furlong.sandbox.base import Sandbox, SandboxError
 from furlong.sandbox.e2b.envd import Lookup, sandbox_of
 from furlong.sandbox.e2b.watch import Watcher, snapshot
 
+KEEPALIVE_S = 1.0  # a WatchDir stream's idle gap before a keepalive
 MAX_WATCHERS = 8  # a sandbox's at once: each lists its directory five times a second
 TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY, "symlink": pb.FileType.SYMLINK}
 
@@ -142,9 +143,10 @@ class Files(Filesystem):
             yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))  # type: ignore[arg-type]
             while watcher.error is None or not watcher.pending.empty():
                 try:
-                    event = await asyncio.wait_for(watcher.pending.get(), timeout=1.0)
-                except TimeoutError:
-                    continue  # looks at whether it stopped
+                    event = await asyncio.wait_for(watcher.pending.get(), timeout=KEEPALIVE_S)
+                except TimeoutError:  # a keepalive: writing it is how a client that left is noticed
+                    yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))  # type: ignore[arg-type]
+                    continue
                 yield pb.WatchDirResponse(event=Oneof("filesystem", event))  # type: ignore[arg-type]
             raise watcher.error
         finally:

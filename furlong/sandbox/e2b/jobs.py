@@ -12,6 +12,7 @@ handed in. Every piece runs as the sandbox's agent, through Sandbox.exec, in tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shlex
 from collections.abc import AsyncIterator, Callable
@@ -125,6 +126,8 @@ class Job:
             self._publish(data(out if stream == "stdout" else stream, chunk))
 
         cfg = self.config
+        result: ExecResult | None = None
+        failure: Exception = SandboxError("its run was cancelled")  # what listeners get where no result came
         try:
             result = await self.box.exec(
                 script(self.base, cfg, self.stdin, self.pty_size),
@@ -133,17 +136,19 @@ class Job:
                 timeout_s=timeout_s,
                 on_output=on_output,
             )
+            if result.timed_out:  # killed by exec: its script's own cleanup never ran
+                with contextlib.suppress(SandboxError):
+                    await self.box.exec(self._cleanup, cwd="/", timeout_s=10)
         except SandboxError as e:  # the sandbox was closed or died under it
+            failure = e
+        finally:  # whatever ended it, every listener's stream ends and the pid is let go
             self.ended = True
             forget()
-            self._publish(e)
-            self._publish(None)
-            return
-        if result.timed_out:  # killed by exec: its script's own cleanup never ran
-            await self.box.exec(self._cleanup, cwd="/", timeout_s=10)
-        self.ended = True
-        forget()
-        self._finish(result, streamed, out)
+            if result is not None:
+                self._finish(result, streamed, out)
+            else:
+                self._publish(failure)
+                self._publish(None)
 
     def _finish(self, result: ExecResult, streamed: dict[str, int], out: str) -> None:
         for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
