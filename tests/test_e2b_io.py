@@ -1,7 +1,8 @@
-"""Input, reattaching and terminals through the real e2b SDK against furlong's E2B-compatible app on
-loopback, over real bwrap sandboxes: stdin (send_stdin, stream_input, close_stdin), commands.connect,
-PTYs (send_stdin, resize, kill), and what is refused cleanly (unknown or finished pids, a resize of a
-command that has no terminal, another sandbox's pid)."""
+"""Input, reattaching, terminals and watchers through the real e2b SDK against furlong's E2B-compatible app
+on loopback, over real bwrap sandboxes: stdin (send_stdin, stream_input, close_stdin), commands.connect,
+PTYs (send_stdin, resize, kill), files.watch_dir (sync and async SDK), the limits get_info reports; and
+what is refused cleanly (unknown or finished pids, a resize of a command that has no terminal, another
+sandbox's pid or watcher, a wrong token on every new call)."""
 
 from __future__ import annotations
 
@@ -133,6 +134,36 @@ def test_misuse_is_refused_and_changes_nothing(sbx, server):  # noqa: F811
         watch.stop()
     left = [n for n in sbx.commands.run("ls -a /tmp").stdout.split() if n.startswith(".furlong-e2b-")]
     assert len(left) == 1 and left[0].endswith(".pid"), left  # the ls's own: nothing left behind
+
+
+def test_every_new_call_needs_the_sandboxs_own_token(sbx, server):  # noqa: F811
+    url, _app = server
+    handle = sbx.commands.run('read -r x; echo "got $x"', background=True, stdin=True)
+    sbx.files.make_dir("/tmp/tok")
+    watch = sbx.files.watch_dir("/tmp/tok")
+    pid = {"process": {"pid": handle.pid}}
+    calls = {  # Connect's JSON form of each unary call, aimed at the live command and watcher
+        "process.Process/SendInput": {**pid, "input": {"stdin": "aW5qZWN0ZWQK"}},  # "injected\n"
+        "process.Process/CloseStdin": pid,
+        "process.Process/Update": {**pid, "pty": {"size": {"rows": 5, "cols": 5}}},
+        "process.Process/SendSignal": {**pid, "signal": "SIGNAL_SIGKILL"},
+        "filesystem.Filesystem/CreateWatcher": {"path": "/tmp/tok"},
+        "filesystem.Filesystem/GetWatcherEvents": {"watcherId": watch._watcher_id},
+        "filesystem.Filesystem/RemoveWatcher": {"watcherId": watch._watcher_id},
+    }
+    for route, body in calls.items():
+        for token in ("wrong", ""):
+            r = httpx.post(f"{url}/{route}", json=body,
+                           headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token})
+            assert r.status_code == 401 and "unauthenticated" in r.text, (route, r.status_code, r.text)
+    r = httpx.post(f"{url}/process.Process/Update", json=calls["process.Process/Update"],  # the right token: the
+                   headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token})  # body
+    assert "not a running PTY" in r.text, r.text  # reached the command, so the bodies above were well formed
+    # nothing above reached the command: its first input is still ours, and its stdin still open
+    sbx.commands.send_stdin(handle.pid, "ours\n")
+    assert handle.wait().stdout == "got ours\n"
+    assert watch.get_new_events() == []  # the watcher is still there
+    watch.stop()
 
 
 def _seen(watch, wanted: tuple[str, e2b.FilesystemEventType], got: list) -> None:
