@@ -86,8 +86,12 @@ def test_a_pty_is_a_real_terminal_that_resizes(sbx):
         sbx.pty.send_stdin(term.pid, b"stty size\n")
         _until(lambda: b"40 100" in out, f"stty size never said 40 100: {bytes(out)!r}")
         assert term.pid in {p.pid for p in sbx.commands.list()}
+        again = sbx.pty.connect(term.pid)  # a second handle on the same terminal
     finally:
         assert sbx.pty.kill(term.pid) is True
+    with pytest.raises(e2b.CommandExitException) as killed:
+        again.wait()
+    assert killed.value.exit_code == 137  # its end reached the second handle too
     waiter.join(10)
     assert not waiter.is_alive() and ended == [137], "the pty's stream ended with its kill"
     assert term.pid not in {p.pid for p in sbx.commands.list()}
