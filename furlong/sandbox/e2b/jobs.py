@@ -27,6 +27,7 @@ from furlong.sandbox.base import ExecResult, Sandbox, SandboxError
 
 CAPPED = re.compile(rb"\n\[\.\.\. furlong: (\d+) bytes truncated \.\.\.\]\n")  # init.c's MARKER
 HOLD_S = 2147483647  # the write end's holder sleeps until it is killed
+NO_PTY = "echo 'furlong: a PTY needs util-linux script and stty in the sandbox image' >&2; exit 127"
 INPUT_TIMEOUT_S = 10.0  # a command that reads none of its input leaves the pipe full: the write gives up
 
 
@@ -70,6 +71,8 @@ def script(base: str, cfg: pb.ProcessConfig, stdin: bool, pty: pb.PTY.Size | Non
             f"(exec sleep {HOLD_S} >{base}.in 2>/dev/null) & echo $! > {base}.hold; {cmd} <{base}.in"
         )
     inner = f"echo $$ > {base}.pid; {cmd}; rc=$?; "
+    if pty is not None:  # checked first: no pipe, no holder is left behind for a terminal there cannot be
+        inner = f"{{ command -v script && command -v stty; }} >/dev/null || {{ {NO_PTY}; }}; {inner}"
     if stdin or pty is not None:
         inner += f"kill $(cat {base}.hold) 2>/dev/null; "
     inner += f"rm -f {base}.pid {base}.in {base}.hold {base}.tty {base}.pty; exit $rc"
