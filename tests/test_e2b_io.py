@@ -51,7 +51,8 @@ def test_stdin_reaches_the_command_and_close_ends_it(sbx):
 
 
 def test_connect_reattaches_to_a_running_command(sbx):
-    handle = sbx.commands.run("read x; echo before-$x; read y; echo after-$y; exit 4", background=True, stdin=True)
+    handle = sbx.commands.run("read x; echo before-$x; read y; echo after-$y; exit 4", background=True, stdin=True,
+                              timeout=0)  # no deadline: it runs till it ends
     sbx.commands.send_stdin(handle.pid, "1\n")
     handle.disconnect()  # the first handle leaves: the command runs on
     assert handle.pid in {p.pid for p in sbx.commands.list()}

@@ -20,7 +20,7 @@ from e2b.envd.process.process_connect import Process, ProcessASGIApplication
 from furlong.sandbox.e2b.envd import Lookup, sandbox_of
 from furlong.sandbox.e2b.jobs import Job, event
 
-DEFAULT_TIMEOUT_S = 60.0
+NO_TIMEOUT_S = 86400.0  # timeout=0 (none): the command runs till it ends or its sandbox closes, a day at most
 MAX_INPUT_BYTES = 4 << 20  # one SendInput's data (the SDK sends what the caller gives)
 
 
@@ -65,7 +65,7 @@ class Processes(Process):
         timeout_ms = ctx.timeout_ms
         # the command runs on when this call's client leaves (CommandHandle.disconnect): Connect reattaches
         job.task = asyncio.create_task(
-            job.run(timeout_ms / 1000 if timeout_ms else DEFAULT_TIMEOUT_S, lambda: self._running.pop(pid, None))
+            job.run(timeout_ms / 1000 if timeout_ms else NO_TIMEOUT_S, lambda: self._running.pop(pid, None))
         )
         yield pb.StartResponse(event=event("start", pb.ProcessEvent.StartEvent(pid=pid)))
         async for ev in job.events(queue):
