@@ -228,16 +228,3 @@ def test_what_furlong_does_not_do_is_one_readable_error(server):
     finally:
         sbx.kill()
 
-
-def test_a_streaming_call_furlong_does_not_serve_is_refused_by_name(server):
-    """commands.connect is a server-streaming RPC (process.Process/Connect): refused as UNIMPLEMENTED
-    naming the call, as the unary ones are, not an internal error; the command and the sandbox go on."""
-    sbx = e2b.Sandbox.create(TEMPLATE, timeout=60)
-    try:
-        handle = sbx.commands.run("sleep 30", background=True)
-        with pytest.raises(e2b.SandboxException, match=r"process\.Process/connect is not supported"):
-            sbx.commands.connect(handle.pid)
-        assert handle.pid in {p.pid for p in sbx.commands.list()}
-        assert sbx.commands.run("echo alive").stdout == "alive\n"
-    finally:
-        sbx.kill()

@@ -18,6 +18,7 @@ from starlette.routing import Mount, Route
 
 from furlong.sandbox.base import (
     ImageRef,
+    Limits,
     Metered,
     Sandbox,
     SandboxBackend,
@@ -30,7 +31,7 @@ from furlong.sandbox.e2b.filesystem import filesystem_app
 from furlong.sandbox.e2b.process import process_app
 from furlong.sandbox.headroom import agent_caps
 
-ENVD_VERSION = "0.2.0"  # below 0.5.7 the SDK uploads multipart, the one upload form served here
+ENVD_VERSION = "0.5.2"  # 0.5.2: the SDK sends close_stdin; below 0.5.7 it uploads multipart, the form served here
 Resolver = Callable[[str], Awaitable[ImageRef | None]]
 # where SDK versions resume a paused sandbox (2.x: /v2/.../connect; older ones: /connect, /resume)
 CONNECT_ROUTES = ("/v2/sandboxes/{sid}/connect", "/sandboxes/{sid}/connect", "/sandboxes/{sid}/resume")
@@ -44,6 +45,7 @@ class Live:
     token: str
     started: float
     end: float
+    limits: Limits
 
 
 def _err(code: int, message: str) -> JSONResponse:
@@ -102,9 +104,10 @@ def _listed(live: Live) -> dict:
         "clientID": "furlong",
         "startedAt": _iso(live.started),
         "endAt": _iso(live.end),
-        "cpuCount": 1,
-        "memoryMB": 2048,
-        "diskSizeMB": 1024,
+        # its real limits: CPUs as its cgroup's share (at least one), memory, and what `df /` shows inside
+        "cpuCount": max(1, round(live.limits.cpus)),
+        "memoryMB": live.limits.memory_mb,
+        "diskSizeMB": agent_caps(live.limits).layer,
         "state": "paused" if isinstance(live.box, Snapshotting) and live.box.paused else "running",
         "envdVersion": ENVD_VERSION,
         "metadata": {},
@@ -123,10 +126,16 @@ class _Routes:
     """The REST handlers: the control plane (X-API-KEY) and envd's health and files."""
 
     def __init__(
-        self, reg: Registry, backend: SandboxBackend, resolve: Resolver, api_key: str, max_timeout_s: int
+        self,
+        reg: Registry,
+        backend: SandboxBackend,
+        resolve: Resolver,
+        api_key: str,
+        max_timeout_s: int,
+        limits: Limits,
     ) -> None:
         self.reg, self.backend, self.resolve = reg, backend, resolve
-        self.api_key, self.max_timeout_s = api_key, max_timeout_s
+        self.api_key, self.max_timeout_s, self.limits = api_key, max_timeout_s, limits
 
     def _authed(self, request: Request) -> bool:
         # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500 for a bad key)
@@ -156,11 +165,11 @@ class _Routes:
             return _err(404, f"templateID: unknown template {template!r}")
         self.reg.starting += 1
         try:
-            box = await self.backend.create(SandboxSpec(image=image))
+            box = await self.backend.create(SandboxSpec(image=image, limits=self.limits))
         finally:
             self.reg.starting -= 1
         now = time.time()
-        live = Live(secrets.token_hex(10), template, box, secrets.token_urlsafe(24), now, now + timeout)
+        live = Live(secrets.token_hex(10), template, box, secrets.token_urlsafe(24), now, now + timeout, self.limits)
         self.reg.live[live.sandbox_id] = live
         return JSONResponse(_answer(live), status_code=201)
 
@@ -310,11 +319,13 @@ def e2b_app(
     max_sandboxes: int = 16,
     max_timeout_s: int = 3600,
     others: Callable[[], int] = lambda: 0,
+    limits: Limits | None = None,
 ) -> Starlette:
     """The app: `resolve` maps a template id to a furlong image (None: unknown template); `others` counts the
-    seats of `max_sandboxes` that something else on the same host holds."""
+    seats of `max_sandboxes` that something else on the same host holds; every sandbox gets `limits`
+    (furlong's defaults where None), which get_info and list report."""
     reg = Registry(max_sandboxes, others)
-    r = _Routes(reg, backend, resolve, api_key, max_timeout_s)
+    r = _Routes(reg, backend, resolve, api_key, max_timeout_s, limits or Limits())
     routes = [
         Route("/sandboxes", r.create, methods=["POST"]),
         Route("/v2/sandboxes", r.listing, methods=["GET"]),

@@ -1,10 +1,10 @@
 """What every envd call shares, over REST and Connect-RPC alike: which sandbox it is for (E2b-Sandbox-Id)
-and whether it carries that sandbox's own X-Access-Token; and the answer to a method not served."""
+and whether it carries that sandbox's own X-Access-Token."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from connectrpc.code import Code
@@ -33,31 +33,3 @@ async def sandbox_of(lookup: Lookup, ctx: Any) -> Sandbox:
     if isinstance(live.box, Snapshotting) and live.box.paused:
         raise ConnectError(Code.FAILED_PRECONDITION, "the sandbox is paused: Sandbox.connect resumes it")
     return live.box
-
-
-def unsupported(service: str, name: str) -> Callable[..., Any]:
-    """A service's method that is not served (a class's __getattr__ hands it out for every such name).
-
-    The generated server awaits a unary or client-streaming method's result and iterates (`async for`) a
-    server-streaming or bidirectional one's, and __getattr__ cannot tell which `name` is: the refusal is
-    both, so each kind ends in the same UNIMPLEMENTED error naming the call."""
-    if name.startswith("_"):
-        raise AttributeError(name)
-    return lambda *_: Refusal(f"{service}/{name} is not supported (docs/e2b.md)")
-
-
-class Refusal:
-    """An UNIMPLEMENTED ConnectError, raised when awaited or at its first item when iterated."""
-
-    def __init__(self, message: str):
-        self.message = message
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        raise ConnectError(Code.UNIMPLEMENTED, self.message)
-        yield  # a generator: what __await__ must return
-
-    def __aiter__(self) -> Refusal:
-        return self
-
-    async def __anext__(self) -> Any:
-        raise ConnectError(Code.UNIMPLEMENTED, self.message)

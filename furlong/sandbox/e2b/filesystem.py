@@ -1,22 +1,29 @@
 """envd's `filesystem.Filesystem` service (Connect-RPC, through the SDK's generated server class): Stat,
 ListDir, MakeDir, Remove and Move, each done by GNU coreutils/findutils inside the sandbox as its agent, so
-what the SDK sees is what the agent could see. Watching is refused as unimplemented."""
+what the SDK sees is what the agent could see; and directory watchers (furlong.sandbox.e2b.watch)."""
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import shlex
+from collections.abc import AsyncIterator
 from typing import Any
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from e2b.envd.filesystem import filesystem_pb as pb
-from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.filesystem.filesystem_connect import Filesystem, FilesystemASGIApplication
+from protobuf import Oneof
 from protobuf.wkt import Timestamp
 
 from furlong.sandbox import listing
 from furlong.sandbox.base import Sandbox, SandboxError
-from furlong.sandbox.e2b.envd import Lookup, sandbox_of, unsupported
+from furlong.sandbox.e2b.envd import Lookup, sandbox_of
+from furlong.sandbox.e2b.watch import Watcher, snapshot
 
+KEEPALIVE_S = 1.0  # a WatchDir stream's idle gap before a keepalive
+MAX_WATCHERS = 8  # a sandbox's at once: each lists its directory five times a second
 TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY, "symlink": pb.FileType.SYMLINK}
 
 
@@ -63,9 +70,10 @@ async def _stat(box: Sandbox, path: str) -> pb.EntryInfo:
         raise ConnectError(_code(str(e)), str(e)) from None
 
 
-class Files:
+class Files(Filesystem):
     def __init__(self, lookup: Lookup) -> None:
         self._lookup = lookup
+        self._watchers: dict[str, Watcher] = {}
 
     async def stat(self, request: pb.StatRequest, ctx: Any) -> pb.StatResponse:
         return pb.StatResponse(entry=await _stat(await sandbox_of(self._lookup, ctx), request.path))
@@ -97,8 +105,53 @@ class Files:
         await _run(box, f'mkdir -p -- "$(dirname -- {q_dst})" && mv -T -- {q_src} {q_dst}', src)
         return pb.MoveResponse(entry=await _stat(box, dst))
 
-    def __getattr__(self, name: str) -> Any:  # watch_dir, create_watcher, ...
-        return unsupported("filesystem.Filesystem", name)
+    async def _watch(self, path: str, recursive: bool, ctx: Any) -> tuple[str, Watcher]:
+        """A new watcher of `path` in the caller's sandbox, polling from now, and its id."""
+        box = await sandbox_of(self._lookup, ctx)
+        sid = ctx.request_headers.get("e2b-sandbox-id", "")
+        if sum(w.sandbox_id == sid for w in self._watchers.values()) >= MAX_WATCHERS:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {MAX_WATCHERS} watchers a sandbox")
+        watcher = Watcher(box, sid, path, recursive, await snapshot(box, path, recursive))
+        wid = secrets.token_hex(8)
+        self._watchers[wid] = watcher
+        watcher.start(lambda: self._watchers.pop(wid, None))
+        return wid, watcher
+
+    async def _watcher(self, wid: str, ctx: Any) -> Watcher:
+        await sandbox_of(self._lookup, ctx)
+        watcher = self._watchers.get(wid)
+        if watcher is None or watcher.sandbox_id != ctx.request_headers.get("e2b-sandbox-id", ""):
+            raise ConnectError(Code.NOT_FOUND, f"watcher {wid!r}: no such watcher in this sandbox")
+        return watcher
+
+    async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: Any) -> pb.CreateWatcherResponse:
+        wid, _ = await self._watch(request.path, request.recursive, ctx)
+        return pb.CreateWatcherResponse(watcher_id=wid)
+
+    async def get_watcher_events(self, request: pb.GetWatcherEventsRequest, ctx: Any) -> pb.GetWatcherEventsResponse:
+        return pb.GetWatcherEventsResponse(events=(await self._watcher(request.watcher_id, ctx)).drain())
+
+    async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx: Any) -> pb.RemoveWatcherResponse:
+        (await self._watcher(request.watcher_id, ctx)).stop()
+        self._watchers.pop(request.watcher_id, None)
+        return pb.RemoveWatcherResponse()
+
+    async def watch_dir(self, request: pb.WatchDirRequest, ctx: Any) -> AsyncIterator[pb.WatchDirResponse]:
+        """The streaming form (the async SDK's): a start event, then each event as a listing finds it."""
+        wid, watcher = await self._watch(request.path, request.recursive, ctx)
+        try:
+            yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))  # type: ignore[arg-type]
+            while watcher.error is None or not watcher.pending.empty():
+                try:
+                    event = await asyncio.wait_for(watcher.pending.get(), timeout=KEEPALIVE_S)
+                except TimeoutError:  # a keepalive: writing it is how a client that left is noticed
+                    yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))  # type: ignore[arg-type]
+                    continue
+                yield pb.WatchDirResponse(event=Oneof("filesystem", event))  # type: ignore[arg-type]
+            raise watcher.error
+        finally:
+            watcher.stop()
+            self._watchers.pop(wid, None)
 
 
 def filesystem_app(lookup: Lookup) -> FilesystemASGIApplication:
