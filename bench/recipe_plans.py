@@ -36,10 +36,14 @@ def summary(plan: Plan) -> dict:
     s = plan.spec
     trainer, engine = plan.trainer.total / GIB, plan.engine.total / GIB
     gpu = (trainer + engine if s.colocate else max(trainer, engine)) + s.trainer.reserved_gib
+    # the input embedding and lm_head, which model cards leave out of their "non-embedding" counts
+    embeddings = plan.params.embedding + plan.params.head - s.model.hidden
     return {
         "model": s.model.name,
         "params_b": plan.params.total / 1e9,
         "active_b": plan.params.active / 1e9,
+        "params_without_embeddings_b": (plan.params.total - embeddings) / 1e9,
+        "active_without_embeddings_b": (plan.params.active - embeddings) / 1e9,
         "gpus": s.trainer.gpus if s.colocate else s.trainer.gpus + s.rollout.gpus,
         "gpu_memory_gib": next(g for g in s.nodes if g.gpus).gpu_memory_gib,
         "lora_rank": s.trainer.lora_rank,
