@@ -310,3 +310,14 @@ def test_a_distillation_teacher_adds_its_weights_to_each_rank_and_its_prefill_to
     raw["teacher"] = {"model": {"hf_config": "t"}}
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(raw))))
     assert model_params(load_spec(tmp_path / "spec.yaml").teacher.model).total == 2536
+
+
+def test_colocated_engines_take_their_memory_fraction_from_the_trainers_gpu():
+    # hidden 8 x vocab 10 model on 1 GiB GPUs: apart, the trainer may fill the whole GPU; colocated, the engine's
+    # memory_fraction of it is the engine's, and the trainer gets the rest
+    apart = make_plan(_spec(rollout={"memory_fraction": 0.75}))
+    shared = make_plan(_spec(trainer={"gpus": 2}, rollout={"memory_fraction": 0.75}, colocate=True))
+    assert apart.trainer.capacity == 1 * 2**30
+    assert shared.trainer.capacity == 0.25 * 2**30
+    tight = _spec(trainer={"gpus": 2, "seq_len": 2**21}, rollout={"memory_fraction": 0.75}, colocate=True)
+    assert any("colocated engines' memory_fraction" in p for p in make_plan(tight).problems)

@@ -206,7 +206,11 @@ def trainer_memory(spec: ClusterSpec, p: ModelParams) -> Memory:
 
 
 def _trainer_gpu(spec: ClusterSpec) -> float:
-    return next(g for g in spec.nodes if g.gpus).gpu_memory_gib - spec.trainer.reserved_gib
+    """GiB a trainer rank may fill: the GPU less reserved_gib, and less the engine's memory_fraction of it when the
+    engines are colocated (they hold that share of the same GPU)."""
+    gpu = next(g for g in spec.nodes if g.gpus).gpu_memory_gib
+    engine = gpu * spec.rollout.memory_fraction if spec.colocate else 0
+    return gpu - spec.trainer.reserved_gib - engine
 
 
 def _rank_terms(spec: ClusterSpec, p: ModelParams, stage: int) -> list[Term]:
@@ -315,6 +319,9 @@ def engine_memory(spec: ClusterSpec, p: ModelParams) -> Memory:
     )
 
 
+_ENGINE_SHARE = " and the colocated engines' memory_fraction"
+
+
 def make_plan(spec: ClusterSpec) -> Plan:
     p = model_params(spec.model)
     placement, engine_nodes, problems = place(spec)
@@ -322,7 +329,7 @@ def make_plan(spec: ClusterSpec) -> Plan:
     if not trainer.fits:
         problems.append(
             f"does not fit: trainer rank needs {trainer.total / GIB:,.1f} GiB but a GPU has "
-            f"{trainer.capacity / GIB:,.1f} GiB (after reserved_gib)"
+            f"{trainer.capacity / GIB:,.1f} GiB (after reserved_gib{_ENGINE_SHARE if spec.colocate else ''})"
         )
     weights = engine.terms[0].bytes
     if weights > engine.capacity:

@@ -127,7 +127,9 @@ class Trainer(_Strict):
 
 
 class Rollout(_Strict):
-    engine: Literal["sglang", "vllm"] = "sglang"
+    engine: Literal["sglang", "vllm", "hf"] = Field(
+        "sglang", description="hf: furlong's in-process engine (its weights in `dtype`, KV as the batch needs it)"
+    )
     gpus: int = Field(ge=1)
     tp: int = Field(1, ge=1, description="tensor parallel per engine; GPUs per engine")
     ep: int = Field(1, ge=1, description="expert parallel inside an engine (1: experts split by tp)")
