@@ -13,7 +13,6 @@ engine's. With replay the trainer's forward uses the engine's experts exactly (`
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
@@ -25,15 +24,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # tests_support imports its siblings as top-level modules
 
 from provenance import finish, provenance  # noqa: E402
+from tests_support import routed_episodes  # noqa: E402
 
-from furlong.agent.episode import Episode, EpisodeTiming  # noqa: E402
-from furlong.engine import SamplingParams  # noqa: E402
-from furlong.engine.hf import HFEngine  # noqa: E402
 from furlong.model.families import init_family  # noqa: E402
 from furlong.model.loading import load_model  # noqa: E402
-from furlong.model.moe import ROUTED_FAMILIES, RouteHooks, merge_routes  # noqa: E402
+from furlong.model.moe import ROUTED_FAMILIES, RouteHooks  # noqa: E402
 from furlong.train.batch import collate  # noqa: E402
 from furlong.train.grpo import policy_loss  # noqa: E402
 from furlong.train.logprobs import token_logprobs  # noqa: E402
@@ -42,31 +40,7 @@ from furlong.train.routing import Routing  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "routing_replay.json"
 
 
-async def _sample(model, prompts: list[list[int]], samples: int, tokens: int) -> list[Episode]:
-    async with HFEngine(model, record_routes=True, seed=0) as engine:
-        gens = await asyncio.gather(
-            *(
-                engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1000 * g + i))
-                for g, p in enumerate(prompts)
-                for i in range(samples)
-            )
-        )
-    out = []
-    for k, gen in enumerate(gens):
-        p, n = prompts[k // samples], len(gen.output_ids)
-        out.append(
-            Episode(
-                task_id="bench", group_id=k // samples, sample_id=k % samples, prompt_len=len(p),
-                tokens=(*p, *gen.output_ids), loss_mask=(0,) * len(p) + (1,) * n,
-                rollout_logprobs=(0.0,) * len(p) + gen.logprobs, token_weight_versions=(-1,) * len(p) + (0,) * n,
-                reward=float(k % 2), status="ok", timing=EpisodeTiming(), turns=1,
-                routes=merge_routes(None, gen.routes, len(p) + n),
-            )
-        )  # fmt: skip
-    return out
-
-
-def _score(model, episodes: list[Episode], mode: str) -> dict:
+def _score(model, episodes: list, mode: str) -> dict:
     """The trainer's figures on `episodes` with replay `mode` (on | off), one micro-batch of 4 at a time."""
     routing = Routing(model, mode, 0.0)
     metrics, used_differ, known_total = [], 0, 0
@@ -106,8 +80,9 @@ def one(name: str, work: Path, args: argparse.Namespace) -> dict:
     trainer = load_model(directory)
     out = {}
     for dtype in ("bfloat16", "float32"):
-        episodes = asyncio.run(_sample(load_model(directory, dtype=getattr(torch, dtype)), prompts, args.samples,
-                                       args.tokens))  # fmt: skip
+        episodes = routed_episodes(
+            load_model(directory, dtype=getattr(torch, dtype)), prompts, args.samples, args.tokens
+        )
         out[f"engine_{dtype}"] = {mode: _score(trainer, episodes, mode) for mode in ("off", "on")}
         print(name, dtype, json.dumps(out[f"engine_{dtype}"]), flush=True)
     return out

@@ -5,18 +5,15 @@ Tiny MoE family variants (furlong.model.families), a few short sequences each.""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from tests_support import grpo
+from tests_support import grpo, routed_episodes
 
-from furlong.agent.episode import Episode, EpisodeTiming
+from furlong.agent.episode import Episode
 from furlong.config import TrainConfig
-from furlong.engine import SamplingParams
-from furlong.engine.hf import HFEngine
 from furlong.model.families import init_family
 from furlong.model.loading import load_model
 from furlong.model.moe import (
@@ -44,32 +41,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def sample(model: torch.nn.Module, n: int = 2, tokens: int = 12) -> list[Episode]:
-    """`n` samples of each prompt from an hf engine over `model` that records routes."""
-
-    async def main() -> list[Episode]:
-        async with HFEngine(model, record_routes=True, seed=0) as engine:
-            gens = await asyncio.gather(
-                *(
-                    engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=10 * g + i))
-                    for g, p in enumerate(PROMPTS)
-                    for i in range(n)
-                )
-            )
-        out = []
-        for k, gen in enumerate(gens):
-            p, m = PROMPTS[k // n], len(gen.output_ids)
-            out.append(
-                Episode(
-                    task_id="t", group_id=k // n, sample_id=k % n, prompt_len=len(p), tokens=(*p, *gen.output_ids),
-                    loss_mask=(0,) * len(p) + (1,) * m, rollout_logprobs=(0.0,) * len(p) + gen.logprobs,
-                    token_weight_versions=(-1,) * len(p) + gen.token_weight_versions, reward=float(k % 2),
-                    status="ok", timing=EpisodeTiming(), turns=1,
-                    routes=merge_routes(None, gen.routes, len(p) + m),
-                )
-            )  # fmt: skip
-        return out
-
-    return asyncio.run(main())
+    return routed_episodes(model, list(PROMPTS), n, tokens)
 
 
 def trainer_logprobs(model, episodes: list[Episode], routing: Routing | None) -> torch.Tensor:
