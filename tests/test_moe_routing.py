@@ -5,6 +5,7 @@ Tiny MoE family variants (furlong.model.families), a few short sequences each.""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from tests_support import grpo, routed_episodes
 
 from furlong.agent.episode import Episode
 from furlong.config import TrainConfig
+from furlong.engine import SamplingParams
+from furlong.engine.hf import HFEngine
 from furlong.model.families import init_family
 from furlong.model.loading import load_model
 from furlong.model.moe import (
@@ -170,3 +173,40 @@ def test_a_route_from_a_later_turn_overwrites_only_what_it_recorded() -> None:
     merged = merge_routes(first, later, 6)
     assert merged is not None and merged[:, 0].tolist() == [[1, 2], [5, 6], [7, 0], [1, 3], [-1, -1], [-1, -1]]
     assert merge_routes(None, None, 3) is None
+
+
+def own_routes(model, tokens: list[int]) -> torch.Tensor:
+    """The experts `model`'s routers choose for `tokens` in one trainer forward, [tokens, layers, top_k]."""
+    with RouteHooks(model, record=True) as hooks, torch.no_grad():
+        token_logprobs(model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0)
+        return hooks.take()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_routes_after_a_mid_generation_update_are_the_new_weights(dirs, deterministic: bool) -> None:
+    """A weight update re-prefills a running request's context: its routes there become the new router's (the
+    same as a trainer forward under the new weights), and decode goes on recording (batched or SoloBatch)."""
+    directory = dirs["qwen3_moe"]
+    model, new = load_model(directory), load_model(directory)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for router in moe_routers(new):
+            router.weight.add_(torch.randn_like(router.weight))  # type: ignore[operator]
+    prompt = list(PROMPTS[0]) * 3
+
+    async def main():
+        async with HFEngine(model, record_routes=True, deterministic=deterministic) as engine:
+            task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=30, seed=1)))
+            while engine.stats.generated_tokens < 6:
+                await asyncio.sleep(0.002)
+            await engine.update_weights(new.state_dict(), version=1)
+            return await task
+
+    gen = asyncio.run(main())
+    versions = gen.token_weight_versions
+    assert 0 < versions.count(1) < len(versions)  # the update landed mid-generation
+    fed = len(prompt) + versions.index(1) - 1  # context recomputed under the new weights (then decoded with them)
+    assert gen.routes is not None and (gen.routes[:-1] >= 0).all()
+    tokens = [*prompt, *gen.output_ids]
+    assert torch.equal(gen.routes[:-1], own_routes(new, tokens)[:-1])  # recomputed context, then decode
+    assert not torch.equal(gen.routes[:fed], own_routes(load_model(directory), tokens)[:fed])
