@@ -210,3 +210,26 @@ def test_routes_after_a_mid_generation_update_are_the_new_weights(dirs, determin
     tokens = [*prompt, *gen.output_ids]
     assert torch.equal(gen.routes[:-1], own_routes(new, tokens)[:-1])  # recomputed context, then decode
     assert not torch.equal(gen.routes[:fed], own_routes(load_model(directory), tokens)[:fed])
+
+
+def test_a_second_turn_after_a_prefix_cache_hit_completes_the_episodes_routes(dirs) -> None:
+    """Turn 2's prompt extends turn 1's episode; the prefix cache holds turn 1's KV, so turn 2 prefills only the
+    new tokens and records routes there alone: merged as the agent merges them, every forwarded position of the
+    episode has a route, the same one a trainer forward over the whole episode chooses (fp32 both)."""
+    model = load_model(dirs["qwen3_moe"])
+    first = list(PROMPTS[0])
+
+    async def main():
+        async with HFEngine(model, record_routes=True) as engine:
+            one = await engine.generate(first, SamplingParams(max_new_tokens=10, seed=2))
+            second_prompt = [*first, *one.output_ids, *PROMPTS[1]]
+            two = await engine.generate(second_prompt, SamplingParams(max_new_tokens=10, seed=3))
+            return one, second_prompt, two, engine.stats.cached_tokens
+
+    one, second_prompt, two, cached = asyncio.run(main())
+    assert cached > 0 and two.routes is not None
+    assert (two.routes[:cached] < 0).all()  # not forwarded in turn 2: its routes come from turn 1
+    tokens = [*second_prompt, *two.output_ids]
+    routes = merge_routes(merge_routes(None, one.routes, len(first) + len(one.output_ids)), two.routes, len(tokens))
+    assert routes is not None and (routes[:-1] >= 0).all()
+    assert torch.equal(routes[:-1], own_routes(model, tokens)[:-1])
