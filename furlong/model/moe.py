@@ -115,11 +115,12 @@ class RouteHooks:
         if not self.routers:
             raise ValueError(f"{type(model).__name__} has no MoE router furlong can record or replay")
         self.record = record
-        self.keep_logits = keep_logits  # the load-balancing loss reads them (with their graph)
+        self.keep_logits = keep_logits  # inside forcing(): the load-balancing loss reads them (with their graph)
         self.logits: list[torch.Tensor] = []
         self._chosen: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self._forced: torch.Tensor | None = None
         self._apply = True
+        self._inside = False  # in forcing(): other forwards of the model (a teacher's scoring) keep no logits
         self.matches = _Matches([], [])
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
@@ -139,7 +140,7 @@ class RouteHooks:
             logits, weights, chosen = output
             if self.record:
                 self._chosen[layer].append(chosen.detach().to(torch.int16))
-            if self.keep_logits:
+            if self.keep_logits and self._inside:
                 self.logits.append(logits)
             if self._forced is None:
                 return None
@@ -172,11 +173,11 @@ class RouteHooks:
         """Forwards inside use `routes` ([tokens, layers, top_k] in the forward's flattened order; UNKNOWN
         rows keep the router's own choice) and count where the routers' own choice differed (`mismatch`).
         `apply` False: only count. None: the routers choose, as without hooks."""
-        self._forced, self._apply = routes, apply
+        self._forced, self._apply, self._inside = routes, apply, True
         try:
             yield
         finally:
-            self._forced, self._apply = None, True
+            self._forced, self._apply, self._inside = None, True, False
 
     def take(self) -> torch.Tensor:
         """[tokens, layers, top_k] int16 of what the routers chose since the last take (CPU)."""
