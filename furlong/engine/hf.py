@@ -120,9 +120,9 @@ class HFEngine:
         request's tokens and logprobs a function of the request and the weights alone, whatever else is
         running: each prompt is prefilled whole and alone (no prefix cache, no shared forwards; identical
         prompts still share theirs, the same computation) and each row decodes in its own forward
-        (kv.SoloBatch); slower, see docs/training.md#reproducibility. `record_routes` (on an MoE model; a dense one has none) keeps the
-        experts every MoE layer chose for each token a forward ran, returned as Generation.routes for the
-        trainer's routing replay (furlong.model.moe)."""
+        (kv.SoloBatch); slower, see docs/training.md#reproducibility. `record_routes` (on an MoE model; a
+        dense one has none) keeps the experts every MoE layer chose for each token a forward ran, returned as
+        Generation.routes for the trainer's routing replay (furlong.model.moe)."""
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.eos_token_ids = frozenset(_default_eos(model) if eos_token_ids is None else eos_token_ids)
@@ -321,6 +321,8 @@ class HFEngine:
     def _compute_step(self, admitted: list[_Request], version: int) -> list[_Request]:
         """Worker thread: one decode step for the running rows, then prefill the admitted ones."""
         with torch.inference_mode():
+            if self._recorder is not None:
+                self._recorder.take()  # drop what a failed step's forwards recorded: no request owns it
             running = list(self._batch.rows)
             if running:
                 logits = self._batch.step(self.model, [r.output_ids[-1] for r in running])
