@@ -252,18 +252,24 @@ def test_the_hf_export_loads_back_in_transformers(family_dirs, name: str, tmp_pa
 
 def test_furlong_train_runs_two_rl_steps_on_a_moe_family(family_dirs, tmp_path: Path) -> None:
     """`furlong train` as a user runs it, on the Qwen3-MoE variant (the bundled prompts example: no sandbox):
-    both steps train on every episode and log trainer/rollout parity."""
+    both steps train on every episode and log trainer/rollout parity; the engine records routes, the trainer
+    replays them (train.moe.routing_replay=on) and logs expert load, and episodes.jsonl summarises them."""
     run = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "--config", "recipes/prompts-arith.yaml",
                           f"train.model.path={family_dirs['qwen3_moe']}", f"train.run_dir={run}", "train.sft.epochs=0",
                           "train.rl.steps=2", "train.rl.tasks_per_step=2", "train.rl.group_size=2",
-                          "train.rl.filter_zero_variance=false", "train.eval.heldout_per_family=1"],
+                          "train.rl.filter_zero_variance=false", "train.eval.heldout_per_family=1",
+                          "train.moe.routing_replay=on"],
                          check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and all(r["updated"] and r["loss_tokens"] > 0 for r in rows)
     assert all(r["logprob_diff_max"] < 1e-5 and abs(r["rollout_train_kl"]) < 1e-6 for r in rows), rows
     assert rows[0]["ppo_kl"] == 0.0 and rows[0]["clip_frac"] == 0.0
+    assert all(r["moe_load_max_ratio"] >= 1.0 and 0 < r["moe_load_entropy"] <= 1.0 for r in rows), rows
+    records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    routed = [r["routes"] for r in records if r["phase"] == "rl"]
+    assert routed and all(r["layers"] == 2 and r["top_k"] == 2 and r["tokens"] > 0 for r in routed), routed
 
 
 def test_an_unknown_family_names_the_known_ones() -> None:

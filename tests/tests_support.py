@@ -160,3 +160,29 @@ class ScriptedTurns:
         ids = tuple(self.turns[len(self.prompts) - 1])
         return Generation(output_ids=ids, logprobs=tuple(-0.5 for _ in ids), finish_reason="stop", weight_version=1,
                           token_weight_versions=tuple(1 for _ in ids), prompt_len=len(input_ids))
+
+
+def routed_episodes(model, prompts: list[list[int]], samples: int, tokens: int) -> list:
+    """`samples` single-turn episodes of each prompt from an hf engine over `model` that records MoE routes
+    (Episode.routes), rewarded 1 / 0 alternately so every group has an advantage."""
+    import asyncio
+
+    from furlong.agent.episode import Episode, EpisodeTiming
+    from furlong.engine.hf import HFEngine
+    from furlong.model.moe import merge_routes
+
+    async def main() -> list:
+        async with HFEngine(model, record_routes=True, seed=0) as engine:
+            return list(await asyncio.gather(*(
+                engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1000 * g + i))
+                for g, p in enumerate(prompts) for i in range(samples))))
+
+    out = []
+    for k, gen in enumerate(asyncio.run(main())):
+        p, n = prompts[k // samples], len(gen.output_ids)
+        out.append(Episode(
+            task_id="t", group_id=k // samples, sample_id=k % samples, prompt_len=len(p), tokens=(*p, *gen.output_ids),
+            loss_mask=(0,) * len(p) + (1,) * n, rollout_logprobs=(0.0,) * len(p) + gen.logprobs,
+            token_weight_versions=(-1,) * len(p) + gen.token_weight_versions, reward=float(k % 2), status="ok",
+            timing=EpisodeTiming(), turns=1, routes=merge_routes(None, gen.routes, len(p) + n)))
+    return out

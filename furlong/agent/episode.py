@@ -28,11 +28,14 @@ from furlong.model.chat import (
     end_of_turn_id,
     render_prompt_ids,
 )
+from furlong.model.moe import merge_routes
 from furlong.model.toolcall import tool_format
 from furlong.seeding import mix_seed
 from furlong.timing import EpisodeTiming
 
 if TYPE_CHECKING:
+    import torch
+
     from furlong.config import AgentConfig
 
 
@@ -101,6 +104,9 @@ class Episode:
     # Empty for a harness episode (its program wrote its own prompt).
     prompt: tuple[Message, ...] = ()
     prompt_tools: tuple[dict, ...] | None = None
+    # MoE routing replay (furlong.model.moe): the experts the engine chose per token, [len(tokens), layers,
+    # top_k] int16, -1 where it recorded none; None: the engine recorded no routes (a dense model, vLLM).
+    routes: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # Distillation (train.distill): the teacher's logprob of each token, aligned like rollout_logprobs (0.0
     # where loss_mask is 0); None before scoring or where the teacher gave none (`distill` says why).
     teacher_logprobs: tuple[float, ...] | None = None
@@ -141,6 +147,7 @@ class _Trace:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routes: torch.Tensor | None = None  # furlong.model.moe.merge_routes of every turn's Generation.routes
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -298,6 +305,7 @@ class ModelAgent:
                 self._waiting_since = None
             deadline.reschedule(loop.time() + left)
             trace.add_sampled(list(gen.output_ids), list(gen.logprobs), list(gen.token_weight_versions))
+            trace.routes = merge_routes(trace.routes, gen.routes, len(trace.tokens))
             self._open = (gen.finish_reason != "stop", None)
             if answers_only and gen.finish_reason != "stop":
                 await runner.reply(self.format.answer(self.tokenizer.decode(gen.output_ids, skip_special_tokens=False)))
@@ -387,6 +395,7 @@ async def run_episode(
         loss_mask=tuple(t.mask),
         rollout_logprobs=tuple(t.logprobs),
         token_weight_versions=tuple(t.versions),
+        routes=merge_routes(t.routes, None, len(t.tokens)),
         turns=agent.turns,
         tool_errors=agent.tool_errors,
         family=task.family,

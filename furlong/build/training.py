@@ -181,7 +181,9 @@ def attach_loggers(t: TrainConfig, run: RunDir) -> None:
 
 
 def grpo_config(t: TrainConfig) -> GRPOConfig:
-    return replace(GRPOConfig.of(t.rl, seed=t.seed), distill_mode=t.distill.mode, distill_weight=t.distill.weight)
+    replay = t.moe.routing_replay if t.records_routes else "off"
+    return replace(GRPOConfig.of(t.rl, seed=t.seed), distill_mode=t.distill.mode, distill_weight=t.distill.weight,
+                   routing_replay=replay, moe_aux_coef=t.moe.aux_loss_coef)  # fmt: skip
 
 
 def teacher_hints(t: TrainConfig, tasks: Sequence[EnvSpec]) -> dict[str, str]:
@@ -310,9 +312,11 @@ def phase_engine(
     return hf_engine(load_model(model_dir), prefix_cache_mb, device, deterministic)
 
 
-def hf_engine(model, prefix_cache_mb: float, device: str = "cpu", deterministic: bool = False) -> HFEngine:
-    # eos_token_ids=(): episodes stop on end-of-turn
-    return HFEngine(model.to(device), eos_token_ids=(), prefix_cache_mb=prefix_cache_mb, deterministic=deterministic)
+def hf_engine(
+    model, prefix_cache_mb: float, device: str = "cpu", deterministic: bool = False, routes: bool = False
+) -> HFEngine:
+    return HFEngine(model.to(device), eos_token_ids=(), prefix_cache_mb=prefix_cache_mb, deterministic=deterministic,
+                    record_routes=routes)  # fmt: skip  # eos: end-of-turn stops; routes: MoE experts, for replay
 
 
 def _fresh_dir(t: TrainConfig, run_path: Path) -> DirectoryTransport:
@@ -340,11 +344,13 @@ async def weight_link(
         return await ray_build.engine_link(cfg, cluster, sft_dir, published, publisher, lora_spec(t), run_path)
     if t.engine == "sglang":
         return await _sglang_link(cfg, run_path, sft_dir)
-    local = (
-        (lambda: Borrowed(shared))
-        if shared is not None
-        else (lambda: hf_engine(policy_model(t, sft_dir), t.hf.prefix_cache_mb, t.hf.device, t.hf.deterministic))
-    )
+    hf = t.hf
+
+    def local() -> Any:
+        if shared is not None:
+            return Borrowed(shared)
+        return hf_engine(policy_model(t, sft_dir), hf.prefix_cache_mb, hf.device, hf.deterministic, t.records_routes)
+
     if s.transport == "direct":
         return DirectLink(local())
     if s.engine == "inprocess":

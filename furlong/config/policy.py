@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from furlong.config.base import _Node
 
@@ -219,3 +219,27 @@ class FSDP2Config(_Node):
     timeout_s: float = Field(
         600.0, gt=0, description="a rank's start, and a collective whose peer is gone, fail after this long"
     )
+
+
+class MoEConfig(_Node):
+    """Mixture-of-experts training (furlong.train.routing; docs/models.md#moe-routing-replay)."""
+
+    routing_replay: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="the trainer's forwards use the experts the rollout engine chose per token (gate weights "
+        "still from the trainer's router); auto: on for an MoE model when the engine records routes (the "
+        "in-process hf engine with the local trainer), off otherwise; on: refuse a dense model or an engine "
+        "that records none",
+    )
+    aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the router load-balancing loss (transformers' Switch-Transformer loss, "
+        "as models' router_aux_loss_coef; qwen3_moe and gpt_oss) in the policy loss; 0: none",
+    )
+
+    @field_validator("routing_replay", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: object) -> object:
+        # YAML 1.1 reads a bare on/off as a boolean: take it as the word that was written
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value

@@ -21,6 +21,7 @@ from furlong.config.policy import (
     FSDP2Config,
     LoraConfig,
     ModelConfig,
+    MoEConfig,
     RLConfig,
     SFTConfig,
 )
@@ -65,6 +66,7 @@ class TrainConfig(_Node):
     sft: SFTConfig = Field(SFTConfig(), description="the SFT warm-start")
     rl: RLConfig = Field(RLConfig(), description="GRPO")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters")
+    moe: MoEConfig = Field(MoEConfig(), description="MoE routing replay and the router's load-balancing loss")
     distill: DistillConfig = Field(
         DistillConfig(), description="on-policy distillation from a teacher (docs/distill.md)"
     )
@@ -93,6 +95,24 @@ class TrainConfig(_Node):
                 f"train.sync.engine={self.sync.engine}, train.cluster={self.cluster}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _routes_are_recorded(self) -> TrainConfig:
+        # Only the in-process hf engine records routes, and only the local trainer's replay is tested.
+        if self.moe.routing_replay == "on" and not self.records_routes:
+            raise ValueError(
+                f"train.moe.routing_replay=on: only the in-process hf engine records the experts it chose "
+                f"(train.engine=hf, train.sync.engine=inprocess, train.cluster=local, train.trainer=local); got "
+                f"train.engine={self.engine}, train.sync.engine={self.sync.engine}, train.cluster={self.cluster}, "
+                f"train.trainer={self.trainer}"
+            )
+        return self
+
+    @property
+    def records_routes(self) -> bool:
+        """Whether the rollout engine records MoE routes for replay (an MoE model's; docs/models.md)."""
+        in_process = self.engine == "hf" and self.sync.engine == "inprocess" and self.cluster == "local"
+        return self.moe.routing_replay != "off" and in_process and self.trainer == "local"
 
     @model_validator(mode="after")
     def _ray_cluster_supports(self) -> TrainConfig:

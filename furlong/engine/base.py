@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -78,6 +81,11 @@ class Generation:
     weight_version: int
     token_weight_versions: tuple[int, ...] = ()
     prompt_len: int = 0
+    # MoE routing replay (furlong.model.moe): the experts each MoE layer chose for each position of prompt +
+    # output, [prompt_len + num_tokens, layers, top_k] int16, UNKNOWN (-1) where this request ran no forward
+    # (a prefix-cached prompt token, the last sampled token). None: the engine records none (only the
+    # in-process hf engine does, with record_routes).
+    routes: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:

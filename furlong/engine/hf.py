@@ -29,6 +29,7 @@ from furlong.engine.kv import KV, DecodeBatch, PrefillRow, SoloBatch, prefill
 from furlong.engine.prefix import PrefixCache
 from furlong.engine.sampling import sample_next
 from furlong.model.loading import load_model
+from furlong.model.moe import UNKNOWN, RouteHooks, moe_routers
 
 
 @dataclass
@@ -68,6 +69,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     kv_epoch: int = -1  # the engine's weight epoch when this request's KV started (see HFEngine._epoch)
+    routes: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, [n, layers, top_k])
 
     def result(self, current_version: int) -> Generation:
         return Generation(
@@ -77,7 +79,19 @@ class _Request:
             weight_version=min(self.versions, default=current_version),
             token_weight_versions=tuple(self.versions),
             prompt_len=len(self.prompt),
+            routes=self._routes(),
         )
+
+    def _routes(self) -> torch.Tensor | None:
+        """Every position's recorded experts, a later forward's overwriting an earlier one's (a recompute
+        after a weight update re-prefills the context under the new weights)."""
+        if not self.routes:
+            return None
+        shape = self.routes[0][1].shape[1:]
+        out = torch.full((len(self.prompt) + len(self.output_ids), *shape), UNKNOWN, dtype=torch.int16)
+        for start, part in self.routes:
+            out[start : start + len(part)] = part
+        return out
 
 
 class HFEngine:
@@ -96,6 +110,7 @@ class HFEngine:
         batch_prefill: bool = True,
         max_prefill_tokens: int = 8192,
         deterministic: bool = False,
+        record_routes: bool = False,
     ) -> None:
         """`eos_token_ids` stop every request in addition to its own stop ids (None: the model's
         generation_config eos ids; () for none). `max_context` caps prompt + output (default: the model's
@@ -105,7 +120,9 @@ class HFEngine:
         request's tokens and logprobs a function of the request and the weights alone, whatever else is
         running: each prompt is prefilled whole and alone (no prefix cache, no shared forwards; identical
         prompts still share theirs, the same computation) and each row decodes in its own forward
-        (kv.SoloBatch); slower, see docs/training.md#reproducibility."""
+        (kv.SoloBatch); slower, see docs/training.md#reproducibility. `record_routes` (on an MoE model; a
+        dense one has none) keeps the experts every MoE layer chose for each token a forward ran, returned as
+        Generation.routes for the trainer's routing replay (furlong.model.moe)."""
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.eos_token_ids = frozenset(_default_eos(model) if eos_token_ids is None else eos_token_ids)
@@ -129,6 +146,7 @@ class HFEngine:
         self._resumed.set()
         self._step_lock = asyncio.Lock()
         self._closed = False
+        self._recorder = RouteHooks(model, record=True) if record_routes and moe_routers(model) else None
 
     @classmethod
     def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> HFEngine:
@@ -179,8 +197,11 @@ class HFEngine:
         todo = [PrefillRow(r.prompt + r.output_ids[:-1]) for r in rows]
         kvs: dict[int, KV] = {}
         with torch.inference_mode():
-            for chunk, _, chunk_kvs in self._prefills(todo):
+            for chunk, _, chunk_kvs, routes in self._prefills(todo):
                 kvs.update(zip(chunk, chunk_kvs, strict=True))
+                for i, part in zip(chunk, routes, strict=True):
+                    if part is not None:
+                        rows[i].routes.append((0, part))
         self._batch.keep([])
         self._batch.add(rows, [kvs[i] for i in range(len(rows))])
         for r in rows:
@@ -247,6 +268,8 @@ class HFEngine:
             await asyncio.wait([self._loop_task])  # its own failure was already reported to its requests
         self._abort_open()
         self._executor.shutdown(wait=True)
+        if self._recorder is not None:
+            self._recorder.close()
 
     async def __aenter__(self) -> HFEngine:
         return self
@@ -298,9 +321,14 @@ class HFEngine:
     def _compute_step(self, admitted: list[_Request], version: int) -> list[_Request]:
         """Worker thread: one decode step for the running rows, then prefill the admitted ones."""
         with torch.inference_mode():
+            if self._recorder is not None:
+                self._recorder.take()  # drop what a failed step's forwards recorded: no request owns it
             running = list(self._batch.rows)
             if running:
                 logits = self._batch.step(self.model, [r.output_ids[-1] for r in running])
+                if self._recorder is not None:  # one token per row, in row order (SoloBatch: one forward each)
+                    for r, part in zip(running, self._recorder.take().split(1), strict=True):
+                        r.routes.append((len(r.prompt) + len(r.output_ids) - 1, part))
                 self.stats.decode_steps += 1
                 sizes = self.stats.decode_batch_sizes
                 sizes[len(running)] = sizes.get(len(running), 0) + 1
@@ -331,21 +359,33 @@ class HFEngine:
         rows: list[_Request] = []
         kvs: list[KV] = []
         logits_rows: list[torch.Tensor] = []
-        for chunk, logits, chunk_kvs in self._prefills(todo):
+        for chunk, logits, chunk_kvs, routes in self._prefills(todo):
             for j, i in enumerate(chunk):
+                if (part := routes[j]) is not None:
+                    for r in members[i]:
+                        r.routes.append((todo[i].cached_len, part))
                 rows += members[i]
                 kvs += [chunk_kvs[j]] * len(members[i])
                 logits_rows.append(logits[j : j + 1].expand(len(members[i]), -1))
         self._batch.add(rows, kvs)
         self._sample(rows, torch.cat(logits_rows), version)
 
-    def _prefills(self, todo: list[PrefillRow]) -> Iterator[tuple[list[int], torch.Tensor, list[KV]]]:
+    def _prefills(
+        self, todo: list[PrefillRow]
+    ) -> Iterator[tuple[list[int], torch.Tensor, list[KV], list[torch.Tensor | None]]]:
         """The prefill forwards for `todo`, batched by _chunks: per forward, the indices of its rows in
-        `todo`, their last-position logits and their KV. Admission and recompute both prefill this way."""
+        `todo`, their last-position logits, their KV and (record_routes) the experts each of their tokens
+        went to. Admission and recompute both prefill this way."""
         for chunk in _chunks([len(row.tokens) for row in todo], self.max_prefill_tokens if self.batch_prefill else 0):
-            logits, kvs = prefill(self.model, [todo[i] for i in chunk])
+            rows = [todo[i] for i in chunk]
+            logits, kvs = prefill(self.model, rows)
             self.stats.prefill_calls += 1
-            yield chunk, logits, kvs
+            routes: list[torch.Tensor | None] = [None] * len(rows)
+            if self._recorder is not None:  # the forward's rows are right-padded to its longest, flattened
+                taken = self._recorder.take()
+                taken = taken.view(len(rows), -1, *taken.shape[1:])
+                routes = [taken[j, : len(row.tokens)] for j, row in enumerate(rows)]
+            yield chunk, logits, kvs, routes
 
     def _cacheable(self, request: _Request) -> bool:
         # Only KV computed entirely under the current weights: no update since the request's prefill.

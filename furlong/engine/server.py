@@ -110,7 +110,7 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
             gen = await engine.generate(body.input_ids, sampling)
         except (EngineError, ValueError) as e:
             raise HTTPException(status_code=400, detail=str(e)) from None
-        return dataclasses.asdict(gen)
+        return dataclasses.asdict(dataclasses.replace(gen, routes=None))  # routes stay in-process
 
     @app.post("/sync")
     async def sync() -> dict:

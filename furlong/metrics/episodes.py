@@ -61,7 +61,15 @@ def episode_record(e: Episode, phase: str, step: int | None) -> dict:
         "receipts": [r.to_json() for r in e.receipts],  # what its reward was computed from (furlong.tasks.receipt)
         "gateway": None if e.gateway is None else asdict(e.gateway),  # a harness's requests, tito, rewrites
         "distill": None if e.distill is None else e.distill.to_json(),  # train.distill: what the teacher made of it
+        "routes": _routes_summary(e),  # MoE routing replay: the engine's recorded experts (the tensor stays in memory)
     }
+
+
+def _routes_summary(e: Episode) -> dict | None:
+    if e.routes is None:
+        return None
+    _, layers, top_k = e.routes.shape
+    return {"layers": layers, "top_k": top_k, "tokens": int((e.routes >= 0).all(-1).all(-1).sum())}
 
 
 class EpisodeLog:

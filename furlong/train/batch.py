@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from furlong.agent.episode import Episode
+from furlong.model.moe import UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,27 @@ class MicroBatch:
     advantages: torch.Tensor  # [B], or [B, T] per token (distillation: furlong.train.distill)
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # [B, T, layers, top_k] int16, UNKNOWN (-1) off the recorded routes
+
+
+def _routes(episodes: Sequence[Episode], device: torch.device) -> torch.Tensor | None:
+    """The episodes' engine routes, padded with UNKNOWN (an episode without any: all UNKNOWN); None if none has."""
+    shapes = {tuple(e.routes.shape[1:]) for e in episodes if e.routes is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"episodes carry routes of different shapes (layers, top_k): {sorted(shapes)}")
+    (shape,) = shapes
+    rows = []
+    for e in episodes:
+        if e.routes is not None and len(e.routes) != len(e.tokens):
+            raise ValueError(
+                f"episode {e.task_id}/{e.group_id}/{e.sample_id}: {len(e.routes)} routes for {len(e.tokens)} tokens"
+            )
+        rows.append(
+            e.routes if e.routes is not None else torch.full((len(e.tokens), *shape), UNKNOWN, dtype=torch.int16)
+        )
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=UNKNOWN).to(device)
 
 
 def _pad(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -52,6 +74,7 @@ def collate(
         else torch.as_tensor(advantages, dtype=torch.float32).to(device),
         old_logprobs=None if old is None else _pad(old, device),
         ref_logprobs=None if ref is None else _pad(ref, device),
+        routes=_routes(episodes, device),
     )
 
 

@@ -48,6 +48,8 @@ class GRPOConfig:
     decay_steps: int  # > 0: after warm-up, lr follows a cosine to min_lr_ratio * lr over this many steps
     distill_mode: str = "off"  # train.distill.mode: opd | grpo+opd need a teacher (furlong.train.distill)
     distill_weight: float = 1.0  # grpo+opd: the distillation term's weight
+    routing_replay: str = "auto"  # train.moe.routing_replay: auto | on | off (furlong.train.routing)
+    moe_aux_coef: float = 0.0  # train.moe.aux_loss_coef: the router load-balancing loss's weight
 
     @classmethod
     def of(cls, rl: RLConfig, seed: int) -> GRPOConfig:

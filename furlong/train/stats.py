@@ -32,3 +32,11 @@ class TrainStats:
     ref_kl: float
     updated: bool  # False when no group survived filtering: the weights and the version are unchanged
     version: int  # the trainer's weight version after this step
+    # MoE routing (furlong.train.routing; 0 for a dense model): fractions of (token, MoE layer) pairs and of
+    # tokens whose trainer top-k differed from the engine's recorded one (before replay), expert load from the
+    # recorded routes (busiest expert / mean; count entropy / log(experts)), the mean load-balancing loss.
+    moe_route_mismatch: float = 0.0
+    moe_token_mismatch: float = 0.0
+    moe_load_max_ratio: float = 0.0
+    moe_load_entropy: float = 0.0
+    moe_aux_loss: float = 0.0

@@ -13,7 +13,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from furlong.train.grpo import (
 )
 from furlong.train.grpo_config import GRPOConfig, lr_at
 from furlong.train.logprobs import token_logprobs
+from furlong.train.routing import Routing
 from furlong.train.sft import Demo, demo_nll, nll_tokens
 from furlong.train.stats import TrainStats
 
@@ -91,6 +92,7 @@ class LocalTrainer:
         )
         self.off_policy = OffPolicy(config.off_policy, config.tis_cap, config.is_low, config.is_high, config.mask_level)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.routing = Routing(model, config.routing_replay, config.moe_aux_coef)
         self._opt_steps = 0
         self.version = 0
         # This process's share of every pass (a sharded subclass sets them; here: all of it, alone).
@@ -154,6 +156,7 @@ class LocalTrainer:
                 stats, None, {"grad_norm": update.norm, "sft_nll": update.sft_nll}, True, self.version, start
             )
         metrics, extra = self._optimize(train, advantages)
+        extra.update(self.routing.metrics(train))
         self.version += 1
         return _finish(stats, metrics, extra, True, self.version, start)
 
@@ -219,7 +222,7 @@ class LocalTrainer:
                 continue
             adv = advantages[chunk] if isinstance(advantages, torch.Tensor) else [advantages[i] for i in chunk]
             mb = collate([episodes[i] for i in chunk], adv, self.device, _pick(old, chunk), _pick(ref, chunk))
-            with self._autocast():
+            with self._autocast(), self.routing.forward(mb.routes):
                 logp, ent = self._forward(
                     self.model, token_logprobs, mb.tokens, mb.attention_mask, cfg.temperature, True, mb.loss_mask
                 )
@@ -237,6 +240,10 @@ class LocalTrainer:
                 denominator=denominator,
                 off_policy=self.off_policy,
             )
+            aux = self.routing.aux_loss(mb.attention_mask, float(mb.loss_mask.sum()) / max(denominator, 1.0))
+            if aux is not None:  # the router's load-balancing term, inside the step's loss
+                loss = loss + aux
+                metrics = replace(metrics, loss=metrics.loss + float(aux.detach()))
             loss.backward()
             parts.append(metrics)
             entropy += float((ent * mb.loss_mask).sum())
@@ -324,7 +331,8 @@ class LocalTrainer:
                 self._idle(model, grad=False)
                 continue
             mb = collate([episodes[i] for i in chunk], torch.zeros(len(chunk)), self.device)
-            with self._autocast():
+            replayed = self.routing.forward(mb.routes) if model is self.model else nullcontext()
+            with self._autocast(), replayed:
                 logp = self._forward(
                     model, token_logprobs, mb.tokens, mb.attention_mask, self.config.temperature, False, mb.loss_mask
                 )
