@@ -62,7 +62,8 @@ async def starts(backend, ref, n: int) -> float:
 
 
 async def main(n: int) -> dict:
-    store, backend = ImageStore(), BwrapBackend()
+    store = ImageStore()
+    backend = BwrapBackend(layers=store)
     base = store.base()
     scratch = Path(tempfile.mkdtemp(dir=store.root.parent, prefix="bench-buildah-"))
     try:

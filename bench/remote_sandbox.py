@@ -97,7 +97,8 @@ async def measure(bench, local, remote, spec, samples: int, rounds: int) -> dict
 
 
 def run(bench, args) -> dict:
-    store, local = ImageStore(), BwrapBackend()
+    store = ImageStore()
+    local = BwrapBackend(layers=store)
     spec = SandboxSpec(image=store.base(), limits=Limits(cpus=1.0))
     with tempfile.TemporaryDirectory() as work:
         host = Host(Path(work), capacity=max(LOADS) + 2)

@@ -189,7 +189,8 @@ def test_sandbox_through_the_backend_is_limited(user):
         from furlong.sandbox.bwrap import BwrapBackend
         from furlong.sandbox.images import ImageStore
         async def main():
-            box = await BwrapBackend().create(SandboxSpec(image=ImageStore().base(), limits=Limits(pids=40)))
+            store = ImageStore()
+            box = await BwrapBackend(layers=store).create(SandboxSpec(image=store.base(), limits=Limits(pids=40)))
             try:
                 await box.exec("true", 10)  # fully started: closing a half-started sandbox is another matter
                 if box._cgroup is None:

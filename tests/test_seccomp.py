@@ -131,7 +131,7 @@ def test_task_toml_and_global_switch(backend, base_image, tmp_path: Path):
     with pytest.raises(TaskError, match="field 'environment.seccomp_allow'"):
         load_task(_task(tmp_path / "d", "seccomp_allow = 'keyctl'"))
     # the backend-wide switch (config sandbox.seccomp) turns the filter off for every spec
-    assert run(_probe(BwrapBackend(seccomp=False), base_image, SyscallPolicy()))["io_uring_setup"] != "EPERM"
+    assert run(_probe(BwrapBackend(seccomp=False, layers=backend.layers), base_image, SyscallPolicy()))["io_uring_setup"] != "EPERM"
 
 
 def test_filter_cost_per_sandbox_is_microseconds():

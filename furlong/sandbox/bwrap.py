@@ -48,7 +48,6 @@ from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
 from furlong.sandbox.egress import Egress, through_proxy
 from furlong.sandbox.egress_proxy import EgressProxy, Gate
 from furlong.sandbox.headroom import agent_caps
-from furlong.sandbox.images import ImageStore  # the default layer source: it builds through backends like this one
 from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
 from furlong.sandbox.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S, SnapshotStore
 
@@ -108,7 +107,9 @@ class BwrapBackend:
         snapshot_ttl_s: float = DEFAULT_TTL_S,
         snapshot_max_mb: int = DEFAULT_MAX_MB,
     ):
-        self._layers = layers  # None: the default image store, made on first need
+        # an ImageStore (images.py), which builds through backends like this one: so it is given, never made
+        # here (make_backend gives the default store, made on first need)
+        self._layers = layers
         self.egress = egress  # the host's CAs and mirrors for networked sandboxes (builds included)
         self.proxy = proxy or EgressProxy()  # controlled sandboxes' gates (its thread starts on first need)
         self._gated: Egress | None = None  # `egress` through the proxy, written on first need
@@ -156,7 +157,7 @@ class BwrapBackend:
     @property
     def layers(self) -> LayerSource:
         if self._layers is None:
-            self._layers = ImageStore(host_uid=self.host_uid, egress=self.egress)
+            raise SandboxError("the bwrap backend was given no layer source (layers=, an ImageStore)")
         return self._layers
 
     def _egress(self, spec: SandboxSpec) -> Egress | None:

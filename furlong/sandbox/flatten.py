@@ -17,27 +17,9 @@ import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from furlong.sandbox.changes import is_opaque, is_whiteout
 from furlong.sandbox.layertar import inside_id
 from furlong.sandbox.tarball import root_owned
-
-_OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")  # root's overlays, and user-namespace ones
-
-
-def is_opaque(path: str | int) -> bool:
-    """Whether the directory at `path` (or the open fd) hides what lower layers hold under it."""
-    for name in _OPAQUE:
-        try:
-            value = os.getxattr(path, name) if isinstance(path, int) else os.getxattr(path, name, follow_symlinks=False)
-            if value == b"y":
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def is_whiteout(st: os.stat_result) -> bool:
-    """Whether an lstat result is an overlay whiteout: the path is deleted below this layer."""
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
 def _hidden(rel: str, whiteouts: set[str], opaque: set[str]) -> bool:

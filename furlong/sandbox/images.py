@@ -68,6 +68,30 @@ def _inside_id(host: int, sub_start: int | None) -> int:
     return 0
 
 
+class DefaultStore:
+    """The default ImageStore (this host's cache) as a backend's layer source, made on first need: a backend
+    that only runs Python (a family's generator, a remote client's run_python) never makes one."""
+
+    def __init__(self, host_uid: int | None = None, egress: Egress | None = None):
+        self._args = (host_uid, egress)
+        self._store: ImageStore | None = None
+
+    @property
+    def store(self) -> ImageStore:
+        if self._store is None:
+            self._store = ImageStore(host_uid=self._args[0], egress=self._args[1])
+        return self._store
+
+    def layer_dir(self, layer: LayerRef) -> Path:
+        return self.store.layer_dir(layer)
+
+    def layer_tar(self, layer: LayerRef) -> bytes:
+        return self.store.layer_tar(layer)
+
+    def layer_files(self, layer: LayerRef) -> Path:
+        return self.store.layer_files(layer)
+
+
 class ImageStore:
     def __init__(
         self,

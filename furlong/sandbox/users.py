@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from furlong.sandbox.flatten import is_opaque, is_whiteout
+from furlong.sandbox.changes import is_opaque, is_whiteout
 
 MAX_ID = 65535  # the sandbox maps uids and gids 0..65535 (0 to the host's sandbox uid, the rest subordinate)
 ROOT_USERS = ("", "0", "root", "0:0", "root:root")  # what a USER of root may be written as
