@@ -24,7 +24,7 @@ from provenance import finish, provenance
 
 from furlong.sandbox import buildah
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 
 MULTI = """FROM furlong/base AS builder

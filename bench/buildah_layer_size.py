@@ -54,7 +54,7 @@ def measure(keep: bool) -> dict:
     """Builds the Dockerfile with the furlong this interpreter imports and measures the stored image."""
     import furlong
     from furlong.sandbox.buildah import Buildah
-    from furlong.sandbox.bwrap import BwrapBackend
+    from furlong.sandbox.runtime.bwrap import BwrapBackend
     from furlong.sandbox.images import ImageStore
 
     store = ImageStore()

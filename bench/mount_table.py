@@ -26,7 +26,7 @@ from pathlib import Path
 from provenance import finish, provenance
 
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import start_sandbox
 

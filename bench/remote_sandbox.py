@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from furlong.sandbox.base import Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.hosts import Hosts
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.remote import RemoteBackend

@@ -32,7 +32,7 @@ from provenance import finish, provenance
 
 from furlong.sandbox import layers
 from furlong.sandbox.base import Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.pool import WarmPool
 

@@ -29,7 +29,7 @@ from provenance import ROOT, finish, provenance
 from furlong.paths import cache_dir
 from furlong.sandbox import standins, toolchain, ubuntu
 from furlong.sandbox.base import Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.registry import RegistryError
 from furlong.sandbox.standin_recipes import FAMILIES

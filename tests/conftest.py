@@ -21,9 +21,9 @@ from skips import (  # noqa: F401
     pytest_terminal_summary,
 )
 
-from furlong.sandbox import idmap
+from furlong.sandbox.runtime import idmap
 from furlong.sandbox.base import ImageRef, Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.network import NO_NETWORK, PUBLIC
 

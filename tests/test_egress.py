@@ -17,9 +17,9 @@ import skips
 from conftest import run, spec
 from tls_support import TLSServer, make_ca_and_cert, probe_wheel
 
-from furlong.sandbox import egress
+from furlong.sandbox.runtime import egress
 from furlong.sandbox.base import SandboxError
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 
 needs_root = skips.needs_root("the test's HTTPS server needs a network namespace and a veth pair (root)")
@@ -211,10 +211,10 @@ def test_pip_settings_are_read_in_pips_order(tmp_path: Path):
 ROOTLESS = r"""
 import asyncio, shutil, sys
 from pathlib import Path
-from furlong.sandbox import egress
+from furlong.sandbox.runtime import egress
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.network import PUBLIC
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 url, ca, fetch, dockerfiles = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import run, spec
 from furlong.cli import main
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageStore
 from furlong.sandbox.imports import ImageImportError, directory, import_image
 from furlong.sandbox.layertar import UnpackError

@@ -232,7 +232,7 @@ def test_native_useradd_and_chown_build_and_the_layer_stays_removable(store, bac
     """Native RUN steps have the capabilities to `useradd` and `chown` (init.c BUILD_CAPS). As root the
     owners survive (tests/test_owners.py); as an ordinary user every stored file is the user's own, so
     the sandbox shows root's and the user can remove the layer (a 0700 home of another uid included)."""
-    from furlong.sandbox import idmap
+    from furlong.sandbox.runtime import idmap
     from furlong.sandbox.builds import _rmtree
 
     if idmap.sub_ids() is None:

@@ -14,7 +14,7 @@ import skips
 from conftest import run
 
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.bwrap import DEFAULT_HOST_UID
+from furlong.sandbox.runtime.bwrap import DEFAULT_HOST_UID
 
 pytestmark = skips.needs_root("as a user, layers belong to the user (the sandbox uid)")
 AS_SANDBOX_UID = ["setpriv", f"--reuid={DEFAULT_HOST_UID}", f"--regid={DEFAULT_HOST_UID}", "--clear-groups", "--"]

@@ -15,7 +15,8 @@ import pytest
 import skips
 from conftest import run, spec
 
-from furlong.sandbox import idmap, layers
+from furlong.sandbox.runtime import idmap
+from furlong.sandbox import layers
 from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef
 from furlong.sandbox.flatten import flatten_to_tar
 from furlong.sandbox.layertar import LayerWriter

@@ -18,7 +18,7 @@ from conftest import run, spec
 from furlong.cli import main
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.run import run_eval
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.images import ImageBuildError, ImageStore
 from furlong.sandbox.registry import Reference, Registry, RegistryError, Settings
 from furlong.tasks.loader import load_task

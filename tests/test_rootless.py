@@ -20,7 +20,7 @@ import pytest
 
 import as_user
 import skips
-from furlong.sandbox.cgroups import VERIFIER_PIDS
+from furlong.sandbox.runtime.cgroups import VERIFIER_PIDS
 
 REPO = Path(__file__).resolve().parent.parent
 CI_USER = "furlong-ci"
@@ -141,9 +141,9 @@ def test_no_subuid_range_is_one_line(shared_tmp: Path):
 
 FORK_BOMB = r"""
     import json, os, subprocess, sys, time, uuid
-    from furlong.sandbox import cgroups
+    from furlong.sandbox.runtime import cgroups
     from furlong.sandbox.base import Limits
-    from furlong.sandbox.bwrap import bwrap_executable
+    from furlong.sandbox.runtime.bwrap import bwrap_executable
     cg = cgroups.create("t" + uuid.uuid4().hex[:8], Limits(cpus=1.0, memory_mb=256, pids=40))
     if cg is None:
         print(json.dumps({"cgroup": None})); sys.exit()
@@ -186,7 +186,7 @@ def test_sandbox_through_the_backend_is_limited(user):
     res = python(user, """
         import asyncio, json, subprocess
         from furlong.sandbox.base import Limits, SandboxSpec
-        from furlong.sandbox.bwrap import BwrapBackend
+        from furlong.sandbox.runtime.bwrap import BwrapBackend
         from furlong.sandbox.images import ImageStore
         async def main():
             store = ImageStore()
@@ -217,7 +217,7 @@ def test_no_cgroup_warns_once(user):
     else:
         name = None
     try:
-        res = python(name, "from furlong.sandbox import cgroups; print(cgroups.no_cgroup_warning() or '')")
+        res = python(name, "from furlong.sandbox.runtime import cgroups; print(cgroups.no_cgroup_warning() or '')")
         line = res.stdout.strip()
         if name is None and not line:
             # CI's ordinary user has one by design; as root the test makes a user without one

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run, spec
-from furlong.sandbox import seccomp
+from furlong.sandbox.runtime import seccomp
 from furlong.sandbox.base import SandboxError, SyscallPolicy
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
 

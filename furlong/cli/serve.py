@@ -14,7 +14,7 @@ from furlong.sandbox.base import SandboxError
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
-    from furlong.sandbox.cgroups import delegate
+    from furlong.sandbox.runtime.cgroups import delegate
 
     if args.sandbox_command == "tidy":
         return _tidy()
@@ -59,8 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _tidy() -> int:
     from furlong.paths import cache_dir
-    from furlong.sandbox import cgroups, layers
+    from furlong.sandbox import layers
     from furlong.sandbox.base import DEFAULT_HOST_UID
+    from furlong.sandbox.runtime import cgroups
 
     console.print(f"removed {cgroups.sweep_dead()} sandbox cgroups that dead furlong processes left")
     if not layers.supported():  # an ordinary user's sandboxes use the layers directly

@@ -18,13 +18,14 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from furlong.sandbox import netns, offline_uv
+from furlong.sandbox import offline_uv
 from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _sha
-from furlong.sandbox.egress import Egress, remove_mount_point
 from furlong.sandbox.flatten import flatten_to_tar
 from furlong.sandbox.layerdiff import DiffWriter
 from furlong.sandbox.layertar import UnpackError, apply_tar_output
+from furlong.sandbox.runtime import netns
+from furlong.sandbox.runtime.egress import Egress, remove_mount_point
 
 STEP_LINE = re.compile(r"^(?:\[(\d+)/\d+\] )?STEP (\d+)/\d+: (\S+)")  # a step's start in bud's output
 _NOISE = ("Close_Fd sealing memfd copy",)  # buildah 1.28 prints this on every RUN; it means nothing

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from furlong.sandbox import standins
+from furlong.sandbox.runtime.users import ROOT_USERS
 from furlong.sandbox.tarball import root_owned
-from furlong.sandbox.users import ROOT_USERS
 
 SUPPORTED = ("FROM", "RUN", "COPY", "WORKDIR", "ENV", "USER")
 # `RUN <<EOF`, `cat <<-'EOF'`: a heredoc's body lines follow the instruction (`<<<` is a here-string).

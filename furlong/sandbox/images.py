@@ -26,7 +26,6 @@ from pathlib import Path
 from furlong.paths import cache_dir, check_traversable
 from furlong.sandbox import (
     buildah,
-    idmap,
     imports,
     layerbuild,
     layers,
@@ -36,7 +35,6 @@ from furlong.sandbox import (
     rootless,
     standins,
     ubuntu,
-    users,
 )
 from furlong.sandbox import dockerfile as df
 from furlong.sandbox import toolchain as toolchains
@@ -49,7 +47,8 @@ from furlong.sandbox.base import (
     SandboxError,
 )
 from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
-from furlong.sandbox.egress import Egress
+from furlong.sandbox.runtime import idmap, users
+from furlong.sandbox.runtime.egress import Egress
 from furlong.sandbox.tarball import tar_dir
 
 # bump when the layout or the base recipe changes, so old caches are not reused. (Not bumped when native RUN

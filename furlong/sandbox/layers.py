@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from furlong.paths import layer_mounts_dir
-from furlong.sandbox import idmap
+from furlong.sandbox.runtime import idmap
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on x86_64 and arm64
 _OPEN_TREE_CLONE, _AT_RECURSIVE, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = 1, 0x8000, 0x1000, 0x4

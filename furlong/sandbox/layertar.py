@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, cast
 
-from furlong.sandbox.idmap import COUNT, RESERVED_UIDS
+from furlong.sandbox.runtime.idmap import COUNT, RESERVED_UIDS
 
 WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
 

@@ -13,7 +13,7 @@ import pwd
 import shutil
 from pathlib import Path
 
-from furlong.sandbox import idmap
+from furlong.sandbox.runtime import idmap
 
 ADMIN_PACKAGES = "mmdebstrap uidmap"  # the one-time Debian packages an administrator installs
 

@@ -28,7 +28,7 @@ from furlong.sandbox.base import (
 from furlong.sandbox.e2b.envd import refusal
 from furlong.sandbox.e2b.filesystem import filesystem_app
 from furlong.sandbox.e2b.process import process_app
-from furlong.sandbox.headroom import agent_caps
+from furlong.sandbox.runtime.headroom import agent_caps
 
 ENVD_VERSION = "0.2.0"  # below 0.5.7 the SDK uploads multipart, the one upload form served here
 Resolver = Callable[[str], Awaitable[ImageRef | None]]

@@ -26,8 +26,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from furlong.sandbox import cgroups
 from furlong.sandbox.base import SandboxError, SnapshotRef
+from furlong.sandbox.runtime import cgroups
 
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_MB = 4096

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from furlong.sandbox.base import Limits
-from furlong.sandbox.owner_tags import owner_dead, owner_pid, owner_tag, proc_stat
+from furlong.sandbox.runtime.owner_tags import owner_dead, owner_pid, owner_tag, proc_stat
 
 log = logging.getLogger(__name__)
 ROOT = Path("/sys/fs/cgroup")

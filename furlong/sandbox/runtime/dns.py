@@ -1,5 +1,5 @@
 """The few DNS messages a restricted sandbox's resolver exchanges (RFC 1035): one question in, an answer of
-A or AAAA records, or a refusal, out. furlong.sandbox.egress_proxy decides which; nothing here resolves."""
+A or AAAA records, or a refusal, out. furlong.sandbox.runtime.egress_proxy decides which; nothing here resolves."""
 
 from __future__ import annotations
 

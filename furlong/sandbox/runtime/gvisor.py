@@ -6,7 +6,7 @@ overlay whose writes go to a tmpfs of `Limits.disk_mb`, both mounted by root in 
 (`unshare`), so they vanish with it. The container's first process is furlong's own init
 (native/init.c, bound read-only at INIT_PATH), which speaks the same protocol over runsc's stdin and
 stdout as in bwrap: shell state, timeouts, output caps and streaming are the bwrap sandbox's
-(furlong.sandbox.bwrap_box), and the host reads the overlay's upper directory for tamper tracking.
+(furlong.sandbox.runtime.bwrap_box), and the host reads the overlay's upper directory for tamper tracking.
 
 Not for agents whose reward matters: runsc 0.0~20221219 lets the agent open the init's stdin and stdout
 through /proc/1/fd (it refuses /proc/1/mem and /proc/1/root), so it can read the host's requests (the tests,
@@ -30,8 +30,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from furlong.sandbox import idmap, native, users
-from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
     BASE_ENV,
     DEFAULT_OUTPUT_CAP,
@@ -46,10 +44,12 @@ from furlong.sandbox.base import (
     SandboxSpec,
     SnapshotRef,
 )
-from furlong.sandbox.bwrap_box import BwrapSandbox
 from furlong.sandbox.changes import Change, image_entry, overlay_changes
-from furlong.sandbox.headroom import agent_caps
-from furlong.sandbox.shell import shell_quote
+from furlong.sandbox.runtime import idmap, native, users
+from furlong.sandbox.runtime import protocol as proto
+from furlong.sandbox.runtime.bwrap_box import BwrapSandbox
+from furlong.sandbox.runtime.headroom import agent_caps
+from furlong.sandbox.runtime.shell import shell_quote
 
 INIT_PATH = "/.furlong-init"  # where the container sees furlong's init (a read-only bind of the host's binary)
 STATX_SHIM = "/.furlong-statx.so"  # native/statx.c, on every command's LD_PRELOAD (x86_64 and aarch64)

@@ -1,15 +1,15 @@
 """A controlled sandbox's network as its host holds it: the Gate (proxy and DNS) and the routing rules that
-carry its phase (furlong.sandbox.netns). furlong.sandbox.bwrap makes one for every sandbox whose policies
-are not all `no-network` or all `public`; furlong.sandbox.bwrap_box's set_network moves it between phases."""
+carry its phase (furlong.sandbox.runtime.netns). furlong.sandbox.runtime.bwrap makes one for every sandbox whose policies
+are not all `no-network` or all `public`; furlong.sandbox.runtime.bwrap_box's set_network moves it between phases."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
-from furlong.sandbox import netns
-from furlong.sandbox.egress_proxy import Gate
 from furlong.sandbox.network import NO_NETWORK, PUBLIC, NetworkPolicy
+from furlong.sandbox.runtime import netns
+from furlong.sandbox.runtime.egress_proxy import Gate
 
 
 def controlled(policies: tuple[NetworkPolicy, ...]) -> bool:

@@ -1,5 +1,5 @@
-"""A running bwrap sandbox, as the host sees it: the init's request channel (furlong.sandbox.protocol) and
-the writable layer the host reads changes from. furlong.sandbox.bwrap starts them."""
+"""A running bwrap sandbox, as the host sees it: the init's request channel (furlong.sandbox.runtime.protocol) and
+the writable layer the host reads changes from. furlong.sandbox.runtime.bwrap starts them."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import ExecResult, SandboxDied, SandboxError, SandboxSpec, SnapshotRef, Usage
 from furlong.sandbox.changes import Change, image_entry, overlay_changes
-from furlong.sandbox.netcontrol import NetworkControl
 from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
-from furlong.sandbox.shell import wrap
-from furlong.sandbox.snapshots import SnapshotStore
+from furlong.sandbox.runtime import protocol as proto
+from furlong.sandbox.runtime.netcontrol import NetworkControl
+from furlong.sandbox.runtime.shell import wrap
+from furlong.sandbox.runtime.snapshots import SnapshotStore
 from furlong.sandbox.tarball import tar_dir
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def _inside(uid: int, uids: list[tuple[int, int, int]]) -> int:
 
 
 class Origin(Protocol):
-    """The backend that made a sandbox, which restores its snapshots (furlong.sandbox.bwrap.BwrapBackend)."""
+    """The backend that made a sandbox, which restores its snapshots (furlong.sandbox.runtime.bwrap.BwrapBackend)."""
 
     @property
     def snapshots(self) -> SnapshotStore: ...
@@ -143,7 +143,9 @@ class BwrapSandbox:
         self.agent_uid = 0  # the uid agent calls run as (inside): the image's USER
         self.writes: WritableLayer | None = None  # None: its writes cannot be read on the host (a build)
         self.fixed_network: NetworkPolicy = NO_NETWORK  # its policy where it has no `network` control
-        self.network: NetworkControl | None = None  # a controlled sandbox's gate and phase (furlong.sandbox.netcontrol)
+        self.network: NetworkControl | None = (
+            None  # a controlled sandbox's gate and phase (furlong.sandbox.runtime.netcontrol)
+        )
         self.origin: tuple[Origin, SandboxSpec] | None = None  # None: it cannot be snapshotted (a build)
         self.restored: SnapshotRef | None = None  # the snapshot it was started from, leased until close
         self._paused = False

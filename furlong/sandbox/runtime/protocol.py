@@ -1,4 +1,4 @@
-"""The host side of the init's binary protocol (furlong/sandbox/native/init.c has the layouts).
+"""The host side of the init's binary protocol (furlong/sandbox/runtime/native/init.c has the layouts).
 
 Every reply must carry the per-sandbox secret and a pending request's random id, and its body must parse
 exactly for that request's op: anything else is a protocol violation, which the sandbox treats as death.

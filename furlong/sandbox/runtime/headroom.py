@@ -3,7 +3,7 @@ the init and the verifier need.
 
 tmpfs pages count toward the sandbox's memory cgroup and no OOM kill frees them, so the agent's files are
 memory the verifier's checker can never get back. The writable layer, /dev/shm, /logs/agent and
-/logs/artifacts (the verifier's mounts, furlong.sandbox.bwrap) are sized together: their sum fits inside
+/logs/artifacts (the verifier's mounts, furlong.sandbox.runtime.bwrap) are sized together: their sum fits inside
 `memory_mb` less the init's headroom and a reserve for the verifier (docs/sandboxes.md, "Limits").
 """
 

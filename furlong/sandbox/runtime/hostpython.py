@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 import furlong
-from furlong.sandbox import cgroups
 from furlong.sandbox.base import PYTHON_LIB, PythonSpec, SandboxError
+from furlong.sandbox.runtime import cgroups
 
 STAGE = Path("/run/furlong/genmnt")  # as root: where a private mount namespace exposes root-only paths
 

@@ -20,7 +20,7 @@
 
 #include "shim_sys.h"
 
-#define AGENT 65533u /* furlong.sandbox.idmap.VERIFIER_UID: the agent's root in the verifier's namespace */
+#define AGENT 65533u /* furlong.sandbox.runtime.idmap.VERIFIER_UID: the agent's root in the verifier's namespace */
 
 static unsigned as_root(unsigned id) { return id == AGENT ? 0 : id; }
 

@@ -24,7 +24,7 @@ static long sys5(long n, long a, long b, long c, long d, long e) {
   return x0;
 }
 #else
-#error "furlong's preloaded shims support x86_64 and aarch64 (furlong.sandbox.native.SHIM_ARCHES)"
+#error "furlong's preloaded shims support x86_64 and aarch64 (furlong.sandbox.runtime.native.SHIM_ARCHES)"
 #endif
 
 static int fail(long r) {

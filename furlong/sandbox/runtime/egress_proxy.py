@@ -1,7 +1,7 @@
 """The way out of a restricted sandbox: an HTTP proxy and a DNS responder on host loopback, one Gate each.
 
 A sandbox whose network is restricted (furlong.sandbox.network: `allowlist`, `packages`, or phases that
-differ) has no route out of its network namespace (furlong.sandbox.netns); pasta forwards two fixed ports
+differ) has no route out of its network namespace (furlong.sandbox.runtime.netns); pasta forwards two fixed ports
 of the sandbox's loopback to its Gate's ports here, and nothing else. The Gate admits what its current
 policy does:
 - the proxy takes `CONNECT host:port` (HTTPS, any TCP) and absolute-form plain HTTP (`GET http://host/...`,
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from furlong.sandbox import dns
-from furlong.sandbox.indexes import package_hosts
-from furlong.sandbox.netns import host_local_addresses
 from furlong.sandbox.network import NO_NETWORK, Admission, NetworkPolicy
+from furlong.sandbox.runtime import dns
+from furlong.sandbox.runtime.indexes import package_hosts
+from furlong.sandbox.runtime.netns import host_local_addresses
 
 log = logging.getLogger(__name__)
 HEAD_MAX = 64 << 10  # a request's head (line and headers)
@@ -247,7 +247,7 @@ class _Dns(asyncio.DatagramProtocol):
 
 class EgressProxy:
     """Every Gate of this process, served by one thread of its own. `package_hosts`: what `packages` admits
-    (furlong.sandbox.indexes, read on first need); `test_only`: see TestOnlyNames."""
+    (furlong.sandbox.runtime.indexes, read on first need); `test_only`: see TestOnlyNames."""
 
     def __init__(
         self,

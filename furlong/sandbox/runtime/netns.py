@@ -20,7 +20,7 @@ with the sandbox (and sits in its cgroup when there is one).
 
 A controlled sandbox (a restricted policy, or phases that differ: furlong.sandbox.network) gets two more
 things. pasta forwards two fixed ports of the sandbox's loopback, PROXY_PORT (TCP) and DNS_PORT (UDP), to its
-Gate's ports on host loopback (furlong.sandbox.egress_proxy), and its resolv.conf names that DNS port. And
+Gate's ports on host loopback (furlong.sandbox.runtime.egress_proxy), and its resolv.conf names that DNS port. And
 its routing rules carry the phase: `prohibit` at PHASE_PREF leaves no route out but loopback (the proxy is
 then the only way out, and a connect to any address literal fails), and in a verifier-only phase the
 agent's uids lose the proxy and DNS ports and every route but loopback (AGENT_RULES), while the verifier's

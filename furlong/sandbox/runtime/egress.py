@@ -120,7 +120,7 @@ def host_egress(trust_host_ca: bool, ca_bundle: Path | None, package_mirrors: st
 
 
 def through_proxy(egress: Egress | None, proxy_url: str) -> Egress:
-    """What a controlled sandbox gets (furlong.sandbox.egress_proxy): `egress`'s CA and index settings, and
+    """What a controlled sandbox gets (furlong.sandbox.runtime.egress_proxy): `egress`'s CA and index settings, and
     every proxy setting naming `proxy_url`, the sandbox's only way out (the host's own proxies are out of
     its reach): the proxy variables (loopback excepted) and apt's, with pipelining off, as the proxy sends
     one request per connection."""

@@ -3,7 +3,7 @@
 Each sandbox is a fresh set of namespaces (user, mount, pid, net, ipc, uts, cgroup) whose root is an
 overlay over the image with its writes in a size-capped tmpfs, so nothing one episode writes is seen by
 the next. It runs as an unprivileged host uid: the compiled launcher (native/launch.c) joins the
-sandbox's cgroups, drops to that uid, enters a user namespace mapping many uids (furlong.sandbox.idmap)
+sandbox's cgroups, drops to that uid, enters a user namespace mapping many uids (furlong.sandbox.runtime.idmap)
 and mounts the capped tmpfs there before bwrap runs in it, because root plus a user namespace could still
 write host /proc/sys. The sandbox's pid 1 is the compiled init (native/init.c), exec'd from a host fd so
 the image never sees or supplies it; it runs the agent's commands as the agent's uid without any
@@ -22,8 +22,6 @@ import uuid
 from pathlib import Path
 
 from furlong.paths import cache_dir
-from furlong.sandbox import cgroups, hostpython, idmap, native, netns, seccomp, users
-from furlong.sandbox import protocol as proto
 from furlong.sandbox.base import (
     BASE_ENV,
     DEFAULT_HOST_UID,
@@ -35,7 +33,9 @@ from furlong.sandbox.base import (
     SandboxSpec,
     SnapshotRef,
 )
-from furlong.sandbox.bwrap_argv import (
+from furlong.sandbox.runtime import cgroups, hostpython, idmap, native, netns, seccomp, users
+from furlong.sandbox.runtime import protocol as proto
+from furlong.sandbox.runtime.bwrap_argv import (
     INIT_CAPS,
     OWNER_SHIM,
     dev_args,
@@ -44,12 +44,12 @@ from furlong.sandbox.bwrap_argv import (
     networked,
     verifier_mounts,
 )
-from furlong.sandbox.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
-from furlong.sandbox.egress import Egress, through_proxy
-from furlong.sandbox.egress_proxy import EgressProxy, Gate
-from furlong.sandbox.headroom import agent_caps
-from furlong.sandbox.netcontrol import NetworkControl, controlled, first_rules
-from furlong.sandbox.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S, SnapshotStore
+from furlong.sandbox.runtime.bwrap_box import BwrapSandbox, WritableLayer, remove_tree
+from furlong.sandbox.runtime.egress import Egress, through_proxy
+from furlong.sandbox.runtime.egress_proxy import EgressProxy, Gate
+from furlong.sandbox.runtime.headroom import agent_caps
+from furlong.sandbox.runtime.netcontrol import NetworkControl, controlled, first_rules
+from furlong.sandbox.runtime.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S, SnapshotStore
 
 log = logging.getLogger(__name__)
 OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
@@ -87,7 +87,7 @@ def writable_layer_bytes(spec: SandboxSpec) -> int:
 
     Its pages are charged to the sandbox's memory cgroup, so a disk fill plus a memory bomb still ends
     with the OOM killer taking agent processes (oom_score_adj 1000) while the init keeps its headroom and
-    the verifier its reserve (furlong.sandbox.headroom).
+    the verifier its reserve (furlong.sandbox.runtime.headroom).
     """
     return agent_caps(spec.limits).layer << 20
 
@@ -353,7 +353,7 @@ class BwrapBackend:
 
     async def create(self, spec: SandboxSpec, from_snapshot: SnapshotRef | None = None) -> BwrapSandbox:
         """A fresh sandbox whose writes go to a capped tmpfs, gone when it closes; `from_snapshot` (one of
-        this backend's, over spec.image) lies under them, read-only (furlong.sandbox.snapshots)."""
+        this backend's, over spec.image) lies under them, read-only (furlong.sandbox.runtime.snapshots)."""
         if from_snapshot is None:
             return await self._start(spec, None)
         lowers = await asyncio.to_thread(self.snapshots.layers, from_snapshot, spec.image.digest)

@@ -1,15 +1,15 @@
 """bwrap's argv for a sandbox, the parts that need no backend state: the verifier's mounts and the agent's
-capped ones in /logs, /dev, the environment, and the init's arguments (furlong.sandbox.bwrap assembles them).
+capped ones in /logs, /dev, the environment, and the init's arguments (furlong.sandbox.runtime.bwrap assembles them).
 """
 
 from __future__ import annotations
 
-from furlong.sandbox import idmap
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.headroom import AgentCaps
+from furlong.sandbox.runtime import idmap
+from furlong.sandbox.runtime.headroom import AgentCaps
 
 # the verifier's mounts (furlong.tasks.model names what goes inside), and the agent's own two in /logs (its
-# logs and Harbor's artifacts, capped by furlong.sandbox.headroom), so filling them leaves the verifier's alone
+# logs and Harbor's artifacts, capped by furlong.sandbox.runtime.headroom), so filling them leaves the verifier's alone
 TESTS_DIR, LOGS_DIR = "/tests", "/logs"
 AGENT_LOGS_DIR, ARTIFACTS_DIR = "/logs/agent", "/logs/artifacts"  # the latter: furlong.tasks.model's too
 # The ownership shim (native/owner.c) verifier commands preload: a read-only bind in the verifier's /logs,

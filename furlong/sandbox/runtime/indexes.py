@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from furlong.sandbox.egress import pip_settings
+from furlong.sandbox.runtime.egress import pip_settings
 
 PYPI = ("pypi.org", "files.pythonhosted.org")
 DISTRIBUTIONS = (
