@@ -22,10 +22,10 @@ from pathlib import Path
 
 from provenance import finish, provenance
 
-from furlong.sandbox import buildah
+from furlong.sandbox.images import buildah
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.runtime.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 
 MULTI = """FROM furlong/base AS builder
 RUN echo {nonce} > /built

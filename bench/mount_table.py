@@ -27,7 +27,7 @@ from provenance import finish, provenance
 
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.runtime.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.pool import start_sandbox
 
 RESULTS = Path(__file__).parent / "results" / "mount_table.json"

@@ -26,7 +26,7 @@ from rich.table import Table
 from furlong.sandbox.base import Limits, SandboxSpec
 from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.hosts import Hosts
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.remote import RemoteBackend
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,10 +30,10 @@ from rich.table import Table
 from mount_table import add_mounts
 from provenance import finish, provenance
 
-from furlong.sandbox import layers
+from furlong.sandbox.images import layers
 from furlong.sandbox.base import Limits, SandboxSpec
 from furlong.sandbox.runtime.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.pool import WarmPool
 
 CPU_BOUND = "python3 -c 'sum(i * i for i in range(1_500_000))'"

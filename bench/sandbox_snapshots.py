@@ -25,7 +25,7 @@ from furlong.paths import cache_dir
 from furlong.sandbox.base import Limits, SandboxSpec
 from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.runtime.bwrap_box import remove_tree
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.runtime.snapshots import SnapshotStore
 
 UPPER_MB = 10

@@ -107,7 +107,7 @@ async def one_round(root: Path, work: Path, nonce: str, ca_bundle: Path | None) 
     from furlong.sandbox.base import Limits, SandboxSpec
     from furlong.sandbox.runtime.bwrap import BwrapBackend
     from furlong.sandbox.runtime.egress import host_egress
-    from furlong.sandbox.images import ImageStore
+    from furlong.sandbox.images.store import ImageStore
     from furlong.sandbox.network import PUBLIC
 
     lent = host_egress(True, ca_bundle, "host") if ca_bundle else None  # the host's CAs bound into both

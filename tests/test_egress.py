@@ -20,7 +20,7 @@ from tls_support import TLSServer, make_ca_and_cert, probe_wheel
 from furlong.sandbox.runtime import egress
 from furlong.sandbox.base import SandboxError
 from furlong.sandbox.runtime.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageBuildError, ImageStore
+from furlong.sandbox.images.store import ImageBuildError, ImageStore
 
 needs_root = skips.needs_root("the test's HTTPS server needs a network namespace and a veth pair (root)")
 CURL_IMAGE, PIP_IMAGE = "buildpack-deps:bookworm-curl", "python:3.11-slim"
@@ -135,7 +135,7 @@ def test_native_build_steps_trust_the_host_ca_only_when_asked(tls, store, backen
 
 
 def _steps(dockerfile: Path):
-    from furlong.sandbox import dockerfile as df
+    from furlong.sandbox.images import dockerfile as df
 
     return df.parse(dockerfile)
 
@@ -215,7 +215,7 @@ from furlong.sandbox.runtime import egress
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.network import PUBLIC
 from furlong.sandbox.runtime.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageBuildError, ImageStore
+from furlong.sandbox.images.store import ImageBuildError, ImageStore
 url, ca, fetch, dockerfiles = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
 
 async def main():

@@ -78,7 +78,7 @@ def python(user: str | None, code: str, timeout: float = 300) -> subprocess.Comp
 
 
 def test_image_build_without_root(user):
-    problem = python(user, "from furlong.sandbox import rootless; print(rootless.base_build_problem() or '')")
+    problem = python(user, "from furlong.sandbox.images import rootless; print(rootless.base_build_problem() or '')")
     if problem.stdout.strip():
         pytest.skip(f"this user cannot build images rootless here: {problem.stdout.strip()}")
     res = furlong(user, "image", "build")
@@ -86,7 +86,7 @@ def test_image_build_without_root(user):
     assert "base image:" in res.stderr + res.stdout
     check = python(user, """
         import os
-        from furlong.sandbox.images import ImageStore
+        from furlong.sandbox.images.store import ImageStore
         store = ImageStore()
         root = store.layer_dir(store.base().layers[0])
         print(os.stat(root / "etc").st_uid == os.getuid(), (root / "etc/apt/apt.conf.d/99furlong").exists(),
@@ -187,7 +187,7 @@ def test_sandbox_through_the_backend_is_limited(user):
         import asyncio, json, subprocess
         from furlong.sandbox.base import Limits, SandboxSpec
         from furlong.sandbox.runtime.bwrap import BwrapBackend
-        from furlong.sandbox.images import ImageStore
+        from furlong.sandbox.images.store import ImageStore
         async def main():
             store = ImageStore()
             box = await BwrapBackend(layers=store).create(SandboxSpec(image=store.base(), limits=Limits(pids=40)))

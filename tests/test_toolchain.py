@@ -15,7 +15,7 @@ from conftest import run, spec
 from tests_support import make_task
 
 from furlong.config import load_config
-from furlong.sandbox import toolchain
+from furlong.sandbox.images import toolchain
 from furlong.sandbox.base import BASE_ENV, ImageRef, LayerRef, SandboxSpec
 from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 from furlong.sandbox.remote import create_body

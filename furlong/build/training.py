@@ -34,7 +34,7 @@ from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.host_images import HostImages
 from furlong.sandbox.hosts import Hosts
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.pool import StoreImages
 from furlong.sync.handover import Arena
 from furlong.sync.publish import Publisher

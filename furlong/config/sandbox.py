@@ -76,8 +76,8 @@ class SandboxConfig(_Node):
 
 
 class ImagesConfig(_Node):
-    """Base images pulled from registries (furlong.sandbox.registry; docs/images.md, "Base images from
-    registries"), the Debian stand-ins for official images (furlong.sandbox.standins; docs/images.md,
+    """Base images pulled from registries (furlong.sandbox.images.registry; docs/images.md, "Base images from
+    registries"), the Debian stand-ins for official images (furlong.sandbox.images.standins; docs/images.md,
     "Stand-ins"), and what builds and networked sandboxes borrow from the host (furlong.sandbox.runtime.egress)."""
 
     prefer_registry: bool = Field(

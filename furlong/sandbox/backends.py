@@ -16,7 +16,7 @@ from furlong.sandbox.base import (
     SandboxBackend,
     SandboxError,
 )
-from furlong.sandbox.images import DefaultStore
+from furlong.sandbox.images.store import DefaultStore
 from furlong.sandbox.remote import RemoteBackend
 from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.runtime.gvisor import GvisorBackend

@@ -84,14 +84,14 @@ class ImageRef:
     user: str = ""
     note: str = ""  # how the image differs from what its FROM named (a stand-in), or where it came from
     # what verifier commands get on top of `env`, never the agent's (the verifier toolchain's PATH and
-    # variables: furlong.sandbox.toolchain); not part of the sandbox, so never sent to a sandbox host
+    # variables: furlong.sandbox.images.toolchain); not part of the sandbox, so never sent to a sandbox host
     verifier_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
 class Prebuilt:
     """A task's prebuilt image (Harbor's `[environment] docker_image`), by reference, with the task's own
-    Dockerfile where it has one (furlong.sandbox.prebuilt says which serves). `where` names the setting in
+    Dockerfile where it has one (furlong.sandbox.images.prebuilt says which serves). `where` names the setting in
     messages ("task 'x': task.toml: environment.docker_image")."""
 
     ref: str

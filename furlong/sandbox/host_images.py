@@ -3,7 +3,7 @@
 A task's Dockerfile context goes to the least loaded host, which builds (or pulls) it in its own image
 store and answers with the ImageRef. Every layer remembers the request that made it, so a host that a
 create finds without some layer (another host built it, or the host's store is new) is sent that same
-request first (RemoteBackend's `provide`). The same methods as furlong.sandbox.images.ImageStore, so
+request first (RemoteBackend's `provide`). The same methods as furlong.sandbox.images.store.ImageStore, so
 eval, training and the pools use either one.
 """
 
@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 
 from furlong.sandbox.base import ImageRef, ImageSource, LayerRef, Prebuilt, SandboxError
-from furlong.sandbox.builds import ImageBuildError
 from furlong.sandbox.hosts import Host, Hosts, check
+from furlong.sandbox.images.builds import ImageBuildError
+from furlong.sandbox.images.toolchain import Toolchain
 from furlong.sandbox.tarball import tar_dir
-from furlong.sandbox.toolchain import Toolchain
 
 BUILD_TIMEOUT_S = 3600.0  # one build on a host, a registry pull included
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.host.app import make_app
 from furlong.sandbox.hosts import read_secret
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.runtime import cgroups
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from furlong.sandbox.layertar import LayerWriter, apply_tar_output
+from furlong.sandbox.images.layertar import LayerWriter, apply_tar_output
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")

@@ -37,15 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from furlong.sandbox import heredoc, offline_uv
 from furlong.sandbox.base import ImageRef, LayerRef, SandboxError
-from furlong.sandbox.buildah_cli import STEP_LINE, Buildah
-from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
-from furlong.sandbox.dockerfile import DockerfileError
-from furlong.sandbox.registry import RegistryError
+from furlong.sandbox.images import heredoc, offline_uv
+from furlong.sandbox.images.buildah_cli import STEP_LINE, Buildah
+from furlong.sandbox.images.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
+from furlong.sandbox.images.dockerfile import DockerfileError
+from furlong.sandbox.images.registry import RegistryError
 
 if TYPE_CHECKING:
-    from furlong.sandbox.images import ImageStore  # it calls image() below for Dockerfiles it cannot build
+    from furlong.sandbox.images.store import ImageStore  # it calls image() below for Dockerfiles it cannot build
 
 FORMAT = "5"  # bump when the export, the key or the meta changes (3: owners kept as root; 4: WORKDIR made;
 # 5: only the layer above the final stage's base stored)

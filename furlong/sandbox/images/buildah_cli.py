@@ -18,12 +18,12 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from furlong.sandbox import offline_uv
 from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef
-from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _sha
-from furlong.sandbox.flatten import flatten_to_tar
-from furlong.sandbox.layerdiff import DiffWriter
-from furlong.sandbox.layertar import UnpackError, apply_tar_output
+from furlong.sandbox.images import offline_uv
+from furlong.sandbox.images.builds import ImageBuildError, Progress, _locked, _sha
+from furlong.sandbox.images.flatten import flatten_to_tar
+from furlong.sandbox.images.layerdiff import DiffWriter
+from furlong.sandbox.images.layertar import UnpackError, apply_tar_output
 from furlong.sandbox.runtime import netns
 from furlong.sandbox.runtime.egress import Egress, remove_mount_point
 

@@ -38,10 +38,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from furlong.sandbox import dockerfile as df
-from furlong.sandbox import offline_shims, standins
 from furlong.sandbox.base import BASE_ENV, ImageRef, LayerRef, SandboxError
-from furlong.sandbox.builds import _sha  # the store's own hash, so keys look alike
+from furlong.sandbox.images import dockerfile as df
+from furlong.sandbox.images import offline_shims, standins
+from furlong.sandbox.images.builds import _sha  # the store's own hash, so keys look alike
 
 UV_VERSION = "0.13.9"
 PYTEST_VERSION = "8.4.1"  # what TB2's tests pin

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from furlong.sandbox.standin_recipes import SUITES, Standin
+from furlong.sandbox.images.standin_recipes import SUITES, Standin
 
 SETTING = "images.ubuntu_standins"
 MODES = ("off", "nearest", *SUITES)  # off: a refusal; nearest: per release; a suite: that Debian release for all

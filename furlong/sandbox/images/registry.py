@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from furlong.sandbox import imports
 from furlong.sandbox.base import SandboxError
+from furlong.sandbox.images import imports
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]

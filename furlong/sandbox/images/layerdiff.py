@@ -30,8 +30,8 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from furlong.sandbox.flatten import merged
-from furlong.sandbox.layertar import LayerWriter, inside_id, make_dir_in_root
+from furlong.sandbox.images.flatten import merged
+from furlong.sandbox.images.layertar import LayerWriter, inside_id, make_dir_in_root
 
 _CHUNK = 1 << 20
 

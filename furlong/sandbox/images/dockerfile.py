@@ -20,7 +20,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from furlong.sandbox import standins
+from furlong.sandbox.images import standins
 from furlong.sandbox.runtime.users import ROOT_USERS
 from furlong.sandbox.tarball import root_owned
 

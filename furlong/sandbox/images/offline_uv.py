@@ -29,9 +29,9 @@ import re
 import shutil
 from pathlib import Path
 
-from furlong.sandbox import offline_shims
-from furlong.sandbox import toolchain as toolchains
-from furlong.sandbox.builds import _rmtree
+from furlong.sandbox.images import offline_shims
+from furlong.sandbox.images import toolchain as toolchains
+from furlong.sandbox.images.builds import _rmtree
 
 MOUNT = "/run/furlong-uv"
 _URL = re.compile(

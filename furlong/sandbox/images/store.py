@@ -24,7 +24,15 @@ import time
 from pathlib import Path
 
 from furlong.paths import cache_dir, check_traversable
-from furlong.sandbox import (
+from furlong.sandbox.base import (
+    DEFAULT_HOST_UID,
+    ImageRef,
+    ImageSource,
+    LayerRef,
+    Prebuilt,
+    SandboxError,
+)
+from furlong.sandbox.images import (
     buildah,
     imports,
     layerbuild,
@@ -36,17 +44,9 @@ from furlong.sandbox import (
     standins,
     ubuntu,
 )
-from furlong.sandbox import dockerfile as df
-from furlong.sandbox import toolchain as toolchains
-from furlong.sandbox.base import (
-    DEFAULT_HOST_UID,
-    ImageRef,
-    ImageSource,
-    LayerRef,
-    Prebuilt,
-    SandboxError,
-)
-from furlong.sandbox.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
+from furlong.sandbox.images import dockerfile as df
+from furlong.sandbox.images import toolchain as toolchains
+from furlong.sandbox.images.builds import ImageBuildError, Progress, _locked, _rmtree, _sha
 from furlong.sandbox.runtime import idmap, users
 from furlong.sandbox.runtime.egress import Egress
 from furlong.sandbox.tarball import tar_dir
@@ -397,7 +397,7 @@ class ImageStore:
 
     async def image(self, source: ImageSource, backend, progress: Progress | None = None) -> ImageRef:
         """The image for a task: the base (None), its Dockerfile's FROM plus its own layer (built once), or
-        its prebuilt image (furlong.sandbox.prebuilt).
+        its prebuilt image (furlong.sandbox.images.prebuilt).
 
         Callers asking for the same Dockerfile at once share one lookup: an RL step asks for each new task's
         image once per episode and once per sandbox it reserves, all together, and a lookup costs tens of
@@ -481,7 +481,7 @@ class ImageStore:
         return offline, "; ".join(offline.note(f"{dockerfile}:{s.line}", v) for s, v in wanted)
 
     async def toolchain(self, backend, progress: Progress | None = None) -> toolchains.Toolchain:
-        """The verifier toolchain layer (furlong.sandbox.toolchain), built once in this store."""
+        """The verifier toolchain layer (furlong.sandbox.images.toolchain), built once in this store."""
         return await toolchains.build(self, backend, progress or (lambda _: None))
 
     async def _by_buildah(self, dockerfile: Path, backend, progress: Progress, why: str) -> ImageRef:

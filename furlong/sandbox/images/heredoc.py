@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from furlong.sandbox.dockerfile import HEREDOC, DockerfileError
+from furlong.sandbox.images.dockerfile import HEREDOC, DockerfileError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Building one image layer the store's own way (furlong.sandbox.images; the verifier toolchain's too): a
+"""Building one image layer the store's own way (furlong.sandbox.images.store; the verifier toolchain's too): a
 Dockerfile's steps after FROM run as root in one build sandbox whose overlay upper directory becomes the layer
 (ENV, USER and WORKDIR recorded, COPY's content put in, each RUN run, a RUN fetching uv's installer given the
 toolchain's uv with images.offline_uv), then an optional probe whose output says what the layer provides. The
@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from furlong.sandbox import dockerfile as df
-from furlong.sandbox import offline_uv
 from furlong.sandbox.base import BASE_ENV, ImageRef, Limits, SandboxSpec
-from furlong.sandbox.builds import ImageBuildError, _locked, _rmtree
+from furlong.sandbox.images import dockerfile as df
+from furlong.sandbox.images import offline_uv
+from furlong.sandbox.images.builds import ImageBuildError, _locked, _rmtree
 from furlong.sandbox.network import PUBLIC
 
 if TYPE_CHECKING:
-    from furlong.sandbox.images import ImageStore  # the store the layer is built in (its root, egress, timeout)
+    from furlong.sandbox.images.store import ImageStore  # the store the layer is built in (its root, egress, timeout)
 
 BUILD_LIMITS = Limits(cpus=2.0, memory_mb=4096, pids=2048, lifetime_s=3600)
 

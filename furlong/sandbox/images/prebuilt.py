@@ -4,7 +4,7 @@ Harbor 0.25 runs a task with `docker_image` on that image, pulled, and builds `e
 only with `--force-build` (environments/definition.py, should_use_prebuilt_docker_image). Here, in order:
 
 1. the image itself: imported by hand under that name, cached by digest from an earlier pull, or pulled now
-   from its registry (furlong.sandbox.registry), whatever furlong's stand-ins are;
+   from its registry (furlong.sandbox.images.registry), whatever furlong's stand-ins are;
 2. else the task's own Dockerfile, built as Harbor's `--force-build` would (a task's docker_image is that
    Dockerfile built and pushed: `harbor admin build --update-config`), with a note saying why;
 3. else furlong's stand-in for the reference, where one exists and may serve (python:3.12-slim;
@@ -18,10 +18,10 @@ import asyncio
 import dataclasses
 import logging
 
-from furlong.sandbox import imports, registry, standins
 from furlong.sandbox.base import ImageRef, Prebuilt
-from furlong.sandbox.builds import ImageBuildError, Progress
-from furlong.sandbox.dockerfile import DockerfileError
+from furlong.sandbox.images import imports, registry, standins
+from furlong.sandbox.images.builds import ImageBuildError, Progress
+from furlong.sandbox.images.dockerfile import DockerfileError
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from furlong.sandbox import ubuntu
-from furlong.sandbox.standin_recipes import (
+from furlong.sandbox.images import ubuntu
+from furlong.sandbox.images.standin_recipes import (
     BUILDPACK_DEPS,
     FAMILIES,
     PYTHON,

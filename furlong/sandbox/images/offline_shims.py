@@ -22,7 +22,7 @@ UV_BIN = f"{HOME}/bin"  # the toolchain's uv and uvx, which INSTALLER links
 COMMANDS = ("curl", "wget", "apt-get", "apt")
 
 SHIM = r"""#!/bin/sh
-# furlong's verifier toolchain, first on the verifier's PATH (furlong/sandbox/offline_shims.py)
+# furlong's verifier toolchain, first on the verifier's PATH (furlong/sandbox/images/offline_shims.py)
 tool=${0##*/}
 shims=DIR
 
@@ -104,7 +104,7 @@ def shim() -> str:
 
 
 # What INSTALLER says of itself, does at test time (links to the toolchain's uv, which every sandbox stacks)
-# and prints: copy_from (images.offline_uv, furlong/sandbox/offline_uv.py) swaps these lines, as a build
+# and prints: copy_from (images.offline_uv, furlong/sandbox/images/offline_uv.py) swaps these lines, as a build
 # step must leave real files in the image, not links to a mount gone after the build.
 _LINES = INSTALLER.splitlines(keepends=True)
 BUILD_TIME = (

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from furlong.sandbox.changes import is_opaque, is_whiteout
-from furlong.sandbox.layertar import inside_id
+from furlong.sandbox.images.layertar import inside_id
 from furlong.sandbox.tarball import root_owned
 
 
