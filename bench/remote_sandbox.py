@@ -25,9 +25,9 @@ from rich.table import Table
 
 from furlong.sandbox.base import Limits, SandboxSpec
 from furlong.sandbox.runtime.bwrap import BwrapBackend
-from furlong.sandbox.hosts import Hosts
+from furlong.sandbox.remote.hosts import Hosts
 from furlong.sandbox.images.store import ImageStore
-from furlong.sandbox.remote import RemoteBackend
+from furlong.sandbox.remote.backend import RemoteBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADS = [1, 2, 4, 8]

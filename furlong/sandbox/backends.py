@@ -17,13 +17,13 @@ from furlong.sandbox.base import (
     SandboxError,
 )
 from furlong.sandbox.images.store import DefaultStore
-from furlong.sandbox.remote import RemoteBackend
+from furlong.sandbox.remote.backend import RemoteBackend
 from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.runtime.gvisor import GvisorBackend
 from furlong.sandbox.runtime.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S
 
 if TYPE_CHECKING:
-    from furlong.sandbox.host_images import HostImages
+    from furlong.sandbox.remote.images import HostImages
     from furlong.sandbox.runtime.egress import Egress
 
 KINDS = ("bwrap", "remote", "gvisor")
@@ -42,7 +42,7 @@ def make_backend(
     snapshot_max_mb: int = DEFAULT_MAX_MB,
 ) -> SandboxBackend:
     """A backend of `kind`, resolving image layers through `layers` (an ImageStore; none: the default store,
-    made on first need); `remote` sends its sandboxes to the hosts of `images` (furlong.sandbox.host_images),
+    made on first need); `remote` sends its sandboxes to the hosts of `images` (furlong.sandbox.remote.images),
     which build what it lacks. `egress`: what this machine's networked sandboxes borrow from it
     (furlong.sandbox.runtime.egress)."""
     local = functools.partial(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.host.app import make_app
-from furlong.sandbox.hosts import read_secret
 from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.remote.hosts import read_secret
 from furlong.sandbox.runtime import cgroups
 
 

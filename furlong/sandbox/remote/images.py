@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 
 from furlong.sandbox.base import ImageRef, ImageSource, LayerRef, Prebuilt, SandboxError
-from furlong.sandbox.hosts import Host, Hosts, check
 from furlong.sandbox.images.builds import ImageBuildError
 from furlong.sandbox.images.toolchain import Toolchain
+from furlong.sandbox.remote.hosts import Host, Hosts, check
 from furlong.sandbox.tarball import tar_dir
 
 BUILD_TIMEOUT_S = 3600.0  # one build on a host, a registry pull included

@@ -33,9 +33,9 @@ from furlong.sandbox.base import (
     SnapshotRef,
 )
 from furlong.sandbox.changes import Change
-from furlong.sandbox.hosts import Host, Hosts, check
 from furlong.sandbox.listing import Entry
 from furlong.sandbox.network import NetworkPolicy
+from furlong.sandbox.remote.hosts import Host, Hosts, check
 from furlong.sandbox.tarball import tar_dir
 
 HTTP_SLACK_S = 30.0  # past a command's own timeout, for the host to answer
@@ -273,7 +273,7 @@ def create_body(spec: SandboxSpec) -> dict[str, Any]:
 
 class RemoteBackend:
     """Sandboxes on the least loaded host that answers. A host that lacks an image's layers gets them
-    built by `provide` (furlong.sandbox.host_images) and the create is tried once more there. Family
+    built by `provide` (furlong.sandbox.remote.images) and the create is tried once more there. Family
     generators (`run_python`) run on the backend `local` makes (this machine's own), made on first use."""
 
     name = "remote"
