@@ -1,4 +1,4 @@
-"""What both image builders share (the store's own in images.py, and buildah.py): the content key,
+"""What both image builders share (the store's own in store.py, and buildah.py): the content key,
 the cross-process build lock, build-tree removal, the build error and the progress callback."""
 
 from __future__ import annotations

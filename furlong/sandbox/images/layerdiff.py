@@ -3,7 +3,7 @@
 buildah builds over a base furlong resolved (a FROM's base, stand-in, import or pull: `below`, its
 layers top first, the way a sandbox stacks them). The export streams the whole built tree; this writer
 keeps only what differs from the overlay of `below`, so the stored layer is an overlay upper directory
-like a native build's (images.py) and the image is that layer stacked over `below`:
+like a native build's (store.py) and the image is that layer stacked over `below`:
 
 - a file is left out when the base has a regular file at the path with the same size, mode, owner
   (as root), mtime (to the second: GNU tar's precision) and bytes; a symlink when the base's has the same

@@ -107,9 +107,7 @@ class BwrapBackend:
         snapshot_ttl_s: float = DEFAULT_TTL_S,
         snapshot_max_mb: int = DEFAULT_MAX_MB,
     ):
-        # an ImageStore (images.py), which builds through backends like this one: so it is given, never made
-        # here (make_backend gives the default store, made on first need)
-        self._layers = layers
+        self._layers = layers  # given, never made here: an ImageStore builds through backends like this one
         self.egress = egress  # the host's CAs and mirrors for networked sandboxes (builds included)
         self.proxy = proxy or EgressProxy()  # controlled sandboxes' gates (its thread starts on first need)
         self._gated: Egress | None = None  # `egress` through the proxy, written on first need
