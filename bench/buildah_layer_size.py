@@ -53,9 +53,9 @@ def disk_bytes(*dirs: Path) -> int:
 def measure(keep: bool) -> dict:
     """Builds the Dockerfile with the furlong this interpreter imports and measures the stored image."""
     import furlong
-    from furlong.sandbox.buildah import Buildah
-    from furlong.sandbox.bwrap import BwrapBackend
-    from furlong.sandbox.images import ImageStore
+    from furlong.sandbox.images.buildah import Buildah
+    from furlong.sandbox.runtime.bwrap import BwrapBackend
+    from furlong.sandbox.images.store import ImageStore
 
     store = ImageStore()
     with tempfile.TemporaryDirectory() as tmp:

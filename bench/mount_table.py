@@ -26,8 +26,8 @@ from pathlib import Path
 from provenance import finish, provenance
 
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.pool import start_sandbox
 
 RESULTS = Path(__file__).parent / "results" / "mount_table.json"
@@ -46,8 +46,9 @@ def add_mounts(k: int, work: Path) -> None:
 
 
 async def starts(n: int) -> list[float]:
-    backend = BwrapBackend()
-    image = ImageStore(host_uid=backend.host_uid).base()
+    store = ImageStore()
+    backend = BwrapBackend(layers=store)
+    image = store.base()
     out = []
     for _ in range(n + 1):  # the first one warms caches and is not counted
         t = time.perf_counter()

@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 from furlong.sandbox.base import Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.hosts import Hosts
-from furlong.sandbox.images import ImageStore
-from furlong.sandbox.remote import RemoteBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.remote.hosts import Hosts
+from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.remote.backend import RemoteBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADS = [1, 2, 4, 8]
@@ -97,7 +97,8 @@ async def measure(bench, local, remote, spec, samples: int, rounds: int) -> dict
 
 
 def run(bench, args) -> dict:
-    store, local = ImageStore(), BwrapBackend()
+    store = ImageStore()
+    local = BwrapBackend(layers=store)
     spec = SandboxSpec(image=store.base(), limits=Limits(cpus=1.0))
     with tempfile.TemporaryDirectory() as work:
         host = Host(Path(work), capacity=max(LOADS) + 2)

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from furlong.sandbox.backends import make_backend
 from furlong.sandbox.base import Limits, SandboxSpec
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 
 LOADS = (1, 2, 4)
 IDLE = 8  # sandboxes held at once for the memory figure

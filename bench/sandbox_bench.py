@@ -30,10 +30,10 @@ from rich.table import Table
 from mount_table import add_mounts
 from provenance import finish, provenance
 
-from furlong.sandbox import layers
+from furlong.sandbox.images import layers
 from furlong.sandbox.base import Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.pool import WarmPool
 
 CPU_BOUND = "python3 -c 'sum(i * i for i in range(1_500_000))'"
@@ -181,7 +181,8 @@ def _store_layers(store: ImageStore) -> list[Path]:
 async def mounts_child(mode: str, n: int, samples: int, work: Path) -> dict:
     """In a private mount namespace: cold start with `n` dummy bind mounts added (mode "dummy"), or after
     looking up every layer of the store (mode "layers"): through the store's one view, then one view each."""
-    store, backend = ImageStore(), BwrapBackend()
+    store = ImageStore()
+    backend = BwrapBackend(layers=store)
     spec = SandboxSpec(image=store.base(), limits=Limits(cpus=1.0))
     row: dict = {"mounts_at_start": _mount_count()}
     if mode == "dummy":
@@ -220,7 +221,8 @@ def mounts_sweep(samples: int) -> dict:
 
 
 async def main_async(args) -> dict:
-    store, backend = ImageStore(), BwrapBackend()
+    store = ImageStore()
+    backend = BwrapBackend(layers=store)
     spec = SandboxSpec(image=store.base(), limits=Limits(cpus=1.0))
     n = args.samples
     raw = raw_bwrap(backend, spec, n, ["/bin/true"])

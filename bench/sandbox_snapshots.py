@@ -23,10 +23,10 @@ from rich.table import Table
 
 from furlong.paths import cache_dir
 from furlong.sandbox.base import Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.bwrap_box import remove_tree
-from furlong.sandbox.images import ImageStore
-from furlong.sandbox.snapshots import SnapshotStore
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap_box import remove_tree
+from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.runtime.snapshots import SnapshotStore
 
 UPPER_MB = 10
 TARGETS_MS = {"fork_first_command": 5.0, "snapshot": 10.0, "pause": 5.0, "resume": 5.0}

@@ -27,12 +27,12 @@ from pathlib import Path
 from provenance import ROOT, finish, provenance
 
 from furlong.paths import cache_dir
-from furlong.sandbox import standins, toolchain, ubuntu
+from furlong.sandbox.images import standins, toolchain, ubuntu
 from furlong.sandbox.base import Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
-from furlong.sandbox.registry import RegistryError
-from furlong.sandbox.standin_recipes import FAMILIES
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.images.registry import RegistryError
+from furlong.sandbox.images.standin_recipes import FAMILIES
 
 # one command per family: compile or run something small, offline, and print the versions it sees
 COMMANDS = {

@@ -21,10 +21,10 @@ from skips import (  # noqa: F401
     pytest_terminal_summary,
 )
 
-from furlong.sandbox import idmap
+from furlong.sandbox.runtime import idmap
 from furlong.sandbox.base import ImageRef, Limits, SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.network import NO_NETWORK, PUBLIC
 
 # Task fixtures carry their own tests (tests/fixtures/audit/*/tests/test_*.py): those run in a sandbox as

@@ -18,9 +18,9 @@ import httpx
 import uvicorn
 
 from furlong.sandbox.host.app import make_app
-from furlong.sandbox.host_images import HostImages
-from furlong.sandbox.hosts import Hosts
-from furlong.sandbox.remote import RemoteBackend
+from furlong.sandbox.remote.images import HostImages
+from furlong.sandbox.remote.hosts import Hosts
+from furlong.sandbox.remote.backend import RemoteBackend
 
 TOKEN = "host-secret-token"
 REPO = Path(__file__).parent.parent

@@ -105,9 +105,9 @@ def snapshot() -> dict[str, list[str]]:
 
 async def one_round(root: Path, work: Path, nonce: str, ca_bundle: Path | None) -> None:
     from furlong.sandbox.base import Limits, SandboxSpec
-    from furlong.sandbox.bwrap import BwrapBackend
-    from furlong.sandbox.egress import host_egress
-    from furlong.sandbox.images import ImageStore
+    from furlong.sandbox.runtime.bwrap import BwrapBackend
+    from furlong.sandbox.runtime.egress import host_egress
+    from furlong.sandbox.images.store import ImageStore
     from furlong.sandbox.network import PUBLIC
 
     lent = host_egress(True, ca_bundle, "host") if ca_bundle else None  # the host's CAs bound into both
@@ -178,8 +178,8 @@ def furlong_files() -> list[str]:
 
 
 def owned_cgroups(pid: int) -> list[str]:
-    """The sandbox cgroup directories whose name says process `pid` made them (furlong.sandbox.cgroups)."""
-    from furlong.sandbox.cgroups import owner_pid
+    """The sandbox cgroup directories whose name says process `pid` made them (furlong.sandbox.runtime.cgroups)."""
+    from furlong.sandbox.runtime.cgroups import owner_pid
 
     return sorted(d for d, _, _ in os.walk("/sys/fs/cgroup") if owner_pid(Path(d).name) == pid)
 

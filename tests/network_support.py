@@ -1,6 +1,6 @@
 """What the network tests share: an "allowed host" served on host loopback (plain HTTP and HTTPS, with a
 certificate made for its name), a backend whose egress proxy resolves that name there (TEST-ONLY wiring:
-furlong.sandbox.egress_proxy.TestOnlyNames), a host service that no sandbox may reach, and the probe a
+furlong.sandbox.runtime.egress_proxy.TestOnlyNames), a host service that no sandbox may reach, and the probe a
 sandbox runs."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.egress_proxy import EgressProxy, TestOnlyNames
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.runtime.egress_proxy import EgressProxy, TestOnlyNames
 
 NAME = "allowed.test"  # resolved by the proxy's test-only wiring alone: no real resolver knows it
 BODY = "served to the allowed"

@@ -17,12 +17,12 @@ import pytest
 
 from conftest import init_host_uid, run, spec
 from skips import skip
-from furlong.sandbox import protocol as proto
+from furlong.sandbox.runtime import protocol as proto
 from furlong.sandbox.backends import make_backend
-from furlong.sandbox import headroom
+from furlong.sandbox.runtime import headroom
 from furlong.sandbox.base import ImageRef, Limits, SandboxDied, SandboxError
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.headroom import agent_caps
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.runtime.headroom import agent_caps
 
 ALIVE = "echo alive"
 
@@ -441,7 +441,7 @@ FILL_ALL = "for d in /tmp /dev/shm /logs/agent /logs/artifacts; do head -c 4G /d
 
 def test_the_agents_full_disks_leave_the_verifier_its_memory_and_its_reward_file(backend, base_image):
     """Their files are memory no OOM kill frees, so their caps sum to memory_mb less the init's headroom and
-    the verifier's reserve (furlong.sandbox.headroom), and /logs/artifacts is a mount of its own. Before, with
+    the verifier's reserve (furlong.sandbox.runtime.headroom), and /logs/artifacts is a mount of its own. Before, with
     memory_mb 1024, these fills got the verifier's 256 MiB checker OOM-killed, and a full /logs/artifacts,
     then on the verifier's /logs mount, left no room for its reward."""
 

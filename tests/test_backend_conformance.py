@@ -33,7 +33,7 @@ from furlong.sandbox.base import (
     SnapshotRef,
     Snapshotting,
 )
-from furlong.sandbox.shell import shell_quote
+from furlong.sandbox.runtime.shell import shell_quote
 
 WORKDIR = "/usr/share"  # the conformance image's WORKDIR: one the base image holds, and not "/"
 # forks until the pids limit refuses one (at most 100), says how many it made, and ends them

@@ -18,7 +18,7 @@ from furlong.eval.run import run_eval
 from furlong.sandbox.backends import KINDS, make_backend
 from furlong.sandbox.base import (ExecResult, Guarantees, LayerRef, PythonRun, PythonSpec, Sandbox, SandboxBackend,
                                   SandboxError, SandboxSpec, SnapshotRef)
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.tasks import genrun
 from furlong.tasks.loader import load_task
 from tests_support import make_task

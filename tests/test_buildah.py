@@ -21,10 +21,10 @@ import pytest
 import skips
 from conftest import run, spec
 
-from furlong.sandbox import dockerfile as df
-from furlong.sandbox import heredoc
-from furlong.sandbox.buildah import Buildah
-from furlong.sandbox.images import ImageBuildError, ImageStore
+from furlong.sandbox.images import dockerfile as df
+from furlong.sandbox.images import heredoc
+from furlong.sandbox.images.buildah import Buildah
+from furlong.sandbox.images.store import ImageBuildError, ImageStore
 
 FULL = """\
 ARG BASE=furlong/base
@@ -306,7 +306,7 @@ def _du(*dirs: Path) -> int:
 
 def _tree(layers: list[Path]) -> dict[str, tuple]:
     """What an overlay of `layers` shows: each path's type, mode, owner and content (or target)."""
-    from furlong.sandbox.flatten import merged
+    from furlong.sandbox.images.flatten import merged
 
     out = {}
     for rel, path, st in merged(layers):

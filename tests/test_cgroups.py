@@ -18,7 +18,7 @@ import pytest
 import as_user
 import skips
 from conftest import run, spec
-from furlong.sandbox import cgroups
+from furlong.sandbox.runtime import cgroups
 from furlong.sandbox.base import Limits
 from test_rootless import user  # noqa: F401 (the CI user, with a subuid range and delegated cgroups)
 
@@ -64,9 +64,9 @@ time.sleep(60)
 HOST = """
 import json, os, subprocess, sys, uuid
 from pathlib import Path
-from furlong.sandbox import cgroups, native
+from furlong.sandbox.runtime import cgroups, native
 from furlong.sandbox.base import DEFAULT_HOST_UID, Limits
-from furlong.sandbox.bwrap import bwrap_executable
+from furlong.sandbox.runtime.bwrap import bwrap_executable
 parent, agent = sys.argv[1], int(sys.argv[2])
 name = "t" + uuid.uuid4().hex[:8]
 if parent:

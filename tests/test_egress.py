@@ -17,10 +17,10 @@ import skips
 from conftest import run, spec
 from tls_support import TLSServer, make_ca_and_cert, probe_wheel
 
-from furlong.sandbox import egress
+from furlong.sandbox.runtime import egress
 from furlong.sandbox.base import SandboxError
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageBuildError, ImageStore
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageBuildError, ImageStore
 
 needs_root = skips.needs_root("the test's HTTPS server needs a network namespace and a veth pair (root)")
 CURL_IMAGE, PIP_IMAGE = "buildpack-deps:bookworm-curl", "python:3.11-slim"
@@ -135,7 +135,7 @@ def test_native_build_steps_trust_the_host_ca_only_when_asked(tls, store, backen
 
 
 def _steps(dockerfile: Path):
-    from furlong.sandbox import dockerfile as df
+    from furlong.sandbox.images import dockerfile as df
 
     return df.parse(dockerfile)
 
@@ -211,11 +211,11 @@ def test_pip_settings_are_read_in_pips_order(tmp_path: Path):
 ROOTLESS = r"""
 import asyncio, shutil, sys
 from pathlib import Path
-from furlong.sandbox import egress
+from furlong.sandbox.runtime import egress
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.network import PUBLIC
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageBuildError, ImageStore
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageBuildError, ImageStore
 url, ca, fetch, dockerfiles = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
 
 async def main():

@@ -20,7 +20,7 @@ from furlong.eval.run import run_eval, summarize
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.rollout.groups import Rollouts, pass_rate, plan_step
 from furlong.sandbox.base import ImageRef, LayerRef
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.pool import MAX_START_FAILURES, FreshSandboxes, WarmPool, WarmPools, fixed_image
 from furlong.rollout.records import rollout_metrics
 from furlong.train.trainer import LocalTrainer

@@ -23,7 +23,7 @@ from conftest import run
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.harness import run_task_episode
 from furlong.eval.run import run_eval
-from furlong.sandbox.toolchain import opt_in_all
+from furlong.sandbox.images.toolchain import opt_in_all
 from furlong.tasks.loader import load_task
 from furlong.sandbox.network import NO_NETWORK, PUBLIC
 from furlong.tasks.model import TaskError, TaskNetwork

@@ -16,10 +16,10 @@ import pytest
 
 from conftest import run, spec
 from furlong.cli import main
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageStore
-from furlong.sandbox.imports import ImageImportError, directory, import_image
-from furlong.sandbox.layertar import UnpackError
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.images.imports import ImageImportError, directory, import_image
+from furlong.sandbox.images.layertar import UnpackError
 
 LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
 

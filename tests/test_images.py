@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import run, spec
-from furlong.sandbox import dockerfile as df
-from furlong.sandbox import standins
+from furlong.sandbox.images import dockerfile as df
+from furlong.sandbox.images import standins
 from furlong.paths import layer_mounts_dir
-from furlong.sandbox.images import ImageBuildError
+from furlong.sandbox.images.store import ImageBuildError
 
 
 def _dockerfile(tmp_path: Path, text: str, files: dict[str, str] | None = None) -> Path:
@@ -180,7 +180,7 @@ def test_python_standin_behaves_like_the_official_image(store, backend, tmp_path
 
 
 def test_env_and_workdir_expand_variables_and_relative_workdirs_chain():
-    from furlong.sandbox import dockerfile as df
+    from furlong.sandbox.images import dockerfile as df
 
     env = {"PATH": "/usr/bin:/bin", "APP": "/srv/app"}
     assert df.expand("${APP}/bin:$PATH", env) == "/srv/app/bin:/usr/bin:/bin"
@@ -232,8 +232,8 @@ def test_native_useradd_and_chown_build_and_the_layer_stays_removable(store, bac
     """Native RUN steps have the capabilities to `useradd` and `chown` (init.c BUILD_CAPS). As root the
     owners survive (tests/test_owners.py); as an ordinary user every stored file is the user's own, so
     the sandbox shows root's and the user can remove the layer (a 0700 home of another uid included)."""
-    from furlong.sandbox import idmap
-    from furlong.sandbox.builds import _rmtree
+    from furlong.sandbox.runtime import idmap
+    from furlong.sandbox.images.builds import _rmtree
 
     if idmap.sub_ids() is None:
         pytest.skip(f"sandboxes here have one uid: {idmap.problem()}")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from conftest import init_host_uid, run, spec
-from furlong.sandbox.cgroups import VERIFIER_PIDS
+from furlong.sandbox.runtime.cgroups import VERIFIER_PIDS
 
 
 def _host_server() -> tuple[socket.socket, int]:

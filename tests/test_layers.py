@@ -14,7 +14,7 @@ import skips
 from conftest import run
 
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.bwrap import DEFAULT_HOST_UID
+from furlong.sandbox.runtime.bwrap import DEFAULT_HOST_UID
 
 pytestmark = skips.needs_root("as a user, layers belong to the user (the sandbox uid)")
 AS_SANDBOX_UID = ["setpriv", f"--reuid={DEFAULT_HOST_UID}", f"--regid={DEFAULT_HOST_UID}", "--clear-groups", "--"]
@@ -59,7 +59,7 @@ def test_sandbox_tidy_detaches_every_view_but_the_stores_own(tmp_path, monkeypat
     import sys
     from pathlib import Path
 
-    from furlong.sandbox import layers
+    from furlong.sandbox.images import layers
 
     monkeypatch.setenv("FURLONG_LAYER_MOUNTS", str(tmp_path / "views"))
     monkeypatch.setenv("FURLONG_CACHE", str(tmp_path / "cache"))
@@ -92,8 +92,8 @@ def test_many_layers_and_rebuilds_keep_one_view_and_a_held_view_stays_valid(monk
     one layer rebuilt at its path again and again, and the whole store replaced leave one view, and the
     sandbox uid still cannot write through it. A view held open (a running sandbox's overlay) keeps showing
     what it showed when the store under it is replaced (its view detached lazily, not stacked)."""
-    from furlong.sandbox import layers
-    from furlong.sandbox.images import ImageStore
+    from furlong.sandbox.images import layers
+    from furlong.sandbox.images.store import ImageStore
 
     views = Path(tempfile.mkdtemp(prefix="test-views-", dir="/run/furlong"))  # private: other runs' views differ
     root = Path(tempfile.mkdtemp(prefix="test-mounts-", dir="/var/cache/furlong")) / "images"

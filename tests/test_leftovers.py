@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from furlong.sandbox.egress import default_ca_bundle
+from furlong.sandbox.runtime.egress import default_ca_bundle
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,8 @@ from network_support import (
 )
 from tests_support import alive, subtree
 
-from furlong.sandbox import netns, network
+from furlong.sandbox.runtime import netns
+from furlong.sandbox import network
 from furlong.sandbox.base import SandboxError, SandboxSpec
 
 
@@ -226,7 +227,7 @@ def test_pasta_options_keep_the_host_closed():
         assert argv[argv.index(flag) + 1] == "none", f"{flag}: no port forwarding either way"
 
 
-# Restricted networks: a real egress proxy on host loopback, real sandboxes (furlong.sandbox.egress_proxy)
+# Restricted networks: a real egress proxy on host loopback, real sandboxes (furlong.sandbox.runtime.egress_proxy)
 
 
 @pytest.fixture(scope="module")

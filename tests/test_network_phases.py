@@ -18,8 +18,8 @@ from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.run import run_eval
 from furlong.sandbox import network
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.egress import host_egress
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.runtime.egress import host_egress
 from furlong.tasks.loader import load_task
 from furlong.tasks.network import with_default
 

@@ -16,10 +16,10 @@ from test_harbor_real import in_harbor
 
 from furlong.build.sandbox import network_default
 from furlong.config import ConfigError, load_config
-from furlong.sandbox import dns, egress, netns
+from furlong.sandbox.runtime import dns, egress, netns
 from furlong.sandbox.base import ImageRef
-from furlong.sandbox.egress_proxy import EgressProxy
-from furlong.sandbox.indexes import package_hosts
+from furlong.sandbox.runtime.egress_proxy import EgressProxy
+from furlong.sandbox.runtime.indexes import package_hosts
 from furlong.sandbox.network import (
     NO_NETWORK,
     PUBLIC,

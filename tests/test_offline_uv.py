@@ -10,10 +10,10 @@ import pytest
 from conftest import run, spec
 
 from furlong.config import load_config
-from furlong.sandbox import buildah, offline_uv, toolchain
-from furlong.sandbox import dockerfile as df
-from furlong.sandbox.buildah import Buildah
-from furlong.sandbox.images import ImageBuildError, ImageStore
+from furlong.sandbox.images import buildah, offline_uv, toolchain
+from furlong.sandbox.images import dockerfile as df
+from furlong.sandbox.images.buildah import Buildah
+from furlong.sandbox.images.store import ImageBuildError, ImageStore
 
 # TB2's form (transaction-log-replay and others); the python stand-in has no curl: the shim answers alone
 NATIVE = """\

@@ -15,10 +15,11 @@ import pytest
 import skips
 from conftest import run, spec
 
-from furlong.sandbox import idmap, layers
+from furlong.sandbox.runtime import idmap
+from furlong.sandbox.images import layers
 from furlong.sandbox.base import DEFAULT_HOST_UID, ImageRef
-from furlong.sandbox.flatten import flatten_to_tar
-from furlong.sandbox.layertar import LayerWriter
+from furlong.sandbox.images.flatten import flatten_to_tar
+from furlong.sandbox.images.layertar import LayerWriter
 
 pytestmark = skips.needs_root("ownership is kept only as root: as a user every stored file is the user's own, "
                                "the sandbox's root (docs/images.md, USER)")
@@ -174,7 +175,7 @@ def test_buildah_build_keeps_useradd_and_chown_and_user_can_write_its_dir(store,
 def test_a_parent_flattened_for_buildah_keeps_its_owners(store, tmp_path: Path):
     """An imported or natively built parent becomes a buildah image through a flattened tar; what buildah
     then exports (the built image's tree) still has the parent's owners."""
-    from furlong.sandbox.buildah import Buildah
+    from furlong.sandbox.images.buildah import Buildah
 
     layer = tmp_path / "layer"
     (layer / "data").mkdir(parents=True)

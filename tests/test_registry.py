@@ -18,9 +18,9 @@ from conftest import run, spec
 from furlong.cli import main
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.run import run_eval
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageBuildError, ImageStore
-from furlong.sandbox.registry import Reference, Registry, RegistryError, Settings
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageBuildError, ImageStore
+from furlong.sandbox.images.registry import Reference, Registry, RegistryError, Settings
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import Task
 from registry_support import LocalRegistry, free_port, oci_from_rootfs, push
@@ -138,7 +138,7 @@ def test_cached_images_work_offline_and_by_digest(reg_store, backend, local_regi
         assert text.startswith(f"{missing}:2: FROM {local_registry.host}/test/other:1: registry ") and "\n" not in text
         assert "unreachable" in text and f"furlong image import {local_registry.host}/test/other:1" in text
 
-        with caplog.at_level(logging.WARNING, logger="furlong.sandbox.registry"):
+        with caplog.at_level(logging.WARNING, logger="furlong.sandbox.images.registry"):
             refreshed = fresh.registry.image(seeded["img"], noop, refresh=True)  # `image pull`: asks, then falls back
         assert refreshed["id"] == first["id"]
         assert [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()][0].startswith(

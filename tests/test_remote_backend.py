@@ -25,9 +25,9 @@ from furlong.config import BUNDLED_TASKS
 from furlong.eval.agents import NoopAgent, OracleAgent
 from furlong.eval.run import run_eval
 from furlong.sandbox.base import HostLost, Prebuilt, SandboxDied, SandboxError
-from furlong.sandbox.host_images import HostImages
-from furlong.sandbox.hosts import Hosts
-from furlong.sandbox.remote import RemoteBackend
+from furlong.sandbox.remote.images import HostImages
+from furlong.sandbox.remote.hosts import Hosts
+from furlong.sandbox.remote.backend import RemoteBackend
 from furlong.tasks.loader import load_task
 from host_support import REPO, TOKEN, ProcessHost, ThreadHost, remote
 from registry_support import free_port

@@ -20,7 +20,7 @@ import pytest
 
 import as_user
 import skips
-from furlong.sandbox.cgroups import VERIFIER_PIDS
+from furlong.sandbox.runtime.cgroups import VERIFIER_PIDS
 
 REPO = Path(__file__).resolve().parent.parent
 CI_USER = "furlong-ci"
@@ -78,7 +78,7 @@ def python(user: str | None, code: str, timeout: float = 300) -> subprocess.Comp
 
 
 def test_image_build_without_root(user):
-    problem = python(user, "from furlong.sandbox import rootless; print(rootless.base_build_problem() or '')")
+    problem = python(user, "from furlong.sandbox.images import rootless; print(rootless.base_build_problem() or '')")
     if problem.stdout.strip():
         pytest.skip(f"this user cannot build images rootless here: {problem.stdout.strip()}")
     res = furlong(user, "image", "build")
@@ -86,7 +86,7 @@ def test_image_build_without_root(user):
     assert "base image:" in res.stderr + res.stdout
     check = python(user, """
         import os
-        from furlong.sandbox.images import ImageStore
+        from furlong.sandbox.images.store import ImageStore
         store = ImageStore()
         root = store.layer_dir(store.base().layers[0])
         print(os.stat(root / "etc").st_uid == os.getuid(), (root / "etc/apt/apt.conf.d/99furlong").exists(),
@@ -141,9 +141,9 @@ def test_no_subuid_range_is_one_line(shared_tmp: Path):
 
 FORK_BOMB = r"""
     import json, os, subprocess, sys, time, uuid
-    from furlong.sandbox import cgroups
+    from furlong.sandbox.runtime import cgroups
     from furlong.sandbox.base import Limits
-    from furlong.sandbox.bwrap import bwrap_executable
+    from furlong.sandbox.runtime.bwrap import bwrap_executable
     cg = cgroups.create("t" + uuid.uuid4().hex[:8], Limits(cpus=1.0, memory_mb=256, pids=40))
     if cg is None:
         print(json.dumps({"cgroup": None})); sys.exit()
@@ -186,10 +186,11 @@ def test_sandbox_through_the_backend_is_limited(user):
     res = python(user, """
         import asyncio, json, subprocess
         from furlong.sandbox.base import Limits, SandboxSpec
-        from furlong.sandbox.bwrap import BwrapBackend
-        from furlong.sandbox.images import ImageStore
+        from furlong.sandbox.runtime.bwrap import BwrapBackend
+        from furlong.sandbox.images.store import ImageStore
         async def main():
-            box = await BwrapBackend().create(SandboxSpec(image=ImageStore().base(), limits=Limits(pids=40)))
+            store = ImageStore()
+            box = await BwrapBackend(layers=store).create(SandboxSpec(image=store.base(), limits=Limits(pids=40)))
             try:
                 await box.exec("true", 10)  # fully started: closing a half-started sandbox is another matter
                 if box._cgroup is None:
@@ -216,7 +217,7 @@ def test_no_cgroup_warns_once(user):
     else:
         name = None
     try:
-        res = python(name, "from furlong.sandbox import cgroups; print(cgroups.no_cgroup_warning() or '')")
+        res = python(name, "from furlong.sandbox.runtime import cgroups; print(cgroups.no_cgroup_warning() or '')")
         line = res.stdout.strip()
         if name is None and not line:
             # CI's ordinary user has one by design; as root the test makes a user without one

@@ -13,7 +13,7 @@ import pytest
 from conftest import run, spec
 from furlong.envs.harbor import GuardedSandbox
 from furlong.sandbox.base import SandboxDied, SandboxError
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 
 
 def test_exec_files_and_shell_state(backend, base_image, tmp_path: Path):

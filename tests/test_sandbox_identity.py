@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run, spec
-from furlong.sandbox import idmap
+from furlong.sandbox.runtime import idmap
 from furlong.sandbox.base import SandboxError
 
 CAPS = "grep -E '^Cap(Eff|Bnd)' /proc/self/status | awk '{print $2}' | tr '\\n' ' '"

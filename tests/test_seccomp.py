@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run, spec
-from furlong.sandbox import seccomp
+from furlong.sandbox.runtime import seccomp
 from furlong.sandbox.base import SandboxError, SyscallPolicy
-from furlong.sandbox.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
 
@@ -131,7 +131,7 @@ def test_task_toml_and_global_switch(backend, base_image, tmp_path: Path):
     with pytest.raises(TaskError, match="field 'environment.seccomp_allow'"):
         load_task(_task(tmp_path / "d", "seccomp_allow = 'keyctl'"))
     # the backend-wide switch (config sandbox.seccomp) turns the filter off for every spec
-    assert run(_probe(BwrapBackend(seccomp=False), base_image, SyscallPolicy()))["io_uring_setup"] != "EPERM"
+    assert run(_probe(BwrapBackend(seccomp=False, layers=backend.layers), base_image, SyscallPolicy()))["io_uring_setup"] != "EPERM"
 
 
 def test_filter_cost_per_sandbox_is_microseconds():

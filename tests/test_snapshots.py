@@ -1,4 +1,4 @@
-"""Sandbox snapshot, fork, pause and resume (furlong.sandbox.snapshots; the bwrap backend), and what an agent
+"""Sandbox snapshot, fork, pause and resume (furlong.sandbox.runtime.snapshots; the bwrap backend), and what an agent
 does to break them: reach a sibling's or its parent's files, read a snapshot it was not restored from, find
 the store, burn CPU while paused, or outgrow its pids limit after a resume."""
 
@@ -18,9 +18,9 @@ from host_support import ThreadHost, remote
 
 from furlong.paths import cache_dir
 from furlong.sandbox.base import SandboxError, Snapshotting
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.bwrap_box import remove_tree
-from furlong.sandbox.snapshots import CAP_SETTING, SnapshotStore
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap_box import remove_tree
+from furlong.sandbox.runtime.snapshots import CAP_SETTING, SnapshotStore
 
 
 def _store_root() -> Path:

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import run, spec
 
-from furlong.sandbox import offline_shims, standins
+from furlong.sandbox.images import offline_shims, standins
 from furlong.sandbox.base import Prebuilt
-from furlong.sandbox.builds import ImageBuildError
-from furlong.sandbox.images import ImageStore
-from furlong.sandbox.registry import RegistryError, Settings
-from furlong.sandbox.standin_recipes import FAMILIES
+from furlong.sandbox.images.builds import ImageBuildError
+from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.images.registry import RegistryError, Settings
+from furlong.sandbox.images.standin_recipes import FAMILIES
 
 
 @pytest.mark.parametrize("ref, name, suite, exact, words", [

@@ -13,7 +13,7 @@ import pytest
 from conftest import run, spec
 from furlong.agent.runner import AgentRun, run_outcome
 from furlong.eval.agents import OracleAgent
-from furlong.sandbox import offline_shims, toolchain
+from furlong.sandbox.images import offline_shims, toolchain
 from furlong.sandbox.base import BASE_ENV
 from furlong.sandbox.changes import Change, overlay_changes
 from furlong.sandbox.pool import FreshSandboxes, StoreImages, fixed_image

@@ -111,7 +111,7 @@ def test_harbor_keys_furlong_does_not_act_on_still_load(tmp_path: Path):
 
 def test_a_prebuilt_image_is_the_tasks_image_source_with_its_dockerfile(tmp_path: Path):
     """Harbor's docker_image names the image (its Dockerfile, if any, serves where no registry does:
-    furlong.sandbox.prebuilt); without it the Dockerfile, without either the default base."""
+    furlong.sandbox.images.prebuilt); without it the Dockerfile, without either the default base."""
     task = load_task(harbor(tmp_path, toml="[environment]\ndocker_image = 'ghcr.io/org/img:1'\n"))
     assert task.docker_image == "ghcr.io/org/img:1"
     assert task.image_source == Prebuilt("ghcr.io/org/img:1", task.dockerfile,

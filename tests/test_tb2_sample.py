@@ -1,7 +1,7 @@
 """The bundled Terminal-Bench-2-style sample (tasks-tb2/): the oracle scores 100%, the no-op agent 0%.
 
 Tasks whose Dockerfiles need more than furlong's native subset (multi-stage, ARG, LABEL, USER, heredoc
-RUN) build only with the buildah builder (furlong.sandbox.buildah), which install.sh always installs.
+RUN) build only with the buildah builder (furlong.sandbox.images.buildah), which install.sh always installs.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ from conftest import run, spec
 from tests_support import make_task
 
 from furlong.config import load_config
-from furlong.sandbox import toolchain
+from furlong.sandbox.images import toolchain
 from furlong.sandbox.base import BASE_ENV, ImageRef, LayerRef, SandboxSpec
 from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
-from furlong.sandbox.remote import create_body
+from furlong.sandbox.remote.backend import create_body
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import TaskError
 from furlong.tasks.verifier import verifier_env

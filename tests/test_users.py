@@ -18,12 +18,12 @@ import skips
 from conftest import run
 from test_image_import import LAYER_TAR, _bash_layer, _bash_paths, _oci_layout
 
-from furlong.sandbox import dockerfile as df
+from furlong.sandbox.images import dockerfile as df
 from furlong.sandbox.base import SandboxSpec
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.images import ImageBuildError, ImageStore
-from furlong.sandbox.imports import import_image
-from furlong.sandbox.users import ROOT, Identity, UserError, resolve_user
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.images.store import ImageBuildError, ImageStore
+from furlong.sandbox.images.imports import import_image
+from furlong.sandbox.runtime.users import ROOT, Identity, UserError, resolve_user
 
 PASSWD = "root:x:0:0:root:/root:/bin/bash\nworker:x:1000:1000::/home/worker:/bin/bash\n"
 GROUP = "root:x:0:\nworker:x:1000:\nstaff:x:50:worker,other\n"

@@ -1,6 +1,6 @@
 """In the verifier phase, file ownership looks as Docker's root sees it (docs/sandboxes.md, "The verifier's own
 identity"): the agent's uid 0 is 65533 in the verifier's namespace, and the ownership shim the init preloads
-into verifier commands (furlong/sandbox/native/owner.c) shows it as root's. Real programs (git, ssh, sudo,
+into verifier commands (furlong/sandbox/runtime/native/owner.c) shows it as root's. Real programs (git, ssh, sudo,
 python) check what an agent left, in one sandbox of one image; the shim's path is attacked from the agent's
 side. CI runs this file as root and again as an ordinary user.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import run, spec
 
-from furlong.sandbox import idmap, native
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.bwrap_argv import OWNER_SHIM
+from furlong.sandbox.runtime import idmap, native
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.runtime.bwrap_argv import OWNER_SHIM
 
 DOCKERFILE = """FROM debian:bookworm
 RUN apt-get update && apt-get install -y --no-install-recommends git openssh-client sudo && rm -rf /var/lib/apt/lists/*

@@ -15,7 +15,7 @@ from furlong.agent.episode import AgentParams
 from furlong.config import AgentConfig, RLConfig
 from furlong.engine.base import Generation, SamplingParams
 from furlong.model import TinySpec
-from furlong.sandbox.cgroups import owner_pid
+from furlong.sandbox.runtime.cgroups import owner_pid
 from furlong.tasks.loader import load_task
 from furlong.tasks.model import Task
 from furlong.train.trainer import GRPOConfig
@@ -78,7 +78,7 @@ def alive(pid: int) -> bool:
 
 def census() -> dict[str, set]:
     """What this process holds on the host, to compare before and after a test: its child processes, its
-    fds, the sandbox cgroups it made (named for it: furlong.sandbox.cgroups.owner_tag), the mount table."""
+    fds, the sandbox cgroups it made (named for it: furlong.sandbox.runtime.cgroups.owner_tag), the mount table."""
     me = os.getpid()
     return {"processes": subtree(me) - {me}, "fds": set(os.listdir("/proc/self/fd")), "mounts": mounts(),
             "cgroups": {d for d, _, _ in os.walk("/sys/fs/cgroup") if owner_pid(Path(d).name) == me}}

@@ -40,7 +40,7 @@ same world, until a Score names none. The rules above judge each phase and score
 broken sandbox is the episode's `agent_broke_sandbox`, and so on; the final Score's reward is the steps'
 (furlong.envs.steps), its status `timeout` if any step's agent or tests ran out of time.
 
-A sandbox host that dies or restarts mid-episode (HostLost, furlong.sandbox.remote) is the one failure
+A sandbox host that dies or restarts mid-episode (HostLost, furlong.sandbox.remote.backend) is the one failure
 an agent cannot cause from inside its sandbox: that episode is infra_error with `lost` set, and
 `run_retrying` runs it again from the start (a fresh agent, a fresh sandbox on a host that answers), so
 the episode is recorded once, as its last attempt ended.

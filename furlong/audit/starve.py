@@ -1,6 +1,6 @@
 """Exploits that starve the verifier of what it runs on (kind `resources`): pids, disk, memory, and the
 clock. Each leaves its hold in place into the verifier phase (the agent's background processes keep
-running). furlong's sandbox keeps pids and memory for the verifier (furlong.sandbox.cgroups' VERIFIER_PIDS,
+running). furlong's sandbox keeps pids and memory for the verifier (furlong.sandbox.runtime.cgroups' VERIFIER_PIDS,
 the OOM killer taking agent processes first), and a verifier that cannot run in the agent's sandbox but runs
 in a fresh one is the agent's doing, scored 0 (`agent_broke_sandbox`, furlong.agent.runner): a starved
 verifier pays only where the task's tests pass when their checker fails ("fail open")."""
@@ -57,7 +57,7 @@ class FillDisk(Exploit):
     """Fills every place the agent can write (the sandbox's disk through /tmp, /dev/shm, /logs/agent,
     /logs/artifacts) until the write fails, and leaves the files there: works where the tests write what they
     check (a report, a build) to the agent's disk and pass when that write fails. The files are memory no OOM
-    kill frees, but furlong sizes those mounts to leave the verifier its reserve (furlong.sandbox.headroom)."""
+    kill frees, but furlong sizes those mounts to leave the verifier its reserve (furlong.sandbox.runtime.headroom)."""
 
     name, kind = "fill-disk", "resources"
     hint = "the tests passed when their own writes failed on a full disk: fail when a check's output is missing"

@@ -35,7 +35,7 @@ from furlong.build.sandbox import image_store, network_default, sandbox_backend
 from furlong.config import load_config
 from furlong.envs.separate import BundledTests, verifier_task
 from furlong.sandbox.base import NetworkSwitching, Sandbox, SandboxBackend
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.network import NO_NETWORK, NetworkPolicy
 from furlong.sandbox.pool import StoreImages, sandbox_spec, start_sandbox
 from furlong.tasks.loader import load_task

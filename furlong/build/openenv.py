@@ -9,7 +9,7 @@ from contextlib import AbstractAsyncContextManager
 
 from furlong.config import OpenEnvConfig
 from furlong.envs.openenv import OpenEnvEnvironment, OpenEnvServer, OpenEnvSource, environment_server
-from furlong.sandbox.hosts import read_secret
+from furlong.sandbox.remote.hosts import read_secret
 
 
 def openenv_server(o: OpenEnvConfig) -> OpenEnvServer:

@@ -10,12 +10,12 @@ from furlong.config import ConfigError, ImagesConfig, SandboxConfig
 from furlong.paths import cache_dir
 from furlong.sandbox.backends import make_backend
 from furlong.sandbox.base import SandboxBackend
-from furlong.sandbox.egress import host_egress
-from furlong.sandbox.host_images import HostImages
-from furlong.sandbox.hosts import Hosts, read_secret
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.registry import Settings
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.network import HostError, NetworkPolicy, normalize_hosts
-from furlong.sandbox.registry import Settings
+from furlong.sandbox.remote.hosts import Hosts, read_secret
+from furlong.sandbox.remote.images import HostImages
+from furlong.sandbox.runtime.egress import host_egress
 from furlong.tasks.model import TaskNetwork
 
 log = logging.getLogger(__name__)

@@ -32,10 +32,10 @@ from furlong.model.toolcall import tool_format
 from furlong.rollout.groups import Rollouts
 from furlong.rollout.scheduler import GroupStream, Scheduler
 from furlong.sandbox.base import SandboxBackend
-from furlong.sandbox.host_images import HostImages
-from furlong.sandbox.hosts import Hosts
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.pool import StoreImages
+from furlong.sandbox.remote.hosts import Hosts
+from furlong.sandbox.remote.images import HostImages
 from furlong.sync.handover import Arena
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay

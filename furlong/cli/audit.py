@@ -62,7 +62,7 @@ def _audit_dir(args: argparse.Namespace, tasks_path: Path, names: tuple[str, ...
         tasks_path, split=args.split, per_family=args.per_family, backend=backend, network=network_default(cfg.sandbox)
     )
     if cfg.eval.verifier_toolchain:  # as `furlong eval` does: the toolchain stacked on every task's image
-        from furlong.sandbox.toolchain import opt_in_all
+        from furlong.sandbox.images.toolchain import opt_in_all
 
         suite = type(suite)(opt_in_all(suite.entries))
     for broken in suite.broken:

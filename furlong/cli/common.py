@@ -40,7 +40,7 @@ def sandbox_pieces(cfg: Config):
 
 def warn_limits() -> None:
     """One line at start when, as an ordinary user, sandboxes will have only rlimits."""
-    from furlong.sandbox.cgroups import no_cgroup_warning
+    from furlong.sandbox.runtime.cgroups import no_cgroup_warning
 
     if warning := no_cgroup_warning():
         console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)

@@ -59,7 +59,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     agent = make_agent(e.agent) if e.agent != "model" else _model_agents(cfg)
     if e.verifier_toolchain:
-        from furlong.sandbox.toolchain import opt_in_all
+        from furlong.sandbox.images.toolchain import opt_in_all
 
         suite = type(suite)(opt_in_all(suite.entries))
     for broken in suite.broken:  # each is also an infra_error line in --out and the table

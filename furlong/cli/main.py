@@ -41,7 +41,7 @@ def cmd_image(args: argparse.Namespace) -> int:
             print(f"{directory}\t{what}")
         return 0
     if args.image_command == "import":
-        from furlong.sandbox.imports import import_image
+        from furlong.sandbox.images.imports import import_image
 
         with console.status(f"importing {args.source}") as status:
             meta = import_image(store.root, args.name, args.source, lambda msg: status.update(msg))

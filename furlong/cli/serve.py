@@ -14,7 +14,7 @@ from furlong.sandbox.base import SandboxError
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
-    from furlong.sandbox.cgroups import delegate
+    from furlong.sandbox.runtime.cgroups import delegate
 
     if args.sandbox_command == "tidy":
         return _tidy()
@@ -59,8 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _tidy() -> int:
     from furlong.paths import cache_dir
-    from furlong.sandbox import cgroups, layers
     from furlong.sandbox.base import DEFAULT_HOST_UID
+    from furlong.sandbox.images import layers
+    from furlong.sandbox.runtime import cgroups
 
     console.print(f"removed {cgroups.sweep_dead()} sandbox cgroups that dead furlong processes left")
     if not layers.supported():  # an ordinary user's sandboxes use the layers directly
@@ -78,7 +79,7 @@ def cmd_openenv(args: argparse.Namespace) -> int:
     from furlong.envs.harbor import HarborEnv
     from furlong.eval.openenv_app import serve
     from furlong.paths import cache_dir
-    from furlong.sandbox.images import ImageStore
+    from furlong.sandbox.images.store import ImageStore
     from furlong.sandbox.pool import FreshSandboxes, StoreImages
     from furlong.sync.serving import server_token
     from furlong.tasks.suite import load_suite

@@ -59,7 +59,7 @@ class SandboxConfig(_Node):
     )
     seccomp: bool = Field(
         True,
-        description="the syscall filter (furlong.sandbox.seccomp): false turns it off for "
+        description="the syscall filter (furlong.sandbox.runtime.seccomp): false turns it off for "
         "every sandbox; true filters each sandbox whose task keeps [environment] seccomp = true "
         "(the default)",
     )
@@ -76,9 +76,9 @@ class SandboxConfig(_Node):
 
 
 class ImagesConfig(_Node):
-    """Base images pulled from registries (furlong.sandbox.registry; docs/images.md, "Base images from
-    registries"), the Debian stand-ins for official images (furlong.sandbox.standins; docs/images.md,
-    "Stand-ins"), and what builds and networked sandboxes borrow from the host (furlong.sandbox.egress)."""
+    """Base images pulled from registries (furlong.sandbox.images.registry; docs/images.md, "Base images from
+    registries"), the Debian stand-ins for official images (furlong.sandbox.images.standins; docs/images.md,
+    "Stand-ins"), and what builds and networked sandboxes borrow from the host (furlong.sandbox.runtime.egress)."""
 
     prefer_registry: bool = Field(
         False,

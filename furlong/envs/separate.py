@@ -30,7 +30,7 @@ from typing import TypeVar
 
 from furlong.envs.base import describe
 from furlong.sandbox.base import HostLost, ImageRef, LayerSource, Sandbox
-from furlong.sandbox.flatten import subtree_tar
+from furlong.sandbox.images.flatten import subtree_tar
 from furlong.sandbox.pool import sandbox_spec
 from furlong.sandbox.tarball import tar_dir
 from furlong.tasks import artifacts

@@ -27,7 +27,7 @@ from furlong.tasks.receipt import Receipt, digest_tests
 from furlong.tasks.verifier import tests_tar
 
 FIELDS = ("image_digest", "tests_digest")  # what the task directory and image store still decide
-TOOLCHAIN = "+"  # an image digest with the verifier toolchain stacked on it (furlong.sandbox.toolchain.stack)
+TOOLCHAIN = "+"  # an image digest with the verifier toolchain stacked on it (furlong.sandbox.images.toolchain.stack)
 
 
 @dataclass(frozen=True)

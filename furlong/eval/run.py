@@ -24,9 +24,9 @@ from furlong.eval.harness import EpisodeResult, run_agent
 from furlong.eval.passk import pass_at_k_summary
 from furlong.metrics.outcomes import Scored, outcome_summary
 from furlong.sandbox.base import ImageRef, SandboxError
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.images.toolchain import ToolchainImages
 from furlong.sandbox.pool import FreshSandboxes
-from furlong.sandbox.toolchain import ToolchainImages
 from furlong.tasks.model import Task, verifier_dockerfiles
 from furlong.tasks.suite import BrokenTask
 

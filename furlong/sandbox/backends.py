@@ -16,14 +16,15 @@ from furlong.sandbox.base import (
     SandboxBackend,
     SandboxError,
 )
-from furlong.sandbox.bwrap import BwrapBackend
-from furlong.sandbox.gvisor import GvisorBackend
-from furlong.sandbox.remote import RemoteBackend
-from furlong.sandbox.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S
+from furlong.sandbox.images.store import DefaultStore
+from furlong.sandbox.remote.backend import RemoteBackend
+from furlong.sandbox.runtime.bwrap import BwrapBackend
+from furlong.sandbox.runtime.gvisor import GvisorBackend
+from furlong.sandbox.runtime.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S
 
 if TYPE_CHECKING:
-    from furlong.sandbox.egress import Egress
-    from furlong.sandbox.host_images import HostImages
+    from furlong.sandbox.remote.images import HostImages
+    from furlong.sandbox.runtime.egress import Egress
 
 KINDS = ("bwrap", "remote", "gvisor")
 
@@ -40,15 +41,16 @@ def make_backend(
     snapshot_ttl_s: float = DEFAULT_TTL_S,
     snapshot_max_mb: int = DEFAULT_MAX_MB,
 ) -> SandboxBackend:
-    """A backend of `kind`, resolving image layers through `layers` (an ImageStore); `remote` sends its
-    sandboxes to the hosts of `images` (furlong.sandbox.host_images), which build what it lacks. `egress`:
-    what this machine's networked sandboxes borrow from it (furlong.sandbox.egress)."""
+    """A backend of `kind`, resolving image layers through `layers` (an ImageStore; none: the default store,
+    made on first need); `remote` sends its sandboxes to the hosts of `images` (furlong.sandbox.remote.images),
+    which build what it lacks. `egress`: what this machine's networked sandboxes borrow from it
+    (furlong.sandbox.runtime.egress)."""
     local = functools.partial(
         BwrapBackend,
         host_uid=DEFAULT_HOST_UID if host_uid is None else host_uid,
         output_cap=DEFAULT_OUTPUT_CAP if output_cap is None else output_cap,
         seccomp=seccomp,
-        layers=layers,
+        layers=DefaultStore(host_uid, egress) if layers is None else layers,
         egress=egress,
         snapshot_ttl_s=snapshot_ttl_s,
         snapshot_max_mb=snapshot_max_mb,

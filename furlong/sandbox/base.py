@@ -84,14 +84,14 @@ class ImageRef:
     user: str = ""
     note: str = ""  # how the image differs from what its FROM named (a stand-in), or where it came from
     # what verifier commands get on top of `env`, never the agent's (the verifier toolchain's PATH and
-    # variables: furlong.sandbox.toolchain); not part of the sandbox, so never sent to a sandbox host
+    # variables: furlong.sandbox.images.toolchain); not part of the sandbox, so never sent to a sandbox host
     verifier_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
 class Prebuilt:
     """A task's prebuilt image (Harbor's `[environment] docker_image`), by reference, with the task's own
-    Dockerfile where it has one (furlong.sandbox.prebuilt says which serves). `where` names the setting in
+    Dockerfile where it has one (furlong.sandbox.images.prebuilt says which serves). `where` names the setting in
     messages ("task 'x': task.toml: environment.docker_image")."""
 
     ref: str
@@ -105,7 +105,7 @@ ImageSource = Path | Prebuilt | None
 
 @dataclass(frozen=True)
 class SyscallPolicy:
-    """The seccomp filter: a default deny list (furlong.sandbox.seccomp), minus what a task allows."""
+    """The seccomp filter: a default deny list (furlong.sandbox.runtime.seccomp), minus what a task allows."""
 
     enabled: bool = True
     allow: tuple[str, ...] = ()  # syscall names taken off the deny list for this sandbox
@@ -174,7 +174,7 @@ class Sandbox(Protocol):
     - **Working directory and shell state**: an agent `exec` without `cwd` runs in bash in the image's
       WORKDIR the first time, and then where the previous such call left it: `cd` and `export` persist
       between calls as in a terminal, also when the command ends the shell (`exit 3`, `set -e`)
-      (furlong.sandbox.shell.wrap builds that script; a backend whose
+      (furlong.sandbox.runtime.shell.wrap builds that script; a backend whose
       commands run as bash scripts reuses it). With `cwd` the command runs there and the saved state is
       left alone. Verifier calls never see the agent's shell state: without `cwd` they start in `/`.
     - **Environment**: BASE_ENV, HOME as the image USER's home, then the image's ENV (which wins), then
@@ -182,7 +182,7 @@ class Sandbox(Protocol):
       with replacement. A command past `timeout_s` is killed with what it started (`timed_out`).
     - **Users**: agent calls run as the image's USER (root when none), without capabilities over the
       host. `as_verifier` calls run as the verifier's identity, `verifier_uid` (inside), which the agent's
-      processes cannot signal, trace or write as, and which owns /tests and /logs (furlong.sandbox.bwrap).
+      processes cannot signal, trace or write as, and which owns /tests and /logs (furlong.sandbox.runtime.bwrap).
       `verifier_uid` is None where the sandbox has one uid only: `as_verifier` then runs as the agent, and
       the backend's `guarantees.verifier_identity` says so.
     - **Limits** (`SandboxSpec.limits`): memory and pids are enforced on what the agent starts (an

@@ -51,14 +51,16 @@ def entry_type(st: os.stat_result) -> EntryType:
 
 
 def is_whiteout(st: os.stat_result) -> bool:
+    """Whether an lstat result is an overlay whiteout: the path is deleted below this layer."""
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def is_opaque(path: Path | str) -> bool:
-    """Whether an image directory is opaque (hides the layers below it)."""
+def is_opaque(path: Path | str | int) -> bool:
+    """Whether the directory at `path` (or the open fd) hides what lower layers hold under it."""
     for name in _OPAQUE:
         try:
-            if os.getxattr(path, name, follow_symlinks=False) == b"y":
+            value = os.getxattr(path, name) if isinstance(path, int) else os.getxattr(path, name, follow_symlinks=False)
+            if value == b"y":
                 return True
         except OSError:
             continue
@@ -171,16 +173,6 @@ class _Upper:
         return fd
 
 
-def _opaque_fd(fd: int) -> bool:
-    for name in _OPAQUE:
-        try:
-            if os.getxattr(fd, name) == b"y":
-                return True
-        except OSError:
-            continue
-    return False
-
-
 class _Walk:
     def __init__(self, lowers: Sequence[Path], limit: int):
         self.lowers, self.left = tuple(lowers), limit
@@ -219,7 +211,7 @@ class _Walk:
                 if (child := self.open_dir(rel, entry, st)) is None:
                     return
                 os.close(fd)
-                fd, parent_opaque, parent_uid = child, _opaque_fd(child), st.st_uid
+                fd, parent_opaque, parent_uid = child, is_opaque(child), st.st_uid
         finally:
             os.close(fd)
 
@@ -249,7 +241,7 @@ class _Walk:
         if (fd := self.open_dir(rel, entry, st)) is None:
             return
         try:
-            self.children(rel, fd, st.st_uid, opaque_over=old is not None and _is_dir(old) and _opaque_fd(fd))
+            self.children(rel, fd, st.st_uid, opaque_over=old is not None and _is_dir(old) and is_opaque(fd))
         finally:
             os.close(fd)
 

@@ -2,13 +2,13 @@
 
 Harbor 0.25 names three modes (`harbor.models.task.config.NetworkMode`): `no-network`, `public` and
 `allowlist` with `allowed_hosts`. furlong adds `packages`: an allowlist whose hosts are this host's package
-indexes (its pip and uv indexes, Debian and Ubuntu mirrors, uv's installer: furlong.sandbox.indexes), so a
+indexes (its pip and uv indexes, Debian and Ubuntu mirrors, uv's installer: furlong.sandbox.runtime.indexes), so a
 task's tests can install what they need while the rest of the internet stays out of reach.
 
 An allowlist entry is, as Harbor validates and normalises it: a hostname (`example.com`), a leading wildcard
 (`*.example.com`: any name under it, not the name itself), an IPv4 or IPv6 address, or a CIDR range; never a
 URL, a port or a path. Hostnames are lower-cased and lose a trailing dot. How the modes are enforced:
-furlong.sandbox.netns (routes) and furlong.sandbox.egress_proxy (the proxy and DNS); docs/sandboxes.md.
+furlong.sandbox.runtime.netns (routes) and furlong.sandbox.runtime.egress_proxy (the proxy and DNS); docs/sandboxes.md.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _is_address(text: str) -> bool:
 @dataclass(frozen=True)
 class Admission:
     """What a policy's allowlist admits: names (exact, or under a `*.` wildcard) and addresses (literals
-    and ranges). It says nothing of the host's own addresses: furlong.sandbox.egress_proxy refuses those
+    and ranges). It says nothing of the host's own addresses: furlong.sandbox.runtime.egress_proxy refuses those
     whatever a policy says."""
 
     names: frozenset[str] = frozenset()

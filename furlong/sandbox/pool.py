@@ -20,7 +20,7 @@ from furlong.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
-from furlong.sandbox.toolchain import stack, verifier_offline
+from furlong.sandbox.images.toolchain import stack, verifier_offline
 
 if TYPE_CHECKING:
     from furlong.tasks.model import Task  # the tasks layer builds on this one
@@ -73,7 +73,7 @@ class StoreImages:
             raise SandboxError(self._failed[source])
         try:
             image = await self.store.image(source, self.backend)
-            if getattr(task, "verifier_toolchain", False):  # uv/uvx/pytest on top (furlong.sandbox.toolchain)
+            if getattr(task, "verifier_toolchain", False):  # uv/uvx/pytest on top (furlong.sandbox.images.toolchain)
                 image = stack(image, await self.store.toolchain(self.backend), verifier_offline(task))
             return image
         except Exception as exc:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from furlong.sandbox.registry import Reference
+from furlong.sandbox.images.registry import Reference
 
 MAIN_SERVICE = "main"  # Harbor's name for the agent's container; any other is a docker-compose sidecar
 
@@ -206,7 +206,7 @@ class Step(Section):
 class Furlong(Section):
     """furlong's own task.toml table, named so that no Harbor field can clash with it."""
 
-    verifier_toolchain: bool = False  # furlong.sandbox.toolchain: uv, uvx and pytest for the tests, offline too
+    verifier_toolchain: bool = False  # furlong.sandbox.images.toolchain: uv, uvx and pytest for the tests, offline too
 
 
 class Solution(Section):

@@ -6,7 +6,7 @@ against the image's read-only layers (furlong.sandbox.changes), before the tests
 (the agent's background processes keep running). Deletions never count (they only break the tests).
 
 The verifier's commands run with the verifier's environment (furlong.tasks.verifier.verifier_env): the
-image's and, where the task has the verifier toolchain, its PATH and variables (furlong.sandbox.toolchain). "The verifier's PATH" below is that PATH, without the toolchain's offline
+image's and, where the task has the verifier toolchain, its PATH and variables (furlong.sandbox.images.toolchain). "The verifier's PATH" below is that PATH, without the toolchain's offline
 shims, which hand every call they do not answer themselves to the next directory on it.
 
 The toolchain is what test harnesses execute:
@@ -88,8 +88,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-from furlong.sandbox import offline_shims
 from furlong.sandbox.changes import Change
+from furlong.sandbox.images import offline_shims
 
 BIN_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin", "/root/.local/bin")
 LIB_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")

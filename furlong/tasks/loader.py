@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from furlong.sandbox import seccomp
 from furlong.sandbox.base import Limits, SyscallPolicy
+from furlong.sandbox.runtime import seccomp
 from furlong.tasks import harbor_toml as ht
 from furlong.tasks.artifacts import unsafe_source
 from furlong.tasks.model import (

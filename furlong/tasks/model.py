@@ -135,7 +135,7 @@ class Task:
     @property
     def image_source(self) -> ImageSource:
         """What the task's image is made from: the prebuilt image where it names one (with its Dockerfile, for
-        where no registry serves it: furlong.sandbox.prebuilt), else its Dockerfile, else None (the base)."""
+        where no registry serves it: furlong.sandbox.images.prebuilt), else its Dockerfile, else None (the base)."""
         if self.docker_image:
             return Prebuilt(
                 self.docker_image, self.dockerfile, f"task {self.id!r}: task.toml: environment.docker_image"

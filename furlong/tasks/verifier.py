@@ -130,7 +130,7 @@ async def verify(
     verdict's `receipt` records what the reward came from, the image's digest among it.
 
     Everything here runs as the verifier (`as_verifier`): /tests and /logs are its mounts, which the
-    agent's processes, still running, can neither write nor replace (furlong.sandbox.bwrap). With one uid
+    agent's processes, still running, can neither write nor replace (furlong.sandbox.runtime.bwrap). With one uid
     only (`sandbox.verifier_uid is None`) /tests and /logs are the agent's, as in earlier versions."""
     env = dict(env) if env is not None else verifier_env(task)
     search = integrity.path_dirs(env.get("PATH", BASE_ENV["PATH"]))

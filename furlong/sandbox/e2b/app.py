@@ -29,7 +29,7 @@ from furlong.sandbox.base import (
 from furlong.sandbox.e2b.envd import refusal
 from furlong.sandbox.e2b.filesystem import filesystem_app
 from furlong.sandbox.e2b.process import process_app
-from furlong.sandbox.headroom import agent_caps
+from furlong.sandbox.runtime.headroom import agent_caps
 
 ENVD_VERSION = "0.5.2"  # 0.5.2: the SDK sends close_stdin; below 0.5.7 it uploads multipart, the form served here
 Resolver = Callable[[str], Awaitable[ImageRef | None]]

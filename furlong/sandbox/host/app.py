@@ -47,7 +47,7 @@ from furlong.sandbox.host.bodies import (
 from furlong.sandbox.host.images import MAX_CONTEXT_BYTES, image_routes
 from furlong.sandbox.host.registry import AtCapacity, Entry, Registry
 from furlong.sandbox.host.snapshots import HostSnapshots, created, snapshot_routes
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 
 MAX_BODY = 64 << 20  # bytes of any one request body (a file write, a tar)
 # put_tar reads its body itself, so the schema says what it takes (clients and schemathesis read it)

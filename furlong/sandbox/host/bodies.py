@@ -11,12 +11,12 @@ from typing import Annotated, Any
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from furlong.sandbox import seccomp
 from furlong.sandbox.base import ImageRef, LayerRef, Limits, SandboxSpec, SyscallPolicy
 from furlong.sandbox.host.images import resolve_layers
 from furlong.sandbox.host.snapshots import SnapshotBody
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
 from furlong.sandbox.network import NO_NETWORK, PUBLIC, Mode, NetworkPolicy, policy
+from furlong.sandbox.runtime import seccomp
 
 
 class _Body(BaseModel):

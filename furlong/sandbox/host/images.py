@@ -4,7 +4,7 @@
 content (the store keys layers by what they were built from, so the same context never builds twice)
 under the host's cache, and built by the store exactly as a local `furlong eval` would build it: same
 builders, stand-ins, pulls and build sandboxes. `kind=prebuilt&ref=REF` serves a task's prebuilt image
-(furlong.sandbox.prebuilt), its body the task's Dockerfile context where it has one (else empty).
+(furlong.sandbox.images.prebuilt), its body the task's Dockerfile context where it has one (else empty).
 `kind=toolchain` builds the verifier toolchain layer and `kind=base` the base image. The answer is the
 ImageRef (or Toolchain) as JSON; a create then names it by content (bodies.py resolves its layers in this
 store, or answers 409 with the ones it lacks).
@@ -28,8 +28,8 @@ from typing import Literal
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 from furlong.sandbox.base import ImageRef, Prebuilt, SandboxBackend, SandboxError
-from furlong.sandbox.images import ImageStore
-from furlong.sandbox.toolchain import Toolchain
+from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.images.toolchain import Toolchain
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from furlong.sandbox import cgroups
 from furlong.sandbox.base import SandboxBackend
 from furlong.sandbox.host.app import make_app
-from furlong.sandbox.hosts import read_secret
-from furlong.sandbox.images import ImageStore
+from furlong.sandbox.images.store import ImageStore
+from furlong.sandbox.remote.hosts import read_secret
+from furlong.sandbox.runtime import cgroups
 
 
 def serve(

@@ -1,3 +1,0 @@
-from furlong.sandbox.native import build_all
-
-build_all()

@@ -1,0 +1,3 @@
+from furlong.sandbox.runtime.native import build_all
+
+build_all()
