@@ -46,7 +46,9 @@ def _local(spec: FSDP2Spec) -> LocalTrainer:
     if spec.lora is not None:
         model = wrap_lora(model, spec.lora, seed=spec.lora_seed)
     ref = load_model(spec.model_dir).requires_grad_(False) if spec.config.kl_coef > 0 else None
-    return LocalTrainer(model, spec.config, ref_model=ref, demos=spec.demos)
+    cfg = spec.config
+    teacher = None if spec.teacher is None else spec.teacher.build(spec.model_dir, cfg, torch.device("cpu"), load_model)
+    return LocalTrainer(model, cfg, ref_model=ref, demos=spec.demos, teacher=teacher)
 
 
 def _fsdp2(spec: FSDP2Spec, world_size: int = 2) -> FSDP2Trainer:
