@@ -89,8 +89,8 @@ class FSDP2Spec:
             if self.device == "cuda"
             else None
         )
-        on = self.teacher is not None and self.config.distill_mode != "off"
-        teacher = self.teacher.build(self.model_dir, self.config, device, load_model) if on else None  # type: ignore[union-attr]
+        taught = self.teacher if self.config.distill_mode != "off" else None
+        teacher = None if taught is None else taught.build(self.model_dir, self.config, device, load_model)
         return FSDP2Worker(self, self.policy().to(device), ref, rank, world_size, mixed, teacher)
 
 
