@@ -4,8 +4,10 @@ and demonstrations, the same on every call."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from furlong.agent.episode import Episode, EpisodeTiming
+from furlong.model.chat import Message, render_prompt_ids
 from furlong.train.sft import Demo
 
 
@@ -35,3 +37,17 @@ def fixed_demos(n: int = 5, vocab: int = 500, seed: int = 1) -> tuple[Demo, ...]
         demos.append(Demo(task_id=f"d{i}", tokens=tuple(rng.randrange(10, vocab) for _ in range(length)),
                           loss_mask=(0,) * 3 + (1,) * (length - 3)))
     return tuple(demos)
+
+
+def prompted_episodes(tokenizer, **kw) -> list[Episode]:
+    """fixed_episodes whose prompts are real ones (a system and a user message, kept on the episode and rendered
+    by `tokenizer` as the agent does), so a self-distillation teacher can render them under its own prompt."""
+    out = []
+    for e in fixed_episodes(**kw):
+        prompt = (Message("system", "You are an agent."), Message("user", "count the files " * (1 + 2 * e.group_id)))
+        ids = tuple(render_prompt_ids(tokenizer, prompt))
+        p, n = len(ids), e.response_len
+        out.append(replace(e, prompt=prompt, prompt_len=p, tokens=ids + e.tokens[e.prompt_len:],
+                           loss_mask=(0,) * p + (1,) * n, rollout_logprobs=(0.0,) * p + e.rollout_logprobs[-n:],
+                           token_weight_versions=(-1,) * p + (0,) * n))
+    return out

@@ -4,7 +4,6 @@ gives, how it joins GRPO's, a teacher that fails, and the config and tokenizer c
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,8 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests_support import SMALL, grpo
-from transformers import GPT2Config, GPT2LMHeadModel
+from tests_support import SMALL, gpt2_teacher, grpo
 
 from furlong.agent.episode import Episode, EpisodeTiming
 from furlong.config import ConfigError, load_config
@@ -190,16 +188,8 @@ def _tis(e: Episode, model) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def short_teacher(tmp_path_factory, small_dir: Path) -> tuple[Path, int]:
-    """A GPT-2 teacher with the student's tokenizer and a 64-position context: an episode longer than that
-    makes its forward raise (IndexError in the position embedding), a real teacher failure."""
-    out = tmp_path_factory.mktemp("teacher") / "gpt2"
-    cfg = GPT2Config(vocab_size=SMALL.vocab_size + 64, n_positions=64, n_embd=32, n_layer=1, n_head=2)
-    torch.manual_seed(0)
-    GPT2LMHeadModel(cfg).save_pretrained(out)
-    for f in small_dir.iterdir():
-        if "token" in f.name or f.name.endswith(".jinja"):
-            shutil.copy(f, out / f.name)
-    return out, 64
+    """A GPT-2 teacher with a 64-position context (tests_support.gpt2_teacher)."""
+    return gpt2_teacher(tmp_path_factory.mktemp("teacher") / "gpt2", small_dir, 64), 64
 
 
 def test_teacher_failure_leaves_those_episodes_without_the_term_and_training_goes_on(
@@ -251,7 +241,6 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(small_dir: Path, 
     (["train.distill.mode=grpo+opd", "train.distill.teacher.path=/x", "train.distill.teacher.system_prompt=b"],
      "not both"),
     (["train.distill.teacher.system_prompt=b"], "train.distill.mode is off"),
-    (["train.distill.mode=opd", "train.distill.teacher.system_prompt=b", "train.trainer=fsdp2"], "train.trainer=fsdp2"),
     (["train.distill.mode=opd", "train.distill.teacher.system_prompt=b", "train.rl.filter_zero_variance=true"],
      "train.rl.filter_zero_variance"),
     (["train.distill.mode=opd", "train.distill.teacher.system_prompt=b", "train.agent.harness.command=[x]"],

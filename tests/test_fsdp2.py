@@ -46,7 +46,9 @@ def _local(spec: FSDP2Spec) -> LocalTrainer:
     if spec.lora is not None:
         model = wrap_lora(model, spec.lora, seed=spec.lora_seed)
     ref = load_model(spec.model_dir).requires_grad_(False) if spec.config.kl_coef > 0 else None
-    return LocalTrainer(model, spec.config, ref_model=ref, demos=spec.demos)
+    cfg = spec.config
+    teacher = None if spec.teacher is None else spec.teacher.build(spec.model_dir, cfg, torch.device("cpu"), load_model)
+    return LocalTrainer(model, cfg, ref_model=ref, demos=spec.demos, teacher=teacher)
 
 
 def _fsdp2(spec: FSDP2Spec, world_size: int = 2) -> FSDP2Trainer:
@@ -148,11 +150,13 @@ def _rank_pids(driver: int) -> list[int]:
 
 @pytest.mark.slow  # three `furlong train` runs (~60-90 s on a loaded 2-core box)
 def test_train_run_survives_a_killed_rank_with_resume(tmp_path: Path) -> None:
-    """`furlong train train.trainer=fsdp2`: SIGKILL of a rank mid-RL ends the run with RankFailed (bounded);
-    `--resume` finishes it from the last checkpoint with the samples of a run never killed, every step logged
-    and every episode recorded once."""
-    from test_train_run import SMALL, _rl_rows, _train
+    """`furlong train train.trainer=fsdp2`, self-distilling beside GRPO (the teacher: the sharded policy under
+    another system prompt): SIGKILL of a rank mid-RL ends the run with RankFailed (bounded); `--resume` finishes
+    it from the last checkpoint with the samples of a run never killed, every step logged, every episode
+    recorded once and every RL episode scored by the teacher."""
+    from test_train_run import SMALL as RUN, _rl_rows, _train
 
+    SMALL = [*RUN, "train.distill.mode=grpo+opd", "train.distill.teacher.system_prompt=Answer in few words."]
     whole, run = tmp_path / "whole", tmp_path / "run"
     # the run never killed goes beside the one that is (CI's second core): they share no state
     reference = Background(tmp_path / "whole.log", "train", f"train.run_dir={whole}", *SMALL, "train.trainer=fsdp2")
@@ -173,7 +177,7 @@ def test_train_run_survives_a_killed_rank_with_resume(tmp_path: Path) -> None:
         reference.stop()  # a failure above: no waiting for it
     assert res.returncode == 0, res.stderr[-3000:]
     done = len(_rl_rows(run))
-    res = _train("--resume", str(run), wait=True)
+    res = _train("--resume", str(run), wait=True)  # the run's own config: distillation too
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rl_rows(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and done < 4
@@ -182,3 +186,7 @@ def test_train_run_survives_a_killed_rank_with_resume(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
     keys = [(r["phase"], r["step"], r["group"], r["sample"]) for r in records]
     assert len(keys) == len(set(keys)) == 4 * 2 * 2 + 2 * 4
+    trained = [r for r in records if r["phase"] == "rl" and r["outcome"] == "trained"]
+    assert trained and all(r["distill"]["status"] == "scored" for r in trained), trained[:1]
+    assert all(r["distill"]["tokens"] == r["tokens_response"] for r in trained)
+    assert all(r["distill_scored"] == 4 and r["distill_failed"] == 0 and r["teacher_seconds"] > 0 for r in rows)

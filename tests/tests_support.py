@@ -109,6 +109,23 @@ def moved_weights(model_dir: Path, scale: float, seed: int) -> dict:
     return model.state_dict()
 
 
+def gpt2_teacher(out: Path, student_dir: Path, context: int) -> Path:
+    """A GPT-2 teacher with the student's tokenizer and a `context`-position window: an episode longer than that
+    makes its forward raise (IndexError in the position embedding), a real teacher failure."""
+    import shutil
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=SMALL.vocab_size + 64, n_positions=context, n_embd=32, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(cfg).save_pretrained(out)
+    for f in student_dir.iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 async def reference_generation(model_dir: Path, weights: dict, prompt: list[int], sampling):
     """What an in-process hf engine holding `weights` generates for `prompt`."""
     from furlong.engine.hf import HFEngine

@@ -40,7 +40,7 @@ from furlong.sync.handover import Arena
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 from furlong.sync.transport import DirectoryTransport, HttpTransport, InProcessTransport, Transport, UpdateServer
-from furlong.train.distill import Teacher, TokenizerMismatch, check_tokenizers, teacher_for
+from furlong.train.distill import Teacher, TeacherSpec, TokenizerMismatch, check_tokenizers
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.handover import HandoverLink
 from furlong.train.protocol import Trainer
@@ -220,7 +220,7 @@ def trainer(
     config = grpo_config(t) if anchor else replace(grpo_config(t), sft_coef=0.0)
     demos = demos if anchor else []
     if t.trainer == "fsdp2":
-        return fsdp2_trainer(t, sft_dir, config, demos, cluster)
+        return fsdp2_trainer(t, sft_dir, config, demos, cluster, hints)
     if cluster is not None:
         import furlong.build.cluster as ray_build
 
@@ -238,29 +238,29 @@ def local_trainer(
 
 
 def teacher(t: TrainConfig, sft_dir: Path, device: torch.device, hints: dict[str, str]) -> Teacher | None:
-    """train.distill's teacher: a frozen copy of teacher.path loaded once on the trainer's device, or the
-    policy itself under teacher.system_prompt (nothing more to load; with teacher.frozen a frozen copy of the
-    SFT checkpoint under it); None when distillation is off."""
-    d = t.distill
-    if not d.on:
+    """train.distill's teacher on the trainer's device (furlong.train.distill.teacher_for); None when off."""
+    spec = teacher_spec(t, sft_dir, hints)
+    return None if spec is None else spec.build(sft_dir, grpo_config(t), device, load_model)
+
+
+def teacher_spec(t: TrainConfig, sft_dir: Path, hints: dict[str, str]) -> TeacherSpec | None:
+    """train.distill's teacher as values (None when off); teacher.frozen: the SFT checkpoint, as RL starts."""
+    if not t.distill.on:
         return None
-    return teacher_for(
-        sft_dir,
-        path=sft_dir if d.teacher.frozen else d.teacher.path,  # frozen: the policy as RL starts
-        system_prompt=d.teacher.system_prompt,
-        hints=hints,
-        temperature=t.rl.temperature,
-        micro_batch_size=t.rl.micro_batch_size,
-        device=device,
-        load=load_model,
-    )
+    d = t.distill.teacher
+    return TeacherSpec(sft_dir if d.frozen else d.path, d.system_prompt, tuple(sorted(hints.items())))
 
 
 def fsdp2_trainer(
-    t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list, cluster: RaySession | None = None
+    t: TrainConfig,
+    sft_dir: Path,
+    config: GRPOConfig,
+    demos: list,
+    cluster: RaySession | None = None,
+    hints: dict[str, str] | None = None,
 ) -> Trainer:
-    """train.fsdp2.world_size ranks, each building the policy from `sft_dir`: processes on this host, or
-    (train.cluster=ray) Ray actors placed in the run's cluster."""
+    """train.fsdp2.world_size ranks, each building the policy (and train.distill's teacher) from `sft_dir`:
+    processes on this host, or (train.cluster=ray) Ray actors placed in the run's cluster."""
     from furlong.model.lora import LoraSpec  # peft loads slowly: only LoRA runs need it
 
     ws = t.fsdp2.world_size
@@ -269,9 +269,15 @@ def fsdp2_trainer(
             f"train.fsdp2.world_size: {ws} ranks need {ws} GPUs (one each); {torch.cuda.device_count()} visible"
         )
     lo = t.lora
-    lora = LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets) if lo.enabled else None
     spec = FSDP2Spec(
-        sft_dir, config, lora=lora, lora_seed=t.seed, demos=tuple(demos), device=t.device, threads=t.torch_threads
+        sft_dir,
+        config,
+        lora=LoraSpec(rank=lo.rank, alpha=lo.alpha, targets=lo.targets) if lo.enabled else None,
+        lora_seed=t.seed,
+        demos=tuple(demos),
+        device=t.device,
+        threads=t.torch_threads,
+        teacher=teacher_spec(t, sft_dir, hints or {}),
     )
     if cluster is None:
         return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)

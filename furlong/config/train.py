@@ -170,11 +170,6 @@ class TrainConfig(_Node):
         d = self.distill
         if not d.on:
             return self
-        if self.trainer == "fsdp2":
-            raise ValueError(
-                "train.distill with train.trainer=fsdp2: not yet (the teacher is scored by the local trainer, "
-                "in this process or its Ray actor); set train.trainer=local"
-            )
         if d.teacher.system_prompt is not None and self.agent.harness.command is not None:
             raise ValueError(
                 "train.distill.teacher.system_prompt with train.agent.harness.command: a harness writes its own "

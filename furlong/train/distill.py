@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,10 +28,12 @@ from transformers import PreTrainedModel
 from furlong.agent.episode import Episode, TeacherScore
 from furlong.model.chat import Message, render_prompt_ids
 from furlong.model.loading import load_tokenizer
+from furlong.train.grpo_config import GRPOConfig
 from furlong.train.logprobs import token_logprobs
 
 MODES = ("off", "opd", "grpo+opd")
 HINT_HEADER = "A correct solution to this task, for your eyes only:"
+Item = tuple[int, list[int], int]  # (the episode's index, the teacher's ids, shift: teacher position - episode's)
 
 
 class TokenizerMismatch(ValueError):
@@ -116,13 +119,11 @@ class Teacher:
         tools = list(e.prompt_tools) if e.prompt_tools is not None else None
         return render_prompt_ids(self.tokenizer, messages, tools)
 
-    @torch.no_grad()
-    def score(self, episodes: Sequence[Episode], policy: PreTrainedModel) -> TeacherPass:
-        """Every scored episode (reward not None) with teacher logprobs or the reason it has none."""
-        start = time.perf_counter()
-        model = self.model if self.model is not None else policy
+    def prepare(self, episodes: Sequence[Episode]) -> tuple[list[Episode], list[Item]]:
+        """Each episode as it stands (failed or unscorable where its prompt cannot be rendered), and the teacher's
+        ids of the others, shortest first (similar lengths pad less). No forward: it is this process's alone."""
         out: list[Episode] = list(episodes)
-        todo: list[tuple[int, list[int], int]] = []  # (index, teacher ids, shift: teacher position - episode's)
+        todo: list[Item] = []
         for i, e in enumerate(episodes):
             if e.reward is None:
                 continue  # an infra error is never trained on
@@ -135,26 +136,60 @@ class Teacher:
                 out[i] = replace(e, distill=TeacherScore("unscorable", error="no prompt messages to re-render"))
             else:
                 todo.append((i, ids + list(e.tokens[e.prompt_len :]), len(ids) - e.prompt_len))
+        todo.sort(key=lambda item: len(item[1]))
+        return out, todo
+
+    def passes(self, todo: Sequence[Item]) -> int:
+        """The micro-batches (forwards) `run` makes over `todo` when none fails."""
+        return -(-len(todo) // self.micro_batch_size)
+
+    @torch.no_grad()
+    def score(self, episodes: Sequence[Episode], policy: PreTrainedModel) -> TeacherPass:
+        """Every scored episode (reward not None) with teacher logprobs or the reason it has none."""
+        start = time.perf_counter()
+        out, todo = self.prepare(episodes)
+        return self.run(episodes, out, todo, policy, start)
+
+    @torch.no_grad()
+    def run(
+        self,
+        episodes: Sequence[Episode],
+        out: list[Episode],
+        todo: list[Item],
+        policy: PreTrainedModel,
+        start: float,
+        forward: Callable | None = None,
+    ) -> TeacherPass:
+        """`prepare`'s episodes scored in micro-batches. `forward(*args)` runs `token_logprobs(policy, *args)` where
+        the policy's forward is a collective (a sharded policy, self-distillation under FSDP2): every rank must make
+        the same forwards, so a failure there is not retried one episode at a time; it raises."""
+        model = self.model if self.model is not None else policy
+        run_forward = forward if self.model is None and forward is not None else None
         tokens = 0
-        todo.sort(key=lambda item: len(item[1]))  # similar lengths pad less
         for k in range(0, len(todo), self.micro_batch_size):
             chunk = todo[k : k + self.micro_batch_size]
             tokens += sum(len(ids) for _, ids, _ in chunk)
-            for i, result in self._score_chunk(model, [episodes[i] for i, _, _ in chunk], chunk):
+            for i, result in self._score_chunk(model, [episodes[i] for i, _, _ in chunk], chunk, run_forward):
                 out[i] = result
         return TeacherPass(tuple(out), time.perf_counter() - start, tokens)
 
-    def _score_chunk(self, model, eps: list[Episode], chunk: list[tuple[int, list[int], int]]):
+    def _score_chunk(self, model, eps: list[Episode], chunk: list[Item], forward: Callable | None):
         """One padded forward; if it raises, each episode alone, so only those that fail lose the term."""
+        if forward is not None:  # collective: no retry (the peers would wait in a forward never made)
+            return [
+                (i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, self._forward(model, eps, chunk, forward))
+            ]
         try:
             rows = self._forward(model, eps, chunk)
         except Exception as err:  # noqa: BLE001 -- any teacher failure: recorded per episode, the run goes on
             if len(chunk) == 1:
                 return [(chunk[0][0], _failed(eps[0], err))]
-            return [r for e, item in zip(eps, chunk) for r in self._score_chunk(model, [e], [item])]
+            return [r for e, item in zip(eps, chunk) for r in self._score_chunk(model, [e], [item], None)]
         return [(i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
 
-    def _forward(self, model, eps: list[Episode], chunk: list[tuple[int, list[int], int]]) -> list[list[float]]:
+    def _forward(
+        self, model, eps: list[Episode], chunk: list[Item], forward: Callable | None = None
+    ) -> list[list[float]]:
         """Per episode, the teacher's logprob of each of its tokens (0.0 off the loss mask)."""
         device = next(model.parameters()).device
         width = max(len(ids) for _, ids, _ in chunk)
@@ -166,9 +201,8 @@ class Teacher:
             attention[row, : len(ids)] = 1
             sampled = [p + shift for p, m in enumerate(e.loss_mask) if m]
             wanted[row, sampled] = 1.0
-        logp = token_logprobs(
-            model, tokens.to(device), attention.to(device), self.temperature, False, wanted.to(device)
-        ).cpu()
+        run = forward if forward is not None else partial(token_logprobs, model)
+        logp = run(tokens.to(device), attention.to(device), self.temperature, False, wanted.to(device)).cpu()
         rows = []
         for row, ((_, _, shift), e) in enumerate(zip(chunk, eps)):
             values = logp[row].tolist()
@@ -218,6 +252,29 @@ def distill_advantages(
         kept.append(e)
         advantages.append(per_token + weight * opd_advantage(e) if has else per_token)
     return kept, advantages
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """A teacher as plain values, for a process that builds its own (an FSDP2 rank): `teacher_for`'s
+    `path`, `system_prompt` and `hints` (pairs: the spec is frozen and pickled)."""
+
+    path: Path | None = None
+    system_prompt: str | None = None
+    hints: tuple[tuple[str, str], ...] = ()
+
+    def build(self, tokenizer_dir: Path, config: GRPOConfig, device, load) -> Teacher:
+        """`teacher_for` at the trainer's rollout temperature, in its micro-batches."""
+        return teacher_for(
+            tokenizer_dir,
+            path=self.path,
+            system_prompt=self.system_prompt,
+            hints=dict(self.hints),
+            temperature=config.temperature,
+            micro_batch_size=config.micro_batch_size,
+            device=device,
+            load=load,
+        )
 
 
 def teacher_for(

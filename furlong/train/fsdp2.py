@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,8 +37,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from furlong.agent.episode import Episode
 from furlong.model.loading import load_model
 from furlong.train.atomic import fsync_dir, replace_dir, write_synced
-from furlong.train.distill import TeacherPass
+from furlong.train.distill import Teacher, TeacherPass, TeacherSpec
 from furlong.train.export import is_peft, write_hf
+from furlong.train.logprobs import token_logprobs
 from furlong.train.ranks import RankGroup
 from furlong.train.sft import Demo
 from furlong.train.stats import TrainStats
@@ -53,7 +56,8 @@ STATE_FILE = "trainer-state.pt"  # version, optimizer step count, RNG (the same 
 class FSDP2Spec:
     """One rank's trainer, as plain values (it is pickled to each rank process). `model_dir`: the policy's
     starting checkpoint, also the KL reference when config.kl_coef > 0; `lora`: wrap it with fresh adapters
-    drawn under `lora_seed`."""
+    drawn under `lora_seed`; `teacher`: train.distill's, built on each rank (a checkpoint whole on each, not
+    sharded; a self-distillation teacher is the sharded policy)."""
 
     model_dir: Path
     config: GRPOConfig
@@ -62,6 +66,7 @@ class FSDP2Spec:
     demos: tuple[Demo, ...] = ()
     device: str = "cpu"  # cuda: one GPU per rank, nccl, bf16 compute over fp32 masters
     threads: int = 1  # torch threads per rank
+    teacher: TeacherSpec | None = None
 
     @property
     def backend(self) -> str:
@@ -84,7 +89,9 @@ class FSDP2Spec:
             if self.device == "cuda"
             else None
         )
-        return FSDP2Worker(self, self.policy().to(device), ref, rank, world_size, mixed)
+        taught = self.teacher if self.config.distill_mode != "off" else None
+        teacher = None if taught is None else taught.build(self.model_dir, self.config, device, load_model)
+        return FSDP2Worker(self, self.policy().to(device), ref, rank, world_size, mixed, teacher)
 
 
 class Entry(torch.nn.Module):
@@ -129,11 +136,12 @@ class FSDP2Worker(LocalTrainer):
         rank: int,
         world_size: int,
         mixed: MixedPrecisionPolicy | None,
+        teacher: Teacher | None = None,
     ) -> None:
         entries = {id(model): shard(model, mixed)}
         if ref_model is not None:
             entries[id(ref_model)] = shard(ref_model, mixed)
-        super().__init__(model, spec.config, ref_model=ref_model, demos=spec.demos)  # type: ignore[arg-type]
+        super().__init__(model, spec.config, ref_model=ref_model, demos=spec.demos, teacher=teacher)  # type: ignore[arg-type]
         self.spec, self._entries = spec, entries
         self.rank, self.world_size = rank, world_size
 
@@ -144,6 +152,37 @@ class FSDP2Worker(LocalTrainer):
         out: list = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+    def score_teacher(self, episodes: Sequence[Episode]) -> TeacherPass | None:  # type: ignore[override]
+        """This rank's strided share of the episodes (by length) scored by the teacher; rank 0 gets every
+        rank's, in the episodes' order, as the local trainer's TeacherPass (the others None). A checkpoint
+        teacher is whole on each rank: its forwards are this rank's own, and one that raises is retried one
+        episode at a time as locally. A self-distillation teacher is the sharded policy: its forwards are
+        collectives, so every rank makes as many (idle ones where its share is done)."""
+        if self.teacher is None:
+            raise ValueError("score_teacher: this trainer has no teacher (train.distill.mode is off)")
+        start = time.perf_counter()
+        order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].tokens))
+        mine = order[self.rank :: self.world_size]
+        share = [episodes[i] for i in mine]
+        out, todo = self.teacher.prepare(share)
+        with self._autocast():
+            if self.teacher.model is not None:
+                part = self.teacher.run(share, out, todo, self.model, start)
+            else:
+                most = max(self._all_gather(self.teacher.passes(todo)))
+                forward = partial(self._forward, self.model, token_logprobs)
+                part = self.teacher.run(share, out, todo, self.model, start, forward)
+                for _ in range(most - self.teacher.passes(todo)):
+                    self._idle(self.model, grad=False)
+        gathered = self._all_gather((mine, part.episodes, part.tokens))
+        if self.rank != 0:
+            return None
+        scored = list(episodes)
+        for indices, eps, _ in gathered:
+            for i, e in zip(indices, eps, strict=True):
+                scored[i] = e
+        return TeacherPass(tuple(scored), time.perf_counter() - start, sum(n for _, _, n in gathered))
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Every rank gathers; rank 0 gets the full CPU tensors (LoRA: the adapters only), the others None."""
@@ -203,7 +242,8 @@ class FSDP2Trainer:
         return stats
 
     def score_teacher(self, episodes: Sequence[Episode]) -> TeacherPass:
-        raise ValueError("train.distill with train.trainer=fsdp2: not yet (the config refuses it; docs/distill.md)")
+        """Each rank scores its share; rank 0's answer holds them all (FSDP2Worker.score_teacher)."""
+        return self.ranks.call("score_teacher", list(episodes))[0]
 
     def engine_weights(self) -> Mapping[str, torch.Tensor]:
         """Gathered once per version (a push and a checkpoint of one step share it)."""
