@@ -1,6 +1,6 @@
 """One weight update through shared memory vs a torch.distributed broadcast vs the relay (http, full snapshots).
 
-All three links are built by furlong's own builder (`furlong.build.training.weight_link`) with the same
+All three links are built by furlong's own builder (`furlong.build.links.weight_link`) with the same
 engine server processes (`train.sync.engine=server`, `--servers` of them, fp32 engine weights):
 
 * shared: `train.sync.transport=shared`: each push copies the weights into this process's arena in
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from provenance import finish, provenance
 
-from furlong.build.training import weight_link
+from furlong.build.links import weight_link
 from furlong.config import load_config
 from furlong.model import init_tiny, load_model
 

@@ -42,7 +42,7 @@ from provenance import finish, provenance
 from weight_sync_broadcast import MODELS
 
 import furlong.build.cluster as ray_build
-from furlong.build.training import weight_link
+from furlong.build.links import weight_link
 from furlong.cluster.session import RaySession, Roles
 from furlong.config import load_config
 from furlong.model import init_tiny, load_model

@@ -25,7 +25,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tests_support import alive, grpo
 
 import furlong.build.cluster as ray_build
-from furlong.build.training import grpo_config, local_trainer, weight_link
+from furlong.build.links import weight_link
+from furlong.build.training import grpo_config, local_trainer
 from furlong.cluster.engines import CHILD_ENV
 from furlong.cluster.ranks import RayRanks
 from furlong.cluster.session import RaySession, Roles, place

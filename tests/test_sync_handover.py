@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import run, spec
-from furlong.build.training import weight_link
+from furlong.build.links import weight_link
 from furlong.config import load_config
 from furlong.engine.base import EngineRefused, SamplingParams
 from furlong.engine.remote import EngineProcess, RemoteEngine

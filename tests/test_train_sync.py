@@ -13,7 +13,7 @@ from furlong.config import load_config
 from furlong.engine.base import EngineError, SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model.loading import load_model
-from furlong.build.training import weight_link
+from furlong.build.links import weight_link
 
 PROMPT = [5, 17, 300, 42, 1000, 7]
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from furlong.build import links
 from furlong.build import training as build
 from furlong.build.training import Pieces
 from furlong.config import Config, RLConfig
@@ -44,7 +45,7 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
     shared = None
     try:
         sft_dir = await sft_phase(cfg, p, run, console)
-        shared = build.shared_engine(cfg, sft_dir, run.path)  # vllm: one engine for the whole run, else None
+        shared = links.shared_engine(cfg, sft_dir, run.path)  # vllm: one engine for the whole run, else None
         before = await eval_phase("eval_before", sft_dir, cfg, p, run, console, shared)
         trainer = await rl_phase(cfg, p, run, console, sft_dir, shared)
         try:
@@ -90,7 +91,7 @@ async def _rl_run(
     if done:
         return trainer
     drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
-    link = await build.weight_link(cfg, run.path, sft_dir, shared, p.cluster)
+    link = await links.weight_link(cfg, run.path, sft_dir, shared, p.cluster)
     try:
         async with p.env.open() as env:
             rollouts = Rollouts(

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from furlong.build.training import Pieces, phase_engine
+from furlong.build.links import phase_engine
+from furlong.build.training import Pieces
 from furlong.config import Config, ConfigError
 from furlong.metrics.episodes import EpisodeLog, drop_episodes_after
 from furlong.metrics.outcomes import Scored, outcome_summary
