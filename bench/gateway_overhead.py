@@ -58,7 +58,7 @@ class Arm(NamedTuple):
     latencies: list[float]
     tokens: int
     wall: float
-    phases: list[dict[str, float]]  # per request, from Server-Timing (gateway only)
+    phases: list[dict[str, float]]  # per request, from Server-Timing (the gateway's phases, both arms' `app`)
     ends: list[Any]  # per session: the direct arm's final ids, the gateway arm's episode id
 
 
@@ -103,7 +103,23 @@ def _serve(args: argparse.Namespace) -> None:
         "stops": [end_of_turn_id(tok, m) for m in policy.fmt.stops], "end_of_turn": end_of_turn_id(tok, eot),
         "prompt": [render_prompt_ids(tok, _prompt(s)) for s in range(args.sessions)], "after": after}))
     apps = {"gateway": make_app(policy, TOKEN, server_timing=True), "direct": build_app(direct_engine, None, TOKEN)}
-    _run_servers(apps, args.profile)
+    _run_servers({k: _timed(app) for k, app in apps.items()}, args.profile)
+
+
+def _timed(app):
+    """`app` with a `Server-Timing: app;dur=MS` header of its own: from the request reaching the app to its
+    answer starting, measured the same way in both arms (routing, body, handler)."""
+    async def timed(scope, receive, send):
+        start = time.perf_counter()
+
+        async def send_timed(message):
+            if message["type"] == "http.response.start":
+                ms = (time.perf_counter() - start) * 1e3
+                timing = (b"server-timing", f"app;dur={ms:.3f}".encode())
+                message = message | {"headers": [*message.get("headers", []), timing]}
+            await send(message)
+        await app(scope, receive, send_timed if scope["type"] == "http" else send)
+    return timed
 
 
 def _run_servers(apps: dict, profile: str | None) -> None:
@@ -167,7 +183,7 @@ async def _direct(url: str, ids: dict, sessions: int, turns: int, tokens: int):
             gen = r.json()
             prompt += gen["output_ids"] + ([ids["end_of_turn"]] if gen["finish_reason"] == "length" else [])
             prompt += ids["after"][s][k]
-            out.append((lat, len(gen["output_ids"]), {}))
+            out.append((lat, len(gen["output_ids"]), parse_header(r.headers["server-timing"])))
         return out, prompt
     headers = {"Authorization": f"Bearer {TOKEN}"}
     return await _sessions(episode, lambda s: httpx.AsyncClient(base_url=url, headers=headers, timeout=600),
@@ -210,11 +226,12 @@ async def _sessions(episode, client, sessions: int) -> Arm:
                [end for _, end in done])
 
 
-def _summary(arms: dict, counts: dict, phases: list[dict[str, float]], c: int, args) -> dict:
+def _summary(arms: dict, counts: dict, phases: dict[str, list[dict[str, float]]], c: int, args) -> dict:
     p50 = {k: statistics.median(v["lat"]) for k, v in arms.items()}
     mean = {k: statistics.fmean(v["lat"]) for k, v in arms.items()}
     tps = {k: statistics.median(v["tps"]) for k, v in arms.items()}
-    phase_ms = {p: round(statistics.fmean(r.get(p, 0.0) for r in phases), 3) for p in PHASES}
+    phase_ms = {p: round(statistics.fmean(r.get(p, 0.0) for r in phases["gateway"]), 3) for p in PHASES}
+    app_ms = {k: statistics.fmean(r["app"] for r in v) for k, v in phases.items()}
     handler_ms = sum(v for p, v in phase_ms.items() if p not in ("receive", "queue", "engine"))
     added_mean_ms = (mean["gateway"] - mean["direct"]) * 1e3
     per_request = 1e3 / os.sysconf("SC_CLK_TCK") / (c * args.requests * args.repeats)
@@ -230,6 +247,10 @@ def _summary(arms: dict, counts: dict, phases: list[dict[str, float]], c: int, a
             # the gateway's handler, phase by phase (mean ms per request); `engine` is the sampling itself,
             # `receive` waiting for the body's bytes and the event loop
             "gateway_phases_mean_ms": phase_ms,
+            # from the request reaching the app to its answer starting, and the rest of the client's latency
+            # (HTTP both ways, waits to be scheduled on this shared machine, the client's own work)
+            "server_app_mean_ms": {k: round(v, 2) for k, v in app_ms.items()},
+            "outside_app_mean_ms": {k: round(mean[k] * 1e3 - v, 2) for k, v in app_ms.items()},
             # its own work: parse, render, decode, record, serialize
             "gateway_work_ms": round(handler_ms, 3),
             # the added mean latency that work does not explain: HTTP and routing, waits for the event loop,
@@ -262,7 +283,7 @@ def _exact(url: str, arm: Arm, direct: Arm) -> None:
 
 def _measure(urls: dict, ids: dict, c: int, args, pid: int) -> dict:
     arms: dict[str, dict[str, list[float]]] = {k: {"lat": [], "tps": [], "cpu": []} for k in ("direct", "gateway")}
-    counts, phases = {"direct": 0, "gateway": 0}, []
+    counts, phases = {"direct": 0, "gateway": 0}, {"direct": [], "gateway": []}
     for repeat in range(args.repeats):
         runs: dict[str, Arm] = {}
         for name in ("direct", "gateway"):
@@ -274,7 +295,7 @@ def _measure(urls: dict, ids: dict, c: int, args, pid: int) -> dict:
             arms[name]["lat"] += arm.latencies
             arms[name]["tps"].append(arm.tokens / arm.wall)
             counts[name] += arm.tokens
-            phases += arm.phases
+            phases[name] += arm.phases
         if repeat == 0:
             _exact(urls["gateway"], runs["gateway"], runs["direct"])
     if counts["direct"] != counts["gateway"]:
@@ -325,6 +346,7 @@ def main() -> None:
                 results[str(c)] = r = _measure(urls, ids, c, args, proc.pid)
                 print(f"{c:>3} sessions: p50 direct {r['p50_ms']['direct']} ms, gateway {r['p50_ms']['gateway']} ms "
                       f"(+{r['added_p50_ms']} ms); tokens/s ratio {r['tokens_per_s_ratio']}; "
+                      f"app {r['server_app_mean_ms']}, outside it {r['outside_app_mean_ms']}; "
                       f"phases {r['gateway_phases_mean_ms']}; cpu {r['cpu_ms_per_request']}", flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -126,7 +126,8 @@ class Policy:
             call_ids=call_ids,
             finish_reason="length" if gen.finish_reason == "length" and not stopped_by else "stop",
             logprobs=gen.logprobs,
-            token_texts=tuple(self._decode([t]) for t in gen.output_ids),
+            # a decode per token: only where the request asked for logprobs, the one answer that shows them
+            token_texts=tuple(self._decode([t]) for t in gen.output_ids) if req.logprobs else (),
             prompt_tokens=prompt_tokens,
             completion_tokens=gen.num_tokens,
             malformed_call=malformed,
