@@ -126,21 +126,26 @@ def make_app(
             request, anthropic_api.parse_messages, _anthropic_error, anthropic_api.message, anthropic_api.events, "msg_"
         )
 
+    _info_routes(app, sessions, policy.name)
+    _episode_routes(app, sessions)
+    _exec_route(app, sessions)
+    return app
+
+
+def _info_routes(app: FastAPI, sessions: Sessions, model: str) -> None:
+    """`/v1/models` (any live key) and `/health` (no key)."""
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if sessions.for_key(_key(request)) is None:
             return _openai_error(401, "invalid API key (or its episode has ended)")
         return JSONResponse(
-            {"object": "list", "data": [{"id": policy.name, "object": "model", "created": 0, "owned_by": "furlong"}]}
+            {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "furlong"}]}
         )
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
-
-    _episode_routes(app, sessions)
-    _exec_route(app, sessions)
-    return app
 
 
 async def _generate(policy: Policy, session: Session, req: ChatRequest, phases: Phases) -> Reply:
