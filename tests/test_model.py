@@ -26,7 +26,7 @@ from furlong.model import (
     parse_tool_calls,
     render_prompt_ids,
 )
-from furlong.model.chat import encode, render_text
+from furlong.model.chat import common_prefix_len, encode, opens_next_turn, render_text
 from furlong.model.tokenizer import CONTROL_TOKENS, MARKUP_TOKENS
 
 BASH = {"type": "function", "function": {"name": "bash", "description": "Run a shell command",
@@ -142,6 +142,27 @@ def test_continuation_edge_cases(tok) -> None:
         continuation_ids(tok, [Message("assistant", "no")])
     with pytest.raises(ValueError):
         continuation_ids(tok, [])
+
+
+def test_common_prefix_len_is_os_path_commonprefix() -> None:
+    import os
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a, b = ("".join(rng.choice("ab\u00e9") for _ in range(rng.randint(0, 9))) for _ in range(2))
+        assert common_prefix_len(a, b) == len(os.path.commonprefix([a, b])), (a, b)
+
+
+def test_template_facts_follow_a_swapped_template(tok) -> None:
+    """opens_next_turn and end_of_turn_id are kept per tokenizer: a template swapped on the same tokenizer
+    object is read afresh."""
+    swapped = copy.deepcopy(tok)
+    assert not opens_next_turn(swapped, "<|im_end|>")
+    swapped.chat_template = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                             "{%- if m.role != 'assistant' %}<|im_end|>{% endif %}\n{%- endfor %}")
+    assert opens_next_turn(swapped, "<|im_end|>")
+    assert end_of_turn_id(swapped) == end_of_turn_id(tok)
 
 
 def test_history_rewriting_template_is_rejected(tok) -> None:

@@ -14,6 +14,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     from furlong.gateway.app import make_app
     from furlong.gateway.build import make_engine_for, make_policy
+    from furlong.gateway.serving import GATEWAY_UVICORN
     from furlong.paths import cache_dir
     from furlong.sync.serving import read_token_file, server_token
 
@@ -34,7 +35,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         f"gateway for {policy.name} ({args.engine}, tool calls: {policy.fmt.name}) on http://{args.host}:{args.port}/v1"
     )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, **GATEWAY_UVICORN)
     finally:
         close = getattr(engine, "close", None)
         if close is not None:

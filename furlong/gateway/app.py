@@ -26,6 +26,7 @@ from furlong.gateway.policy import Policy
 from furlong.gateway.reply import Reply
 from furlong.gateway.request import ChatRequest, RequestError
 from furlong.gateway.sessions import Session, Sessions
+from furlong.gateway.timing import Phases
 
 MAX_BODY_BYTES = 8 << 20  # a conversation past this is refused (413), not parsed
 
@@ -47,7 +48,7 @@ def _key(request: Request) -> str:
     return auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
 
 
-async def _body(request: Request, max_bytes: int) -> dict[str, Any] | tuple[int, str]:
+async def _body(request: Request, max_bytes: int, phases: Phases | None = None) -> dict[str, Any] | tuple[int, str]:
     """The request's JSON object, or (status, why) for what is refused before anything is read into it."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
@@ -57,6 +58,8 @@ async def _body(request: Request, max_bytes: int) -> dict[str, Any] | tuple[int,
         raw += chunk
         if len(raw) > max_bytes:
             return 413, f"request body over {max_bytes} bytes"
+    if phases is not None:
+        phases.mark("receive")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -70,7 +73,11 @@ def _sse(lines: Iterator[str]) -> StreamingResponse:
     return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def make_app(policy: Policy, token: str, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def make_app(
+    policy: Policy, token: str, *, max_body_bytes: int = MAX_BODY_BYTES, server_timing: bool = False
+) -> FastAPI:
+    """`server_timing`: each chat answer carries a `Server-Timing` header, its time phase by phase
+    (furlong.gateway.timing)."""
     app = FastAPI(title="furlong gateway", docs_url=None, redoc_url=None, openapi_url=None)
     sessions = Sessions(token, policy.trajectory)
     app.state.sessions = sessions
@@ -83,15 +90,17 @@ def make_app(policy: Policy, token: str, *, max_body_bytes: int = MAX_BODY_BYTES
         stream: Callable[[Reply, ChatRequest, str], Iterator[str]],
         prefix: str,
     ) -> Response:
+        phases = Phases()
         session = sessions.for_key(_key(request))
         if session is None:
             return error(401, "invalid API key (or its episode has ended)")
-        body = await _body(request, max_body_bytes)
+        body = await _body(request, max_body_bytes, phases)
         if isinstance(body, tuple):
             return error(*body)
         try:
             req = parse(body)
-            reply = await _generate(policy, session, req)
+            phases.mark("parse")
+            reply = await _generate(policy, session, req, phases)
         except RequestError as e:
             return error(400, str(e), e.param)
         except EngineUnavailable as e:
@@ -99,7 +108,11 @@ def make_app(policy: Policy, token: str, *, max_body_bytes: int = MAX_BODY_BYTES
         except EngineError as e:
             return error(400, f"the engine refused this request: {e}")
         rid = f"{prefix}{secrets.token_hex(12)}"
-        return _sse(stream(reply, req, rid)) if req.stream else JSONResponse(answer(reply, req, rid))
+        response = _sse(stream(reply, req, rid)) if req.stream else JSONResponse(answer(reply, req, rid))
+        phases.mark("serialize")
+        if server_timing:
+            response.headers["Server-Timing"] = phases.header()
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -113,30 +126,36 @@ def make_app(policy: Policy, token: str, *, max_body_bytes: int = MAX_BODY_BYTES
             request, anthropic_api.parse_messages, _anthropic_error, anthropic_api.message, anthropic_api.events, "msg_"
         )
 
+    _info_routes(app, sessions, policy.name)
+    _episode_routes(app, sessions)
+    _exec_route(app, sessions)
+    return app
+
+
+def _info_routes(app: FastAPI, sessions: Sessions, model: str) -> None:
+    """`/v1/models` (any live key) and `/health` (no key)."""
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if sessions.for_key(_key(request)) is None:
             return _openai_error(401, "invalid API key (or its episode has ended)")
         return JSONResponse(
-            {"object": "list", "data": [{"id": policy.name, "object": "model", "created": 0, "owned_by": "furlong"}]}
+            {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "furlong"}]}
         )
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    _episode_routes(app, sessions)
-    _exec_route(app, sessions)
-    return app
 
-
-async def _generate(policy: Policy, session: Session, req: ChatRequest) -> Reply:
+async def _generate(policy: Policy, session: Session, req: ChatRequest, phases: Phases) -> Reply:
     async with session.lock:
+        phases.mark("queue")
         if session.ended:  # ended while this request waited for the one before it
             raise RequestError("episode", f"episode {session.episode_id} has ended")
         session.waiting_since = time.perf_counter()
         try:
-            return await policy.reply(session.trajectory, req)
+            return await policy.reply(session.trajectory, req, phases)
         finally:
             session.waited_s += time.perf_counter() - session.waiting_since
             session.waiting_since = None

@@ -16,6 +16,7 @@ import uvicorn
 from furlong.gateway.app import make_app
 from furlong.gateway.exec import EXEC_ROUTE, EpisodeTools
 from furlong.gateway.policy import Policy
+from furlong.gateway.serving import gateway_config
 from furlong.gateway.sessions import Session, Sessions
 
 
@@ -30,7 +31,7 @@ class LocalGateway:
         self.policy = policy
         app = make_app(policy, secrets.token_urlsafe(32))
         self.sessions: Sessions = app.state.sessions
-        self._server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
+        self._server = _Server(gateway_config(app, lifespan="off", timeout_graceful_shutdown=5))
         self._task: asyncio.Task | None = None
         self._starting = asyncio.Lock()
         self.url = ""

@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 from furlong.engine.base import Engine, Generation, SamplingParams
 from furlong.gateway.reply import Reply, content_outside_calls
 from furlong.gateway.request import ChatRequest, RequestError
+from furlong.gateway.timing import Phases
 from furlong.gateway.trajectory import Trajectory
 from furlong.model.chat import ChatTemplateError, ToolCallError, end_of_turn_id
 
@@ -38,7 +39,8 @@ class Policy:
     def trajectory(self) -> Trajectory:
         return Trajectory(self.tokenizer, self.fmt)
 
-    async def reply(self, traj: Trajectory, req: ChatRequest) -> Reply:
+    async def reply(self, traj: Trajectory, req: ChatRequest, phases: Phases | None = None) -> Reply:
+        phases = phases or Phases()
         try:
             ids = traj.prompt(req.messages, req.tools)
         except (TemplateError, ChatTemplateError) as e:  # the template's own refusal: the harness's to fix
@@ -50,13 +52,15 @@ class Policy:
                 "messages",
                 f"the conversation is {len(ids)} tokens: no room left in the {self.max_context}-token context",
             )
+        phases.mark("render")
         try:
             gen = await self.engine.generate(ids, self._sampling(req, room))
         except BaseException:
             traj.abandon()
             raise
+        phases.mark("engine")
         gen, stopped_by = self._cut(gen, req.stop)
-        return self._record(traj, req, gen, stopped_by, len(ids))
+        return self._record(traj, req, gen, stopped_by, len(ids), phases)
 
     def _sampling(self, req: ChatRequest, room: int) -> SamplingParams:
         stops = tuple(end_of_turn_id(self.tokenizer, m) for m in self.fmt.stops)
@@ -89,8 +93,15 @@ class Policy:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def _record(
-        self, traj: Trajectory, req: ChatRequest, gen: Generation, stopped_by: str | None, prompt_tokens: int
+        self,
+        traj: Trajectory,
+        req: ChatRequest,
+        gen: Generation,
+        stopped_by: str | None,
+        prompt_tokens: int,
+        phases: Phases | None = None,
     ) -> Reply:
+        phases = phases or Phases()
         text = self._decode(gen.output_ids)
         marker = next((m for m in self.fmt.stops if text.endswith(m)), None)
         raw = text[: -len(marker)] if marker else text
@@ -105,21 +116,22 @@ class Policy:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:  # no empty list: a template may read its presence as a call (Llama 3's raises on it)
             message["tool_calls"] = [{"id": i, **c.to_dict()} for i, c in zip(call_ids, calls, strict=True)]
-        traj.record(
-            gen,
-            message,
-            self._decode(gen.output_ids[:-1]) if marker else self._decode(gen.output_ids),
-            ended=marker is not None,
-        )
-        return Reply(
+        raw_text = self._decode(gen.output_ids[:-1]) if marker else self._decode(gen.output_ids)
+        phases.mark("decode")
+        traj.record(gen, message, raw_text, ended=marker is not None)
+        phases.mark("record")
+        reply = Reply(
             content=content,
             tool_calls=calls,
             call_ids=call_ids,
             finish_reason="length" if gen.finish_reason == "length" and not stopped_by else "stop",
             logprobs=gen.logprobs,
-            token_texts=tuple(self._decode([t]) for t in gen.output_ids),
+            # a decode per token: only where the request asked for logprobs, the one answer that shows them
+            token_texts=tuple(self._decode([t]) for t in gen.output_ids) if req.logprobs else (),
             prompt_tokens=prompt_tokens,
             completion_tokens=gen.num_tokens,
             malformed_call=malformed,
             stop_sequence=stopped_by,
         )
+        phases.mark("decode")  # the per-token texts
+        return reply

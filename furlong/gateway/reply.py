@@ -19,7 +19,7 @@ class Reply:
     call_ids: tuple[str, ...]  # one per tool call: what the harness's tool results answer
     finish_reason: str  # stop | length
     logprobs: tuple[float, ...]  # of the sampled tokens, as the engine computed them
-    token_texts: tuple[str, ...]
+    token_texts: tuple[str, ...]  # each sampled token's text, where the request asked for logprobs; else ()
     prompt_tokens: int
     completion_tokens: int
     malformed_call: bool = False  # the model tried to call a tool and wrote it wrong: returned as text

@@ -19,7 +19,6 @@ tokenized from text, sampled spans included.
 from __future__ import annotations
 
 import difflib
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from jinja2 import TemplateError
 from furlong.engine.base import Generation
 from furlong.model.chat import (
     ChatTemplateError,
+    common_prefix_len,
     continuation_ids,
     encode,
     render_prompt_ids,
@@ -254,7 +254,7 @@ class Trajectory:
             # searched for only past where the turn's own prompt stops agreeing with the render: a short
             # span ("sys") also occurs in the text before it ("<|im_start|>system")
             prompt = render_text(self.tokenizer, seg.raw[:k], seg.tools or None, add_generation_prompt=True)
-            agree = len(os.path.commonprefix([prompt, text]))  # noqa: RUF071 -- strings, compared by character
+            agree = common_prefix_len(prompt, text)
             found = _locate(text, span, max(pos, agree), (*self.fmt.turn_ends, *self.fmt.stops))
             if found is None:
                 return text, None

@@ -13,8 +13,8 @@ format's several (harmony ends a turn with <|call|>, <|return|> or, in history, 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,35 @@ EndOfTurn = str | Sequence[str]  # one marker, or a format's several (the first 
 _STUB = (Message("system", "s"), Message("user", "u"), Message("assistant", "a"))
 _REASONING = ("reasoning_content", "reasoning")  # a message's own reasoning, as templates read it
 _PROBE = "\x00"  # prepended to a message's content to find where a render writes that content
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share: os.path.commonprefix's answer, by slice comparisons
+    (C speed; a conversation's render is compared every request) instead of a loop over characters."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n - 1  # a[:low] == b[:low] holds, a[:high + 1] != b[:high + 1]
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+# Facts of a tokenizer and its template that every request would otherwise recompute (a render or an encode
+# each): per tokenizer, keyed by its chat template as well, since a caller may swap the template.
+_FACTS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def _fact(tokenizer: PreTrainedTokenizerBase, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    facts = _FACTS.setdefault(tokenizer, {})
+    key = (tokenizer.chat_template, *key)
+    if key not in facts:
+        facts[key] = compute()
+    return facts[key]
 
 
 def _dicts(messages: Sequence[MessageLike]) -> list[dict[str, Any]]:
@@ -202,14 +231,18 @@ def _answered_end(head: str, before: str, end_of_turn: EndOfTurn) -> int:
     marker, or at the end of `head` for a template that writes none after an assistant turn (its last
     marker is then in the history before the turn)."""
     at = _last_marker(head, end_of_turn)[0]
-    return at if at >= len(os.path.commonprefix([head, before])) else len(head)  # noqa: RUF071 -- strings
+    return at if at >= common_prefix_len(head, before) else len(head)
 
 
 def opens_next_turn(tokenizer: PreTrainedTokenizerBase, end_of_turn: EndOfTurn) -> bool:
     """Whether the template writes no end marker after an assistant turn, so that the format's markers are
     the next message's role (GLM-4.5): the model ends its turn by writing the role of what answers it."""
-    before = render_text(tokenizer, _STUB[:2])
-    return _answered_end(render_text(tokenizer, _STUB), before, end_of_turn) == len(render_text(tokenizer, _STUB))
+
+    def compute() -> bool:
+        before, stub = render_text(tokenizer, _STUB[:2]), render_text(tokenizer, _STUB)
+        return _answered_end(stub, before, end_of_turn) == len(stub)
+
+    return bool(_fact(tokenizer, ("opens_next_turn", *_markers(end_of_turn)), compute))
 
 
 def _after_rerendered_turn(
@@ -240,8 +273,8 @@ def _keeps(kept: str, kept_empty: str, said: Sequence[str]) -> bool:
     """Whether the turn as the template writes it in history still holds everything the model said in it
     (where the template's last-turn form changed it otherwise: Qwen3's strips leading newlines), in what it
     adds to the same turn with nothing said."""
-    head = len(os.path.commonprefix([kept, kept_empty]))  # noqa: RUF071 -- strings, by character
-    tail = len(os.path.commonprefix([kept[head:][::-1], kept_empty[head:][::-1]]))  # noqa: RUF071
+    head = common_prefix_len(kept, kept_empty)
+    tail = common_prefix_len(kept[head:][::-1], kept_empty[head:][::-1])
     added = kept[head : len(kept) - tail]
     return all(text in added for text in said)
 
@@ -250,9 +283,9 @@ def _same_edit(last: str, kept: str, last_empty: str, kept_empty: str) -> bool:
     """Whether `kept` is `last` with the one edit that turns `last_empty` into `kept_empty`. Where that edit
     starts is ambiguous when its text begins as what follows it does ("<think>" before "<tool_call>"): each
     start up to the common prefix is tried."""
-    agree = len(os.path.commonprefix([last_empty, kept_empty]))  # noqa: RUF071 -- strings, by character
+    agree = common_prefix_len(last_empty, kept_empty)
     for head in range(agree, -1, -1):
-        tail = len(os.path.commonprefix([last_empty[head:][::-1], kept_empty[head:][::-1]]))  # noqa: RUF071
+        tail = common_prefix_len(last_empty[head:][::-1], kept_empty[head:][::-1])
         written = last_empty[head : len(last_empty) - tail]
         if written and last.replace(written, kept_empty[head : len(kept_empty) - tail], 1) == kept:
             return True
@@ -280,7 +313,7 @@ def _answered_turn(
         return None
     first[0]["content"] = _PROBE + content
     probe = render_text(tokenizer, [*history, answered, *first], add_generation_prompt=True)
-    agree = len(os.path.commonprefix([full, probe]))  # noqa: RUF071 -- strings, compared by character
+    agree = common_prefix_len(full, probe)
     at = max(full.rfind(m, len(before), agree) for m in _markers(end_of_turn))
     if at <= len(before):
         return None
@@ -328,7 +361,7 @@ def assistant_ids(
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, end_of_turn: EndOfTurn = END_OF_TURN) -> int:
     """The id of `end_of_turn` (of a format's several markers, the first)."""
     marker = _markers(end_of_turn)[0]
-    ids = encode(tokenizer, marker)
+    ids = _fact(tokenizer, ("end_of_turn_id", marker), lambda: encode(tokenizer, marker))
     if len(ids) != 1:
         raise ChatTemplateError(f"{marker!r} is not a single token for this tokenizer: {ids}")
     return ids[0]
