@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import skips
 from conftest import run
 from tests_support import agent_params, make_task
 
@@ -258,3 +259,33 @@ def test_a_malformed_harness_reward_is_an_infra_error_naming_the_file(policy, ba
     assert [(e.status, e.reward) for e in eps] == [("infra_error", None)]
     assert "FURLONG_REWARD_FILE" in eps[0].error and "finite numbers" in eps[0].error
 
+
+VERIFIERS_VENV = ROOT / ".venv-verifiers"
+
+
+@skips.skipif("extra:verifiers", not (VERIFIERS_VENV / "bin" / "python").exists(),
+              "no verifiers venv (bash install.sh --verifiers)")  # fmt: skip
+def test_a_verifiers_environment_as_the_harness_in_eval(tiny_dir, tmp_path):
+    """`furlong eval` with examples/verifiers.yaml: verifiers 0.4.0's own rollout (its Env, chat program,
+    interception server and client) under its venv's interpreter, through the run's gateway; the episode's
+    rewards hold the reward verifiers computed (the program prints verifiers' trace as its last line),
+    weighed beside the tests' as the config says."""
+    import subprocess
+
+    out = tmp_path / "eval.jsonl"
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--config", "examples/verifiers.yaml",
+                          "--agent", "model", "--model", str(tiny_dir), "--tasks", "tasks/make-directory",
+                          "--per-family", "1", "--concurrency", "1", "--out", str(out),
+                          "train.agent.max_new_tokens=16", "train.families=[make-directory]"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["agent"] == "harness" and line["status"] == "ok", line
+    assert line["gateway"]["requests"] >= 1 and line["gateway"]["tito_mismatch_tokens"] == 0
+    assert line["tokens_response"] > 0
+    seen = json.loads(line["agent_output"].strip().splitlines()[-1])  # verifiers' own trace, as the program saw it
+    assert seen["ok"] and seen["errors"] == [], seen
+    info = seen["info"]  # the example's rubric: 0.9 for a command that exited 0, 0.1 for a brief reply
+    assert info["reply_chars"] > 0 and seen["reward"] == pytest.approx(0.9 * (info["exit_code"] == 0) + 0.1 * (info["reply_chars"] <= 200))
+    assert line["rewards"] == {"tests": line["rewards"]["tests"], "verifiers": pytest.approx(seen["reward"])}
+    assert line["reward"] == pytest.approx(line["rewards"]["tests"] + 0.5 * seen["reward"])
