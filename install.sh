@@ -100,4 +100,18 @@ PY
 if want --vllm FURLONG_VLLM; then
   python3 -c 'import vllm' 2>/dev/null || install_vllm
 fi
+# A verifiers environment as a harness (docs/gateway.md#a-verifiers-environment), with --verifiers or
+# FURLONG_VERIFIERS=1: verifiers 0.4.0 requires openai<3 and furlong pins openai 3, so it gets a venv of its
+# own, .venv-verifiers (git-ignored), every package pinned by scripts/verifiers-requirements.txt; made again
+# only when that file changes (a copy of it in the venv says what it holds).
+if want --verifiers FURLONG_VERIFIERS; then
+  lock=scripts/verifiers-requirements.txt
+  if ! cmp -s "$lock" .venv-verifiers/installed-requirements.txt; then
+    rm -rf .venv-verifiers
+    python3 -m venv .venv-verifiers
+    .venv-verifiers/bin/python -m pip install "${pip_quiet[@]}" -r "$lock"
+    cp "$lock" .venv-verifiers/installed-requirements.txt
+  fi
+  .venv-verifiers/bin/python -c 'import verifiers.v1' || { echo "install.sh: verifiers does not import" >&2; exit 1; }
+fi
 echo "install.sh: ready ($(python3 -m pip show furlong 2>/dev/null | grep ^Version))"

@@ -7,7 +7,8 @@ file named by its second argument, for the test to compare with what furlong rec
 modes: oracle (one model turn with logprobs, then ARG, the task's solution, through the exec route), nothing
 (exits at once), crash (one model turn, then raises), linger (one model turn, then a child that keeps
 calling the gateway with the key after the episode's timeout, while the program sleeps past it), abandon
-(a streamed request closed after its first event, then a plain one).
+(a streamed request closed after its first event, then a plain one), report (one model turn, then ARG
+written as is to FURLONG_REWARD_FILE: the harness's own reward).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main(mode: str, report_path: str, arg: str = "") -> int:
         if mode == "oracle":
             report["refused"] = [run_command(arg, key="fk-not-a-key")["status"], run_command(" ")["status"]]
             report["exec"] = run_command(arg)
+        elif mode == "report":
+            with open(os.environ["FURLONG_REWARD_FILE"], "w") as f:
+                f.write(arg)
         elif mode == "crash":
             raise RuntimeError("the harness crashed")
         elif mode == "linger":

@@ -17,9 +17,10 @@ import pytest
 
 STRICT_ENV = "FURLONG_STRICT_SKIPS"
 # install.sh's optional extras, and the flags that install them
-EXTRAS = {"vllm": "bash install.sh --vllm", "harbor": "bash install.sh --harbor"}
+EXTRAS = {"vllm": "bash install.sh --vllm", "harbor": "bash install.sh --harbor",
+          "verifiers": "bash install.sh --verifiers"}
 # the extras .ci/run installs (tests/test_skips.py checks this against .ci/run): a skip for one fails CI
-CI_EXTRAS = frozenset({"vllm", "harbor"})
+CI_EXTRAS = frozenset({"vllm", "harbor", "verifiers"})
 KINDS = {
     "gpu": "needs a GPU, or checks what happens without one",
     "root": "needs root: skipped by design when the suite runs as an ordinary user",

@@ -13,11 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+import skips
 from conftest import run
 from tests_support import agent_params, make_task
 
 from furlong.agent.harness import HarnessAgents, run_harness_episode
 from furlong.engine.hf import HFEngine
+from furlong.envs.harbor import HarborEnv
+from furlong.envs.rewards import RewardFn, Scorer, harness_reported
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.sandbox.pool import FreshSandboxes, fixed_image
 
@@ -75,9 +78,10 @@ class Loaded:
 
 
 def _episodes(policy, backend, base_image, task, argv, wait_for: Path | None = None, dying: bool = False,
-              delay_s: float = 0.0, **agent):  # fmt: skip
+              delay_s: float = 0.0, scorer=None, **agent):  # fmt: skip
     """One harness episode of `task` (group 7, sample 1) through the one episode runner, and its samples;
-    the gateway is kept serving until `wait_for` exists (as a run's gateway serves its other episodes)."""
+    the gateway is kept serving until `wait_for` exists (as a run's gateway serves its other episodes).
+    `scorer`: reward functions beside the tests (the episode runs in a HarborEnv)."""
     tokenizer, model = policy
     params = agent_params(**{"max_new_tokens": 8, "max_context_tokens": 512, **agent})
 
@@ -87,7 +91,8 @@ def _episodes(policy, backend, base_image, task, argv, wait_for: Path | None = N
         try:
             sandboxes = FreshSandboxes(backend, fixed_image(base_image))
             sandboxes = DyingOn(sandboxes) if dying else sandboxes
-            episodes = await run_harness_episode(task, agents, sandboxes, group_id=7, step=2, sample_id=1)
+            env = sandboxes if scorer is None else HarborEnv(sandboxes, scorer=scorer)
+            episodes = await run_harness_episode(task, agents, env, group_id=7, step=2, sample_id=1)
             deadline = time.monotonic() + 60
             while wait_for is not None and not wait_for.exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
@@ -231,3 +236,56 @@ def test_the_example_harness_in_eval_and_a_train_step(tiny_dir, tmp_path):
     rl = [r for r in records if r["phase"] == "rl"]
     assert len(rl) >= 2 and all(r["gateway"] is not None and r["gateway"]["tito_mismatch_tokens"] == 0 for r in rl)
     assert all(r["tokens_response"] > 0 for r in rl if r["status"] != "infra_error")
+
+
+
+def test_a_harness_reward_counts_only_through_a_reward_function(policy, backend, base_image, tmp_path):
+    """A harness reports 0.75 (FURLONG_REWARD_FILE): with a reward function naming it and the tests weighed 0
+    it is the episode's reward; without one the tests' 0 stands, whatever the harness says."""
+    task = make_task(tmp_path, "mkdir", "Create the directory /app/made.", test=MKDIR_TEST)
+    argv = ["python", SUPPORT, "report", str(tmp_path / "r.json"), '{"verifiers": 0.75, "other": 9}']
+    own = RewardFn("verifiers", python=harness_reported, params={"key": "verifiers"})
+    eps = _episodes(policy, backend, base_image, task, argv, scorer=Scorer([own], own_weight=0.0))
+    assert [(e.status, e.reward, e.rewards) for e in eps] == [("ok", 0.75, {"tests": 0.0, "verifiers": 0.75})]
+    _check_samples(eps, 0.75)
+    eps = _episodes(policy, backend, base_image, task, argv)
+    assert [(e.status, e.reward) for e in eps] == [("ok", 0.0)]
+
+
+def test_a_malformed_harness_reward_is_an_infra_error_naming_the_file(policy, backend, base_image, tmp_path):
+    task = make_task(tmp_path, "mkdir", "Create the directory /app/made.", test=MKDIR_TEST)
+    argv = ["python", SUPPORT, "report", str(tmp_path / "r.json"), '{"verifiers": "high"}']
+    eps = _episodes(policy, backend, base_image, task, argv)
+    assert [(e.status, e.reward) for e in eps] == [("infra_error", None)]
+    assert "FURLONG_REWARD_FILE" in eps[0].error and "finite numbers" in eps[0].error
+
+
+VERIFIERS_VENV = ROOT / ".venv-verifiers"
+
+
+@skips.skipif("extra:verifiers", not (VERIFIERS_VENV / "bin" / "python").exists(),
+              "no verifiers venv (bash install.sh --verifiers)")  # fmt: skip
+def test_a_verifiers_environment_as_the_harness_in_eval(tiny_dir, tmp_path):
+    """`furlong eval` with examples/verifiers.yaml: verifiers 0.4.0's own rollout (its Env, chat program,
+    interception server and client) under its venv's interpreter, through the run's gateway; the episode's
+    rewards hold the reward verifiers computed (the program prints verifiers' trace as its last line),
+    weighed beside the tests' as the config says."""
+    import subprocess
+
+    out = tmp_path / "eval.jsonl"
+    res = subprocess.run([sys.executable, "-m", "furlong.cli", "eval", "--config", "examples/verifiers.yaml",
+                          "--agent", "model", "--model", str(tiny_dir), "--tasks", "tasks/make-directory",
+                          "--per-family", "1", "--concurrency", "1", "--out", str(out),
+                          "train.agent.max_new_tokens=16", "train.families=[make-directory]"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["agent"] == "harness" and line["status"] == "ok", line
+    assert line["gateway"]["requests"] >= 1 and line["gateway"]["tito_mismatch_tokens"] == 0
+    assert line["tokens_response"] > 0
+    seen = json.loads(line["agent_output"].strip().splitlines()[-1])  # verifiers' own trace, as the program saw it
+    assert seen["ok"] and seen["errors"] == [], seen
+    info = seen["info"]  # the example's rubric: 0.9 for a command that exited 0, 0.1 for a brief reply
+    assert info["reply_chars"] > 0 and seen["reward"] == pytest.approx(0.9 * (info["exit_code"] == 0) + 0.1 * (info["reply_chars"] <= 200))
+    assert line["rewards"] == {"tests": line["rewards"]["tests"], "verifiers": pytest.approx(seen["reward"])}
+    assert line["reward"] == pytest.approx(line["rewards"]["tests"] + 0.5 * seen["reward"])

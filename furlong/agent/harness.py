@@ -3,11 +3,16 @@
 and the gateway, not the harness, records what the policy sampled.
 
 Per agent phase: a key is minted, the program runs with OPENAI_BASE_URL / OPENAI_API_KEY, ANTHROPIC_BASE_URL /
-ANTHROPIC_API_KEY, FURLONG_EXEC_URL and FURLONG_INSTRUCTION set, until it exits or the task's agent timeout
+ANTHROPIC_API_KEY, FURLONG_EXEC_URL, FURLONG_INSTRUCTION and FURLONG_REWARD_FILE set, until it exits or the task's agent timeout
 (then its whole process group is killed), and the key is ended: anything the program, or a child it left,
 sends later gets a 401 and records nothing. The program's own crash or non-zero exit is not an infra_error:
 the tests score whatever it left. An exception from the episode's world during one of its commands is raised
 from the phase, to be judged by the one episode runner's rules (furlong.agent.runner).
+
+A program may report numbers of its own (a verifiers rubric's reward) as a JSON object in FURLONG_REWARD_FILE,
+a file in a private directory on the host, read once the program and its process group are gone. They are
+the agent's Usage.reported, and count only through a reward function the config names
+(furlong.envs.rewards.harness_reported), with its weight: by itself a harness cannot raise any reward.
 
 Training data: one sample per trajectory segment (a harness that rewrote its history has several), each an
 Episode with the episode's reward and group, loss mask 1 exactly on the sampled ids, the engine's logprobs
@@ -18,6 +23,8 @@ with nothing sampled: its reward still counts in its group's baseline.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import shutil
 import signal
@@ -89,6 +96,7 @@ class HarnessAgent:
     def __init__(self, gateway: LocalGateway, command: tuple[str, ...], params: AgentParams) -> None:
         self.gateway, self.command, self.params = gateway, command, params
         self.sessions: list[Session] = []  # one per agent phase
+        self.reported: dict[str, float] = {}  # the last phase's FURLONG_REWARD_FILE (module docstring)
 
     async def run(self, spec: EnvSpec, tools: Toolbox, timeout_s: float) -> AgentRun:
         url = await self.gateway.start()
@@ -105,10 +113,13 @@ class HarnessAgent:
             "FURLONG_INSTRUCTION": spec.instruction,
             "FURLONG_MODEL": MODEL_NAME,
         }
-        try:
-            code, output, timed_out = await run_program(self.command, environ, timeout_s, session.engine_wait_s)
-        finally:
-            await self.gateway.end(session.episode_id)  # also when the runner cancels the phase
+        with tempfile.TemporaryDirectory(prefix="furlong-harness-") as private:  # 0700: the run's user only
+            environ["FURLONG_REWARD_FILE"] = reward_file = os.path.join(private, "reward.json")
+            try:
+                code, output, timed_out = await run_program(self.command, environ, timeout_s, session.engine_wait_s)
+            finally:
+                await self.gateway.end(session.episode_id)  # also when the runner cancels the phase
+            self.reported = read_reported(reward_file)
         if box.failure is not None:
             raise box.failure  # the world failed during a command: the runner's blame rules decide
         return AgentRun(commands=box.calls, timed_out=timed_out, last_exit_code=code, last_output=output)
@@ -135,7 +146,7 @@ class HarnessAgent:
     def usage(self) -> Usage:
         segments = self.segments()
         first = segments[0].turns[0][0] if segments else 0
-        return Usage(prompt_tokens=first, generated_tokens=self.response_len, turns=self.turns)
+        return Usage(prompt_tokens=first, generated_tokens=self.response_len, turns=self.turns, reported=self.reported)
 
     def gateway_stats(self) -> GatewayStats:
         return GatewayStats.of([s.trajectory.record_dict() for s in self.sessions])
@@ -176,6 +187,27 @@ async def run_program(
         out.seek(max(0, size - 4 * OUTPUT_TAIL))
         tail = out.read().decode(errors="replace")[-OUTPUT_TAIL:]
     return (None if timed_out else proc.returncode), tail, timed_out
+
+
+def read_reported(path: str) -> dict[str, float]:
+    """The program's FURLONG_REWARD_FILE: {} where it wrote none; ValueError (the program's bug, an
+    infra_error) for anything but a JSON object of names to finite numbers."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return {}
+    what = "FURLONG_REWARD_FILE: the harness program wrote {!r}; expected a JSON object of names to finite numbers"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(what.format(text[:200])) from None
+    ok = isinstance(data, dict) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in data.values()
+    )
+    if not ok:
+        raise ValueError(what.format(text[:200]))
+    return {str(k): float(v) for k, v in data.items()}
 
 
 def _kill_group(pid: int) -> None:

@@ -10,7 +10,7 @@ implementation; anything with these few methods plugs into the same runner, Roll
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -84,6 +84,10 @@ class Usage:
     prompt_tokens: int = 0  # the first prompt: system message, instruction, tool schemas
     generated_tokens: int = 0  # sampled by the model, every turn (the loss mask's ones)
     turns: int = 0  # model turns (each one sampling call)
+    # What a harness program reported of its own episode (FURLONG_REWARD_FILE, furlong.agent.harness): names
+    # to numbers, e.g. a verifiers rubric's reward. It counts only through a reward function the config names
+    # (furlong.envs.rewards.harness_reported); {} for every other agent and a control episode.
+    reported: Mapping[str, float] = field(default_factory=dict)
 
 
 NO_USAGE = Usage()  # a scripted agent's, a control episode's

@@ -78,6 +78,15 @@ class EpisodeView:
         return self.tests is not None and self.tests >= 1.0
 
 
+def harness_reported(episode: EpisodeView) -> float:
+    """The number a harness program reported under `params.key` (default "reward") in its FURLONG_REWARD_FILE
+    (docs/gateway.md#a-harnesss-own-reward), or 0 where it reported none: a program that crashed or timed out
+    before reporting, another agent, a control episode. A reward function like any other: it counts, with its
+    weight, only where the config names it, so a harness can never raise a reward on its own."""
+    value = episode.usage.reported.get(str(episode.params.get("key", "reward")))
+    return 0.0 if value is None else value
+
+
 @dataclass(frozen=True)
 class RewardFn:
     """One reward function (exactly one of `python` and `command`)."""
