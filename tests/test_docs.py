@@ -20,10 +20,10 @@ DOCS = ROOT / "docs"
 
 FIRST_LINES = [
     "```sh",
-    "bash install.sh && furlong train                        # main job: tiny model -> SFT -> GRPO in real sandboxes "
-    "-> held-out pass@1",
-    "bash install.sh --vllm --harbor && python -m pytest -q  # the tests (what CI runs; --vllm adds the vLLM engine, "
-    "--harbor the real harbor)",
+    "bash install.sh && furlong train                                    # main job: tiny model -> SFT -> GRPO in real "
+    "sandboxes -> held-out pass@1",
+    "bash install.sh --vllm --harbor --verifiers && python -m pytest -q  # the tests (what CI runs; --vllm adds the vLLM "
+    "engine, --harbor the real harbor, --verifiers the verifiers harness's venv)",
     "```",
 ]
 
