@@ -95,6 +95,7 @@ def fork(src: Path, csft: Path, dst: Path, steps: int, agent: dict, distill: dic
     config["train"]["agent"].update(agent)
     if distill is not None:
         config["train"]["distill"] = distill
+        config["train"]["rl"].pop("filter_zero_variance", None)  # unset: off under distillation (the config refuses true)
     (dst / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     shutil.copytree(csft, dst / "checkpoints" / "sft")
     shutil.copy2(csft.parent / "csft-demos.jsonl", dst / "demos.jsonl")  # the anchor trains on what SFT saw
