@@ -105,6 +105,13 @@ def fork(src: Path, csft: Path, dst: Path, steps: int, agent: dict, distill: dic
     (dst / "episodes.jsonl").write_text("")  # src's pre-RL eval was of another checkpoint
 
 
+def same_episodes(a: dict[str, dict], b: dict[str, dict]) -> bool:
+    """The same sampled replies and rewards on the same instances (timings aside): one checkpoint's pre-RL eval
+    run twice with the same sampling seeds."""
+    keep = ("response_sha", "reward", "tokens_response")
+    return a.keys() == b.keys() and all([a[t][k] for k in keep] == [b[t][k] for k in keep] for t in a)
+
+
 def view(eps: dict[str, dict]) -> dict:
     return {
         "pass_at_1": ci(bootstrap_mean([float(e["reward"] >= 1) for e in eps.values()])),
@@ -156,7 +163,7 @@ def main() -> None:
             "default_sft": view(heldout(r["src"], "eval_before")),
             "conditional_sft": json.loads((work / "csft.json").read_text()),
             "before": view(before),
-            "same_before_in_both_arms": sdist_before == before,
+            "same_before_in_both_arms": same_episodes(sdist_before, before),
             "teacher_view": compare(heldout(r["teacher"], "eval_before"), before),
             "grpo": arm(r["grpo"], before, steps),
             "sdist": arm(r["sdist"], before, steps),
