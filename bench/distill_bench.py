@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 from provenance import finish, provenance
-from runs import ROOT, ci, fork_before_rl, summary, train
+from runs import ROOT, ci, fork_before_rl, heldout, summary, train
 
 from furlong.config import DEFAULT_SYSTEM_PROMPT
 from furlong.metrics.episodes import read_jsonl
@@ -41,10 +41,6 @@ from furlong.metrics.stats import bootstrap_mean, bootstrap_paired_diff
 RESULTS = ROOT / "bench" / "results" / "distill_self.json"
 BRIEF = f"{DEFAULT_SYSTEM_PROMPT} Be brief, and use as few commands and as few words as you can."
 DISTILL = ["train.distill.mode=grpo+opd", "train.distill.weight=1.0", f"train.distill.teacher.system_prompt={BRIEF}"]
-
-
-def heldout(run: Path, phase: str) -> dict[str, dict]:
-    return {r["task"]: r for r in read_jsonl(run / "episodes.jsonl") if r["phase"] == phase and r["reward"] is not None}
 
 
 def lengths(eps: dict[str, dict]) -> dict:

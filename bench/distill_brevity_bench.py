@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from distill_bench import BRIEF, arm, compare, heldout, lengths
+from distill_bench import BRIEF, arm, compare, lengths
 from provenance import finish, provenance
-from runs import ROOT, ci, fork_before_rl, train
+from runs import ROOT, ci, fork_with_own_eval, heldout, train
 
 from furlong.config import DEFAULT_SYSTEM_PROMPT
 from furlong.metrics.stats import bootstrap_mean
@@ -90,19 +90,14 @@ def conditional_sft(src: Path, work: Path) -> Path:
 
 def fork(src: Path, csft: Path, dst: Path, steps: int, agent: dict, distill: dict | None) -> None:
     """A run of src's config from the conditional SFT checkpoint: its own pre-RL eval, `steps` RL steps."""
-    fork_before_rl(src, dst, {"steps": steps})
+    fork_with_own_eval(src, dst, csft, {"steps": steps})
     config = yaml.safe_load((dst / "config.yaml").read_text())
     config["train"]["agent"].update(agent)
     if distill is not None:
         config["train"]["distill"] = distill
         config["train"]["rl"].pop("filter_zero_variance", None)  # unset: off under distillation (the config refuses true)
     (dst / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    shutil.copytree(csft, dst / "checkpoints" / "sft")
     shutil.copy2(csft.parent / "csft-demos.jsonl", dst / "demos.jsonl")  # the anchor trains on what SFT saw
-    state = json.loads((dst / "state.json").read_text())
-    state["phases"] = {"sft": {**state["phases"]["sft"], "model": str(dst / "checkpoints" / "sft")}}
-    (dst / "state.json").write_text(json.dumps(state))
-    (dst / "episodes.jsonl").write_text("")  # src's pre-RL eval was of another checkpoint
 
 
 def same_episodes(a: dict[str, dict], b: dict[str, dict]) -> bool:

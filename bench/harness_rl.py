@@ -26,17 +26,13 @@ from pathlib import Path
 
 import yaml
 from provenance import finish, provenance
-from runs import ROOT, ci, fork_before_rl, summary, train
+from runs import ROOT, ci, fork_with_own_eval, heldout, summary, train
 
 from furlong.metrics.episodes import read_jsonl
 from furlong.metrics.stats import bootstrap_mean, bootstrap_paired_diff
 
 RESULTS = ROOT / "bench" / "results" / "harness_rl.json"
 HARNESS = yaml.safe_load((ROOT / "examples" / "harness.yaml").read_text())["train"]["agent"]["harness"]
-
-
-def heldout(run: Path, phase: str) -> dict[str, dict]:
-    return {r["task"]: r for r in read_jsonl(run / "episodes.jsonl") if r["phase"] == phase and r["reward"] is not None}
 
 
 def gain(run: Path) -> dict:
@@ -70,15 +66,10 @@ def gateway_totals(run: Path) -> dict:
 
 def harness_arm(own: Path, work: Path) -> None:
     """own's config and SFT checkpoint, with the harness as the agent of RL and both held-out evals."""
-    fork_before_rl(own, work, {})
+    fork_with_own_eval(own, work, own / "checkpoints" / "sft", {})  # own's pre-RL eval was furlong's agent
     config = yaml.safe_load((work / "config.yaml").read_text())
     config["train"]["agent"]["harness"] = HARNESS
     (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    state = json.loads((work / "state.json").read_text())
-    state["phases"] = {"sft": {**state["phases"]["sft"], "model": str(work / "checkpoints" / "sft")}}
-    (work / "state.json").write_text(json.dumps(state))
-    (work / "episodes.jsonl").write_text("")  # own's pre-RL eval was furlong's agent, not the harness
-    shutil.copytree(own / "checkpoints" / "sft", work / "checkpoints" / "sft")
     train(["--resume", str(work)], "(harness)")
 
 

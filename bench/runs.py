@@ -46,6 +46,22 @@ def fork_before_rl(src: Path, dst: Path, overrides: dict) -> None:
         shutil.copy2(src / "demos.jsonl", dst / "demos.jsonl")
 
 
+def fork_with_own_eval(src: Path, dst: Path, sft: Path, overrides: dict) -> None:
+    """fork_before_rl, from the SFT checkpoint `sft` (copied in) and with no pre-RL eval: the fork runs its own
+    (src's held-out episodes were of another checkpoint or another agent)."""
+    fork_before_rl(src, dst, overrides)
+    shutil.copytree(sft, dst / "checkpoints" / "sft")
+    state = json.loads((dst / "state.json").read_text())
+    state["phases"] = {"sft": {**state["phases"]["sft"], "model": str(dst / "checkpoints" / "sft")}}
+    (dst / "state.json").write_text(json.dumps(state))
+    (dst / "episodes.jsonl").write_text("")
+
+
+def heldout(run: Path, phase: str) -> dict[str, dict]:
+    """A finished run's scored held-out episodes of `phase` (eval_before, eval_after), by task."""
+    return {r["task"]: r for r in read_jsonl(run / "episodes.jsonl") if r["phase"] == phase and r["reward"] is not None}
+
+
 def ci(est, scale: float = 1.0) -> list[float]:
     """An Estimate as [value, 90% low, high], rounded for a result JSON (scale 100: points)."""
     return [round(scale * est.value, 4), round(scale * est.lo, 4), round(scale * est.hi, 4)]
