@@ -11,12 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from furlong.build.training import DTYPES, lora_spec, policy_model
+from furlong.build.training import DTYPES, lora_spec, policy_model, rollout_fp8
 from furlong.config import Config, ConfigError, TrainConfig
 from furlong.engine.factory import make_engine
 from furlong.engine.hf import HFEngine
 from furlong.engine.remote import EngineProcess, RemoteEngine
 from furlong.engine.router import Router, RouterSettings
+from furlong.model.fp8 import Fp8Spec, to_fp8_engine
 from furlong.model.loading import load_model
 from furlong.sync.handover import Arena
 from furlong.sync.publish import Publisher
@@ -64,8 +65,16 @@ def phase_engine(
 
 
 def hf_engine(
-    model, prefix_cache_mb: float, device: str = "cpu", deterministic: bool = False, routes: bool = False
+    model,
+    prefix_cache_mb: float,
+    device: str = "cpu",
+    deterministic: bool = False,
+    routes: bool = False,
+    fp8: Fp8Spec | None = None,
 ) -> HFEngine:
+    """An hf engine over `model` (`fp8`: its Linears replaced by fp8 ones quantized from their weights)."""
+    if fp8 is not None:
+        model = to_fp8_engine(model, fp8)
     return HFEngine(model.to(device), eos_token_ids=(), prefix_cache_mb=prefix_cache_mb, deterministic=deterministic,
                     record_routes=routes)  # fmt: skip  # eos: end-of-turn stops; routes: MoE experts, for replay
 
@@ -85,8 +94,10 @@ async def weight_link(
     train.cluster=ray, engine actors)."""
     t, s = cfg.train, cfg.train.sync
 
-    def publisher(transport: Any) -> Publisher:
-        return Publisher(transport, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum)
+    def publisher(transport: Any, fp8: Fp8Spec | None = None) -> Publisher:
+        return Publisher(
+            transport, full_every=s.full_every, engine_dtype=DTYPES[s.engine_dtype], momentum=s.momentum, fp8=fp8
+        )
 
     if cluster is not None:  # every train.engine: each actor's relay loads its engine (hf, vllm, sglang)
         import furlong.build.cluster as ray_build
@@ -97,15 +108,18 @@ async def weight_link(
         return await _sglang_link(cfg, run_path, sft_dir)
     hf = t.hf
 
-    def local() -> Any:
+    def local() -> tuple[Any, Fp8Spec | None]:
+        """The in-process engine and, with train.sync.quantize=fp8, the weights it holds in fp8."""
         if shared is not None:
-            return Borrowed(shared)
-        return hf_engine(policy_model(t, sft_dir), hf.prefix_cache_mb, hf.device, hf.deterministic, t.records_routes)
+            return Borrowed(shared), None
+        model = policy_model(t, sft_dir)
+        fp8 = rollout_fp8(t, model)
+        return hf_engine(model, hf.prefix_cache_mb, hf.device, hf.deterministic, t.records_routes, fp8), fp8
 
     if s.transport == "direct":
-        return DirectLink(local())
+        return DirectLink(*local())
     if s.engine == "inprocess":
-        engine = local()
+        engine, fp8 = local()
         transport: Transport = InProcessTransport() if s.transport == "inprocess" else _fresh_dir(t, run_path)
         token = secrets.token_urlsafe(24)  # the update server answers only this run's relays
         served = UpdateServer(transport, token=token) if s.transport == "http" else None  # type: ignore[arg-type]
@@ -116,7 +130,7 @@ async def weight_link(
             if served:
                 served.close()
 
-        return PublishedLink(engine, publisher(transport), lambda: local_pull(relay), cleanup_local)
+        return PublishedLink(engine, publisher(transport, fp8), lambda: local_pull(relay), cleanup_local)
     if s.transport == "broadcast":
         return await _broadcast_link(cfg, run_path, sft_dir)
     if s.transport == "shared":

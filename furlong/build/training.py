@@ -19,6 +19,7 @@ from furlong.config import Config, ConfigError, TrainConfig
 from furlong.envs.base import EnvSource, EnvSpec
 from furlong.metrics.run import RunDir
 from furlong.metrics.wandb_log import WandbLog
+from furlong.model.fp8 import Fp8Spec, fake_quantize, fp8_targets
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.model.toolcall import tool_format
@@ -207,11 +208,18 @@ def trainer(
     return local_trainer(t, sft_dir, config, demos, hints)
 
 
+def rollout_fp8(t: TrainConfig, model) -> Fp8Spec | None:
+    """train.sync.quantize=fp8: the weights of `model` (the policy, as loaded) the rollout engine holds in fp8."""
+    return fp8_targets(model, t.sync.fp8_block) if t.sync.quantize == "fp8" else None
+
+
 def local_trainer(
     t: TrainConfig, sft_dir: Path, config: GRPOConfig, demos: list, hints: dict[str, str] | None = None
 ) -> LocalTrainer:
     device = torch.device(t.device)
     policy = policy_model(t, sft_dir, seed=t.seed).to(device)
+    if t.sync.quantized_forward:  # the trainer's logprobs through the rollout engine's fp8 weights
+        fake_quantize(policy, fp8_targets(policy, t.sync.fp8_block))
     ref = load_model(sft_dir).to(device).requires_grad_(False) if t.rl.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
     return LocalTrainer(policy, config, ref_model=ref, demos=demos, teacher=teacher(t, sft_dir, device, hints or {}))
 

@@ -34,6 +34,23 @@ class SyncConfig(_Node):
         description="published weights' dtype; bfloat16 halves the bytes, but rollouts then "
         "differ from the fp32 trainer by ~5e-2 in logprob (TIS corrects for it)",
     )
+    quantize: Literal["none", "fp8"] = Field(
+        "none",
+        description="fp8: the decoder layers' Linear weights reach the rollout engine as e4m3 + float32 scales "
+        "(per output channel, or fp8_block tiles) and the hf engine generates from them; a checksum each "
+        "step proves the engine holds the trainer's quantized tensors (docs/weight-sync.md#fp8-rollout-weights)",
+    )
+    fp8_block: int | None = Field(
+        None,
+        ge=1,
+        description="quantize=fp8: one scale per fp8_block x fp8_block tile (128: the FineGrainedFP8 "
+        "layout); null: one per output channel",
+    )
+    quantized_forward: bool = Field(
+        False,
+        description="quantize=fp8: the trainer computes logprobs and loss through the same fp8-rounded weights "
+        "(straight-through gradient to its full-precision weights), so rollout and trainer see one policy",
+    )
     full_every: int = Field(20, ge=1, description="a full snapshot every this many publishes bounds the chain")
     dir: Path | None = Field(None, description="published updates (directory/http); null: RUN_DIR/weights")
     keep: int = Field(2, ge=0, description="updates kept before the newest full snapshot when pruning")
@@ -65,6 +82,8 @@ class SyncConfig(_Node):
             )
         if self.transport == "broadcast" and self.engine != "server":
             raise ValueError("transport=broadcast sends weights to engine server processes: set engine to server")
+        if self.quantize == "none" and (self.quantized_forward or self.fp8_block is not None):
+            raise ValueError("train.sync.quantized_forward and train.sync.fp8_block need train.sync.quantize=fp8")
         if self.servers > 1 and self.engine != "server":
             raise ValueError(
                 f"servers={self.servers} runs engine processes: set engine to server (got {self.engine!r})"

@@ -86,6 +86,23 @@ class TrainConfig(_Node):
         return self
 
     @model_validator(mode="after")
+    def _fp8_rollout_supports(self) -> TrainConfig:
+        # The in-process hf engine holds fp8 weights and answers their checksum; the local trainer fake-quantizes.
+        s = self.sync
+        if s.quantize == "fp8" and (
+            self.engine != "hf" or s.engine != "inprocess" or s.transport in ("broadcast", "shared")
+            or self.cluster != "local" or self.trainer != "local" or self.lora.enabled
+        ):  # fmt: skip
+            raise ValueError(
+                f"train.sync.quantize=fp8 runs the in-process hf engine on published fp8 weights: it needs "
+                f"train.engine=hf, train.sync.engine=inprocess, train.sync.transport in direct/inprocess/directory/"
+                f"http, train.cluster=local, train.trainer=local and train.lora.enabled=false; got train.engine="
+                f"{self.engine}, train.sync.engine={s.engine}, train.sync.transport={s.transport}, train.cluster="
+                f"{self.cluster}, train.trainer={self.trainer}, train.lora.enabled={self.lora.enabled}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deterministic_engine_is_in_process(self) -> TrainConfig:
         # Only the in-process hf engine has the mode; elsewhere the key would promise what the run lacks.
         if self.hf.deterministic and (self.engine != "hf" or self.sync.engine == "server" or self.cluster == "ray"):

@@ -28,8 +28,10 @@ from furlong.engine.base import EngineError, FinishReason, Generation, SamplingP
 from furlong.engine.kv import KV, DecodeBatch, PrefillRow, SoloBatch, prefill
 from furlong.engine.prefix import PrefixCache
 from furlong.engine.sampling import sample_next
+from furlong.model.fp8 import is_quantized
 from furlong.model.loading import load_model
 from furlong.model.moe import UNKNOWN, RouteHooks, moe_routers
+from furlong.sync.checksum import quantized_digest
 
 
 @dataclass
@@ -207,6 +209,12 @@ class HFEngine:
         for r in rows:
             r.kv_epoch = self._epoch  # its KV is the current weights' alone again: cacheable when it retires
         self.stats.recomputed_tokens += sum(len(row.tokens) for row in todo)
+
+    def fp8_digest(self) -> str:
+        """quantized_digest over the fp8 weights and scales this engine holds (furlong.model.fp8.Fp8Linear):
+        equal to the trainer's Publisher.fp8_digest exactly when both hold the same quantized tensors."""
+        state = self.model.state_dict()
+        return quantized_digest(state, [n for n, t in state.items() if is_quantized(n, t)])
 
     def check_weights(self, shapes: Mapping[str, Sequence[int]]) -> None:
         """EngineError unless update_weights would take tensors of these names and shapes (changes nothing)."""

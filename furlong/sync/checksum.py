@@ -12,12 +12,12 @@ so a receiver always verifies with the sender's algorithm (or refuses clearly).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import torch
 
-from furlong.sync.errors import SyncError
+from furlong.sync.errors import ChecksumMismatch, SyncError
 
 try:  # optional dependency, see the module docstring
     import xxhash
@@ -67,3 +67,30 @@ def tensor_digest(t: torch.Tensor, algo: str = DEFAULT_ALGO) -> str:
     h = stream_hasher(algo)
     h.update(tensor_bytes(t))
     return h.digest().hex()
+
+
+def quantized_digest(tensors: Mapping[str, torch.Tensor], names: Iterable[str], algo: str = DEFAULT_ALGO) -> str:
+    """One hex digest over the named tensors (an fp8 weight and its scale each), in name order, with each one's
+    name, dtype and shape: equal on two sides exactly when both hold the same bits of the same tensors."""
+    h = stream_hasher(algo)
+    for name in sorted(names):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        h.update(tensor_bytes(t))
+    return h.digest().hex()
+
+
+class HoldsFp8(Protocol):
+    def fp8_digest(self) -> str: ...
+
+
+def verify_fp8(engine: HoldsFp8, expected: str, version: int) -> dict[str, float]:
+    """The step's proof that the engine holds exactly the trainer's fp8 tensors (weights and scales): their
+    quantized_digests agree, else ChecksumMismatch (rollouts from other weights than the trainer's would be
+    trained on as its own). Returns the step's metric."""
+    held = engine.fp8_digest()
+    if held != expected:
+        raise ChecksumMismatch(
+            f"v{version}: the engine's fp8 weights hash to {held}, the trainer's to {expected}: they differ"
+        )
+    return {"sync_fp8_checksum_ok": 1.0}

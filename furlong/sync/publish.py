@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from furlong.model.fp8 import Fp8Spec, quantize_state
+from furlong.sync.checksum import quantized_digest
 from furlong.sync.delta import encode_delta, encode_full
 from furlong.sync.momentum import Momentum
 from furlong.sync.staging import DeviceStage, engine_copy, nbytes, same_layout
@@ -101,7 +103,8 @@ class Publisher:
     Tensors that share storage (tied embeddings) are sent once, under the first name met:
     engines load by name into live parameters, so the alias is updated through its twin.
 
-    `device_base`: keep the last published copy on the weights' device and move only what each delta
+    `fp8`: the weights published as e4m3 + scales (furlong.model.fp8), quantized from the given (master) weights
+    at each publish; every other tensor is cast to `engine_dtype`. `device_base`: keep the last published copy on the weights' device and move only what each delta
     needs to the host (furlong.sync.staging); None (default): when the first state dict published has a
     tensor off the CPU (a CUDA trainer); True: always (on CPU tensors too: tests); False: never."""
 
@@ -114,6 +117,7 @@ class Publisher:
         level: int | None = None,
         momentum: bool = True,
         device_base: bool | None = None,
+        fp8: Fp8Spec | None = None,
     ) -> None:
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
@@ -122,6 +126,7 @@ class Publisher:
         self.engine_dtype = engine_dtype
         self.level = level  # zstd level; None = the codec's tuned fast parameters
         self.device_base = device_base
+        self.fp8 = fp8  # quantize these weights to e4m3 + scales before publishing (furlong.model.fp8)
         self._stage: HostStage | DeviceStage | None = None  # chosen at the first publish
         self._version: int | None = None
         self._since_full = 0
@@ -140,6 +145,12 @@ class Publisher:
         On the device path this is the host mirror, patched in place by the next publish: clone to keep."""
         return None if self._stage is None else self._stage.published
 
+    def fp8_digest(self) -> str:
+        """quantized_digest of the last published version's fp8 weights and scales (what an engine must hold)."""
+        if self.fp8 is None or self.published is None:
+            raise ValueError("fp8_digest: nothing fp8 was published")
+        return quantized_digest(self.published, self.fp8.tensor_names())
+
     @property
     def on_device(self) -> bool:
         """Whether the device path is in use (decided at the first publish)."""
@@ -151,6 +162,8 @@ class Publisher:
         if self._version is not None and version <= self._version:
             raise ValueError(f"version {version} must be newer than the last published {self._version}")
         t0 = time.perf_counter()
+        if self.fp8 is not None:
+            state_dict = quantize_state(state_dict, self.fp8)
         stage = self._stage_for(state_dict)
         new = stage.copy(state_dict)
         reason = self._kind_reason(new, force_full)

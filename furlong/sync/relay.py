@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 
+from furlong.model.fp8 import is_quantized
 from furlong.sync.delta import WeightReceiver, read_update
 from furlong.sync.errors import (
     BaseVersionMismatch,
@@ -289,7 +290,7 @@ class Relay:
         patched in place by the next delta, and an engine may keep references)."""
         tensors = self._receiver.tensors
         names = sorted(tensors) if self._dirty is None else sorted(self._dirty)
-        return {n: _cast(tensors[n], self.target_dtype) for n in names}
+        return {n: _cast(n, tensors[n], self.target_dtype) for n in names}
 
     def _reset(self) -> None:
         self._receiver, self._dirty, self._pushed = WeightReceiver(), None, None
@@ -304,8 +305,8 @@ def _model_dtype(engine: object) -> torch.dtype | None:
     return None if first is None else first.dtype
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if dtype is None or not t.is_floating_point():
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is None or not t.is_floating_point() or is_quantized(name, t):  # fp8 weights stay as sent
         return t.clone()
     return t.to(dtype, copy=True)
 

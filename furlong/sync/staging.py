@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import zstandard as zstd
 
+from furlong.model.fp8 import is_quantized
 from furlong.sync import codec, scan
 from furlong.sync.checksum import DEFAULT_ALGO, tensor_digest
 from furlong.sync.delta import Section, encode_full, pack_delta
@@ -46,8 +47,9 @@ Tensors = Mapping[str, torch.Tensor]
 
 
 def engine_copy(state_dict: Tensors, dtype: torch.dtype, device: torch.device | None) -> dict[str, torch.Tensor]:
-    """Detached copies on `device` (None: each tensor's own), floating tensors cast to `dtype`, aliases
-    (tied weights) dropped: each storage is sent once, under the first name met.
+    """Detached copies on `device` (None: each tensor's own), floating tensors cast to `dtype` (not an fp8
+    weight or its scale: furlong.model.fp8), aliases (tied weights) dropped: each storage is sent once, under
+    the first name met.
 
     Always a copy (copy=True): keeping a view of the trainer's live tensors as the next delta's base would
     make it drift as the optimizer steps."""
@@ -58,7 +60,7 @@ def engine_copy(state_dict: Tensors, dtype: torch.dtype, device: torch.device | 
         if t.numel() and key in seen:
             continue
         seen.add(key)
-        to = t.dtype if not t.is_floating_point() else dtype
+        to = dtype if t.is_floating_point() and not is_quantized(name, t) else t.dtype
         out[name] = t.detach().to(device=device or t.device, dtype=to, copy=True).contiguous()
     return out
 

@@ -29,7 +29,9 @@ import torch
 from furlong.engine.base import EngineRefused, EngineUnavailable
 from furlong.engine.remote import EngineProcess
 from furlong.engine.router import Router
+from furlong.model.fp8 import Fp8Spec, quantize_state
 from furlong.sync.broadcast import FLAT, GROUP_NAME, GroupSpec, Manifest, WeightGroup, buckets, distinct, host_store
+from furlong.sync.checksum import quantized_digest, verify_fp8
 from furlong.sync.publish import Publisher
 from furlong.sync.relay import Relay
 
@@ -47,16 +49,22 @@ class WeightLink(Protocol):
 
 
 class DirectLink:
-    """The trainer's tensors copied straight into an in-process engine."""
+    """The trainer's tensors copied straight into an in-process engine (`fp8`: spec's weights as e4m3 + scales,
+    furlong.model.fp8, checked by checksum after each push)."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, engine, fp8: Fp8Spec | None = None) -> None:
+        self.engine, self.fp8 = engine, fp8
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         start = time.perf_counter()
+        if self.fp8 is not None:
+            weights = quantize_state(weights, self.fp8)
         await self.engine.update_weights(weights, version)
         # an engine that measures its own update (vllm, sglang: staging, the pause) adds its sync_* parts
-        return {"sync_seconds": time.perf_counter() - start, **getattr(self.engine, "last_update", {})}
+        out = {"sync_seconds": time.perf_counter() - start, **getattr(self.engine, "last_update", {})}
+        if self.fp8 is not None:
+            out |= verify_fp8(self.engine, quantized_digest(weights, self.fp8.tensor_names()), version)
+        return out
 
     async def close(self) -> None:
         await self.engine.close()
@@ -80,7 +88,9 @@ class PublishedLink:
         report = await self._pull()
         if report["engine_version"] != version:
             raise RuntimeError(f"relay loaded v{report['engine_version']}, expected v{version}: {report['faults']}")
+        fp8 = {} if self.publisher.fp8 is None else verify_fp8(self.engine, self.publisher.fp8_digest(), version)
         return {
+            **fp8,
             **routed,
             "sync_seconds": time.perf_counter() - start,
             "sync_full": float(pub.kind == "full"),
