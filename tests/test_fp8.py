@@ -178,3 +178,19 @@ def test_quantized_forward_gradient_reaches_the_master_weights(tiny_dir: Path) -
 def test_unsupported_fp8_settings_are_refused_naming_the_key(keys: list[str], named: str) -> None:
     with pytest.raises(Exception, match=named.replace(".", r"\.")):
         load_config(None, keys)
+
+
+def test_furlong_train_with_fp8_rollout_weights_checks_them_every_step(tmp_path: Path) -> None:
+    """The RL loop end to end: every step's push proves the engine's fp8 tensors are the trainer's, and with the
+    quantized forward GRPO's own train/rollout logprob gap is fp32 noise."""
+    from test_train_run import SMALL, _rl_rows, _train
+
+    run = tmp_path / "fp8"
+    res = _train(f"train.run_dir={run}", *SMALL, "train.rl.steps=2", "train.sync.transport=inprocess",
+                 "train.sync.quantize=fp8", "train.sync.quantized_forward=true",
+                 "train.rl.filter_zero_variance=false")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rl_rows(run)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["updated"] for r in rows)
+    assert all(r["sync_fp8_checksum_ok"] == 1.0 for r in rows)
+    assert max(r["logprob_diff_max"] for r in rows) < 1e-5
