@@ -5,6 +5,7 @@ checksum of both sides' quantized tensors, and the trainer's quantized forward (
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from furlong.build.training import grpo_config, local_trainer
 from furlong.config import load_config
 from furlong.engine.base import SamplingParams
 from furlong.engine.hf import HFEngine
-from furlong.model.fp8 import FP8, dequantize, fp8_targets, quantize
+from furlong.model.fp8 import FP8, dequantize, fp8_targets, quantize, save_fp8, to_fp8_engine
 from furlong.model.loading import load_model
 from furlong.sync.checksum import verify_fp8
 from furlong.sync.errors import ChecksumMismatch
@@ -194,3 +195,21 @@ def test_furlong_train_with_fp8_rollout_weights_checks_them_every_step(tmp_path:
     assert [r["step"] for r in rows] == [0, 1] and all(r["updated"] for r in rows)
     assert all(r["sync_fp8_checksum_ok"] == 1.0 for r in rows)
     assert max(r["logprob_diff_max"] for r in rows) < 1e-5
+
+
+def test_block_checkpoint_loads_in_transformers_as_the_engine_computes(tiny_dir: Path, tmp_path: Path) -> None:
+    """The 128x128 layout is transformers' FineGrainedFP8: a saved checkpoint loads (dequantized on a CPU) to
+    exactly the weights the fp8 engine computes with."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(tiny_dir)
+    spec = fp8_targets(model, 128)
+    out = save_fp8(model, spec, tmp_path / "fp8")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    engine_model = to_fp8_engine(load_model(tiny_dir), spec)
+    for name in spec.weights:
+        module = engine_model.get_submodule(name.removesuffix(".weight"))
+        assert torch.equal(loaded.get_parameter(name).float(), dequantize(module.weight, module.scale, 128)), name
+    with pytest.raises(ValueError, match="fp8_block"):
+        save_fp8(model, fp8_targets(model), tmp_path / "channel")

@@ -8,7 +8,8 @@ shape (out, in) becomes `weight` (torch.float8_e4m3fn) and a float32 scale, with
   channel layout;
 * 128x128 blocks (block=128): `weight_scale_inv` of shape (ceil(out/128), ceil(in/128)), the layout of
   transformers' FineGrainedFP8 (`quantization_config: {quant_method: fp8, weight_block_size: [128, 128]}`)
-  and DeepSeek-V3 checkpoints (despite the name it multiplies, as theirs does).
+  and DeepSeek-V3 checkpoints (despite the name it multiplies, as theirs does); save_fp8 writes one that
+  transformers loads.
 
 scale = amax / 448 (448: e4m3's largest finite value), so every scaled value is in range and the cast only
 rounds. An all-zero row or block gets scale 1 (its values are exactly 0 either way).
@@ -16,11 +17,18 @@ rounds. An all-zero row or block gets scale 1 (its values are exactly 0 either w
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
+
+if TYPE_CHECKING:  # transformers takes seconds to import; furlong.sync (which imports this) does without it
+    from transformers import PreTrainedModel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -45,10 +53,10 @@ class Fp8Spec:
         return sorted([*self.weights, *map(self.scale_name, self.weights)])
 
     def quantization_config(self) -> dict:
-        """The `quantization_config` of an HF config.json for checkpoints in this layout."""
+        """The `quantization_config` of an HF config.json for a checkpoint in this layout (block scales only:
+        transformers' FineGrainedFP8 reads no per-channel scales)."""
         if self.block is None:
-            return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None,
-                    "strategy": "channel"}  # fmt: skip
+            raise ValueError("an HF fp8 checkpoint needs block scales (train.sync.fp8_block, e.g. 128)")
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [self.block, self.block]}
 
 
@@ -109,6 +117,23 @@ def quantize_state(state: Mapping[str, torch.Tensor], spec: Fp8Spec) -> dict[str
             out[name], out[spec.scale_name(name)] = quantize(t, spec.block)
         else:
             out[name] = t
+    return out
+
+
+def save_fp8(model: PreTrainedModel, spec: Fp8Spec, out: Path) -> Path:
+    """`model` (plain Linears) saved as an HF checkpoint of its fp8 weights: the e4m3 tensors and scales in
+    model.safetensors and spec's quantization_config in config.json, which transformers loads (dequantized
+    on a CPU, as FP8 on a GPU that has it)."""
+    config = spec.quantization_config()
+    model.save_pretrained(out)  # config.json, generation_config.json; its weights are replaced below
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    state = quantize_state(model.state_dict(), spec)
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # stored once, as the embedding
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, out / "model.safetensors", {"format": "pt"})
+    meta = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**meta, "quantization_config": config}, indent=2) + "\n")
     return out
 
 
