@@ -19,6 +19,7 @@ from furlong.engine.base import SamplingParams
 from furlong.engine.hf import HFEngine
 from furlong.model.fp8 import FP8, dequantize, fp8_targets, quantize, save_fp8, to_fp8_engine
 from furlong.model.loading import load_model
+from furlong.sync import InProcessTransport, Publisher, Relay
 from furlong.sync.checksum import verify_fp8
 from furlong.sync.errors import ChecksumMismatch
 from furlong.train.logprobs import token_logprobs
@@ -77,11 +78,15 @@ async def _sample(engine, seed: int = 3):
     return await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=10, seed=seed))
 
 
-async def _dequantized_reference(tiny_dir: Path, weights: dict[str, torch.Tensor], block: int | None):
-    """A plain fp32 engine given the fp8-rounded weights: what the fp8 engine must sample, token for token."""
+async def _dequantized_reference(
+    tiny_dir: Path, weights: dict[str, torch.Tensor], block: int | None, dtype: torch.dtype = torch.float32
+):
+    """A plain fp32 engine given the fp8-rounded weights (the rest rounded to the published `dtype`): what the
+    fp8 engine must sample, token for token."""
     model = load_model(tiny_dir)
     spec = fp8_targets(model, block)
-    rounded = {k: dequantize(*quantize(v, block), block) if k in spec.weights else v for k, v in weights.items()}
+    rounded = {k: dequantize(*quantize(v, block), block) if k in spec.weights else v.to(dtype).float()
+               for k, v in weights.items()}  # fmt: skip
     engine = HFEngine(model, eos_token_ids=())
     await engine.update_weights(rounded, 0)
     try:
@@ -90,13 +95,15 @@ async def _dequantized_reference(tiny_dir: Path, weights: dict[str, torch.Tensor
         await engine.close()
 
 
-@pytest.mark.parametrize(("transport", "block"), [("inprocess", None), ("directory", 16), ("direct", None)])
+@pytest.mark.parametrize(("transport", "block", "dtype"),
+                         [("inprocess", None, "float32"), ("directory", 16, "bfloat16"), ("direct", None, "float32")])
 def test_engine_holds_the_trainers_fp8_tensors_after_full_and_delta_updates(
-    tiny_dir: Path, tmp_path: Path, transport: str, block: int | None
+    tiny_dir: Path, tmp_path: Path, transport: str, block: int | None, dtype: str
 ) -> None:
+    """bfloat16: the other tensors are published in bf16, the scales stay float32 (the checksum covers them)."""
     block_key = [] if block is None else [f"train.sync.fp8_block={block}"]
     cfg = load_config(None, [f"train.sync.transport={transport}", "train.sync.quantize=fp8",
-                             "train.sync.full_every=3", *block_key])  # fmt: skip
+                             "train.sync.full_every=3", f"train.sync.engine_dtype={dtype}", *block_key])  # fmt: skip
     history = _steps(load_model(tiny_dir), 4)
 
     async def run():
@@ -120,7 +127,7 @@ def test_engine_holds_the_trainers_fp8_tensors_after_full_and_delta_updates(
     assert engine_fp8 and len(engine_fp8) == len(fp8_targets(load_model(tiny_dir)).weights)
     if transport != "direct":
         assert [m["sync_full"] for m in metrics] == [1.0, 0.0, 0.0, 1.0, 0.0]  # full, deltas, full_every, delta
-    reference = asyncio.run(_dequantized_reference(tiny_dir, history[-1], block))
+    reference = asyncio.run(_dequantized_reference(tiny_dir, history[-1], block, getattr(torch, dtype)))
     assert sampled.output_ids == reference.output_ids
     assert sampled.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
 
@@ -213,3 +220,26 @@ def test_block_checkpoint_loads_in_transformers_as_the_engine_computes(tiny_dir:
         assert torch.equal(loaded.get_parameter(name).float(), dequantize(module.weight, module.scale, 128)), name
     with pytest.raises(ValueError, match="fp8_block"):
         save_fp8(model, fp8_targets(model), tmp_path / "channel")
+
+
+def test_device_path_publishes_the_same_fp8_tensors(tiny_dir: Path) -> None:
+    """The GPU trainer's path (furlong.sync.staging.DeviceStage, run here on CPU tensors): snapshot and deltas
+    of fp8 weights rebuild bit for bit at a relay, and the engine's checksum is the publisher's."""
+    model = load_model(tiny_dir)
+    spec = fp8_targets(model)
+    history = _steps(model, 3)
+    transport = InProcessTransport()
+    publisher = Publisher(transport, fp8=spec, device_base=True, engine_dtype=torch.bfloat16)
+
+    async def run():
+        async with HFEngine(to_fp8_engine(load_model(tiny_dir), spec), eos_token_ids=()) as engine:
+            relay = Relay(transport, engine)
+            kinds = []
+            for v, w in enumerate(history, start=1):
+                kinds.append(publisher.publish(w, v).kind)
+                await relay.sync_once()
+                verify_fp8(engine, publisher.fp8_digest(), v)
+            return kinds, engine.weight_version
+
+    kinds, version = asyncio.run(run())
+    assert publisher.on_device and kinds == ["full", "delta", "delta", "delta"] and version == len(history)
