@@ -103,8 +103,10 @@ class Publisher:
     Tensors that share storage (tied embeddings) are sent once, under the first name met:
     engines load by name into live parameters, so the alias is updated through its twin.
 
-    `fp8`: the weights published as e4m3 + scales (furlong.model.fp8), quantized from the given (master) weights
-    at each publish; every other tensor is cast to `engine_dtype`. `device_base`: keep the last published copy on the weights' device and move only what each delta
+    `fp8`: the weights published as e4m3 + scales (furlong.model.fp8), quantized from the given (master)
+    weights at each publish; every other tensor is cast to `engine_dtype`.
+
+    `device_base`: keep the last published copy on the weights' device and move only what each delta
     needs to the host (furlong.sync.staging); None (default): when the first state dict published has a
     tensor off the CPU (a CUDA trainer); True: always (on CPU tensors too: tests); False: never."""
 
