@@ -268,3 +268,25 @@ def test_serve_refuses_e2b_limits_out_of_bounds(flag, value):
     given = {"cpus": 1.0, "memory_mb": 2048, "disk_mb": 1024, "pids": 512, flag: value}
     with pytest.raises(SandboxError, match=f"^--e2b-{flag.replace('_', '-')}: .*, got {value}$"):
         e2b_limits(**given, lifetime_s=60)
+
+
+
+STATE = "/run/furlong-shell/state"  # furlong.sandbox.runtime.shell.STATE_DIR's file: the agent's cwd and exports
+
+
+def _state_mtime(sbx) -> str:
+    return sbx.commands.run(f"stat -c %y {STATE}", cwd="/").stdout  # a cwd: this read leaves the state alone
+
+
+def test_files_calls_leave_the_agents_shell_state_alone(sbx):
+    """ListDir, Stat (files.list, get_info, exists) and the files calls that run a command (make_dir, rename,
+    remove) never save the agent's shell state over what its commands left (tests/test_listing.py: a `cd`)."""
+    sbx.commands.run("mkdir -p /tmp/here/sub")  # without a cwd: the state file is written
+    before = _state_mtime(sbx)
+    time.sleep(0.02)  # a rewrite would show in the mtime
+    assert {e.name for e in sbx.files.list("/tmp/here")} == {"sub"}
+    assert sbx.files.get_info("/tmp/here/sub").type == e2b.FileType.DIR and sbx.files.exists("/tmp/here")
+    sbx.files.make_dir("/tmp/here/made")
+    sbx.files.rename("/tmp/here/made", "/tmp/here/moved")
+    sbx.files.remove("/tmp/here/moved")
+    assert _state_mtime(sbx) == before
