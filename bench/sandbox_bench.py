@@ -4,6 +4,8 @@ size of the host's mount table, each beside its baseline.
     python bench/sandbox_bench.py [--samples 40] [--out bench/results/sandbox.json]
     python bench/sandbox_bench.py --remote [--out bench/results/sandbox_remote.json]   (bench/remote_sandbox.py)
     python bench/sandbox_bench.py --backends bwrap,gvisor   (bench/sandbox_backends.py, sandbox_backends.json)
+    python bench/sandbox_bench.py --cold-start   (bench/sandbox_cold_start.py, sandbox_cold_start.json: the
+        cold start's phases beside bare bwrap)
 
 Everything is measured in this one run (this machine is noisy: only same-run ratios mean much). The mount
 measurements (root only) each run in a private mount namespace, so the host's own table is untouched:
@@ -323,6 +325,8 @@ def main() -> None:
     ap.add_argument("--snapshots", action="store_true",
                     help="snapshot, fork, pause and resume beside a cold start (bench/sandbox_snapshots.py)")
     ap.add_argument("--backends", help="backends side by side, e.g. bwrap,gvisor (bench/sandbox_backends.py)")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="cold start's phases beside bare bwrap (bench/sandbox_cold_start.py)")
     ap.add_argument("--mounts-child", nargs=2, metavar=("MODE", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -332,9 +336,10 @@ def main() -> None:
         return
     prov = provenance()
     results = Path(__file__).parent / "results"
-    if args.remote or args.snapshots or args.backends:  # a part of its own: it runs alone, into its own JSON
-        import remote_sandbox
+    if args.remote or args.snapshots or args.backends or args.cold_start:  # a part of its own: it runs alone,
+        import remote_sandbox  # into its own JSON
         import sandbox_backends
+        import sandbox_cold_start
         import sandbox_snapshots
 
         part, name = (
@@ -342,6 +347,8 @@ def main() -> None:
             if args.remote
             else (sandbox_snapshots, "sandbox_snapshots")
             if args.snapshots
+            else (sandbox_cold_start, "sandbox_cold_start")
+            if args.cold_start
             else (sandbox_backends, "sandbox_backends")
         )
         args.out = args.out or results / f"{name}.json"

@@ -1,8 +1,12 @@
-"""Where an episode's time went: sandbox start, model wait, agent commands, verifier, the rest."""
+"""Where an episode's time went: sandbox start, model wait, agent commands, verifier, the rest; and, for
+benchmarks, where one operation's time went (`phases`/`mark`: a sandbox start's phases)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 PARTS = ("sandbox_start", "model_wait", "agent_commands", "verifier")
@@ -44,3 +48,28 @@ class Clock:
             started_at=self.started_at,
             ended_at=time.time(),
         )
+
+
+# The phases being recorded in this task's context (None: none are; a mark then costs a lookup and a clock read)
+_PHASES: ContextVar[dict[str, float] | None] = ContextVar("furlong_phases", default=None)
+
+
+@contextmanager
+def phases() -> Iterator[dict[str, float]]:
+    """Records the spans that code run inside it (this context, and the threads asyncio.to_thread starts
+    from it) marks with `mark`: name -> seconds, in the dict it yields (bench/sandbox_cold_start.py)."""
+    spent: dict[str, float] = {}
+    token = _PHASES.set(spent)
+    try:
+        yield spent
+    finally:
+        _PHASES.reset(token)
+
+
+def mark(name: str, since: float) -> float:
+    """Ends span `name`, begun at `since` (a perf_counter reading), where phases are being recorded; returns
+    now, the next span's beginning."""
+    now = time.perf_counter()
+    if (spent := _PHASES.get()) is not None:
+        spent[name] = spent.get(name, 0.0) + now - since
+    return now

@@ -89,7 +89,7 @@ class ThreadHost:
 class ProcessHost:
     """`furlong sandbox serve` on a free loopback port, in its own process."""
 
-    def __init__(self, tmp: Path, capacity: int = 4, allow_network: bool = False):
+    def __init__(self, tmp: Path, capacity: int = 4, allow_network: bool = False, flags: tuple[str, ...] = ()):
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "tok").write_text(TOKEN + "\n")
         sock, port = free_port()
@@ -98,7 +98,7 @@ class ProcessHost:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "sandbox", "serve", "--port", str(port),
                                       "--token-file", str(tmp / "tok"), "--capacity", str(capacity),
-                                      *(["--allow-network"] if allow_network else [])],
+                                      *(["--allow-network"] if allow_network else []), *flags],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.c = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
         deadline = time.monotonic() + 120

@@ -14,11 +14,12 @@ import e2b
 import httpx
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
-from host_support import on_loopback
+from host_support import ProcessHost, on_loopback
 from test_e2b_api import KEY, TEMPLATE, monkeypatch_module, server  # noqa: F401  (fixtures)
 
-from furlong.sandbox.base import Limits
+from furlong.sandbox.base import Limits, SandboxError
 from furlong.sandbox.e2b import e2b_app
+from furlong.sandbox.host.serve import e2b_limits
 
 
 @pytest.fixture(scope="module")
@@ -220,22 +221,72 @@ def test_watch_dir_streams_to_the_async_sdk(server):  # noqa: F811
     assert ("x", e2b.FilesystemEventType.CREATE) in asyncio.run(main())
 
 
+def _reports_limits(url: str, monkeypatch, cpus: int, memory_mb: int, disk_mb: int, template: str = TEMPLATE,
+                    key: str = KEY) -> None:
+    """A sandbox made through the SDK at `url` reports these limits in get_info, get_metrics, list and `df /`."""
+    monkeypatch.setenv("E2B_API_URL", url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", url)
+    monkeypatch.setenv("E2B_API_KEY", key)
+    box = e2b.Sandbox.create(template, timeout=30)
+    try:
+        info = box.get_info()
+        (sample,) = box.get_metrics()  # from the sandbox's cgroup
+        assert (info.cpu_count, info.memory_mb) == (cpus, memory_mb) == (sample.cpu_count, sample.mem_total >> 20)
+        (listed,) = httpx.get(f"{url}/v2/sandboxes", headers={"X-API-KEY": key}).json()
+        df_mb = int(box.commands.run("df -m --output=size / | tail -1").stdout)
+        assert (listed["cpuCount"], listed["memoryMB"], listed["diskSizeMB"]) == (cpus, memory_mb, df_mb)
+        assert df_mb == disk_mb
+    finally:
+        box.kill()
+
+
 def test_info_and_list_report_the_sandboxs_own_limits(backend, base_image, monkeypatch):
     async def resolve(template: str):
         return base_image
 
     limits = Limits(cpus=2.0, memory_mb=1024, disk_mb=300)
     with on_loopback(e2b_app(backend, resolve, api_key=KEY, limits=limits)) as url:
-        monkeypatch.setenv("E2B_API_URL", url)
-        monkeypatch.setenv("E2B_SANDBOX_URL", url)
-        monkeypatch.setenv("E2B_API_KEY", KEY)
-        box = e2b.Sandbox.create(TEMPLATE, timeout=30)
-        try:
-            info = box.get_info()
-            (sample,) = box.get_metrics()  # from the sandbox's cgroup
-            assert (info.cpu_count, info.memory_mb) == (2, 1024) == (sample.cpu_count, sample.mem_total >> 20)
-            (listed,) = httpx.get(f"{url}/v2/sandboxes", headers={"X-API-KEY": KEY}).json()
-            df_mb = int(box.commands.run("df -m --output=size / | tail -1").stdout)
-            assert (listed["cpuCount"], listed["memoryMB"], listed["diskSizeMB"]) == (2, 1024, df_mb) == (2, 1024, 300)
-        finally:
-            box.kill()
+        _reports_limits(url, monkeypatch, 2, 1024, 300)
+
+
+def test_serve_gives_its_e2b_sandboxes_its_limits(base_image, tmp_path, monkeypatch):
+    """`furlong sandbox serve --e2b-*` (the command, in its own process): its E2B sandboxes get those limits."""
+    key = "e2b-key-of-a-served-host"  # serve wants 16 characters or more
+    (tmp_path / "e2b-key").write_text(key + "\n")
+    flags = ("--e2b-key-file", str(tmp_path / "e2b-key"), "--e2b-cpus", "3", "--e2b-memory-mb", "768",
+             "--e2b-disk-mb", "200", "--e2b-pids", "128")
+    host = ProcessHost(tmp_path / "host", capacity=2, flags=flags)
+    try:
+        _reports_limits(host.url, monkeypatch, 3, 768, 200, template="base", key=key)  # the host's image
+    finally:
+        host.stop()
+    assert "each sandbox 3 CPUs, 768 MB memory, 200 MB disk, 128 pids" in host.proc.stdout.read()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("cpus", 0), ("memory_mb", 8), ("disk_mb", 1), ("pids", 2)])
+def test_serve_refuses_e2b_limits_out_of_bounds(flag, value):
+    given = {"cpus": 1.0, "memory_mb": 2048, "disk_mb": 1024, "pids": 512, flag: value}
+    with pytest.raises(SandboxError, match=f"^--e2b-{flag.replace('_', '-')}: .*, got {value}$"):
+        e2b_limits(**given, lifetime_s=60)
+
+
+
+STATE = "/run/furlong-shell/state"  # furlong.sandbox.runtime.shell.STATE_DIR's file: the agent's cwd and exports
+
+
+def _state_mtime(sbx) -> str:
+    return sbx.commands.run(f"stat -c %y {STATE}", cwd="/").stdout  # a cwd: this read leaves the state alone
+
+
+def test_files_calls_leave_the_agents_shell_state_alone(sbx):
+    """ListDir, Stat (files.list, get_info, exists) and the files calls that run a command (make_dir, rename,
+    remove) never save the agent's shell state over what its commands left (tests/test_listing.py: a `cd`)."""
+    sbx.commands.run("mkdir -p /tmp/here/sub")  # without a cwd: the state file is written
+    before = _state_mtime(sbx)
+    time.sleep(0.02)  # a rewrite would show in the mtime
+    assert {e.name for e in sbx.files.list("/tmp/here")} == {"sub"}
+    assert sbx.files.get_info("/tmp/here/sub").type == e2b.FileType.DIR and sbx.files.exists("/tmp/here")
+    sbx.files.make_dir("/tmp/here/made")
+    sbx.files.rename("/tmp/here/made", "/tmp/here/moved")
+    sbx.files.remove("/tmp/here/moved")
+    assert _state_mtime(sbx) == before

