@@ -76,7 +76,9 @@ def script(base: str, cfg: pb.ProcessConfig, stdin: bool, pty: pb.PTY.Size | Non
     if stdin or pty is not None:
         inner += f"kill $(cat {base}.hold) 2>/dev/null; "
     inner += f"rm -f {base}.pid {base}.in {base}.hold {base}.tty {base}.pty; exit $rc"
-    return f"setsid -w bash -c {shlex.quote(inner)}"
+    # The shell that runs this line reports a killed child ("line 1: PID Killed setsid -w bash -c ...") on its
+    # own stderr: that goes to /dev/null, the command's stderr through fd 3 to where it was going.
+    return f"{{ setsid -w bash -c {shlex.quote(inner)} 2>&3 3>&-; }} 3>&2 2>/dev/null"
 
 
 def waiting_for(path: str, test: str = "-s") -> str:
