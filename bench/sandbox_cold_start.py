@@ -24,6 +24,7 @@ A part of sandbox_bench.py, which writes sandbox_cold_start.json with the run's 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 import sys
 import time
 
@@ -118,6 +119,8 @@ async def _run(bench, args) -> dict:
                 "beside bare bwrap running /bin/true on the same image, and beside the same start with the "
                 "cgroup removal's 10 ms polling (before_fixes); samples alternate",
         "samples": args.samples, "warmup": WARMUP,
+        # a cgroup join waits out an RCU grace period without it (install.sh sets it; docs/sandboxes.md)
+        "cgroup_favordynmods": "favordynmods" in Path("/proc/mounts").read_text(),
         "bare_bwrap_true": _stats(bench, raw),
         **now.result(bench, raw),
         "before_fixes": before.result(bench, raw),
