@@ -24,9 +24,9 @@ A part of sandbox_bench.py, which writes sandbox_cold_start.json with the run's 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
