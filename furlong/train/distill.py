@@ -148,7 +148,24 @@ class Teacher:
         """Every scored episode (reward not None) with teacher logprobs or the reason it has none."""
         start = time.perf_counter()
         out, todo = self.prepare(episodes)
+        todo = self.screen(self.model if self.model is not None else policy, episodes, out, todo)
         return self.run(episodes, out, todo, policy, start)
+
+    def screen(self, model, episodes: Sequence[Episode], out: list[Episode], todo: list[Item]) -> list[Item]:
+        """`todo` less the items `model` cannot read, whose episodes fail here (in `out`) before any forward: an id
+        outside its vocabulary (a student's added token the teacher's embedding lacks) would raise inside the
+        forward, and under FSDP2 a self-distillation teacher's forward is a collective that one rank cannot
+        leave or retry alone (its peers would wait in it)."""
+        vocab = model.get_input_embeddings().num_embeddings
+        kept: list[Item] = []
+        for item in todo:
+            bad = next((t for t in item[1] if not 0 <= t < vocab), None)
+            if bad is None:
+                kept.append(item)
+            else:
+                err = IndexError(f"token id {bad} is outside the teacher's vocabulary (ids 0..{vocab - 1})")
+                out[item[0]] = _failed(episodes[item[0]], err)
+        return kept
 
     @torch.no_grad()
     def run(
@@ -176,9 +193,13 @@ class Teacher:
     def _score_chunk(self, model, eps: list[Episode], chunk: list[Item], forward: Callable | None):
         """One padded forward; if it raises, each episode alone, so only those that fail lose the term."""
         if forward is not None:  # collective: no retry (the peers would wait in a forward never made)
-            return [
-                (i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, self._forward(model, eps, chunk, forward))
-            ]
+            try:
+                batch = self._batch(model, eps, chunk)
+            except Exception as err:  # noqa: BLE001 -- this rank's inputs fail: it still makes the pass's forward
+                idle(forward, batch_device(model))
+                return [(i, _failed(e, err)) for (i, _, _), e in zip(chunk, eps)]
+            rows = self._forward(model, eps, chunk, forward, batch)
+            return [(i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
         try:
             rows = self._forward(model, eps, chunk)
         except Exception as err:  # noqa: BLE001 -- any teacher failure: recorded per episode, the run goes on
@@ -187,11 +208,9 @@ class Teacher:
             return [r for e, item in zip(eps, chunk) for r in self._score_chunk(model, [e], [item], None)]
         return [(i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
 
-    def _forward(
-        self, model, eps: list[Episode], chunk: list[Item], forward: Callable | None = None
-    ) -> list[list[float]]:
-        """Per episode, the teacher's logprob of each of its tokens (0.0 off the loss mask)."""
-        device = next(model.parameters()).device
+    def _batch(self, model, eps: list[Episode], chunk: list[Item]) -> tuple[torch.Tensor, ...]:
+        """The padded ids, attention mask and sampled-token mask of a micro-batch, on the model's device."""
+        device = batch_device(model)
         width = max(len(ids) for _, ids, _ in chunk)
         tokens = torch.zeros((len(chunk), width), dtype=torch.long)
         attention = torch.zeros_like(tokens)
@@ -201,13 +220,31 @@ class Teacher:
             attention[row, : len(ids)] = 1
             sampled = [p + shift for p, m in enumerate(e.loss_mask) if m]
             wanted[row, sampled] = 1.0
+        return tokens.to(device), attention.to(device), wanted.to(device)
+
+    def _forward(
+        self, model, eps: list[Episode], chunk: list[Item], forward: Callable | None = None, batch=None
+    ) -> list[list[float]]:
+        """Per episode, the teacher's logprob of each of its tokens (0.0 off the loss mask)."""
+        tokens, attention, wanted = batch if batch is not None else self._batch(model, eps, chunk)
         run = forward if forward is not None else partial(token_logprobs, model)
-        logp = run(tokens.to(device), attention.to(device), self.temperature, False, wanted.to(device)).cpu()
+        logp = run(tokens, attention, self.temperature, False, wanted).cpu()
         rows = []
         for row, ((_, _, shift), e) in enumerate(zip(chunk, eps)):
             values = logp[row].tolist()
             rows.append([values[p + shift] if m else 0.0 for p, m in enumerate(e.loss_mask)])
         return rows
+
+
+def batch_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def idle(forward: Callable, device: torch.device) -> None:
+    """A one-token collective forward whose result is dropped: a rank with nothing (left) to score in a pass
+    still makes it, so its peers' forwards find it (furlong.train.trainer's `_idle`, without grad)."""
+    tokens = torch.zeros((1, 2), dtype=torch.long, device=device)
+    forward(tokens, torch.ones_like(tokens), 1.0, False, torch.ones_like(tokens, dtype=torch.float32))
 
 
 def _scored(e: Episode, teacher: list[float]) -> Episode:
