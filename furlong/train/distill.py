@@ -82,7 +82,8 @@ class TeacherPass:
 
 class Teacher:
     """Scores episodes with `model` (a frozen checkpoint), or with the policy handed to `score` (model None:
-    self-distillation, the student's current weights). `system_prompt` (None: the episode's own) replaces
+    self-distillation, the student's current weights); `served`: by an engine (furlong.train.distill_engine),
+    this object only rendering the teacher's prompts. `system_prompt` (None: the episode's own) replaces
     the prompt's system message; `hints` maps a task id to a privileged hint appended to it."""
 
     def __init__(
@@ -94,8 +95,9 @@ class Teacher:
         hints: Mapping[str, str] | None = None,
         temperature: float = 1.0,
         micro_batch_size: int = 16,
+        served: bool = False,
     ) -> None:
-        if model is None and system_prompt is None:
+        if model is None and system_prompt is None and not served:
             raise ValueError("a teacher is another model, or the policy under another system prompt")
         self.tokenizer, self.model, self.system_prompt = tokenizer, model, system_prompt
         self.hints = dict(hints or {})
@@ -330,9 +332,8 @@ def teacher_for(
     given; or the policy itself under `system_prompt` (the student's tokenizer, in `tokenizer_dir`)."""
     if path is not None:
         model = load(path).to(device)  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
-        own = load_tokenizer(path, require_chat_template=False)
         return Teacher(
-            own if own.chat_template else load_tokenizer(tokenizer_dir),
+            teacher_tokenizer(tokenizer_dir, path),
             model=model,
             system_prompt=system_prompt,
             hints=hints,
@@ -346,3 +347,9 @@ def teacher_for(
         temperature=temperature,
         micro_batch_size=micro_batch_size,
     )
+
+
+def teacher_tokenizer(tokenizer_dir: Path, path: Path):
+    """The checkpoint's own tokenizer where it has a chat template, else the student's (in `tokenizer_dir`)."""
+    own = load_tokenizer(path, require_chat_template=False)
+    return own if own.chat_template else load_tokenizer(tokenizer_dir)
