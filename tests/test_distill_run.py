@@ -1,6 +1,7 @@
 """`furlong train` with a distillation teacher, end to end on the smoke recipe (2 RL steps each): on-policy
 distillation from another checkpoint whose context is too short for some episodes (their term is absent,
-recorded, and the run goes on), and self-distillation beside GRPO with a hint, on LoRA in async mode."""
+recorded, and the run goes on), and self-distillation beside GRPO with a hint, on LoRA in async mode; then
+(1 RL step) the same checkpoint teacher on an hf engine of its own (train.distill.teacher.engine=hf)."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ class Teacher:
             try:
                 ids = self.prompt_ids(e)
             except Exception as err:  # noqa: BLE001 -- a template that cannot render this prompt fails this episode
-                out[i] = _failed(e, err)
+                out[i] = failed_episode(e, err)
                 continue
             if ids is None:
                 out[i] = replace(e, distill=TeacherScore("unscorable", error="no prompt messages to re-render"))
@@ -166,7 +166,7 @@ class Teacher:
                 kept.append(item)
             else:
                 err = IndexError(f"token id {bad} is outside the teacher's vocabulary (ids 0..{vocab - 1})")
-                out[item[0]] = _failed(episodes[item[0]], err)
+                out[item[0]] = failed_episode(episodes[item[0]], err)
         return kept
 
     @torch.no_grad()
@@ -199,16 +199,16 @@ class Teacher:
                 batch = self._batch(model, eps, chunk)
             except Exception as err:  # noqa: BLE001 -- this rank's inputs fail: it still makes the pass's forward
                 idle(forward, batch_device(model))
-                return [(i, _failed(e, err)) for (i, _, _), e in zip(chunk, eps)]
+                return [(i, failed_episode(e, err)) for (i, _, _), e in zip(chunk, eps)]
             rows = self._forward(model, eps, chunk, forward, batch)
-            return [(i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
+            return [(i, scored_episode(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
         try:
             rows = self._forward(model, eps, chunk)
         except Exception as err:  # noqa: BLE001 -- any teacher failure: recorded per episode, the run goes on
             if len(chunk) == 1:
-                return [(chunk[0][0], _failed(eps[0], err))]
+                return [(chunk[0][0], failed_episode(eps[0], err))]
             return [r for e, item in zip(eps, chunk) for r in self._score_chunk(model, [e], [item], None)]
-        return [(i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
+        return [(i, scored_episode(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
 
     def _batch(self, model, eps: list[Episode], chunk: list[Item]) -> tuple[torch.Tensor, ...]:
         """The padded ids, attention mask and sampled-token mask of a micro-batch, on the model's device."""
@@ -249,13 +249,15 @@ def idle(forward: Callable, device: torch.device) -> None:
     forward(tokens, torch.ones_like(tokens), 1.0, False, torch.ones_like(tokens, dtype=torch.float32))
 
 
-def _scored(e: Episode, teacher: list[float]) -> Episode:
+def scored_episode(e: Episode, teacher: list[float]) -> Episode:
+    """`e` with the teacher's logprobs (aligned like rollout_logprobs) and its TeacherScore."""
     n = e.response_len
     kl = sum(r - t for r, t, m in zip(e.rollout_logprobs, teacher, e.loss_mask) if m) / n if n else None
     return replace(e, teacher_logprobs=tuple(teacher), distill=TeacherScore("scored", tokens=n, reverse_kl=kl))
 
 
-def _failed(e: Episode, err: BaseException) -> Episode:
+def failed_episode(e: Episode, err: BaseException) -> Episode:
+    """`e` without the term, its TeacherScore naming what failed (one line)."""
     line = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     return replace(e, teacher_logprobs=None, distill=TeacherScore("teacher_failed", error=line))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from furlong.agent.episode import Episode
 from furlong.engine.base import Engine
-from furlong.train.distill import Item, Teacher, TeacherPass, _failed, _scored, teacher_tokenizer
+from furlong.train.distill import Item, Teacher, TeacherPass, failed_episode, scored_episode, teacher_tokenizer
 from furlong.train.grpo_config import GRPOConfig
 
 
@@ -40,7 +40,7 @@ class EngineTeacher:
         _, ids, shift = item
         sampled = [p + shift for p, m in enumerate(e.loss_mask) if m]
         if not sampled:
-            return _scored(e, [0.0] * len(e.loss_mask))
+            return scored_episode(e, [0.0] * len(e.loss_mask))
         first = sampled[0]
         try:
             async with self._slots:
@@ -48,10 +48,12 @@ class EngineTeacher:
         except Exception as err:  # noqa: BLE001 -- any engine failure fails this episode's term, not the step
             if isinstance(err, asyncio.TimeoutError):
                 err = TimeoutError(f"the teacher's engine did not score in {self.timeout_s:g} s")
-            return _failed(e, err)
+            return failed_episode(e, err)
         if len(got) != len(ids) - first:
-            return _failed(e, ValueError(f"the engine returned {len(got)} logprobs for {len(ids) - first} tokens"))
-        return _scored(e, [got[p + shift - first] if m else 0.0 for p, m in enumerate(e.loss_mask)])
+            return failed_episode(
+                e, ValueError(f"the engine returned {len(got)} logprobs for {len(ids) - first} tokens")
+            )
+        return scored_episode(e, [got[p + shift - first] if m else 0.0 for p, m in enumerate(e.loss_mask)])
 
 
 @dataclass(frozen=True)
