@@ -7,7 +7,8 @@ hf engine, so tokens and logprobs are real. It answers like a server started wit
 (no "text" in a reply) and implements only what furlong uses:
 
   GET  /health, /get_model_info
-  POST /generate              single `input_ids`, `sampling_params`, `return_logprob`, `lora_path` (a name)
+  POST /generate              single `input_ids`, `sampling_params`, `return_logprob` (with `logprob_start_len`
+                              >= 0: input_token_logprobs), `lora_path` (a name)
   POST /update_weights_from_disk, /update_weights_from_tensor, /load_lora_adapter, /unload_lora_adapter,
        /pause_generation {"mode"}, /continue_generation, /flush_cache,
        /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
@@ -98,8 +99,11 @@ class SGLangStandIn:
         if engine is None:
             return _error(f"LoRA adapter {body.get('lora_path')!r} is not loaded")
         start = time.time()
+        first = int(body.get("logprob_start_len", -1))
         self.in_flight += 1
         try:
+            # SGLang's input_token_logprobs from logprob_start_len (untempered; None for token 0, which has none)
+            inputs = [None] * (first == 0) + await engine.score(ids, max(first, 1)) if first >= 0 else None
             gen = await engine.generate(ids, to_sampling(body.get("sampling_params") or {}))
         except (EngineError, ValueError) as e:
             return _error(str(e))
@@ -111,6 +115,8 @@ class SGLangStandIn:
                                 "e2e_latency": time.time() - start}
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(gen.logprobs, gen.output_ids)]
+            if inputs is not None:
+                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(inputs, ids[first:])]
         return {"output_ids": list(gen.output_ids), "meta_info": meta}
 
     async def load_weights(self, state: dict[str, torch.Tensor], version: Any) -> dict | JSONResponse:

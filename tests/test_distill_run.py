@@ -1,6 +1,7 @@
 """`furlong train` with a distillation teacher, end to end on the smoke recipe (2 RL steps each): on-policy
 distillation from another checkpoint whose context is too short for some episodes (their term is absent,
-recorded, and the run goes on), and self-distillation beside GRPO with a hint, on LoRA in async mode."""
+recorded, and the run goes on), and self-distillation beside GRPO with a hint, on LoRA in async mode; then
+(1 RL step) the same checkpoint teacher on an hf engine of its own (train.distill.teacher.engine=hf)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,28 @@ def test_train_distils_from_a_checkpoint_and_from_itself(tmp_path: Path) -> None
     assert all(r["distill_scored"] > 0 and r["updated"] for r in rows)
     text = (report(selfd, None, None, []).out / "report.md").read_text()
     assert "Distillation teacher" in text and "teacher s/step" in text
+
+
+def test_train_distils_from_a_teacher_on_its_own_hf_engine(tmp_path: Path) -> None:
+    """train.distill.teacher.engine=hf, 1 RL step: the short-context GPT-2 teacher served by one more hf engine
+    (whose context is the checkpoint's 97 positions): the episodes longer than that are refused by the engine
+    and recorded as failed, the others scored, and the step's teacher keys are there (tests/test_distill_engine.py
+    checks the engine's logprobs against the trainer-held teacher's)."""
+    teacher = short_context_teacher(tmp_path / "teacher")
+    run = tmp_path / "run"
+    bg = Background(tmp_path / "train.log", "train", *SMOKE, "train.rl.steps=1", f"train.run_dir={run}",
+                    "train.distill.mode=grpo+opd", f"train.distill.teacher.path={teacher}",
+                    "train.distill.teacher.engine=hf")
+    try:
+        res = bg.result(timeout_s=900)
+    finally:
+        bg.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows, eps = rl(run)
+    assert len(rows) == 1 and eps
+    for e in eps:
+        failed = e["tokens_total"] > CONTEXT
+        assert e["distill"]["status"] == ("teacher_failed" if failed else "scored"), e
+        assert ("97-token context" in e["distill"]["error"]) if failed else e["distill"]["tokens"] == e["tokens_response"]
+    assert rows[0]["teacher_seconds"] > 0 and rows[0]["teacher_tokens"] > 0
+    assert rows[0]["distill_scored"] == sum(e["distill"]["status"] == "scored" for e in eps) > 0

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # every route but /health, with a body that would be accepted (or reach the route) if the token were right
 PROTECTED = {
     "/generate": {"input_ids": [5, 17, 99], "sampling": {"max_new_tokens": 2}},
+    "/score": {"input_ids": [5, 17, 99], "start": 1},
     "/sync": None,
     "/pause": None,
     "/resume": None,

@@ -100,6 +100,21 @@ def test_generate_token_ids_with_logprobs_matching_the_trainer(engine, model_dir
     assert again.output_ids == gens[3].output_ids  # a seed fixes the sample
 
 
+def test_score_is_the_trainers_logprobs_of_the_given_tokens(engine, model_dir, loop):
+    """Engine.score from vLLM's prompt logprobs (a teacher served by vLLM, docs/distill.md): the trainer's fp32
+    logprobs of LONG_PROMPT[start:] within 1e-4 (vLLM's own fp32 kernels), at temperature 1 only."""
+    tokens = torch.tensor([LONG_PROMPT])
+    with torch.no_grad():
+        want = token_logprobs(load_model(model_dir), tokens, torch.ones_like(tokens), 1.0)[0, 100:]
+    got = loop.run_until_complete(engine.score(LONG_PROMPT, 100))
+    assert len(got) == len(LONG_PROMPT) - 100
+    assert float((want - torch.tensor(got)).abs().max()) < 1e-4
+    for args, message in (((LONG_PROMPT, 100, 0.7), "temperature 1 only"), ((LONG_PROMPT, 0), "start"),
+                          (([5, engine.vocab_size], 1), "outside the vocabulary")):
+        with pytest.raises(EngineError, match=message):
+            loop.run_until_complete(engine.score(*args))
+
+
 def test_stop_token_is_kept_and_bad_requests_are_refused(engine, loop):
     free = loop.run_until_complete(engine.generate(PROMPT, SamplingParams(max_new_tokens=30, seed=1)))
     stop = free.output_ids[4]

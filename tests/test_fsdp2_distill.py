@@ -18,7 +18,7 @@ from furlong.model.loading import load_tokenizer
 from furlong.train.distill import TeacherSpec
 from fsdp2_support import prompted_episodes
 from test_fsdp2 import LORA, STAT_TOL, WEIGHT_TOL, _assert_same_weights, _fsdp2, _local, _spec
-from tests_support import gpt2_teacher
+from tests_support import SMALL, gpt2_teacher
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BRIEF = "Answer in as few words as you can."
@@ -65,5 +65,39 @@ def test_teacher_logprobs_and_step_match_the_local_trainer(small_dir: Path, tmp_
             again, locally = fsdp.score_teacher(episodes), local.score_teacher(episodes)
             assert again.episodes[0].teacher_logprobs != got.episodes[0].teacher_logprobs
             assert again.episodes[0].teacher_logprobs == pytest.approx(locally.episodes[0].teacher_logprobs, abs=1e-5)
+    finally:
+        fsdp.close()
+
+
+def test_a_self_teacher_that_cannot_read_an_episode_fails_it_not_the_run(small_dir: Path) -> None:
+    """A sampled id outside the vocabulary (a student's added token the checkpoint's embedding lacks) makes the
+    teacher's forward raise (IndexError in the embedding). Under FSDP2 that forward is a collective: before this
+    was screened, the rank holding the episode raised inside it and the step ended with RankFailed. Now the
+    episode fails on its rank before any forward, the other ranks still meet it in every pass, and the statuses,
+    logprobs and metrics are the local trainer's (which screens the same way)."""
+    episodes = prompted_episodes(load_tokenizer(small_dir))
+    bad = len(episodes) // 2
+    e = episodes[bad]
+    episodes[bad] = replace(e, tokens=e.tokens[:-1] + (SMALL.vocab_size + 7,))
+    base = _spec(small_dir, lora=LORA, filter_zero_variance=False)
+    spec = replace(base, config=replace(base.config, distill_mode="grpo+opd"), teacher=TeacherSpec(system_prompt=BRIEF))
+    local, fsdp = _local(spec), _fsdp2(spec)
+    try:
+        with pytest.raises(IndexError):  # what the forward itself does with the id, unscreened
+            local.teacher._forward(local.model, [episodes[bad]], [(0, list(episodes[bad].tokens), 0)])
+        want, got = local.score_teacher(episodes), fsdp.score_teacher(episodes)
+        statuses = [x.distill.status for x in got.episodes]
+        assert statuses == [x.distill.status for x in want.episodes]
+        assert statuses[bad] == "teacher_failed" and statuses.count("teacher_failed") == 1
+        assert got.episodes[bad].teacher_logprobs is None
+        assert f"token id {SMALL.vocab_size + 7} is outside the teacher's vocabulary" in got.episodes[bad].distill.error
+        for a, b in zip(got.episodes, want.episodes, strict=True):
+            if a.teacher_logprobs is not None:
+                assert a.teacher_logprobs == pytest.approx(b.teacher_logprobs, abs=1e-5)
+        metrics = got.metrics()
+        assert metrics["distill_failed"] == 1 and metrics["distill_scored"] == len(episodes) - 1
+        assert metrics["teacher_tokens"] == want.tokens > 0
+        good = [x for i, x in enumerate(got.episodes) if i != bad]  # the run goes on: the ranks train together
+        assert fsdp.train_step(good).loss_tokens == local.train_step([x for i, x in enumerate(want.episodes) if i != bad]).loss_tokens
     finally:
         fsdp.close()

@@ -321,3 +321,24 @@ def test_colocated_engines_take_their_memory_fraction_from_the_trainers_gpu():
     assert shared.trainer.capacity == 0.25 * 2**30
     tight = _spec(trainer={"gpus": 2, "seq_len": 2**21}, rollout={"memory_fraction": 0.75}, colocate=True)
     assert any("colocated engines' memory_fraction" in p for p in make_plan(tight).problems)
+
+
+def test_a_teacher_on_its_own_engine_is_an_engine_role_not_trainer_memory():
+    """teacher.engine hf|vllm (train.distill.teacher.engine): the teacher's weights leave the trainer rank for
+    GPUs of its own engine, placed after the rollout engines, and its prefill runs on those GPUs."""
+    big = {**SMALL, "layers": 4}  # 2536 parameters, bf16 (the test above)
+    nodes = [{"name": "n", "count": 1, "gpus": 4, "gpu_memory_gib": 1, "cpus": 8, "memory_gib": 16}]
+    plan = make_plan(_spec(nodes=nodes, step=STEP, teacher={"model": big, "engine": "vllm", "gpus": 2}))
+    assert "teacher weights (frozen)" not in {t.name for t in plan.trainer.terms}
+    assert plan.teacher is not None and plan.teacher.terms[0].bytes == 2536 * 2 / 2
+    role = {a.role: a for a in plan.placement}["teacher engine"]
+    assert role.devices == "n0:2-3" and "vllm tp2" in role.detail
+    t = {x.name: x.seconds for x in plan.step.terms}
+    assert t["teacher prefill"] == pytest.approx(32 * (2 * 2536 + 512) / (2 * 1e6 * 0.5))
+    assert plan.step.seconds == pytest.approx(t["rollout"] + t["teacher prefill"] + t["train"] + t["weight sync"])
+    with pytest.raises(ValueError, match="teacher.gpus"):  # 1 + 1 + 4 GPUs on a 4-GPU node
+        make_plan(_spec(nodes=nodes, teacher={"model": big, "engine": "hf", "gpus": 4}))
+    with pytest.raises(ValueError, match="teacher.engine"):
+        _spec(teacher={"kind": "self", "engine": "hf"})
+    huge = {**SMALL, "vocab": 200_000, "hidden": 4096}  # 1.6 GB of embeddings alone: more than 0.85 x 1 GiB
+    assert any("teacher engine GPU" in x for x in make_plan(_spec(nodes=nodes, teacher={"model": huge, "engine": "hf"})).problems)

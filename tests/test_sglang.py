@@ -84,6 +84,27 @@ def test_generate_logprobs_match_the_trainer(server, tiny_dir, tmp_path):
     run(go())
 
 
+def test_score_reads_sglangs_input_token_logprobs(server, tiny_dir, tmp_path):
+    """Engine.score over /generate's return_logprob from logprob_start_len (the stand-in answers with its hf
+    engine's score, shaped as SGLang's input_token_logprobs): the trainer's logprobs of PROMPT[start:]."""
+    async def go():
+        engine = engine_for(server, tmp_path, tiny_dir)
+        try:
+            got = await engine.score(PROMPT, 2)
+            with pytest.raises(EngineError, match="temperature"):
+                await engine.score(PROMPT, 2, 0.7)
+            with pytest.raises(EngineError, match="start"):
+                await engine.score(PROMPT, 0)
+            return got
+        finally:
+            await engine.close()
+
+    got = run(go())
+    want = trainer_logprobs(load_model(tiny_dir), PROMPT[:2], tuple(PROMPT[2:]), 1.0)
+    assert len(got) == len(PROMPT) - 2
+    assert (want - torch.tensor(got)).abs().max().item() <= TOL
+
+
 def test_update_from_disk_changes_outputs_and_bumps_version(server, tiny_dir, tmp_path):
     model = load_model(tiny_dir)
 

@@ -3,6 +3,7 @@ rollout engines and their weight link: furlong.build.links). Every class built h
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -16,6 +17,7 @@ from furlong.agent.harness import program
 from furlong.build.environment import RunEnv, env_source, run_env
 from furlong.build.sandbox import image_store, network_default, sandbox_backend
 from furlong.config import Config, ConfigError, TrainConfig
+from furlong.engine.factory import make_engine
 from furlong.envs.base import EnvSource, EnvSpec
 from furlong.metrics.run import RunDir
 from furlong.metrics.wandb_log import WandbLog
@@ -31,6 +33,7 @@ from furlong.sandbox.pool import StoreImages
 from furlong.sandbox.remote.hosts import Hosts
 from furlong.sandbox.remote.images import HostImages
 from furlong.train.distill import Teacher, TeacherSpec, TokenizerMismatch, check_tokenizers
+from furlong.train.distill_engine import EngineTeacher, ServedTeacher
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.protocol import Trainer
 from furlong.train.ranks import LocalRanks, RankGroup
@@ -232,10 +235,24 @@ def teacher(t: TrainConfig, sft_dir: Path, device: torch.device, hints: dict[str
 
 def teacher_spec(t: TrainConfig, sft_dir: Path, hints: dict[str, str]) -> TeacherSpec | None:
     """train.distill's teacher as values (None when off); teacher.frozen: the SFT checkpoint, as RL starts."""
-    if not t.distill.on:
+    if not t.distill.on or t.distill.teacher.engine != "trainer":
         return None
     d = t.distill.teacher
     return TeacherSpec(sft_dir if d.frozen else d.path, d.system_prompt, tuple(sorted(hints.items())))
+
+
+async def engine_teacher(t: TrainConfig, sft_dir: Path, hints: dict[str, str]) -> EngineTeacher | None:
+    """train.distill.teacher.engine hf|vllm: one more engine of that kind, in this process (vllm: its engine
+    core process), loaded with the teacher's checkpoint (teacher.frozen: the SFT checkpoint), scoring for the
+    trainer; None when the teacher lives with the trainer."""
+    d = t.distill.teacher
+    if not t.distill.on or d.engine == "trainer":
+        return None
+    path = sft_dir if d.frozen else d.path
+    assert path is not None  # config: an engine teacher is a checkpoint or a frozen self-teacher
+    served = ServedTeacher(d.engine, Path(path), d.system_prompt, tuple(sorted(hints.items())))
+    engine = await asyncio.to_thread(make_engine, d.engine, served.path, seed=t.seed)
+    return EngineTeacher(served.renderer(sft_dir, grpo_config(t)), engine)
 
 
 def fsdp2_trainer(

@@ -72,6 +72,7 @@ class Plan:
     paths: tuple[SyncPath, ...]  # the chosen update path, and full vs delta to compare
     step: StepTime | None  # with a `step:` section
     problems: tuple[str, ...]  # each a "does not fit" line naming the role and the numbers
+    teacher: Memory | None = None  # a teacher on an engine of its own (teacher.engine hf|vllm): one of its GPUs
 
 
 def nodes(spec: ClusterSpec) -> list[Node]:
@@ -99,11 +100,12 @@ def place(spec: ClusterSpec) -> tuple[list[Assignment], list[Node], list[str]]:
     inside one node when it fits one; a relay on each engine node; sandboxes on the CPU nodes."""
     t, r = spec.trainer, spec.rollout
     slots = [(n, g) for n in nodes(spec) for g in range(n.group.gpus)]
-    need = t.gpus if spec.colocate else t.gpus + r.gpus
+    need = (t.gpus if spec.colocate else t.gpus + r.gpus) + _teacher_gpus(spec)
     if spec.colocate and r.gpus > t.gpus:
         raise ValueError(f"colocate: rollout.gpus ({r.gpus}) exceeds trainer.gpus ({t.gpus})")
     if need > len(slots):
-        raise ValueError(f"trainer.gpus + rollout.gpus = {need} but the nodes have {len(slots)} GPUs")
+        added = " + teacher.gpus" if _teacher_gpus(spec) else ""
+        raise ValueError(f"trainer.gpus + rollout.gpus{added} = {need} but the nodes have {len(slots)} GPUs")
     if r.gpus % r.tp:
         raise ValueError(f"rollout.gpus ({r.gpus}) is not a multiple of rollout.tp ({r.tp})")
     trainer = slots[: t.gpus]
@@ -120,6 +122,18 @@ def place(spec: ClusterSpec) -> tuple[list[Assignment], list[Node], list[str]]:
     for i, block in enumerate(engines):
         out.append(Assignment(f"engine {i}", _ranges(block), f"{kind}, {r.dtype} weights, {r.kv_dtype} KV"))
     engine_nodes = list(dict.fromkeys(n for block in engines for n, _ in block))
+    teacher = spec.teacher
+    if teacher is not None and teacher.on_engine:  # after the rollout engines, on GPUs of its own
+        block = _engine_block(free if not spec.colocate else slots[t.gpus :], teacher.gpus)
+        if block is None:
+            raise ValueError(f"teacher: its {teacher.engine} engine needs {teacher.gpus} GPUs on one node; none left")
+        out.append(
+            Assignment(
+                "teacher engine",
+                _ranges(block),
+                f"{teacher.engine} tp{teacher.gpus}, {teacher.dtype} weights: scores every sample (prefill only)",
+            )
+        )
     out.append(
         Assignment(
             "relay",
@@ -248,7 +262,7 @@ def _rank_terms(spec: ClusterSpec, p: ModelParams, stage: int) -> list[Term]:
         )
     )
     terms.append(_activations(spec, p, stage, n_layers))
-    if spec.teacher is not None and spec.teacher.kind == "checkpoint":
+    if spec.teacher is not None and spec.teacher.kind == "checkpoint" and not spec.teacher.on_engine:
         terms.append(teacher_weights(spec, dp, edp))
     if stage == t.pp - 1:
         tokens = t.seq_len * t.micro_batch / t.cp
@@ -319,6 +333,26 @@ def engine_memory(spec: ClusterSpec, p: ModelParams) -> Memory:
     )
 
 
+def _teacher_gpus(spec: ClusterSpec) -> int:
+    return spec.teacher.gpus if spec.teacher is not None and spec.teacher.on_engine else 0
+
+
+def teacher_engine_memory(spec: ClusterSpec) -> Memory | None:
+    """A teacher on an engine of its own: its frozen weights split over its GPUs (tp), within the rollout
+    engines' memory_fraction of one GPU; the rest of that share is its prefill's KV and activations."""
+    teacher = spec.teacher
+    if teacher is None or not teacher.on_engine:
+        return None
+    tp, wb = model_params(teacher.model or spec.model), DTYPE_BYTES[teacher.dtype]
+    gpu = [g for g in spec.nodes if g.gpus][-1].gpu_memory_gib * GIB
+    weights = tp.total * wb / teacher.gpus
+    return Memory(
+        "teacher engine GPU",
+        (Term("teacher weights (frozen)", weights, f"{tp.total:,} x {wb} B / tp{teacher.gpus}"),),
+        gpu * spec.rollout.memory_fraction,
+    )
+
+
 _ENGINE_SHARE = " and the colocated engines' memory_fraction"
 
 
@@ -337,6 +371,12 @@ def make_plan(spec: ClusterSpec) -> Plan:
             f"does not fit: engine GPU weights need {weights / GIB:,.1f} GiB but memory_fraction x GPU "
             f"is {engine.capacity / GIB:,.1f} GiB"
         )
+    teacher = teacher_engine_memory(spec)
+    if teacher is not None and teacher.total > teacher.capacity:
+        problems.append(
+            f"does not fit: teacher engine GPU weights need {teacher.total / GIB:,.1f} GiB but memory_fraction x "
+            f"GPU is {teacher.capacity / GIB:,.1f} GiB (teacher.gpus splits them)"
+        )
     trainer_nodes = {n.name for n, _ in _trainer_slots(spec)}
     remote = sum(n.name not in trainer_nodes for n in engine_nodes)
     relays = Relays(len(engine_nodes) - remote, remote, engine_nodes[0].group if engine_nodes else spec.nodes[0])
@@ -348,5 +388,14 @@ def make_plan(spec: ClusterSpec) -> Plan:
         )
         step = step_time(spec, p, kv_tokens, next(x.seconds for x in paths if x.kind == spec.sync), problems)
     return Plan(
-        spec, p, tuple(placement), trainer, engine, tuple(weight_updates(spec, p, relays)), paths, step, tuple(problems)
+        spec,
+        p,
+        tuple(placement),
+        trainer,
+        engine,
+        tuple(weight_updates(spec, p, relays)),
+        paths,
+        step,
+        tuple(problems),
+        teacher,
     )

@@ -50,6 +50,8 @@ def print_plan(plan: Plan, console: Console) -> None:
     console.print(placement)
     console.print(_memory_table(plan.trainer))
     console.print(_memory_table(plan.engine))
+    if plan.teacher is not None:
+        console.print(_memory_table(plan.teacher))
     updates = Table(title=f"each weight update ({s.sync})", title_justify="left")
     for col, justify in (("what", "left"), ("GiB", "right"), ("link", "left"), ("seconds", "right")):
         updates.add_column(col, justify=cast(JustifyMethod, justify), overflow="fold")

@@ -189,12 +189,27 @@ class TeacherSpec(_Strict):
     model: ModelSpec | None = Field(None, description="checkpoint: its shape (or hf_config: PATH); null: the student's")
     dtype: Dtype = Field("bf16", description="checkpoint: its weights' dtype")
     shard: bool = Field(True, description="checkpoint: split like the policy (tp, pp, ep, and dp with shard: full)")
+    engine: Literal["trainer", "hf", "vllm"] = Field(
+        "trainer",
+        description="train.distill.teacher.engine: trainer (on the trainer's GPUs); hf or vllm: an engine role of "
+        "its own on `gpus` more GPUs, its weights there (a checkpoint teacher only)",
+    )
+    gpus: int = Field(1, ge=1, description="engine hf|vllm: the teacher engine's GPUs (its weights split over them)")
 
     @model_validator(mode="after")
     def _self_has_no_model(self) -> TeacherSpec:
         if self.kind == "self" and self.model is not None:
             raise ValueError("teacher.model: a self teacher is the policy itself; drop it (or kind: checkpoint)")
+        if self.kind == "self" and self.engine != "trainer":
+            raise ValueError(
+                f"teacher.engine: {self.engine} serves a checkpoint (a frozen self teacher is kind: checkpoint); "
+                "a live self teacher is the policy, on the trainer"
+            )
         return self
+
+    @property
+    def on_engine(self) -> bool:
+        return self.engine != "trainer"
 
 
 class ClusterSpec(_Strict):
@@ -207,7 +222,9 @@ class ClusterSpec(_Strict):
     delta: Delta = Delta()
     sandboxes: Sandboxes = Sandboxes(concurrent=0)
     step: Step | None = Field(None, description="one step's batch and hardware rates: the time estimate")
-    teacher: TeacherSpec | None = Field(None, description="a distillation teacher on the trainer's GPUs")
+    teacher: TeacherSpec | None = Field(
+        None, description="a distillation teacher: on the trainer's GPUs, or (teacher.engine) on an engine of its own"
+    )
 
     @model_validator(mode="after")
     def _layers(self) -> ClusterSpec:

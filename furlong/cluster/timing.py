@@ -163,8 +163,8 @@ def _train(spec: ClusterSpec, p: ModelParams) -> TimeTerm:
 
 
 def _teacher(spec: ClusterSpec, p: ModelParams) -> TimeTerm | None:
-    """A distillation teacher's prefill of every sample, forward only, on the trainer's GPUs: the checkpoint's
-    active parameters, or the policy's own (a self teacher)."""
+    """A distillation teacher's prefill of every sample, forward only, on the trainer's GPUs (or its own engine's,
+    teacher.engine): the checkpoint's active parameters, or the policy's own (a self teacher)."""
     teacher = spec.teacher
     if teacher is None:
         return None
@@ -173,11 +173,12 @@ def _teacher(spec: ClusterSpec, p: ModelParams) -> TimeTerm | None:
     per_sample = st.prompt_tokens + st.observation_tokens + st.response_tokens
     tokens = st.prompts * st.group_size * per_sample
     flops = tokens * (2 * active + attention_flops(m, per_sample / 2))
+    gpus, where = (teacher.gpus, "teacher engine GPUs") if teacher.on_engine else (spec.trainer.gpus, "GPUs")
     return TimeTerm(
         "teacher prefill",
-        flops / (spec.trainer.gpus * st.gpu_tflops * 1e12 * st.mfu),
+        flops / (gpus * st.gpu_tflops * 1e12 * st.mfu),
         f"1 forward x {tokens:,} tokens x (2 x {active / 1e9:.1f}B active + attention) / "
-        f"({spec.trainer.gpus} GPUs x {st.gpu_tflops:g} TFLOP/s x mfu {st.mfu:g})",
+        f"({gpus} {where} x {st.gpu_tflops:g} TFLOP/s x mfu {st.mfu:g})",
     )
 
 

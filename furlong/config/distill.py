@@ -30,6 +30,12 @@ class TeacherConfig(_Node):
         description="with system_prompt: score with a frozen copy of the policy as RL starts (the SFT "
         "checkpoint, held beside it) instead of its current weights, so the target holds still",
     )
+    engine: Literal["trainer", "hf", "vllm"] = Field(
+        "trainer",
+        description="where the teacher runs: trainer (beside the policy, as above); hf or vllm: one more engine "
+        "of that kind, in the driver, loaded with `path` (or, with frozen, the SFT checkpoint), scoring each "
+        "episode with Engine.score (prefill only); vllm scores at temperature 1 only",
+    )
     hint: Literal["none", "solution"] = Field(
         "none",
         description="solution: the task's oracle solution (solution/solve.sh) is appended to the teacher's "
@@ -67,6 +73,12 @@ class DistillConfig(_Node):
             raise ValueError(
                 "train.distill.teacher.frozen: freezes a self-distillation teacher (system_prompt); a path "
                 "teacher is frozen already"
+            )
+        if t.engine != "trainer" and t.system_prompt is not None and not t.frozen:
+            raise ValueError(
+                f"train.distill.teacher.engine={t.engine}: a self-distillation teacher scores with the policy's "
+                "current weights, which a separate engine does not follow; set train.distill.teacher.frozen=true "
+                "(the SFT checkpoint on the engine) or engine=trainer"
             )
         if self.mode == "off" and (t.path is not None or t.system_prompt is not None):
             raise ValueError("train.distill.teacher is set but train.distill.mode is off: set mode opd or grpo+opd")

@@ -192,6 +192,11 @@ class TrainConfig(_Node):
                 "train.distill.teacher.system_prompt with train.agent.harness.command: a harness writes its own "
                 "prompt, which furlong cannot re-render under the teacher's; use train.distill.teacher.path"
             )
+        if d.teacher.engine == "vllm" and self.rl.temperature != 1.0:
+            raise ValueError(
+                f"train.distill.teacher.engine=vllm scores at temperature 1 only (vLLM's prompt logprobs are "
+                f"untempered), but train.rl.temperature is {self.rl.temperature}; use engine hf or trainer"
+            )
         # A group whose rewards are all equal still has a teacher's per-token signal: filtering it would drop
         # exactly the episodes distillation learns from.
         if "filter_zero_variance" in self.rl.model_fields_set and self.rl.filter_zero_variance:

@@ -107,11 +107,39 @@ def check_prompt(input_ids: Sequence[int], *, closed: bool, vocab_size: int, max
     return prompt
 
 
+def check_score(
+    input_ids: Sequence[int], start: int, temperature: float, *, closed: bool, vocab_size: int, max_context: int
+) -> list[int]:
+    """A scoring request's ids as a list of ints, or the EngineError every backend raises for it: `start` must
+    leave each scored token a context (1 <= start < len(input_ids)), and the whole sequence fit the context."""
+    if closed:
+        raise EngineError("engine is closed")
+    ids = [int(t) for t in input_ids]
+    if not 1 <= int(start) < len(ids):
+        raise EngineError(
+            f"start: expected 1 <= start < len(input_ids) = {len(ids)} (token 0 has no context), got {start}"
+        )
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise EngineError(f"temperature: expected a finite value > 0 for scoring, got {temperature}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineError(f"input_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(ids) > max_context:
+        raise EngineError(f"input_ids: {len(ids)} tokens do not fit the {max_context}-token context")
+    return ids
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An inference engine shared by many concurrent episodes. All methods are async."""
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> Generation: ...
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """Prefill only, no sampling: the logprob of each of input_ids[start:] given the ids before it, under
+        softmax(logits / temperature) in fp32, as furlong.train.logprobs.token_logprobs computes it (a teacher
+        scoring a student's tokens, furlong.train.distill)."""
+        ...
 
     async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Load (a subset of) the model's parameters between decode steps, then report `version`."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams, check_prompt
+from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams, check_prompt, check_score
 from furlong.engine.kv import KV, DecodeBatch, PrefillRow, SoloBatch, prefill
 from furlong.engine.prefix import PrefixCache
 from furlong.engine.sampling import sample_next
@@ -172,6 +172,26 @@ class HFEngine:
         self._wake.set()
         # A cancelled caller cancels the future; the loop drops that request at the next step boundary.
         return await request.future
+
+    async def score(self, input_ids: Sequence[int], start: int, temperature: float = 1.0) -> list[float]:
+        """One forward over `input_ids` on the engine's worker thread (between decode steps, never beside a
+        weight update): fp32 log-softmax of the tempered logits, the trainer's token_logprobs numerics."""
+        ids = check_score(
+            input_ids, start, temperature, closed=self._closed, vocab_size=self.vocab_size, max_context=self.max_context
+        )
+        async with self._step_lock:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._score, ids, start, temperature
+            )
+
+    def _score(self, ids: list[int], start: int, temperature: float) -> list[float]:
+        device = next(self.model.parameters()).device
+        tokens = torch.tensor([ids], device=device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=tokens, use_cache=False).logits[0, start - 1 : -1]
+            z = logits.float() / temperature
+            chosen = z.gather(-1, tokens[0, start:, None]).squeeze(-1) - z.logsumexp(dim=-1)
+        return chosen.cpu().tolist()
 
     def _check_prompt(self, input_ids: Sequence[int]) -> list[int]:
         return check_prompt(input_ids, closed=self._closed, vocab_size=self.vocab_size, max_context=self.max_context)

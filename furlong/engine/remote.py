@@ -88,6 +88,11 @@ class RemoteEngine:
         self._version = max(self._version, gen.weight_version)
         return gen
 
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """POST /score: the engine's logprobs of input_ids[start:] (Engine.score)."""
+        body = {"input_ids": [int(t) for t in input_ids], "start": int(start), "temperature": float(temperature)}
+        return [float(x) for x in (await self._post("/score", body))["logprobs"]]
+
     async def sync(self) -> dict:
         """Have the engine's relay pull, verify and load the newest published version; its SyncReport."""
         report = await self._post("/sync")

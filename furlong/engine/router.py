@@ -137,22 +137,32 @@ class Router:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None) -> Generation:
         """Served by one instance; restarted from the prompt on another if that one fails mid-request."""
+        prompt = [int(t) for t in input_ids]
+        gen, inst, previous = await self._serve(prompt, lambda i: i.engine.generate(prompt, sampling))
+        self.prefixes.record(prompt + list(gen.output_ids), inst.index, replaces=previous)
+        return gen
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """Scored by one instance (where its prefix is cached, if anywhere); by another if that one fails."""
+        ids = [int(t) for t in input_ids]
+        return (await self._serve(ids, lambda i: i.engine.score(ids, start, temperature)))[0]
+
+    async def _serve(
+        self, tokens: list[int], call: Callable[[Instance], Awaitable[T]]
+    ) -> tuple[T, Instance, tuple[int, int] | None]:
+        """`call` on the instance placed for `tokens`, then on others while the one tried is unavailable."""
         self._watch()
-        prompt, tried = [int(t) for t in input_ids], set[int]()
-        hashes = _prefix_hashes(prompt)
+        hashes, tried = _prefix_hashes(tokens), set[int]()
         while True:
             inst, previous = self._place(hashes, tried)
             if tried:
                 inst.retries += 1
             tried.add(inst.index)
             try:
-                gen = await self._attempt(inst, prompt, sampling)
+                return await self._attempt(inst, call), inst, previous
             except EngineUnavailable as e:
                 inst.failures += 1
                 self._take_out(inst, str(e))
-                continue
-            self.prefixes.record(prompt + list(gen.output_ids), inst.index, replaces=previous)
-            return gen
 
     async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         await self._fan_out(lambda i: i.engine.update_weights(state_dict, version))
@@ -255,12 +265,12 @@ class Router:
             return inst, found[0]
         return min(usable, key=lambda i: (i.in_flight, i.requests, i.index)), None
 
-    async def _attempt(self, inst: Instance, prompt: list[int], sampling: SamplingParams | None) -> Generation:
+    async def _attempt(self, inst: Instance, call: Callable[[Instance], Awaitable[T]]) -> T:
         """One request on one instance; EngineUnavailable if it fails or is taken out meanwhile (a hung
         instance never answers: the health check's verdict ends the wait)."""
         inst.requests += 1
         inst.in_flight += 1
-        request = asyncio.ensure_future(inst.engine.generate(prompt, sampling))
+        request = asyncio.ensure_future(call(inst))
         down = asyncio.ensure_future(inst.down.wait())
         try:
             await asyncio.wait({request, down}, return_when=asyncio.FIRST_COMPLETED)

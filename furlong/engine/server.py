@@ -80,6 +80,12 @@ class GenerateBody(BaseModel):
     sampling: SamplingBody = SamplingBody()
 
 
+class ScoreBody(BaseModel):
+    input_ids: list[int]
+    start: int
+    temperature: float = 1.0
+
+
 def open_transport(spec: str) -> Transport:
     """An http(s) URL is an UpdateServer; anything else is a published directory."""
     if spec.startswith(("http://", "https://")):
@@ -111,6 +117,13 @@ def build_app(engine: HFEngine, relay: Relay | None, token: str | None = None) -
         except (EngineError, ValueError) as e:
             raise HTTPException(status_code=400, detail=str(e)) from None
         return dataclasses.asdict(dataclasses.replace(gen, routes=None))  # routes stay in-process
+
+    @app.post("/score")
+    async def score(body: ScoreBody) -> dict:
+        try:
+            return {"logprobs": await engine.score(body.input_ids, body.start, body.temperature)}
+        except (EngineError, ValueError) as e:
+            raise HTTPException(status_code=400, detail=str(e)) from None
 
     @app.post("/sync")
     async def sync() -> dict:

@@ -183,6 +183,30 @@ class SGLangEngine:
         out = await self._post_json("/generate", body)
         return parse_generation(out, len(prompt), sent)
 
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """The logprobs of input_ids[start:] from SGLang's input-token logprobs (`return_logprob` from
+        `logprob_start_len` = start; one token sampled and dropped). SGLang's input logprobs are untempered:
+        only temperature 1 is served."""
+        ids = [int(t) for t in input_ids]
+        if not 1 <= int(start) < len(ids):
+            raise EngineError(f"start: expected 1 <= start < len(input_ids) = {len(ids)}, got {start}")
+        if temperature != 1.0:
+            raise EngineError(f"temperature: the sglang engine scores at temperature 1 only, got {temperature}")
+        body: dict[str, Any] = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": int(start),
+        }
+        if self._lora is not None:
+            body["lora_path"] = self._lora
+        out = await self._post_json("/generate", body)
+        got = (out.get("meta_info") or {}).get("input_token_logprobs") or []
+        values = [entry[0] for entry in got]
+        if len(values) != len(ids) - start or any(v is None for v in values):
+            raise EngineError(f"SGLang at {self.url}: {len(values)} input logprobs for {len(ids) - start} tokens")
+        return [float(v) for v in values]
+
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """The Engine protocol's update: LoRA tensors become a new adapter, others go via disk or tensor."""
         start = time.perf_counter()

@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams, check_prompt
+from furlong.engine.base import EngineError, FinishReason, Generation, SamplingParams, check_prompt, check_score
 from furlong.engine.vllm_lora import ServedAdapter, lora_request, shm_dir
 
 WORKER_EXTENSION = "furlong.engine.vllm_worker.FurlongWorkerExtension"
@@ -217,6 +217,33 @@ class VLLMEngine:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+
+    async def score(self, input_ids: Sequence[int], start: int, temperature: float = 1.0) -> list[float]:
+        """vLLM's prompt logprobs of input_ids[start:] (one request, max_tokens 1, the sampled token dropped).
+        They are the raw logits' log-softmax: vLLM applies no temperature to prompt tokens, so only 1 is served."""
+        ids = check_score(
+            input_ids, start, temperature, closed=self._closed, vocab_size=self.vocab_size, max_context=self.max_context
+        )
+        if temperature != 1.0:
+            raise EngineError(
+                f"temperature: the vllm engine scores at temperature 1 only (its prompt logprobs are untempered), got {temperature}"
+            )
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        while not (self._resumed.is_set() and self._open.is_set()):
+            await (self._open if self._resumed.is_set() else self._resumed).wait()
+        params = VSamplingParams(
+            max_tokens=1, prompt_logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        prompt: list = []
+        async for out in self.llm.generate(
+            {"prompt_token_ids": ids}, params, request_id=f"furlong-score-{next(self._ids)}", lora_request=self._lora
+        ):
+            prompt = out.prompt_logprobs or prompt
+        if len(prompt) != len(ids):
+            raise EngineError(f"vllm returned {len(prompt)} prompt logprobs for {len(ids)} tokens")
+        return [float(prompt[p][t].logprob) for p, t in zip(range(start, len(ids)), ids[start:], strict=True)]
 
     async def _generate(self, prompt: list[int], sampling: SamplingParams) -> Generation:
         ids: list[int] = []

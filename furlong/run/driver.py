@@ -29,6 +29,7 @@ from furlong.rollout.records import batch_metrics, rollout_metrics, settled_reco
 from furlong.rollout.scheduler import Batch, Scheduler
 from furlong.run.phases import anchor_demos, eval_phase, sft_phase
 from furlong.run.summary import rl_totals, run_summary
+from furlong.train.distill_engine import EngineTeacher
 from furlong.train.export import HF_DIR
 from furlong.train.protocol import Trainer
 from furlong.train.stats import TrainStats
@@ -92,7 +93,9 @@ async def _rl_run(
         return trainer
     drop_episodes_after(run.path, "rl", start - 1)  # the records of steps redone after a kill
     link = await links.weight_link(cfg, run.path, sft_dir, shared, p.cluster)
+    served = None
     try:
+        served = await build.engine_teacher(cfg.train, sft_dir, build.teacher_hints(cfg.train, p.train_tasks))
         async with p.env.open() as env:
             rollouts = Rollouts(
                 BusyMeter(link.engine),
@@ -104,10 +107,12 @@ async def _rl_run(
             )
             try:
                 await link.push(trainer.engine_weights(), trainer.version)
-                await rl_steps(cfg, trainer, rollouts, link, p, run, console, start)
+                await rl_steps(cfg, trainer, rollouts, link, p, run, console, start, served)
             finally:
                 await rollouts.close()
     finally:
+        if served is not None:
+            await served.engine.close()  # type: ignore[attr-defined]  # hf and vllm engines close
         await link.close()
     run.finish_phase("rl", rl_totals(run))
     return trainer
@@ -122,6 +127,7 @@ async def rl_steps(
     run: RunDir,
     console: Console,
     start: int,
+    served: EngineTeacher | None = None,
 ) -> None:
     """Batch -> train -> publish -> log, until rl.steps or rl.time_budget_s (RL step time, resumed runs included)."""
     r, records, rows = cfg.train.rl, EpisodeLog(run.path, "rl"), run.metrics("rl")
@@ -144,7 +150,7 @@ async def rl_steps(
                 batch = await scheduler.next_batch(trainer.version)
                 if step + 1 < r.steps:
                     scheduler.prestart()  # the next groups' sandboxes start while this step trains
-                batch, taught = await taught_batch(cfg, trainer, batch)
+                batch, taught = await taught_batch(cfg, trainer, batch, served)
                 stats = await asyncio.to_thread(trainer.train_step, batch.episodes)
                 synced = await link.push(trainer.engine_weights(), trainer.version)
                 scheduler.step_done()
@@ -185,12 +191,18 @@ def _step_row(
     )
 
 
-async def taught_batch(cfg: Config, trainer: Trainer, batch: Batch) -> tuple[Batch, dict]:
+async def taught_batch(
+    cfg: Config, trainer: Trainer, batch: Batch, served: EngineTeacher | None = None
+) -> tuple[Batch, dict]:
     """train.distill: the batch with the teacher's logprobs, scored by the trainer with the weights about to
-    train on it, and the step row's teacher keys (docs/distill.md); else the batch as it is."""
+    train on it (or by `served`, the teacher's own engine), and the step row's teacher keys (docs/distill.md);
+    else the batch as it is."""
     if not cfg.train.distill.on:
         return batch, {}
-    scored = await asyncio.to_thread(trainer.score_teacher, batch.episodes)
+    if served is not None:
+        scored = await served.score(batch.episodes)
+    else:
+        scored = await asyncio.to_thread(trainer.score_teacher, batch.episodes)
     return batch.with_episodes(scored.episodes), scored.metrics()
 
 

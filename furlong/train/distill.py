@@ -82,7 +82,8 @@ class TeacherPass:
 
 class Teacher:
     """Scores episodes with `model` (a frozen checkpoint), or with the policy handed to `score` (model None:
-    self-distillation, the student's current weights). `system_prompt` (None: the episode's own) replaces
+    self-distillation, the student's current weights); `served`: by an engine (furlong.train.distill_engine),
+    this object only rendering the teacher's prompts. `system_prompt` (None: the episode's own) replaces
     the prompt's system message; `hints` maps a task id to a privileged hint appended to it."""
 
     def __init__(
@@ -94,8 +95,9 @@ class Teacher:
         hints: Mapping[str, str] | None = None,
         temperature: float = 1.0,
         micro_batch_size: int = 16,
+        served: bool = False,
     ) -> None:
-        if model is None and system_prompt is None:
+        if model is None and system_prompt is None and not served:
             raise ValueError("a teacher is another model, or the policy under another system prompt")
         self.tokenizer, self.model, self.system_prompt = tokenizer, model, system_prompt
         self.hints = dict(hints or {})
@@ -130,7 +132,7 @@ class Teacher:
             try:
                 ids = self.prompt_ids(e)
             except Exception as err:  # noqa: BLE001 -- a template that cannot render this prompt fails this episode
-                out[i] = _failed(e, err)
+                out[i] = failed_episode(e, err)
                 continue
             if ids is None:
                 out[i] = replace(e, distill=TeacherScore("unscorable", error="no prompt messages to re-render"))
@@ -148,7 +150,24 @@ class Teacher:
         """Every scored episode (reward not None) with teacher logprobs or the reason it has none."""
         start = time.perf_counter()
         out, todo = self.prepare(episodes)
+        todo = self.screen(self.model if self.model is not None else policy, episodes, out, todo)
         return self.run(episodes, out, todo, policy, start)
+
+    def screen(self, model, episodes: Sequence[Episode], out: list[Episode], todo: list[Item]) -> list[Item]:
+        """`todo` less the items `model` cannot read, whose episodes fail here (in `out`) before any forward: an id
+        outside its vocabulary (a student's added token the teacher's embedding lacks) would raise inside the
+        forward, and under FSDP2 a self-distillation teacher's forward is a collective that one rank cannot
+        leave or retry alone (its peers would wait in it)."""
+        vocab = model.get_input_embeddings().num_embeddings
+        kept: list[Item] = []
+        for item in todo:
+            bad = next((t for t in item[1] if not 0 <= t < vocab), None)
+            if bad is None:
+                kept.append(item)
+            else:
+                err = IndexError(f"token id {bad} is outside the teacher's vocabulary (ids 0..{vocab - 1})")
+                out[item[0]] = failed_episode(episodes[item[0]], err)
+        return kept
 
     @torch.no_grad()
     def run(
@@ -176,22 +195,24 @@ class Teacher:
     def _score_chunk(self, model, eps: list[Episode], chunk: list[Item], forward: Callable | None):
         """One padded forward; if it raises, each episode alone, so only those that fail lose the term."""
         if forward is not None:  # collective: no retry (the peers would wait in a forward never made)
-            return [
-                (i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, self._forward(model, eps, chunk, forward))
-            ]
+            try:
+                batch = self._batch(model, eps, chunk)
+            except Exception as err:  # noqa: BLE001 -- this rank's inputs fail: it still makes the pass's forward
+                idle(forward, batch_device(model))
+                return [(i, failed_episode(e, err)) for (i, _, _), e in zip(chunk, eps)]
+            rows = self._forward(model, eps, chunk, forward, batch)
+            return [(i, scored_episode(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
         try:
             rows = self._forward(model, eps, chunk)
         except Exception as err:  # noqa: BLE001 -- any teacher failure: recorded per episode, the run goes on
             if len(chunk) == 1:
-                return [(chunk[0][0], _failed(eps[0], err))]
+                return [(chunk[0][0], failed_episode(eps[0], err))]
             return [r for e, item in zip(eps, chunk) for r in self._score_chunk(model, [e], [item], None)]
-        return [(i, _scored(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
+        return [(i, scored_episode(e, row)) for (i, _, _), e, row in zip(chunk, eps, rows)]
 
-    def _forward(
-        self, model, eps: list[Episode], chunk: list[Item], forward: Callable | None = None
-    ) -> list[list[float]]:
-        """Per episode, the teacher's logprob of each of its tokens (0.0 off the loss mask)."""
-        device = next(model.parameters()).device
+    def _batch(self, model, eps: list[Episode], chunk: list[Item]) -> tuple[torch.Tensor, ...]:
+        """The padded ids, attention mask and sampled-token mask of a micro-batch, on the model's device."""
+        device = batch_device(model)
         width = max(len(ids) for _, ids, _ in chunk)
         tokens = torch.zeros((len(chunk), width), dtype=torch.long)
         attention = torch.zeros_like(tokens)
@@ -201,8 +222,15 @@ class Teacher:
             attention[row, : len(ids)] = 1
             sampled = [p + shift for p, m in enumerate(e.loss_mask) if m]
             wanted[row, sampled] = 1.0
+        return tokens.to(device), attention.to(device), wanted.to(device)
+
+    def _forward(
+        self, model, eps: list[Episode], chunk: list[Item], forward: Callable | None = None, batch=None
+    ) -> list[list[float]]:
+        """Per episode, the teacher's logprob of each of its tokens (0.0 off the loss mask)."""
+        tokens, attention, wanted = batch if batch is not None else self._batch(model, eps, chunk)
         run = forward if forward is not None else partial(token_logprobs, model)
-        logp = run(tokens.to(device), attention.to(device), self.temperature, False, wanted.to(device)).cpu()
+        logp = run(tokens, attention, self.temperature, False, wanted).cpu()
         rows = []
         for row, ((_, _, shift), e) in enumerate(zip(chunk, eps)):
             values = logp[row].tolist()
@@ -210,13 +238,26 @@ class Teacher:
         return rows
 
 
-def _scored(e: Episode, teacher: list[float]) -> Episode:
+def batch_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def idle(forward: Callable, device: torch.device) -> None:
+    """A one-token collective forward whose result is dropped: a rank with nothing (left) to score in a pass
+    still makes it, so its peers' forwards find it (furlong.train.trainer's `_idle`, without grad)."""
+    tokens = torch.zeros((1, 2), dtype=torch.long, device=device)
+    forward(tokens, torch.ones_like(tokens), 1.0, False, torch.ones_like(tokens, dtype=torch.float32))
+
+
+def scored_episode(e: Episode, teacher: list[float]) -> Episode:
+    """`e` with the teacher's logprobs (aligned like rollout_logprobs) and its TeacherScore."""
     n = e.response_len
     kl = sum(r - t for r, t, m in zip(e.rollout_logprobs, teacher, e.loss_mask) if m) / n if n else None
     return replace(e, teacher_logprobs=tuple(teacher), distill=TeacherScore("scored", tokens=n, reverse_kl=kl))
 
 
-def _failed(e: Episode, err: BaseException) -> Episode:
+def failed_episode(e: Episode, err: BaseException) -> Episode:
+    """`e` without the term, its TeacherScore naming what failed (one line)."""
     line = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     return replace(e, teacher_logprobs=None, distill=TeacherScore("teacher_failed", error=line))
 
@@ -293,9 +334,8 @@ def teacher_for(
     given; or the policy itself under `system_prompt` (the student's tokenizer, in `tokenizer_dir`)."""
     if path is not None:
         model = load(path).to(device)  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
-        own = load_tokenizer(path, require_chat_template=False)
         return Teacher(
-            own if own.chat_template else load_tokenizer(tokenizer_dir),
+            teacher_tokenizer(tokenizer_dir, path),
             model=model,
             system_prompt=system_prompt,
             hints=hints,
@@ -309,3 +349,9 @@ def teacher_for(
         temperature=temperature,
         micro_batch_size=micro_batch_size,
     )
+
+
+def teacher_tokenizer(tokenizer_dir: Path, path: Path):
+    """The checkpoint's own tokenizer where it has a chat template, else the student's (in `tokenizer_dir`)."""
+    own = load_tokenizer(path, require_chat_template=False)
+    return own if own.chat_template else load_tokenizer(tokenizer_dir)

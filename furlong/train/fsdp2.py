@@ -166,6 +166,8 @@ class FSDP2Worker(LocalTrainer):
         mine = order[self.rank :: self.world_size]
         share = [episodes[i] for i in mine]
         out, todo = self.teacher.prepare(share)
+        model = self.teacher.model if self.teacher.model is not None else self.model
+        todo = self.teacher.screen(model, share, out, todo)
         with self._autocast():
             if self.teacher.model is not None:
                 part = self.teacher.run(share, out, todo, self.model, start)

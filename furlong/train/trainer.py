@@ -74,8 +74,6 @@ class LocalTrainer:
             raise ValueError("micro_batch_size, epochs and minibatches must be >= 1")
         if config.sft_coef > 0 and (not demos or config.sft_batch < 1):
             raise ValueError("sft_coef > 0 needs demonstrations and sft_batch >= 1")
-        if config.distill_mode != "off" and teacher is None:
-            raise ValueError(f"distill_mode {config.distill_mode} needs a teacher")
         self.teacher = teacher if config.distill_mode != "off" else None
         self.demos = list(demos) if config.sft_coef > 0 else []
         # eval(): no dropout, so the no-grad "old" pass and the grad pass compute the same function.
