@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from furlong.model.loading import load_model, load_tokenizer
+from furlong.model.loading import frozen_model, load_model, load_tokenizer
 from furlong.model.lora import LoraSpec, wrap_lora
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
 from furlong.train.protocol import Trainer
@@ -33,19 +33,22 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 WEIGHT_TOL = 1e-5
 STAT_TOL = 1e-4
 LORA = LoraSpec(rank=4, alpha=8)
-CASES = {"plain": {}, "kl": {"kl_coef": 0.1}, "anchor": {"sft_coef": 0.5, "sft_batch": 3}}
+# kl-bf16: train.model.frozen_dtype bfloat16, the sharded reference in bf16 on each rank
+CASES = {"plain": {}, "kl": {"kl_coef": 0.1}, "kl-bf16": {"kl_coef": 0.1, "frozen_dtype": "bfloat16"},
+         "anchor": {"sft_coef": 0.5, "sft_batch": 3}}
 
 
-def _spec(model_dir: Path, lora: LoraSpec | None = None, **rl) -> FSDP2Spec:
+def _spec(model_dir: Path, lora: LoraSpec | None = None, frozen_dtype: str = "float32", **rl) -> FSDP2Spec:
     config = grpo(lr=1e-3, micro_batch_size=2, minibatches=2, **rl)
-    return FSDP2Spec(model_dir, config, lora=lora, demos=fixed_demos() if config.sft_coef > 0 else ())
+    demos = fixed_demos() if config.sft_coef > 0 else ()
+    return FSDP2Spec(model_dir, config, lora=lora, demos=demos, frozen_dtype=frozen_dtype)
 
 
 def _local(spec: FSDP2Spec) -> LocalTrainer:
     model = load_model(spec.model_dir)
     if spec.lora is not None:
         model = wrap_lora(model, spec.lora, seed=spec.lora_seed)
-    ref = load_model(spec.model_dir).requires_grad_(False) if spec.config.kl_coef > 0 else None
+    ref = frozen_model(spec.model_dir, spec.frozen_dtype) if spec.config.kl_coef > 0 else None
     cfg = spec.config
     teacher = None if spec.teacher is None else spec.teacher.build(spec.model_dir, cfg, torch.device("cpu"), load_model)
     return LocalTrainer(model, cfg, ref_model=ref, demos=spec.demos, teacher=teacher)

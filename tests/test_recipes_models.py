@@ -22,6 +22,7 @@ MODELS = ROOT / "recipes" / "models"
 RECIPES = sorted(p for p in MODELS.glob("*.yaml") if not p.name.endswith(".plan.yaml"))
 PLANS = sorted(MODELS.glob("*.plan.yaml"))
 RESULTS = ROOT / "bench" / "results" / "recipe_plans.json"
+SPEC_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}  # a train config's dtype as the cluster spec names it
 
 
 def _linear_names(family: str) -> set[str]:
@@ -69,8 +70,15 @@ def test_recipe_and_its_plan_describe_the_same_run(recipe: Path):
         t.rl.group_size,
         t.rl.concurrency,
     )
-    assert spec.rollout.engine == t.engine and t.device == t.hf.device == "cuda"
+    assert spec.rollout.engine == t.engine and t.device == "cuda" and (t.engine != "hf" or t.hf.device == "cuda")
     assert (spec.teacher is not None) == (t.rl.kl_coef > 0), "a KL reference is a frozen copy the plan must count"
+    if spec.teacher is not None:  # the reference's bytes a parameter: train.model.frozen_dtype's
+        assert spec.teacher.dtype == SPEC_DTYPE[t.model.frozen_dtype]
+    if t.engine == "vllm":  # vLLM's share of the GPU and its weights' dtype: train.vllm's and train.sync's
+        assert spec.rollout.memory_fraction == t.vllm.gpu_memory_utilization
+        assert spec.rollout.dtype == SPEC_DTYPE[t.sync.engine_dtype]
+    else:  # the hf engine loads the checkpoint in fp32 (furlong/build/links.py)
+        assert spec.rollout.dtype == "fp32"
     fits = plan.trainer.fits and plan.engine.terms[0].bytes <= plan.engine.capacity
     assert fits == ("DOES NOT FIT" not in recipe.read_text()), "the recipe's header says what its plan says"
     if fits:  # every episode at the context limit at once still fits the engine's KV cache

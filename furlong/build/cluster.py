@@ -157,6 +157,7 @@ def _engine_spec(
         kind=t.engine,
         seed=t.seed,
         sglang=t.sglang if t.engine == "sglang" else None,
+        vllm=t.vllm if t.engine == "vllm" else None,
     )
 
 

@@ -51,7 +51,9 @@ def shared_engine(cfg: Config, sft_dir: Path, run_path: Path):
         from furlong.model.lora import save_adapter
 
         adapter = save_adapter(policy_model(cfg.train, sft_dir), run_path / "vllm-adapter")
-    return make_engine("vllm", sft_dir, seed=cfg.train.seed, adapter=adapter)
+    # in train.sync.engine_dtype, as the published weights: bfloat16 halves the engine's copy on a GPU
+    s = cfg.train
+    return make_engine("vllm", sft_dir, dtype=s.sync.engine_dtype, seed=s.seed, adapter=adapter, vllm=s.vllm)
 
 
 def phase_engine(

@@ -22,7 +22,7 @@ from furlong.envs.base import EnvSource, EnvSpec
 from furlong.metrics.run import RunDir
 from furlong.metrics.wandb_log import WandbLog
 from furlong.model.fp8 import Fp8Spec, fake_quantize, fp8_targets
-from furlong.model.loading import load_model, load_tokenizer
+from furlong.model.loading import frozen_model, load_model, load_tokenizer
 from furlong.model.tiny import init_tiny
 from furlong.model.toolcall import tool_format
 from furlong.rollout.groups import Rollouts
@@ -223,7 +223,7 @@ def local_trainer(
     policy = policy_model(t, sft_dir, seed=t.seed).to(device)
     if t.sync.quantized_forward:  # the trainer's logprobs through the rollout engine's fp8 weights
         fake_quantize(policy, fp8_targets(policy, t.sync.fp8_block))
-    ref = load_model(sft_dir).to(device).requires_grad_(False) if t.rl.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
+    ref = frozen_model(sft_dir, t.model.frozen_dtype).to(device) if t.rl.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
     return LocalTrainer(policy, config, ref_model=ref, demos=demos, teacher=teacher(t, sft_dir, device, hints or {}))
 
 
@@ -238,7 +238,9 @@ def teacher_spec(t: TrainConfig, sft_dir: Path, hints: dict[str, str]) -> Teache
     if not t.distill.on or t.distill.teacher.engine != "trainer":
         return None
     d = t.distill.teacher
-    return TeacherSpec(sft_dir if d.frozen else d.path, d.system_prompt, tuple(sorted(hints.items())))
+    return TeacherSpec(
+        sft_dir if d.frozen else d.path, d.system_prompt, tuple(sorted(hints.items())), t.model.frozen_dtype
+    )
 
 
 async def engine_teacher(t: TrainConfig, sft_dir: Path, hints: dict[str, str]) -> EngineTeacher | None:
@@ -282,6 +284,7 @@ def fsdp2_trainer(
         device=t.device,
         threads=t.torch_threads,
         teacher=teacher_spec(t, sft_dir, hints or {}),
+        frozen_dtype=t.model.frozen_dtype,
     )
     if cluster is None:
         return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)

@@ -24,7 +24,7 @@ import torch
 
 from furlong.cluster.reaper import Watchdog
 from furlong.cluster.session import RaySession
-from furlong.config import SGLangConfig
+from furlong.config import SGLangConfig, VLLMConfig
 from furlong.engine.base import Engine
 from furlong.engine.factory import make_engine
 from furlong.engine.serve_args import add_serve_arguments
@@ -53,6 +53,7 @@ class EngineSpec:
     kind: str = "hf"  # train.engine: hf | vllm | sglang
     seed: int = 0  # vllm, sglang: seeds the requests that bring none
     sglang: SGLangConfig | None = None  # kind sglang: how to start its server (never `url`: each actor owns one)
+    vllm: VLLMConfig | None = None  # kind vllm: its memory (train.vllm)
 
     def argv(self, host: str, port: int) -> list[str]:
         out = [
@@ -98,7 +99,7 @@ def open_engine(spec: EngineSpec, args: argparse.Namespace, work_dir: Path) -> E
     if spec.kind not in ("vllm", "sglang"):
         raise ValueError(f"engine kind: expected hf, vllm or sglang, got {spec.kind!r}")
     # sglang: its log and staged updates in work_dir (the run directory's engine-I/)
-    return make_engine(spec.kind, spec.model, seed=spec.seed, sglang=spec.sglang, work_dir=work_dir)
+    return make_engine(spec.kind, spec.model, seed=spec.seed, sglang=spec.sglang, work_dir=work_dir, vllm=spec.vllm)
 
 
 class EngineHost:

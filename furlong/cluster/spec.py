@@ -136,7 +136,13 @@ class Rollout(_Strict):
     dp_attention: bool = Field(False, description="attention replicated per GPU (SGLang dp-attention)")
     dtype: Dtype = "bf16"
     kv_dtype: Dtype = "bf16"
-    memory_fraction: float = Field(0.85, gt=0, le=1, description="of GPU memory for weights and KV cache")
+    memory_fraction: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="of GPU memory for weights and KV cache (vllm: train.vllm.gpu_memory_utilization; "
+        "sglang: --mem-fraction-static)",
+    )
 
 
 class Sandboxes(_Strict):

@@ -7,7 +7,7 @@ live in the modules beside this one, grouped by what they configure; everything 
 
 from furlong.config.base import BUNDLED_TASKS, RECIPES, REPO_ROOT
 from furlong.config.distill import DistillConfig, TeacherConfig
-from furlong.config.engines import HFEngineConfig, RayConfig, SGLangConfig, SyncConfig
+from furlong.config.engines import HFEngineConfig, RayConfig, SGLangConfig, SyncConfig, VLLMConfig
 from furlong.config.env import EnvConfig, LogConfig, PromptsConfig, RewardConfig, TrainEvalConfig, WandbConfig
 from furlong.config.load import Config, ConfigError, load_config
 from furlong.config.policy import (
@@ -57,6 +57,7 @@ __all__ = [
     "TeacherConfig",
     "TrainConfig",
     "TrainEvalConfig",
+    "VLLMConfig",
     "WandbConfig",
     "load_config",
 ]

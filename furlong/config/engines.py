@@ -107,6 +107,24 @@ class SGLangConfig(_Node):
     )
 
 
+class VLLMConfig(_Node):
+    """`train.engine: vllm`: the memory vLLM may take (furlong.engine.vllm; `furlong train --plan`'s
+    rollout.memory_fraction is the same fraction)."""
+
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="on a GPU: the fraction of its memory vLLM takes for weights, activations and KV cache "
+        "(null: vLLM's default, 0.9, which leaves a trainer on the same GPU little); the CPU build ignores it",
+    )
+    kv_cache_gib: int | None = Field(
+        None,
+        ge=1,
+        description="the CPU build's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE); null: that variable as set, else 1",
+    )
+
+
 class HFEngineConfig(_Node):
     """The in-process hf engine (furlong.engine.hf) that runs rollouts and held-out evals."""
 

@@ -26,6 +26,12 @@ DEFAULT_RL_FAMILIES = ("number-words",)
 class ModelConfig(_Node):
     path: Path | None = Field(None, description="a local Hugging Face checkpoint; null builds the tiny model")
     seed: int = Field(0, description="seed of the tiny model's initial weights (model.path null)")
+    frozen_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="dtype of the frozen copies the trainer holds (the KL reference, a train.distill checkpoint "
+        "teacher): bfloat16 halves their memory; their logprobs still take an fp32 log-softmax of the bf16 "
+        "logits, so the KL to the reference is then near, not exactly, 0 at step 0 (docs/training.md)",
+    )
 
 
 DEFAULT_SYSTEM_PROMPT = (

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from furlong.config.base import BUNDLED_TASKS, _Node
 from furlong.config.distill import DistillConfig
-from furlong.config.engines import HFEngineConfig, RayConfig, SGLangConfig, SyncConfig
+from furlong.config.engines import HFEngineConfig, RayConfig, SGLangConfig, SyncConfig, VLLMConfig
 from furlong.config.env import (
     EnvConfig,
     LogConfig,
@@ -41,6 +41,7 @@ class TrainConfig(_Node):
         "sglang: RL rollouts on an SGLang server, evals stay on hf (train.sglang)",
     )
     sglang: SGLangConfig = Field(SGLangConfig(), description="train.engine=sglang: the server")
+    vllm: VLLMConfig = Field(VLLMConfig(), description="train.engine=vllm: its memory")
     cluster: Literal["local", "ray"] = Field(
         "local",
         description="local: every role in this process (or engine processes, train.sync.engine); "

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from furlong.config import SGLangConfig
+from furlong.config import SGLangConfig, VLLMConfig
 from furlong.engine.base import Engine, EngineUnavailable
 
 EngineKind = Literal["hf", "vllm", "sglang"]
@@ -46,11 +46,13 @@ def make_engine(
     seed: int = 0,
     sglang: SGLangConfig | None = None,
     work_dir: Path | None = None,
+    vllm: VLLMConfig | None = None,
 ) -> Engine:
     """An engine serving the checkpoint at `model_dir`, with the PEFT adapter at `adapter` applied if given.
     `dtype` is the weights' dtype (float32 keeps logprobs equal to the trainer's); `seed` seeds the requests
     that bring no seed of their own. sglang: `sglang` settings (default: start `python -m
-    sglang.launch_server`), its log and staged updates under `work_dir` (default a temp dir)."""
+    sglang.launch_server`), its log and staged updates under `work_dir` (default a temp dir). vllm: `vllm`'s
+    memory settings (default: vLLM's own)."""
     if dtype not in DTYPES:
         raise EngineUnavailable(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     model_dir = check_checkpoint(model_dir, "model")
@@ -58,7 +60,7 @@ def make_engine(
     if kind == "hf":
         return _hf_engine(model_dir, adapter, dtype, seed)
     if kind == "vllm":
-        return _vllm_engine(model_dir, adapter, dtype, seed)
+        return _vllm_engine(model_dir, adapter, dtype, seed, vllm or VLLMConfig())
     if kind == "sglang":
         return _sglang_engine(model_dir, adapter, dtype, seed, sglang, work_dir)
     raise EngineUnavailable(f"engine {kind!r}: expected one of {', '.join(ENGINE_KINDS)}")
@@ -79,7 +81,7 @@ def _hf_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> 
     return HFEngine(model, eos_token_ids=(), seed=seed)
 
 
-def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -> Engine:
+def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int, memory: VLLMConfig) -> Engine:
     if importlib.util.find_spec("vllm") is None:
         raise EngineUnavailable(
             "engine 'vllm': vllm is not installed (the furlong[vllm] extra: bash install.sh --vllm; docs/engines.md)"
@@ -89,7 +91,15 @@ def _vllm_engine(model_dir: Path, adapter: Path | None, dtype: str, seed: int) -
     except ModuleNotFoundError as exc:  # vllm is there, but this furlong has no backend for it (or a dep is missing)
         raise EngineUnavailable(f"engine 'vllm': furlong.engine.vllm could not be imported ({exc})") from None
     # episodes stop on end-of-turn, never on a bare EOS; an adapter runs as a vLLM LoRA on every request
-    return module.VLLMEngine.start(model_dir, dtype=dtype, seed=seed, eos_token_ids=(), adapter=adapter)
+    return module.VLLMEngine.start(
+        model_dir,
+        dtype=dtype,
+        seed=seed,
+        eos_token_ids=(),
+        adapter=adapter,
+        gpu_memory_utilization=memory.gpu_memory_utilization,
+        kv_cache_gib=memory.kv_cache_gib,
+    )
 
 
 def _sglang_engine(

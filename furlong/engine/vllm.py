@@ -58,7 +58,12 @@ def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _engine_args(
-    model_dir: Path, dtype: str, seed: int, max_model_len: int | None, adapter: ServedAdapter | None = None
+    model_dir: Path,
+    dtype: str,
+    seed: int,
+    max_model_len: int | None,
+    adapter: ServedAdapter | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> Any:
     from transformers import AutoConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -70,6 +75,10 @@ def _engine_args(
         {"enable_lora": True, "max_lora_rank": adapter.max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
         if adapter is not None
         else {}
+    )
+    # train.vllm.gpu_memory_utilization: a colocated trainer needs vLLM to leave it the rest of the GPU
+    memory: dict[str, Any] = (
+        {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     )
     return AsyncEngineArgs(
         model=str(model_dir),
@@ -88,7 +97,18 @@ def _engine_args(
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
         **lora,
+        **memory,
     )
+
+
+def cpu_environment(kv_cache_gib: int | None) -> None:
+    """The CPU build's knobs, which it reads from the environment: a small KV cache (vLLM's default takes GiBs;
+    `kv_cache_gib` overrides one the user set, None keeps it), and no pinning of OpenMP threads to cores,
+    which other processes on a shared box also need."""
+    if kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 class VLLMEngine:
@@ -139,12 +159,15 @@ class VLLMEngine:
         seed: int = 0,
         eos_token_ids: Sequence[int] | None = None,
         max_model_len: int | None = None,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: int | None = None,
+        gpu_memory_utilization: float | None = None,
         adapter: Path | str | None = None,
     ) -> VLLMEngine:
         """Start vLLM on a local Hugging Face directory (blocks until it is ready: 15-70 s on 2 cores).
         `eos_token_ids` stop every request in addition to its own stop ids (None: generation_config's).
-        `adapter`: a PEFT LoRA directory every request runs (updates then replace its tensors only)."""
+        `adapter`: a PEFT LoRA directory every request runs (updates then replace its tensors only).
+        `gpu_memory_utilization`: vLLM's fraction of a GPU (None: its default); `kv_cache_gib`: the CPU
+        build's KV cache (None: VLLM_CPU_KVCACHE_SPACE as set, else 1) (train.vllm)."""
         if not vllm_available():
             raise EngineError(
                 "train.engine=vllm needs vLLM: install the extra (bash install.sh --vllm; docs/engines.md)"
@@ -152,15 +175,13 @@ class VLLMEngine:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise EngineError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
-        # CPU build knobs, unless the user set them: a small KV cache (vLLM's default takes GiBs), and no
-        # pinning of OpenMP threads to cores, which other processes on a shared box also need.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        cpu_environment(kv_cache_gib)
         from vllm.v1.engine.async_llm import AsyncLLM
 
         served = ServedAdapter(Path(adapter)) if adapter is not None else None
         try:
-            llm = AsyncLLM.from_engine_args(_engine_args(model_dir, dtype, seed, max_model_len, served))
+            args = _engine_args(model_dir, dtype, seed, max_model_len, served, gpu_memory_utilization)
+            llm = AsyncLLM.from_engine_args(args)
         except Exception as e:  # vLLM raises many types; one clear error says what failed to start
             if served is not None:
                 served.close()

@@ -43,6 +43,15 @@ def load_model(
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() loosely
 
 
+def frozen_model(path: Path | str, dtype: str = "float32") -> PreTrainedModel:
+    """A copy the trainer holds but never trains (the KL reference, a distillation teacher), in `dtype`
+    (train.model.frozen_dtype: "float32" or "bfloat16"), without gradients. A bf16 copy's logits are still
+    turned into logprobs in fp32 (furlong.train.logprobs), so only its forward is rounded."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"frozen dtype {dtype!r}: expected float32 or bfloat16 (train.model.frozen_dtype)")
+    return load_model(path, dtype=getattr(torch, dtype)).requires_grad_(False)
+
+
 def load_tokenizer(path: Path | str, require_chat_template: bool = True) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer; by default it must carry a chat template (the agent loop renders with it)."""
     p = _local_dir(path, ())

@@ -298,14 +298,17 @@ def distill_advantages(
 @dataclass(frozen=True)
 class TeacherSpec:
     """A teacher as plain values, for a process that builds its own (an FSDP2 rank): `teacher_for`'s
-    `path`, `system_prompt` and `hints` (pairs: the spec is frozen and pickled)."""
+    `path`, `system_prompt` and `hints` (pairs: the spec is frozen and pickled); `dtype`: a checkpoint
+    teacher's weights (train.model.frozen_dtype)."""
 
     path: Path | None = None
     system_prompt: str | None = None
     hints: tuple[tuple[str, str], ...] = ()
+    dtype: str = "float32"
 
     def build(self, tokenizer_dir: Path, config: GRPOConfig, device, load) -> Teacher:
-        """`teacher_for` at the trainer's rollout temperature, in its micro-batches."""
+        """`teacher_for` at the trainer's rollout temperature, in its micro-batches; `load(path, dtype=)`
+        (furlong.model.loading.load_model) loads a checkpoint teacher in `dtype`."""
         return teacher_for(
             tokenizer_dir,
             path=self.path,
@@ -314,7 +317,7 @@ class TeacherSpec:
             temperature=config.temperature,
             micro_batch_size=config.micro_batch_size,
             device=device,
-            load=load,
+            load=partial(load, dtype=getattr(torch, self.dtype)),
         )
 
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from furlong.agent.episode import Episode
-from furlong.model.loading import load_model
+from furlong.model.loading import frozen_model, load_model
 from furlong.train.atomic import fsync_dir, replace_dir, write_synced
 from furlong.train.distill import Teacher, TeacherPass, TeacherSpec
 from furlong.train.export import is_peft, write_hf
@@ -67,6 +67,7 @@ class FSDP2Spec:
     device: str = "cpu"  # cuda: one GPU per rank, nccl, bf16 compute over fp32 masters
     threads: int = 1  # torch threads per rank
     teacher: TeacherSpec | None = None
+    frozen_dtype: str = "float32"  # the KL reference's weights (train.model.frozen_dtype)
 
     @property
     def backend(self) -> str:
@@ -83,7 +84,7 @@ class FSDP2Spec:
     def make(self, rank: int, world_size: int) -> FSDP2Worker:
         torch.set_num_threads(self.threads)
         device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
-        ref = load_model(self.model_dir).requires_grad_(False).to(device) if self.config.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
+        ref = frozen_model(self.model_dir, self.frozen_dtype).to(device) if self.config.kl_coef > 0 else None  # type: ignore[arg-type]  # transformers' wrapped .to() misleads mypy
         mixed = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if self.device == "cuda"
