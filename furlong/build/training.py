@@ -265,6 +265,7 @@ def fsdp2_trainer(
         device=t.device,
         threads=t.torch_threads,
         teacher=teacher_spec(t, sft_dir, hints or {}),
+        expert_parallel=t.fsdp2.expert_parallel,
     )
     if cluster is None:
         return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)
