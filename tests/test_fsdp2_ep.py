@@ -20,9 +20,8 @@ from furlong.model.families import init_family
 from furlong.model.loading import load_model
 from furlong.train.experts import check_split
 from furlong.train.fsdp2 import FSDP2Spec, FSDP2Trainer
-from furlong.train.ranks import LocalRanks, RankFailed
 from fsdp2_support import fixed_episodes
-from test_fsdp2 import STAT_TOL, WEIGHT_TOL, _assert_same_weights, _local
+from test_fsdp2 import STAT_TOL, WEIGHT_TOL, _assert_same_weights, _fsdp2, _local, assert_resumes
 from tests_support import grpo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -51,7 +50,7 @@ def pair(moe_dir: Path):
     """The local trainer and FSDP2 with ep=2 over the same qwen3_moe, before any step."""
     config = replace(grpo(lr=1e-3, micro_batch_size=2, minibatches=2), routing_replay="on")
     spec = FSDP2Spec(moe_dir, config, expert_parallel=2)
-    fsdp = FSDP2Trainer(LocalRanks(spec, 2, timeout_s=120, call_timeout_s=300), spec)
+    fsdp = _fsdp2(spec)
     try:
         yield _local(spec), fsdp
     finally:
@@ -96,8 +95,13 @@ def test_bad_expert_parallel_is_refused(moe_dir: Path, small_dir: Path) -> None:
         check_split(load_model(small_dir), 2)
 
 
-def test_sharded_checkpoints_are_refused_under_ep(pair, tmp_path: Path) -> None:
-    """Not supported yet: a clear error, not a checkpoint holding one rank's experts (this closes the group)."""
+def test_save_and_resume_under_ep(pair, tmp_path: Path) -> None:
+    """The whole training state at ep=2 (each ep rank's experts in its own part): a fresh ep=2 trainer loads it
+    and one more step on each gives the same weights; a trainer at another expert_parallel is refused."""
     _, fsdp = pair
-    with pytest.raises(RankFailed, match=r"train\.fsdp2\.expert_parallel=2: sharded checkpoints"):
-        fsdp.save(tmp_path / "ckpt")
+    fsdp.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "shards").iterdir()) == ["ep0", "ep1"]
+    assert_resumes(fsdp, _fsdp2(fsdp.spec), tmp_path / "ckpt", routed(seed=3))
+    plain = FSDP2Trainer(fsdp.ranks, replace(fsdp.spec, expert_parallel=1))  # the facade checks before any rank
+    with pytest.raises(ValueError, match=r"saved with train\.fsdp2\.expert_parallel=2; this trainer has 1"):
+        plain.load(tmp_path / "ckpt")

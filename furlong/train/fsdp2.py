@@ -275,24 +275,28 @@ class FSDP2Worker(LocalTrainer):
         copy.load_state_dict(full)
         return write_hf(copy, tokenizer, out, base_model=base_model)  # type: ignore[arg-type]  # a PreTrainedModel
 
-    def _check_resumable(self) -> None:
-        if self.mesh.ep is not None:  # the ep ranks' blocks share their names: DCP would keep one block
-            raise ValueError(f"{KEY}={self.mesh.ep.size()}: sharded checkpoints (save/resume) are not supported yet")
+    def _shards(self, directory: Path) -> tuple[Path, dist.ProcessGroup | None]:
+        """Where this rank's part goes, and with which ranks. Under ep the blocks of an ep rank's experts share
+        their names with the other ep ranks' blocks, so each ep index's dp group writes its own checkpoint
+        (shards/ep<i>/, the dense weights in each): loadable at the same expert_parallel."""
+        if self.mesh.ep is None:
+            return directory / SHARDS_DIR, None
+        return directory / SHARDS_DIR / f"ep{self.mesh.ep.get_local_rank()}", self.mesh.group
 
     def save_shards(self, directory: Path) -> None:
-        self._check_resumable()
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / SHARDS_DIR)
+        where, group = self._shards(directory)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=where, process_group=group)
         if self.rank == 0:
             state = {"version": self.version, "opt_steps": self._opt_steps, "rng": _rng_state(self.generator)}
             write_synced(directory / STATE_FILE, lambda f: torch.save(state, f))
         dist.barrier()
 
     def load_shards(self, directory: Path) -> int:
-        self._check_resumable()
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=directory / SHARDS_DIR)
+        where, group = self._shards(directory)
+        dcp.load(state, checkpoint_id=where, process_group=group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
         self.version, self._opt_steps = int(extra["version"]), int(extra["opt_steps"])
@@ -344,6 +348,7 @@ class FSDP2Trainer:
                     "version": self.version,
                     "trainer": "fsdp2",
                     "world_size": self.ranks.world_size,
+                    "expert_parallel": self.spec.expert_parallel,
                     "config": asdict(self.spec.config),
                 },
                 indent=1,
@@ -360,6 +365,13 @@ class FSDP2Trainer:
         if not (path / SHARDS_DIR).is_dir():
             raise ValueError(
                 f"{path}: not an fsdp2 checkpoint (no {SHARDS_DIR}/; a train.trainer=local run writes another layout)"
+            )
+        meta = json.loads((path / "meta.json").read_text()) if (path / "meta.json").is_file() else {}
+        saved = int(meta.get("expert_parallel", 1))
+        if saved != self.spec.expert_parallel:
+            raise ValueError(
+                f"{path}: saved with {KEY}={saved}; this trainer has {self.spec.expert_parallel} (a checkpoint loads "
+                "at its own expert_parallel)"
             )
         self.version = self.ranks.call("load_shards", path)[0]
         self._weights = None
