@@ -125,16 +125,21 @@ def test_save_at_two_ranks_loads_at_one(lora_pair, tmp_path: Path) -> None:
     spec, _, fsdp = lora_pair
     fsdp.save(tmp_path / "ckpt")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp directory left
-    single = _fsdp2(spec, world_size=1)
+    assert_resumes(fsdp, _fsdp2(spec, world_size=1), tmp_path / "ckpt", fixed_episodes(seed=3))
+
+
+def assert_resumes(saved: FSDP2Trainer, fresh: FSDP2Trainer, ckpt: Path, episodes: list) -> None:
+    """`fresh` loads `saved`'s checkpoint `ckpt`: the same weights, then after one more step on each the same
+    weights again (the optimizer state and RNG came back too). Closes `fresh`."""
     try:
-        single.load(tmp_path / "ckpt")
-        assert single.version == fsdp.version
-        _assert_same_weights(dict(single.engine_weights()), dict(fsdp.engine_weights()), 0.0)
-        single.train_step(fixed_episodes(seed=3))
-        fsdp.train_step(fixed_episodes(seed=3))
-        _assert_same_weights(dict(single.engine_weights()), dict(fsdp.engine_weights()), WEIGHT_TOL)
+        fresh.load(ckpt)
+        assert fresh.version == saved.version
+        _assert_same_weights(dict(fresh.engine_weights()), dict(saved.engine_weights()), 0.0)
+        fresh.train_step(episodes)
+        saved.train_step(episodes)
+        _assert_same_weights(dict(fresh.engine_weights()), dict(saved.engine_weights()), WEIGHT_TOL)
     finally:
-        single.close()
+        fresh.close()
 
 
 def test_load_refuses_a_local_checkpoint(lora_pair, tmp_path: Path) -> None:

@@ -285,6 +285,7 @@ def fsdp2_trainer(
         threads=t.torch_threads,
         teacher=teacher_spec(t, sft_dir, hints or {}),
         frozen_dtype=t.model.frozen_dtype,
+        expert_parallel=t.fsdp2.expert_parallel,
     )
     if cluster is None:
         return FSDP2Trainer(LocalRanks(spec, ws, timeout_s=t.fsdp2.timeout_s), spec)

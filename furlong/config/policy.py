@@ -225,6 +225,21 @@ class FSDP2Config(_Node):
     timeout_s: float = Field(
         600.0, gt=0, description="a rank's start, and a collective whose peer is gone, fail after this long"
     )
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="MoE experts split by expert over this many ranks (the ep of a (dp, ep) mesh; dp = "
+        "world_size / expert_parallel); must divide world_size and the number of experts; 1: none",
+    )
+
+    @model_validator(mode="after")
+    def _divides(self) -> FSDP2Config:
+        if self.world_size % self.expert_parallel:
+            raise ValueError(
+                f"train.fsdp2.expert_parallel={self.expert_parallel} must divide train.fsdp2.world_size "
+                f"({self.world_size})"
+            )
+        return self
 
 
 class MoEConfig(_Node):

@@ -32,12 +32,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from furlong.agent.episode import Episode
 from furlong.model.loading import frozen_model, load_model
 from furlong.train.atomic import fsync_dir, replace_dir, write_synced
 from furlong.train.distill import Teacher, TeacherPass, TeacherSpec
+from furlong.train.experts import KEY, gather_experts, split_experts, split_grad_norm
 from furlong.train.export import is_peft, write_hf
 from furlong.train.logprobs import token_logprobs
 from furlong.train.ranks import RankGroup
@@ -68,6 +70,7 @@ class FSDP2Spec:
     threads: int = 1  # torch threads per rank
     teacher: TeacherSpec | None = None
     frozen_dtype: str = "float32"  # the KL reference's weights (train.model.frozen_dtype)
+    expert_parallel: int = 1  # the ep of a (dp, ep) mesh: MoE experts split by expert (furlong.train.experts)
 
     @property
     def backend(self) -> str:
@@ -92,7 +95,40 @@ class FSDP2Spec:
         )
         taught = self.teacher if self.config.distill_mode != "off" else None
         teacher = None if taught is None else taught.build(self.model_dir, self.config, device, load_model)
-        return FSDP2Worker(self, self.policy().to(device), ref, rank, world_size, mixed, teacher)
+        mesh = Mesh.build(self.device, world_size, self.expert_parallel)
+        return FSDP2Worker(self, self.policy().to(device), ref, mesh, mixed, teacher)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the (dp, ep) mesh: FSDP shards over `dp` (the ranks with this rank's experts);
+    the ranks of one `ep` group see the same tokens and split the experts (None: no expert parallelism)."""
+
+    dp: DeviceMesh | None
+    ep: DeviceMesh | None
+
+    @staticmethod
+    def build(device: str, world_size: int, ep: int) -> Mesh:
+        if ep < 1 or world_size % ep:
+            raise ValueError(f"{KEY}={ep} must divide train.fsdp2.world_size ({world_size})")
+        if ep == 1:
+            return Mesh(None, None)
+        mesh = init_device_mesh(device, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+        return Mesh(mesh["dp"], mesh["ep"])
+
+    @property
+    def rank(self) -> int:
+        """This rank's share of every pass: its dp index (the ranks of an ep group share one)."""
+        return dist.get_rank() if self.dp is None else self.dp.get_local_rank()
+
+    @property
+    def shares(self) -> int:
+        return dist.get_world_size() if self.dp is None else self.dp.size()
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group the shares' results are gathered over (None: the world)."""
+        return None if self.dp is None else self.dp.get_group()
 
 
 class Entry(torch.nn.Module):
@@ -108,10 +144,17 @@ class Entry(torch.nn.Module):
         return fn(self.inner, *args)
 
 
-def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None) -> Entry:
-    """fully_shard each decoder layer, then the root; gradients summed over ranks, not averaged."""
+def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None, mesh: Mesh) -> tuple[Entry, tuple[str, ...]]:
+    """Split the experts over ep (if any: their parameters' names are returned), then fully_shard each decoder
+    layer, then the root, over dp; gradients summed over ranks, not averaged."""
     inner: Any = cast(Any, model).get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the LM
+    split: tuple[str, ...] = ()
+    if mesh.ep is not None:
+        ep = mesh.ep.size()
+        split = split_experts(model, ep, mesh.ep.get_local_rank(), mesh.ep.get_group())
     kwargs: dict[str, Any] = {} if mixed is None else {"mp_policy": mixed}
+    if mesh.dp is not None:
+        kwargs["mesh"] = mesh.dp
     for layer in getattr(inner, inner.base_model_prefix).layers:
         fully_shard(layer, **kwargs)
     entry = Entry(model)
@@ -120,7 +163,7 @@ def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None) -> Entry:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
-    return entry
+    return entry, split
 
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -134,24 +177,24 @@ class FSDP2Worker(LocalTrainer):
         spec: FSDP2Spec,
         model: torch.nn.Module,
         ref_model: torch.nn.Module | None,
-        rank: int,
-        world_size: int,
+        mesh: Mesh,
         mixed: MixedPrecisionPolicy | None,
         teacher: Teacher | None = None,
     ) -> None:
-        entries = {id(model): shard(model, mixed)}
+        entry, self.split = shard(model, mixed, mesh)
+        entries = {id(model): entry}
         if ref_model is not None:
-            entries[id(ref_model)] = shard(ref_model, mixed)
+            entries[id(ref_model)] = shard(ref_model, mixed, mesh)[0]
         super().__init__(model, spec.config, ref_model=ref_model, demos=spec.demos, teacher=teacher)  # type: ignore[arg-type]
-        self.spec, self._entries = spec, entries
-        self.rank, self.world_size = rank, world_size
+        self.spec, self._entries, self.mesh = spec, entries, mesh
+        self.rank, self.world_size = mesh.rank, mesh.shares
 
     def _forward(self, model, fn: Callable, *args):
         return self._entries[id(model)](fn, *args)
 
     def _all_gather(self, obj: object) -> list:
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.mesh.group)
         return out
 
     def score_teacher(self, episodes: Sequence[Episode]) -> TeacherPass | None:  # type: ignore[override]
@@ -187,10 +230,38 @@ class FSDP2Worker(LocalTrainer):
                 scored[i] = e
         return TeacherPass(tuple(scored), time.perf_counter() - start, sum(n for _, _, n in gathered))
 
+    def _grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        if not self.split or self.mesh.ep is None:
+            return super()._grad_norm(params)
+        named = dict(self.model.named_parameters())
+        split = {id(named[n]) for n in self.split}
+        grads = [(id(p) in split, p.grad) for p in params if p.grad is not None]
+        dense, experts = [g for s, g in grads if not s], [g for s, g in grads if s]
+        return torch.tensor(split_grad_norm(dense, experts, self.mesh.ep.get_group()))
+
+    def _full_state(self) -> dict[str, Any]:
+        """The whole model's state on CPU at global rank 0 (every rank takes part); {} on the others. Under ep,
+        every rank gathers over dp, then the split experts' blocks over ep."""
+        if self.mesh.ep is None:
+            return get_model_state_dict(self.model, options=FULL)
+        state: dict[str, Any] = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        group, ep = self.mesh.ep.get_group(), self.mesh.ep.size()
+        state.update({name: gather_experts(state[name], group, ep) for name in self.split})
+        return {k: v.cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
+
+    def logprobs(self, episodes: Sequence[Episode]) -> list[torch.Tensor]:
+        """Per-episode logprobs under the policy (routes replayed where the episodes carry them), on CPU."""
+        return [t.cpu() for t in self._logprobs(self.model, list(episodes))]
+
+    def local_experts(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of this rank's blocks of the split expert parameters (before FSDP's dp sharding)."""
+        named = dict(self.model.named_parameters())
+        return {n: tuple(named[n].shape) for n in self.split}
+
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Every rank gathers; rank 0 gets the full CPU tensors (LoRA: the adapters only), the others None."""
-        full: dict[str, Any] = get_model_state_dict(self.model, options=FULL)
-        if self.rank != 0:
+        full = self._full_state()
+        if dist.get_rank() != 0:
             return None
         if is_peft(self.model):
             from peft import get_peft_model_state_dict
@@ -200,16 +271,25 @@ class FSDP2Worker(LocalTrainer):
 
     def export(self, out: Path, tokenizer, base_model: Path | None) -> Path | None:
         """The local trainer's export of an unsharded copy (rank 0 writes it)."""
-        full = get_model_state_dict(self.model, options=FULL)
-        if self.rank != 0:
+        full = self._full_state()
+        if dist.get_rank() != 0:
             return None
         copy = self.spec.policy()
         copy.load_state_dict(full)
         return write_hf(copy, tokenizer, out, base_model=base_model)  # type: ignore[arg-type]  # a PreTrainedModel
 
+    def _shards(self, directory: Path) -> tuple[Path, dist.ProcessGroup | None]:
+        """Where this rank's part goes, and with which ranks. Under ep the blocks of an ep rank's experts share
+        their names with the other ep ranks' blocks, so each ep index's dp group writes its own checkpoint
+        (shards/ep<i>/, the dense weights in each): loadable at the same expert_parallel."""
+        if self.mesh.ep is None:
+            return directory / SHARDS_DIR, None
+        return directory / SHARDS_DIR / f"ep{self.mesh.ep.get_local_rank()}", self.mesh.group
+
     def save_shards(self, directory: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / SHARDS_DIR)
+        where, group = self._shards(directory)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=where, process_group=group)
         if self.rank == 0:
             state = {"version": self.version, "opt_steps": self._opt_steps, "rng": _rng_state(self.generator)}
             write_synced(directory / STATE_FILE, lambda f: torch.save(state, f))
@@ -218,7 +298,8 @@ class FSDP2Worker(LocalTrainer):
     def load_shards(self, directory: Path) -> int:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=directory / SHARDS_DIR)
+        where, group = self._shards(directory)
+        dcp.load(state, checkpoint_id=where, process_group=group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
         self.version, self._opt_steps = int(extra["version"]), int(extra["opt_steps"])
@@ -270,6 +351,7 @@ class FSDP2Trainer:
                     "version": self.version,
                     "trainer": "fsdp2",
                     "world_size": self.ranks.world_size,
+                    "expert_parallel": self.spec.expert_parallel,
                     "config": asdict(self.spec.config),
                 },
                 indent=1,
@@ -286,6 +368,13 @@ class FSDP2Trainer:
         if not (path / SHARDS_DIR).is_dir():
             raise ValueError(
                 f"{path}: not an fsdp2 checkpoint (no {SHARDS_DIR}/; a train.trainer=local run writes another layout)"
+            )
+        meta = json.loads((path / "meta.json").read_text()) if (path / "meta.json").is_file() else {}
+        saved = int(meta.get("expert_parallel", 1))
+        if saved != self.spec.expert_parallel:
+            raise ValueError(
+                f"{path}: saved with {KEY}={saved}; this trainer has {self.spec.expert_parallel} (a checkpoint loads "
+                "at its own expert_parallel)"
             )
         self.version = self.ranks.call("load_shards", path)[0]
         self._weights = None

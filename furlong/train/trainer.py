@@ -288,19 +288,22 @@ class LocalTrainer:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm_rl, nll = None, 0.0
         if anchor is not None:  # the policy loss's own norm is measured before the anchor's gradient joins it
-            norm_rl = _scalar(
-                torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None] or [torch.zeros(1)])
-            )
+            norm_rl = _scalar(self._grad_norm(params))
             nll = anchor()
-        norm = _scalar(
-            torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip if self.config.grad_clip > 0 else float("inf"))
-        )
+        total = self._grad_norm(params)
+        clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], clip, total)
+        norm = _scalar(total)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.config, self._opt_steps)
         self.optimizer.step()
         self._opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         return _Update(None, norm, norm if norm_rl is None else norm_rl, nll, 0.0)
+
+    def _grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The total norm of `params`' gradients (a subclass whose ranks hold different parameters adds theirs)."""
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None] or [torch.zeros(1)])
 
     def _anchor(self) -> float:
         """PPO-ptx (Ouyang et al. 2022): add sft_coef times the NLL of a random batch of demonstrations to the
