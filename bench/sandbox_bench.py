@@ -331,6 +331,8 @@ def main() -> None:
                     help="N live sandboxes (default 1000), most paused (bench/sandbox_density.py)")
     ap.add_argument("--running", type=int, default=8, help="--density: sandboxes running at a time")
     ap.add_argument("--concurrency", type=int, default=8, help="--density: starts and closes at a time")
+    ap.add_argument("--watcher", choices=("threaded", "pidfd"),
+                    help="--density: asyncio's child watcher (default: the one the backend leaves)")
     ap.add_argument("--mounts-child", nargs=2, metavar=("MODE", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -35,7 +35,7 @@ from rich.table import Table
 
 from furlong.sandbox.base import SandboxSpec
 from furlong.sandbox.images.store import ImageStore
-from furlong.sandbox.runtime import cgroups
+from furlong.sandbox.runtime import cgroups, childwatch
 from furlong.sandbox.runtime.bwrap import BwrapBackend
 from furlong.sandbox.runtime.owner_tags import owner_tag
 
@@ -122,7 +122,8 @@ class Fleet:
         self.backend, self.spec = backend, spec
         self.boxes: list = []
         self.start_s: list[float] = []
-        self.pause_s: list[float] = []
+        self.pause_s: list[float] = []  # the rotation's (a start's own pause is in start_pause_s)
+        self.start_pause_s: list[float] = []
         self.resume_s: list[float] = []
         self.exec_s: dict[str, list[float]] = {k: [] for k in COMMANDS}
         self.paused_cpu_ns: list[int] = []  # each paused stretch's run time: 0 if pausing releases the CPU
@@ -130,8 +131,8 @@ class Fleet:
         self.next = 0
         self._said = 0  # the progress line last printed
 
-    async def _pause(self, i: int) -> None:
-        self.pause_s.append(await timed(self.boxes[i].pause()))
+    async def _pause(self, i: int, into: list[float]) -> None:
+        into.append(await timed(self.boxes[i].pause()))
         self._at_pause[i] = cpu_ns(self.boxes[i])
 
     async def _start_one(self) -> None:
@@ -140,7 +141,7 @@ class Fleet:
         await box.exec("true")
         self.start_s.append(time.perf_counter() - t)
         self.boxes.append(box)
-        await self._pause(len(self.boxes) - 1)
+        await self._pause(len(self.boxes) - 1, self.start_pause_s)
 
     async def start(self, n: int, concurrency: int, say) -> float:
         """Starts n, `concurrency` at a time; the wall seconds it took."""
@@ -168,7 +169,7 @@ class Fleet:
             for name, cmd in COMMANDS.items():
                 self.exec_s[name].append(await exec_ok(self.boxes[i], cmd))
         for i in turn:
-            await self._pause(i)
+            await self._pause(i, self.pause_s)
 
     async def close(self, concurrency: int) -> float:
         gate = asyncio.Semaphore(concurrency)
@@ -248,7 +249,10 @@ def summary(bench, base, fleet: Fleet, mem, wall, rounds, rotation_s, close_s, l
         "rotation_exec": {k: bench.stats_ms(v) for k, v in fleet.exec_s.items()},
         "exec_ratio": ratios, "worst_p95_ratio": worst, f"target_p95_ratio<={TARGET_RATIO}": worst <= TARGET_RATIO,
         "pause": bench.stats_ms(fleet.pause_s), "resume": bench.stats_ms(fleet.resume_s),
-        "start": {**bench.stats_ms(fleet.start_s), "wall_s": wall, "per_s": len(fleet.boxes) / wall},
+        "start": {**bench.stats_ms(fleet.start_s), "wall_s": wall, "per_s": len(fleet.boxes) / wall,
+                  "first_tenth": bench.stats_ms(fleet.start_s[: max(1, len(fleet.start_s) // 10)]),
+                  "last_tenth": bench.stats_ms(fleet.start_s[-max(1, len(fleet.start_s) // 10):]),
+                  "pause_after_start": bench.stats_ms(fleet.start_pause_s)},
         "rotation": {"rounds": rounds, "wall_s": rotation_s, "turns": len(fleet.paused_cpu_ns)},
         "paused_cpu_ns": {"stretches": len(fleet.paused_cpu_ns), "max": max(fleet.paused_cpu_ns, default=0),
                           "sum": sum(fleet.paused_cpu_ns)},
@@ -259,14 +263,25 @@ def summary(bench, base, fleet: Fleet, mem, wall, rounds, rotation_s, close_s, l
     }
 
 
+def use_watcher(name: str) -> str:
+    """asyncio's child watcher for this run: 3.11's default (a thread per live subprocess) or a pidfd each."""
+    if name == "pidfd":
+        assert childwatch.install(), "no pidfd watcher here (kernel < 5.3, or another watcher chosen)"
+    elif sys.version_info < (3, 12):
+        asyncio.get_event_loop_policy().set_child_watcher(asyncio.ThreadedChildWatcher())
+    return type(asyncio.get_event_loop_policy().get_child_watcher()).__name__
+
+
 def run(bench, args) -> dict:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # three pipes a sandbox: past 1,024 at ~330
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 3-4 fds a sandbox: past 1,024 at ~250-330
     store = ImageStore()
     backend = BwrapBackend(layers=store)
+    watcher = use_watcher(args.watcher) if args.watcher else type(asyncio.get_event_loop_policy().get_child_watcher()).__name__
     spec = SandboxSpec(image=store.base())
     res = asyncio.run(measure(bench, backend, spec, args, lambda s: print(s, file=sys.stderr, flush=True)))
     res["rlimit_nofile"] = [soft, hard]
+    res["child_watcher"] = watcher
     return {"density": res}
 
 
@@ -280,10 +295,14 @@ def report(res: dict, console: Console) -> None:
         t.add_row(f"alone: exec {name}", f"{b['p50_ms']:.2f}", f"{b['p95_ms']:.2f}", "1.00x")
         t.add_row(f"among {d['sandboxes']}: exec {name}", f"{r['p50_ms']:.2f}", f"{r['p95_ms']:.2f}",
                   f"{d['exec_ratio'][name]['p95']:.2f}x")
-    for name in ("pause", "resume", "start"):
-        t.add_row(name, f"{d[name]['p50_ms']:.2f}", f"{d[name]['p95_ms']:.2f}", "")
+    st = d["start"]
+    for name, v in (("pause (rotation)", d["pause"]), ("resume (rotation)", d["resume"]), ("start + first exec", st),
+                    ("  first tenth started", st["first_tenth"]), ("  last tenth started", st["last_tenth"]),
+                    ("pause after start", st["pause_after_start"])):
+        t.add_row(name, f"{v['p50_ms']:.2f}", f"{v['p95_ms']:.2f}", "")
     console.print(t)
     m = d["memory"]
+    console.print(f"child watcher: {d['child_watcher']}")
     console.print(f"start: {d['start']['per_s']:.1f} sandboxes/s ({d['start']['wall_s']:.1f} s); "
                   f"CPU while paused: max {d['paused_cpu_ns']['max']} ns over {d['paused_cpu_ns']['stretches']} "
                   f"stretches")
