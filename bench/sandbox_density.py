@@ -205,17 +205,24 @@ def watcher_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("waitpid-")]
 
 
+def host_state() -> dict:
+    """What leftovers() compares with: taken before the fleet starts."""
+    return {"meminfo": meminfo(), "own": own(), "mounts": mounts(), "children": children(), "cgroups": own_cgroups(),
+            "watchers": watcher_threads()}
+
+
 def leftovers(before: dict) -> dict:
-    """What the closed fleet left behind, against before its start. Threads: the default executor's workers
-    (asyncio.to_thread: pause, resume, close) stay for the loop's life, so only watcher threads count."""
-    return {"child_processes": children(), "sandbox_cgroups": own_cgroups(), "mounts_added": mounts() - before["mounts"],
-            "watcher_threads": watcher_threads(), "threads_added": own()["threads"] - before["own"]["threads"],
-            "fds_added": own()["fds"] - before["own"]["fds"]}
+    """What the closed fleet left behind, against `before` (host_state()). Threads: the default executor's
+    workers (asyncio.to_thread: pause, resume, close) stay for the loop's life, so only watcher threads count."""
+    return {"child_processes": sorted(set(children()) - set(before["children"])),
+            "sandbox_cgroups": sorted(set(own_cgroups()) - set(before["cgroups"])),
+            "mounts_added": mounts() - before["mounts"], "watcher_threads": watcher_threads()[len(before["watchers"]):],
+            "threads_added": own()["threads"] - before["own"]["threads"], "fds_added": own()["fds"] - before["own"]["fds"]}
 
 
 async def measure(bench, backend, spec, args, say=print) -> dict:
     base = await baseline(backend, spec, args.samples)
-    before = {"meminfo": meminfo(), "own": own(), "mounts": mounts()}
+    before = host_state()
     fleet = Fleet(backend, spec)
     try:
         wall = await fleet.start(args.density, args.concurrency, say)
