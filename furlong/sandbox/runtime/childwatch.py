@@ -1,8 +1,8 @@
 """How asyncio learns that a sandbox's process ended, on Python 3.11: by a pidfd on the running loop, as 3.12
 and later do by default, instead of 3.11's default ThreadedChildWatcher, which keeps a thread blocked in
 waitpid() for every live subprocess: a thread per live sandbox, 1,000 threads for 1,000 paused sandboxes
-(bench/sandbox_density.py, docs/sandboxes.md "Density": 1.00 thread, 64 KiB of kernel stack and 35 KiB of
-furlong's RSS per sandbox, against 0.01 thread, 50 KiB and 20 KiB with a pidfd each, whose cost is one fd;
+(bench/sandbox_density.py, docs/sandboxes.md "Density": 1.00 thread, 63 KiB of kernel stack and 35 KiB of
+furlong's RSS per sandbox, against 0.01 thread, 47 KiB and 20 KiB with a pidfd each, whose cost is one fd;
 starts were not slower). An earlier try kept it for the start's speed and was reverted: it gave none.
 
 `install()` swaps it in for the whole process, once, and only where asyncio would otherwise use its default
