@@ -327,6 +327,12 @@ def main() -> None:
     ap.add_argument("--backends", help="backends side by side, e.g. bwrap,gvisor (bench/sandbox_backends.py)")
     ap.add_argument("--cold-start", action="store_true",
                     help="cold start's phases beside bare bwrap (bench/sandbox_cold_start.py)")
+    ap.add_argument("--density", type=int, nargs="?", const=1000, metavar="N",
+                    help="N live sandboxes (default 1000), most paused (bench/sandbox_density.py)")
+    ap.add_argument("--running", type=int, default=8, help="--density: sandboxes running at a time")
+    ap.add_argument("--concurrency", type=int, default=8, help="--density: starts and closes at a time")
+    ap.add_argument("--watcher", choices=("threaded", "pidfd"),
+                    help="--density: asyncio's child watcher (default: the one the backend leaves)")
     ap.add_argument("--mounts-child", nargs=2, metavar=("MODE", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -336,10 +342,11 @@ def main() -> None:
         return
     prov = provenance()
     results = Path(__file__).parent / "results"
-    if args.remote or args.snapshots or args.backends or args.cold_start:  # a part of its own: it runs alone,
+    if args.remote or args.snapshots or args.backends or args.cold_start or args.density:  # a part of its own: it runs alone,
         import remote_sandbox  # into its own JSON
         import sandbox_backends
         import sandbox_cold_start
+        import sandbox_density
         import sandbox_snapshots
 
         part, name = (
@@ -349,6 +356,8 @@ def main() -> None:
             if args.snapshots
             else (sandbox_cold_start, "sandbox_cold_start")
             if args.cold_start
+            else (sandbox_density, "sandbox_density")
+            if args.density
             else (sandbox_backends, "sandbox_backends")
         )
         args.out = args.out or results / f"{name}.json"

@@ -34,7 +34,7 @@ from furlong.sandbox.base import (
     SandboxSpec,
     SnapshotRef,
 )
-from furlong.sandbox.runtime import cgroups, hostpython, idmap, native, netns, seccomp, users
+from furlong.sandbox.runtime import cgroups, childwatch, hostpython, idmap, native, netns, seccomp, users
 from furlong.sandbox.runtime import protocol as proto
 from furlong.sandbox.runtime.bwrap_argv import (
     INIT_CAPS,
@@ -91,6 +91,7 @@ class BwrapBackend:
         self.host_uid = host_uid if os.geteuid() == 0 else os.geteuid()
         self.output_cap = output_cap
         self._bwrap = bwrap_executable()
+        childwatch.install()  # a pidfd per live sandbox, not a thread (Python 3.11): bench/sandbox_density.py
         self._launch = str(native.binary("launch"))
         # a networked sandbox's launcher runs again inside pasta (see launcher), as the sandbox uid: by fd
         self._launch_fd = os.open(self._launch, os.O_PATH | os.O_CLOEXEC)
