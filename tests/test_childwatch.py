@@ -68,3 +68,18 @@ def test_a_watcher_someone_chose_is_left_alone():
         assert not childwatch.install() and policy.get_child_watcher() is mine
     finally:
         policy.set_child_watcher(kept)
+
+
+def test_a_bwrap_backend_raises_the_soft_fd_limit_toward_the_hard_one(store):
+    """A live sandbox holds 3-4 fds in furlong's process: at a soft limit of 1,024 a run stops near 250."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(hard, 1024) if hard != resource.RLIM_INFINITY else 1024
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        BwrapBackend(layers=store)
+        want = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (max(low, want), hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -92,6 +92,7 @@ class BwrapBackend:
         self.output_cap = output_cap
         self._bwrap = bwrap_executable()
         childwatch.install()  # a pidfd per live sandbox, not a thread (Python 3.11): bench/sandbox_density.py
+        childwatch.raise_fd_limit()
         self._launch = str(native.binary("launch"))
         # a networked sandbox's launcher runs again inside pasta (see launcher), as the sandbox uid: by fd
         self._launch_fd = os.open(self._launch, os.O_PATH | os.O_CLOEXEC)

@@ -11,8 +11,10 @@ starts were not slower). An earlier try kept it for the start's speed and was re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import resource
 import sys
 from asyncio import unix_events
 
@@ -77,3 +79,15 @@ def install() -> bool:
         return False
     policy.set_child_watcher(RunningLoopPidfdWatcher())
     return True
+
+
+def raise_fd_limit(want: int = 1 << 16) -> int:
+    """Raise this process's soft RLIMIT_NOFILE toward the hard limit (at most `want`), and return it: a live
+    sandbox holds 3-4 fds here, so the common soft limit of 1,024 stops a process at ~250 sandboxes
+    (docs/sandboxes.md "Density"). The hard limit is left alone: sandboxes could raise their soft one anyway."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
