@@ -6,6 +6,7 @@ dead its episodes fail their term, the pass still returns."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -13,16 +14,18 @@ import pytest
 import ray
 import torch
 from fsdp2_support import prompted_episodes
+from test_cluster_ray import _left, _train
 
 from furlong.build.training import engine_teacher
 from furlong.cluster.session import RaySession, Roles
-from furlong.config import load_config
+from furlong.config import DEFAULT_SYSTEM_PROMPT, load_config
 from furlong.model.loading import load_model, load_tokenizer
 from furlong.train.distill import teacher_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BRIEF = "Answer in as few words as you can."
 TEMPERATURE = 0.8
+LONGER = f"{DEFAULT_SYSTEM_PROMPT} Use as few commands as you can."  # the run's prompt, and a brevity rule
 
 
 def _config(small_dir: Path):
@@ -66,6 +69,10 @@ def _score_in_the_teacher_bundle(session: RaySession, cfg, small_dir: Path) -> N
             got = await served.score(episodes)
             held_bundle = not ray.wait([waiting], timeout=5)[0]
             ray.kill(served.engine.actors.handles[0], no_restart=True)  # the actor dies: not restarted
+            for _ in range(600):  # ray.kill returns at once: wait until the actor's process is gone
+                if not Path(f"/proc/{pids[0]}").exists():
+                    break
+                await asyncio.sleep(0.1)
             dead = await served.score(episodes[:3])
         finally:
             await served.engine.close()
@@ -89,3 +96,23 @@ def test_the_teacher_engine_is_one_more_engine_bundle_in_either_placement():
     assert (roles.cpus, roles.gpus) == (2.5, 0.75)
     colocated = Roles(engines=1, engine_cpus=0.5, trainer_cpus=1.0, placement="colocated", teachers=1)
     assert colocated.groups()["run"] == ([{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}], "STRICT_PACK")
+
+
+def test_train_on_ray_distils_from_a_teacher_engine_actor_and_leaves_nothing(tmp_path: Path):
+    """1 RL step of the smoke recipe on Ray, a frozen self-teacher under a longer prompt on an hf engine: the
+    driver says the engine is a Ray actor, every RL episode is scored, and the actor went with the run."""
+    run = tmp_path / "run"
+    res = _train("train.cluster=ray", "train.rl.steps=1", "train.distill.mode=grpo+opd", "train.distill.weight=0.5",
+                 f"train.distill.teacher.system_prompt={LONGER}", "train.distill.teacher.frozen=true",
+                 "train.distill.teacher.engine=hf", f"train.run_dir={run}", mark="teacher-actor")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "the teacher's hf engine is a Ray engine actor (pid" in " ".join(res.stderr.split()), res.stderr[-2000:]
+    assert not _left("teacher-actor")  # Ray, its actors (the teacher's engine too), the watchdogs: all gone
+    records = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["phase"] == "rl" and r["outcome"] == "trained"]
+    assert trained and all(r["distill"]["status"] == "scored" for r in trained), trained[:1]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r["phase"] == "rl"]
+    assert row["distill_scored"] == len(trained) and row["distill_failed"] == 0 and row["teacher_seconds"] > 0
+    # the teacher prefilled its longer prompt, so it read more tokens than the episodes hold
+    assert row["teacher_tokens"] > sum(r["tokens_total"] for r in trained)

@@ -17,7 +17,6 @@ from furlong.agent.harness import program
 from furlong.build.environment import RunEnv, env_source, run_env
 from furlong.build.sandbox import image_store, network_default, sandbox_backend
 from furlong.config import Config, ConfigError, TrainConfig
-from furlong.engine.base import Engine
 from furlong.engine.factory import make_engine
 from furlong.envs.base import EnvSource, EnvSpec
 from furlong.metrics.run import RunDir
@@ -258,9 +257,12 @@ async def engine_teacher(
     if cluster is not None:
         import furlong.build.cluster as ray_build  # imports Ray: only where the run is on it
 
-        engine: Engine = await ray_build.teacher_engine(t, cluster, served.path)
-    else:
-        engine = await asyncio.to_thread(make_engine, d.engine, served.path, seed=t.seed)
+        actor = await ray_build.teacher_engine(t, cluster, served.path)
+        pid = (await asyncio.to_thread(actor.actors.pids))[0]
+        out = EngineTeacher(served.renderer(sft_dir, grpo_config(t)), actor)
+        out.where = f"a Ray engine actor (pid {pid}) in the run's teacher bundle, at {actor.url}"
+        return out
+    engine = await asyncio.to_thread(make_engine, d.engine, served.path, seed=t.seed)
     return EngineTeacher(served.renderer(sft_dir, grpo_config(t)), engine)
 
 

@@ -97,6 +97,8 @@ async def _rl_run(
     try:
         hints = build.teacher_hints(cfg.train, p.train_tasks)
         served = await build.engine_teacher(cfg.train, sft_dir, hints, p.cluster)  # ray: in the teacher's bundle
+        if served is not None:
+            console.print(f"distill: the teacher's {cfg.train.distill.teacher.engine} engine is {served.where}")
         async with p.env.open() as env:
             rollouts = Rollouts(
                 BusyMeter(link.engine),
