@@ -1,5 +1,6 @@
-"""Builders for `train.cluster: ray` (furlong.cluster): the run's Ray session, the RL trainer in its actor, and
-RL's engine actors behind the same router and weight link as local mode's engine processes."""
+"""Builders for `train.cluster: ray` (furlong.cluster): the run's Ray session, the RL trainer in its actor,
+RL's engine actors behind the same router and weight link as local mode's engine processes, and a distillation
+teacher's engine actor (train.distill.teacher.engine hf|vllm)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def session(t: TrainConfig) -> RaySession | None:
         engine_gpus=r.engine_gpus,
         sandbox_hosts=r.sandbox_hosts,
         sandbox_cpus=r.sandbox_host_cpus,
+        teachers=int(t.distill.on and t.distill.teacher.engine != "trainer"),
     )
     return RaySession(roles, address=r.address, num_cpus=r.num_cpus, timeout_s=r.start_timeout_s)
 
@@ -175,3 +177,44 @@ class ActorHandoverLink(HandoverLink):
     def __init__(self, engine, members, *, arena: Arena, cleanup, actors: EngineActors) -> None:
         super().__init__(engine, members, arena=arena, cleanup=cleanup)
         self.actors = actors
+
+
+class ActorEngine(RemoteEngine):
+    """The engine server of one engine actor (`actors`), reached over HTTP; close() stops the actor too."""
+
+    def __init__(self, actors: EngineActors, token: str) -> None:
+        super().__init__(actors.urls[0], token=token)
+        self.actors = actors
+
+    async def close(self) -> None:
+        await super().close()
+        await asyncio.to_thread(self.actors.stop)
+
+
+async def teacher_engine(t: TrainConfig, cluster: RaySession, path: Path) -> ActorEngine:
+    """train.distill.teacher.engine hf|vllm on Ray: one engine actor of that kind in the session's teacher
+    bundle (train.ray.engine_cpus/engine_gpus, as a rollout engine's), loaded with the teacher's checkpoint
+    `path` and never updated (no relay: a served teacher is frozen); Ray restarts it (train.ray.max_restarts)
+    at the same URL, and while it is down its episodes fail their term (furlong.train.distill_engine)."""
+    token = secrets.token_urlsafe(24)
+    spec = EngineSpec(
+        path,
+        None,
+        threads=t.torch_threads,
+        prefix_cache_mb=t.hf.prefix_cache_mb,
+        engine_token=token,
+        device="cuda" if t.ray.engine_gpus > 0 else "cpu",
+        kind=t.distill.teacher.engine,
+        seed=t.seed,
+    )
+    actors = await asyncio.to_thread(
+        EngineActors,
+        cluster,
+        spec,
+        1,
+        cpus=t.ray.engine_cpus,
+        max_restarts=t.ray.max_restarts,
+        gpus=t.ray.engine_gpus,
+        role="teacher",
+    )
+    return ActorEngine(actors, token)

@@ -243,16 +243,27 @@ def teacher_spec(t: TrainConfig, sft_dir: Path, hints: dict[str, str]) -> Teache
     )
 
 
-async def engine_teacher(t: TrainConfig, sft_dir: Path, hints: dict[str, str]) -> EngineTeacher | None:
+async def engine_teacher(
+    t: TrainConfig, sft_dir: Path, hints: dict[str, str], cluster: RaySession | None = None
+) -> EngineTeacher | None:
     """train.distill.teacher.engine hf|vllm: one more engine of that kind, in this process (vllm: its engine
-    core process), loaded with the teacher's checkpoint (teacher.frozen: the SFT checkpoint), scoring for the
-    trainer; None when the teacher lives with the trainer."""
+    core process), or on `cluster` (train.cluster=ray) an engine actor in the run's teacher bundle, loaded with
+    the teacher's checkpoint (teacher.frozen: the SFT checkpoint), scoring for the trainer; None when the
+    teacher lives with the trainer."""
     d = t.distill.teacher
     if not t.distill.on or d.engine == "trainer":
         return None
     path = sft_dir if d.frozen else d.path
     assert path is not None  # config: an engine teacher is a checkpoint or a frozen self-teacher
     served = ServedTeacher(d.engine, Path(path), d.system_prompt, tuple(sorted(hints.items())))
+    if cluster is not None:
+        import furlong.build.cluster as ray_build  # imports Ray: only where the run is on it
+
+        actor = await ray_build.teacher_engine(t, cluster, served.path)
+        pid = (await asyncio.to_thread(actor.actors.pids))[0]
+        out = EngineTeacher(served.renderer(sft_dir, grpo_config(t)), actor)
+        out.where = f"a Ray engine actor (pid {pid}) in the run's teacher bundle, at {actor.url}"
+        return out
     engine = await asyncio.to_thread(make_engine, d.engine, served.path, seed=t.seed)
     return EngineTeacher(served.renderer(sft_dir, grpo_config(t)), engine)
 

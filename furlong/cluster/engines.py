@@ -153,7 +153,8 @@ def free_port() -> int:
 
 
 class EngineActors:
-    """`count` engine actors in the session's engine bundles; `urls` once every one is serving."""
+    """`count` engine actors in the session's `role` bundles (engine, or teacher: a distillation teacher's
+    engine, train.distill.teacher.engine); `urls` once every one is serving."""
 
     def __init__(
         self,
@@ -165,15 +166,16 @@ class EngineActors:
         max_restarts: int,
         gpus: float = 0.0,
         work_root: Path | None = None,
+        role: str = "engine",
     ) -> None:
         """`work_root`: engine I keeps what it writes (an SGLang server's log, its staged updates) in
-        work_root/engine-I; it must be a path the actor's node sees (the run directory is)."""
+        work_root/<role>-I; it must be a path the actor's node sees (the run directory is)."""
         actor = ray.remote(EngineHost)
         # Any: ray's types give an actor handle's methods no .remote()
         self.handles: list[Any] = [
             actor.options(
-                num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts, scheduling_strategy=session.slot("engine", i)
-            ).remote(spec, free_port(), session.local, work_root / f"engine-{i}" if work_root else None)
+                num_cpus=cpus, num_gpus=gpus, max_restarts=max_restarts, scheduling_strategy=session.slot(role, i)
+            ).remote(spec, free_port(), session.local, work_root / f"{role}-{i}" if work_root else None)
             for i in range(count)
         ]
         try:

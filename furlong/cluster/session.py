@@ -8,6 +8,8 @@ driver goes. Either way every actor lives in a bundle of one of the run's placem
 * colocated: one group, STRICT_PACK: [trainer, engine 0, ..., engine N-1] on one node, so weights and
   requests stay on the host;
 * disaggregated: a trainer group and an engine group (SPREAD: engines on different nodes where there are);
+* either way, a distillation teacher on an engine of its own (train.distill.teacher.engine hf|vllm) has one
+  more engine bundle after the rollout engines' (the same train.ray.engine_cpus/engine_gpus);
 * and with `train.ray.sandbox_hosts`, either way, a sandbox host group (SPREAD; furlong.cluster.sandboxes).
 """
 
@@ -35,7 +37,8 @@ FURLONG_ROOT = str(Path(__file__).resolve().parents[2])
 class Roles:
     """What the run places: `trainer_ranks` trainer actors (one for the local trainer, world_size for
     fsdp2) and `engines` engine actors, with their logical CPUs and GPUs each (a fraction of a GPU shares
-    it: colocated on one GPU, trainer and engine take 0.5 each)."""
+    it: colocated on one GPU, trainer and engine take 0.5 each); `teachers` (0 or 1) teacher engine actors,
+    each an engine's bundle."""
 
     engines: int
     engine_cpus: float
@@ -46,24 +49,25 @@ class Roles:
     engine_gpus: float = 0.0
     sandbox_hosts: int = 0
     sandbox_cpus: float = 1.0
+    teachers: int = 0
 
     @property
     def cpus(self) -> float:
         return (
             self.trainer_ranks * self.trainer_cpus
-            + self.engines * self.engine_cpus
+            + (self.engines + self.teachers) * self.engine_cpus
             + self.sandbox_hosts * self.sandbox_cpus
         )
 
     @property
     def gpus(self) -> float:
-        return self.trainer_ranks * self.trainer_gpus + self.engines * self.engine_gpus
+        return self.trainer_ranks * self.trainer_gpus + (self.engines + self.teachers) * self.engine_gpus
 
     def groups(self) -> dict[str, tuple[list[dict[str, float]], str]]:
         """Placement group name -> (bundles, strategy); trainer bundles first in a shared group. Sandbox hosts,
         whatever the placement, have a group of their own (SPREAD), so they need not share the GPU nodes."""
         trainer = [bundle(self.trainer_cpus, self.trainer_gpus)] * self.trainer_ranks
-        engines = [bundle(self.engine_cpus, self.engine_gpus)] * self.engines
+        engines = [bundle(self.engine_cpus, self.engine_gpus)] * (self.engines + self.teachers)
         hosts = (
             {"sandboxes": ([bundle(self.sandbox_cpus, 0.0)] * self.sandbox_hosts, "SPREAD")}
             if self.sandbox_hosts
@@ -132,7 +136,7 @@ def place(roles: Roles, prefix: str, timeout_s: float) -> dict[str, PlacementGro
     if roles.gpus > have:  # a placement group would wait out timeout_s for GPUs that never come
         raise ValueError(
             f"train.ray: the roles reserve {roles.gpus:g} GPUs (trainer_gpus x ranks + engine_gpus x "
-            f"engines) but the cluster has {have:g}"
+            f"engines, the teacher's engine one of them) but the cluster has {have:g}"
         )
     groups = {
         name: placement_group(bundles, strategy=strategy, name=f"{prefix}-{name}")
@@ -180,9 +184,14 @@ class RaySession:
         return "127.0.0.1" if self.local else ray.util.get_node_ip_address()
 
     def slot(self, role: str, index: int = 0) -> PlacementGroupSchedulingStrategy:
-        """The scheduling strategy of `role`'s `index`-th actor (role: trainer | engine | sandbox)."""
-        if role not in ("trainer", "engine", "sandbox"):
-            raise ValueError(f"role: expected trainer, engine or sandbox, got {role!r}")
+        """The scheduling strategy of `role`'s `index`-th actor (role: trainer | engine | teacher | sandbox;
+        the teacher's bundle is the engine bundle after the rollout engines')."""
+        if role not in ("trainer", "engine", "teacher", "sandbox"):
+            raise ValueError(f"role: expected trainer, engine, teacher or sandbox, got {role!r}")
+        if role == "teacher":
+            if index >= self.roles.teachers:
+                raise ValueError(f"role teacher: the run placed {self.roles.teachers} teacher engines, not {index + 1}")
+            role, index = "engine", self.roles.engines + index
         if role == "sandbox":
             group, bundle = self.groups["sandboxes"], index
         elif self.roles.placement == "colocated":

@@ -171,7 +171,11 @@ class RayConfig(_Node):
         description="engine actors (each an engine server with its relay) behind "
         "furlong.engine.router when more than one",
     )
-    engine_cpus: float = Field(1.0, gt=0, description="logical CPUs each engine actor's bundle reserves")
+    engine_cpus: float = Field(
+        1.0,
+        gt=0,
+        description="logical CPUs each engine actor's bundle reserves (a distillation teacher's engine actor's too)",
+    )
     trainer_cpus: float = Field(1.0, gt=0, description="logical CPUs the trainer actor's bundle reserves")
     trainer_gpus: float = Field(
         0.0,
@@ -180,7 +184,10 @@ class RayConfig(_Node):
         "needs > 0); a fraction shares a GPU (colocated: 0.5 each)",
     )
     engine_gpus: float = Field(
-        0.0, ge=0, description="GPUs each engine actor's bundle reserves; > 0: the engine runs on CUDA"
+        0.0,
+        ge=0,
+        description="GPUs each engine actor's bundle reserves (a distillation teacher's engine actor's too); > 0: "
+        "the engine runs on CUDA",
     )
     sandbox_hosts: int = Field(
         0,

@@ -95,7 +95,10 @@ async def _rl_run(
     link = await links.weight_link(cfg, run.path, sft_dir, shared, p.cluster)
     served = None
     try:
-        served = await build.engine_teacher(cfg.train, sft_dir, build.teacher_hints(cfg.train, p.train_tasks))
+        hints = build.teacher_hints(cfg.train, p.train_tasks)
+        served = await build.engine_teacher(cfg.train, sft_dir, hints, p.cluster)  # ray: in the teacher's bundle
+        if served is not None:
+            console.print(f"distill: the teacher's {cfg.train.distill.teacher.engine} engine is {served.where}")
         async with p.env.open() as env:
             rollouts = Rollouts(
                 BusyMeter(link.engine),

@@ -23,6 +23,8 @@ class EngineTeacher:
     """`teacher` renders, `engine` (loaded with the teacher's checkpoint) scores; at most `concurrency`
     episodes are in the engine at once, each given `timeout_s`."""
 
+    where = "in the driver process"  # where the engine runs, for the run's log (train.cluster=ray: an actor)
+
     def __init__(self, teacher: Teacher, engine: Engine, *, timeout_s: float = 300.0, concurrency: int = 16) -> None:
         self.teacher, self.engine, self.timeout_s = teacher, engine, timeout_s
         self._slots = asyncio.Semaphore(concurrency)
