@@ -8,6 +8,7 @@ tests/fixtures/family_metrics.json (the metric-history gate). One model per fami
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import json
 import subprocess
@@ -301,3 +302,21 @@ def test_a_tool_episode_in_furlongs_agent(family_dirs, name: str, backend, base_
                     Message("tool", "exit code 0"), said[1], Message("tool", "exit code 0")]
     assert tok.decode(policy.prompts[-1], skip_special_tokens=False) == render_text(
         tok, conversation, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("name", ["llama3", "gpt_oss"])
+def test_a_template_that_prints_the_date_renders_one_fixed_date(family_dirs, name: str, monkeypatch) -> None:
+    """Llama 3.1 and gpt-oss print today's date: a prompt rendered after midnight would differ from the same
+    prompt before it (a run would not reproduce, a re-rendered conversation would not match its ids)."""
+    tok = load_tokenizer(family_dirs[name])
+    msgs = [Message("system", "You are terse."), Message("user", "List the files.")]
+    text = render_text(tok, msgs, add_generation_prompt=True)
+    assert ("07 Dec 2026" if name == "llama3" else "2026-12-07") in text
+    # the wall clock's date is not what it printed (that is what failed the metric gate after midnight)
+    today = datetime.date.today()
+    assert today == datetime.date(2026, 12, 7) or today.strftime("%Y-%m-%d") not in text
+    monkeypatch.setenv("FURLONG_TEMPLATE_DATE", "2025-01-31")
+    assert ("31 Jan 2025" if name == "llama3" else "2025-01-31") in render_text(tok, msgs, add_generation_prompt=True)
+    monkeypatch.setenv("FURLONG_TEMPLATE_DATE", "31/01/2025")
+    with pytest.raises(ChatTemplateError, match="FURLONG_TEMPLATE_DATE='31/01/2025': expected a date as YYYY-MM-DD"):
+        render_text(tok, msgs)

@@ -12,7 +12,9 @@ format's several (harmony ends a turn with <|call|>, <|return|> or, in history, 
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +24,11 @@ if TYPE_CHECKING:  # parsing tool calls must not cost a transformers import
     from transformers import PreTrainedTokenizerBase
 
 END_OF_TURN = "<|im_end|>"
+# Templates that print today's date (Llama 3.1's "Today Date", gpt-oss's "Current date") would render another
+# prompt each day: a run would not reproduce the next day, and a conversation re-rendered after midnight would
+# no longer match the ids it sampled. Every render uses this one date instead (FURLONG_TEMPLATE_DATE,
+# YYYY-MM-DD, overrides it; docs/models.md "The date a template prints").
+TEMPLATE_DATE = datetime.date(2026, 12, 7)
 
 
 class ChatTemplateError(ValueError):
@@ -132,9 +139,27 @@ def render_text(
         tools=[dict(t) for t in tools] if tools else None,
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
+        strftime_now=template_clock(),  # a render-time variable: it shadows transformers' global of that name
     )
     assert isinstance(text, str)
     return text
+
+
+def template_date() -> datetime.date:
+    """The date every chat template renders as today: FURLONG_TEMPLATE_DATE (YYYY-MM-DD) or TEMPLATE_DATE."""
+    raw = os.environ.get("FURLONG_TEMPLATE_DATE")
+    if not raw:
+        return TEMPLATE_DATE
+    try:
+        return datetime.date.fromisoformat(raw)
+    except ValueError:
+        raise ChatTemplateError(f"FURLONG_TEMPLATE_DATE={raw!r}: expected a date as YYYY-MM-DD") from None
+
+
+def template_clock() -> Callable[[str], str]:
+    """transformers' `strftime_now(fmt)` for templates, at template_date() instead of the wall clock."""
+    day = template_date()
+    return lambda fmt: day.strftime(fmt)
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
