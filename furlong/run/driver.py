@@ -70,23 +70,27 @@ async def train(cfg: Config, run: RunDir, console: Console) -> dict:
 async def rl_phase(cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path, shared=None) -> Trainer:
     # a finished RL phase trains no more, so it needs no anchor: a run from before demos.jsonl still resumes
     done = bool(run.phase("rl"))
+    hints = build.teacher_hints(cfg.train, p.train_tasks)  # the teacher's, held by the trainer or an engine
     trainer = build.trainer(
-        cfg.train,
-        sft_dir,
-        [] if done else anchor_demos(cfg, run),
-        anchor=not done,
-        cluster=p.cluster,
-        hints=build.teacher_hints(cfg.train, p.train_tasks),
+        cfg.train, sft_dir, [] if done else anchor_demos(cfg, run), anchor=not done, cluster=p.cluster, hints=hints
     )
     try:
-        return await _rl_run(cfg, p, run, console, sft_dir, shared, trainer, done)
+        return await _rl_run(cfg, p, run, console, sft_dir, shared, trainer, done, hints)
     except BaseException:
         trainer.close()
         raise
 
 
 async def _rl_run(
-    cfg: Config, p: Pieces, run: RunDir, console: Console, sft_dir: Path, shared, trainer: Trainer, done: bool
+    cfg: Config,
+    p: Pieces,
+    run: RunDir,
+    console: Console,
+    sft_dir: Path,
+    shared,
+    trainer: Trainer,
+    done: bool,
+    hints: dict[str, str],
 ) -> Trainer:
     start = resume(trainer, run)
     if done:
@@ -95,7 +99,6 @@ async def _rl_run(
     link = await links.weight_link(cfg, run.path, sft_dir, shared, p.cluster)
     served = None
     try:
-        hints = build.teacher_hints(cfg.train, p.train_tasks)
         served = await build.engine_teacher(cfg.train, sft_dir, hints, p.cluster)  # ray: in the teacher's bundle
         if served is not None:
             console.print(f"distill: the teacher's {cfg.train.distill.teacher.engine} engine is {served.where}")

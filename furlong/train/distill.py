@@ -149,9 +149,13 @@ class Teacher:
     def score(self, episodes: Sequence[Episode], policy: PreTrainedModel) -> TeacherPass:
         """Every scored episode (reward not None) with teacher logprobs or the reason it has none."""
         start = time.perf_counter()
-        out, todo = self.prepare(episodes)
-        todo = self.screen(self.model if self.model is not None else policy, episodes, out, todo)
+        out, todo = self.readable(episodes, policy)
         return self.run(episodes, out, todo, policy, start)
+
+    def readable(self, episodes: Sequence[Episode], policy) -> tuple[list[Episode], list[Item]]:
+        """`prepare`, less the items the scoring model (this teacher's own, else `policy`) cannot read (`screen`)."""
+        out, todo = self.prepare(episodes)
+        return out, self.screen(self.model if self.model is not None else policy, episodes, out, todo)
 
     def screen(self, model, episodes: Sequence[Episode], out: list[Episode], todo: list[Item]) -> list[Item]:
         """`todo` less the items `model` cannot read, whose episodes fail here (in `out`) before any forward: an id

@@ -209,9 +209,7 @@ class FSDP2Worker(LocalTrainer):
         order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].tokens))
         mine = order[self.rank :: self.world_size]
         share = [episodes[i] for i in mine]
-        out, todo = self.teacher.prepare(share)
-        model = self.teacher.model if self.teacher.model is not None else self.model
-        todo = self.teacher.screen(model, share, out, todo)
+        out, todo = self.teacher.readable(share, self.model)
         with self._autocast():
             if self.teacher.model is not None:
                 part = self.teacher.run(share, out, todo, self.model, start)

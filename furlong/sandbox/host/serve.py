@@ -43,6 +43,7 @@ def serve(
     # their init, which exits when the host's end of its channel closes): removed before any new sandbox.
     if removed := cgroups.sweep_dead():
         say(f"removed {removed} sandbox cgroups that dead furlong processes left")
+    lim = e2b_limits or Limits(lifetime_s=lifetime_s)
     app = make_app(
         backend,
         images,
@@ -53,14 +54,13 @@ def serve(
         e2b_api_key=e2b_api_key,
         store=store,
         allow_network=allow_network,
-        e2b_limits=e2b_limits,
+        e2b_limits=lim,
     )
     say(
         f"sandbox host on http://{host}:{port}/v1 ({backend.name}, capacity {capacity}, idle {idle_s:g} s, "
         f"lifetime {lifetime_s:g} s, network {'for tasks that declare it' if allow_network else 'never'})"
     )
     if e2b_api_key is not None:
-        lim = e2b_limits or Limits(lifetime_s=lifetime_s)
         say(
             f"E2B-compatible API on http://{host}:{port} (E2B_API_URL and E2B_SANDBOX_URL; template 'base'; "
             f"each sandbox {lim.cpus:g} CPUs, {lim.memory_mb} MB memory, {lim.disk_mb} MB disk, {lim.pids} pids)"
